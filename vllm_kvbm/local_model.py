@@ -1,0 +1,131 @@
+"""Builds a small random-weight Llama with a locally trained BPE tokenizer.
+
+No model can be downloaded on the machines this project is developed and
+tested on, so the demo, tests and benchmarks use a model built here. It is a
+standard Hugging Face Llama directory: vLLM loads it like any real model, and
+everything that runs on it runs unchanged on a real model path.
+
+The weights are scaled up from the usual init so that greedy decoding has
+clear margins between the top logits; a model whose logits are nearly tied
+would make output comparisons hinge on float rounding rather than on the KV
+bytes under test.
+
+    python -m vllm_kvbm.local_model --out models/kvbm-llama-8l
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+DEFAULT_DIR = "models/kvbm-llama-8l"
+# Bump when the recipe changes so stale directories are rebuilt.
+RECIPE_VERSION = 2
+
+
+def _corpus() -> list[str]:
+    """Deterministic training text: the Python standard library's sources."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    names = ["argparse.py", "collections/__init__.py", "difflib.py", "email/message.py",
+             "functools.py", "http/client.py", "inspect.py", "json/decoder.py",
+             "logging/__init__.py", "pathlib.py", "statistics.py", "textwrap.py",
+             "typing.py", "unittest/case.py", "zipfile.py"]
+    texts = []
+    for name in names:
+        path = stdlib / name
+        if path.exists():
+            texts.append(path.read_text(encoding="utf-8", errors="replace"))
+    if not texts:
+        raise RuntimeError(f"no training text found under {stdlib}")
+    return texts
+
+
+def build_tokenizer(out: Path, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    # A plain chat template so /v1/chat/completions works on this model too.
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def build(out: str | os.PathLike = DEFAULT_DIR, layers: int = 8, hidden: int = 512,
+          heads: int = 8, kv_heads: int = 8, vocab_size: int = 8000,
+          max_positions: int = 32768, seed: int = 0, force: bool = False) -> Path:
+    """Writes the model to ``out`` (skipped when an identical build is there)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out)
+    recipe = dict(version=RECIPE_VERSION, layers=layers, hidden=hidden, heads=heads,
+                  kv_heads=kv_heads, vocab_size=vocab_size,
+                  max_positions=max_positions, seed=seed)
+    stamp = out / "kvbm_recipe.json"
+    if not force and stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        rope_theta=500000.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        # Wider than the usual 0.02 so each position's output depends on its
+        # context (at 0.02 a random Llama emits one token whatever it reads).
+        initializer_range=0.1,
+        torch_dtype="bfloat16",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Peaky logits: see the module docstring.
+        model.lm_head.weight.mul_(8.0)
+        # The demo and tests stop on max_tokens, never on a random EOS.
+        model.lm_head.weight[tokenizer.eos_token_id].zero_()
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps(recipe))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=DEFAULT_DIR)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--force", action="store_true")
+    args = parser.parse_args(argv)
+    path = build(args.out, layers=args.layers, hidden=args.hidden, force=args.force)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
