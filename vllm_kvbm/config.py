@@ -1,0 +1,159 @@
+"""The one place where KVBM's configuration is read and validated.
+
+Sources, later ones winning: defaults, ``kv_connector_extra_config`` from
+``--kv-transfer-config``, then environment variables (``KVBM_*``; Dynamo's
+``DYN_KVBM_*`` names are accepted where the meaning is the same). Every error
+names the key and says how to fix it, and is raised when the engine starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class KVBMConfigError(ValueError):
+    """A configuration value is wrong; the message names the key and the fix."""
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Parses "4GiB", "512MB", "1.5 GiB" or a plain byte count into bytes."""
+    if isinstance(value, bool):
+        raise KVBMConfigError(f"{key}: expected a size such as \"4GiB\", got {value!r}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
+        number, unit = float(m.group(1)), m.group(2).lower()
+    else:
+        raise KVBMConfigError(
+            f"{key}: cannot read {value!r} as a size; write it like \"4GiB\", "
+            f"\"512MiB\", \"8GB\" or a number of bytes")
+    if unit not in _UNITS:
+        raise KVBMConfigError(
+            f"{key}: unknown unit {unit!r} in {value!r}; use one of "
+            f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based)")
+    if number < 0:
+        raise KVBMConfigError(f"{key}: size must not be negative, got {value!r}")
+    return int(number * _UNITS[unit])
+
+
+def _parse_int(key: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise KVBMConfigError(f"{key}: expected an integer, got {value!r}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise KVBMConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if number < minimum:
+        raise KVBMConfigError(f"{key}: must be >= {minimum}, got {number}")
+    return number
+
+
+def _parse_str(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise KVBMConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
+    text = str(value).upper() if isinstance(value, str) else value
+    if text not in choices:
+        raise KVBMConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+    return text
+
+
+@dataclass(frozen=True)
+class KVBMConfig:
+    # Bytes of host RAM for the host (CPU) tier, per worker (TP rank).
+    host_cache_bytes: int = 4 * 1024**3
+    # Exact number of host blocks; overrides host_cache_bytes when set.
+    host_cache_blocks: int | None = None
+    # NIXL backend moving pages between the engine's KV cache and the host tier.
+    nixl_backend: str = "UCX"
+    # Extra text mixed into every block key: engines that must never share
+    # cached KV (e.g. different fine-tunes under one name) set different ones.
+    namespace: str = ""
+
+    def host_slots(self, block_bytes: int) -> int:
+        """Number of whole blocks the host tier holds; at least one or an error."""
+        if self.host_cache_blocks is not None:
+            slots = self.host_cache_blocks
+        else:
+            slots = self.host_cache_bytes // block_bytes
+        if slots < 1:
+            raise KVBMConfigError(
+                f"host_cache_size: {self.host_cache_bytes} bytes cannot hold one KV block "
+                f"of this model ({block_bytes} bytes = all layers of one "
+                f"{'block'}); set host_cache_size to at least {block_bytes} bytes "
+                f"(e.g. \"{max(1, -(-block_bytes * 64 // 1024**2))}MiB\" for 64 blocks)")
+        return slots
+
+
+# extra_config key -> (field name, parser)
+_KEYS = {
+    "host_cache_size": ("host_cache_bytes", parse_size),
+    "host_cache_blocks": ("host_cache_blocks", lambda k, v: _parse_int(k, v, 1)),
+    "nixl_backend": ("nixl_backend", lambda k, v: _parse_choice(k, v, ("UCX", "POSIX"))),
+    "namespace": ("namespace", lambda k, v: _parse_str(k, v)),
+}
+
+# env var -> (extra_config key, converter of the env text into that key's value)
+_ENV = {
+    "KVBM_HOST_CACHE_SIZE": ("host_cache_size", str),
+    "KVBM_HOST_CACHE_GB": ("host_cache_size", lambda v: f"{v}GB"),
+    "DYN_KVBM_CPU_CACHE_GB": ("host_cache_size", lambda v: f"{v}GB"),
+    "KVBM_HOST_CACHE_BLOCKS": ("host_cache_blocks", str),
+    "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": ("host_cache_blocks", str),
+    "KVBM_NIXL_BACKEND": ("nixl_backend", str),
+    "KVBM_NAMESPACE": ("namespace", str),
+}
+
+
+def load_config(extra: Mapping[str, Any] | None,
+                environ: Mapping[str, str] | None = None) -> KVBMConfig:
+    """Builds the validated config from ``kv_connector_extra_config`` and env."""
+    environ = os.environ if environ is None else environ
+    extra = dict(extra or {})
+    unknown = [k for k in extra if k not in _KEYS]
+    if unknown:
+        key = unknown[0]
+        hint = difflib.get_close_matches(key, _KEYS, n=1)
+        raise KVBMConfigError(
+            f"kv_connector_extra_config: unknown key {key!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else "")
+            + f" Valid keys: {', '.join(sorted(_KEYS))}")
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, raw in extra.items():
+        values[key], sources[key] = raw, key
+    for env, (key, convert) in _ENV.items():
+        if env in environ and environ[env].strip():
+            values[key], sources[key] = convert(environ[env].strip()), env
+    kwargs = {}
+    for key, raw in values.items():
+        field_name, parse = _KEYS[key]
+        try:
+            kwargs[field_name] = parse(key, raw)
+        except KVBMConfigError as err:
+            if sources[key] != key:  # came from an env var: say which one
+                raise KVBMConfigError(f"{sources[key]} (sets {err})") from None
+            raise
+    return KVBMConfig(**kwargs)
+
+
+def config_keys() -> list[str]:
+    return sorted(_KEYS)
+
+
+assert {f.name for f in fields(KVBMConfig)} >= {v[0] for v in _KEYS.values()}

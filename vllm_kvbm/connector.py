@@ -1,0 +1,167 @@
+"""KVBMConnector: the class vLLM loads from ``--kv-transfer-config``.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVBMConnector",
+        "kv_connector_module_path": "vllm_kvbm.connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_cache_size": "4GiB"}}'
+
+vLLM creates one instance per process: a scheduler-role one, which delegates
+to ``KVBMScheduler``, and a worker-role one per worker, which delegates to
+``KVBMWorker``. This file only routes calls.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_kvbm.config import load_config
+from vllm_kvbm.engine_info import engine_info
+from vllm_kvbm.metadata import KVBMConnectorMetadata
+from vllm_kvbm.scheduler import KVBMScheduler
+from vllm_kvbm.stats import KVBMConnectorStats, KVBMPromMetrics
+from vllm_kvbm.worker import KVBMWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KVBMConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache: a store dropped by preemption is only a future miss.
+        return False
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = load_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.info = engine_info(vllm_config, kv_cache_config, self.config.namespace)
+        num_slots = self.config.host_slots(self.info.block_bytes)
+        self._num_blocks = kv_cache_config.num_blocks
+        self.sched: KVBMScheduler | None = None
+        self.worker: KVBMWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.sched = KVBMScheduler(self.info, num_slots)
+        else:
+            self.worker = KVBMWorker(self.info, num_slots, self.config.nixl_backend,
+                                     agent_name=f"kvbm-{os.getpid()}")
+
+    # ---- worker side ------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches, self._num_blocks)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None and isinstance(kv_connector_metadata,
+                                                      KVBMConnectorMetadata)
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.worker is not None
+        self.worker.start_loads(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
+        # until its load finishes, so no layer ever waits here.
+        return
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        # Whole-block stores are posted once per step in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.start_stores(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        assert self.worker is not None
+        return self.worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self.worker.build_worker_meta() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+
+    def _meta(self) -> KVBMConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVBMConnectorMetadata)
+        return meta
+
+    # ---- scheduler side ---------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self.sched is not None
+        self.sched.bind_kv_cache_manager(kv_cache_manager)
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.sched is not None
+        return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        assert self.sched is not None
+        self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.sched is not None
+        return self.sched.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self.sched is not None
+        self.sched.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.sched is not None
+        return self.sched.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping while stores are in flight, so their
+        # completions (and delayed block frees) are collected.
+        return self.sched is not None and self.sched.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        assert self.sched is not None
+        self.sched.reset_cache()
+        return True
+
+    def get_kv_connector_stats(self) -> KVBMConnectorStats | None:
+        if self.sched is None:
+            return None
+        delta = self.sched.stats.take()
+        return KVBMConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return KVBMConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+                           per_engine_labelvalues):
+        return KVBMPromMetrics(vllm_config, metric_types, labelnames,
+                               per_engine_labelvalues)

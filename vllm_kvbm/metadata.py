@@ -1,0 +1,65 @@
+"""What the scheduler side tells the worker side each step, and back."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class TransferJob:
+    """Copy whole pages between engine blocks and host-tier slots."""
+
+    job_id: int
+    req_id: str
+    block_ids: list[int]
+    slots: list[int]
+
+
+@dataclass
+class KVBMConnectorMetadata(KVConnectorMetadata):
+    # host -> engine, started before the forward pass
+    loads: list[TransferJob] = field(default_factory=list)
+    # engine -> host, started after the forward pass computed the blocks
+    stores: list[TransferJob] = field(default_factory=list)
+    # preempted requests: their blocks are about to be reused, so their
+    # in-flight stores must finish before the forward pass
+    flush_req_ids: list[str] = field(default_factory=list)
+    # finished requests whose blocks stay allocated until their stores finish;
+    # the worker reports each one in finished_sending when that happens
+    delayed_free_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
+    """Per-step results of one worker, summed over workers by vLLM."""
+
+    # job id -> number of workers that finished it (successfully or not)
+    stores_done: Counter = field(default_factory=Counter)
+    stores_failed: Counter = field(default_factory=Counter)
+    # req id -> number of workers whose load for it failed
+    loads_failed: Counter = field(default_factory=Counter)
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    store_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":
+        assert isinstance(other, KVBMWorkerMetadata)
+        return KVBMWorkerMetadata(
+            stores_done=self.stores_done + other.stores_done,
+            stores_failed=self.stores_failed + other.stores_failed,
+            loads_failed=self.loads_failed + other.loads_failed,
+            bytes_stored=self.bytes_stored + other.bytes_stored,
+            bytes_loaded=self.bytes_loaded + other.bytes_loaded,
+            store_seconds=max(self.store_seconds, other.store_seconds),
+            load_seconds=max(self.load_seconds, other.load_seconds),
+        )
+
+    def is_empty(self) -> bool:
+        return not (self.stores_done or self.stores_failed or self.loads_failed)

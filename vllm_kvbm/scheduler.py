@@ -1,0 +1,259 @@
+"""Scheduler side of the connector: what each tier holds, what to load and store.
+
+Runs in vLLM's scheduler process. It never touches KV bytes: it decides, per
+engine step, which engine blocks are loaded from which host slots and which
+freshly computed blocks are stored into which slots, and hands those jobs to
+the worker side in the connector metadata.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvbm.keys import BlockKey, KeyChain, request_salt
+from vllm_kvbm.metadata import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
+from vllm_kvbm.slot_index import SlotIndex
+from vllm_kvbm.stats import KVBMStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from vllm_kvbm.engine_info import EngineInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    request: "Request"
+    chain: KeyChain
+    # blocks [0, store_cursor) have been considered for storing
+    store_cursor: int = 0
+    store_jobs: set[int] = field(default_factory=set)
+    # set between get_num_new_matched_tokens and update_state_after_alloc
+    local_hit_blocks: int = 0
+    # keys pinned by the in-flight load, unpinned when it finishes
+    load_keys: list[BlockKey] = field(default_factory=list)
+    finished: bool = False
+    counted_lookup: bool = False
+
+
+@dataclass
+class _StoreJob:
+    req_id: str
+    keys: list[BlockKey]
+    pending_workers: int
+    failed: bool = False
+
+
+class KVBMScheduler:
+    def __init__(self, info: "EngineInfo", num_host_slots: int):
+        self.info = info
+        self.block_size = info.block_size
+        self.host = SlotIndex(num_host_slots)
+        self.stats = KVBMStats()
+        self._seed = info.key_namespace.seed()
+        self._reqs: dict[str, _ReqState] = {}
+        self._store_jobs: dict[int, _StoreJob] = {}
+        self._job_ids = itertools.count()
+        self._loads: list[TransferJob] = []
+        self._delayed_free: list[str] = []
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._evictions_seen = 0
+        logger.info("KVBM scheduler: host tier of %d blocks (%d bytes each)",
+                    num_host_slots, info.block_bytes)
+
+    def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
+        self._kv_cache_manager = manager
+
+    # ---- request tracking -------------------------------------------------
+
+    def _state(self, request: "Request") -> _ReqState | None:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
+                return None  # KV depends on inputs that token ids don't capture
+            lora = request.lora_request.lora_name if request.lora_request else None
+            salt = request_salt(lora, request.cache_salt)
+            state = _ReqState(request, KeyChain(self._seed, self.block_size, salt))
+            self._reqs[request.request_id] = state
+        return state
+
+    def _keys(self, state: _ReqState, num_tokens: int) -> list[BlockKey]:
+        full = num_tokens // self.block_size
+        if len(state.chain.keys) < full:
+            state.chain.extend(state.request.all_token_ids[: full * self.block_size])
+        return state.chain.keys[:full]
+
+    # ---- lookup and load --------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        if state is None:
+            return 0, False
+        # vLLM must compute at least one token itself to produce logits.
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        start = num_computed_tokens // self.block_size
+        state.local_hit_blocks = start
+        if start >= max_blocks:
+            return 0, False
+        keys = self._keys(state, max_blocks * self.block_size)
+        hit = self.host.count_ready(keys[start:max_blocks])
+        if not state.counted_lookup:  # vLLM may ask again for the same request
+            state.counted_lookup = True
+            self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
+            self.stats.add("matched_tokens", hit * self.block_size)
+        if hit == 0:
+            return 0, False
+        return hit * self.block_size, True
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        state = self._reqs[request.request_id]
+        start = state.local_hit_blocks
+        count = num_external_tokens // self.block_size
+        keys = state.chain.keys[start:start + count]
+        block_ids = blocks.get_block_ids()[0][start:start + count]
+        assert len(keys) == len(block_ids) == count
+        slots = self.host.pin(keys)
+        state.load_keys = keys
+        # The loaded blocks are already in the host tier: never store them again.
+        state.store_cursor = max(state.store_cursor, start + count)
+        self._loads.append(TransferJob(next(self._job_ids), request.request_id,
+                                       block_ids, slots))
+
+    # ---- per-step metadata ------------------------------------------------
+
+    def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
+        meta = KVBMConnectorMetadata(loads=self._loads,
+                                     delayed_free_req_ids=self._delayed_free)
+        self._loads, self._delayed_free = [], []
+        for req_id in out.preempted_req_ids or ():
+            state = self._reqs.get(req_id)
+            if state is not None and state.store_jobs:
+                meta.flush_req_ids.append(req_id)
+        for req_id, num_scheduled in out.num_scheduled_tokens.items():
+            state = self._reqs.get(req_id)
+            if state is not None and num_scheduled > 0:
+                job = self._plan_store(state, num_scheduled)
+                if job is not None:
+                    meta.stores.append(job)
+        return meta
+
+    def _plan_store(self, state: _ReqState, num_scheduled: int) -> TransferJob | None:
+        """Stores every full block this step completes that the host lacks."""
+        request = state.request
+        # Tokens whose KV exists after this step and whose ids are known.
+        end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
+        keys = self._keys(state, end)
+        if state.store_cursor >= len(keys):
+            return None
+        assert self._kv_cache_manager is not None
+        block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        job_keys, job_blocks, job_slots = [], [], []
+        for i in range(state.store_cursor, len(keys)):
+            key = keys[i]
+            if key in self.host:
+                continue  # stored already, or being stored by another request
+            slot = self.host.allocate(key)
+            if slot is None:
+                # Every slot is pinned or being written: skip, never wait.
+                self.stats.add("store_skipped_blocks", len(keys) - i)
+                break
+            job_keys.append(key)
+            job_blocks.append(block_ids[i])
+            job_slots.append(slot)
+        state.store_cursor = len(keys)
+        if not job_keys:
+            return None
+        job_id = next(self._job_ids)
+        self._store_jobs[job_id] = _StoreJob(request.request_id, job_keys,
+                                             self.info.num_workers)
+        state.store_jobs.add(job_id)
+        return TransferJob(job_id, request.request_id, job_blocks, job_slots)
+
+    # ---- completions ------------------------------------------------------
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        meta = output.kv_connector_worker_meta
+        failed_loads: Counter = Counter()
+        if isinstance(meta, KVBMWorkerMetadata):
+            self.stats.add("offload_bytes_d2h", meta.bytes_stored)
+            self.stats.add("onboard_bytes_h2d", meta.bytes_loaded)
+            self._finish_stores(meta.stores_done, ok=True)
+            self._finish_stores(meta.stores_failed, ok=False)
+            failed_loads = meta.loads_failed
+        for req_id in output.finished_recving or ():
+            state = self._reqs.get(req_id)
+            if state is None or not state.load_keys:
+                continue
+            keys, state.load_keys = state.load_keys, []
+            self.host.unpin(keys)
+            if failed_loads.get(req_id):
+                # The bytes may be bad: forget them rather than serve them again.
+                for key in keys:
+                    self.host.drop(key)
+                self.stats.add("load_error_blocks", len(keys))
+            else:
+                self.stats.add("onboard_blocks_h2d", len(keys))
+            self._maybe_forget(state)
+        self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
+        self._evictions_seen = self.host.evictions
+
+    def _finish_stores(self, counts: Counter, ok: bool) -> None:
+        for job_id, n in counts.items():
+            job = self._store_jobs.get(job_id)
+            if job is None:
+                continue
+            job.pending_workers -= n
+            job.failed |= not ok
+            if job.pending_workers > 0:
+                continue  # other TP ranks still copying their shard
+            del self._store_jobs[job_id]
+            for key in job.keys:
+                if job.failed:
+                    self.host.drop(key)
+                else:
+                    self.host.commit(key)
+            if job.failed:
+                self.stats.add("store_errors")
+            else:
+                self.stats.add("offload_blocks_d2h", len(job.keys))
+            state = self._reqs.get(job.req_id)
+            if state is not None:
+                state.store_jobs.discard(job_id)
+                self._maybe_forget(state)
+
+    def _maybe_forget(self, state: _ReqState) -> None:
+        if state.finished and not state.store_jobs and not state.load_keys:
+            self._reqs.pop(state.request.request_id, None)
+
+    def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            return False, None
+        state.finished = True
+        if state.store_jobs:
+            # Stores still read these blocks: keep them until the worker says so.
+            self._delayed_free.append(request.request_id)
+            return True, None
+        self._maybe_forget(state)
+        return False, None
+
+    def has_pending_work(self) -> bool:
+        return bool(self._store_jobs or self._loads or self._delayed_free)
+
+    def reset_cache(self) -> int:
+        dropped = self.host.clear()
+        logger.info("KVBM: cache reset dropped %d host blocks", dropped)
+        return dropped

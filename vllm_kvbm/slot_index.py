@@ -1,0 +1,115 @@
+"""Scheduler-side index of a fixed-size slot tier (the host tier).
+
+The scheduler owns the bookkeeping and the worker owns the memory, so both
+agree on slot numbers without talking: the scheduler picks a slot, the worker
+copies into it. A slot moves through
+
+    free -> storing -> ready -> (evicted) -> free
+
+Only ready slots are visible to lookups, so a half-written page is never
+loaded. A ready slot with pins (loads in flight) is never evicted, and a
+storing slot is never evicted, so no transfer ever touches a slot that has
+been handed to another key.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from vllm_kvbm.keys import BlockKey
+
+
+@dataclass
+class _Entry:
+    slot: int
+    ready: bool = False
+    pins: int = 0
+
+
+class SlotIndex:
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # LRU first
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.evictions = 0
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def is_ready(self, key: BlockKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.ready
+
+    def count_ready(self, keys: list[BlockKey]) -> int:
+        """Length of the leading run of ``keys`` that can be loaded now."""
+        n = 0
+        for key in keys:
+            if not self.is_ready(key):
+                break
+            n += 1
+        return n
+
+    def pin(self, keys: list[BlockKey]) -> list[int]:
+        """Protects ready slots from eviction while they are read; returns them."""
+        slots = []
+        for key in keys:
+            entry = self._entries[key]
+            assert entry.ready, "only ready slots can be loaded"
+            entry.pins += 1
+            self._entries.move_to_end(key)
+            slots.append(entry.slot)
+        return slots
+
+    def unpin(self, keys: list[BlockKey]) -> None:
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+
+    def allocate(self, key: BlockKey) -> int | None:
+        """Reserves a slot for a store of ``key``; None if every slot is busy."""
+        assert key not in self._entries
+        if not self._free and not self._evict_one():
+            return None
+        slot = self._free.pop()
+        self._entries[key] = _Entry(slot)
+        return slot
+
+    def commit(self, key: BlockKey) -> None:
+        """The store of ``key`` finished: its slot may now be loaded."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.ready = True
+
+    def drop(self, key: BlockKey) -> bool:
+        """Forgets ``key`` (failed store, bad data). Pinned entries are kept."""
+        entry = self._entries.get(key)
+        if entry is None or entry.pins:
+            return False
+        del self._entries[key]
+        self._free.append(entry.slot)
+        return True
+
+    def clear(self) -> int:
+        """Drops every entry no transfer is using; returns how many."""
+        idle = [k for k, e in self._entries.items() if e.ready and not e.pins]
+        for key in idle:
+            self.drop(key)
+        return len(idle)
+
+    def _evict_one(self) -> bool:
+        for key, entry in self._entries.items():
+            if entry.ready and not entry.pins:
+                del self._entries[key]
+                self._free.append(entry.slot)
+                self.evictions += 1
+                return True
+        return False
