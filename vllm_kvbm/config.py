@@ -9,6 +9,7 @@ names the key and says how to fix it, and is raised when the engine starts.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, fields
@@ -31,8 +32,10 @@ def parse_size(key: str, value: Any) -> int:
     """Parses "4GiB", "512MB", "1.5 GiB" or a plain byte count into bytes."""
     if isinstance(value, bool):
         raise KVBMConfigError(f"{key}: expected a size such as \"4GiB\", got {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+    if isinstance(value, int):
+        number, unit = value, ""  # exact: float() would round counts past 2**53
+    elif isinstance(value, float):
+        number, unit = value, ""
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
         number, unit = float(m.group(1)), m.group(2).lower()
     else:
@@ -43,6 +46,8 @@ def parse_size(key: str, value: Any) -> int:
         raise KVBMConfigError(
             f"{key}: unknown unit {unit!r} in {value!r}; use one of "
             f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based)")
+    if not math.isfinite(number):
+        raise KVBMConfigError(f"{key}: size must be a finite number of bytes, got {value!r}")
     if number < 0:
         raise KVBMConfigError(f"{key}: size must not be negative, got {value!r}")
     return int(number * _UNITS[unit])
@@ -140,6 +145,11 @@ def load_config(extra: Mapping[str, Any] | None,
     for env, (key, convert) in _ENV.items():
         if env in environ and environ[env].strip():
             values[key], sources[key] = convert(environ[env].strip()), env
+    # host_cache_blocks beats host_cache_size; but a size from the environment
+    # must still beat a block count from extra_config, or the env var is ignored.
+    if sources.get("host_cache_size") in _ENV and sources.get("host_cache_blocks") \
+            == "host_cache_blocks":
+        del values["host_cache_blocks"]
     kwargs = {}
     for key, raw in values.items():
         field_name, parse = _KEYS[key]

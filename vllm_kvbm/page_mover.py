@@ -57,9 +57,11 @@ def page_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[Pa
                 f"dimension of size num_blocks={num_blocks}; this KV layout is unsupported")
         d = dims[0]
         inner = t.shape[d + 1:]
+        # The page must be dense; its dims may be permuted (HND layouts view a
+        # [.., heads, block_size, ..] page as [.., block_size, heads, ..]).
         expected = 1
-        for size, stride in reversed(list(zip(inner, t.stride()[d + 1:]))):
-            if size > 1 and stride != expected:
+        for stride, size in sorted((st, n) for n, st in zip(inner, t.stride()[d + 1:]) if n > 1):
+            if stride != expected:
                 raise KVBMConfigError(
                     f"KV cache of layer {name}: a block's page is not contiguous "
                     f"(shape {tuple(t.shape)}, stride {t.stride()}); unsupported layout")
@@ -103,6 +105,7 @@ class PageMover:
         self._kv_side = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", self._dlist(kv_addr, kv_len, kv_dev), kv_mem)
         num_slots = host_pool.shape[0]
+        self.num_slots = num_slots
         offsets = np.cumsum([0] + [r.page_bytes for r in self.regions[:-1]], dtype=np.uint64)
         host_addr = (host_pool.data_ptr()
                      + np.arange(num_slots, dtype=np.uint64)[:, None] * np.uint64(slot_bytes)
@@ -134,6 +137,16 @@ class PageMover:
     def _indices(self, block_ids: list[int], slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
         blocks = np.asarray(block_ids, dtype=np.int64)
         slots_a = np.asarray(slots, dtype=np.int64)
+        # NIXL checks descriptor indices, but they are int32 here: an id past
+        # 2**31 would wrap onto a valid page and copy the wrong memory.
+        if blocks.shape != slots_a.shape or blocks.ndim != 1:
+            raise ValueError(f"{len(block_ids)} block ids but {len(slots)} slots")
+        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
+            raise IndexError(f"block ids must be in [0, {self.num_blocks}), got "
+                             f"{blocks.min()}..{blocks.max()}")
+        if slots_a.size and (slots_a.min() < 0 or slots_a.max() >= self.num_slots):
+            raise IndexError(f"host slots must be in [0, {self.num_slots}), got "
+                             f"{slots_a.min()}..{slots_a.max()}")
         kv_idx = (self._region_ids[None, :] * self.num_blocks + blocks[:, None]).ravel()
         host_idx = (slots_a[:, None] * self._nreg + self._region_ids[None, :]).ravel()
         return kv_idx.astype(np.int32), host_idx.astype(np.int32)

@@ -68,9 +68,21 @@ class KVBMConnectorStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def _unregister_previous() -> None:
+    """A second engine in one process (offline LLM use) re-creates the
+    metrics; vLLM unregisters only its own vllm: names, so do it for ours."""
+    from prometheus_client import REGISTRY
+
+    for collector in list(REGISTRY._collector_to_names):
+        names = REGISTRY._collector_to_names.get(collector, ())
+        if any(name.startswith("kvbm_") for name in names):
+            REGISTRY.unregister(collector)
+
+
 class KVBMPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        _unregister_previous()
         self._counters = {}
         for name, doc in COUNTERS.items():
             metric = self._counter_cls(name=f"kvbm_{name}", documentation=doc,

@@ -1,0 +1,99 @@
+"""Shared fixtures: the local model and real vLLM engines (one per session).
+
+Engines are expensive to start (tens of seconds on two cores), so each kind
+is started once per test session and shared; tests read counter deltas.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_DIR = Path(os.environ.get("KVBM_TEST_MODEL", ROOT / "models" / "kvbm-llama-8l"))
+BLOCK_SIZE = 128
+# Enough host slots for the correctness tests; the capacity test overfills it.
+HOST_BLOCKS = 96
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+
+def kvbm_transfer_config(**extra) -> dict:
+    return {
+        "kv_connector": "KVBMConnector",
+        "kv_connector_module_path": "vllm_kvbm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def make_llm(kv_transfer_config: dict | None = None, **overrides):
+    from vllm import LLM
+
+    args = dict(
+        model=str(MODEL_DIR),
+        dtype="bfloat16",
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        # Eager on both engines: the compiled and eager paths round differently,
+        # and the comparison must differ only in where the KV came from.
+        enforce_eager=True,
+        gpu_memory_utilization=0.25,
+        kv_cache_memory_bytes=1 << 30,
+        seed=0,
+        disable_log_stats=False,
+        kv_transfer_config=kv_transfer_config,
+    )
+    args.update(overrides)
+    return LLM(**args)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from vllm_kvbm.local_model import build
+
+    return build(MODEL_DIR)
+
+
+@pytest.fixture(scope="session")
+def plain_llm(model_dir):
+    llm = make_llm(None)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="session")
+def kvbm_llm(model_dir):
+    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS))
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 7000) for _ in range(n)]
+
+
+def kvbm_counter(name: str) -> float:
+    """Sum of a kvbm_ counter over engines, from this process's registry."""
+    from prometheus_client import REGISTRY
+
+    total = 0.0
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name == f"kvbm_{name}_total":
+                total += sample.value
+    return total
+
+
+def vllm_counter(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples
+               if s.name == f"{name}_total")

@@ -1,0 +1,190 @@
+"""vllm_kvbm.config: parsing, validation messages, env overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvbm.config import KVBMConfig, KVBMConfigError, config_keys, load_config, parse_size
+
+GiB, MiB = 1024**3, 1024**2
+
+
+def load(extra=None, **env):
+    return load_config(extra, environ=env)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4GiB", 4 * GiB),
+    ("512MiB", 512 * MiB),
+    ("1.5 GiB", int(1.5 * GiB)),
+    ("8GB", 8 * 10**9),
+    ("8gb", 8 * 10**9),
+    ("  64 KiB ", 64 * 1024),
+    ("100", 100),
+    ("100B", 100),
+    ("2k", 2000),
+    ("1TiB", 1024**4),
+    (123456, 123456),
+    (0, 0),
+    (2**60 + 1, 2**60 + 1),  # exact, no float rounding
+    (1.5, 1),
+])
+def test_parse_size(text, expected):
+    assert parse_size("host_cache_size", text) == expected
+
+
+def test_size_from_extra_config():
+    assert load({"host_cache_size": "512MiB"}).host_cache_bytes == 512 * MiB
+    assert load({"host_cache_size": 2 * GiB}).host_cache_bytes == 2 * GiB
+
+
+def test_defaults():
+    cfg = load()
+    assert cfg == KVBMConfig()
+    assert cfg.host_cache_bytes == 4 * GiB and cfg.host_cache_blocks is None
+    assert cfg.nixl_backend == "UCX" and cfg.namespace == ""
+    assert config_keys() == ["host_cache_blocks", "host_cache_size", "namespace", "nixl_backend"]
+
+
+def _err(extra, **env) -> str:
+    with pytest.raises(KVBMConfigError) as info:
+        load(extra, **env)
+    return str(info.value)
+
+
+def test_unknown_key_did_you_mean():
+    msg = _err({"host_cache_sise": "1GiB"})
+    assert "unknown key 'host_cache_sise'" in msg
+    assert "did you mean 'host_cache_size'?" in msg
+    assert "Valid keys: host_cache_blocks, host_cache_size, namespace, nixl_backend" in msg
+    msg = _err({"zzz": 1})
+    assert "unknown key 'zzz'" in msg and "did you mean" not in msg and "Valid keys" in msg
+
+
+@pytest.mark.parametrize("value,fragments", [
+    ("lots", ["host_cache_size", "cannot read 'lots'", "\"4GiB\""]),
+    ("4 Gigs", ["host_cache_size", "unknown unit 'gigs'", "GiB", "GB"]),
+    ("4GiBs", ["host_cache_size", "unknown unit"]),
+    ("-1GiB", ["host_cache_size", "cannot read '-1GiB'"]),
+    (-5, ["host_cache_size", "must not be negative"]),
+    (-0.5, ["host_cache_size", "must not be negative"]),
+    (True, ["host_cache_size", "expected a size", "True"]),
+    (None, ["host_cache_size", "cannot read None"]),
+    ([4], ["host_cache_size", "cannot read [4]"]),
+    (float("nan"), ["host_cache_size", "finite"]),
+    (float("inf"), ["host_cache_size", "finite"]),
+    ("", ["host_cache_size", "cannot read ''"]),
+])
+def test_bad_sizes(value, fragments):
+    msg = _err({"host_cache_size": value})
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+@pytest.mark.parametrize("value,fragment", [
+    (0, "must be >= 1, got 0"),
+    (-3, "must be >= 1, got -3"),
+    ("x", "expected an integer, got 'x'"),
+    ("1.5", "expected an integer, got '1.5'"),
+    (2.0, "expected an integer, got 2.0"),
+    (True, "expected an integer, got True"),
+])
+def test_bad_host_cache_blocks(value, fragment):
+    msg = _err({"host_cache_blocks": value})
+    assert msg.startswith("host_cache_blocks: ") and fragment in msg
+
+
+def test_host_cache_blocks_ok():
+    assert load({"host_cache_blocks": 7}).host_cache_blocks == 7
+    assert load({"host_cache_blocks": "12"}).host_cache_blocks == 12
+
+
+def test_nixl_backend():
+    assert load({"nixl_backend": "posix"}).nixl_backend == "POSIX"
+    assert load({"nixl_backend": "UCX"}).nixl_backend == "UCX"
+    msg = _err({"nixl_backend": "foo"})
+    assert "nixl_backend" in msg and "'foo'" in msg and "UCX, POSIX" in msg
+    assert "nixl_backend" in _err({"nixl_backend": 3})
+
+
+def test_namespace():
+    assert load({"namespace": "tenant-a"}).namespace == "tenant-a"
+    for bad in (5, None, ["a"]):
+        msg = _err({"namespace": bad})
+        assert msg.startswith("namespace: expected a string"), msg
+
+
+# ---- environment -------------------------------------------------------------
+
+@pytest.mark.parametrize("env,value,expected", [
+    ("KVBM_HOST_CACHE_SIZE", "256MiB", 256 * MiB),
+    ("KVBM_HOST_CACHE_GB", "2", 2 * 10**9),
+    ("KVBM_HOST_CACHE_GB", "0.5", 5 * 10**8),
+    ("DYN_KVBM_CPU_CACHE_GB", "3", 3 * 10**9),
+])
+def test_env_size_wins_over_extra(env, value, expected):
+    cfg = load({"host_cache_size": "1GiB"}, **{env: value})
+    assert cfg.host_cache_bytes == expected
+    # and over a block count from extra_config, which would otherwise win
+    cfg = load({"host_cache_blocks": 10}, **{env: value})
+    assert cfg.host_cache_blocks is None and cfg.host_cache_bytes == expected
+    assert cfg.host_slots(MiB) == expected // MiB
+
+
+@pytest.mark.parametrize("env", ["KVBM_HOST_CACHE_BLOCKS",
+                                 "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"])
+def test_env_blocks_wins(env):
+    cfg = load({"host_cache_blocks": 10, "host_cache_size": "1GiB"}, **{env: " 33 "})
+    assert cfg.host_cache_blocks == 33
+    assert cfg.host_slots(1) == 33  # blocks override bytes
+    # env size and env blocks together: blocks still win
+    cfg = load(None, **{env: "5", "KVBM_HOST_CACHE_SIZE": "1GiB"})
+    assert cfg.host_slots(1024) == 5
+
+
+def test_env_other_keys_and_blank_ignored():
+    cfg = load({"nixl_backend": "UCX", "namespace": "a"},
+               KVBM_NIXL_BACKEND="posix", KVBM_NAMESPACE="b", KVBM_HOST_CACHE_SIZE="  ")
+    assert (cfg.nixl_backend, cfg.namespace, cfg.host_cache_bytes) == ("POSIX", "b", 4 * GiB)
+
+
+@pytest.mark.parametrize("env,value,fragments", [
+    ("KVBM_HOST_CACHE_SIZE", "big", ["KVBM_HOST_CACHE_SIZE", "host_cache_size", "'big'"]),
+    ("KVBM_HOST_CACHE_GB", "two", ["KVBM_HOST_CACHE_GB", "host_cache_size"]),
+    ("DYN_KVBM_CPU_CACHE_GB", "-1", ["DYN_KVBM_CPU_CACHE_GB", "host_cache_size"]),
+    ("KVBM_HOST_CACHE_BLOCKS", "0", ["KVBM_HOST_CACHE_BLOCKS", "host_cache_blocks", ">= 1"]),
+    ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "many",
+     ["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "host_cache_blocks", "integer"]),
+    ("KVBM_NIXL_BACKEND", "rdma", ["KVBM_NIXL_BACKEND", "nixl_backend", "UCX, POSIX"]),
+])
+def test_bad_env_value_names_env_var(env, value, fragments):
+    msg = _err({"host_cache_size": "1GiB"}, **{env: value})
+    assert msg.startswith(env), msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+def test_bad_extra_value_does_not_blame_env():
+    msg = _err({"host_cache_size": "big"}, KVBM_NAMESPACE="x")
+    assert msg.startswith("host_cache_size:") and "KVBM_" not in msg
+
+
+# ---- host_slots ------------------------------------------------------------
+
+def test_host_slots():
+    assert KVBMConfig(host_cache_bytes=10 * MiB).host_slots(MiB) == 10
+    assert KVBMConfig(host_cache_bytes=10 * MiB + MiB - 1).host_slots(MiB) == 10
+    assert KVBMConfig(host_cache_bytes=1, host_cache_blocks=3).host_slots(MiB) == 3
+
+
+def test_host_slots_too_small_names_key_and_fix():
+    block = 3 * MiB
+    with pytest.raises(KVBMConfigError) as info:
+        load({"host_cache_size": "2MiB"}).host_slots(block)
+    msg = str(info.value)
+    assert msg.startswith("host_cache_size:")
+    assert f"{2 * MiB} bytes cannot hold one KV block" in msg
+    assert f"set host_cache_size to at least {block} bytes" in msg
+    assert "\"192MiB\" for 64 blocks" in msg
+    with pytest.raises(KVBMConfigError, match="host_cache_size"):
+        load({"host_cache_size": 0}).host_slots(1)

@@ -1,0 +1,135 @@
+"""SlotIndex: the scheduler's bookkeeping of host-tier slots."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvbm.slot_index import SlotIndex
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def stored(index: SlotIndex, *ids: int) -> dict[int, int]:
+    """Allocates and commits keys; returns id -> slot."""
+    slots = {}
+    for i in ids:
+        slot = index.allocate(k(i))
+        assert slot is not None
+        index.commit(k(i))
+        slots[i] = slot
+    return slots
+
+
+def test_allocate_gives_distinct_slots_in_range():
+    idx = SlotIndex(5)
+    slots = [idx.allocate(k(i)) for i in range(5)]
+    assert sorted(slots) == list(range(5))
+    assert idx.used_slots == 5 and len(idx) == 5
+
+
+def test_storing_slots_are_invisible_and_never_evicted():
+    idx = SlotIndex(2)
+    s0 = idx.allocate(k(0))
+    s1 = idx.allocate(k(1))
+    assert k(0) in idx and not idx.is_ready(k(0))
+    assert idx.count_ready([k(0)]) == 0
+    assert idx.allocate(k(2)) is None  # both storing: nothing to evict
+    assert k(0) in idx and k(1) in idx and idx.evictions == 0
+    assert idx.clear() == 0  # clear keeps storing entries
+    assert len(idx) == 2
+    idx.commit(k(1))
+    assert idx.is_ready(k(1)) and not idx.is_ready(k(0))
+    s2 = idx.allocate(k(2))  # evicts the only ready entry, k(1)
+    assert s2 == s1 and k(1) not in idx and idx.evictions == 1
+    assert s0 != s2 and k(0) in idx
+
+
+def test_lru_order_eviction():
+    idx = SlotIndex(3)
+    slots = stored(idx, 0, 1, 2)
+    assert idx.allocate(k(3)) == slots[0]  # oldest goes first
+    idx.commit(k(3))
+    assert k(0) not in idx
+    assert idx.allocate(k(4)) == slots[1]
+    assert [i for i in range(5) if k(i) in idx] == [2, 3, 4]
+    assert idx.evictions == 2
+
+
+def test_pin_touches_lru_and_protects():
+    idx = SlotIndex(3)
+    slots = stored(idx, 0, 1, 2)
+    assert idx.pin([k(0)]) == [slots[0]]  # in use and now most recently used
+    idx.unpin([k(0)])
+    # k(0) was touched: k(1) is now the LRU
+    assert idx.allocate(k(3)) == slots[1]
+    idx.commit(k(3))
+    idx.pin([k(2), k(0)])
+    idx.pin([k(2)])  # pinned twice
+    # only k(3) is evictable
+    assert idx.allocate(k(4)) == slots[1]
+    assert idx.allocate(k(5)) is None  # k(4) storing, k(0)/k(2) pinned
+    idx.unpin([k(2)])
+    assert idx.allocate(k(5)) is None  # still pinned once
+    idx.unpin([k(0)])
+    assert idx.allocate(k(5)) == slots[0]
+    assert idx.is_ready(k(2)) and k(0) not in idx
+
+
+def test_pin_requires_ready():
+    idx = SlotIndex(2)
+    idx.allocate(k(0))
+    with pytest.raises(AssertionError):
+        idx.pin([k(0)])
+
+
+def test_count_ready_leading_run():
+    idx = SlotIndex(4)
+    stored(idx, 0, 1, 3)
+    idx.allocate(k(2))  # storing
+    assert idx.count_ready([k(0), k(1), k(2), k(3)]) == 2
+    assert idx.count_ready([k(9), k(0)]) == 0
+    assert idx.count_ready([]) == 0
+
+
+def test_drop():
+    idx = SlotIndex(2)
+    slots = stored(idx, 0)
+    s1 = idx.allocate(k(1))  # storing, e.g. the store failed
+    assert idx.drop(k(1)) is True
+    assert k(1) not in idx and idx.used_slots == 1
+    idx.pin([k(0)])
+    assert idx.drop(k(0)) is False and idx.is_ready(k(0))  # pinned: kept
+    idx.unpin([k(0)])
+    assert idx.drop(k(0)) is True and len(idx) == 0 and idx.used_slots == 0
+    assert idx.drop(k(0)) is False  # unknown key
+    assert idx.evictions == 0  # drops are not evictions
+    assert sorted([idx.allocate(k(5)), idx.allocate(k(6))]) == sorted([slots[0], s1])
+
+
+def test_clear_drops_only_idle_ready():
+    idx = SlotIndex(4)
+    stored(idx, 0, 1, 2)
+    idx.allocate(k(3))  # storing
+    idx.pin([k(1)])
+    assert idx.clear() == 2
+    assert [i for i in range(4) if k(i) in idx] == [1, 3]
+    assert idx.used_slots == 2
+    # the freed slots are reusable, and the survivors keep theirs
+    assert idx.allocate(k(7)) is not None and idx.allocate(k(8)) is not None
+    assert idx.allocate(k(9)) is None
+
+
+def test_commit_unknown_and_unpin_unknown_are_noops():
+    idx = SlotIndex(1)
+    idx.commit(k(0))
+    idx.unpin([k(0)])
+    assert len(idx) == 0 and idx.allocate(k(0)) == 0
+
+
+def test_allocate_existing_key_asserts():
+    idx = SlotIndex(2)
+    idx.allocate(k(0))
+    with pytest.raises(AssertionError):
+        idx.allocate(k(0))

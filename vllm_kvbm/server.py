@@ -1,0 +1,144 @@
+"""Start and stop a real ``vllm serve`` on 127.0.0.1, and talk to it.
+
+Used by the demo, the benchmarks and the tests; every wait is bounded and the
+server is always stopped, including its engine-core children.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvbm_transfer_config(**extra) -> dict:
+    return {
+        "kv_connector": "KVBMConnector",
+        "kv_connector_module_path": "vllm_kvbm.connector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+@dataclass
+class Server:
+    url: str
+    model: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
+            return resp.read().decode()
+
+    def metric(self, name: str) -> float:
+        """Sum of one metric's samples (all label sets) on /metrics."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stream_completion(self, prompt, max_tokens: int = 16,
+                          timeout: float = 600) -> tuple[float, float, str]:
+        """Greedy streaming completion: (ttft seconds, total seconds, text)."""
+        body = json.dumps({
+            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+        }).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        ttft = None
+        text = []
+        try:
+            resp = urllib.request.urlopen(req, timeout=timeout)
+        except urllib.error.HTTPError as err:
+            raise RuntimeError(f"{self.url} answered {err.code}: "
+                               f"{err.read().decode(errors='replace')[:500]}") from None
+        with resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                piece = chunk["choices"][0].get("text", "")
+                if ttft is None:
+                    ttft = time.perf_counter() - start
+                text.append(piece)
+        total = time.perf_counter() - start
+        return (ttft if ttft is not None else total), total, "".join(text)
+
+
+@contextmanager
+def vllm_server(model: str, kv_transfer_config: dict | None = None,
+                extra_args: list[str] | None = None, env: dict | None = None,
+                log_path: str | os.PathLike | None = None,
+                startup_timeout: float = 600) -> Iterator[Server]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), *(extra_args or [])]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+    log_path = Path(log_path or f"/tmp/vllm-serve-{port}.log")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+    server = Server(f"http://127.0.0.1:{port}", model, proc, log_path)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode} during "
+                                   f"startup; last log lines:\n{_tail(log_path)}")
+            try:
+                with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm serve not healthy after {startup_timeout:.0f} s; "
+                                   f"log: {log_path}\n{_tail(log_path)}")
+            time.sleep(1)
+        yield server
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=grace)
+    except (subprocess.TimeoutExpired, ProcessLookupError):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
