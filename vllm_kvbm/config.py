@@ -65,6 +65,17 @@ def _parse_int(key: str, value: Any, minimum: int) -> int:
     return number
 
 
+def _parse_bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise KVBMConfigError(f"{key}: expected true or false, got {value!r}")
+
+
 def _parse_str(key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise KVBMConfigError(f"{key}: expected a string, got {value!r}")
@@ -84,6 +95,10 @@ class KVBMConfig:
     host_cache_bytes: int = 4 * 1024**3
     # Exact number of host blocks; overrides host_cache_bytes when set.
     host_cache_blocks: int | None = None
+    # Also offload blocks completed during decode. Off by default: the next
+    # turn's prefill offloads them anyway, and decode-computed KV may round
+    # differently from a prefill of the same tokens.
+    offload_decode_blocks: bool = False
     # NIXL backend moving pages between the engine's KV cache and the host tier.
     nixl_backend: str = "UCX"
     # Extra text mixed into every block key: engines that must never share
@@ -109,6 +124,7 @@ class KVBMConfig:
 _KEYS = {
     "host_cache_size": ("host_cache_bytes", parse_size),
     "host_cache_blocks": ("host_cache_blocks", lambda k, v: _parse_int(k, v, 1)),
+    "offload_decode_blocks": ("offload_decode_blocks", _parse_bool),
     "nixl_backend": ("nixl_backend", lambda k, v: _parse_choice(k, v, ("UCX", "POSIX"))),
     "namespace": ("namespace", lambda k, v: _parse_str(k, v)),
 }
@@ -120,6 +136,7 @@ _ENV = {
     "DYN_KVBM_CPU_CACHE_GB": ("host_cache_size", lambda v: f"{v}GB"),
     "KVBM_HOST_CACHE_BLOCKS": ("host_cache_blocks", str),
     "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": ("host_cache_blocks", str),
+    "KVBM_OFFLOAD_DECODE_BLOCKS": ("offload_decode_blocks", str),
     "KVBM_NIXL_BACKEND": ("nixl_backend", str),
     "KVBM_NAMESPACE": ("namespace", str),
 }

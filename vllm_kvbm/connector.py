@@ -57,7 +57,8 @@ class KVBMConnector(KVConnectorBase_V1):
         self.sched: KVBMScheduler | None = None
         self.worker: KVBMWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.sched = KVBMScheduler(self.info, num_slots)
+            self.sched = KVBMScheduler(self.info, num_slots,
+                                       self.config.offload_decode_blocks)
         else:
             self.worker = KVBMWorker(self.info, num_slots, self.config.nixl_backend,
                                      agent_name=f"kvbm-{os.getpid()}")

@@ -51,11 +51,15 @@ class _StoreJob:
     keys: list[BlockKey]
     pending_workers: int
     failed: bool = False
+    # posted before a cache reset: its pages hold pre-reset KV, never serve them
+    stale: bool = False
 
 
 class KVBMScheduler:
-    def __init__(self, info: "EngineInfo", num_host_slots: int):
+    def __init__(self, info: "EngineInfo", num_host_slots: int,
+                 offload_decode_blocks: bool = False):
         self.info = info
+        self.offload_decode_blocks = offload_decode_blocks
         self.block_size = info.block_size
         self.host = SlotIndex(num_host_slots)
         self.stats = KVBMStats()
@@ -155,6 +159,8 @@ class KVBMScheduler:
         request = state.request
         # Tokens whose KV exists after this step and whose ids are known.
         end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
+        if not self.offload_decode_blocks:
+            end = min(end, request.num_prompt_tokens)
         keys = self._keys(state, end)
         if state.store_cursor >= len(keys):
             return None
@@ -204,6 +210,8 @@ class KVBMScheduler:
                 for key in keys:
                     self.host.drop(key)
                 self.stats.add("load_error_blocks", len(keys))
+                # vLLM recomputes these blocks: store them again once it has.
+                state.store_cursor = min(state.store_cursor, state.local_hit_blocks)
             else:
                 self.stats.add("onboard_blocks_h2d", len(keys))
             self._maybe_forget(state)
@@ -221,7 +229,7 @@ class KVBMScheduler:
                 continue  # other TP ranks still copying their shard
             del self._store_jobs[job_id]
             for key in job.keys:
-                if job.failed:
+                if job.failed or job.stale:
                     self.host.drop(key)
                 else:
                     self.host.commit(key)
@@ -255,5 +263,8 @@ class KVBMScheduler:
 
     def reset_cache(self) -> int:
         dropped = self.host.clear()
+        # Stores still being written are not cleared; drop them when they land.
+        for job in self._store_jobs.values():
+            job.stale = True
         logger.info("KVBM: cache reset dropped %d host blocks", dropped)
         return dropped

@@ -1,0 +1,126 @@
+"""The central correctness tests, on real vLLM engines with real NIXL.
+
+Every comparison is against a plain engine (no connector) that computed the
+whole prompt itself. Between the run that stores a prefix and the run that
+must onboard it, the engine's own prefix cache is reset, so the only way the
+second run can skip prefill is a load from the host tier.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import BLOCK_SIZE, HOST_BLOCKS, kvbm_counter, random_prompt
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def generate(llm, prompts: list[list[int]], max_tokens: int = 16):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs]
+
+
+def reference(plain_llm, prompts, max_tokens=16):
+    plain_llm.reset_prefix_cache()  # the plain engine recomputes everything
+    return generate(plain_llm, prompts, max_tokens)[0]
+
+
+def expected_hit_tokens(n: int) -> int:
+    # Full blocks only, and vLLM must compute at least the last token itself.
+    return ((n - 1) // BLOCK_SIZE) * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("length", [50, 128, 256, 1000, 3000])
+def test_onboarded_outputs_equal_recomputed(kvbm_llm, plain_llm, length):
+    prompt = random_prompt(length, seed=length)
+    want = reference(plain_llm, [prompt])
+
+    first, _ = generate(kvbm_llm, [prompt])  # computes and offloads
+    kvbm_llm.reset_prefix_cache()
+    onboarded_before = kvbm_counter("onboard_blocks_h2d")
+    second, cached = generate(kvbm_llm, [prompt])  # must onboard from the host tier
+
+    assert first == want
+    assert second == want
+    assert cached[0] == expected_hit_tokens(length)
+    assert kvbm_counter("onboard_blocks_h2d") - onboarded_before == expected_hit_tokens(
+        length) // BLOCK_SIZE
+
+
+def test_batch_sharing_a_stored_prefix(kvbm_llm, plain_llm):
+    prefix = random_prompt(1024, seed=7)
+    prompts = [prefix + random_prompt(100 + 37 * i, seed=100 + i) for i in range(4)]
+    want = reference(plain_llm, prompts)
+
+    generate(kvbm_llm, [prefix + random_prompt(5, seed=99)])  # stores the prefix
+    kvbm_llm.reset_prefix_cache()
+    got, cached = generate(kvbm_llm, prompts)
+
+    assert got == want
+    # Every request finds at least the shared prefix's 8 blocks.
+    assert all(c >= 1024 for c in cached), cached
+
+
+def test_conversation_growing_turn_by_turn(kvbm_llm, plain_llm):
+    """Each turn's prompt is the previous prompt, its answer and a new message.
+
+    Prompt blocks are offloaded as they are prefilled, so turn N onboards
+    every full block of turn N-1's prompt (answers of earlier turns included)
+    and recomputes the rest; a plain engine recomputes all of it.
+    """
+    history = random_prompt(600, seed=21)
+    previous_prompt_len = 0
+    for turn in range(4):
+        history = history + random_prompt(150, seed=300 + turn)  # the user's message
+        want = reference(plain_llm, [history], max_tokens=24)
+        kvbm_llm.reset_prefix_cache()
+        got, cached = generate(kvbm_llm, [history], max_tokens=24)
+        assert got == want, f"turn {turn}"
+        assert cached[0] == previous_prompt_len // BLOCK_SIZE * BLOCK_SIZE, (turn, cached)
+        previous_prompt_len = len(history)
+        history = history + got[0]
+
+
+def test_second_request_loads_prefix_and_is_faster(kvbm_llm):
+    prompt = random_prompt(4000, seed=4000)
+    kvbm_llm.reset_prefix_cache()
+    t0 = time.perf_counter()
+    _, cached_miss = generate(kvbm_llm, [prompt], max_tokens=1)
+    miss_s = time.perf_counter() - t0
+    kvbm_llm.reset_prefix_cache()
+    before = kvbm_counter("matched_tokens")
+    t0 = time.perf_counter()
+    _, cached_hit = generate(kvbm_llm, [prompt], max_tokens=1)
+    hit_s = time.perf_counter() - t0
+
+    print(f"TTFT miss {miss_s:.3f}s, host-tier hit {hit_s:.3f}s, "
+          f"speedup {miss_s / hit_s:.1f}x")
+    assert cached_miss[0] == 0
+    assert cached_hit[0] == expected_hit_tokens(4000)
+    assert kvbm_counter("matched_tokens") - before == expected_hit_tokens(4000)
+    assert hit_s < miss_s
+
+
+def test_filling_host_tier_evicts_lru_and_stays_correct(kvbm_llm, plain_llm):
+    # Four prompts of 30 full blocks each: 120 blocks through a 96-block tier.
+    prompts = [random_prompt(30 * BLOCK_SIZE + 10, seed=500 + i) for i in range(4)]
+    evicted_before = kvbm_counter("host_evictions")
+    for p in prompts:
+        kvbm_llm.reset_prefix_cache()
+        generate(kvbm_llm, [p], max_tokens=2)
+    assert kvbm_counter("host_evictions") - evicted_before >= 4 * 30 - HOST_BLOCKS
+
+    want = reference(plain_llm, prompts)
+    # Most recent prompt: still fully in the host tier.
+    kvbm_llm.reset_prefix_cache()
+    got, cached = generate(kvbm_llm, [prompts[-1]])
+    assert got == [want[-1]] and cached[0] == 30 * BLOCK_SIZE
+    # Oldest prompt: its first blocks were evicted first, so nothing matches.
+    kvbm_llm.reset_prefix_cache()
+    got, cached = generate(kvbm_llm, [prompts[0]])
+    assert got == [want[0]] and cached[0] == 0
