@@ -1,0 +1,139 @@
+"""Drives vLLM's real scheduler with KVBMConnector, without a model or worker.
+
+Adapted from vLLM's tests/v1/kv_connector/unit/utils.py to vLLM 0.32. The
+"worker" is the test itself: it reads the connector metadata each step and
+reports completions back through a KVConnectorOutput.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import itertools
+import json
+import shutil
+import tempfile
+
+import torch
+from vllm import SamplingParams
+from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
+                         SchedulerConfig, VllmConfig)
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+from vllm_kvbm.metadata import KVBMConnectorMetadata, KVBMWorkerMetadata
+
+BLOCK = 16
+EOS = 2
+_ids = itertools.count(1)
+init_none_hash(sha256)
+
+
+@functools.cache
+def _model_dir() -> str:
+    """A config-only Llama: the scheduler needs the model's shape, not weights."""
+    path = tempfile.mkdtemp(prefix="kvbm-sched-model-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama",
+                  hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
+                  vocab_size=100_000, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  torch_dtype="float16", bos_token_id=1, eos_token_id=EOS)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: int = 256,
+                   num_layers: int = 2,
+                   load_failure_policy: str = "recompute", **extra_config) -> Scheduler:
+    model_config = ModelConfig(model=_model_dir(), dtype="float16", seed=0,
+                               max_model_len=4096, skip_tokenizer_init=True)
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
+            enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm.connector",
+            kv_role="kv_both", kv_load_failure_policy=load_failure_policy,
+            kv_connector_extra_config={"host_cache_blocks": host_blocks,
+                                       **extra_config}),
+        device_config=DeviceConfig("cpu"),
+    )
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    kv_cache_config = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(
+            [f"layer.{i}" for i in range(num_layers)],
+            FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
+                              dtype=torch.float16))])
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                     structured_output_manager=StructuredOutputManager(vllm_config),
+                     block_size=BLOCK, log_stats=True)
+
+
+def make_request(tokens: list[int], max_tokens: int = 4) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params.update_from_generation_config({}, EOS)
+    return Request(request_id=f"r{next(_ids)}", prompt_token_ids=list(tokens),
+                   sampling_params=params, pooling_params=None, mm_features=None,
+                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def kvbm(scheduler: Scheduler):
+    """The connector's KVBMScheduler."""
+    return scheduler.connector.sched
+
+
+def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed=(),
+         finished_recving=(), finished_sending=(), invalid_block_ids=(),
+         complete: bool = False, token: int = 7):
+    """One engine step: schedule, then report what the fake worker finished.
+
+    ``complete`` also reports everything this step's metadata asked for as
+    finished in the same output (a worker whose copies finish within the step).
+
+    Returns (scheduler_output, connector metadata, engine outputs).
+    """
+    out = scheduler.schedule()
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, KVBMConnectorMetadata)
+    req_ids = list(out.num_scheduled_tokens)
+    sampled = []
+    for rid in req_ids:
+        req = scheduler.requests[rid]
+        # Partial prefill chunks sample nothing.
+        sampled.append([token] if req.num_computed_tokens >= req.num_tokens else [])
+    worker_meta = KVBMWorkerMetadata()
+    if complete:
+        stores_done = [*stores_done, *(job.job_id for job in meta.stores)]
+        finished_recving = [*finished_recving, *(job.req_id for job in meta.loads)]
+        finished_sending = [*finished_sending, *meta.delayed_free_req_ids]
+    for job_id in stores_done:
+        worker_meta.stores_done[job_id] += 1
+    for job_id in stores_failed:
+        worker_meta.stores_failed[job_id] += 1
+    for rid in loads_failed:
+        worker_meta.loads_failed[rid] += 1
+    kv_out = KVConnectorOutput(finished_sending=set(finished_sending),
+                               finished_recving=set(finished_recving),
+                               invalid_block_ids=set(invalid_block_ids),
+                               kv_connector_worker_meta=worker_meta)
+    mro = ModelRunnerOutput(req_ids=req_ids,
+                            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                            sampled_token_ids=sampled, logprobs=None,
+                            prompt_logprobs_dict={}, pooler_output=None,
+                            kv_connector_output=kv_out)
+    engine_outputs = scheduler.update_from_output(out, mro)
+    return out, meta, engine_outputs
+
+
+def block_ids(scheduler: Scheduler, req_id: str) -> list[int]:
+    return list(scheduler.kv_cache_manager.get_block_ids(req_id)[0])

@@ -1,0 +1,571 @@
+"""Scheduler side of KVBMConnector, driven by vLLM's real Scheduler.
+
+No model, no worker: each test plays the worker by reading the connector
+metadata vLLM hands out and reporting completions back (see
+scheduler_harness.step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
+from vllm_kvbm.keys import KeyChain, KeyNamespace, request_salt
+
+
+def tokens(n: int, base: int) -> list[int]:
+    """n distinct-looking token ids; different bases never share a block."""
+    return [base * 1000 + i for i in range(n)]
+
+
+def keys_of(sched, toks: list[int]) -> list[bytes]:
+    chain = KeyChain(kvbm(sched)._seed, BLOCK)
+    return list(chain.extend(toks))
+
+
+def store_job_ids(meta) -> list[int]:
+    return [job.job_id for job in meta.stores]
+
+
+def run_until_done(sched, req_id: str, max_steps: int = 50) -> None:
+    for _ in range(max_steps):
+        if req_id not in sched.requests or sched.requests[req_id].is_finished():
+            return
+        step(sched)
+    raise AssertionError(f"{req_id} did not finish")
+
+
+def store_and_finish(sched, toks: list[int], max_tokens: int = 2):
+    """Runs a request to completion with a worker that finishes every transfer
+    within the step; returns the request and each step's metadata."""
+    req = make_request(toks, max_tokens=max_tokens)
+    sched.add_request(req)
+    metas = []
+    for _ in range(50):
+        if req.request_id not in sched.requests:
+            return req, metas
+        metas.append(step(sched, complete=True)[1])
+    raise AssertionError(f"{req.request_id} did not finish")
+
+
+# ---- 1. store, then load the same prefix --------------------------------------
+
+
+def test_store_then_async_load_roundtrip():
+    s = make_scheduler()
+    k = kvbm(s)
+    prompt = tokens(40, 1)  # 2 full blocks + an 8-token tail
+    r1 = make_request(prompt, max_tokens=3)
+    s.add_request(r1)
+
+    _, meta, _ = step(s)
+    assert len(meta.stores) == 1 and not meta.loads
+    job = meta.stores[0]
+    assert job.req_id == r1.request_id
+    assert job.block_ids == block_ids(s, r1.request_id)[:2]  # tail block never stored
+    assert len(set(job.slots)) == 2
+    keys = keys_of(s, prompt)
+    assert len(keys) == 2
+    # Written but not reported: nothing is loadable yet.
+    assert not any(k.host.is_ready(key) for key in keys)
+
+    _, meta, _ = step(s, stores_done=[job.job_id])
+    assert all(k.host.is_ready(key) for key in keys)
+    assert k.stats.total["offload_blocks_d2h"] == 2
+    run_until_done(s, r1.request_id)
+    assert r1.request_id not in s.requests
+    assert s.reset_prefix_cache()  # the engine forgets; the host tier does not
+
+    # Same prefix, different suffix: 2 host blocks + 28 new tokens.
+    r2 = make_request(prompt[:32] + tokens(28, 2), max_tokens=2)
+    s.add_request(r2)
+    out, meta, _ = step(s)
+    assert r2.request_id not in out.num_scheduled_tokens
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert len(meta.loads) == 1 and not meta.stores
+    load = meta.loads[0]
+    assert load.req_id == r2.request_id
+    assert load.slots == job.slots
+    assert load.block_ids == block_ids(s, r2.request_id)[:2]
+    assert k.stats.total["matched_tokens"] == 32
+    assert all(k.host._entries[key].pins == 1 for key in keys)
+
+    # Not reported yet: it keeps waiting.
+    out, meta, _ = step(s)
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert not out.num_scheduled_tokens and not meta.loads
+
+    step(s, finished_recving=[r2.request_id])
+    assert all(k.host._entries[key].pins == 0 for key in keys)
+    assert k.stats.total["onboard_blocks_h2d"] == 2
+    out, meta, _ = step(s)
+    assert r2.status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens == {r2.request_id: 60 - 32}
+    # Only the newly computed third block is stored, never the loaded ones.
+    assert [j.block_ids for j in meta.stores] == [[block_ids(s, r2.request_id)[2]]]
+    assert k.stats.total["offload_blocks_d2h"] == 2
+
+
+def test_host_hit_beyond_a_partial_local_hit():
+    s = make_scheduler()
+    k = kvbm(s)
+    prompt = tokens(56, 26)  # 3 full blocks + 8
+    _, metas = store_and_finish(s, prompt)
+    stored_slots = [slot for m in metas for j in m.stores for slot in j.slots]
+    assert len(stored_slots) == 3
+    assert s.reset_prefix_cache()
+    # Warm the engine's prefix cache with block 0 only (itself a host hit).
+    store_and_finish(s, prompt[:16] + tokens(10, 27), max_tokens=1)
+    matched_before = k.stats.total["matched_tokens"]
+    r2 = make_request(prompt, max_tokens=1)
+    s.add_request(r2)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert load.slots == stored_slots[1:3]
+    assert load.block_ids == block_ids(s, r2.request_id)[1:3]
+    assert k.stats.total["matched_tokens"] - matched_before == 32
+    step(s, finished_recving=[r2.request_id])
+    out, _, _ = step(s)
+    assert out.num_scheduled_tokens == {r2.request_id: 56 - 48}
+
+
+def test_abort_during_load_unpins_when_the_load_ends():
+    s = make_scheduler(num_blocks=64)
+    k = kvbm(s)
+    prompt = tokens(40, 37)
+    store_and_finish(s, prompt)
+    assert s.reset_prefix_cache()
+    r2 = make_request(prompt, max_tokens=2)
+    s.add_request(r2)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    s.finish_requests(r2.request_id, RequestStatus.FINISHED_ABORTED)
+    # The worker may still be writing into r2's blocks: vLLM keeps them, and
+    # the host slots stay pinned.
+    assert r2.request_id in s.requests
+    assert all(k.host._entries[key].pins == 1 for key in keys_of(s, prompt))
+    step(s, finished_recving=[r2.request_id])
+    assert r2.request_id not in s.requests and r2.request_id not in k._reqs
+    assert all(k.host._entries[key].pins == 0 for key in keys_of(s, prompt))
+    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == 64 - 1
+    assert not k.has_pending_work()
+
+
+# ---- 2. no double stores ------------------------------------------------------
+
+
+def test_shared_prefix_in_one_batch_is_stored_once():
+    s = make_scheduler()
+    prefix = tokens(32, 3)
+    ra = make_request(prefix + tokens(20, 4), max_tokens=2)
+    rb = make_request(prefix + tokens(20, 5), max_tokens=2)
+    s.add_request(ra)
+    s.add_request(rb)
+    out, meta, _ = step(s)
+    assert set(out.num_scheduled_tokens) == {ra.request_id, rb.request_id}
+    stored_slots = [slot for j in meta.stores for slot in j.slots]
+    assert len(stored_slots) == len(set(stored_slots)) == 4  # 2 shared + 1 + 1
+    by_req = {j.req_id: j for j in meta.stores}
+    assert by_req[ra.request_id].block_ids == block_ids(s, ra.request_id)[:3]
+    # rb shares blocks 0-1 (being stored by ra's job): only its own block 2.
+    assert by_req[rb.request_id].block_ids == [block_ids(s, rb.request_id)[2]]
+    assert len(kvbm(s).host) == 4
+
+
+def test_block_already_in_host_is_not_stored_again():
+    s = make_scheduler()
+    prefix = tokens(32, 6)
+    store_and_finish(s, prefix + tokens(4, 7))
+    assert kvbm(s).stats.total["offload_blocks_d2h"] == 2
+    # Same prefix, engine cache still warm: the new request computes only its
+    # third block, and the two host-resident ones are not planned again.
+    rc = make_request(prefix + tokens(20, 8), max_tokens=1)
+    s.add_request(rc)
+    _, meta, _ = step(s)
+    assert [j.block_ids for j in meta.stores] == [[block_ids(s, rc.request_id)[2]]]
+
+
+# ---- 3. stores in flight are invisible ----------------------------------------
+
+
+def test_unreported_stores_are_not_loadable():
+    s = make_scheduler(max_batched=32)  # 32-token chunks: one store job per chunk
+    k = kvbm(s)
+    prompt = tokens(70, 9)
+    r1 = make_request(prompt, max_tokens=1)
+    s.add_request(r1)
+    jobs = []
+    for _ in range(3):
+        _, meta, _ = step(s)
+        jobs += meta.stores
+    assert [len(j.block_ids) for j in jobs] == [2, 2]
+    probe = make_request(prompt)  # never added: asks the connector directly
+    assert k.get_num_new_matched_tokens(probe, 0) == (0, False)
+    # The later chunk finishing first does not expose a hole-y prefix.
+    step(s, stores_done=[jobs[1].job_id])
+    assert k.get_num_new_matched_tokens(probe, 0) == (0, False)
+    step(s, stores_done=[jobs[0].job_id])
+    # 70 tokens: 4 full blocks, all loadable (leaves tokens 64..69 to compute).
+    assert k.get_num_new_matched_tokens(probe, 0) == (64, True)
+    # Beyond a local hit of 1 block only 3 more are reported.
+    assert k.get_num_new_matched_tokens(probe, BLOCK) == (48, True)
+
+
+# ---- 4. delayed free ------------------------------------------------------------
+
+
+def test_finish_with_stores_in_flight_delays_block_free():
+    s = make_scheduler(num_blocks=64)
+    k = kvbm(s)
+    pool = s.kv_cache_manager.block_pool
+    r1 = make_request(tokens(40, 10), max_tokens=1)
+    s.add_request(r1)
+    rid = r1.request_id
+    _, meta, _ = step(s)  # prefill + the one output token: finished
+    job = meta.stores[0]
+    assert r1.is_finished()
+    assert rid in s.requests, "blocks must stay allocated while stores read them"
+    held = block_ids(s, rid)
+    assert held and all(pool.blocks[b].ref_cnt == 1 for b in held)
+    assert k.has_pending_work()
+
+    _, meta, _ = step(s)
+    assert meta.delayed_free_req_ids == [rid]
+    _, meta, _ = step(s, stores_done=[job.job_id])
+    assert meta.delayed_free_req_ids == []
+    assert rid in s.requests, "freed before the worker reported finished_sending"
+    assert rid not in k._reqs  # connector state is gone once stores are done
+    step(s, finished_sending=[rid])
+    assert rid not in s.requests
+    assert all(pool.blocks[b].ref_cnt == 0 for b in held)
+    assert pool.get_num_free_blocks() == 64 - 1
+    assert not k.has_pending_work()
+
+
+def test_finish_without_stores_in_flight_frees_at_once():
+    s = make_scheduler()
+    r1 = make_request(tokens(40, 11), max_tokens=3)
+    s.add_request(r1)
+    _, meta, _ = step(s)
+    step(s, stores_done=store_job_ids(meta))
+    step(s)  # third output token: finished, nothing in flight
+    assert r1.request_id not in s.requests
+    assert not kvbm(s).has_pending_work() and not kvbm(s)._reqs
+
+
+def test_stores_reported_in_the_finishing_step_still_need_finished_sending():
+    # vLLM calls request_finished before it hands the step's connector output
+    # to the connector, so stores done in that same step still delay the free.
+    s = make_scheduler()
+    r1 = make_request(tokens(40, 25), max_tokens=2)
+    s.add_request(r1)
+    _, meta, _ = step(s)
+    step(s, stores_done=store_job_ids(meta))
+    assert r1.is_finished() and r1.request_id in s.requests
+    _, meta, _ = step(s)
+    assert meta.delayed_free_req_ids == [r1.request_id]
+    step(s, finished_sending=[r1.request_id])
+    assert r1.request_id not in s.requests
+    assert not kvbm(s).has_pending_work() and not kvbm(s)._reqs
+
+
+# ---- 5. preemption --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stores_reported", [False, True])
+def test_preempted_request_with_stores_in_flight_is_flushed(stores_reported):
+    # 7 usable blocks: two 48-token prompts take 3 each; the first decode step
+    # needs 2 more, so the real scheduler preempts the second request.
+    s = make_scheduler(num_blocks=8)
+    r1 = make_request(tokens(48, 12), max_tokens=20)
+    r2 = make_request(tokens(48, 13), max_tokens=20)
+    s.add_request(r1)
+    s.add_request(r2)
+    _, meta, _ = step(s, complete=stores_reported)
+    jobs = {j.req_id: j for j in meta.stores}
+    assert set(jobs) == {r1.request_id, r2.request_id}
+    assert len(jobs[r2.request_id].block_ids) == 3
+    out, meta, _ = step(s)
+    assert out.preempted_req_ids == {r2.request_id}
+    assert r2.status == RequestStatus.PREEMPTED
+    if stores_reported:
+        assert meta.flush_req_ids == []
+    else:
+        assert meta.flush_req_ids == [r2.request_id]
+        step(s, stores_done=[j.job_id for j in jobs.values()])
+
+    # The preempted request comes back through the host tier: free the engine
+    # (abort r1, drop its prefix cache) and r2's 3 blocks are loaded, not
+    # recomputed (its 49th token still is).
+    s.finish_requests(r1.request_id, RequestStatus.FINISHED_ABORTED)
+    assert s.reset_prefix_cache()
+    _, meta, _ = step(s)
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [j.slots for j in meta.loads] == [jobs[r2.request_id].slots]
+    step(s, finished_recving=[r2.request_id])
+    out, meta, _ = step(s)
+    assert out.num_scheduled_tokens == {r2.request_id: 1}
+    assert not meta.stores
+
+
+# ---- 6. host tier LRU -----------------------------------------------------------
+
+
+def test_lru_eviction_order_and_counter():
+    s = make_scheduler(host_blocks=4)
+    k = kvbm(s)
+    p1, p2, p3 = tokens(40, 14), tokens(40, 15), tokens(40, 16)
+    store_and_finish(s, p1)
+    store_and_finish(s, p2)
+    assert k.host.used_slots == 4 and k.stats.total["host_evictions"] == 0
+    store_and_finish(s, p3)
+    assert k.stats.total["host_evictions"] == 2
+    assert not any(key in k.host for key in keys_of(s, p1))  # oldest went first
+    assert all(k.host.is_ready(key) for key in keys_of(s, p2) + keys_of(s, p3))
+
+
+def test_load_refreshes_lru_position():
+    s = make_scheduler(host_blocks=4)
+    k = kvbm(s)
+    p1, p2, p3 = tokens(40, 28), tokens(40, 29), tokens(40, 30)
+    store_and_finish(s, p1)
+    store_and_finish(s, p2)
+    assert s.reset_prefix_cache()
+    loader = make_request(p1, max_tokens=1)  # p1 is used again: now the newest
+    s.add_request(loader)
+    step(s)
+    step(s, finished_recving=[loader.request_id])
+    run_until_done(s, loader.request_id)
+    store_and_finish(s, p3)
+    assert all(k.host.is_ready(key) for key in keys_of(s, p1) + keys_of(s, p3))
+    assert not any(key in k.host for key in keys_of(s, p2))
+
+
+def test_pinned_slots_are_never_evicted():
+    s = make_scheduler(host_blocks=2)
+    k = kvbm(s)
+    p1 = tokens(40, 17)
+    store_and_finish(s, p1)
+    assert s.reset_prefix_cache()
+    loader = make_request(p1, max_tokens=1)
+    s.add_request(loader)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    # Host is full and every slot is being read: a new prompt's blocks are
+    # skipped rather than overwriting the slots under the load.
+    r3 = make_request(tokens(40, 18), max_tokens=1)
+    s.add_request(r3)
+    _, meta, _ = step(s)
+    assert meta.stores == []
+    assert k.stats.total["store_skipped_blocks"] == 2
+    assert k.stats.total["host_evictions"] == 0
+    assert [k.host._entries[key].slot for key in keys_of(s, p1)] == load.slots
+    # Once the load is done the slots are ordinary LRU entries again.
+    step(s, finished_recving=[loader.request_id])
+    r4 = make_request(tokens(40, 19), max_tokens=1)
+    s.add_request(r4)
+    _, meta, _ = step(s)
+    assert sorted(meta.stores[0].slots) == sorted(load.slots)
+    step(s, stores_done=store_job_ids(meta))
+    assert k.stats.total["host_evictions"] == 2
+    assert not any(key in k.host for key in keys_of(s, p1))
+
+
+# ---- 7. transfer failures -------------------------------------------------------
+
+
+def test_failed_store_leaves_no_entry():
+    s = make_scheduler()
+    k = kvbm(s)
+    prompt = tokens(40, 20)
+    r1 = make_request(prompt, max_tokens=3)
+    s.add_request(r1)
+    _, meta, _ = step(s)
+    step(s, stores_failed=store_job_ids(meta))
+    assert len(k.host) == 0 and k.host.used_slots == 0
+    assert k.stats.total["store_errors"] == 1
+    assert k.stats.total["offload_blocks_d2h"] == 0
+    assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (0, False)
+
+
+def test_failed_load_drops_keys_and_recomputes():
+    s = make_scheduler()
+    k = kvbm(s)
+    prompt = tokens(40, 21)
+    store_and_finish(s, prompt)
+    assert s.reset_prefix_cache()
+    r2 = make_request(prompt, max_tokens=2)
+    s.add_request(r2)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    step(s, finished_recving=[r2.request_id], loads_failed=[r2.request_id],
+         invalid_block_ids=load.block_ids)
+    assert not any(key in k.host for key in keys_of(s, prompt))
+    assert k.stats.total["load_error_blocks"] == 2
+    assert k.stats.total["onboard_blocks_h2d"] == 0
+    # vLLM recomputes the whole prompt; the recomputed blocks refill the tier.
+    out, meta, _ = step(s)
+    assert out.num_scheduled_tokens == {r2.request_id: 40}
+    assert [j.block_ids for j in meta.stores] == [block_ids(s, r2.request_id)[:2]]
+
+
+def test_store_needs_every_worker_and_one_failed_rank_drops_it():
+    s = make_scheduler()
+    k = kvbm(s)
+    k.info = dataclasses.replace(k.info, num_workers=2)  # as with TP=2
+    prompt = tokens(40, 31)
+    r1 = make_request(prompt, max_tokens=4)
+    s.add_request(r1)
+    _, meta, _ = step(s)
+    (job,) = meta.stores
+    step(s, stores_done=[job.job_id])  # rank 0 only
+    assert not any(k.host.is_ready(key) for key in keys_of(s, prompt))
+    step(s, stores_failed=[job.job_id])  # rank 1 failed: the pages are partial
+    assert not any(key in k.host for key in keys_of(s, prompt))
+    assert k.stats.total["store_errors"] == 1
+
+    r2 = make_request(tokens(40, 32), max_tokens=3)
+    s.add_request(r2)
+    _, meta, _ = step(s)
+    (job,) = meta.stores
+    step(s, stores_failed=[job.job_id])
+    step(s, stores_done=[job.job_id])  # a later success does not undo the failure
+    assert not any(key in k.host for key in keys_of(s, tokens(40, 32)))
+    assert k.stats.total["store_errors"] == 2
+
+
+def test_connector_reset_forgets_stores_still_in_flight():
+    # pause_generation(clear_cache=True) around a weight update: running
+    # requests are preempted and every cache reset. A store posted before the
+    # reset holds KV of the old weights and must not become loadable after it.
+    s = make_scheduler()
+    k = kvbm(s)
+    old, fresh = tokens(40, 35), tokens(40, 36)
+    store_and_finish(s, old)
+    writer = make_request(fresh, max_tokens=8)
+    s.add_request(writer)
+    _, meta, _ = step(s)
+    (store,) = meta.stores
+    assert s.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert not any(key in k.host for key in keys_of(s, old))
+    step(s, stores_done=[store.job_id])
+    assert not any(k.host.is_ready(key) for key in keys_of(s, fresh))
+    assert k.get_num_new_matched_tokens(make_request(fresh), 0) == (0, False)
+
+
+# ---- 8. edge cases --------------------------------------------------------------
+
+
+def test_prompt_shorter_than_a_block():
+    s = make_scheduler()
+    k = kvbm(s)
+    r1 = make_request(tokens(10, 22), max_tokens=1)
+    s.add_request(r1)
+    _, meta, _ = step(s)
+    assert meta.stores == [] and meta.loads == []
+    assert r1.request_id not in s.requests  # no delayed free: nothing stored
+    assert not k._reqs and len(k.host) == 0
+    assert k.get_num_new_matched_tokens(make_request(tokens(10, 22)), 0) == (0, False)
+
+
+def test_prompt_of_whole_blocks_leaves_one_token_to_compute():
+    s = make_scheduler()
+    prompt = tokens(32, 23)
+    _, metas = store_and_finish(s, prompt, max_tokens=1)
+    assert sum(len(j.block_ids) for m in metas for j in m.stores) == 2
+    assert s.reset_prefix_cache()
+    r2 = make_request(prompt, max_tokens=1)
+    s.add_request(r2)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    assert len(load.block_ids) == 1  # (32 - 1) // 16 blocks at most
+    step(s, finished_recving=[r2.request_id])
+    out, meta, _ = step(s)
+    assert out.num_scheduled_tokens == {r2.request_id: 16}
+    assert meta.stores == []  # block 2 is in the host already
+    assert r2.is_finished()
+
+
+@pytest.mark.parametrize("offload_decode", [False, True])
+def test_block_completed_by_output_tokens(offload_decode):
+    s = make_scheduler(offload_decode_blocks=offload_decode)
+    r1 = make_request(tokens(30, 24), max_tokens=4)
+    s.add_request(r1)
+    stores = []
+    for _ in range(3):  # prefill 30, then decode tokens 31 and 32
+        _, meta, _ = step(s)
+        stores.append([j.block_ids for j in meta.stores])
+    bids = block_ids(s, r1.request_id)
+    if not offload_decode:  # the default: only prompt blocks are offloaded
+        assert stores == [[[bids[0]]], [], []]
+        return
+    assert stores == [[[bids[0]]], [], [[bids[1]]]]
+    # The key covers the sampled tokens, not just the prompt.
+    assert kvbm(s)._reqs[r1.request_id].chain.keys[1] == \
+        keys_of(s, r1.all_token_ids[:32])[1]
+
+
+def test_lookup_counted_once_when_admission_is_retried():
+    # 7 usable blocks, all taken by r1: r2 is looked up every step but cannot
+    # be admitted; the counters must not grow with each retry.
+    s = make_scheduler(num_blocks=8)
+    k = kvbm(s)
+    r1 = make_request(tokens(100, 33), max_tokens=3)
+    r2 = make_request(tokens(40, 34), max_tokens=1)
+    s.add_request(r1)
+    s.add_request(r2)
+    for _ in range(2):
+        out, _, _ = step(s)
+        assert r2.request_id not in out.num_scheduled_tokens
+    assert k.stats.total["lookup_tokens"] == 100 + 40
+
+
+# ---- 9. keys --------------------------------------------------------------------
+
+_NS = dict(model="m@", dtype="torch.float16", kv_layout="NHD", block_size=16,
+           block_bytes=4096, tp_rank=0, tp_size=1, extra="")
+_TOKENS = list(range(100, 164))
+
+
+def _first_key(block_size: int = 16, salt: bytes = b"", **changes) -> bytes:
+    ns = KeyNamespace(**{**_NS, "block_size": block_size, **changes})
+    return KeyChain(ns.seed(), block_size, salt).extend(_TOKENS)[0]
+
+
+@pytest.mark.parametrize("change", [
+    dict(model="other@"), dict(dtype="torch.bfloat16"), dict(extra="tenant-b"),
+    dict(block_size=32), dict(kv_layout="HND"), dict(tp_size=2),
+    dict(salt=request_salt("lora-a", None)), dict(salt=request_salt(None, "salt")),
+])
+def test_keys_differ_when_kv_would(change):
+    assert _first_key(**change) != _first_key()
+
+
+def test_keys_chain_over_the_prefix():
+    ns = KeyNamespace(**_NS)
+    a = KeyChain(ns.seed(), 16).extend(_TOKENS)
+    b = KeyChain(ns.seed(), 16).extend(_TOKENS[:16] + [0] + _TOKENS[17:])
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]
+    # Incremental extension gives the same keys as one call.
+    c = KeyChain(ns.seed(), 16)
+    c.extend(_TOKENS[:20])
+    assert c.extend(_TOKENS) == a
+
+
+def test_keys_stable_across_processes():
+    code = ("from vllm_kvbm.keys import KeyChain, KeyNamespace\n"
+            f"ns = KeyNamespace(**{_NS!r})\n"
+            f"print(KeyChain(ns.seed(), 16).extend({_TOKENS!r})[-1].hex())\n")
+    here = KeyChain(KeyNamespace(**_NS).seed(), 16).extend(_TOKENS)[-1].hex()
+    for seed in ("1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        got = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                             capture_output=True, text=True).stdout.strip()
+        assert got == here
