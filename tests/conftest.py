@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_kvbm.server import kvbm_transfer_config  # noqa: F401 (used by tests)
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("KVBM_TEST_MODEL", ROOT / "models" / "kvbm-llama-8l"))
 BLOCK_SIZE = 128
@@ -20,15 +22,6 @@ HOST_BLOCKS = 96
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-
-
-def kvbm_transfer_config(**extra) -> dict:
-    return {
-        "kv_connector": "KVBMConnector",
-        "kv_connector_module_path": "vllm_kvbm.connector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
 
 
 def make_llm(kv_transfer_config: dict | None = None, **overrides):

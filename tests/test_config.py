@@ -43,7 +43,8 @@ def test_defaults():
     assert cfg == KVBMConfig()
     assert cfg.host_cache_bytes == 4 * GiB and cfg.host_cache_blocks is None
     assert cfg.nixl_backend == "UCX" and cfg.namespace == ""
-    assert config_keys() == ["host_cache_blocks", "host_cache_size", "namespace", "nixl_backend"]
+    assert config_keys() == ["host_cache_blocks", "host_cache_size", "namespace",
+                             "nixl_backend", "offload_decode_blocks"]
 
 
 def _err(extra, **env) -> str:
@@ -188,3 +189,15 @@ def test_host_slots_too_small_names_key_and_fix():
     assert "\"192MiB\" for 64 blocks" in msg
     with pytest.raises(KVBMConfigError, match="host_cache_size"):
         load({"host_cache_size": 0}).host_slots(1)
+
+
+@pytest.mark.parametrize("raw,want", [(True, True), ("yes", True), ("0", False), ("off", False)])
+def test_offload_decode_blocks_parses_booleans(raw, want):
+    assert load_config({"offload_decode_blocks": raw}).offload_decode_blocks is want
+
+
+def test_offload_decode_blocks_rejects_other_text():
+    with pytest.raises(KVBMConfigError, match="offload_decode_blocks: expected true or false"):
+        load_config({"offload_decode_blocks": "sometimes"})
+    with pytest.raises(KVBMConfigError, match="KVBM_OFFLOAD_DECODE_BLOCKS"):
+        load_config({}, {"KVBM_OFFLOAD_DECODE_BLOCKS": "maybe"})

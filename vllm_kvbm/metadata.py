@@ -46,8 +46,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     loads_failed: Counter = field(default_factory=Counter)
     bytes_stored: int = 0
     bytes_loaded: int = 0
-    store_seconds: float = 0.0
-    load_seconds: float = 0.0
+    # seconds from post to completion, one entry per transfer
+    store_latencies: list[float] = field(default_factory=list)
+    load_latencies: list[float] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":
         assert isinstance(other, KVBMWorkerMetadata)
@@ -57,8 +58,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             loads_failed=self.loads_failed + other.loads_failed,
             bytes_stored=self.bytes_stored + other.bytes_stored,
             bytes_loaded=self.bytes_loaded + other.bytes_loaded,
-            store_seconds=max(self.store_seconds, other.store_seconds),
-            load_seconds=max(self.load_seconds, other.load_seconds),
+            store_latencies=self.store_latencies + other.store_latencies,
+            load_latencies=self.load_latencies + other.load_latencies,
         )
 
     def is_empty(self) -> bool:

@@ -71,6 +71,9 @@ class KVBMScheduler:
         self._delayed_free: list[str] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self._evictions_seen = 0
+        self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots)
+        self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.block_bytes)
+        self._update_gauges()
         logger.info("KVBM scheduler: host tier of %d blocks (%d bytes each)",
                     num_host_slots, info.block_bytes)
 
@@ -196,6 +199,8 @@ class KVBMScheduler:
         if isinstance(meta, KVBMWorkerMetadata):
             self.stats.add("offload_bytes_d2h", meta.bytes_stored)
             self.stats.add("onboard_bytes_h2d", meta.bytes_loaded)
+            self.stats.observe("offload_latency_seconds", meta.store_latencies)
+            self.stats.observe("onboard_latency_seconds", meta.load_latencies)
             self._finish_stores(meta.stores_done, ok=True)
             self._finish_stores(meta.stores_failed, ok=False)
             failed_loads = meta.loads_failed
@@ -217,6 +222,12 @@ class KVBMScheduler:
             self._maybe_forget(state)
         self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
         self._evictions_seen = self.host.evictions
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        used = self.host.used_slots
+        self.stats.set_gauge("host_cache_used_blocks", used)
+        self.stats.set_gauge("host_cache_used_bytes", used * self.info.block_bytes)
 
     def _finish_stores(self, counts: Counter, ok: bool) -> None:
         for job_id, n in counts.items():

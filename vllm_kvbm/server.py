@@ -106,7 +106,7 @@ def vllm_server(model: str, kv_transfer_config: dict | None = None,
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {proc.returncode} during "
-                                   f"startup; last log lines:\n{_tail(log_path)}")
+                                   f"startup; errors in {log_path}:\n{_errors(log_path)}")
             try:
                 with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
                     if r.status == 200:
@@ -135,6 +135,16 @@ def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+
+
+def _errors(path: Path, limit: int = 12) -> str:
+    """The distinct exception lines of a log: where the root cause is named."""
+    seen: list[str] = []
+    for line in path.read_text(errors="replace").splitlines():
+        text = line.split("] ", 1)[-1].strip()
+        if ("Error:" in text or "Exception:" in text) and text not in seen:
+            seen.append(text)
+    return "\n".join(seen[:limit]) or _tail(path)
 
 
 def _tail(path: Path, lines: int = 30) -> str:

@@ -33,12 +33,34 @@ COUNTERS = {
 }
 
 
+# histogram name -> (help text, buckets)
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0)
+HISTOGRAMS = {
+    "offload_latency_seconds": ("Time from posting an offload (device->host) transfer "
+                                "to its completion, per transfer", _LATENCY_BUCKETS),
+    "onboard_latency_seconds": ("Time from posting an onboard (host->device) transfer "
+                                "to its completion, per transfer", _LATENCY_BUCKETS),
+}
+
+# gauge name -> help text
+GAUGES = {
+    "host_cache_used_blocks": "Host-tier blocks holding or receiving KV",
+    "host_cache_capacity_blocks": "Host-tier capacity in blocks",
+    "host_cache_used_bytes": "Host-tier bytes holding or receiving KV (per worker)",
+    "host_cache_capacity_bytes": "Host-tier capacity in bytes (per worker)",
+}
+
+
 class KVBMStats:
     """Scheduler-side accumulator; ``take`` returns and clears the deltas."""
 
     def __init__(self) -> None:
         self.delta: Counter = Counter()
         self.total: Counter = Counter()
+        self.samples: dict[str, list[float]] = {}
+        self.gauges: dict[str, float] = {}
+        self._sent_gauges: dict[str, float] = {}
 
     def add(self, name: str, value: int = 1) -> None:
         assert name in COUNTERS, name
@@ -46,26 +68,52 @@ class KVBMStats:
             self.delta[name] += value
             self.total[name] += value
 
-    def take(self) -> dict[str, int]:
-        delta, self.delta = dict(self.delta), Counter()
-        return delta
+    def observe(self, name: str, values: list[float]) -> None:
+        assert name in HISTOGRAMS, name
+        if values:
+            self.samples.setdefault(name, []).extend(values)
+
+    def set_gauge(self, name: str, value: float) -> None:
+        assert name in GAUGES, name
+        self.gauges[name] = value
+
+    def take(self) -> dict[str, Any]:
+        """The payload of one ``KVBMConnectorStats``; empty when nothing changed."""
+        data: dict[str, Any] = {}
+        if self.delta:
+            data["counters"], self.delta = dict(self.delta), Counter()
+        if self.samples:
+            data["histograms"], self.samples = self.samples, {}
+        if self.gauges != self._sent_gauges:
+            data["gauges"] = dict(self.gauges)
+            self._sent_gauges = dict(self.gauges)
+        return data
 
 
 @dataclass
 class KVBMConnectorStats(KVConnectorStats):
+    """``data`` is ``{"counters": {..}, "histograms": {..: [..]}, "gauges": {..}}``."""
+
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "KVBMConnectorStats":
-        for name, value in other.data.items():
-            self.data[name] = self.data.get(name, 0) + value
+        for name, value in other.data.get("counters", {}).items():
+            counters = self.data.setdefault("counters", {})
+            counters[name] = counters.get(name, 0) + value
+        for name, values in other.data.get("histograms", {}).items():
+            self.data.setdefault("histograms", {}).setdefault(name, []).extend(values)
+        if "gauges" in other.data:
+            self.data.setdefault("gauges", {}).update(other.data["gauges"])
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        out: dict[str, int | float] = dict(self.data.get("counters", {}))
+        out.update(self.data.get("gauges", {}))
+        return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(self.data.get(part) for part in ("counters", "histograms", "gauges"))
 
 
 def _unregister_previous() -> None:
@@ -83,15 +131,33 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
-        self._counters = {}
-        for name, doc in COUNTERS.items():
-            metric = self._counter_cls(name=f"kvbm_{name}", documentation=doc,
-                                       labelnames=labelnames)
-            self._counters[name] = {idx: metric.labels(*values)
-                                    for idx, values in per_engine_labelvalues.items()}
+
+        def per_engine(metric):
+            return {idx: metric.labels(*values)
+                    for idx, values in per_engine_labelvalues.items()}
+
+        self._counters = {
+            name: per_engine(self._counter_cls(name=f"kvbm_{name}", documentation=doc,
+                                               labelnames=labelnames))
+            for name, doc in COUNTERS.items()}
+        self._histograms = {
+            name: per_engine(self._histogram_cls(name=f"kvbm_{name}", documentation=doc,
+                                                 labelnames=labelnames, buckets=buckets))
+            for name, (doc, buckets) in HISTOGRAMS.items()}
+        self._gauges = {
+            name: per_engine(self._gauge_cls(name=f"kvbm_{name}", documentation=doc,
+                                             labelnames=labelnames,
+                                             multiprocess_mode="mostrecent"))
+            for name, doc in GAUGES.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.items():
-            per_engine = self._counters.get(name)
-            if per_engine is not None and value:
-                per_engine[engine_idx].inc(value)
+        for name, value in transfer_stats_data.get("counters", {}).items():
+            if name in self._counters and value:
+                self._counters[name][engine_idx].inc(value)
+        for name, values in transfer_stats_data.get("histograms", {}).items():
+            if name in self._histograms:
+                for value in values:
+                    self._histograms[name][engine_idx].observe(value)
+        for name, value in transfer_stats_data.get("gauges", {}).items():
+            if name in self._gauges:
+                self._gauges[name][engine_idx].set(value)

@@ -102,11 +102,11 @@ class KVBMWorker:
             (meta.stores_done if ok else meta.stores_failed)[job.job_id] += 1
             if ok:
                 meta.bytes_stored += nbytes
-                meta.store_seconds += elapsed
+                meta.store_latencies.append(elapsed)
         else:
             if ok:
                 meta.bytes_loaded += nbytes
-                meta.load_seconds += elapsed
+                meta.load_latencies.append(elapsed)
             else:
                 meta.loads_failed[job.req_id] += 1
                 self._load_error_blocks.update(job.block_ids)
@@ -151,7 +151,7 @@ class KVBMWorker:
 
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         meta, self._meta = self._meta, KVBMWorkerMetadata()
-        if meta.is_empty() and not meta.bytes_loaded:
+        if meta.is_empty() and not meta.bytes_loaded and not meta.load_latencies:
             return None
         return meta
 
