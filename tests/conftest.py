@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvbm.server import kvbm_transfer_config  # noqa: F401 (used by tests)
+from vllm_kvbm.server import free_port, kvbm_transfer_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("KVBM_TEST_MODEL", ROOT / "models" / "kvbm-llama-8l"))
@@ -64,9 +64,15 @@ def plain_llm(model_dir):
     llm.llm_engine.engine_core.shutdown()
 
 
+# The kvbm engine also serves its metrics on a standalone port.
+KVBM_METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="session")
 def kvbm_llm(model_dir):
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS))
+    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
+                                        metrics_port=KVBM_METRICS_PORT,
+                                        metrics_host="127.0.0.1"))
     yield llm
     llm.llm_engine.engine_core.shutdown()
 

@@ -43,8 +43,9 @@ def test_defaults():
     assert cfg == KVBMConfig()
     assert cfg.host_cache_bytes == 4 * GiB and cfg.host_cache_blocks is None
     assert cfg.nixl_backend == "UCX" and cfg.namespace == ""
-    assert config_keys() == ["host_cache_blocks", "host_cache_size", "namespace",
-                             "nixl_backend", "offload_decode_blocks"]
+    assert config_keys() == ["host_cache_blocks", "host_cache_size", "metrics_host",
+                             "metrics_port", "namespace", "nixl_backend",
+                             "offload_decode_blocks"]
 
 
 def _err(extra, **env) -> str:
@@ -57,7 +58,7 @@ def test_unknown_key_did_you_mean():
     msg = _err({"host_cache_sise": "1GiB"})
     assert "unknown key 'host_cache_sise'" in msg
     assert "did you mean 'host_cache_size'?" in msg
-    assert "Valid keys: host_cache_blocks, host_cache_size, namespace, nixl_backend" in msg
+    assert "Valid keys: host_cache_blocks, host_cache_size, metrics_host" in msg
     msg = _err({"zzz": 1})
     assert "unknown key 'zzz'" in msg and "did you mean" not in msg and "Valid keys" in msg
 
@@ -201,3 +202,12 @@ def test_offload_decode_blocks_rejects_other_text():
         load_config({"offload_decode_blocks": "sometimes"})
     with pytest.raises(KVBMConfigError, match="KVBM_OFFLOAD_DECODE_BLOCKS"):
         load_config({}, {"KVBM_OFFLOAD_DECODE_BLOCKS": "maybe"})
+
+
+def test_metrics_port_validation():
+    assert load_config({"metrics_port": "6880"}).metrics_port == 6880
+    assert load_config({}, {"DYN_KVBM_METRICS_PORT": "6881"}).metrics_port == 6881
+    with pytest.raises(KVBMConfigError, match="metrics_port: 70000 is not a TCP port"):
+        load_config({"metrics_port": 70000})
+    with pytest.raises(KVBMConfigError, match="metrics_port: expected an integer"):
+        load_config({"metrics_port": "http"})

@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from conftest import BLOCK_SIZE, HOST_BLOCKS, kvbm_counter, random_prompt
+import urllib.request
+
+from conftest import BLOCK_SIZE, HOST_BLOCKS, KVBM_METRICS_PORT, kvbm_counter, random_prompt
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -124,3 +126,22 @@ def test_filling_host_tier_evicts_lru_and_stays_correct(kvbm_llm, plain_llm):
     kvbm_llm.reset_prefix_cache()
     got, cached = generate(kvbm_llm, [prompts[0]])
     assert got == [want[0]] and cached[0] == 0
+
+
+def test_standalone_metrics_port_agrees_with_vllm_metrics(kvbm_llm):
+    prompt = random_prompt(700, seed=700)
+    generate(kvbm_llm, [prompt])
+    kvbm_llm.reset_prefix_cache()
+    generate(kvbm_llm, [prompt])
+    generate(kvbm_llm, [[5] * 20], max_tokens=2)  # one more step flushes the stats
+
+    url = f"http://127.0.0.1:{KVBM_METRICS_PORT}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line.startswith("kvbm_") and " " in line}
+    assert values["kvbm_onboard_blocks_h2d_total"] >= 5
+    assert values["kvbm_onboard_blocks_h2d_total"] == kvbm_counter("onboard_blocks_h2d")
+    assert values["kvbm_offload_blocks_d2h_total"] == kvbm_counter("offload_blocks_d2h")
+    assert values["kvbm_onboard_latency_seconds_count"] >= 1
+    assert values["kvbm_host_cache_capacity_blocks"] == HOST_BLOCKS
+    assert 0 < values["kvbm_host_cache_used_blocks"] <= HOST_BLOCKS

@@ -76,6 +76,13 @@ def _parse_bool(key: str, value: Any) -> bool:
     raise KVBMConfigError(f"{key}: expected true or false, got {value!r}")
 
 
+def _parse_port(key: str, value: Any) -> int:
+    port = _parse_int(key, value, 1)
+    if port > 65535:
+        raise KVBMConfigError(f"{key}: {port} is not a TCP port; use 1..65535")
+    return port
+
+
 def _parse_str(key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise KVBMConfigError(f"{key}: expected a string, got {value!r}")
@@ -99,6 +106,10 @@ class KVBMConfig:
     # turn's prefill offloads them anyway, and decode-computed KV may round
     # differently from a prefill of the same tokens.
     offload_decode_blocks: bool = False
+    # Serve the kvbm_* metrics on their own HTTP port from the engine process
+    # (offline LLM use, where there is no vllm serve /metrics). None: off.
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
     # NIXL backend moving pages between the engine's KV cache and the host tier.
     nixl_backend: str = "UCX"
     # Extra text mixed into every block key: engines that must never share
@@ -125,6 +136,8 @@ _KEYS = {
     "host_cache_size": ("host_cache_bytes", parse_size),
     "host_cache_blocks": ("host_cache_blocks", lambda k, v: _parse_int(k, v, 1)),
     "offload_decode_blocks": ("offload_decode_blocks", _parse_bool),
+    "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
+    "metrics_host": ("metrics_host", lambda k, v: _parse_str(k, v)),
     "nixl_backend": ("nixl_backend", lambda k, v: _parse_choice(k, v, ("UCX", "POSIX"))),
     "namespace": ("namespace", lambda k, v: _parse_str(k, v)),
 }
@@ -137,6 +150,9 @@ _ENV = {
     "KVBM_HOST_CACHE_BLOCKS": ("host_cache_blocks", str),
     "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": ("host_cache_blocks", str),
     "KVBM_OFFLOAD_DECODE_BLOCKS": ("offload_decode_blocks", str),
+    "KVBM_METRICS_PORT": ("metrics_port", str),
+    "DYN_KVBM_METRICS_PORT": ("metrics_port", str),
+    "KVBM_METRICS_HOST": ("metrics_host", str),
     "KVBM_NIXL_BACKEND": ("nixl_backend", str),
     "KVBM_NAMESPACE": ("namespace", str),
 }

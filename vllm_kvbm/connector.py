@@ -11,6 +11,7 @@ to ``KVBMScheduler``, and a worker-role one per worker, which delegates to
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from vllm_kvbm.config import load_config
 from vllm_kvbm.engine_info import engine_info
 from vllm_kvbm.metadata import KVBMConnectorMetadata
 from vllm_kvbm.scheduler import KVBMScheduler
-from vllm_kvbm.stats import KVBMConnectorStats, KVBMPromMetrics
+from vllm_kvbm.stats import KVBMConnectorStats, KVBMPromMetrics, StandaloneMetrics
 from vllm_kvbm.worker import KVBMWorker
 
 if TYPE_CHECKING:
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+logger = logging.getLogger(__name__)
 
 
 class KVBMConnector(KVConnectorBase_V1):
@@ -58,10 +62,25 @@ class KVBMConnector(KVConnectorBase_V1):
         self.worker: KVBMWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.sched = KVBMScheduler(self.info, num_slots,
-                                       self.config.offload_decode_blocks)
+                                       self.config.offload_decode_blocks,
+                                       metrics_sink=self._standalone_metrics())
         else:
             self.worker = KVBMWorker(self.info, num_slots, self.config.nixl_backend,
                                      agent_name=f"kvbm-{os.getpid()}")
+
+    def _standalone_metrics(self) -> StandaloneMetrics | None:
+        port = self.config.metrics_port
+        if port is None:
+            return None
+        try:
+            sink = StandaloneMetrics(port, self.config.metrics_host)
+        except OSError as err:
+            # Metrics must never take the engine down: serve without them.
+            logger.warning("KVBM: metrics_port %d unavailable (%s); kvbm_* metrics "
+                           "stay on vLLM's /metrics only", port, err)
+            return None
+        logger.info("KVBM: metrics on http://%s:%d/metrics", self.config.metrics_host, port)
+        return sink
 
     # ---- worker side ------------------------------------------------------
 

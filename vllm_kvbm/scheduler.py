@@ -57,12 +57,12 @@ class _StoreJob:
 
 class KVBMScheduler:
     def __init__(self, info: "EngineInfo", num_host_slots: int,
-                 offload_decode_blocks: bool = False):
+                 offload_decode_blocks: bool = False, metrics_sink=None):
         self.info = info
         self.offload_decode_blocks = offload_decode_blocks
         self.block_size = info.block_size
         self.host = SlotIndex(num_host_slots)
-        self.stats = KVBMStats()
+        self.stats = KVBMStats(metrics_sink)
         self._seed = info.key_namespace.seed()
         self._reqs: dict[str, _ReqState] = {}
         self._store_jobs: dict[int, _StoreJob] = {}

@@ -53,9 +53,14 @@ GAUGES = {
 
 
 class KVBMStats:
-    """Scheduler-side accumulator; ``take`` returns and clears the deltas."""
+    """Scheduler-side accumulator; ``take`` returns and clears the deltas.
 
-    def __init__(self) -> None:
+    With a ``sink`` (the standalone exporter) every update is also applied to
+    it directly, independent of vLLM's stat logging.
+    """
+
+    def __init__(self, sink: "StandaloneMetrics | None" = None) -> None:
+        self.sink = sink
         self.delta: Counter = Counter()
         self.total: Counter = Counter()
         self.samples: dict[str, list[float]] = {}
@@ -67,15 +72,22 @@ class KVBMStats:
         if value:
             self.delta[name] += value
             self.total[name] += value
+            if self.sink is not None:
+                self.sink.counters[name].inc(value)
 
     def observe(self, name: str, values: list[float]) -> None:
         assert name in HISTOGRAMS, name
         if values:
             self.samples.setdefault(name, []).extend(values)
+            if self.sink is not None:
+                for value in values:
+                    self.sink.histograms[name].observe(value)
 
     def set_gauge(self, name: str, value: float) -> None:
         assert name in GAUGES, name
         self.gauges[name] = value
+        if self.sink is not None:
+            self.sink.gauges[name].set(value)
 
     def take(self) -> dict[str, Any]:
         """The payload of one ``KVBMConnectorStats``; empty when nothing changed."""
@@ -161,3 +173,28 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
         for name, value in transfer_stats_data.get("gauges", {}).items():
             if name in self._gauges:
                 self._gauges[name][engine_idx].set(value)
+
+
+class StandaloneMetrics:
+    """The kvbm_* metrics on their own port, in a private registry.
+
+    For offline ``vllm.LLM`` use (and engines started without stat logging):
+    the scheduler process serves them at http://HOST:PORT/metrics.
+    """
+
+    def __init__(self, port: int, host: str = "0.0.0.0"):
+        from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                                       start_http_server)
+
+        self.registry = CollectorRegistry()
+        self.counters = {name: Counter(f"kvbm_{name}", doc, registry=self.registry)
+                         for name, doc in COUNTERS.items()}
+        self.histograms = {name: Histogram(f"kvbm_{name}", doc, buckets=buckets,
+                                           registry=self.registry)
+                           for name, (doc, buckets) in HISTOGRAMS.items()}
+        self.gauges = {name: Gauge(f"kvbm_{name}", doc, registry=self.registry)
+                       for name, doc in GAUGES.items()}
+        self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def close(self) -> None:
+        self.server.shutdown()
