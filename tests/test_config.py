@@ -43,9 +43,10 @@ def test_defaults():
     assert cfg == KVBMConfig()
     assert cfg.host_cache_bytes == 4 * GiB and cfg.host_cache_blocks is None
     assert cfg.nixl_backend == "UCX" and cfg.namespace == ""
-    assert config_keys() == ["host_cache_blocks", "host_cache_size", "metrics_host",
-                             "metrics_port", "namespace", "nixl_backend",
-                             "offload_decode_blocks"]
+    assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
+                             "disk_cache_size", "host_cache_blocks", "host_cache_size",
+                             "metrics_host", "metrics_port", "namespace", "nixl_backend",
+                             "offload_decode_blocks", "remote_timeout_s", "remote_url"]
 
 
 def _err(extra, **env) -> str:
@@ -58,7 +59,7 @@ def test_unknown_key_did_you_mean():
     msg = _err({"host_cache_sise": "1GiB"})
     assert "unknown key 'host_cache_sise'" in msg
     assert "did you mean 'host_cache_size'?" in msg
-    assert "Valid keys: host_cache_blocks, host_cache_size, metrics_host" in msg
+    assert "Valid keys: disk_admission, disk_admission_min_uses, disk_cache_dir" in msg
     msg = _err({"zzz": 1})
     assert "unknown key 'zzz'" in msg and "did you mean" not in msg and "Valid keys" in msg
 
@@ -211,3 +212,39 @@ def test_metrics_port_validation():
         load_config({"metrics_port": 70000})
     with pytest.raises(KVBMConfigError, match="metrics_port: expected an integer"):
         load_config({"metrics_port": "http"})
+
+
+def test_disk_cache_dir_must_exist_and_be_writable(tmp_path):
+    assert load_config({"disk_cache_dir": str(tmp_path)}).disk_cache_dir == str(tmp_path)
+    missing = tmp_path / "nope"
+    with pytest.raises(KVBMConfigError, match=r"disk_cache_dir: directory .* does not exist; "
+                                              r"create it \(mkdir -p"):
+        load_config({"disk_cache_dir": str(missing)})
+    with pytest.raises(KVBMConfigError, match="KVBM_DISK_CACHE_DIR"):
+        load_config({}, {"KVBM_DISK_CACHE_DIR": str(missing)})
+
+
+def test_disk_tier_too_small_for_one_block(tmp_path):
+    cfg = load_config({"disk_cache_dir": str(tmp_path), "disk_cache_size": "1MiB"})
+    with pytest.raises(KVBMConfigError, match="disk_cache_size: .* cannot hold one KV block"):
+        cfg.disk_blocks(2 << 20)
+    assert load_config({"disk_cache_dir": str(tmp_path),
+                        "disk_cache_size": "1GiB"}).disk_blocks(2 << 20) > 400
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1234", "lm://host", "lm://h:0", "redis://h:1"])
+def test_remote_url_must_be_an_lmcache_server(url):
+    with pytest.raises(KVBMConfigError, match=r'remote_url: .* write it as "lm://HOST:PORT"'):
+        load_config({"remote_url": url})
+
+
+@pytest.mark.parametrize("raw", [0, -1, "soon", float("nan"), True])
+def test_remote_timeout_must_be_positive_seconds(raw):
+    with pytest.raises(KVBMConfigError, match="remote_timeout_s"):
+        load_config({"remote_timeout_s": raw})
+
+
+def test_disk_admission_choices():
+    assert load_config({"disk_admission": "Frequency"}).disk_admission == "frequency"
+    with pytest.raises(KVBMConfigError, match="disk_admission: 'lru' is not one of"):
+        load_config({"disk_admission": "lru"})

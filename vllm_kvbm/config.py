@@ -76,6 +76,39 @@ def _parse_bool(key: str, value: Any) -> bool:
     raise KVBMConfigError(f"{key}: expected true or false, got {value!r}")
 
 
+def _parse_dir(key: str, value: Any) -> str:
+    path = _parse_str(key, value)
+    if not os.path.isdir(path):
+        raise KVBMConfigError(
+            f"{key}: directory {path!r} does not exist; create it (mkdir -p {path}) "
+            f"or set {key} to an existing directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise KVBMConfigError(
+            f"{key}: directory {path!r} is not writable by this process; fix its "
+            f"permissions or set {key} to a writable directory")
+    return os.path.abspath(path)
+
+
+def _parse_remote_url(key: str, value: Any) -> str:
+    url = _parse_str(key, value)
+    m = re.match(r"^lm://([^:/]+):([0-9]+)$", url)
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise KVBMConfigError(
+            f"{key}: {url!r} is not an LMCache server URL; write it as "
+            f"\"lm://HOST:PORT\" (start one with: python -m lmcache.v1.server HOST PORT)")
+    return url
+
+
+def _parse_seconds(key: str, value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise KVBMConfigError(f"{key}: expected a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
+        raise KVBMConfigError(f"{key}: must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 def _parse_port(key: str, value: Any) -> int:
     port = _parse_int(key, value, 1)
     if port > 65535:
@@ -106,6 +139,19 @@ class KVBMConfig:
     # turn's prefill offloads them anyway, and decode-computed KV may round
     # differently from a prefill of the same tokens.
     offload_decode_blocks: bool = False
+    # Local-disk tier (LMCache's disk backend): directory (None: no disk tier),
+    # capacity per worker, and which blocks are written there.
+    disk_cache_dir: str | None = None
+    disk_cache_bytes: int = 16 * 1024**3
+    # "always": every offloaded block; "frequency": blocks used at least
+    # disk_admission_min_uses times (a stored prefix seen again), as Dynamo's
+    # frequency filter, so one-off prompts don't churn the disk.
+    disk_admission: str = "always"
+    disk_admission_min_uses: int = 2
+    # Remote tier: LMCache's cache server ("lm://host:port"; None: no remote).
+    remote_url: str | None = None
+    # Bound on every remote call; a slower or dead server is a miss.
+    remote_timeout_s: float = 2.0
     # Serve the kvbm_* metrics on their own HTTP port from the engine process
     # (offline LLM use, where there is no vllm serve /metrics). None: off.
     metrics_port: int | None = None
@@ -115,6 +161,20 @@ class KVBMConfig:
     # Extra text mixed into every block key: engines that must never share
     # cached KV (e.g. different fine-tunes under one name) set different ones.
     namespace: str = ""
+
+    def disk_blocks(self, block_bytes: int) -> int:
+        """Whole blocks the disk tier holds (0 when there is no disk tier)."""
+        if self.disk_cache_dir is None:
+            return 0
+        # Each page is stored with a small header in 4 KiB-rounded files.
+        per_block = block_bytes + 8192
+        blocks = self.disk_cache_bytes // per_block
+        if blocks < 1:
+            raise KVBMConfigError(
+                f"disk_cache_size: {self.disk_cache_bytes} bytes cannot hold one KV block "
+                f"of this model ({per_block} bytes with its header); set disk_cache_size "
+                f"to at least {per_block} bytes")
+        return blocks
 
     def host_slots(self, block_bytes: int) -> int:
         """Number of whole blocks the host tier holds; at least one or an error."""
@@ -136,6 +196,13 @@ _KEYS = {
     "host_cache_size": ("host_cache_bytes", parse_size),
     "host_cache_blocks": ("host_cache_blocks", lambda k, v: _parse_int(k, v, 1)),
     "offload_decode_blocks": ("offload_decode_blocks", _parse_bool),
+    "disk_cache_dir": ("disk_cache_dir", lambda k, v: _parse_dir(k, v)),
+    "disk_cache_size": ("disk_cache_bytes", parse_size),
+    "disk_admission": ("disk_admission",
+                       lambda k, v: _parse_choice(k, v, ("ALWAYS", "FREQUENCY")).lower()),
+    "disk_admission_min_uses": ("disk_admission_min_uses", lambda k, v: _parse_int(k, v, 1)),
+    "remote_url": ("remote_url", lambda k, v: _parse_remote_url(k, v)),
+    "remote_timeout_s": ("remote_timeout_s", lambda k, v: _parse_seconds(k, v)),
     "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
     "metrics_host": ("metrics_host", lambda k, v: _parse_str(k, v)),
     "nixl_backend": ("nixl_backend", lambda k, v: _parse_choice(k, v, ("UCX", "POSIX"))),
@@ -150,6 +217,14 @@ _ENV = {
     "KVBM_HOST_CACHE_BLOCKS": ("host_cache_blocks", str),
     "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": ("host_cache_blocks", str),
     "KVBM_OFFLOAD_DECODE_BLOCKS": ("offload_decode_blocks", str),
+    "KVBM_DISK_CACHE_DIR": ("disk_cache_dir", str),
+    "DYN_KVBM_DISK_CACHE_DIR": ("disk_cache_dir", str),
+    "KVBM_DISK_CACHE_SIZE": ("disk_cache_size", str),
+    "KVBM_DISK_CACHE_GB": ("disk_cache_size", lambda v: f"{v}GB"),
+    "DYN_KVBM_DISK_CACHE_GB": ("disk_cache_size", lambda v: f"{v}GB"),
+    "KVBM_DISK_ADMISSION": ("disk_admission", str),
+    "KVBM_REMOTE_URL": ("remote_url", str),
+    "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),
     "DYN_KVBM_METRICS_PORT": ("metrics_port", str),
     "KVBM_METRICS_HOST": ("metrics_host", str),

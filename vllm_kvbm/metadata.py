@@ -19,6 +19,19 @@ class TransferJob:
     req_id: str
     block_ids: list[int]
     slots: list[int]
+    # Loads only: pages to fetch from a lower tier into their host slot first,
+    # as (index into block_ids/slots, tier name, block key).
+    fetch: list[tuple[int, str, bytes]] = field(default_factory=list)
+
+
+@dataclass
+class SpillJob:
+    """Write-through of a ready host slot to lower tiers (disk, remote)."""
+
+    job_id: int
+    key: bytes
+    slot: int
+    tiers: list[str]
 
 
 @dataclass
@@ -33,6 +46,8 @@ class KVBMConnectorMetadata(KVConnectorMetadata):
     # finished requests whose blocks stay allocated until their stores finish;
     # the worker reports each one in finished_sending when that happens
     delayed_free_req_ids: list[str] = field(default_factory=list)
+    # host slots to copy down to the disk / remote tiers
+    spills: list[SpillJob] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +61,13 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     loads_failed: Counter = field(default_factory=Counter)
     bytes_stored: int = 0
     bytes_loaded: int = 0
+    # spill job id -> workers that copied the slot (the slot may be reused)
+    spills_done: Counter = field(default_factory=Counter)
+    # (tier, outcome) -> pages: fetch outcomes ("ok", "miss", "corrupt",
+    # "error") and spill outcomes ("stored", "refused")
+    tier_events: Counter = field(default_factory=Counter)
+    # (tier, key) of pages found missing or corrupt (removed from the tier)
+    bad_pages: list[tuple[str, bytes]] = field(default_factory=list)
     # seconds from post to completion, one entry per transfer
     store_latencies: list[float] = field(default_factory=list)
     load_latencies: list[float] = field(default_factory=list)
@@ -56,6 +78,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             stores_done=self.stores_done + other.stores_done,
             stores_failed=self.stores_failed + other.stores_failed,
             loads_failed=self.loads_failed + other.loads_failed,
+            spills_done=self.spills_done + other.spills_done,
+            tier_events=self.tier_events + other.tier_events,
+            bad_pages=self.bad_pages + other.bad_pages,
             bytes_stored=self.bytes_stored + other.bytes_stored,
             bytes_loaded=self.bytes_loaded + other.bytes_loaded,
             store_latencies=self.store_latencies + other.store_latencies,
@@ -63,4 +88,5 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
         )
 
     def is_empty(self) -> bool:
-        return not (self.stores_done or self.stores_failed or self.loads_failed)
+        return not (self.stores_done or self.stores_failed or self.loads_failed
+                    or self.spills_done or self.tier_events)

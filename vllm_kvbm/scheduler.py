@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvbm.keys import BlockKey, KeyChain, request_salt
-from vllm_kvbm.metadata import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
+from vllm_kvbm.metadata import (KVBMConnectorMetadata, KVBMWorkerMetadata, SpillJob,
+                                TransferJob)
 from vllm_kvbm.slot_index import SlotIndex
 from vllm_kvbm.stats import KVBMStats
+from vllm_kvbm.tier_policy import LowerTiers
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -39,8 +41,13 @@ class _ReqState:
     store_jobs: set[int] = field(default_factory=set)
     # set between get_num_new_matched_tokens and update_state_after_alloc
     local_hit_blocks: int = 0
+    # where each block of the last lookup's hit lives ("host", "disk", ...)
+    hit_sources: list[str] = field(default_factory=list)
     # keys pinned by the in-flight load, unpinned when it finishes
     load_keys: list[BlockKey] = field(default_factory=list)
+    # keys of the in-flight load fetched from a lower tier into fresh host
+    # slots (promotion): committed to the host tier when the load succeeds
+    promoted: list[tuple[BlockKey, str]] = field(default_factory=list)
     finished: bool = False
     counted_lookup: bool = False
 
@@ -57,9 +64,14 @@ class _StoreJob:
 
 class KVBMScheduler:
     def __init__(self, info: "EngineInfo", num_host_slots: int,
-                 offload_decode_blocks: bool = False, metrics_sink=None):
+                 offload_decode_blocks: bool = False, metrics_sink=None,
+                 lower: LowerTiers | None = None):
         self.info = info
         self.offload_decode_blocks = offload_decode_blocks
+        # disk / remote tiers below the host tier (empty: host tier only)
+        self.lower = lower or LowerTiers([])
+        self._spills: list[SpillJob] = []
+        self._pending_spills: dict[int, list] = {}  # job id -> [key, workers left]
         self.block_size = info.block_size
         self.host = SlotIndex(num_host_slots)
         self.stats = KVBMStats(metrics_sink)
@@ -113,14 +125,41 @@ class KVBMScheduler:
         if start >= max_blocks:
             return 0, False
         keys = self._keys(state, max_blocks * self.block_size)
-        hit = self.host.count_ready(keys[start:max_blocks])
+        state.hit_sources = self._lookup(keys[start:max_blocks])
+        hit = len(state.hit_sources)
         if not state.counted_lookup:  # vLLM may ask again for the same request
             state.counted_lookup = True
             self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
             self.stats.add("matched_tokens", hit * self.block_size)
+            for source in state.hit_sources:
+                self.stats.add(f"matched_tokens_{source}", self.block_size)
         if hit == 0:
             return 0, False
         return hit * self.block_size, True
+
+    def _lookup(self, keys: list[BlockKey]) -> list[str]:
+        """Tier of each block of the longest prefix held across all tiers.
+
+        Blocks found below the host tier are loaded through a fresh host slot
+        each, so the prefix is cut where no slot would be free for them.
+        """
+        sources: list[str] = []
+        room = None  # host slots left for promotions, computed when needed
+        for key in keys:
+            if self.host.is_ready(key):
+                sources.append("host")
+                continue
+            if key in self.host or not self.lower:
+                break  # being stored or promoted right now: don't fetch it twice
+            if room is None:
+                # Pinning the host hits for the load makes them unevictable.
+                room = self.host.available() - sources.count("host")
+            tier = self.lower.find(key) if room > 0 else None
+            if tier is None:
+                break
+            sources.append(tier)
+            room -= 1
+        return sources
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
@@ -131,20 +170,37 @@ class KVBMScheduler:
         count = num_external_tokens // self.block_size
         keys = state.chain.keys[start:start + count]
         block_ids = blocks.get_block_ids()[0][start:start + count]
-        assert len(keys) == len(block_ids) == count
-        slots = self.host.pin(keys)
-        state.load_keys = keys
-        # The loaded blocks are already in the host tier: never store them again.
+        sources = state.hit_sources[:count]
+        assert len(keys) == len(block_ids) == len(sources) == count
+        # Pin the host hits first, so promotions below cannot evict them.
+        host_keys = [k for k, src in zip(keys, sources) if src == "host"]
+        host_slots = iter(self.host.pin(host_keys))
+        job = TransferJob(next(self._job_ids), request.request_id, block_ids, [])
+        for i, (key, src) in enumerate(zip(keys, sources)):
+            if src == "host":
+                job.slots.append(next(host_slots))
+                continue
+            slot = self.host.allocate(key) if key not in self.host else None
+            if slot is None:
+                # Lookup saw room, but another request's load took it this
+                # step: fail this load so vLLM recomputes (never waits).
+                slot = -1
+            else:
+                state.promoted.append((key, src))
+            job.slots.append(slot)
+            job.fetch.append((i, src, key))
+        state.load_keys = host_keys
+        # The loaded blocks are in the host tier now: never store them again.
         state.store_cursor = max(state.store_cursor, start + count)
-        self._loads.append(TransferJob(next(self._job_ids), request.request_id,
-                                       block_ids, slots))
+        self._loads.append(job)
 
     # ---- per-step metadata ------------------------------------------------
 
     def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
         meta = KVBMConnectorMetadata(loads=self._loads,
-                                     delayed_free_req_ids=self._delayed_free)
-        self._loads, self._delayed_free = [], []
+                                     delayed_free_req_ids=self._delayed_free,
+                                     spills=self._spills)
+        self._loads, self._delayed_free, self._spills = [], [], []
         for req_id in out.preempted_req_ids or ():
             state = self._reqs.get(req_id)
             if state is not None and state.store_jobs:
@@ -203,22 +259,32 @@ class KVBMScheduler:
             self.stats.observe("onboard_latency_seconds", meta.load_latencies)
             self._finish_stores(meta.stores_done, ok=True)
             self._finish_stores(meta.stores_failed, ok=False)
+            self._finish_spills(meta.spills_done)
+            self.lower.record(meta.tier_events, self.stats)
+            for tier, key in meta.bad_pages:
+                self.lower.forget(tier, key)
             failed_loads = meta.loads_failed
         for req_id in output.finished_recving or ():
             state = self._reqs.get(req_id)
-            if state is None or not state.load_keys:
+            if state is None or not (state.load_keys or state.promoted):
                 continue
             keys, state.load_keys = state.load_keys, []
+            promoted, state.promoted = state.promoted, []
             self.host.unpin(keys)
             if failed_loads.get(req_id):
                 # The bytes may be bad: forget them rather than serve them again.
-                for key in keys:
+                for key in keys + [k for k, _ in promoted]:
                     self.host.drop(key)
-                self.stats.add("load_error_blocks", len(keys))
+                self.stats.add("load_error_blocks", len(keys) + len(promoted))
                 # vLLM recomputes these blocks: store them again once it has.
                 state.store_cursor = min(state.store_cursor, state.local_hit_blocks)
             else:
-                self.stats.add("onboard_blocks_h2d", len(keys))
+                self.stats.add("onboard_blocks_h2d", len(keys) + len(promoted))
+                for key, tier in promoted:
+                    self.host.commit(key)  # promoted into the host tier
+                    self.stats.add(self.lower.onboard_counter(tier))
+                for key in keys:
+                    self._maybe_spill(key, reused=True)
             self._maybe_forget(state)
         self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
         self._evictions_seen = self.host.evictions
@@ -244,6 +310,7 @@ class KVBMScheduler:
                     self.host.drop(key)
                 else:
                     self.host.commit(key)
+                    self._maybe_spill(key, reused=False)
             if job.failed:
                 self.stats.add("store_errors")
             else:
@@ -253,8 +320,28 @@ class KVBMScheduler:
                 state.store_jobs.discard(job_id)
                 self._maybe_forget(state)
 
+    def _maybe_spill(self, key: BlockKey, reused: bool) -> None:
+        """Write-through of a ready host block to the lower tiers that admit it."""
+        tiers = self.lower.admit(key, reused)
+        if not tiers or not self.host.is_ready(key):
+            return
+        slot = self.host.pin([key])[0]  # held until every worker copied it
+        job = SpillJob(next(self._job_ids), key, slot, tiers)
+        self._pending_spills[job.job_id] = [key, self.info.num_workers]
+        self._spills.append(job)
+
+    def _finish_spills(self, counts: Counter) -> None:
+        for job_id, n in counts.items():
+            pending = self._pending_spills.get(job_id)
+            if pending is None:
+                continue
+            pending[1] -= n
+            if pending[1] <= 0:
+                del self._pending_spills[job_id]
+                self.host.unpin([pending[0]])
+
     def _maybe_forget(self, state: _ReqState) -> None:
-        if state.finished and not state.store_jobs and not state.load_keys:
+        if state.finished and not (state.store_jobs or state.load_keys or state.promoted):
             self._reqs.pop(state.request.request_id, None)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
@@ -270,7 +357,8 @@ class KVBMScheduler:
         return False, None
 
     def has_pending_work(self) -> bool:
-        return bool(self._store_jobs or self._loads or self._delayed_free)
+        return bool(self._store_jobs or self._loads or self._delayed_free
+                    or self._spills or self._pending_spills)
 
     def reset_cache(self) -> int:
         dropped = self.host.clear()

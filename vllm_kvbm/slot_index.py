@@ -44,6 +44,11 @@ class SlotIndex:
     def used_slots(self) -> int:
         return self.num_slots - len(self._free)
 
+    def available(self) -> int:
+        """Slots a store or promotion could get now: free or evictable."""
+        return len(self._free) + sum(
+            1 for e in self._entries.values() if e.ready and not e.pins)
+
     def is_ready(self, key: BlockKey) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.ready

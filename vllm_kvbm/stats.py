@@ -30,6 +30,17 @@ COUNTERS = {
     "store_skipped_blocks": "Blocks not offloaded because every host slot was in use by transfers",
     "store_errors": "Offload transfers that failed (their blocks were not cached)",
     "load_error_blocks": "Blocks whose onboarding failed and were recomputed by vLLM",
+    "matched_tokens_host": "Matched tokens found in the host tier",
+    "matched_tokens_disk": "Matched tokens found in the disk tier",
+    "matched_tokens_remote": "Matched tokens found in the remote tier",
+    "onboard_blocks_d2d": "Blocks onboarded from the disk tier (via the host tier) into the engine",
+    "onboard_blocks_remote": "Blocks onboarded from the remote tier (via the host tier) into the engine",
+    "offload_blocks_h2d": "Blocks written from the host tier to the disk tier",
+    "offload_blocks_remote": "Blocks written from the host tier to the remote tier",
+    "tier_write_errors": "Pages a lower tier (disk or remote) refused or failed to write",
+    "tier_read_misses": "Pages expected in a lower tier that were gone when read",
+    "tier_read_errors": "Lower-tier reads that failed (I/O error, timeout, server down)",
+    "checksum_failures": "Pages whose bytes or key did not match their checksum; removed, recomputed",
 }
 
 

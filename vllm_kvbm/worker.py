@@ -9,7 +9,9 @@ step's ``get_finished`` polls them and reports what completed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,6 +22,7 @@ from vllm_kvbm.page_mover import PageMover
 
 if TYPE_CHECKING:
     from vllm_kvbm.engine_info import EngineInfo
+    from vllm_kvbm.tier_store import TierStore
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,16 @@ class KVBMWorker:
         self._load_error_blocks: set[int] = set()
         self._meta = KVBMWorkerMetadata()
         self._finished_recving: set[str] = set()
+        # Lower tiers (disk, remote) and one I/O thread each, so a slow
+        # remote never delays a disk read and the engine thread never blocks.
+        self.tiers: dict[str, TierStore] = {}
+        self._io: dict[str, ThreadPoolExecutor] = {}
+        self._fetching: list[tuple[TransferJob, Future]] = []
+        self._writing: list[tuple[str, bytes, Future]] = []
+
+    def add_tier(self, store: "TierStore") -> None:
+        self.tiers[store.name] = store
+        self._io[store.name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{store.name}")
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         first = next(iter(kv_caches.values()))
@@ -78,12 +91,54 @@ class KVBMWorker:
 
     def start_loads(self, meta: KVBMConnectorMetadata) -> None:
         for job in meta.loads:
-            self._post(job, is_store=False)
+            if not job.fetch:
+                self._post(job, is_store=False)
+            elif any(job.slots[i] < 0 for i, _, _ in job.fetch):
+                # The scheduler had no host slot for a promotion: recompute.
+                self._complete(job, False, ok=False, started=time.perf_counter())
+            else:
+                # Lower-tier pages go into their host slots first (on the
+                # tiers' I/O threads), then the whole job is one NIXL read.
+                self._fetching.append((job, self._submit_fetch(job)))
+
+    def _submit_fetch(self, job: TransferJob) -> Future:
+        assert self.host_pool is not None
+        by_tier: dict[str, list[tuple[int, bytes]]] = {}
+        for i, tier, key in job.fetch:
+            by_tier.setdefault(tier, []).append((i, key))
+        # One future per tier, combined: the job is ready when all are.
+        futures = []
+        for tier, items in by_tier.items():
+            store = self.tiers.get(tier)
+
+            def fetch(store=store, tier=tier, items=items):
+                results = []
+                for i, key in items:
+                    try:
+                        status = store.get_into(key, self.host_pool[job.slots[i]])
+                    except Exception as err:  # a store must not take the engine down
+                        logger.warning("KVBM: %s read failed: %s", tier, err)
+                        status = "error"
+                    results.append((tier, key, status))
+                return results
+            futures.append(self._io[tier].submit(fetch) if store is not None
+                           else _done([(tier, key, "error") for _, key in items]))
+        return _gather(futures)
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for job in meta.stores:
             self._post(job, is_store=True)
         self._awaiting_free.update(meta.delayed_free_req_ids)
+        for spill in meta.spills:
+            assert self.host_pool is not None
+            # Copy now so the slot can be reused at once; write in background.
+            page = self.host_pool[spill.slot].clone()
+            self._meta.spills_done[spill.job_id] += 1
+            for tier in spill.tiers:
+                store = self.tiers.get(tier)
+                if store is not None:
+                    self._writing.append(
+                        (tier, spill.key, self._io[tier].submit(store.put, spill.key, page)))
 
     def handle_preemptions(self, meta: KVBMConnectorMetadata) -> None:
         """Preempted requests' blocks are reused by this very step: finish
@@ -136,7 +191,37 @@ class KVBMWorker:
             if any(match(f) for f in self._inflight):
                 time.sleep(0.0005)
 
+    def _poll_tiers(self) -> None:
+        still = []
+        for job, future in self._fetching:
+            if not future.done():
+                still.append((job, future))
+                continue
+            results = future.result()
+            bad = [(tier, key, status) for tier, key, status in results if status != "ok"]
+            for tier, key, status in results:
+                self._meta.tier_events[(tier, status)] += 1
+            if bad:
+                logger.warning("KVBM: %d of %d lower-tier pages for %s unusable (%s); "
+                               "vLLM recomputes them", len(bad), len(results), job.req_id,
+                               ", ".join(sorted({f"{t}:{s}" for t, _, s in bad})))
+                self._meta.bad_pages.extend((tier, key) for tier, key, _ in bad)
+                self._complete(job, False, ok=False, started=time.perf_counter())
+            else:
+                self._post(job, is_store=False)
+        self._fetching = still
+        writing = []
+        for tier, key, future in self._writing:
+            if future.done():
+                ok = future.result()
+                self._meta.tier_events[(tier, "stored" if ok else "refused")] += 1
+            else:
+                writing.append((tier, key, future))
+        self._writing = writing
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self._fetching or self._writing:
+            self._poll_tiers()
         if self.mover is not None and self._inflight:
             self._poll()
         storing = {f.job.req_id for f in self._inflight if f.is_store}
@@ -156,8 +241,38 @@ class KVBMWorker:
         return meta
 
     def shutdown(self) -> None:
+        for pool in self._io.values():
+            pool.shutdown(wait=True, cancel_futures=True)
+        for store in self.tiers.values():
+            store.close()
+        self.tiers, self._io = {}, {}
         if self.mover is None:
             return
         self._wait(lambda f: True)
         self.mover.close()
         self.mover = None
+
+
+def _done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def _gather(futures: list[Future]) -> Future:
+    """A future of the concatenated results of ``futures``."""
+    if len(futures) == 1:
+        return futures[0]
+    combined: Future = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_):
+        with lock:  # callbacks run on the tiers' I/O threads
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            combined.set_result([r for f in futures for r in f.result()])
+    for future in futures:
+        future.add_done_callback(one_done)
+    return combined
