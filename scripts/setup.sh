@@ -9,6 +9,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 STAMP="$VENV/.kvbm-setup-v3"
+# prometheus and docker compose for the dashboard tests (no-op when present)
+PYTHON="$PY" bash scripts/setup_tools.sh
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm" 2>/dev/null; then
   exit 0
 fi

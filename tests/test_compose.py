@@ -1,0 +1,161 @@
+"""docker-compose.yml, its .env, the Grafana provisioning and the Dockerfile's command.
+
+No Docker engine runs here: `docker compose config` (Compose v2, installed by
+scripts/setup.sh) validates and resolves the file without one, and the checks
+read its resolved JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.timeout(120)
+
+SERVICES = {"vllm", "prometheus", "grafana", "lmcache-server"}
+COMPOSE_PLUGIN = Path("/usr/local/lib/docker/cli-plugins/docker-compose")
+
+
+def dotenv() -> dict[str, str]:
+    values = {}
+    for line in (ROOT / ".env").read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def compose_command() -> list[str]:
+    for cmd in (["docker", "compose"], [str(COMPOSE_PLUGIN)], ["docker-compose"]):
+        if shutil.which(cmd[0]) is None:
+            continue
+        probe = subprocess.run([*cmd, "version"], capture_output=True, text=True)
+        if probe.returncode == 0 and "v2." in probe.stdout:
+            return cmd
+    pytest.fail("Docker Compose v2 is not installed: run scripts/setup.sh "
+                "(it installs the docker compose CLI plugin)")
+
+
+def resolved(**env) -> dict:
+    """`docker compose config` of the repo's compose file, as JSON."""
+    clean = {k: v for k, v in os.environ.items() if k not in dotenv() and
+             not k.startswith("COMPOSE_")}
+    proc = subprocess.run([*compose_command(), "config", "--format", "json"], cwd=ROOT,
+                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def kv_transfer_config(command: list[str]) -> dict:
+    return json.loads(command[command.index("--kv-transfer-config") + 1])
+
+
+def test_compose_file_resolves_with_the_four_services():
+    env = dotenv()
+    config = resolved()
+    assert set(config["services"]) == SERVICES
+
+    vllm = config["services"]["vllm"]
+    assert vllm["command"][:3] == ["vllm", "serve", env["MODEL"]]
+    assert "KVBMConnector" in " ".join(vllm["command"])
+    kv = kv_transfer_config(vllm["command"])
+    assert kv["kv_connector"] == "KVBMConnector"
+    assert kv["kv_connector_module_path"] == "vllm_kvbm.connector"
+    assert kv["kv_connector_extra_config"] == {"host_cache_size": env["KVBM_HOST_CACHE_SIZE"]}
+    from vllm_kvbm.config import load_config  # the plugin accepts that config
+
+    load_config(kv["kv_connector_extra_config"], environ={})
+    assert vllm["command"][vllm["command"].index("--port") + 1] == "8000"
+    assert vllm["build"]["context"] == str(ROOT)
+    assert (ROOT / vllm["build"]["dockerfile"]).is_file()
+    assert {(p["target"], p["published"]) for p in vllm["ports"]} == {(8000, env["VLLM_PORT"])}
+
+    lmcache = config["services"]["lmcache-server"]
+    assert lmcache["command"] == ["python", "-m", "lmcache.v1.server", "0.0.0.0",
+                                  env["LMCACHE_PORT"]]
+    assert lmcache["image"] == vllm["image"]
+
+    grafana = config["services"]["grafana"]
+    assert {(p["target"], p["published"]) for p in grafana["ports"]} == {(3000, "3001")}
+    mounts = {v["target"]: v for v in grafana["volumes"]}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    assert provisioning["type"] == "bind"
+    assert provisioning["source"] == str(ROOT / "grafana" / "provisioning")
+    assert mounts["/var/lib/grafana/dashboards"]["source"] == str(ROOT / "grafana" / "dashboards")
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
+    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == "/var/lib/grafana/dashboards/kvbm.json"
+
+    prometheus = config["services"]["prometheus"]
+    mounts = {v["target"]: v["source"] for v in prometheus["volumes"]}
+    scrape = yaml.safe_load(Path(mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"]
+               for t in sc["targets"]]
+    assert targets == ["vllm:8000"]
+
+
+def test_settings_come_from_the_environment_over_dotenv():
+    config = resolved(MODEL="/models/my-model", KVBM_HOST_CACHE_SIZE="2GiB",
+                      GRAFANA_PORT="3002")
+    command = config["services"]["vllm"]["command"]
+    assert command[2] == "/models/my-model"
+    assert kv_transfer_config(command)["kv_connector_extra_config"] == {
+        "host_cache_size": "2GiB"}
+    assert config["services"]["grafana"]["ports"][0]["published"] == "3002"
+
+
+def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
+    datasources = yaml.safe_load(
+        (ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    [source] = datasources["datasources"]
+    assert source["uid"] == "prometheus" and source["type"] == "prometheus"
+    assert source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load(
+        (ROOT / "grafana/provisioning/dashboards/kvbm.yml").read_text())
+    [provider] = providers["providers"]
+    assert provider["type"] == "file"
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_dashboard_panels_all_have_a_datasource_and_queries():
+    dashboard = json.loads((ROOT / "grafana/dashboards/kvbm.json").read_text())
+    assert dashboard["uid"] == "kvbm"
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 15
+    for panel in panels:
+        assert panel["datasource"] == {"type": "prometheus", "uid": "prometheus"}, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target["expr"].strip(), panel["title"]
+            assert target["datasource"]["uid"] == "prometheus", panel["title"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_image_default_command_serves_with_the_connector(tmp_path):
+    """deploy/serve.sh (the Dockerfile's CMD) with a stand-in `vllm` that prints its args."""
+    assert 'CMD ["bash", "deploy/serve.sh"]' in (ROOT / "Dockerfile").read_text()
+    fake = tmp_path / "vllm"
+    fake.write_text('#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "MODEL": "org/model",
+           "KVBM_HOST_CACHE_SIZE": "3GiB", "VLLM_EXTRA_ARGS": "--enforce-eager --seed 1"}
+    proc = subprocess.run(["bash", str(ROOT / "deploy/serve.sh")], env=env,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    args = json.loads(proc.stdout)
+    assert args[:2] == ["serve", "org/model"]
+    kv = kv_transfer_config(args)
+    assert kv["kv_connector"] == "KVBMConnector"
+    assert kv["kv_connector_extra_config"] == {"host_cache_size": "3GiB"}
+    assert args[-3:] == ["--enforce-eager", "--seed", "1"]
