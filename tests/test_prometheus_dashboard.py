@@ -47,7 +47,16 @@ VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*"}
 KVBM_COUNTERS = ["matched_tokens", "lookup_tokens", "offload_blocks_d2h",
                  "onboard_blocks_h2d", "offload_bytes_d2h", "onboard_bytes_h2d",
                  "host_evictions", "store_skipped_blocks", "store_errors",
-                 "load_error_blocks"]
+                 "load_error_blocks", "matched_tokens_host", "matched_tokens_disk",
+                 "matched_tokens_remote", "onboard_blocks_d2d", "onboard_blocks_remote",
+                 "offload_blocks_h2d", "offload_blocks_remote", "tier_write_errors",
+                 "tier_read_misses", "tier_read_errors", "checksum_failures"]
+# Zero in this workload: a host tier only (no disk or remote tier), never full.
+ZERO_COUNTERS = ["host_evictions", "store_skipped_blocks", "store_errors",
+                 "load_error_blocks", "matched_tokens_disk", "matched_tokens_remote",
+                 "onboard_blocks_d2d", "onboard_blocks_remote", "offload_blocks_h2d",
+                 "offload_blocks_remote", "tier_write_errors", "tier_read_misses",
+                 "tier_read_errors", "checksum_failures"]
 # Every value the checks read: from Prometheus, and from /metrics to compare.
 METRICS = ([f"kvbm_{name}_total" for name in KVBM_COUNTERS]
            + ["kvbm_offload_latency_seconds_count", "kvbm_onboard_latency_seconds_count",
@@ -281,6 +290,7 @@ def test_counters_match_the_workload(scraped):
     assert expected_onboard >= 10, (n_a, local_blocks)  # B really pushed A out
     assert v["kvbm_onboard_blocks_h2d_total"] == expected_onboard
     assert v["kvbm_matched_tokens_total"] == expected_onboard * BLOCK
+    assert v["kvbm_matched_tokens_host_total"] == expected_onboard * BLOCK
     assert v["vllm:external_prefix_cache_hits_total"] == expected_onboard * BLOCK
 
     # Looked up: every prompt token beyond the engine's own hits
@@ -297,13 +307,13 @@ def test_counters_match_the_workload(scraped):
     assert v["kvbm_offload_latency_seconds_count"] >= 1
     assert v["kvbm_onboard_latency_seconds_count"] >= 1
 
-    # Host tier: 1 GiB, holding every offloaded block; nothing evicted or failed
+    # Host tier: 1 GiB, holding every offloaded block; nothing evicted, skipped,
+    # failed, or in a lower tier
     assert v["kvbm_host_cache_capacity_bytes"] == 1 << 30
     assert v["kvbm_host_cache_capacity_blocks"] == (1 << 30) // block_bytes
     assert v["kvbm_host_cache_used_blocks"] == offloaded
     assert v["kvbm_host_cache_used_bytes"] == offloaded * block_bytes
-    for name in ("host_evictions", "store_skipped_blocks", "store_errors",
-                 "load_error_blocks"):
+    for name in ZERO_COUNTERS:
         assert v[f"kvbm_{name}_total"] == 0, name
 
 
