@@ -27,6 +27,7 @@ from vllm_kvbm.engine_info import engine_info
 from vllm_kvbm.metadata import KVBMConnectorMetadata
 from vllm_kvbm.scheduler import KVBMScheduler
 from vllm_kvbm.stats import KVBMConnectorStats, KVBMPromMetrics, StandaloneMetrics
+from vllm_kvbm.tier_policy import DiskView, LowerTiers
 from vllm_kvbm.worker import KVBMWorker
 
 if TYPE_CHECKING:
@@ -55,6 +56,14 @@ class KVBMConnector(KVConnectorBase_V1):
                  kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = load_config(self._kv_transfer_config.kv_connector_extra_config)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # vLLM reads this right after creating the scheduler's connector.
+            # A cache must never fail a request: a page that cannot be loaded
+            # (corrupt, evicted, tier down) is recomputed instead.
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+            if role == KVConnectorRole.SCHEDULER:
+                logger.info("KVBM: kv_load_failure_policy set to 'recompute': blocks "
+                            "that fail to onboard are recomputed, never an error")
         self.info = engine_info(vllm_config, kv_cache_config, self.config.namespace)
         num_slots = self.config.host_slots(self.info.block_bytes)
         self._num_blocks = kv_cache_config.num_blocks
@@ -63,10 +72,46 @@ class KVBMConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.sched = KVBMScheduler(self.info, num_slots,
                                        self.config.offload_decode_blocks,
-                                       metrics_sink=self._standalone_metrics())
+                                       metrics_sink=self._standalone_metrics(),
+                                       lower=self._lower_tier_views())
         else:
             self.worker = KVBMWorker(self.info, num_slots, self.config.nixl_backend,
                                      agent_name=f"kvbm-{os.getpid()}")
+
+    def _tier_namespace(self) -> str:
+        return self.info.key_namespace.seed().hex()
+
+    def _lower_tier_views(self) -> LowerTiers:
+        """The scheduler's read-only view of the disk and remote tiers."""
+        cfg, views = self.config, []
+        if cfg.disk_cache_dir is not None:
+            cfg.disk_blocks(self.info.block_bytes)  # fails early if too small
+            views.append(DiskView(cfg.disk_cache_dir, self._tier_namespace(),
+                                  self.info.block_bytes, self.info.key_namespace.tp_size))
+        if cfg.remote_url is not None:
+            from vllm_kvbm.tier_store import RemoteStore
+
+            # Rank 0's pages stand for all ranks in lookups; a rank missing
+            # its page fails that load, which vLLM then recomputes.
+            views.append(RemoteStore(cfg.remote_url, self.info.block_bytes,
+                                     self._tier_namespace(), 0,
+                                     self.info.key_namespace.tp_size, cfg.remote_timeout_s))
+        return LowerTiers(views, cfg.disk_admission, cfg.disk_admission_min_uses)
+
+    def _add_worker_tiers(self) -> None:
+        from vllm_kvbm.tier_store import DiskStore, RemoteStore
+
+        assert self.worker is not None
+        cfg, info = self.config, self.info
+        rank, world = _tp_rank(), info.key_namespace.tp_size
+        if cfg.disk_cache_dir is not None:
+            self.worker.add_tier(DiskStore(cfg.disk_cache_dir, cfg.disk_cache_bytes,
+                                           info.block_bytes, self._tier_namespace(),
+                                           rank, world))
+        if cfg.remote_url is not None:
+            self.worker.add_tier(RemoteStore(cfg.remote_url, info.block_bytes,
+                                             self._tier_namespace(), rank, world,
+                                             cfg.remote_timeout_s))
 
     def _standalone_metrics(self) -> StandaloneMetrics | None:
         port = self.config.metrics_port
@@ -87,6 +132,7 @@ class KVBMConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches, self._num_blocks)
+        self._add_worker_tiers()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None and isinstance(kv_connector_metadata,
@@ -185,3 +231,12 @@ class KVBMConnector(KVConnectorBase_V1):
                            per_engine_labelvalues):
         return KVBMPromMetrics(vllm_config, metric_types, labelnames,
                                per_engine_labelvalues)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # no TP group (single process): rank 0
+        return 0

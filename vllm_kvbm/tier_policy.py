@@ -9,6 +9,7 @@ scheduler sees each tier through a small read-only view with ``contains``.
 
 from __future__ import annotations
 
+import os
 from collections import Counter, OrderedDict
 from typing import Protocol
 
@@ -22,6 +23,28 @@ class TierView(Protocol):
     name: str
 
     def contains(self, key: BlockKey) -> bool: ...
+
+
+class DiskView:
+    """The disk tier as the scheduler sees it: a page exists if its file does.
+
+    The worker's store writes files atomically and LMCache's LRU deletes
+    them, so the directory itself is the index: it is exact across engine
+    restarts and needs no messages between the processes.
+    """
+
+    name = "disk"
+
+    def __init__(self, directory: str, namespace: str, block_bytes: int, world_size: int):
+        from vllm_kvbm.tier_store import disk_page_path
+
+        self._paths = [
+            (lambda key, r=rank: disk_page_path(directory, namespace, block_bytes, r,
+                                                world_size, key))
+            for rank in range(world_size)]
+
+    def contains(self, key: BlockKey) -> bool:
+        return all(os.path.exists(path(key)) for path in self._paths)
 
 
 class _BoundedCounter(OrderedDict):

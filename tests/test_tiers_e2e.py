@@ -1,0 +1,163 @@
+"""Disk and remote tiers on real engines: onboarding, restart, sharing, faults.
+
+Engine 1 has a tiny host tier, a disk directory and a remote LMCache server.
+Clearing its host tier (``reset_prefix_cache(reset_connector=True)``) leaves
+the disk and remote copies, so the next run of a prompt must come from there.
+Engine 2 starts later on the same directory and server: what it finds there
+was written by engine 1 (restart and sharing).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from test_engine_e2e import expected_hit_tokens, generate, reference
+from vllm_kvbm.server import free_port, kvbm_transfer_config
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def start_lmcache_server(port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    import socket
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("lmcache server exited at startup")
+            time.sleep(0.3)
+    proc.kill()
+    raise TimeoutError("lmcache server did not listen within 60 s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def remote():
+    port = free_port()
+    proc = start_lmcache_server(port)
+    yield {"port": port, "proc": proc}
+    stop(proc)
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("kvbm-disk")
+
+
+def tier_config(disk_dir: Path, port: int, **extra) -> dict:
+    return kvbm_transfer_config(host_cache_blocks=40, disk_cache_dir=str(disk_dir),
+                                disk_cache_size="1GiB", remote_url=f"lm://127.0.0.1:{port}",
+                                remote_timeout_s=2, **extra)
+
+
+@pytest.fixture(scope="module")
+def engine1(model_dir, disk_dir, remote):
+    llm = make_llm(tier_config(disk_dir, remote["port"]))
+    yield llm
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # already shut down by the restart test
+        pass
+
+
+def clear_engine_and_host(llm) -> None:
+    """Only the disk and remote tiers keep anything after this."""
+    time.sleep(1.0)  # let write-through to disk/remote land
+    generate(llm, [[7] * 8], max_tokens=1)  # a step collects the writes' results
+    assert llm.reset_prefix_cache(reset_connector=True)
+
+
+PROMPT_DISK = random_prompt(10 * BLOCK_SIZE + 40, seed=9001)
+PROMPT_REMOTE = random_prompt(12 * BLOCK_SIZE + 5, seed=9002)
+PROMPT_FLIP = random_prompt(6 * BLOCK_SIZE + 3, seed=9003)
+
+
+def test_onboard_from_disk_equals_recompute(engine1, plain_llm):
+    want = reference(plain_llm, [PROMPT_DISK])
+    generate(engine1, [PROMPT_DISK])  # computes; host, then disk and remote
+    clear_engine_and_host(engine1)
+    before = kvbm_counter("onboard_blocks_d2d")
+    got, cached = generate(engine1, [PROMPT_DISK])
+    assert got == want
+    assert cached[0] == expected_hit_tokens(len(PROMPT_DISK))
+    assert kvbm_counter("onboard_blocks_d2d") - before == cached[0] // BLOCK_SIZE
+
+
+def test_corrupt_disk_page_is_recomputed_and_removed(engine1, plain_llm, disk_dir):
+    want = reference(plain_llm, [PROMPT_FLIP])
+    before = set(disk_dir.glob("*.pt"))
+    generate(engine1, [PROMPT_FLIP])
+    clear_engine_and_host(engine1)
+    pages = sorted(set(disk_dir.glob("*.pt")) - before)
+    assert len(pages) == len(PROMPT_FLIP) // BLOCK_SIZE
+    victim = pages[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    failures = kvbm_counter("checksum_failures")
+    got, _ = generate(engine1, [PROMPT_FLIP])
+    assert got == want
+    assert kvbm_counter("checksum_failures") - failures >= 1
+    assert not victim.exists()
+
+
+def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir, remote,
+                                                   model_dir):
+    want = reference(plain_llm, [PROMPT_DISK, PROMPT_REMOTE])
+    before = set(disk_dir.glob("*.pt"))
+    generate(engine1, [PROMPT_REMOTE])
+    clear_engine_and_host(engine1)
+    engine1.llm_engine.engine_core.shutdown()  # engine 1 exits
+
+    # PROMPT_REMOTE's pages only survive on the server: drop its disk files.
+    new_files = set(disk_dir.glob("*.pt")) - before
+    assert len(new_files) == len(PROMPT_REMOTE) // BLOCK_SIZE
+    for path in new_files:
+        path.unlink()
+
+    engine2 = make_llm(tier_config(disk_dir, remote["port"]))
+    try:
+        disk_before = kvbm_counter("matched_tokens_disk")
+        remote_before = kvbm_counter("matched_tokens_remote")
+        got, cached = generate(engine2, [PROMPT_DISK])
+        assert got == [want[0]]
+        assert cached[0] == expected_hit_tokens(len(PROMPT_DISK))  # restart: disk hit
+        assert kvbm_counter("matched_tokens_disk") - disk_before == cached[0]
+
+        got, cached = generate(engine2, [PROMPT_REMOTE])
+        assert got == [want[1]]
+        assert cached[0] == expected_hit_tokens(len(PROMPT_REMOTE))  # shared via the server
+        assert kvbm_counter("matched_tokens_remote") - remote_before == cached[0]
+
+        # The server dies: lookups and writes fail fast, outputs stay right.
+        stop(remote["proc"])
+        prompt = random_prompt(5 * BLOCK_SIZE, seed=9004)
+        want_new = reference(plain_llm, [prompt])
+        start = time.monotonic()
+        got, _ = generate(engine2, [prompt])
+        clear_engine_and_host(engine2)
+        got_again, _ = generate(engine2, [prompt])  # from disk; remote is gone
+        assert got == got_again == want_new
+        assert time.monotonic() - start < 120
+    finally:
+        engine2.llm_engine.engine_core.shutdown()
