@@ -9,10 +9,6 @@ was written by engine 1 (restart and sharing).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,34 +16,10 @@ import pytest
 
 from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate, reference
-from vllm_kvbm.server import free_port, kvbm_transfer_config
+from vllm_kvbm.server import free_port, kvbm_transfer_config, start_lmcache_server
+from vllm_kvbm.server import stop_process as stop
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def start_lmcache_server(port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", "127.0.0.1", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    import socket
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError("lmcache server exited at startup")
-            time.sleep(0.3)
-    proc.kill()
-    raise TimeoutError("lmcache server did not listen within 60 s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -152,3 +152,32 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def start_lmcache_server(port: int, host: str = "127.0.0.1",
+                         timeout: float = 60) -> subprocess.Popen:
+    """LMCache's cache server (the remote tier), listening when this returns."""
+    proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", host, str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"lmcache server exited with {proc.returncode} at startup")
+            time.sleep(0.3)
+    stop_process(proc)
+    raise TimeoutError(f"lmcache server did not listen on {host}:{port} within {timeout:.0f} s")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Kills a process started with start_new_session=True, and its children."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
