@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MODEL_DIR, ROOT
-from vllm_kvbm.server import free_port, kvbm_transfer_config, vllm_server
+from vllm_kvbm.server import free_port, kvbm_transfer_config, vllm_server, wait_for_http
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -111,21 +111,8 @@ class Prometheus:
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self.process.returncode}:\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"prometheus not ready after {timeout:.0f} s:\n"
-                                   f"{self.log_tail()}")
-            time.sleep(0.5)
+        wait_for_http(f"{self.url}/-/ready", self.process, timeout, "prometheus",
+                      on_exit=self.log_tail, on_timeout=self.log_tail)
 
     def query(self, expr: str) -> list[dict]:
         """An instant query's result vector; raises on a PromQL error."""

@@ -102,25 +102,32 @@ def vllm_server(model: str, kv_transfer_config: dict | None = None,
                             env={**os.environ, **(env or {})}, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", model, proc, log_path)
     try:
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {proc.returncode} during "
-                                   f"startup; errors in {log_path}:\n{_errors(log_path)}")
-            try:
-                with urllib.request.urlopen(f"{server.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm serve not healthy after {startup_timeout:.0f} s; "
-                                   f"log: {log_path}\n{_tail(log_path)}")
-            time.sleep(1)
+        wait_for_http(f"{server.url}/health", proc, startup_timeout, "vllm serve",
+                      on_exit=lambda: f"errors in {log_path}:\n{_errors(log_path)}",
+                      on_timeout=lambda: f"log: {log_path}\n{_tail(log_path)}")
         yield server
     finally:
         _stop(proc)
         log.close()
+
+
+def wait_for_http(url: str, proc: subprocess.Popen, timeout: float, what: str,
+                  on_exit=lambda: "", on_timeout=lambda: "") -> None:
+    """Waits until ``url`` answers 200, failing early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} during startup; "
+                               f"{on_exit()}")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout:.0f} s; {on_timeout()}")
+        time.sleep(0.5)
 
 
 def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
