@@ -93,7 +93,7 @@ def kvbm(scheduler: Scheduler):
 
 
 def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed=(),
-         finished_recving=(), finished_sending=(), invalid_block_ids=(),
+         spills_done=(), finished_recving=(), finished_sending=(), invalid_block_ids=(),
          complete: bool = False, token: int = 7):
     """One engine step: schedule, then report what the fake worker finished.
 
@@ -122,6 +122,8 @@ def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed
         worker_meta.stores_failed[job_id] += 1
     for rid in loads_failed:
         worker_meta.loads_failed[rid] += 1
+    for job_id in spills_done:
+        worker_meta.spills_done[job_id] += 1
     kv_out = KVConnectorOutput(finished_sending=set(finished_sending),
                                finished_recving=set(finished_recving),
                                invalid_block_ids=set(invalid_block_ids),

@@ -1,0 +1,148 @@
+"""Scheduler side of the lower tiers, on vLLM's real Scheduler and real files.
+
+The test plays the worker: pages are written with the worker's real
+DiskStore into the directory the scheduler's DiskView reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import torch
+from vllm.v1.request import RequestStatus
+
+from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
+from test_scheduler_unit import keys_of, run_until_done, tokens
+from vllm_kvbm.stats import KVBMStats
+from vllm_kvbm.tier_policy import LowerTiers
+
+
+class _Listed:
+    """A tier view over an explicit key set (the policy, not a store, is tested)."""
+
+    def __init__(self, name, keys=()):
+        self.name, self.keys = name, set(keys)
+
+    def contains(self, key):
+        return key in self.keys
+
+
+def test_lookup_order_is_disk_then_remote():
+    tiers = LowerTiers([_Listed("disk", {b"a"}), _Listed("remote", {b"a", b"b"})])
+    assert tiers.find(b"a") == "disk"
+    assert tiers.find(b"b") == "remote"
+    assert tiers.find(b"c") is None
+
+
+def test_admission_always_writes_each_tier_once():
+    tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "always")
+    assert tiers.admit(b"k", reused=False) == ["disk", "remote"]
+    assert tiers.admit(b"k", reused=True) == []  # written already
+    tiers.forget("disk", b"k")  # found corrupt: may be written again
+    assert tiers.admit(b"k", reused=True) == ["disk"]
+
+
+def test_frequency_admission_waits_for_the_second_use():
+    tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "frequency", disk_min_uses=2)
+    assert tiers.admit(b"k", reused=False) == ["remote"]  # first use: no disk write
+    assert tiers.admit(b"k", reused=True) == ["disk"]     # used again: now the disk
+
+
+def test_worker_events_become_counters():
+    stats = KVBMStats()
+    LowerTiers.record(Counter({("disk", "stored"): 3, ("remote", "stored"): 2,
+                               ("disk", "corrupt"): 1, ("remote", "error"): 4,
+                               ("disk", "miss"): 1, ("remote", "refused"): 5,
+                               ("disk", "ok"): 9}), stats)
+    assert stats.total == Counter(offload_blocks_h2d=3, offload_blocks_remote=2,
+                                  checksum_failures=1, tier_read_errors=4,
+                                  tier_read_misses=1, tier_write_errors=5)
+
+
+@pytest.fixture
+def disk_setup(tmp_path):
+    from vllm_kvbm.tier_store import DiskStore
+
+    sched = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(sched)
+    connector = sched.connector
+    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes,
+                      connector._tier_namespace(), 0, 1)
+    yield sched, k, store
+    store.close()
+
+
+def test_disk_pages_are_found_loaded_through_host_slots_and_promoted(disk_setup):
+    sched, k, store = disk_setup
+    prompt = tokens(3 * BLOCK + 5, 11)
+    keys = keys_of(sched, prompt)
+    page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
+    for key in keys[:2]:  # the worker wrote two of the three blocks to disk
+        assert store.put(key, page)
+    deadline = time.monotonic() + 10
+    while not all(k.lower.find(key) == "disk" for key in keys[:2]):
+        assert time.monotonic() < deadline, "disk writes never became visible"
+        time.sleep(0.05)
+
+    req = make_request(prompt, max_tokens=2)
+    sched.add_request(req)
+    _, meta, _ = step(sched)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    [load] = meta.loads
+    assert load.block_ids == block_ids(sched, req.request_id)[:2]
+    assert [(i, tier) for i, tier, _ in load.fetch] == [(0, "disk"), (1, "disk")]
+    assert [key for _, _, key in load.fetch] == keys[:2]
+    assert len(set(load.slots)) == 2 and min(load.slots) >= 0
+    assert k.stats.total["matched_tokens_disk"] == 2 * BLOCK
+    # Promoted slots are reserved, not yet visible to other lookups.
+    assert not any(k.host.is_ready(key) for key in keys[:2])
+
+    step(sched, finished_recving=[req.request_id])
+    assert all(k.host.is_ready(key) for key in keys[:2])  # promoted into the host tier
+    assert k.stats.total["onboard_blocks_d2d"] == 2
+    assert k.stats.total["onboard_blocks_h2d"] == 2
+    run_until_done(sched, req.request_id)
+
+
+def test_failed_disk_load_drops_promoted_slots(disk_setup):
+    sched, k, store = disk_setup
+    prompt = tokens(2 * BLOCK + 1, 12)
+    keys = keys_of(sched, prompt)
+    assert store.put(keys[0], torch.zeros(k.info.block_bytes, dtype=torch.uint8))
+    deadline = time.monotonic() + 10
+    while k.lower.find(keys[0]) != "disk":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    req = make_request(prompt, max_tokens=2)
+    sched.add_request(req)
+    _, meta, _ = step(sched)
+    [load] = meta.loads
+    step(sched, finished_recving=[req.request_id], loads_failed=[req.request_id],
+         invalid_block_ids=load.block_ids)
+    assert keys[0] not in k.host  # the reserved slot is free again
+    assert k.stats.total["load_error_blocks"] == 1
+    for _ in range(50):  # vLLM recomputes; a worker that completes everything
+        if req.request_id not in sched.requests:
+            break
+        step(sched, complete=True)
+    assert req.request_id not in sched.requests
+
+
+def test_stored_blocks_are_written_down_with_the_slot_pinned(disk_setup):
+    sched, k, _ = disk_setup
+    prompt = tokens(2 * BLOCK + 3, 13)
+    req = make_request(prompt, max_tokens=2)
+    sched.add_request(req)
+    _, meta, _ = step(sched)
+    [job] = meta.stores
+    _, meta, _ = step(sched, stores_done=[job.job_id])
+    keys = keys_of(sched, prompt)
+    _, meta, _ = step(sched)
+    assert [s.key for s in meta.spills] == keys
+    assert all(s.tiers == ["disk"] for s in meta.spills)
+    assert all(k.host._entries[key].pins == 1 for key in keys)  # copy not done yet
+    step(sched, spills_done=[s.job_id for s in meta.spills])  # the worker copied them
+    assert all(k.host._entries[key].pins == 0 for key in keys)
+    run_until_done(sched, req.request_id)
