@@ -53,7 +53,9 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         kv_layout=str(kv_cache_config.kv_cache_layout or ""),
         block_size=spec.block_size,
         block_bytes=spec.page_size_bytes * num_layers,
-        tp_rank=_tp_rank(),
+        # Scheduler-side keys name a block for every TP rank at once; the
+        # disk and remote stores add the rank to their own page names.
+        tp_rank=0,
         tp_size=parallel.tensor_parallel_size,
         extra=namespace,
     )
@@ -65,9 +67,3 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         key_namespace=namespace_key,
     )
 
-
-def _tp_rank() -> int:
-    # The scheduler has no TP group; keys are per rank only in the worker's
-    # stores. Tiers below the host tier (shared across ranks) add the rank
-    # themselves, so the scheduler's index is rank-independent.
-    return 0
