@@ -1,0 +1,296 @@
+"""Runs one workload against several server configurations, one after another.
+
+    kvbm-bench compare                       # the local model, all configurations
+    python -m vllm_kvbm.bench.compare --model PATH --configs vllm kvbm-host
+
+For each configuration: start ``vllm serve`` (same model, same serve args, an
+engine KV cache too small for the working set), send a warm-up request, run
+the workload, read the server's counters, stop the server. A configuration
+that fails to start (LMCache's ``LMCacheConnectorV1`` on a CPU-only machine)
+is reported with the error from its server log instead of being left out.
+Writes, under ``--out-dir``: per-configuration CSV and summary JSON, server
+logs, ``report.md`` (one comparison table) and two PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vllm_kvbm.bench.client import (add_workload_args, format_summary, run_workload,
+                                    summarize, workload_size, write_csv)
+from vllm_kvbm.server import kvbm_transfer_config, vllm_server
+
+LMCACHE_CONFIG = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+ALL_CONFIGS = ["vllm", "kvbm-host", "kvbm-host-disk", "lmcache"]
+LABELS = {
+    "vllm": "vLLM prefix caching",
+    "kvbm-host": "vLLM + KVBM (host)",
+    "kvbm-host-disk": "vLLM + KVBM (host+disk)",
+    "lmcache": "vLLM + LMCacheConnectorV1",
+}
+METRICS = {
+    "prefix_hits": "vllm:prefix_cache_hits_total",
+    "prefix_queries": "vllm:prefix_cache_queries_total",
+    "kvbm_host_tokens": "kvbm_matched_tokens_host_total",
+    "kvbm_disk_tokens": "kvbm_matched_tokens_disk_total",
+    "kvbm_onboarded_blocks": "kvbm_onboard_blocks_h2d_total",
+}
+
+
+@dataclass
+class ConfigRun:
+    name: str
+    status: str = "not run"          # ok | failed
+    error: str = ""
+    log_errors: str = ""             # distinct error lines of a server that did run
+    summary: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)
+    results: list = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def transfer_config(name: str, args, out_dir: Path) -> dict | None:
+    if name == "vllm":
+        return None
+    if name == "kvbm-host":
+        return kvbm_transfer_config(host_cache_size=args.host_cache_size)
+    if name == "kvbm-host-disk":
+        disk = out_dir / "disk-tier"
+        disk.mkdir(parents=True, exist_ok=True)
+        return kvbm_transfer_config(host_cache_blocks=args.host_disk_host_blocks,
+                                    disk_cache_dir=str(disk.resolve()),
+                                    disk_cache_size=args.disk_cache_size)
+    if name == "lmcache":
+        return dict(LMCACHE_CONFIG)
+    raise ValueError(f"unknown configuration {name!r}; choose from {ALL_CONFIGS}")
+
+
+def serve_args(args) -> list[str]:
+    """The demo's serve arguments: a small engine KV cache, eager mode."""
+    usable = (args.engine_kv_blocks - 1) * args.block_size  # one block is vLLM's null block
+    return ["--block-size", str(args.block_size),
+            "--num-gpu-blocks-override", str(args.engine_kv_blocks),
+            "--max-model-len", str(usable), "--max-num-batched-tokens", str(usable),
+            "--gpu-memory-utilization", "0.3", "--enforce-eager", "--seed", "0",
+            *args.serve_arg]
+
+
+def log_errors(path: Path, limit: int = 6) -> str:
+    """The distinct error lines of a server log, last ones first in importance."""
+    keys = ("Error", "ERROR", "error:", "No supported", "not supported", "Exception")
+    seen: list[str] = []
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", line).split("] ", 1)[-1].strip()
+        if any(k in text for k in keys) and text not in seen:
+            seen.append(text[:400])
+    return "\n".join(seen[-limit:]) or "\n".join(lines[-limit:])
+
+
+def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
+    run = ConfigRun(name)
+    log_path = out_dir / f"server-{name}.log"
+    total = workload_size(args)
+    start = time.monotonic()
+    bar.set_description(f"{name}: starting server")
+    done = [0]
+
+    def on_result(_):
+        done[0] += 1
+        bar.update(1)
+
+    try:
+        with vllm_server(args.model, transfer_config(name, args, out_dir), serve_args(args),
+                         env={"VLLM_LOGGING_LEVEL": "INFO"}, log_path=log_path,
+                         startup_timeout=args.startup_timeout) as server:
+            server.stream_completion("warm up", max_tokens=2, timeout=120)
+            before = {k: server.metric(m) for k, m in METRICS.items()}
+            bar.set_description(f"{name}: {args.workload}")
+            out = run_workload(args, server.url, args.model, tokenizer, on_result)
+            after = {k: server.metric(m) for k, m in METRICS.items()}
+            run.counters = {k: after[k] - before[k] for k in METRICS}
+        run.results = out.results
+        run.summary = summarize(out.results, out.errors)
+        run.summary["error_messages"] = out.errors[:20]
+        run.status = "ok" if out.results and not out.errors else "failed"
+        if out.errors:
+            run.error = f"{len(out.errors)} request(s) failed; first: {out.errors[0]}\n" \
+                        f"server log:\n{log_errors(log_path)}"
+    except Exception as err:  # noqa: BLE001 - reported in the table, the next config runs
+        run.status = "failed"
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        run.error = f"{type(err).__name__}: {first}\nserver log:\n{log_errors(log_path)}"
+    if run.status == "ok":
+        run.log_errors = log_errors(log_path, limit=4)
+        if name == "lmcache":  # LMCache logs its per-request lookup result
+            hits = re.findall(r"LMCache hit tokens: (\d+)", log_path.read_text(errors="replace"))
+            run.counters["lmcache_hit_tokens"] = sum(int(h) for h in hits)
+    bar.update(total - done[0])
+    run.wall_s = time.monotonic() - start
+    if run.results:
+        write_csv(out_dir / f"{name}.csv", run.results)
+    (out_dir / f"{name}.summary.json").write_text(json.dumps(
+        {"status": run.status, "error": run.error, "wall_s": run.wall_s,
+         "counters": run.counters, **run.summary}, indent=2))
+    return run
+
+
+def _ms(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1000:.0f}"
+
+
+def report(runs: list[ConfigRun], args, command: str) -> str:
+    lines = [f"# kvbm-bench compare: {args.workload}", "",
+             f"Command: `{command}`", "",
+             f"Model `{args.model}`; engine KV cache {args.engine_kv_blocks} blocks of "
+             f"{args.block_size} tokens; serve args `{' '.join(serve_args(args))}`.", ""]
+    lines += ["| configuration | status | requests | TTFT mean ms | p50 | p90 | p99 "
+              "| input tok/s | output tok/s | vLLM prefix hit rate | connector hit tokens |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        s, c = r.summary, r.counters
+        if r.status == "ok" or s:
+            hit = (f"{c['prefix_hits'] / c['prefix_queries']:.0%}"
+                   if c.get("prefix_queries") else "-")
+            kvbm = (f"host {c['kvbm_host_tokens']:.0f}, disk {c['kvbm_disk_tokens']:.0f}"
+                    if r.name.startswith("kvbm") else
+                    f"{c['lmcache_hit_tokens']}" if "lmcache_hit_tokens" in c else "-")
+            lines.append(f"| {LABELS[r.name]} | {r.status} | {s['requests']} | "
+                         f"{_ms(s['ttft_mean_s'])} | {_ms(s['ttft_p50_s'])} | "
+                         f"{_ms(s['ttft_p90_s'])} | {_ms(s['ttft_p99_s'])} | "
+                         f"{s['input_tokens_per_s']:.0f} | {s['output_tokens_per_s']:.1f} | "
+                         f"{hit} | {kvbm} |")
+        else:
+            lines.append(f"| {LABELS[r.name]} | failed: see below | 0 | - | - | - | - "
+                         f"| - | - | - | - |")
+    rounds = sorted({q for r in runs for q in r.summary.get("ttft_mean_by_round_s", {})},
+                    key=int)
+    if rounds:
+        lines += ["", "Mean TTFT (ms) per round (`question_id`):", "",
+                  "| configuration | " + " | ".join(f"round {q}" for q in rounds) + " |",
+                  "|---|" + "---:|" * len(rounds)]
+        for r in runs:
+            by = r.summary.get("ttft_mean_by_round_s", {})
+            if by:
+                lines.append(f"| {LABELS[r.name]} | "
+                             + " | ".join(_ms(by.get(q, math.nan)) for q in rounds) + " |")
+    failed = [r for r in runs if r.error]
+    for r in failed:
+        lines += ["", f"**{LABELS[r.name]}** ({r.status}, after {r.wall_s:.0f} s):", "",
+                  "```", r.error.strip(), "```"]
+    noisy = [r for r in runs if r.log_errors]
+    for r in noisy:
+        lines += ["", f"Error lines in the server log of **{LABELS[r.name]}** "
+                  "(the server ran; distinct lines, last ones):", "",
+                  "```", r.log_errors.strip(), "```"]
+    lines += ["", "Wall time per configuration (server start, warm-up, workload, stop): "
+              + ", ".join(f"{r.name} {r.wall_s:.0f} s" for r in runs) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plots(runs: list[ConfigRun], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in runs if r.results]
+    if not ok:
+        return []
+    paths = []
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=80)
+    data = [[x.ttft * 1000 for x in r.results] for r in ok]
+    ax.boxplot(data, showfliers=False)
+    ax.set_xticks(range(1, len(ok) + 1), [LABELS[r.name].replace("vLLM + ", "")
+                                          for r in ok], fontsize=8)
+    for i, d in enumerate(data, start=1):
+        ax.scatter([i + (j % 5 - 2) * 0.04 for j in range(len(d))], d, s=8, alpha=0.6)
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_title("TTFT distribution per configuration", fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / "ttft_distribution.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=80)
+    for r in ok:
+        by = sorted((int(k), v * 1000) for k, v in r.summary["ttft_mean_by_round_s"].items())
+        ax.plot([k for k, _ in by], [v for _, v in by], marker="o", label=LABELS[r.name])
+    ax.set_xlabel("round (question_id)")
+    ax.set_ylabel("mean TTFT (ms)")
+    ax.set_title("TTFT per round", fontsize=10)
+    ax.set_xticks(sorted({int(k) for r in ok for k in r.summary["ttft_mean_by_round_s"]}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "ttft_per_round.png")
+    fig.savefig(paths[-1])
+    plt.close(fig)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="kvbm-bench compare", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="model path (default: the local model)")
+    p.add_argument("--workload", choices=["multi-round", "doc-qa"], default="multi-round")
+    p.add_argument("--configs", nargs="+", default=ALL_CONFIGS, choices=ALL_CONFIGS)
+    p.add_argument("--out-dir", default=None, help="default: bench-results/compare-<time>")
+    p.add_argument("--engine-kv-blocks", type=int, default=28,
+                   help="engine KV cache in blocks (smaller than the working set)")
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--host-cache-size", default="1GiB", help="KVBM host tier (kvbm-host)")
+    p.add_argument("--host-disk-host-blocks", type=int, default=24,
+                   help="host tier blocks for kvbm-host-disk (smaller than the working set)")
+    p.add_argument("--disk-cache-size", default="2GiB")
+    p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra argument for vllm serve (repeatable)")
+    # the multi-round and doc-qa options, both accepted; the chosen workload's are used
+    pre, _ = p.parse_known_args(argv)
+    add_workload_args(p, pre.workload)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from vllm_kvbm.local_model import DEFAULT_DIR, build
+
+        args.model = str(build(DEFAULT_DIR))
+    out_dir = Path(args.out_dir or f"bench-results/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from tqdm import tqdm
+
+    from vllm_kvbm.bench.client import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
+    command = "kvbm-bench compare " + " ".join(argv)
+    runs = []
+    t0 = time.monotonic()
+    with tqdm(total=workload_size(args) * len(args.configs), unit="req") as bar:
+        for name in args.configs:
+            runs.append(run_config(name, args, tokenizer, out_dir, bar))
+            r = runs[-1]
+            msg = format_summary(r.summary) if r.summary else r.error.splitlines()[0]
+            bar.write(f"{name}: {r.status} in {r.wall_s:.0f} s; {msg}")
+    text = report(runs, args, command.strip())
+    text += f"\nTotal wall time: {time.monotonic() - t0:.0f} s.\n"
+    (out_dir / "report.md").write_text(text)
+    for path in plots(runs, out_dir):
+        text += f"\n![{path.stem}]({path.name})\n"
+    (out_dir / "report.md").write_text(text)
+    print(text)
+    print(f"results in {out_dir}")
+    return 0 if any(r.status == "ok" for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
