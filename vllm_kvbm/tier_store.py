@@ -174,7 +174,7 @@ class _Codec:
     def encode_into(self, buf: torch.Tensor, key: bytes, page: torch.Tensor) -> None:
         """buf: 1-D uint8 of stored_bytes. Copies page, then checksums the copy."""
         payload = buf[HEADER_BYTES:]
-        _copy(payload, page)
+        copy_bytes(payload, page)
         hdr = self._header(key, 0, self.block_bytes, _WRITE_ALG, payload)
         ctypes.memmove(buf.data_ptr(), hdr, HEADER_BYTES)
 
@@ -204,11 +204,11 @@ class _Codec:
             return "corrupt"
         if flags & _FLAG_TOMBSTONE:
             return "miss"
-        _copy(out, payload)
+        copy_bytes(out, payload)
         return "ok"
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[:] = src for 1-D uint8 CPU tensors of equal length.
 
     A plain single-threaded memmove (GIL released): torch's copy_ fans out

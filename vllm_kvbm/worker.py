@@ -19,6 +19,7 @@ import torch
 
 from vllm_kvbm.metadata import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
 from vllm_kvbm.page_mover import PageMover
+from vllm_kvbm.tier_store import copy_bytes
 
 if TYPE_CHECKING:
     from vllm_kvbm.engine_info import EngineInfo
@@ -132,7 +133,8 @@ class KVBMWorker:
         for spill in meta.spills:
             assert self.host_pool is not None
             # Copy now so the slot can be reused at once; write in background.
-            page = self.host_pool[spill.slot].clone()
+            page = torch.empty_like(self.host_pool[spill.slot])
+            copy_bytes(page, self.host_pool[spill.slot])
             self._meta.spills_done[spill.job_id] += 1
             for tier in spill.tiers:
                 store = self.tiers.get(tier)
