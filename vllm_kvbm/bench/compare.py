@@ -82,7 +82,7 @@ def serve_args(args) -> list[str]:
             *args.serve_arg]
 
 
-def log_errors(path: Path, limit: int = 6) -> str:
+def log_errors(path: Path, limit: int = 6, fallback: bool = True) -> str:
     """The distinct error lines of a server log, last ones first in importance."""
     keys = ("Error", "ERROR", "error:", "No supported", "not supported", "Exception")
     seen: list[str] = []
@@ -91,10 +91,14 @@ def log_errors(path: Path, limit: int = 6) -> str:
     except OSError:
         return ""
     for line in lines:
+        if "[shutdown]" in line:
+            break  # what follows is the stop this runner asked for
+        if "Found ulimit" in line:
+            continue  # vLLM's fd-limit warning: not an error of the run
         text = re.sub(r"\x1b\[[0-9;]*m", "", line).split("] ", 1)[-1].strip()
         if any(k in text for k in keys) and text not in seen:
             seen.append(text[:400])
-    return "\n".join(seen[-limit:]) or "\n".join(lines[-limit:])
+    return "\n".join(seen[-limit:]) or ("\n".join(lines[-limit:]) if fallback else "")
 
 
 def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
@@ -137,7 +141,7 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         run.error = f"{type(err).__name__}: {first}\nserver log:\n{log_errors(log_path)}"
     if run.status == "ok" or (run.name == "lmcache" and run.results):
-        run.log_errors = log_errors(log_path, limit=4)
+        run.log_errors = log_errors(log_path, limit=4, fallback=False)
         if name == "lmcache":  # LMCache logs its per-request lookup result
             hits = re.findall(r"LMCache hit tokens: (\d+)", log_path.read_text(errors="replace"))
             run.counters["lmcache_hit_tokens"] = sum(int(h) for h in hits)
