@@ -272,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument for vllm serve (repeatable)")
     # the multi-round and doc-qa options, both accepted; the chosen workload's are used
-    pre, _ = p.parse_known_args(argv)
-    add_workload_args(p, pre.workload)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", choices=["multi-round", "doc-qa"], default="multi-round")
+    add_workload_args(p, pre.parse_known_args(argv)[0].workload)
     args = p.parse_args(argv)
     if args.model is None:
         from vllm_kvbm.local_model import DEFAULT_DIR, build
