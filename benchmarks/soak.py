@@ -1,0 +1,377 @@
+"""Soak test: many concurrent streaming requests with shared prefixes, checked token by token.
+
+Starts ``vllm serve`` with KVBMConnector, an engine KV cache and a host tier
+both far too small for the workload (so vLLM preempts, the host tier evicts
+and onboards constantly), sends concurrent greedy streaming completions whose
+prompts are one of a few shared "documents" plus a distinct suffix (some
+requests repeat exactly), and requires
+
+* every output to equal the same prompt run alone on a plain engine (no
+  connector, float32, eager, same block size) that recomputed everything;
+* no request to hang (a per-request timeout and an overall deadline);
+* the host tier to have evicted and onboarded blocks, with no load errors.
+
+    .venv/bin/python benchmarks/soak.py [--requests 200] [--concurrency 16]
+        [--duration-limit 1200] [--model PATH] [--no-kvbm]
+
+``--no-kvbm`` runs the same workload against a plain server (the control: it
+shows whether a mismatch comes from the connector or from batching numerics).
+Exit status 0 when every check passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BLOCK_SIZE = 128
+
+
+@dataclass
+class SoakConfig:
+    requests: int = 200
+    concurrency: int = 16
+    duration_limit: float = 1200.0     # overall deadline for the request phase, seconds
+    request_timeout: float = 300.0     # per request, seconds
+    doc_lengths: tuple[int, ...] = (1100, 2000, 2900)
+    suffix_range: tuple[int, int] = (8, 300)
+    repeat_fraction: float = 0.25      # share of requests that repeat an earlier prompt
+    max_tokens: int = 12
+    one_token_fraction: float = 0.1    # requests with max_tokens=1
+    cancel_fraction: float = 0.1       # requests the client abandons
+    cancel_within: float = 20.0        # ... after a uniform delay up to this, seconds
+    engine_blocks: int = 40            # --num-gpu-blocks-override
+    host_blocks: int = 24              # host_cache_blocks
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 16
+    # Admit requests whose whole prompt does not fit yet: prefills then preempt
+    # each other mid-prompt, with their stores in flight.
+    overadmit: bool = True
+    seed: int = 0
+    kvbm: bool = True
+    idle_timeout: float = 60.0         # for the engine to drain after the last request
+
+
+@dataclass
+class SoakRequest:
+    prompt: list[int]
+    max_tokens: int
+    # the client disconnects after this many seconds (an abort at a random
+    # point: queued, loading, prefilling or decoding); its output is not checked
+    cancel_after: float | None = None
+
+
+def make_workload(cfg: SoakConfig) -> list[SoakRequest]:
+    """``cfg.requests`` requests: a shared document plus a distinct suffix; some
+    repeat an earlier prompt exactly, a few stop after one token (they finish in
+    the step that stores their last prompt blocks) and a few are cancelled."""
+    rng = random.Random(cfg.seed)
+    docs = [[rng.randrange(10, 7000) for _ in range(n)] for n in cfg.doc_lengths]
+    prompts: list[list[int]] = []
+    reqs: list[SoakRequest] = []
+    for _ in range(cfg.requests):
+        if prompts and rng.random() < cfg.repeat_fraction:
+            prompt = list(rng.choice(prompts))
+        else:
+            doc = rng.choice(docs)
+            n = rng.randint(*cfg.suffix_range)
+            if rng.random() < 0.5:
+                # End exactly on, just past or just short of a block boundary:
+                # the lookup's "leave one token" edge, and decode crossing into
+                # a new block (which preempts when the engine cache is full).
+                target = rng.choice((0, 1, BLOCK_SIZE - cfg.max_tokens // 2, BLOCK_SIZE - 1))
+                n += (target - (len(doc) + n)) % BLOCK_SIZE
+            prompt = doc + [rng.randrange(10, 7000) for _ in range(n)]
+            prompts.append(prompt)
+        max_tokens = 1 if rng.random() < cfg.one_token_fraction else cfg.max_tokens
+        cancel = (rng.uniform(0.0, cfg.cancel_within)
+                  if rng.random() < cfg.cancel_fraction else None)
+        reqs.append(SoakRequest(prompt, max_tokens, cancel))
+    return reqs
+
+
+@dataclass
+class SoakResult:
+    requests: list[SoakRequest]
+    outputs: list[list[int] | None]    # None: failed, hung or cancelled
+    latencies: list[float]
+    errors: dict[int, str]             # request index -> what went wrong
+    cancelled: set[int]
+    wall_s: float
+    counters: dict[str, float] = field(default_factory=dict)
+    mismatches: list[int] = field(default_factory=list)
+    not_idle: str = ""                 # what the engine still held after the run
+
+
+def serve_args(cfg: SoakConfig) -> list[str]:
+    return [
+        "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+        "--num-gpu-blocks-override", str(cfg.engine_blocks),
+        "--max-model-len", str(min(4096, (cfg.engine_blocks - 1) * BLOCK_SIZE)),
+        "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+        "--max-num-seqs", str(cfg.max_num_seqs),
+        "--gpu-memory-utilization", "0.25", "--seed", "0",
+        *(["--no-scheduler-reserve-full-isl"] if cfg.overadmit else []),
+    ]
+
+
+def reference_outputs(prompts: list[list[int]], max_tokens: int, llm=None,
+                      model: str | None = None) -> dict[tuple[int, ...], list[int]]:
+    """Greedy outputs (``max_tokens`` each) of every distinct prompt, run alone on
+    a plain engine that recomputes everything: its prefix cache is reset before
+    each prompt. Shorter requests must produce a prefix of these."""
+    from vllm import LLM, SamplingParams
+
+    own = llm is None
+    if own:
+        llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
+                  max_model_len=4096, max_num_batched_tokens=4096, seed=0,
+                  gpu_memory_utilization=0.25, kv_cache_memory_bytes=512 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    want: dict[tuple[int, ...], list[int]] = {}
+    try:
+        for p in prompts:
+            key = tuple(p)
+            if key in want:
+                continue
+            llm.reset_prefix_cache()
+            out = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+            want[key] = list(out[0].outputs[0].token_ids)
+    finally:
+        if own:
+            llm.llm_engine.engine_core.shutdown()
+    return want
+
+
+async def _one(session, url: str, model: str, req: SoakRequest,
+               timeout: float) -> tuple[list[int], float]:
+    import aiohttp
+
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    start = time.perf_counter()
+    tokens: list[int] = []
+    async with session.post(f"{url}/v1/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            for choice in chunk.get("choices", ()):
+                tokens.extend(choice.get("token_ids") or ())
+    return tokens, time.perf_counter() - start
+
+
+async def _run_requests(url: str, model: str, reqs: list[SoakRequest],
+                        cfg: SoakConfig) -> SoakResult:
+    import aiohttp
+
+    result = SoakResult(reqs, [None] * len(reqs), [0.0] * len(reqs), {}, set(), 0.0)
+    sem = asyncio.Semaphore(cfg.concurrency)
+
+    async def worker(session, i: int) -> None:
+        req = reqs[i]
+        async with sem:
+            task = asyncio.ensure_future(_one(session, url, model, req, cfg.request_timeout))
+            # A cancelled request's client closes the connection: vLLM aborts it.
+            done, _ = await asyncio.wait({task}, timeout=req.cancel_after)
+            if task not in done:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                result.cancelled.add(i)
+                return
+            try:
+                result.outputs[i], result.latencies[i] = task.result()
+            except asyncio.TimeoutError:
+                result.errors[i] = f"no answer within {cfg.request_timeout:.0f} s (hang)"
+            except Exception as err:  # noqa: BLE001 - every failure is reported
+                result.errors[i] = f"{type(err).__name__}: {err}"
+
+    start = time.perf_counter()
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        tasks = [asyncio.ensure_future(worker(session, i)) for i in range(len(reqs))]
+        _, pending = await asyncio.wait(tasks, timeout=cfg.duration_limit)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for i, out in enumerate(result.outputs):
+        if out is None and i not in result.errors and i not in result.cancelled:
+            result.errors[i] = f"unfinished at the {cfg.duration_limit:.0f} s deadline (hang)"
+    result.wall_s = time.perf_counter() - start
+    return result
+
+
+COUNTERS = {
+    "kvbm_matched_tokens_total": "kvbm matched tokens",
+    "kvbm_onboard_blocks_h2d_total": "blocks onboarded",
+    "kvbm_offload_blocks_d2h_total": "blocks offloaded",
+    "kvbm_host_evictions_total": "host evictions",
+    "kvbm_store_skipped_blocks_total": "stores skipped",
+    "kvbm_store_errors_total": "store errors",
+    "kvbm_load_error_blocks_total": "load error blocks",
+    "vllm:external_prefix_cache_hits_total": "external hit tokens",
+    "vllm:prefix_cache_hits_total": "local prefix hit tokens",
+    "vllm:num_preemptions_total": "preemptions",
+}
+IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+               "vllm:kv_cache_usage_perc")
+
+
+def _settle(server, timeout: float) -> tuple[dict[str, float], str]:
+    """Waits (bounded) for the engine to drain and vLLM's logging interval to
+    publish the connector's counters; returns them and what was still busy."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        counters = {name: server.metric(name) for name in COUNTERS}
+        gauges = {name: server.metric(name) for name in IDLE_GAUGES}
+        idle = not any(gauges.values())
+        if idle and counters == last:
+            return counters, ""
+        if time.monotonic() > deadline:
+            busy = "" if idle else ", ".join(f"{k} {v:g}" for k, v in gauges.items())
+            return counters, busy
+        last = counters
+        time.sleep(5)
+
+
+def run_soak(model: str, cfg: SoakConfig, want: dict | None = None, llm=None,
+             log_path: str | None = None) -> SoakResult:
+    """Reference outputs first (one engine at a time: ``llm`` if given, else a
+    fresh plain engine), then the soak against ``vllm serve``; returns the
+    result with mismatches filled in."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from vllm_kvbm.server import kvbm_transfer_config, vllm_server
+
+    reqs = make_workload(cfg)
+    if want is None:
+        want = reference_outputs([r.prompt for r in reqs], cfg.max_tokens, llm=llm,
+                                 model=model)
+    kv = kvbm_transfer_config(host_cache_blocks=cfg.host_blocks) if cfg.kvbm else None
+    with vllm_server(model, kv, serve_args(cfg), log_path=log_path) as server:
+        result = asyncio.run(_run_requests(server.url, model, reqs, cfg))
+        result.counters, result.not_idle = _settle(server, cfg.idle_timeout)
+        log = server.log_path
+    result.mismatches = [
+        i for i, out in enumerate(result.outputs)
+        if out is not None and out != want[tuple(reqs[i].prompt)][:reqs[i].max_tokens]]
+    if result.errors or result.mismatches or result.not_idle:
+        print(f"vllm serve log: {log}")
+    return result
+
+
+def summary(result: SoakResult, cfg: SoakConfig) -> str:
+    done = sorted(lat for lat in result.latencies if lat > 0)
+    pct = (lambda q: done[min(len(done) - 1, int(q * len(done)))]) if done else (lambda q: 0)
+    c = result.counters
+    lines = [
+        f"soak: {len(result.requests)} requests "
+        f"({len({tuple(r.prompt) for r in result.requests})} distinct prompts), "
+        f"concurrency {cfg.concurrency}, {'KVBM' if cfg.kvbm else 'plain (no connector)'}; "
+        f"engine {cfg.engine_blocks} blocks, host {cfg.host_blocks} blocks",
+        f"wall {result.wall_s:.1f} s; latency p50 {pct(0.5):.2f} s, p99 {pct(0.99):.2f} s, "
+        f"max {done[-1] if done else 0:.2f} s",
+        f"checked {len(done)}, cancelled by the client {len(result.cancelled)}, "
+        f"errors/hangs {len(result.errors)}, wrong outputs {len(result.mismatches)}"
+        + (f", engine not idle after the run: {result.not_idle}" if result.not_idle else ""),
+        f"host-tier hits: {c.get('kvbm_onboard_blocks_h2d_total', 0):.0f} blocks onboarded "
+        f"({c.get('vllm:external_prefix_cache_hits_total', 0):.0f} tokens); "
+        f"evictions {c.get('kvbm_host_evictions_total', 0):.0f}",
+        "; ".join(f"{label} {c.get(name, 0):.0f}" for name, label in COUNTERS.items()),
+    ]
+    for i, err in sorted(result.errors.items())[:5]:
+        lines.append(f"  request {i}: {err}")
+    for i in result.mismatches[:5]:
+        lines.append(f"  request {i} (prompt of {len(result.requests[i].prompt)} tokens): "
+                     f"got {result.outputs[i]}")
+    return "\n".join(lines)
+
+
+def check(result: SoakResult, cfg: SoakConfig) -> list[str]:
+    """The soak's pass conditions; returns what failed."""
+    problems = []
+    if result.errors:
+        problems.append(f"{len(result.errors)} requests failed or hung")
+    if result.mismatches:
+        problems.append(f"{len(result.mismatches)} outputs differ from the reference")
+    if result.not_idle:
+        problems.append(f"engine still busy {cfg.idle_timeout:.0f} s after the last "
+                        f"request: {result.not_idle}")
+    if cfg.kvbm:
+        c = result.counters
+        if c.get("kvbm_onboard_blocks_h2d_total", 0) <= 0:
+            problems.append("no block was onboarded from the host tier")
+        if c.get("kvbm_host_evictions_total", 0) <= 0:
+            problems.append("the host tier never evicted")
+        if c.get("kvbm_load_error_blocks_total", 0) != 0:
+            problems.append("load errors happened")
+        if c.get("kvbm_store_errors_total", 0) != 0:
+            problems.append("store errors happened")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    d = SoakConfig()
+    parser.add_argument("--requests", type=int, default=d.requests)
+    parser.add_argument("--concurrency", type=int, default=d.concurrency)
+    parser.add_argument("--duration-limit", type=float, default=d.duration_limit,
+                        help="deadline for all requests to finish, seconds")
+    parser.add_argument("--request-timeout", type=float, default=d.request_timeout)
+    parser.add_argument("--model", default=None, help="model path (default: local model)")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    parser.add_argument("--engine-blocks", type=int, default=d.engine_blocks)
+    parser.add_argument("--host-blocks", type=int, default=d.host_blocks)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
+    parser.add_argument("--doc-lengths", type=int, nargs="+", default=list(d.doc_lengths),
+                        help="token counts of the shared documents")
+    parser.add_argument("--cancel-fraction", type=float, default=d.cancel_fraction)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--no-overadmit", action="store_true",
+                        help="keep vLLM's admission check (fewer preemptions)")
+    parser.add_argument("--no-kvbm", action="store_true",
+                        help="control run: the same workload on a plain server")
+    args = parser.parse_args(argv)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    if args.model is None:
+        from vllm_kvbm.local_model import DEFAULT_DIR, build
+
+        args.model = str(build(DEFAULT_DIR))
+    cfg = SoakConfig(requests=args.requests, concurrency=args.concurrency,
+                     duration_limit=args.duration_limit, request_timeout=args.request_timeout,
+                     max_tokens=args.max_tokens, engine_blocks=args.engine_blocks,
+                     host_blocks=args.host_blocks, doc_lengths=tuple(args.doc_lengths),
+                     cancel_fraction=args.cancel_fraction, seed=args.seed,
+                     overadmit=not args.no_overadmit,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     kvbm=not args.no_kvbm)
+    print("Reference outputs on a plain engine, one prompt at a time ...", flush=True)
+    t0 = time.perf_counter()
+    want = reference_outputs([r.prompt for r in make_workload(cfg)], cfg.max_tokens,
+                             model=args.model)
+    print(f"  {len(want)} distinct prompts in {time.perf_counter() - t0:.0f} s", flush=True)
+    print("Soak against vllm serve ...", flush=True)
+    result = run_soak(args.model, cfg, want=want)
+    print(summary(result, cfg))
+    problems = check(result, cfg)
+    for p in problems:
+        print("FAIL:", p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
