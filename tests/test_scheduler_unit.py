@@ -54,6 +54,19 @@ def store_and_finish(sched, toks: list[int], max_tokens: int = 2):
     raise AssertionError(f"{req.request_id} did not finish")
 
 
+def load_again(sched, toks: list[int], max_tokens: int = 2):
+    """Stores ``toks`` through a finished request, clears vLLM's prefix cache
+    and submits the same prompt: its first step plans one host-tier load.
+    Returns (request, load job)."""
+    store_and_finish(sched, toks)
+    assert sched.reset_prefix_cache()
+    req = make_request(toks, max_tokens=max_tokens)
+    sched.add_request(req)
+    _, meta, _ = step(sched)
+    (load,) = meta.loads
+    return req, load
+
+
 # ---- 1. store, then load the same prefix --------------------------------------
 
 
@@ -140,12 +153,7 @@ def test_abort_during_load_unpins_when_the_load_ends():
     s = make_scheduler(num_blocks=64)
     k = kvbm(s)
     prompt = tokens(40, 37)
-    store_and_finish(s, prompt)
-    assert s.reset_prefix_cache()
-    r2 = make_request(prompt, max_tokens=2)
-    s.add_request(r2)
-    _, meta, _ = step(s)
-    (load,) = meta.loads
+    r2, load = load_again(s, prompt, max_tokens=2)
     s.finish_requests(r2.request_id, RequestStatus.FINISHED_ABORTED)
     # The worker may still be writing into r2's blocks: vLLM keeps them, and
     # the host slots stay pinned.
@@ -352,12 +360,7 @@ def test_pinned_slots_are_never_evicted():
     s = make_scheduler(host_blocks=2)
     k = kvbm(s)
     p1 = tokens(40, 17)
-    store_and_finish(s, p1)
-    assert s.reset_prefix_cache()
-    loader = make_request(p1, max_tokens=1)
-    s.add_request(loader)
-    _, meta, _ = step(s)
-    (load,) = meta.loads
+    loader, load = load_again(s, p1, max_tokens=1)
     # Host is full and every slot is being read: a new prompt's blocks are
     # skipped rather than overwriting the slots under the load.
     r3 = make_request(tokens(40, 18), max_tokens=1)
@@ -399,12 +402,7 @@ def test_failed_load_drops_keys_and_recomputes():
     s = make_scheduler()
     k = kvbm(s)
     prompt = tokens(40, 21)
-    store_and_finish(s, prompt)
-    assert s.reset_prefix_cache()
-    r2 = make_request(prompt, max_tokens=2)
-    s.add_request(r2)
-    _, meta, _ = step(s)
-    (load,) = meta.loads
+    r2, load = load_again(s, prompt, max_tokens=2)
     step(s, finished_recving=[r2.request_id], loads_failed=[r2.request_id],
          invalid_block_ids=load.block_ids)
     assert not any(key in k.host for key in keys_of(s, prompt))
