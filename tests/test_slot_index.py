@@ -108,13 +108,15 @@ def test_drop():
     assert sorted([idx.allocate(k(5)), idx.allocate(k(6))]) == sorted([slots[0], s1])
 
 
-def test_clear_drops_only_idle_ready():
+def test_clear_frees_idle_ready_and_hides_pinned():
     idx = SlotIndex(4)
     stored(idx, 0, 1, 2)
     idx.allocate(k(3))  # storing
     idx.pin([k(1)])
-    assert idx.clear() == 2
+    assert idx.clear() == 3
+    # k(1) keeps its slot until its reader is done, but is never served again
     assert [i for i in range(4) if k(i) in idx] == [1, 3]
+    assert not idx.is_ready(k(1))
     assert idx.used_slots == 2
     # the freed slots are reusable, and the survivors keep theirs
     assert idx.allocate(k(7)) is not None and idx.allocate(k(8)) is not None
@@ -133,3 +135,15 @@ def test_allocate_existing_key_asserts():
     idx.allocate(k(0))
     with pytest.raises(AssertionError):
         idx.allocate(k(0))
+
+
+def test_clear_hides_pages_being_read_and_drops_them_after():
+    idx = SlotIndex(2)
+    idx.allocate(b"a")
+    idx.commit(b"a")
+    idx.pin([b"a"])  # a load is reading it
+    assert idx.clear() == 1
+    assert not idx.is_ready(b"a")  # never served again after the reset
+    assert b"a" in idx  # but its slot is not reused while the read runs
+    idx.unpin([b"a"])
+    assert b"a" not in idx and idx.used_slots == 0

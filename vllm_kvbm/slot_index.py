@@ -25,6 +25,8 @@ class _Entry:
     slot: int
     ready: bool = False
     pins: int = 0
+    # cleared while being read: dropped when the last reader unpins it
+    doomed: bool = False
 
 
 class SlotIndex:
@@ -78,6 +80,8 @@ class SlotIndex:
             entry = self._entries.get(key)
             if entry is not None and entry.pins > 0:
                 entry.pins -= 1
+                if entry.doomed and entry.pins == 0:
+                    self.drop(key)
 
     def allocate(self, key: BlockKey) -> int | None:
         """Reserves a slot for a store of ``key``; None if every slot is busy."""
@@ -104,11 +108,16 @@ class SlotIndex:
         return True
 
     def clear(self) -> int:
-        """Drops every entry no transfer is using; returns how many."""
-        idle = [k for k, e in self._entries.items() if e.ready and not e.pins]
-        for key in idle:
-            self.drop(key)
-        return len(idle)
+        """Drops every ready entry; returns how many. Entries being read are
+        hidden now and dropped when their last reader unpins them, so no
+        pre-clear page is served afterwards."""
+        ready = [(k, e) for k, e in self._entries.items() if e.ready]
+        for key, entry in ready:
+            if entry.pins:
+                entry.ready, entry.doomed = False, True
+            else:
+                self.drop(key)
+        return len(ready)
 
     def _evict_one(self) -> bool:
         for key, entry in self._entries.items():
