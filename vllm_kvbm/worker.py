@@ -170,13 +170,13 @@ class KVBMWorker:
             # Reported even when failed: vLLM recomputes the failed blocks.
             self._finished_recving.add(job.req_id)
 
-    def _poll(self, force=None, deadline: float | None = None) -> None:
+    def _poll(self, expired=lambda f: False) -> None:
+        """Collects finished transfers; ``expired`` ones still running are failed."""
         assert self.mover is not None
         still = []
         for f in self._inflight:
             state = self.mover.poll(f.handle)
-            if state == "PROC" and force is not None and force(f) and deadline is not None \
-                    and time.perf_counter() > deadline:
+            if state == "PROC" and expired(f):
                 logger.error("KVBM: %s for %s did not finish in %.0f s; dropping it",
                              "store" if f.is_store else "load", f.job.req_id, FLUSH_TIMEOUT_S)
                 state = "ERR"  # the stored copy is dropped; KV is recomputed
@@ -188,8 +188,12 @@ class KVBMWorker:
 
     def _wait(self, match) -> None:
         deadline = time.perf_counter() + FLUSH_TIMEOUT_S
+
+        def expired(f) -> bool:
+            return match(f) and time.perf_counter() > deadline
+
         while any(match(f) for f in self._inflight):
-            self._poll(force=match, deadline=deadline)
+            self._poll(expired)
             if any(match(f) for f in self._inflight):
                 time.sleep(0.0005)
 
