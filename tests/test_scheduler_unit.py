@@ -512,17 +512,51 @@ def test_block_completed_by_output_tokens(offload_decode):
 
 def test_lookup_counted_once_when_admission_is_retried():
     # 7 usable blocks, all taken by r1: r2 is looked up every step but cannot
-    # be admitted; the counters must not grow with each retry.
+    # be admitted; it is counted once, when it is admitted, with what it loads
+    # then (stores that finished meanwhile count), as vLLM counts its queries.
     s = make_scheduler(num_blocks=8)
     k = kvbm(s)
+    shared = tokens(32, 34)
+    store_and_finish(s, shared + tokens(8, 38), max_tokens=1)
+    assert s.reset_prefix_cache()
+    lookups, matched = k.stats.total["lookup_tokens"], k.stats.total["matched_tokens"]
     r1 = make_request(tokens(100, 33), max_tokens=3)
-    r2 = make_request(tokens(40, 34), max_tokens=1)
+    r2 = make_request(shared + tokens(8, 39), max_tokens=1)
     s.add_request(r1)
     s.add_request(r2)
     for _ in range(2):
-        out, _, _ = step(s)
+        out, _, _ = step(s, complete=True)
         assert r2.request_id not in out.num_scheduled_tokens
-    assert k.stats.total["lookup_tokens"] == 100 + 40
+    assert k.stats.total["lookup_tokens"] - lookups == 100  # r2 not admitted yet
+    run_until_done(s, r1.request_id)
+    _, meta, _ = step(s)
+    assert [job.req_id for job in meta.loads] == [r2.request_id]
+    assert k.stats.total["lookup_tokens"] - lookups == 100 + 40
+    assert k.stats.total["matched_tokens"] - matched == 32
+    assert k.stats.total["matched_tokens_host"] == 32  # the first lookup found none
+    step(s, finished_recving=[r2.request_id])
+    run_until_done(s, r2.request_id)
+    assert k.stats.total["lookup_tokens"] - lookups == 100 + 40
+
+
+def test_resumed_preempted_request_is_not_counted_again():
+    s = make_scheduler(num_blocks=8)
+    k = kvbm(s)
+    r1 = make_request(tokens(48, 40), max_tokens=20)
+    r2 = make_request(tokens(48, 41), max_tokens=20)
+    s.add_request(r1)
+    s.add_request(r2)
+    step(s, complete=True)
+    out, _, _ = step(s, complete=True)
+    assert out.preempted_req_ids == {r2.request_id}
+    assert k.stats.total["lookup_tokens"] == 96
+    s.finish_requests(r1.request_id, RequestStatus.FINISHED_ABORTED)
+    assert s.reset_prefix_cache()
+    _, meta, _ = step(s, complete=True)  # r2 resumes, loading its stored blocks
+    assert [job.req_id for job in meta.loads] == [r2.request_id]
+    assert k.stats.total["lookup_tokens"] == 96
+    assert k.stats.total["matched_tokens"] == 0
+    assert k.stats.total["onboard_blocks_h2d"] == 3
 
 
 # ---- 9. keys --------------------------------------------------------------------

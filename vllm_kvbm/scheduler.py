@@ -49,7 +49,9 @@ class _ReqState:
     # slots (promotion): committed to the host tier when the load succeeds
     promoted: list[tuple[BlockKey, str]] = field(default_factory=list)
     finished: bool = False
-    counted_lookup: bool = False
+    # tokens asked about by the last lookup; counted when vLLM admits the
+    # request (None: nothing to count), as vLLM counts its own cache queries
+    lookup_tokens: int | None = None
 
 
 @dataclass
@@ -122,17 +124,13 @@ class KVBMScheduler:
         max_blocks = (request.num_tokens - 1) // self.block_size
         start = num_computed_tokens // self.block_size
         state.local_hit_blocks = start
+        state.lookup_tokens = request.num_tokens - num_computed_tokens
+        state.hit_sources = []
         if start >= max_blocks:
             return 0, False
         keys = self._keys(state, max_blocks * self.block_size)
         state.hit_sources = self._lookup(keys[start:max_blocks])
         hit = len(state.hit_sources)
-        if not state.counted_lookup:  # vLLM may ask again for the same request
-            state.counted_lookup = True
-            self.stats.add("lookup_tokens", request.num_tokens - num_computed_tokens)
-            self.stats.add("matched_tokens", hit * self.block_size)
-            for source in state.hit_sources:
-                self.stats.add(f"matched_tokens_{source}", self.block_size)
         if hit == 0:
             return 0, False
         return hit * self.block_size, True
@@ -163,11 +161,14 @@ class KVBMScheduler:
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            return
+        count = num_external_tokens // self.block_size
+        self._count_lookup(state, count)
         if num_external_tokens == 0:
             return
-        state = self._reqs[request.request_id]
         start = state.local_hit_blocks
-        count = num_external_tokens // self.block_size
         keys = state.chain.keys[start:start + count]
         block_ids = blocks.get_block_ids()[0][start:start + count]
         sources = state.hit_sources[:count]
@@ -193,6 +194,22 @@ class KVBMScheduler:
         # The loaded blocks are in the host tier now: never store them again.
         state.store_cursor = max(state.store_cursor, start + count)
         self._loads.append(job)
+
+    def _count_lookup(self, state: _ReqState, hit_blocks: int) -> None:
+        """Counts a lookup once, when vLLM admits the request with its result.
+
+        vLLM may look a waiting request up many times before it fits, and a
+        later lookup can find more (stores finished meanwhile); what counts is
+        what was loaded. Resumed preempted requests are not counted again,
+        matching vLLM's vllm:external_prefix_cache_{queries,hits}.
+        """
+        lookup, state.lookup_tokens = state.lookup_tokens, None
+        if lookup is None or state.request.num_preemptions > 0:
+            return
+        self.stats.add("lookup_tokens", lookup)
+        self.stats.add("matched_tokens", hit_blocks * self.block_size)
+        for source in state.hit_sources[:hit_blocks]:
+            self.stats.add(f"matched_tokens_{source}", self.block_size)
 
     # ---- per-step metadata ------------------------------------------------
 
