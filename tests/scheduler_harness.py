@@ -93,8 +93,8 @@ def kvbm(scheduler: Scheduler):
 
 
 def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed=(),
-         spills_done=(), finished_recving=(), finished_sending=(), invalid_block_ids=(),
-         complete: bool = False, token: int = 7):
+         spills_done=(), slots_held=(), slots_released=(), finished_recving=(),
+         finished_sending=(), invalid_block_ids=(), complete: bool = False, token: int = 7):
     """One engine step: schedule, then report what the fake worker finished.
 
     ``complete`` also reports everything this step's metadata asked for as
@@ -124,6 +124,9 @@ def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed
         worker_meta.loads_failed[rid] += 1
     for job_id in spills_done:
         worker_meta.spills_done[job_id] += 1
+    worker_meta.slots_held.update(slots_held)
+    worker_meta.slots_released.update(slots_released)
+    worker_meta.transfers_overdue = 1 if slots_held else 0
     kv_out = KVConnectorOutput(finished_sending=set(finished_sending),
                                finished_recving=set(finished_recving),
                                invalid_block_ids=set(invalid_block_ids),

@@ -414,6 +414,32 @@ def test_failed_load_drops_keys_and_recomputes():
     assert [j.block_ids for j in meta.stores] == [block_ids(s, r2.request_id)[:2]]
 
 
+def test_overdue_store_slots_are_not_reused_until_released():
+    # The worker reports a store past its timeout as failed, with its slots
+    # held: a late NIXL write may still land there, so no block may get them.
+    s = make_scheduler(host_blocks=4)
+    k = kvbm(s)
+    r1 = make_request(tokens(40, 42), max_tokens=1)
+    s.add_request(r1)
+    _, meta, _ = step(s)
+    (stuck,) = meta.stores
+    step(s, stores_failed=[stuck.job_id], slots_held=stuck.slots,
+         finished_sending=[r1.request_id])
+    assert r1.request_id not in s.requests  # its engine blocks are free to reuse
+    assert len(k.host) == 0 and k.host.used_slots == 2
+    assert k.stats.total["transfer_timeouts"] == 1 and k.stats.total["store_errors"] == 1
+    # Other prompts churn the 2 remaining slots and never get the held ones.
+    for base in (43, 44, 45):
+        _, metas = store_and_finish(s, tokens(40, base), max_tokens=1)
+        slots = [slot for m in metas for j in m.stores for slot in j.slots]
+        assert slots and not set(slots) & set(stuck.slots)
+    assert k.host.held_slots == 2
+    step(s, slots_released=stuck.slots)
+    assert k.host.held_slots == 0 and k.host.used_slots == 2
+    _, metas = store_and_finish(s, tokens(72, 46), max_tokens=1)  # 4 blocks
+    assert sorted(slot for m in metas for j in m.stores for slot in j.slots) == [0, 1, 2, 3]
+
+
 def test_store_needs_every_worker_and_one_failed_rank_drops_it():
     s = make_scheduler()
     k = kvbm(s)

@@ -147,3 +147,40 @@ def test_clear_hides_pages_being_read_and_drops_them_after():
     assert b"a" in idx  # but its slot is not reused while the read runs
     idx.unpin([b"a"])
     assert b"a" not in idx and idx.used_slots == 0
+
+
+def test_held_slots_are_never_reused_until_released():
+    # An overdue store on slot s: its key is dropped (the store failed), but a
+    # late NIXL write may still land in s, so no other key may get s.
+    idx = SlotIndex(3)
+    s = idx.allocate(k(0))
+    others = stored(idx, 1, 2)
+    idx.hold([s, s])  # two workers' overdue stores on the same slot
+    assert idx.drop(k(0))
+    assert idx.held_slots == 1 and idx.used_slots == 3
+    assert idx.available() == 2  # the two ready, evictable entries only
+    for i in range(3, 8):  # churn: every allocation evicts, never gets s
+        assert idx.allocate(k(i)) in others.values()
+        idx.commit(k(i))
+    idx.release([s])
+    assert idx.allocate(k(9)) != s  # one writer still holds it
+    idx.commit(k(9))
+    idx.release([s])
+    assert idx.held_slots == 0
+    assert idx.allocate(k(10)) == s  # free again, taken before any eviction
+    idx.release([s])  # a stray release frees nothing twice
+    assert idx.used_slots == 3 and idx.allocate(k(11)) in others.values()
+
+
+def test_held_slot_of_a_live_entry_frees_when_both_let_go():
+    idx = SlotIndex(2)
+    s = idx.allocate(k(0))  # still storing on another worker
+    idx.hold([s])
+    idx.release([s])
+    assert k(0) in idx and idx.used_slots == 1  # the entry still owns it
+    idx.hold([s])
+    idx.commit(k(0))
+    assert idx.clear() == 1  # dropped, but held: not free yet
+    assert idx.used_slots == 1
+    idx.release([s])
+    assert idx.used_slots == 0

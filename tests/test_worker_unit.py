@@ -259,3 +259,91 @@ def test_shutdown_waits_for_inflight_then_releases(harness, gen):
         assert again.pool_holds(b, s)
     finally:
         again.worker.shutdown()
+
+
+# ---- transfers past their timeout ----------------------------------------------
+
+
+class StuckNixl:
+    """Makes the worker see its NIXL transfers as still running until ``end()``.
+
+    A transfer stuck past its timeout cannot be produced for real here: UCX
+    loopback finishes in milliseconds, and releasing a running transfer (the
+    only way to cut one short) crashes UCX at close. The copies themselves are
+    real; only their completion is reported late.
+    """
+
+    def __init__(self, worker: KVBMWorker, timeout_s: float = 0.05):
+        worker.transfer_timeout_s = timeout_s
+        self.timeout_s = timeout_s
+        self.ended = False
+        real = worker.mover.poll
+        worker.mover.poll = lambda handle: real(handle) if self.ended else "PROC"
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_overdue_store_fails_and_holds_its_slots_until_it_ends(harness, gen):
+    h = harness()
+    stuck = StuckNixl(h.worker)
+    (b, s), = split(gen, 1, 40)
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)],
+                                                delayed_free_req_ids=["S"]))
+    h.step()
+    assert h.sending == [] and not h.meta.stores_failed  # not overdue yet
+    time.sleep(stuck.timeout_s)
+    h.step_until(lambda: h.meta.stores_failed[1] == 1)
+    # Failed, so its blocks are not cached and the request's blocks may be
+    # freed; the host slots it may still write are held back.
+    assert h.sending == ["S"]
+    assert h.meta.transfers_overdue == 1 and not h.meta.stores_done
+    assert h.meta.slots_held == Counter(s) and not h.meta.slots_released
+    for _ in range(5):
+        h.step()
+    assert h.meta.transfers_overdue == 1 and not h.meta.slots_released  # reported once
+    stuck.end()
+    h.step_until(lambda: h.meta.slots_released == Counter(s))
+    assert h.meta.stores_failed == Counter({1: 1}) and not h.meta.stores_done
+    assert h.meta.bytes_stored == 0
+    assert not h.worker._inflight
+
+
+def test_overdue_load_keeps_its_request_waiting_until_it_ends(harness, gen):
+    h = harness()
+    (bs_, ss), (bl, _) = split(gen, 2, 24)
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", bs_, ss)]))
+    h.step_until(lambda: h.meta.stores_done[1] == 1)
+    stuck = StuckNixl(h.worker)
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[TransferJob(2, "L", bl, ss)]))
+    time.sleep(stuck.timeout_s)
+    for _ in range(5):
+        h.step()
+    # Its engine blocks may still be written: never reported, never failed
+    # (a recompute into them could be overwritten by the late copy).
+    assert h.recving == [] and h.meta.transfers_overdue == 1
+    assert not h.meta.loads_failed and not h.worker.get_block_ids_with_load_errors()
+    stuck.end()
+    h.step_until(lambda: h.recving == ["L"])
+    assert not h.meta.loads_failed and h.meta.bytes_loaded == 24 * h.lay.block_bytes()
+    for dst, src in zip(bl, bs_):
+        assert torch.equal(h.lay.slot_bytes(dst), h.lay.slot_bytes(src))
+
+
+def test_preemption_flush_and_shutdown_are_bounded_by_the_timeout(harness, gen):
+    h = harness()
+    stuck = StuckNixl(h.worker, timeout_s=0.2)
+    (bp, sp), (bl, sl) = split(gen, 2, 30)
+    t = time.perf_counter()
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "P", bp, sp)]))
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[TransferJob(2, "L", bl, sl)]))
+    h.worker.handle_preemptions(KVBMConnectorMetadata(flush_req_ids=["P"]))
+    assert stuck.timeout_s <= time.perf_counter() - t < 5.0
+    m = h.worker.build_worker_meta()
+    assert m.stores_failed == Counter({1: 1}) and m.slots_held == Counter(sp)
+    # Shutdown gives up on what is still running instead of hanging, and
+    # leaves NIXL's registrations alone under the running copies.
+    t = time.perf_counter()
+    h.worker.shutdown()
+    assert time.perf_counter() - t < 5.0
+    assert h.worker.mover is None

@@ -71,6 +71,11 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # seconds from post to completion, one entry per transfer
     store_latencies: list[float] = field(default_factory=list)
     load_latencies: list[float] = field(default_factory=list)
+    # transfers past their timeout; host slots that an overdue store may
+    # still write (each once per worker), and those it no longer can
+    transfers_overdue: int = 0
+    slots_held: Counter = field(default_factory=Counter)
+    slots_released: Counter = field(default_factory=Counter)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":
         assert isinstance(other, KVBMWorkerMetadata)
@@ -85,8 +90,12 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             bytes_loaded=self.bytes_loaded + other.bytes_loaded,
             store_latencies=self.store_latencies + other.store_latencies,
             load_latencies=self.load_latencies + other.load_latencies,
+            transfers_overdue=self.transfers_overdue + other.transfers_overdue,
+            slots_held=self.slots_held + other.slots_held,
+            slots_released=self.slots_released + other.slots_released,
         )
 
     def is_empty(self) -> bool:
         return not (self.stores_done or self.stores_failed or self.loads_failed
-                    or self.spills_done or self.tier_events)
+                    or self.spills_done or self.tier_events or self.transfers_overdue
+                    or self.slots_held or self.slots_released)

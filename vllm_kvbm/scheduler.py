@@ -274,8 +274,13 @@ class KVBMScheduler:
             self.stats.add("onboard_bytes_h2d", meta.bytes_loaded)
             self.stats.observe("offload_latency_seconds", meta.store_latencies)
             self.stats.observe("onboard_latency_seconds", meta.load_latencies)
+            self.stats.add("transfer_timeouts", meta.transfers_overdue)
+            # Held before the failed stores drop their keys, so those slots
+            # never reach the free list while a late write may land in them.
+            self.host.hold(meta.slots_held.elements())
             self._finish_stores(meta.stores_done, ok=True)
             self._finish_stores(meta.stores_failed, ok=False)
+            self.host.release(meta.slots_released.elements())
             self._finish_spills(meta.spills_done)
             self.lower.record(meta.tier_events, self.stats)
             for tier, key in meta.bad_pages:

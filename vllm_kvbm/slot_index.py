@@ -9,12 +9,13 @@ copies into it. A slot moves through
 Only ready slots are visible to lookups, so a half-written page is never
 loaded. A ready slot with pins (loads in flight) is never evicted, and a
 storing slot is never evicted, so no transfer ever touches a slot that has
-been handed to another key.
+been handed to another key. A slot that an overdue transfer may still write
+is *held*: whatever its key's fate, it is not free again until released.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from vllm_kvbm.keys import BlockKey
@@ -34,6 +35,8 @@ class SlotIndex:
         self.num_slots = num_slots
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # LRU first
         self._free = list(range(num_slots - 1, -1, -1))
+        # slot -> overdue transfers (one per worker) that may still write it
+        self._held: Counter = Counter()
         self.evictions = 0
 
     def __contains__(self, key: BlockKey) -> bool:
@@ -104,8 +107,35 @@ class SlotIndex:
         if entry is None or entry.pins:
             return False
         del self._entries[key]
-        self._free.append(entry.slot)
+        self._give_back(entry.slot)
         return True
+
+    def hold(self, slots) -> None:
+        """Keeps ``slots`` out of use while an overdue transfer may write them."""
+        for slot in slots:
+            self._held[slot] += 1
+            if slot in self._free:  # rare (a transfer past its timeout): O(n) is fine
+                self._free.remove(slot)
+
+    def release(self, slots) -> None:
+        """The overdue transfer on ``slots`` ended: they may be reused."""
+        for slot in slots:
+            if slot not in self._held:
+                continue
+            if self._held[slot] > 1:
+                self._held[slot] -= 1
+                continue
+            del self._held[slot]
+            if not any(e.slot == slot for e in self._entries.values()):
+                self._free.append(slot)
+
+    @property
+    def held_slots(self) -> int:
+        return len(self._held)
+
+    def _give_back(self, slot: int) -> None:
+        if slot not in self._held:
+            self._free.append(slot)
 
     def clear(self) -> int:
         """Drops every ready entry; returns how many. Entries being read are
@@ -123,7 +153,7 @@ class SlotIndex:
         for key, entry in self._entries.items():
             if entry.ready and not entry.pins:
                 del self._entries[key]
-                self._free.append(entry.slot)
+                self._give_back(entry.slot)
                 self.evictions += 1
                 return True
         return False

@@ -27,9 +27,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A transfer still running after this long is treated as failed, so a stuck
-# copy degrades to a cache miss instead of hanging the engine.
-FLUSH_TIMEOUT_S = 30.0
+# A transfer still running this long after it was posted is overdue (see
+# KVBMWorker._overdue): a stuck copy degrades to a cache miss, never to a
+# wrong page or an engine that waits forever for a preempted request's store.
+TRANSFER_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -38,12 +39,15 @@ class _InFlight:
     is_store: bool
     handle: object
     started: float
+    # past the timeout and already dealt with; still polled until NIXL ends it
+    overdue: bool = False
 
 
 class KVBMWorker:
     def __init__(self, info: "EngineInfo", num_host_slots: int, nixl_backend: str,
-                 agent_name: str):
+                 agent_name: str, transfer_timeout_s: float = TRANSFER_TIMEOUT_S):
         self.info = info
+        self.transfer_timeout_s = transfer_timeout_s
         self.num_host_slots = num_host_slots
         self.nixl_backend = nixl_backend
         self.agent_name = agent_name
@@ -147,6 +151,7 @@ class KVBMWorker:
         reading them first."""
         if meta.flush_req_ids:
             req_ids = set(meta.flush_req_ids)
+            # An overdue one is reported failed and holds only host slots.
             self._wait(lambda f: f.is_store and f.job.req_id in req_ids)
 
     # ---- completion -------------------------------------------------------
@@ -170,32 +175,63 @@ class KVBMWorker:
             # Reported even when failed: vLLM recomputes the failed blocks.
             self._finished_recving.add(job.req_id)
 
-    def _poll(self, expired=lambda f: False) -> None:
-        """Collects finished transfers; ``expired`` ones still running are failed."""
+    def _poll(self) -> None:
+        """Collects finished transfers and deals with overdue ones."""
         assert self.mover is not None
+        now = time.perf_counter()
         still = []
         for f in self._inflight:
             state = self.mover.poll(f.handle)
-            if state == "PROC" and expired(f):
-                logger.error("KVBM: %s for %s did not finish in %.0f s; dropping it",
-                             "store" if f.is_store else "load", f.job.req_id, FLUSH_TIMEOUT_S)
-                state = "ERR"  # the stored copy is dropped; KV is recomputed
-            if state == "PROC":
-                still.append(f)
-            else:
-                self._complete(f.job, f.is_store, ok=state == "DONE", started=f.started)
+            if state != "PROC":
+                if f.overdue and f.is_store:
+                    # Already reported failed; its slots may be reused now.
+                    self._meta.slots_released.update(f.job.slots)
+                    logger.warning("KVBM: overdue store for %s ended (%s); its %d host "
+                                   "slots are free again", f.job.req_id, state,
+                                   len(f.job.slots))
+                else:
+                    self._complete(f.job, f.is_store, ok=state == "DONE", started=f.started)
+                continue
+            if not f.overdue and now - f.started > self.transfer_timeout_s:
+                f.overdue = True
+                self._overdue(f)
+            still.append(f)
         self._inflight = still
 
-    def _wait(self, match) -> None:
-        deadline = time.perf_counter() + FLUSH_TIMEOUT_S
+    def _overdue(self, f: _InFlight) -> None:
+        """A transfer still running after the timeout.
 
-        def expired(f) -> bool:
-            return match(f) and time.perf_counter() > deadline
+        NIXL cannot be trusted to cancel it: releasing a running UCX transfer
+        returned success here and then crashed UCX at close (an arbiter
+        assertion), so the handle is kept and polled until NIXL ends it.
+        Meanwhile nothing it may still write is handed out: a store is
+        reported failed (the blocks are not cached, and vLLM may free or reuse
+        the engine blocks it reads) and its host slots are held back from the
+        host tier until it ends; a load keeps its request waiting, because
+        the engine blocks it writes must not be given to anyone else.
+        """
+        self._meta.transfers_overdue += 1
+        if f.is_store:
+            logger.error("KVBM: store of %d blocks for %s not finished after %g s; not "
+                         "cached, its host slots held until NIXL ends it",
+                         len(f.job.block_ids), f.job.req_id, self.transfer_timeout_s)
+            self._meta.slots_held.update(f.job.slots)
+            self._complete(f.job, True, ok=False, started=f.started)
+        else:
+            logger.error("KVBM: load of %d blocks for %s not finished after %g s; the "
+                         "request waits for it (its blocks are still being written)",
+                         len(f.job.block_ids), f.job.req_id, self.transfer_timeout_s)
 
-        while any(match(f) for f in self._inflight):
-            self._poll(expired)
-            if any(match(f) for f in self._inflight):
+    def _wait(self, match) -> bool:
+        """Polls until no transfer ``match``es but overdue ones; True if none is left."""
+        def busy() -> bool:
+            return any(match(f) and not f.overdue for f in self._inflight)
+
+        while busy():
+            self._poll()
+            if busy():
                 time.sleep(0.0005)
+        return not any(match(f) for f in self._inflight)
 
     def _poll_tiers(self) -> None:
         still = []
@@ -230,7 +266,8 @@ class KVBMWorker:
             self._poll_tiers()
         if self.mover is not None and self._inflight:
             self._poll()
-        storing = {f.job.req_id for f in self._inflight if f.is_store}
+        # An overdue store was reported failed: it no longer delays the free.
+        storing = {f.job.req_id for f in self._inflight if f.is_store and not f.overdue}
         sending = {r for r in self._awaiting_free if r not in storing}
         self._awaiting_free -= sending
         recving, self._finished_recving = self._finished_recving, set()
@@ -254,7 +291,13 @@ class KVBMWorker:
         self.tiers, self._io = {}, {}
         if self.mover is None:
             return
-        self._wait(lambda f: True)
+        if not self._wait(lambda f: True):
+            # Deregistering memory under a running transfer is undefined:
+            # leave it to process exit.
+            logger.error("KVBM: %d transfers still running at shutdown; NIXL memory "
+                         "left registered", len(self._inflight))
+            self.mover = None
+            return
         self.mover.close()
         self.mover = None
 
