@@ -248,3 +248,33 @@ def test_disk_admission_choices():
     assert load_config({"disk_admission": "Frequency"}).disk_admission == "frequency"
     with pytest.raises(KVBMConfigError, match="disk_admission: 'lru' is not one of"):
         load_config({"disk_admission": "lru"})
+
+
+# ---- every key: a wrong type and a wrong value ------------------------------
+
+BAD_INPUT = {
+    "disk_admission": [["always"], "lru"],
+    "disk_admission_min_uses": ["x", 1.5, 0],
+    "disk_cache_dir": [5, None, "/nonexistent/kvbm"],
+    "disk_cache_size": [[1], "lots", "-1GiB"],
+    "host_cache_blocks": [1.5, "many", 0],
+    "host_cache_size": [None, "4 Gigs", -1],
+    "metrics_host": [127, "", "local host"],
+    "metrics_port": ["http", 0, 70000],
+    "namespace": [5, ["a"]],  # any string is a namespace
+    "nixl_backend": [3, "rdma"],
+    "offload_decode_blocks": [[1], "sometimes"],
+    "remote_timeout_s": ["soon", True, 0, float("inf")],
+    "remote_url": [5, "http://127.0.0.1:1234", "lm://h:0"],
+}
+
+
+def test_bad_input_table_covers_every_key():
+    assert sorted(BAD_INPUT) == config_keys()
+
+
+@pytest.mark.parametrize("key,value", [(k, v) for k, vs in BAD_INPUT.items() for v in vs])
+def test_every_key_rejects_bad_input_naming_itself(key, value):
+    msg = _err({key: value})
+    assert msg.startswith(f"{key}: "), msg
+    assert repr(value) in msg or str(value) in msg, msg

@@ -116,6 +116,15 @@ def _parse_port(key: str, value: Any) -> int:
     return port
 
 
+def _parse_host(key: str, value: Any) -> str:
+    host = _parse_str(key, value)
+    if not host or any(c.isspace() for c in host):
+        raise KVBMConfigError(
+            f"{key}: {host!r} is not a host name or address; use \"0.0.0.0\" (every "
+            f"interface) or \"127.0.0.1\" (this machine only)")
+    return host
+
+
 def _parse_str(key: str, value: Any) -> str:
     if not isinstance(value, str):
         raise KVBMConfigError(f"{key}: expected a string, got {value!r}")
@@ -204,7 +213,7 @@ _KEYS = {
     "remote_url": ("remote_url", lambda k, v: _parse_remote_url(k, v)),
     "remote_timeout_s": ("remote_timeout_s", lambda k, v: _parse_seconds(k, v)),
     "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
-    "metrics_host": ("metrics_host", lambda k, v: _parse_str(k, v)),
+    "metrics_host": ("metrics_host", _parse_host),
     "nixl_backend": ("nixl_backend", lambda k, v: _parse_choice(k, v, ("UCX", "POSIX"))),
     "namespace": ("namespace", lambda k, v: _parse_str(k, v)),
 }
