@@ -484,6 +484,61 @@ def test_connector_reset_forgets_stores_still_in_flight():
     assert k.get_num_new_matched_tokens(make_request(fresh), 0) == (0, False)
 
 
+def test_cache_reset_during_a_load_never_serves_pre_reset_pages_afterwards():
+    s = make_scheduler(num_blocks=64)
+    k = kvbm(s)
+    prompt = tokens(40, 47)
+    r2, load = load_again(s, prompt, max_tokens=2)
+    held = block_ids(s, r2.request_id)
+    pool = s.kv_cache_manager.block_pool
+    # The load holds engine blocks: vLLM refuses the local reset, and with
+    # reset_running_requests it raises (vLLM 0.32 does not support resetting
+    # under a pending KV load); neither frees the blocks being written.
+    with pytest.raises(RuntimeError, match="waiting for remote KV"):
+        s.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert not s.reset_prefix_cache(reset_connector=True)
+    assert all(pool.blocks[b].ref_cnt == 1 for b in held)
+    # The connector part did reset: the slots being read stay pinned until
+    # the load ends, then are dropped; no new lookup sees them meanwhile.
+    keys = keys_of(s, prompt)
+    assert all(k.host._entries[key].pins == 1 for key in keys[:2])
+    assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (0, False)
+    _, meta, _ = step(s)
+    assert not meta.loads and r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, finished_recving=[r2.request_id])
+    assert len(k.host) == 0 and k.host.used_slots == 0
+    run_until_done(s, r2.request_id)
+    step(s, complete=True)
+    assert r2.request_id not in s.requests
+    # Idle again: the full reset goes through, and the prompt is recomputed.
+    assert s.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    r3 = make_request(prompt, max_tokens=1)
+    s.add_request(r3)
+    out, meta, _ = step(s)
+    assert not meta.loads and out.num_scheduled_tokens == {r3.request_id: 40}
+
+
+def test_cache_reset_with_a_delayed_free_waits_for_its_stores():
+    s = make_scheduler(num_blocks=64)
+    k = kvbm(s)
+    r1 = make_request(tokens(40, 48), max_tokens=1)
+    s.add_request(r1)
+    _, meta, _ = step(s)  # prefill + its only token: finished, stores in flight
+    (store,) = meta.stores
+    held = block_ids(s, r1.request_id)
+    assert r1.is_finished() and r1.request_id in s.requests
+    assert not s.reset_prefix_cache(reset_connector=True)  # blocks still read
+    assert all(s.kv_cache_manager.block_pool.blocks[b].ref_cnt == 1 for b in held)
+    _, meta, _ = step(s, stores_done=[store.job_id])
+    # Landed after the reset: dropped, never loadable.
+    assert not any(k.host.is_ready(key) for key in keys_of(s, tokens(40, 48)))
+    assert meta.delayed_free_req_ids == [r1.request_id]
+    step(s, finished_sending=meta.delayed_free_req_ids)
+    assert r1.request_id not in s.requests
+    assert s.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert k.host.used_slots == 0 and not k.has_pending_work()
+
+
 # ---- 8. edge cases --------------------------------------------------------------
 
 
