@@ -166,6 +166,36 @@ def test_abort_during_load_unpins_when_the_load_ends():
     assert not k.has_pending_work()
 
 
+def test_two_requests_loading_the_same_stored_prefix_at_once():
+    s = make_scheduler(host_blocks=4, num_blocks=64)
+    k = kvbm(s)
+    prefix = tokens(32, 49)
+    store_and_finish(s, prefix + tokens(4, 50))
+    assert s.reset_prefix_cache()
+    ra = make_request(prefix + tokens(10, 51), max_tokens=1)
+    rb = make_request(prefix + tokens(10, 52), max_tokens=1)
+    s.add_request(ra)
+    s.add_request(rb)
+    _, meta, _ = step(s)
+    loads = {job.req_id: job for job in meta.loads}
+    assert set(loads) == {ra.request_id, rb.request_id}
+    assert loads[ra.request_id].slots == loads[rb.request_id].slots  # same host pages
+    assert not set(loads[ra.request_id].block_ids) & set(loads[rb.request_id].block_ids)
+    keys = keys_of(s, prefix)
+    assert [k.host._entries[key].pins for key in keys] == [2, 2]
+    # rb is aborted mid-load; ra's load ends: the pages stay pinned for rb's.
+    s.finish_requests(rb.request_id, RequestStatus.FINISHED_ABORTED)
+    step(s, finished_recving=[ra.request_id])
+    assert [k.host._entries[key].pins for key in keys] == [1, 1]
+    # Host tier pressure meanwhile never evicts pages still being read.
+    for base in (53, 54):
+        store_and_finish(s, tokens(40, base), max_tokens=1)
+    assert all(k.host.is_ready(key) for key in keys)
+    step(s, finished_recving=[rb.request_id])
+    assert [k.host._entries[key].pins for key in keys] == [0, 0]
+    assert rb.request_id not in s.requests and rb.request_id not in k._reqs
+
+
 # ---- 2. no double stores ------------------------------------------------------
 
 
