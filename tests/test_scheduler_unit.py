@@ -670,6 +670,21 @@ def test_resumed_preempted_request_is_not_counted_again():
     assert k.stats.total["onboard_blocks_h2d"] == 3
 
 
+def test_metrics_port_already_taken_is_a_warning_not_a_failure(caplog):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level("WARNING", logger="vllm_kvbm.connector"):
+            s = make_scheduler(metrics_port=port, metrics_host="127.0.0.1")
+    assert kvbm(s).stats.sink is None
+    assert f"metrics_port {port} unavailable" in caplog.text
+    store_and_finish(s, tokens(40, 55))  # the connector works without it
+    assert kvbm(s).stats.total["offload_blocks_d2h"] == 2
+
+
 # ---- 9. keys --------------------------------------------------------------------
 
 _NS = dict(model="m@", dtype="torch.float16", kv_layout="NHD", block_size=16,
