@@ -11,8 +11,14 @@ requests repeat exactly), and requires
 * no request to hang (a per-request timeout and an overall deadline);
 * the host tier to have evicted and onboarded blocks, with no load errors.
 
+With ``--reset-every S`` the prefix caches are reset under the traffic every S
+seconds (``POST /reset_prefix_cache``, cycling through running requests kept
+or preempted and the connector's tiers kept or cleared, as an RLHF weight
+update or a benchmark harness does); at least one reset must succeed mid-run,
+and after the run a reset of every cache must leave nothing to onboard.
+
     .venv/bin/python benchmarks/soak.py [--requests 200] [--concurrency 16]
-        [--duration-limit 1200] [--model PATH] [--no-kvbm]
+        [--duration-limit 1200] [--reset-every 3] [--model PATH] [--no-kvbm]
 
 ``--no-kvbm`` runs the same workload against a plain server (the control: it
 shows whether a mismatch comes from the connector or from batching numerics).
@@ -61,6 +67,7 @@ class SoakConfig:
     seed: int = 0
     kvbm: bool = True
     idle_timeout: float = 60.0         # for the engine to drain after the last request
+    reset_every: float = 0.0           # seconds between cache resets under traffic; 0: none
 
 
 @dataclass
@@ -112,6 +119,11 @@ class SoakResult:
     counters: dict[str, float] = field(default_factory=dict)
     mismatches: list[int] = field(default_factory=list)
     not_idle: str = ""                 # what the engine still held after the run
+    # (query, outcome) of each reset under traffic: "ok", "refused" (vLLM
+    # said success=false: blocks still held) or the HTTP error
+    resets: list[tuple[str, str]] = field(default_factory=list)
+    # after the run, every cache reset: what the repeated prompt still found
+    after_reset: str = ""
 
 
 def serve_args(cfg: SoakConfig) -> list[str]:
@@ -205,18 +217,85 @@ async def _run_requests(url: str, model: str, reqs: list[SoakRequest],
                 result.errors[i] = f"{type(err).__name__}: {err}"
 
     start = time.perf_counter()
-    connector = aiohttp.TCPConnector(limit=cfg.concurrency)
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency + 1)
     async with aiohttp.ClientSession(connector=connector) as session:
         tasks = [asyncio.ensure_future(worker(session, i)) for i in range(len(reqs))]
+        resetter = (asyncio.ensure_future(_reset_loop(session, url, cfg, result))
+                    if cfg.reset_every > 0 else None)
         _, pending = await asyncio.wait(tasks, timeout=cfg.duration_limit)
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        if resetter is not None:
+            resetter.cancel()
+            await asyncio.gather(resetter, return_exceptions=True)
     for i, out in enumerate(result.outputs):
         if out is None and i not in result.errors and i not in result.cancelled:
             result.errors[i] = f"unfinished at the {cfg.duration_limit:.0f} s deadline (hang)"
     result.wall_s = time.perf_counter() - start
     return result
+
+
+# Reset variants, in turn: running requests kept (refused while any holds
+# blocks) or preempted, and the connector's tiers kept or cleared too.
+RESET_QUERIES = ("reset_running_requests=true&reset_external=true",
+                 "reset_running_requests=false&reset_external=true",
+                 "reset_running_requests=true&reset_external=false",
+                 "reset_running_requests=false&reset_external=false")
+
+
+# vLLM 0.32 raises this (HTTP 500) for reset_running_requests=true while a
+# request waits for an asynchronous KV load: the loading blocks cannot be
+# freed. The engine goes on; the caller may retry.
+VLLM_PENDING_LOAD_REFUSAL = "waiting for remote KV transfer, which is not supported yet"
+
+
+async def _reset(session, url: str, query: str) -> str:
+    import aiohttp
+
+    async with session.post(f"{url}/reset_prefix_cache?{query}",
+                            timeout=aiohttp.ClientTimeout(total=60)) as resp:
+        if resp.status != 200:
+            body = await resp.text()
+            if VLLM_PENDING_LOAD_REFUSAL in body:
+                return "refused"  # vLLM's own limit; it preempted, then gave up
+            return f"HTTP {resp.status}: {body[:200]}"
+        return "ok" if (await resp.json()).get("success") else "refused"
+
+
+async def _reset_loop(session, url: str, cfg: SoakConfig, result: SoakResult) -> None:
+    for n in range(10**6):
+        await asyncio.sleep(cfg.reset_every)
+        query = RESET_QUERIES[n % len(RESET_QUERIES)]
+        try:
+            outcome = await _reset(session, url, query)
+        except Exception as err:  # noqa: BLE001 - recorded, judged by check()
+            outcome = f"{type(err).__name__}: {err}"
+        result.resets.append((query, outcome))
+
+
+def _check_after_reset(server, model: str, req: SoakRequest, want: list[int]) -> str:
+    """Resets every cache on the idle engine and repeats a prompt: it must be
+    computed from scratch (nothing onboarded from before the reset) and
+    correct. Returns what went wrong, or ""."""
+    import aiohttp
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            outcome = await _reset(session, server.url, RESET_QUERIES[0])
+            if outcome != "ok":
+                return f"final reset on the idle engine: {outcome}"
+            before = server.metric("kvbm_onboard_blocks_h2d_total")
+            tokens, _ = await _one(session, server.url, model, req, 120)
+            # The connector's counters reach /metrics at vLLM's logging interval.
+            await asyncio.sleep(12)
+            onboarded = server.metric("kvbm_onboard_blocks_h2d_total") - before
+            if onboarded:
+                return f"{onboarded:.0f} blocks onboarded after every cache was reset"
+            if tokens != want:
+                return f"wrong output after the reset: {tokens} != {want}"
+            return ""
+    return asyncio.run(go())
 
 
 COUNTERS = {
@@ -266,9 +345,17 @@ def run_soak(model: str, cfg: SoakConfig, want: dict | None = None, llm=None,
         want = reference_outputs([r.prompt for r in reqs], cfg.max_tokens, llm=llm,
                                  model=model)
     kv = kvbm_transfer_config(host_cache_blocks=cfg.host_blocks) if cfg.kvbm else None
-    with vllm_server(model, kv, serve_args(cfg), log_path=log_path) as server:
+    # The reset endpoint exists in vLLM's development mode only.
+    env = {"VLLM_SERVER_DEV_MODE": "1"} if cfg.reset_every > 0 else None
+    with vllm_server(model, kv, serve_args(cfg), env=env, log_path=log_path) as server:
         result = asyncio.run(_run_requests(server.url, model, reqs, cfg))
         result.counters, result.not_idle = _settle(server, cfg.idle_timeout)
+        if cfg.reset_every > 0 and cfg.kvbm and not result.not_idle:
+            done = [i for i, out in enumerate(result.outputs) if out is not None]
+            if done:
+                req = reqs[max(done, key=lambda i: len(reqs[i].prompt))]
+                result.after_reset = _check_after_reset(
+                    server, model, req, want[tuple(req.prompt)][:req.max_tokens])
         log = server.log_path
     result.mismatches = [
         i for i, out in enumerate(result.outputs)
@@ -297,6 +384,14 @@ def summary(result: SoakResult, cfg: SoakConfig) -> str:
         f"evictions {c.get('kvbm_host_evictions_total', 0):.0f}",
         "; ".join(f"{label} {c.get(name, 0):.0f}" for name, label in COUNTERS.items()),
     ]
+    if result.resets:
+        outcomes: dict[str, int] = {}
+        for _, outcome in result.resets:
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        lines.append(f"cache resets under traffic: {len(result.resets)} ("
+                     + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) + ")"
+                     + (f"; after the run: {result.after_reset}" if result.after_reset
+                        else "; after the run: nothing onboarded after a full reset"))
     for i, err in sorted(result.errors.items())[:5]:
         lines.append(f"  request {i}: {err}")
     for i in result.mismatches[:5]:
@@ -315,6 +410,15 @@ def check(result: SoakResult, cfg: SoakConfig) -> list[str]:
     if result.not_idle:
         problems.append(f"engine still busy {cfg.idle_timeout:.0f} s after the last "
                         f"request: {result.not_idle}")
+    if cfg.reset_every > 0:
+        if not any(outcome == "ok" for _, outcome in result.resets):
+            problems.append(f"no cache reset succeeded during the run "
+                            f"({len(result.resets)} tried)")
+        broken = [o for _, o in result.resets if o not in ("ok", "refused")]
+        if broken:
+            problems.append(f"{len(broken)} reset calls failed: {broken[0]}")
+        if result.after_reset:
+            problems.append(result.after_reset)
     if cfg.kvbm:
         c = result.counters
         if c.get("kvbm_onboard_blocks_h2d_total", 0) <= 0:
@@ -345,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="token counts of the shared documents")
     parser.add_argument("--cancel-fraction", type=float, default=d.cancel_fraction)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--reset-every", type=float, default=d.reset_every,
+                        help="reset the prefix caches every this many seconds (0: never)")
     parser.add_argument("--no-overadmit", action="store_true",
                         help="keep vLLM's admission check (fewer preemptions)")
     parser.add_argument("--no-kvbm", action="store_true",
@@ -363,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                      cancel_fraction=args.cancel_fraction, seed=args.seed,
                      overadmit=not args.no_overadmit,
                      max_num_batched_tokens=args.max_num_batched_tokens,
-                     kvbm=not args.no_kvbm)
+                     reset_every=args.reset_every, kvbm=not args.no_kvbm)
     print("Reference outputs on a plain engine, one prompt at a time ...", flush=True)
     t0 = time.perf_counter()
     want = reference_outputs([r.prompt for r in make_workload(cfg)], cfg.max_tokens,
