@@ -1,11 +1,18 @@
-"""`vllm serve` with the plugin, as users start it: startup errors and the demo."""
+"""`vllm serve` with the plugin, as users start it: startup errors, a remote
+tier that does not answer, and the demo."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import time
+import urllib.request
+
 import pytest
 
-from conftest import MODEL_DIR
-from vllm_kvbm.server import kvbm_transfer_config, vllm_server
+from conftest import MODEL_DIR, random_prompt
+from vllm_kvbm.server import (free_port, kvbm_transfer_config, start_lmcache_server,
+                              stop_process, vllm_server)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -13,20 +20,97 @@ SERVE_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--gpu-memory-utiliz
               "--num-gpu-blocks-override", "32"]
 
 
+def startup_error(extra: dict) -> str:
+    """Starts `vllm serve` with this extra config; returns the log of its failed startup."""
+    with pytest.raises(RuntimeError) as err:
+        with vllm_server(str(MODEL_DIR), kvbm_transfer_config(**extra), SERVE_ARGS,
+                         startup_timeout=300):
+            pass
+    return err.value.args[0]
+
+
+def assert_names(log: str, expected: list[str]) -> None:
+    for text in expected:
+        assert text in log, log[-2000:]
+
+
 @pytest.mark.parametrize("extra,expected", [
     ({"host_cache_sise": "1GiB"},
      ["unknown key 'host_cache_sise'", "did you mean 'host_cache_size'"]),
     ({"host_cache_size": "1KiB"},
      ["host_cache_size: 1024 bytes cannot hold one KV block", "set host_cache_size to at least"]),
+    ({"disk_cache_dir": "/nonexistent/kvbm-disk"},
+     ["disk_cache_dir: directory '/nonexistent/kvbm-disk' does not exist",
+      "mkdir -p /nonexistent/kvbm-disk"]),
 ])
 def test_bad_config_stops_startup_with_a_clear_message(model_dir, extra, expected):
-    with pytest.raises(RuntimeError) as err:
-        with vllm_server(str(MODEL_DIR), kvbm_transfer_config(**extra), SERVE_ARGS,
-                         startup_timeout=300):
-            pass
-    log = err.value.args[0]
-    for text in expected:
-        assert text in log, log[-2000:]
+    assert_names(startup_error(extra), expected)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    # Root ignores permission bits; a read-only mount it cannot write.
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({r.stderr.strip()})")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
+
+
+def test_unwritable_disk_dir_and_a_disk_tier_under_one_block_stop_startup(
+        model_dir, read_only_dir, tmp_path):
+    assert_names(startup_error({"disk_cache_dir": str(read_only_dir)}),
+                 [f"disk_cache_dir: directory '{read_only_dir}' is not writable",
+                  "set disk_cache_dir to a writable directory"])
+    assert_names(startup_error({"disk_cache_dir": str(tmp_path), "disk_cache_size": "64KiB"}),
+                 ["disk_cache_size: 65536 bytes cannot hold one KV block",
+                  "set disk_cache_size to at least"])
+
+
+def wait_for(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(1)
+
+
+def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
+    # Nothing listens on the port: the engine starts and serves, the remote
+    # tier's writes fail fast (logged, counted), the host tier still hits; once
+    # an LMCache server appears there, the remote tier is used.
+    port = free_port()
+    url = f"lm://127.0.0.1:{port}"
+    kv = kvbm_transfer_config(host_cache_blocks=64, remote_url=url, remote_timeout_s=1)
+    with vllm_server(str(MODEL_DIR), kv, SERVE_ARGS, startup_timeout=300,
+                     env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+        prompt = random_prompt(3 * 128 + 10, seed=4242)
+        _, _, first = server.stream_completion(prompt, max_tokens=8, timeout=120)
+        # vLLM's own prefix cache forgets the prompt; KVBM's host tier keeps it.
+        reset = urllib.request.Request(f"{server.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(reset, timeout=60) as resp:
+            assert json.load(resp)["success"]
+        _, _, again = server.stream_completion(prompt, max_tokens=8, timeout=120)
+        assert again == first
+        wait_for(lambda: server.metric("kvbm_tier_write_errors_total") >= 3, 60,
+                 "failed remote writes counted")
+        assert server.metric("kvbm_onboard_blocks_h2d_total") == 3  # the host tier hit
+        assert server.metric("kvbm_offload_blocks_remote_total") == 0
+        assert f"remote tier {url} unavailable" in server.log_path.read_text()
+        lmcache = start_lmcache_server(port)
+        try:
+            fresh = iter(range(1, 100))
+
+            def remote_written() -> bool:
+                server.stream_completion(random_prompt(2 * 128 + 3, seed=next(fresh)),
+                                         max_tokens=1, timeout=120)
+                return server.metric("kvbm_offload_blocks_remote_total") > 0
+            wait_for(remote_written, 90, "remote tier used once its server answers")
+            assert f"remote tier {url} reachable again" in server.log_path.read_text()
+        finally:
+            stop_process(lmcache)
 
 
 def test_demo_shows_a_host_tier_hit(model_dir, capsys):

@@ -179,10 +179,7 @@ class KVBMConfig:
         per_block = block_bytes + 8192
         blocks = self.disk_cache_bytes // per_block
         if blocks < 1:
-            raise KVBMConfigError(
-                f"disk_cache_size: {self.disk_cache_bytes} bytes cannot hold one KV block "
-                f"of this model ({per_block} bytes with its header); set disk_cache_size "
-                f"to at least {per_block} bytes")
+            raise disk_tier_too_small(self.disk_cache_bytes, per_block)
         return blocks
 
     def host_slots(self, block_bytes: int) -> int:
@@ -198,6 +195,14 @@ class KVBMConfig:
                 f"{'block'}); set host_cache_size to at least {block_bytes} bytes "
                 f"(e.g. \"{max(1, -(-block_bytes * 64 // 1024**2))}MiB\" for 64 blocks)")
         return slots
+
+
+def disk_tier_too_small(capacity_bytes: int, page_bytes: int) -> KVBMConfigError:
+    """The one message for a disk tier that cannot hold a page (scheduler and worker)."""
+    return KVBMConfigError(
+        f"disk_cache_size: {capacity_bytes} bytes cannot hold one KV block of this model "
+        f"({page_bytes} bytes with its header); set disk_cache_size to at least "
+        f"{page_bytes} bytes")
 
 
 # extra_config key -> (field name, parser)

@@ -69,7 +69,7 @@ from contextlib import nullcontext
 
 import torch
 
-from vllm_kvbm.config import KVBMConfigError
+from vllm_kvbm.config import KVBMConfigError, disk_tier_too_small
 
 logger = logging.getLogger(__name__)
 
@@ -468,9 +468,7 @@ class DiskStore(_Base):
                  rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8):
         super().__init__(block_bytes, namespace, rank, world_size)
         if capacity_bytes < self._phys:
-            raise KVBMConfigError(
-                f"disk_cache_size: {capacity_bytes} bytes cannot hold one KV block "
-                f"({self._phys} bytes with its header); raise disk_cache_size")
+            raise disk_tier_too_small(capacity_bytes, self._phys)
         self.directory = _prepare_dir(directory)
         self.capacity_bytes = int(capacity_bytes)
         self._io_timeout_s = io_timeout_s
