@@ -317,6 +317,37 @@ def test_stores_reported_in_the_finishing_step_still_need_finished_sending():
 # ---- 5. preemption --------------------------------------------------------------
 
 
+def test_memory_pressure_preempts_running_requests_never_one_whose_load_is_in_flight():
+    # vLLM preempts only RUNNING requests; one waiting for its KV load keeps
+    # its blocks (NIXL is writing them) whatever the pressure.
+    s = make_scheduler(num_blocks=8, host_blocks=16)  # 7 usable blocks
+    prefix = tokens(32, 56)
+    store_and_finish(s, prefix + tokens(4, 57), max_tokens=1)
+    assert s.reset_prefix_cache()
+    runner = make_request(tokens(48, 58), max_tokens=40)
+    s.add_request(runner)
+    step(s, complete=True)
+    loader = make_request(prefix + tokens(8, 59), max_tokens=2)
+    s.add_request(loader)
+    _, meta, _ = step(s)
+    assert [job.req_id for job in meta.loads] == [loader.request_id]
+    held = block_ids(s, loader.request_id)
+    pool = s.kv_cache_manager.block_pool
+    preempted = set()
+    for _ in range(40):  # the runner decodes until it needs a block none has
+        out, meta, _ = step(s, stores_done=[j.job_id for j in meta.stores])
+        preempted |= out.preempted_req_ids
+        assert loader.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert block_ids(s, loader.request_id) == held
+        assert all(pool.blocks[b].ref_cnt == 1 for b in held)
+        if preempted:
+            break
+    assert preempted == {runner.request_id}
+    step(s, finished_recving=[loader.request_id])
+    out, _, _ = step(s)
+    assert out.num_scheduled_tokens.get(loader.request_id) == 40 - 32
+
+
 @pytest.mark.parametrize("stores_reported", [False, True])
 def test_preempted_request_with_stores_in_flight_is_flushed(stores_reported):
     # 7 usable blocks: two 48-token prompts take 3 each; the first decode step
