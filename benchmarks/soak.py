@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import sys
@@ -264,7 +265,7 @@ async def _reset(session, url: str, query: str) -> str:
 
 
 async def _reset_loop(session, url: str, cfg: SoakConfig, result: SoakResult) -> None:
-    for n in range(10**6):
+    for n in itertools.count():  # until cancelled with the traffic
         await asyncio.sleep(cfg.reset_every)
         query = RESET_QUERIES[n % len(RESET_QUERIES)]
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,17 @@ def vllm_counter(name: str) -> float:
 
     return sum(s.value for m in REGISTRY.collect() for s in m.samples
                if s.name == f"{name}_total")
+
+
+def mount_tmpfs(mnt, opts: str) -> None:
+    """A real small or read-only filesystem for fault tests (root ignores
+    permission bits, not a read-only mount); skips where mounting is refused."""
+    os.makedirs(mnt, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)],
+                       capture_output=True, text=True, timeout=20)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); fault not produced")
+
+
+def umount(mnt) -> None:
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)

@@ -4,13 +4,12 @@ tier that does not answer, and the demo."""
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 import urllib.request
 
 import pytest
 
-from conftest import MODEL_DIR, random_prompt
+from conftest import MODEL_DIR, mount_tmpfs, random_prompt, umount
 from vllm_kvbm.server import (free_port, kvbm_transfer_config, start_lmcache_server,
                               stop_process, vllm_server)
 
@@ -49,15 +48,10 @@ def test_bad_config_stops_startup_with_a_clear_message(model_dir, extra, expecte
 
 @pytest.fixture
 def read_only_dir(tmp_path):
-    # Root ignores permission bits; a read-only mount it cannot write.
     mnt = tmp_path / "ro"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)],
-                       capture_output=True, text=True, timeout=20)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here ({r.stderr.strip()})")
+    mount_tmpfs(mnt, "size=1m,ro")
     yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
+    umount(mnt)
 
 
 def test_unwritable_disk_dir_and_a_disk_tier_under_one_block_stop_startup(

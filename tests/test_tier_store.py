@@ -19,6 +19,7 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
+from conftest import mount_tmpfs, umount  # noqa: E402
 from vllm_kvbm import tier_store as ts  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError  # noqa: E402
 from vllm_kvbm.tier_store import HEADER_BYTES, DiskStore, RemoteStore  # noqa: E402
@@ -234,21 +235,9 @@ def test_disk_crc32_pages_still_verified(disk, monkeypatch):
     assert s.get_into(key(1), out) == "corrupt"
 
 
-def _mount_tmpfs(mnt, opts: str) -> None:
-    os.makedirs(mnt, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)],
-                       capture_output=True, text=True, timeout=20)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); fault not produced")
-
-
-def _umount(mnt) -> None:
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
-
-
 def test_disk_full_filesystem(tmp_path):
     mnt = tmp_path / "small"
-    _mount_tmpfs(mnt, "size=4m")
+    mount_tmpfs(mnt, "size=4m")
     try:
         block = MiB
         s = DiskStore(str(mnt), 64 * MiB, block, "ns", 0, 1)
@@ -266,7 +255,7 @@ def test_disk_full_filesystem(tmp_path):
         finally:
             s.close()
     finally:
-        _umount(mnt)
+        umount(mnt)
 
 
 def test_disk_unusable_directory_is_a_config_error(tmp_path):
@@ -275,12 +264,12 @@ def test_disk_unusable_directory_is_a_config_error(tmp_path):
     with pytest.raises(KVBMConfigError, match="disk_cache_dir.*cannot create.*writable"):
         DiskStore(str(blocker / "cache"), 64 * MiB, SMALL, "ns", 0, 1)
     ro = tmp_path / "ro"
-    _mount_tmpfs(ro, "size=1m,ro")  # root ignores modes; a read-only mount it can't
+    mount_tmpfs(ro, "size=1m,ro")  # root ignores modes; a read-only mount it can't
     try:
         with pytest.raises(KVBMConfigError, match="disk_cache_dir.*not writable.*writable"):
             DiskStore(str(ro), 64 * MiB, SMALL, "ns", 0, 1)
     finally:
-        _umount(ro)
+        umount(ro)
     with pytest.raises(KVBMConfigError, match="disk_cache_size"):
         DiskStore(str(tmp_path / "ok"), 4096, SMALL, "ns", 0, 1)
 
