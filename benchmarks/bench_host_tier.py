@@ -27,7 +27,7 @@ def ttft(llm, prompt: list[int]) -> float:
 def bench_ttft(model: str, lengths: list[int]) -> list[tuple]:
     from vllm import LLM
 
-    from vllm_kvbm.server import kvbm_transfer_config
+    from vllm_kvbm.tools.server import kvbm_transfer_config
 
     longest = max(lengths)
     llm = LLM(model=model, dtype="bfloat16", block_size=BLOCK_SIZE, enforce_eager=True,
@@ -53,7 +53,7 @@ def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 1
     """NIXL READ (host -> KV) versus torch copies of the same pages."""
     import torch
 
-    from vllm_kvbm.page_mover import PageMover
+    from vllm_kvbm.worker.page_mover import PageMover
 
     kv = torch.randint(-128, 127, (layers, num_blocks, page), dtype=torch.int8)
     caches = {f"layer{i}": kv[i].view(num_blocks, page) for i in range(layers)}
@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
     args = parser.parse_args()
     if args.model is None:
-        from vllm_kvbm.local_model import DEFAULT_DIR, build
+        from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
 

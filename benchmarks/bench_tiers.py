@@ -53,16 +53,17 @@ def tier_bandwidth(store, block_bytes: int, pages: int = 32) -> float:
 def main() -> None:
     from vllm import LLM
 
-    from vllm_kvbm.server import free_port, kvbm_transfer_config, start_lmcache_server
-    from vllm_kvbm.server import stop_process as stop
-    from vllm_kvbm.tier_store import DiskStore, RemoteStore
+    from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
+    from vllm_kvbm.tools.server import stop_process as stop
+    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.remote import RemoteStore
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=8192)
     args = parser.parse_args()
     if args.model is None:
-        from vllm_kvbm.local_model import DEFAULT_DIR, build
+        from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
 

@@ -339,7 +339,7 @@ def run_soak(model: str, cfg: SoakConfig, want: dict | None = None, llm=None,
     fresh plain engine), then the soak against ``vllm serve``; returns the
     result with mismatches filled in."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from vllm_kvbm.server import kvbm_transfer_config, vllm_server
+    from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
     reqs = make_workload(cfg)
     if want is None:
@@ -460,7 +460,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     if args.model is None:
-        from vllm_kvbm.local_model import DEFAULT_DIR, build
+        from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
     cfg = SoakConfig(requests=args.requests, concurrency=args.concurrency,

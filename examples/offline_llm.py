@@ -8,7 +8,7 @@ import time
 
 from vllm import LLM, SamplingParams
 
-from vllm_kvbm.server import kvbm_transfer_config
+from vllm_kvbm.tools.server import kvbm_transfer_config
 
 if __name__ == "__main__":  # vLLM on CPU spawns processes: keep the guard
     model = sys.argv[1] if len(sys.argv) > 1 else "models/kvbm-llama-8l"

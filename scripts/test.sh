@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m vllm_kvbm.local_model >/dev/null
+.venv/bin/python -m vllm_kvbm.tools.local_model >/dev/null
 exec .venv/bin/python -m pytest -p no:cacheprovider -q -rfEs --durations=10 "$@"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_kvbm.server import free_port, kvbm_transfer_config
+from vllm_kvbm.tools.server import free_port, kvbm_transfer_config
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = Path(os.environ.get("KVBM_TEST_MODEL", ROOT / "models" / "kvbm-llama-8l"))
@@ -53,7 +53,7 @@ def make_llm(kv_transfer_config: dict | None = None, **overrides):
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from vllm_kvbm.local_model import build
+    from vllm_kvbm.tools.local_model import build
 
     return build(MODEL_DIR)
 

@@ -26,7 +26,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from vllm_kvbm.metadata import KVBMConnectorMetadata, KVBMWorkerMetadata
+from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata
 
 BLOCK = 16
 EOS = 2

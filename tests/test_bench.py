@@ -11,7 +11,7 @@ from conftest import MODEL_DIR
 from vllm_kvbm.bench.client import (COLUMNS, read_csv, run_doc_qa, run_multi_round,
                                     summarize, write_csv)
 from vllm_kvbm.bench.workloads import MultiRoundQA, TextSource, long_doc_qa
-from vllm_kvbm.server import kvbm_transfer_config, vllm_server
+from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,7 @@ import torch
 
 from kv_layouts import KVLayout, agent_name, cpu_layout, flash_layout, random_fill
 from vllm_kvbm.config import KVBMConfigError
-from vllm_kvbm.page_mover import PageMover, page_regions
+from vllm_kvbm.worker.page_mover import PageMover, page_regions
 
 NB = 40  # never 2: a flash layout [2, nb, ...] would be ambiguous
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from conftest import MODEL_DIR, ROOT
-from vllm_kvbm.server import free_port, kvbm_transfer_config, vllm_server, wait_for_http
+from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server, wait_for_http
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -184,7 +184,7 @@ def scraped(model_dir, tmp_path_factory):
     """Runs the workload under a scraping Prometheus; yields what the checks need."""
     from transformers import AutoTokenizer
 
-    from vllm_kvbm.demo import document
+    from vllm_kvbm.tools.demo import document
 
     tokenizer = AutoTokenizer.from_pretrained(str(MODEL_DIR))
     doc_a = document(tokenizer, 3000, "typing.py")
@@ -223,12 +223,12 @@ def test_dashboard_has_the_expected_rows_and_metrics():
                  "Evictions"):
         assert any(word.lower() in row.lower() for row in rows), (word, rows)
     exprs = " ".join(expr for _, expr in dashboard_targets(dashboard))
-    from vllm_kvbm.stats import COUNTERS, GAUGES, HISTOGRAMS
+    from vllm_kvbm.metrics import COUNTERS, GAUGES, HISTOGRAMS
 
-    # A metric added to vllm_kvbm/stats.py needs a panel too.
+    # A metric added to vllm_kvbm/metrics.py needs a panel too.
     missing = [f"kvbm_{name}_total" for name in COUNTERS if f"kvbm_{name}_total" not in exprs]
     missing += [f"kvbm_{name}" for name in GAUGES if f"kvbm_{name}" not in exprs]
-    assert not missing, f"metrics of vllm_kvbm/stats.py without a panel in {DASHBOARD}: {missing}"
+    assert not missing, f"metrics of vllm_kvbm/metrics.py without a panel in {DASHBOARD}: {missing}"
     for name in HISTOGRAMS:
         for quantile in ("0.5", "0.9", "0.99"):
             assert f"histogram_quantile({quantile}, sum by (le) (rate(kvbm_{name}_bucket" \

@@ -494,9 +494,9 @@ def test_overdue_store_slots_are_not_reused_until_released():
         _, metas = store_and_finish(s, tokens(40, base), max_tokens=1)
         slots = [slot for m in metas for j in m.stores for slot in j.slots]
         assert slots and not set(slots) & set(stuck.slots)
-    assert k.host.held_slots == 2
+    assert len(k.host._held) == 2
     step(s, slots_released=stuck.slots)
-    assert k.host.held_slots == 0 and k.host.used_slots == 2
+    assert len(k.host._held) == 0 and k.host.used_slots == 2
     _, metas = store_and_finish(s, tokens(72, 46), max_tokens=1)  # 4 blocks
     assert sorted(slot for m in metas for j in m.stores for slot in j.slots) == [0, 1, 2, 3]
 

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from conftest import MODEL_DIR, mount_tmpfs, random_prompt, umount
-from vllm_kvbm.server import (free_port, kvbm_transfer_config, start_lmcache_server,
+from vllm_kvbm.tools.server import (free_port, kvbm_transfer_config, start_lmcache_server,
                               stop_process, vllm_server)
 
 pytestmark = pytest.mark.timeout(900)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_kvbm.slot_index import SlotIndex
+from vllm_kvbm.scheduler.slot_index import SlotIndex
 
 
 def k(i: int) -> bytes:
@@ -34,7 +34,7 @@ def test_storing_slots_are_invisible_and_never_evicted():
     s0 = idx.allocate(k(0))
     s1 = idx.allocate(k(1))
     assert k(0) in idx and not idx.is_ready(k(0))
-    assert idx.count_ready([k(0)]) == 0
+    assert count_ready(idx, [k(0)]) == 0
     assert idx.allocate(k(2)) is None  # both storing: nothing to evict
     assert k(0) in idx and k(1) in idx and idx.evictions == 0
     assert idx.clear() == 0  # clear keeps storing entries
@@ -84,13 +84,23 @@ def test_pin_requires_ready():
         idx.pin([k(0)])
 
 
+def count_ready(idx: SlotIndex, keys) -> int:
+    """Length of the leading run of ``keys`` that can be loaded now."""
+    n = 0
+    for key in keys:
+        if not idx.is_ready(key):
+            break
+        n += 1
+    return n
+
+
 def test_count_ready_leading_run():
     idx = SlotIndex(4)
     stored(idx, 0, 1, 3)
     idx.allocate(k(2))  # storing
-    assert idx.count_ready([k(0), k(1), k(2), k(3)]) == 2
-    assert idx.count_ready([k(9), k(0)]) == 0
-    assert idx.count_ready([]) == 0
+    assert count_ready(idx, [k(0), k(1), k(2), k(3)]) == 2
+    assert count_ready(idx, [k(9), k(0)]) == 0
+    assert count_ready(idx, []) == 0
 
 
 def test_drop():
@@ -157,7 +167,7 @@ def test_held_slots_are_never_reused_until_released():
     others = stored(idx, 1, 2)
     idx.hold([s, s])  # two workers' overdue stores on the same slot
     assert idx.drop(k(0))
-    assert idx.held_slots == 1 and idx.used_slots == 3
+    assert len(idx._held) == 1 and idx.used_slots == 3
     assert idx.available() == 2  # the two ready, evictable entries only
     for i in range(3, 8):  # churn: every allocation evicts, never gets s
         assert idx.allocate(k(i)) in others.values()
@@ -166,7 +176,7 @@ def test_held_slots_are_never_reused_until_released():
     assert idx.allocate(k(9)) != s  # one writer still holds it
     idx.commit(k(9))
     idx.release([s])
-    assert idx.held_slots == 0
+    assert len(idx._held) == 0
     assert idx.allocate(k(10)) == s  # free again, taken before any eviction
     idx.release([s])  # a stray release frees nothing twice
     assert idx.used_slots == 3 and idx.allocate(k(11)) in others.values()

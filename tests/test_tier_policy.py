@@ -15,8 +15,8 @@ from vllm.v1.request import RequestStatus
 
 from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
 from test_scheduler_unit import keys_of, run_until_done, tokens
-from vllm_kvbm.stats import KVBMStats
-from vllm_kvbm.tier_policy import LowerTiers
+from vllm_kvbm.metrics import KVBMStats
+from vllm_kvbm.scheduler.tier_policy import LowerTiers
 
 
 class _Listed:
@@ -63,13 +63,12 @@ def test_worker_events_become_counters():
 
 @pytest.fixture
 def disk_setup(tmp_path):
-    from vllm_kvbm.tier_store import DiskStore
+    from vllm_kvbm.tiers.disk import DiskStore
 
     sched = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
-    connector = sched.connector
     store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes,
-                      connector._tier_namespace(), 0, 1)
+                      k.info.tier_namespace, 0, 1)
     yield sched, k, store
     store.close()
 

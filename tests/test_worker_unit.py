@@ -12,8 +12,8 @@ from kv_layouts import KVLayout, agent_name, cpu_layout, flash_layout
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
-from vllm_kvbm.metadata import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
-from vllm_kvbm.worker import KVBMWorker
+from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
+from vllm_kvbm.worker.jobs import KVBMWorker
 
 # Flash layout, 16 layers x K/V x 256 B pages: a block is 8 KiB and a
 # many-block job is thousands of NIXL descriptors, so it stays in flight for a

@@ -89,14 +89,20 @@ def _parse_dir(key: str, value: Any) -> str:
     return os.path.abspath(path)
 
 
-def _parse_remote_url(key: str, value: Any) -> str:
+def parse_lm_url(key: str, value: Any) -> tuple[str, int]:
+    """``lm://HOST:PORT`` -> (host, port): the one reading of an LMCache server URL."""
     url = _parse_str(key, value)
     m = re.match(r"^lm://([^:/]+):([0-9]+)$", url)
     if not m or not 0 < int(m.group(2)) < 65536:
         raise KVBMConfigError(
             f"{key}: {url!r} is not an LMCache server URL; write it as "
             f"\"lm://HOST:PORT\" (start one with: python -m lmcache.v1.server HOST PORT)")
-    return url
+    return m.group(1), int(m.group(2))
+
+
+def _parse_remote_url(key: str, value: Any) -> str:
+    parse_lm_url(key, value)
+    return value
 
 
 def _parse_seconds(key: str, value: Any) -> float:
@@ -175,8 +181,9 @@ class KVBMConfig:
         """Whole blocks the disk tier holds (0 when there is no disk tier)."""
         if self.disk_cache_dir is None:
             return 0
-        # Each page is stored with a small header in 4 KiB-rounded files.
-        per_block = block_bytes + 8192
+        from vllm_kvbm.tiers.page_format import disk_page_bytes
+
+        per_block = disk_page_bytes(block_bytes)
         blocks = self.disk_cache_bytes // per_block
         if blocks < 1:
             raise disk_tier_too_small(self.disk_cache_bytes, per_block)

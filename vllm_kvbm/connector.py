@@ -24,11 +24,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_kvbm.config import load_config
 from vllm_kvbm.engine_info import engine_info
-from vllm_kvbm.metadata import KVBMConnectorMetadata
-from vllm_kvbm.scheduler import KVBMScheduler
-from vllm_kvbm.stats import KVBMConnectorStats, KVBMPromMetrics, StandaloneMetrics
-from vllm_kvbm.tier_policy import DiskView, LowerTiers
-from vllm_kvbm.worker import KVBMWorker
+from vllm_kvbm.messages import KVBMConnectorMetadata
+from vllm_kvbm.metrics import KVBMConnectorStats, KVBMPromMetrics, StandaloneMetrics
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +36,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
 
 logger = logging.getLogger(__name__)
 
@@ -69,49 +65,21 @@ class KVBMConnector(KVConnectorBase_V1):
         self._num_blocks = kv_cache_config.num_blocks
         self.sched: KVBMScheduler | None = None
         self.worker: KVBMWorker | None = None
+        # Each process imports only its own side: the scheduler process never
+        # loads NIXL or LMCache, a worker never the scheduler's bookkeeping.
         if role == KVConnectorRole.SCHEDULER:
+            from vllm_kvbm.scheduler.lookups import lower_tiers
+            from vllm_kvbm.scheduler.planner import KVBMScheduler
+
             self.sched = KVBMScheduler(self.info, num_slots,
                                        self.config.offload_decode_blocks,
                                        metrics_sink=self._standalone_metrics(),
-                                       lower=self._lower_tier_views())
+                                       lower=lower_tiers(self.config, self.info))
         else:
+            from vllm_kvbm.worker.jobs import KVBMWorker
+
             self.worker = KVBMWorker(self.info, num_slots, self.config.nixl_backend,
                                      agent_name=f"kvbm-{os.getpid()}")
-
-    def _tier_namespace(self) -> str:
-        return self.info.key_namespace.seed().hex()
-
-    def _lower_tier_views(self) -> LowerTiers:
-        """The scheduler's read-only view of the disk and remote tiers."""
-        cfg, views = self.config, []
-        if cfg.disk_cache_dir is not None:
-            cfg.disk_blocks(self.info.block_bytes)  # fails early if too small
-            views.append(DiskView(cfg.disk_cache_dir, self._tier_namespace(),
-                                  self.info.block_bytes, self.info.key_namespace.tp_size))
-        if cfg.remote_url is not None:
-            from vllm_kvbm.tier_store import RemoteStore
-
-            # Rank 0's pages stand for all ranks in lookups; a rank missing
-            # its page fails that load, which vLLM then recomputes.
-            views.append(RemoteStore(cfg.remote_url, self.info.block_bytes,
-                                     self._tier_namespace(), 0,
-                                     self.info.key_namespace.tp_size, cfg.remote_timeout_s))
-        return LowerTiers(views, cfg.disk_admission, cfg.disk_admission_min_uses)
-
-    def _add_worker_tiers(self) -> None:
-        from vllm_kvbm.tier_store import DiskStore, RemoteStore
-
-        assert self.worker is not None
-        cfg, info = self.config, self.info
-        rank, world = _tp_rank(), info.key_namespace.tp_size
-        if cfg.disk_cache_dir is not None:
-            self.worker.add_tier(DiskStore(cfg.disk_cache_dir, cfg.disk_cache_bytes,
-                                           info.block_bytes, self._tier_namespace(),
-                                           rank, world))
-        if cfg.remote_url is not None:
-            self.worker.add_tier(RemoteStore(cfg.remote_url, info.block_bytes,
-                                             self._tier_namespace(), rank, world,
-                                             cfg.remote_timeout_s))
 
     def _standalone_metrics(self) -> StandaloneMetrics | None:
         port = self.config.metrics_port
@@ -131,8 +99,11 @@ class KVBMConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self.worker is not None
+        from vllm_kvbm.worker.tier_io import open_tiers
+
         self.worker.register_kv_caches(kv_caches, self._num_blocks)
-        self._add_worker_tiers()
+        for store in open_tiers(self.config, self.info, _tp_rank()):
+            self.worker.add_tier(store)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None and isinstance(kv_connector_metadata,

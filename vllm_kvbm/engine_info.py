@@ -27,6 +27,11 @@ class EngineInfo:
     num_workers: int
     key_namespace: KeyNamespace
 
+    @property
+    def tier_namespace(self) -> str:
+        """What the disk and remote tiers file this engine's pages under."""
+        return self.key_namespace.seed().hex()
+
 
 def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                 namespace: str = "") -> EngineInfo:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from vllm_kvbm.bench.client import (add_workload_args, format_summary, run_workload,
                                     summarize, workload_size, write_csv)
-from vllm_kvbm.server import kvbm_transfer_config, vllm_server
+from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
 LMCACHE_CONFIG = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 ALL_CONFIGS = ["vllm", "kvbm-host", "kvbm-host-disk", "lmcache"]
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_args(p, pre.parse_known_args(argv)[0].workload)
     args = p.parse_args(argv)
     if args.model is None:
-        from vllm_kvbm.local_model import DEFAULT_DIR, build
+        from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
     out_dir = Path(args.out_dir or f"bench-results/compare-{time.strftime('%Y%m%d-%H%M%S')}")

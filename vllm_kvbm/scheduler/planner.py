@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvbm.keys import BlockKey, KeyChain, request_salt
-from vllm_kvbm.metadata import (KVBMConnectorMetadata, KVBMWorkerMetadata, SpillJob,
+from vllm_kvbm.messages import (KVBMConnectorMetadata, KVBMWorkerMetadata, SpillJob,
                                 TransferJob)
-from vllm_kvbm.slot_index import SlotIndex
-from vllm_kvbm.stats import KVBMStats
-from vllm_kvbm.tier_policy import LowerTiers
+from vllm_kvbm.scheduler.slot_index import SlotIndex
+from vllm_kvbm.metrics import KVBMStats
+from vllm_kvbm.scheduler.tier_policy import LowerTiers
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager

@@ -6,8 +6,8 @@ out of the engine's own prefix cache) and document A again. The third
 request finds A's blocks in the host tier, onboards them through NIXL and
 skips their prefill; the demo prints both TTFTs and the KVBM counters.
 
-    python -m vllm_kvbm.demo                  # the local model, built if missing
-    python -m vllm_kvbm.demo --model PATH     # any Hugging Face model directory
+    python -m vllm_kvbm.tools.demo                  # the local model, built if missing
+    python -m vllm_kvbm.tools.demo --model PATH     # any Hugging Face model directory
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from vllm_kvbm.server import kvbm_transfer_config, vllm_server
+from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
 
 def document(tokenizer, num_tokens: int, source: str) -> str:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.model is None:
-        from vllm_kvbm.local_model import DEFAULT_DIR, build
+        from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         print("Building the local model (once) ...", flush=True)
         args.model = str(build(DEFAULT_DIR))

@@ -58,15 +58,6 @@ class SlotIndex:
         entry = self._entries.get(key)
         return entry is not None and entry.ready
 
-    def count_ready(self, keys: list[BlockKey]) -> int:
-        """Length of the leading run of ``keys`` that can be loaded now."""
-        n = 0
-        for key in keys:
-            if not self.is_ready(key):
-                break
-            n += 1
-        return n
-
     def pin(self, keys: list[BlockKey]) -> list[int]:
         """Protects ready slots from eviction while they are read; returns them."""
         slots = []
@@ -128,10 +119,6 @@ class SlotIndex:
             del self._held[slot]
             if not any(e.slot == slot for e in self._entries.values()):
                 self._free.append(slot)
-
-    @property
-    def held_slots(self) -> int:
-        return len(self._held)
 
     def _give_back(self, slot: int) -> None:
         if slot not in self._held:

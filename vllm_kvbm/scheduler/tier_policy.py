@@ -3,13 +3,13 @@
 Where a block is looked for (host first, then disk, then remote), which
 host blocks are written down to which tier (write-through, with an
 admission filter for the disk), and how the worker's reports turn into
-counters. The stores themselves live in the worker (``tier_store.py``); the
-scheduler sees each tier through a small read-only view with ``contains``.
+counters. The stores themselves run in the workers (``vllm_kvbm.tiers``); the
+scheduler sees each tier through a small read-only view with ``contains``
+(``lookups.py``).
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter, OrderedDict
 from typing import Protocol
 
@@ -23,28 +23,6 @@ class TierView(Protocol):
     name: str
 
     def contains(self, key: BlockKey) -> bool: ...
-
-
-class DiskView:
-    """The disk tier as the scheduler sees it: a page exists if its file does.
-
-    The worker's store writes files atomically and LMCache's LRU deletes
-    them, so the directory itself is the index: it is exact across engine
-    restarts and needs no messages between the processes.
-    """
-
-    name = "disk"
-
-    def __init__(self, directory: str, namespace: str, block_bytes: int, world_size: int):
-        from vllm_kvbm.tier_store import disk_page_path
-
-        self._paths = [
-            (lambda key, r=rank: disk_page_path(directory, namespace, block_bytes, r,
-                                                world_size, key))
-            for rank in range(world_size)]
-
-    def contains(self, key: BlockKey) -> bool:
-        return all(os.path.exists(path(key)) for path in self._paths)
 
 
 class _BoundedCounter(OrderedDict):

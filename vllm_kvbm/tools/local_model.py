@@ -10,7 +10,7 @@ clear margins between the top logits; a model whose logits are nearly tied
 would make output comparisons hinge on float rounding rather than on the KV
 bytes under test.
 
-    python -m vllm_kvbm.local_model --out models/kvbm-llama-8l
+    python -m vllm_kvbm.tools.local_model --out models/kvbm-llama-8l
 """
 
 from __future__ import annotations

@@ -9,21 +9,19 @@ step's ``get_finished`` polls them and reports what completed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm.metadata import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
-from vllm_kvbm.page_mover import PageMover
-from vllm_kvbm.tier_store import copy_bytes
+from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
+from vllm_kvbm.worker.page_mover import PageMover
+from vllm_kvbm.worker.tier_io import TierIO
 
 if TYPE_CHECKING:
     from vllm_kvbm.engine_info import EngineInfo
-    from vllm_kvbm.tier_store import TierStore
+    from vllm_kvbm.tiers.base import TierStore
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +56,11 @@ class KVBMWorker:
         self._load_error_blocks: set[int] = set()
         self._meta = KVBMWorkerMetadata()
         self._finished_recving: set[str] = set()
-        # Lower tiers (disk, remote) and one I/O thread each, so a slow
-        # remote never delays a disk read and the engine thread never blocks.
-        self.tiers: dict[str, TierStore] = {}
-        self._io: dict[str, ThreadPoolExecutor] = {}
-        self._fetching: list[tuple[TransferJob, Future]] = []
-        self._writing: list[tuple[str, bytes, Future]] = []
+        # Lower tiers (disk, remote), each on an I/O thread of its own.
+        self.tier_io = TierIO()
 
     def add_tier(self, store: "TierStore") -> None:
-        self.tiers[store.name] = store
-        self._io[store.name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{store.name}")
+        self.tier_io.add(store)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         first = next(iter(kv_caches.values()))
@@ -104,31 +97,8 @@ class KVBMWorker:
             else:
                 # Lower-tier pages go into their host slots first (on the
                 # tiers' I/O threads), then the whole job is one NIXL read.
-                self._fetching.append((job, self._submit_fetch(job)))
-
-    def _submit_fetch(self, job: TransferJob) -> Future:
-        assert self.host_pool is not None
-        by_tier: dict[str, list[tuple[int, bytes]]] = {}
-        for i, tier, key in job.fetch:
-            by_tier.setdefault(tier, []).append((i, key))
-        # One future per tier, combined: the job is ready when all are.
-        futures = []
-        for tier, items in by_tier.items():
-            store = self.tiers.get(tier)
-
-            def fetch(store=store, tier=tier, items=items):
-                results = []
-                for i, key in items:
-                    try:
-                        status = store.get_into(key, self.host_pool[job.slots[i]])
-                    except Exception as err:  # a store must not take the engine down
-                        logger.warning("KVBM: %s read failed: %s", tier, err)
-                        status = "error"
-                    results.append((tier, key, status))
-                return results
-            futures.append(self._io[tier].submit(fetch) if store is not None
-                           else _done([(tier, key, "error") for _, key in items]))
-        return _gather(futures)
+                assert self.host_pool is not None
+                self.tier_io.fetch(job, self.host_pool)
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for job in meta.stores:
@@ -136,15 +106,8 @@ class KVBMWorker:
         self._awaiting_free.update(meta.delayed_free_req_ids)
         for spill in meta.spills:
             assert self.host_pool is not None
-            # Copy now so the slot can be reused at once; write in background.
-            page = torch.empty_like(self.host_pool[spill.slot])
-            copy_bytes(page, self.host_pool[spill.slot])
-            self._meta.spills_done[spill.job_id] += 1
-            for tier in spill.tiers:
-                store = self.tiers.get(tier)
-                if store is not None:
-                    self._writing.append(
-                        (tier, spill.key, self._io[tier].submit(store.put, spill.key, page)))
+            self.tier_io.spill(spill, self.host_pool[spill.slot])
+            self._meta.spills_done[spill.job_id] += 1  # the slot may be reused now
 
     def handle_preemptions(self, meta: KVBMConnectorMetadata) -> None:
         """Preempted requests' blocks are reused by this very step: finish
@@ -233,37 +196,12 @@ class KVBMWorker:
                 time.sleep(0.0005)
         return not any(match(f) for f in self._inflight)
 
-    def _poll_tiers(self) -> None:
-        still = []
-        for job, future in self._fetching:
-            if not future.done():
-                still.append((job, future))
-                continue
-            results = future.result()
-            bad = [(tier, key, status) for tier, key, status in results if status != "ok"]
-            for tier, key, status in results:
-                self._meta.tier_events[(tier, status)] += 1
-            if bad:
-                logger.warning("KVBM: %d of %d lower-tier pages for %s unusable (%s); "
-                               "vLLM recomputes them", len(bad), len(results), job.req_id,
-                               ", ".join(sorted({f"{t}:{s}" for t, _, s in bad})))
-                self._meta.bad_pages.extend((tier, key) for tier, key, _ in bad)
-                self._complete(job, False, ok=False, started=time.perf_counter())
-            else:
-                self._post(job, is_store=False)
-        self._fetching = still
-        writing = []
-        for tier, key, future in self._writing:
-            if future.done():
-                ok = future.result()
-                self._meta.tier_events[(tier, "stored" if ok else "refused")] += 1
-            else:
-                writing.append((tier, key, future))
-        self._writing = writing
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        if self._fetching or self._writing:
-            self._poll_tiers()
+        for job, ok in self.tier_io.poll(self._meta):
+            if ok:
+                self._post(job, is_store=False)
+            else:
+                self._complete(job, False, ok=False, started=time.perf_counter())
         if self.mover is not None and self._inflight:
             self._poll()
         # An overdue store was reported failed: it no longer delays the free.
@@ -284,11 +222,7 @@ class KVBMWorker:
         return meta
 
     def shutdown(self) -> None:
-        for pool in self._io.values():
-            pool.shutdown(wait=True, cancel_futures=True)
-        for store in self.tiers.values():
-            store.close()
-        self.tiers, self._io = {}, {}
+        self.tier_io.close()
         if self.mover is None:
             return
         if not self._wait(lambda f: True):
@@ -301,27 +235,3 @@ class KVBMWorker:
         self.mover.close()
         self.mover = None
 
-
-def _done(value) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
-def _gather(futures: list[Future]) -> Future:
-    """A future of the concatenated results of ``futures``."""
-    if len(futures) == 1:
-        return futures[0]
-    combined: Future = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_):
-        with lock:  # callbacks run on the tiers' I/O threads
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            combined.set_result([r for f in futures for r in f.result()])
-    for future in futures:
-        future.add_done_callback(one_done)
-    return combined

@@ -1,0 +1,274 @@
+"""DiskStore against LMCache's real disk backend and real files; faults are
+produced for real (bytes flipped and files cut on disk, a full tmpfs).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+from conftest import mount_tmpfs, umount  # noqa: E402
+from tier_pages import BIG, MiB, SMALL, key, page, phys  # noqa: E402
+from vllm_kvbm.config import KVBMConfigError  # noqa: E402
+from vllm_kvbm.tiers import page_format  # noqa: E402
+from vllm_kvbm.tiers.disk import DiskStore  # noqa: E402
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_path  # noqa: E402
+
+
+def files(d) -> list[str]:
+    return sorted(f for f in os.listdir(d) if not f.startswith(".kvbm-probe"))
+
+
+def used_bytes(store: DiskStore) -> int:
+    return int(store._disk.current_cache_size)
+
+
+def stored_keys(store: DiskStore) -> list[bytes]:
+    with store._disk.disk_lock:
+        return [int(k.chunk_hash).to_bytes(32, "big") for k in store._disk.dict]
+
+
+def path_of(store: DiskStore, k: bytes) -> str:
+    return store._disk._key_to_path(store._ckey(k))
+
+
+@pytest.fixture
+def disk(tmp_path):
+    stores = []
+
+    def make(capacity=64 * MiB, block=SMALL, ns="ns-a", directory=None, **kw):
+        s = DiskStore(str(directory or tmp_path / "cache"), capacity, block, ns, 0, 1, **kw)
+        stores.append(s)
+        return s
+
+    yield make
+    for s in stores:
+        s.close()
+
+
+# ---------------------------------------------------------------- disk ----
+
+def test_disk_round_trip_copies_and_removes(disk):
+    s = disk(block=BIG)
+    src = [page(i, BIG) for i in range(3)]
+    want = [p.clone() for p in src]
+    for i, p in enumerate(src):
+        assert s.put(key(i), p)
+        p.fill_(0)  # the caller may reuse its memory once put returns
+    out = torch.empty(BIG, dtype=torch.uint8)
+    for i in range(3):
+        assert s.contains(key(i))
+        assert s.get_into(key(i), out) == "ok"
+        assert torch.equal(out, want[i])
+    assert len(files(s.directory)) == 3
+    assert os.path.getsize(path_of(s, key(0))) == HEADER_BYTES + BIG
+    # The scheduler finds the files by name without LMCache.
+    assert disk_page_path(s.directory, "ns-a", BIG, 0, 1, key(0)) == path_of(s, key(0))
+    assert not os.path.exists(disk_page_path(s.directory, "ns-b", BIG, 0, 1, key(0)))
+    assert not s.contains(key(9)) and s.get_into(key(9), out) == "miss"
+    s.remove(key(1))
+    assert not s.contains(key(1)) and s.get_into(key(1), out) == "miss"
+    assert not os.path.exists(path_of(s, key(1)))
+    assert used_bytes(s) == 2 * phys(BIG)
+    # Bad arguments are refused, never raised.
+    assert not s.put(key(5), torch.zeros(BIG - 1, dtype=torch.uint8))
+    assert not s.put(b"short", want[0])
+    assert s.get_into(key(0), torch.empty(BIG, dtype=torch.int32)) == "error"
+
+
+def test_disk_restart_adopts_pages_newest_first(disk, tmp_path):
+    d = tmp_path / "cache"
+    a = disk(directory=d)
+    for i in range(4):
+        assert a.put(key(i), page(i, SMALL))
+    a.close()
+    now = time.time()
+    for i in range(4):  # key(i) written i-th: make the order unambiguous
+        os.utime(path_of(a, key(i)), (now - 100 + i, now - 100 + i))
+    stray = d / (os.path.basename(path_of(a, key(7))) + ".tmp")
+    stray.write_bytes(b"half a page")
+    foreign = d / "someone-else.pt"
+    foreign.write_bytes(b"not ours")
+
+    b = disk(directory=d)
+    assert b.adopted == 4
+    assert set(stored_keys(b)) == {key(i) for i in range(4)}
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    for i in range(4):
+        assert b.get_into(key(i), out) == "ok" and torch.equal(out, page(i, SMALL))
+    assert not stray.exists() and foreign.exists()
+    b.close()
+
+    # A smaller capacity keeps the newest pages and deletes the rest.
+    for i in range(4):
+        os.utime(path_of(a, key(i)), (now - 100 + i, now - 100 + i))
+    c = disk(directory=d, capacity=2 * phys(SMALL))
+    assert sorted(stored_keys(c)) == sorted([key(2), key(3)])
+    assert not os.path.exists(path_of(c, key(0))) and not os.path.exists(path_of(c, key(1)))
+    assert used_bytes(c) == 2 * phys(SMALL)
+    assert c.put(key(8), page(8, SMALL))  # evicts key(2), the older survivor
+    assert not c.contains(key(2)) and c.contains(key(3))
+
+
+def test_disk_namespace_isolation(disk, tmp_path):
+    d = tmp_path / "cache"
+    a = disk(directory=d, ns="model-a|bf16")
+    b = disk(directory=d, ns="model-b|bf16")
+    assert a.put(key(1), page(1, SMALL))
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert not b.contains(key(1)) and b.get_into(key(1), out) == "miss"
+    # Same namespace string, other block size: also a different namespace.
+    c = disk(directory=d, ns="model-a|bf16", block=SMALL + 1)
+    assert c.adopted == 0 and not c.contains(key(1))
+    # A restarted b does not adopt a's files...
+    b.close()
+    b2 = disk(directory=d, ns="model-b|bf16")
+    assert b2.adopted == 0
+    b2.close()
+    # ...and a's bytes filed under b's name are caught by the header.
+    shutil.copy(path_of(a, key(1)), path_of(b2, key(1)))
+    b3 = disk(directory=d, ns="model-b|bf16")
+    assert b3.contains(key(1))
+    assert b3.get_into(key(1), out) == "corrupt"
+    assert not os.path.exists(path_of(b3, key(1)))
+    assert a.get_into(key(1), out) == "ok" and torch.equal(out, page(1, SMALL))
+
+
+def test_disk_lru_eviction_by_bytes(disk):
+    s = disk(capacity=3 * phys(SMALL))
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    for i in range(3):
+        assert s.put(key(i), page(i, SMALL))
+    assert s.get_into(key(0), out) == "ok"  # key(0) is now the most recent
+    assert s.put(key(3), page(3, SMALL))    # evicts key(1), the least recent
+    assert [s.contains(key(i)) for i in range(4)] == [True, False, True, True]
+    assert not os.path.exists(path_of(s, key(1)))
+    assert len(files(s.directory)) == 3 and used_bytes(s) == 3 * phys(SMALL)
+    # One byte less than three pages holds two.
+    t = disk(capacity=3 * phys(SMALL) - 1, directory=s.directory + "-2")
+    for i in range(3):
+        assert t.put(key(i), page(i, SMALL))
+    assert [t.contains(key(i)) for i in range(3)] == [False, True, True]
+
+
+def test_disk_flipped_bytes_and_swapped_files_are_corrupt(disk):
+    s = disk()
+    for i in range(4):
+        assert s.put(key(i), page(i, SMALL))
+    out = torch.empty(SMALL, dtype=torch.uint8)
+
+    def flip(k, offset):
+        p = path_of(s, k)
+        with open(p, "r+b") as f:
+            f.seek(offset)
+            b = f.read(1)
+            f.seek(offset)
+            f.write(bytes([b[0] ^ 0x01]))
+
+    flip(key(0), HEADER_BYTES + SMALL // 2)   # payload
+    flip(key(1), 20)                          # key field of the header
+    flip(key(2), HEADER_BYTES - 2)            # the checksum itself
+    for i in range(3):
+        out.fill_(0)
+        assert s.get_into(key(i), out) == "corrupt"
+        assert not os.path.exists(path_of(s, key(i)))
+        assert not s.contains(key(i)) and s.get_into(key(i), out) == "miss"
+    # A valid page of key(3) stored under key(5)'s name.
+    assert s.put(key(5), page(5, SMALL))
+    shutil.copy(path_of(s, key(3)), path_of(s, key(5)))
+    assert s.get_into(key(5), out) == "corrupt"
+    assert s.get_into(key(3), out) == "ok" and torch.equal(out, page(3, SMALL))
+    assert used_bytes(s) == 1 * phys(SMALL)
+
+
+def test_disk_deleted_and_truncated_files(disk):
+    s = disk()
+    for i in range(4):
+        assert s.put(key(i), page(i, SMALL))
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    os.remove(path_of(s, key(0)))
+    assert s.get_into(key(0), out) == "miss" and not s.contains(key(0))
+    for i, size in [(1, HEADER_BYTES + SMALL // 2), (2, 10)]:
+        os.truncate(path_of(s, key(i)), size)
+        assert s.get_into(key(i), out) == "corrupt"  # never the stale staging bytes
+        assert not os.path.exists(path_of(s, key(i)))
+    with open(path_of(s, key(3)), "ab") as f:  # grown by one byte
+        f.write(b"x")
+    assert s.get_into(key(3), out) == "corrupt"
+    assert used_bytes(s) == 0 and stored_keys(s) == []
+    # The whole directory removed under a running store: refusals, no raise.
+    shutil.rmtree(s.directory)
+    assert s.put(key(9), page(9, SMALL)) is False
+    assert s.get_into(key(9), out) == "miss"
+
+
+def test_disk_crc32_pages_still_verified(disk, monkeypatch):
+    s = disk()
+    monkeypatch.setattr(page_format, "_WRITE_ALG", page_format._ALG_CRC32)
+    assert s.put(key(1), page(1, SMALL))
+    monkeypatch.setattr(page_format, "_WRITE_ALG", page_format._ALG_CRC32C)
+    with open(path_of(s, key(1)), "rb") as f:
+        assert int.from_bytes(f.read(8)[6:8], "little") == page_format._ALG_CRC32
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert s.get_into(key(1), out) == "ok" and torch.equal(out, page(1, SMALL))
+    with open(path_of(s, key(1)), "r+b") as f:
+        f.seek(HEADER_BYTES + 5)
+        f.write(b"\xff\x00")
+    assert s.get_into(key(1), out) == "corrupt"
+
+
+def test_disk_full_filesystem(tmp_path):
+    mnt = tmp_path / "small"
+    mount_tmpfs(mnt, "size=4m")
+    try:
+        block = MiB
+        s = DiskStore(str(mnt), 64 * MiB, block, "ns", 0, 1)
+        try:
+            results = [s.put(key(i), page(i, block)) for i in range(6)]
+            assert results[:3] == [True] * 3 and results[3:] == [False] * 3
+            assert glob.glob(str(mnt / "*.tmp")) == []
+            assert len(files(mnt)) == 3 and used_bytes(s) == 3 * phys(block)
+            out = torch.empty(block, dtype=torch.uint8)
+            assert s.get_into(key(2), out) == "ok" and torch.equal(out, page(2, block))
+            assert s.get_into(key(4), out) == "miss"
+            s.remove(key(0))
+            assert s.put(key(4), page(4, block))  # space and accounting came back
+            assert s.get_into(key(4), out) == "ok" and torch.equal(out, page(4, block))
+        finally:
+            s.close()
+    finally:
+        umount(mnt)
+
+
+def test_disk_unusable_directory_is_a_config_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    with pytest.raises(KVBMConfigError, match="disk_cache_dir.*cannot create.*writable"):
+        DiskStore(str(blocker / "cache"), 64 * MiB, SMALL, "ns", 0, 1)
+    ro = tmp_path / "ro"
+    mount_tmpfs(ro, "size=1m,ro")  # root ignores modes; a read-only mount it can't
+    try:
+        with pytest.raises(KVBMConfigError, match="disk_cache_dir.*not writable.*writable"):
+            DiskStore(str(ro), 64 * MiB, SMALL, "ns", 0, 1)
+    finally:
+        umount(ro)
+    with pytest.raises(KVBMConfigError, match="disk_cache_size"):
+        DiskStore(str(tmp_path / "ok"), 4096, SMALL, "ns", 0, 1)
+
+
+@pytest.mark.parametrize("block", [BIG, SMALL])
+def test_one_page_size_formula_for_config_and_store(disk, block):
+    """What LMCache charges per page is what config.disk_blocks assumes."""
+    from vllm_kvbm.config import load_config
+
+    s = disk(block=block)
+    assert s._phys == phys(block)
+    cfg = load_config({"disk_cache_dir": s.directory, "disk_cache_size": 10 * phys(block)})
+    assert cfg.disk_blocks(block) == 10

@@ -1,0 +1,137 @@
+"""The scheduler's read-only views of the tiers below host RAM.
+
+The stores themselves run in the workers (``vllm_kvbm.tiers``); the
+scheduler only asks whether a page exists, by its name, without LMCache:
+the disk through the directory, the remote server through the ``lm://``
+EXIST message.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from vllm_kvbm.config import parse_lm_url
+from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.scheduler.tier_policy import LowerTiers
+from vllm_kvbm.tiers.lm_protocol import REPLY_BYTES, exist_reply, exist_request
+from vllm_kvbm.tiers.page_format import disk_page_path, page_name
+
+if TYPE_CHECKING:
+    from vllm_kvbm.config import KVBMConfig
+    from vllm_kvbm.engine_info import EngineInfo
+
+logger = logging.getLogger(__name__)
+
+
+class DiskView:
+    """The disk tier as the scheduler sees it: a page exists if its file does.
+
+    The worker's store writes files atomically and LMCache's LRU deletes
+    them, so the directory itself is the index: it is exact across engine
+    restarts and needs no messages between the processes.
+    """
+
+    name = "disk"
+
+    def __init__(self, directory: str, namespace: str, block_bytes: int, world_size: int):
+        self._paths = [
+            (lambda key, r=rank: disk_page_path(directory, namespace, block_bytes, r,
+                                                world_size, key))
+            for rank in range(world_size)]
+
+    def contains(self, key: BlockKey) -> bool:
+        return all(os.path.exists(path(key)) for path in self._paths)
+
+
+class RemoteView:
+    """The remote tier as the scheduler sees it: EXIST on the server.
+
+    Rank 0's page stands for all ranks; a rank missing its page fails that
+    load, which vLLM then recomputes. Every call is bounded by ``timeout_s``;
+    after a failure the connection is re-made at most every
+    ``retry_interval_s`` and calls answer False (a miss) meanwhile.
+    """
+
+    name = "remote"
+
+    def __init__(self, url: str, namespace: str, block_bytes: int, world_size: int,
+                 timeout_s: float = 2.0, retry_interval_s: float = 2.0):
+        self.url = url
+        self._addr = parse_lm_url("remote_url", url)
+        self._name = lambda key: page_name(namespace, block_bytes, 0, world_size, key)
+        self._timeout_s = timeout_s
+        self._retry_s = retry_interval_s
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_try = 0.0
+        self._down = False
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            sock = self._connection()
+            if sock is None:
+                return False
+            try:
+                sock.sendall(exist_request(self._name(key)))
+                reply = b""
+                while len(reply) < REPLY_BYTES:
+                    chunk = sock.recv(REPLY_BYTES - len(reply))
+                    if not chunk:
+                        raise ConnectionError("server closed the connection")
+                    reply += chunk
+                return exist_reply(reply)
+            except (OSError, ValueError) as err:
+                self._drop(err)
+                return False
+
+    def _connection(self) -> socket.socket | None:
+        if self._sock is not None:
+            return self._sock
+        now = time.monotonic()
+        if now < self._next_try:
+            return None
+        try:
+            sock = socket.create_connection(self._addr, timeout=self._timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as err:
+            self._drop(err)
+            return None
+        if self._down:
+            logger.warning("KVBM: remote tier %s reachable again for lookups", self.url)
+        self._sock, self._down = sock, False
+        return sock
+
+    def _drop(self, why) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._next_try = time.monotonic() + self._retry_s
+        if not self._down:
+            self._down = True
+            logger.warning("KVBM: remote tier %s unavailable for lookups (%s); they miss "
+                           "until it answers (retried at most every %.1fs)", self.url, why,
+                           self._retry_s)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+
+def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
+    """The scheduler's views of the configured disk and remote tiers."""
+    views: list = []
+    namespace, world = info.tier_namespace, info.key_namespace.tp_size
+    if config.disk_cache_dir is not None:
+        config.disk_blocks(info.block_bytes)  # fails early if too small
+        views.append(DiskView(config.disk_cache_dir, namespace, info.block_bytes, world))
+    if config.remote_url is not None:
+        views.append(RemoteView(config.remote_url, namespace, info.block_bytes, world,
+                                config.remote_timeout_s))
+    return LowerTiers(views, config.disk_admission, config.disk_admission_min_uses)

@@ -1,0 +1,29 @@
+"""The interface of a tier below host RAM, as the worker side uses it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TierStore:
+    """What the connector needs from a lower tier."""
+
+    name: str = ""
+
+    def put(self, key: bytes, page: torch.Tensor) -> bool:
+        """Copies page (1-D uint8 CPU, block_bytes) before returning; False if refused/failed."""
+        raise NotImplementedError
+
+    def get_into(self, key: bytes, out: torch.Tensor) -> str:
+        """Fills out -> "ok" | "miss" | "corrupt" (entry removed) | "error"."""
+        raise NotImplementedError
+
+    def contains(self, key: bytes) -> bool:
+        raise NotImplementedError
+
+    def remove(self, key: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+

@@ -1,0 +1,89 @@
+"""What the LMCache-backed stores share: LMCache imports, keys, metadata, an event loop.
+
+LMCache's backends run their I/O as coroutines on an asyncio loop the caller
+provides; each store runs one on a daemon thread of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import torch
+
+from vllm_kvbm.tiers.base import TierStore
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, disk_page_bytes
+
+# LMCache sizes its memory and disk in GiB (floats)
+GIB = 1024**3
+
+def start_loop(name: str):
+    loop = asyncio.new_event_loop()
+
+    def run():
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            try:
+                pending = asyncio.all_tasks(loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def stop_loop(loop, thread, wait_s: float) -> bool:
+    try:
+        loop.call_soon_threadsafe(loop.stop)
+    except RuntimeError:  # already closed
+        pass
+    thread.join(wait_s)
+    return not thread.is_alive()
+
+
+def lmcache_api():
+    """Imports LMCache lazily (it is slow to import and not needed without tiers)."""
+    from lmcache.utils import CacheEngineKey, parse_cache_key
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    return CacheEngineKey, parse_cache_key, LMCacheEngineConfig, MemoryFormat, LMCacheMetadata
+
+
+
+class LMCacheStore(TierStore):
+    """A store whose pages live in an LMCache backend under our page format."""
+
+    def __init__(self, block_bytes: int, namespace: str, rank: int, world_size: int):
+        if not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        (self._CacheEngineKey, self._parse_cache_key, self._Config, MemoryFormat,
+         LMCacheMetadata) = lmcache_api()
+        self._fmt = MemoryFormat.KV_2LTD  # any non-binary format; arena-backed
+        self._codec = PageCodec(namespace, block_bytes)
+        self.block_bytes = block_bytes
+        self._rank, self._world_size = rank, world_size
+        self._model = self._codec.model_name
+        n = self._codec.stored_bytes
+        self._shape = torch.Size([1, 1, 1, n])          # 4-D: close() needs it
+        self._tomb_shape = torch.Size([1, 1, 1, HEADER_BYTES])
+        self._phys = disk_page_bytes(block_bytes)       # allocator/disk accounting unit
+        self._md = LMCacheMetadata(
+            model_name=self._model, world_size=world_size, local_world_size=world_size,
+            worker_id=rank, local_worker_id=rank, kv_dtype=torch.uint8,
+            kv_shape=(1, 1, 1, 1, n), chunk_size=1)
+
+    def _ckey(self, key: bytes):
+        return self._CacheEngineKey(self._model, self._world_size, self._rank,
+                                    int.from_bytes(key, "big"), torch.uint8)
+
