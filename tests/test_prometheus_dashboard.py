@@ -63,6 +63,8 @@ METRICS = ([f"kvbm_{name}_total" for name in KVBM_COUNTERS]
            + ["kvbm_offload_latency_seconds_count", "kvbm_onboard_latency_seconds_count",
               "kvbm_host_cache_used_blocks", "kvbm_host_cache_capacity_blocks",
               "kvbm_host_cache_used_bytes", "kvbm_host_cache_capacity_bytes",
+              "kvbm_host_cache_hit_rate", "kvbm_disk_cache_hit_rate",
+              "kvbm_remote_cache_hit_rate",
               "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
               "vllm:external_prefix_cache_hits_total",
               "vllm:external_prefix_cache_queries_total", "vllm:prompt_tokens_total"])
@@ -285,6 +287,11 @@ def test_counters_match_the_workload(scraped):
     assert v["vllm:prefix_cache_queries_total"] == 2 * n_a + n_b
     assert v["kvbm_lookup_tokens_total"] == 2 * n_a + n_b - local_hits
     assert v["vllm:external_prefix_cache_queries_total"] == v["kvbm_lookup_tokens_total"]
+    # Dynamo's gauges: the three requests are all inside their 1000-request window
+    assert v["kvbm_host_cache_hit_rate"] == pytest.approx(
+        v["kvbm_matched_tokens_host_total"] / v["kvbm_lookup_tokens_total"], rel=1e-12)
+    assert 0.1 < v["kvbm_host_cache_hit_rate"] < 1
+    assert v["kvbm_disk_cache_hit_rate"] == v["kvbm_remote_cache_hit_rate"] == 0
 
     # Offloaded: the full prompt blocks of A and of B, once each
     offloaded = n_a // BLOCK + n_b // BLOCK

@@ -9,7 +9,7 @@ to ``KVBMPromMetrics.observe`` in the API server process, so they appear on
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +56,26 @@ HISTOGRAMS = {
                                 "to its completion, per transfer", _LATENCY_BUCKETS),
 }
 
+# Admitted requests the *_cache_hit_rate gauges cover, as Dynamo's KVBM (its
+# DYN_KVBM_CACHE_STATS_MAX_REQUESTS default): the most recent ones, so the rate
+# follows the workload instead of averaging over the server's whole life.
+HIT_RATE_WINDOW = 1000
+_HIT_TIERS = ("host", "disk", "remote")
+
+
+def _hit_rate_help(tier: str) -> str:
+    return (f"{tier.capitalize()} cache hit rate (0.0-1.0), Dynamo KVBM's name: prompt tokens "
+            f"found in the {tier} tier / prompt tokens looked up in KVBM (beyond the engine's "
+            f"own prefix cache), summed over the last {HIT_RATE_WINDOW} admitted requests")
+
+
 # gauge name -> help text
 GAUGES = {
     "host_cache_used_blocks": "Host-tier blocks holding or receiving KV",
     "host_cache_capacity_blocks": "Host-tier capacity in blocks",
     "host_cache_used_bytes": "Host-tier bytes holding or receiving KV (per worker)",
     "host_cache_capacity_bytes": "Host-tier capacity in bytes (per worker)",
+    **{f"{tier}_cache_hit_rate": _hit_rate_help(tier) for tier in _HIT_TIERS},
 }
 
 
@@ -79,6 +93,9 @@ class KVBMStats:
         self.samples: dict[str, list[float]] = {}
         self.gauges: dict[str, float] = {}
         self._sent_gauges: dict[str, float] = {}
+        # per admitted request: [lookup tokens, host, disk, remote matched tokens]
+        self._window: deque[list[int]] = deque()
+        self._window_sums = [0] * (1 + len(_HIT_TIERS))
 
     def add(self, name: str, value: int = 1) -> None:
         assert name in COUNTERS, name
@@ -87,6 +104,29 @@ class KVBMStats:
             self.total[name] += value
             if self.sink is not None:
                 self.sink.counters[name].inc(value)
+            self._track_hit_rates(name, value)
+
+    def _track_hit_rates(self, name: str, value: int) -> None:
+        """The *_cache_hit_rate gauges, from the counters the planner adds when
+        it admits a request: ``lookup_tokens`` starts the request's entry, its
+        ``matched_tokens_<tier>`` follow."""
+        if name == "lookup_tokens":
+            entry = [value] + [0] * len(_HIT_TIERS)
+            self._window.append(entry)
+            if len(self._window) > HIT_RATE_WINDOW:
+                old = self._window.popleft()
+                self._window_sums = [a - b for a, b in zip(self._window_sums, old)]
+            self._window_sums[0] += value
+        elif name.startswith("matched_tokens_") and self._window:
+            i = 1 + _HIT_TIERS.index(name.removeprefix("matched_tokens_"))
+            self._window[-1][i] += value
+            self._window_sums[i] += value
+        else:
+            return
+        looked_up = self._window_sums[0]
+        for i, tier in enumerate(_HIT_TIERS, 1):
+            self.set_gauge(f"{tier}_cache_hit_rate",
+                           self._window_sums[i] / looked_up if looked_up else 0.0)
 
     def observe(self, name: str, values: list[float]) -> None:
         assert name in HISTOGRAMS, name

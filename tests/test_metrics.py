@@ -1,0 +1,150 @@
+"""The kvbm_*_cache_hit_rate gauges (Dynamo KVBM's names and meaning).
+
+Fed by what the planner counts when vLLM's real Scheduler admits a request,
+read back from KVBMStats, from the payload vLLM collects, and from a real
+standalone /metrics endpoint.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+from vllm_kvbm import metrics
+from vllm_kvbm.keys import KeyChain
+from vllm_kvbm.metrics import GAUGES, KVBMStats, StandaloneMetrics
+from vllm_kvbm.tools.server import free_port
+
+RATES = ("host_cache_hit_rate", "disk_cache_hit_rate", "remote_cache_hit_rate")
+
+
+def tokens(n: int, base: int) -> list[int]:
+    return [base * 1000 + i for i in range(n)]
+
+
+def store_and_finish(sched, toks: list[int]) -> None:
+    """One request run to completion by a worker that finishes every transfer."""
+    req = make_request(toks, max_tokens=2)
+    sched.add_request(req)
+    for _ in range(50):
+        if req.request_id not in sched.requests:
+            return
+        step(sched, complete=True)
+    raise AssertionError(f"{req.request_id} did not finish")
+
+
+def admit(stats: KVBMStats, lookup: int, **matched: int) -> None:
+    """What the planner adds when vLLM admits one request."""
+    stats.add("lookup_tokens", lookup)
+    stats.add("matched_tokens", sum(matched.values()))
+    for tier, tokens_ in matched.items():
+        for _ in range(tokens_ // BLOCK):
+            stats.add(f"matched_tokens_{tier}", BLOCK)
+
+
+def rates(stats: KVBMStats) -> tuple[float, float, float]:
+    return tuple(stats.gauges[name] for name in RATES)
+
+
+def test_gauges_have_dynamos_names_and_say_what_they_measure():
+    for tier in ("host", "disk", "remote"):
+        doc = GAUGES[f"{tier}_cache_hit_rate"]
+        assert f"found in the {tier} tier / prompt tokens looked up" in doc
+        assert f"last {metrics.HIT_RATE_WINDOW} admitted requests" in doc
+    assert metrics.HIT_RATE_WINDOW == 1000  # Dynamo's DYN_KVBM_CACHE_STATS_MAX_REQUESTS default
+    # Dynamo's device->disk direct offload does not exist here (see README, Metrics)
+    assert "offload_blocks_d2d" not in metrics.COUNTERS
+
+
+def test_host_hit_rate_through_vllms_scheduler():
+    """A prompt stored by one request and loaded by the next, after vLLM's own
+    prefix cache forgot it: 2 of its 40 tokens' blocks come from the host tier."""
+    sched = make_scheduler()
+    k = kvbm(sched)
+    prompt = tokens(40, 21)  # 2 full blocks + an 8-token tail
+    store_and_finish(sched, prompt)
+    assert rates(k.stats) == (0.0, 0.0, 0.0)  # looked up 40 tokens, found none
+    assert sched.reset_prefix_cache()
+    sched.add_request(make_request(prompt, max_tokens=2))
+    _, meta, _ = step(sched)
+    assert len(meta.loads) == 1
+
+    assert k.stats.total["lookup_tokens"] == 80 and k.stats.total["matched_tokens_host"] == 32
+    assert rates(k.stats) == (32 / 80, 0.0, 0.0)
+
+
+def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
+    from vllm_kvbm.tiers.disk import DiskStore
+
+    sched = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(sched)
+    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    try:
+        prompt = tokens(3 * BLOCK + 5, 22)
+        keys = list(KeyChain(k._seed, BLOCK).extend(prompt))
+        page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
+        for key in keys[:2]:  # two of the three full blocks are on disk
+            assert store.put(key, page)
+        deadline = time.monotonic() + 10
+        while not all(k.lower.find(key) == "disk" for key in keys[:2]):
+            assert time.monotonic() < deadline, "disk writes never became visible"
+            time.sleep(0.05)
+        sched.add_request(make_request(prompt, max_tokens=2))
+        step(sched)
+        assert rates(k.stats) == (0.0, 2 * BLOCK / len(prompt), 0.0)
+    finally:
+        store.close()
+
+
+def test_rates_cover_the_last_window_of_requests(monkeypatch):
+    monkeypatch.setattr(metrics, "HIT_RATE_WINDOW", 3)
+    stats = KVBMStats()
+    admit(stats, 100, host=64)
+    admit(stats, 100, disk=32, remote=16)
+    assert rates(stats) == (64 / 200, 32 / 200, 16 / 200)
+    # what vLLM collects each step carries them (only when they changed)
+    gauges = stats.take()["gauges"]
+    assert [gauges[name] for name in RATES] == [64 / 200, 32 / 200, 16 / 200]
+    assert "gauges" not in stats.take()
+    admit(stats, 200)
+    assert rates(stats) == (64 / 400, 32 / 400, 16 / 400)
+    admit(stats, 100, host=96)  # the first request leaves the window
+    assert rates(stats) == (96 / 400, 32 / 400, 16 / 400)
+    admit(stats, 50)
+    admit(stats, 50)  # only misses are left
+    assert rates(stats) == (96 / 200, 0.0, 0.0)
+    admit(stats, 50)
+    assert rates(stats) == (0.0, 0.0, 0.0)
+
+
+def test_rates_on_the_standalone_metrics_port():
+    port = free_port()
+    sink = StandaloneMetrics(port, "127.0.0.1")
+    try:
+        stats = KVBMStats(sink)
+        admit(stats, 256, host=128, disk=64)
+        admit(stats, 256, remote=32)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        values = {name: float(value) for name, value in
+                  re.findall(r"^(kvbm_\w+_cache_hit_rate) (\S+)$", text, re.M)}
+        assert values == {"kvbm_host_cache_hit_rate": 128 / 512,
+                          "kvbm_disk_cache_hit_rate": 64 / 512,
+                          "kvbm_remote_cache_hit_rate": 32 / 512}
+        assert "# TYPE kvbm_host_cache_hit_rate gauge" in text
+    finally:
+        sink.close()
+
+
+@pytest.mark.parametrize("name", ["lookup_tokens", "matched_tokens_host"])
+def test_zero_adds_change_nothing(name):
+    stats = KVBMStats()
+    admit(stats, 100, host=32)
+    before = rates(stats)
+    stats.add(name, 0)
+    assert rates(stats) == before
