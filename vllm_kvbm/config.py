@@ -9,11 +9,14 @@ names the key and says how to fix it, and is raised when the engine starts.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -244,6 +247,7 @@ _ENV = {
     "KVBM_DISK_CACHE_GB": ("disk_cache_size", lambda v: f"{v}GB"),
     "DYN_KVBM_DISK_CACHE_GB": ("disk_cache_size", lambda v: f"{v}GB"),
     "KVBM_DISK_ADMISSION": ("disk_admission", str),
+    "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": ("disk_admission", lambda v: _dyn_disk_filter(v)),
     "KVBM_REMOTE_URL": ("remote_url", str),
     "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),
@@ -252,6 +256,48 @@ _ENV = {
     "KVBM_NIXL_BACKEND": ("nixl_backend", str),
     "KVBM_NAMESPACE": ("namespace", str),
 }
+# Dynamo serves its KVBM metrics only with DYN_KVBM_METRICS=true, on
+# DYN_KVBM_METRICS_PORT or this port (see _dyn_metrics).
+DYN_KVBM_METRICS_DEFAULT_PORT = 6880
+
+
+def _dyn_disk_filter(text: str) -> str:
+    """Dynamo's disk offload filter (on by default there) writes a block to disk
+    on its second use: our "frequency" admission with its default 2 uses."""
+    try:
+        disabled = _parse_bool("DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER", text)
+    except KVBMConfigError:
+        raise KVBMConfigError(
+            f"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER (sets disk_admission): expected true "
+            f"(disk_admission \"always\") or false (\"frequency\"), got {text!r}") from None
+    return "always" if disabled else "frequency"
+
+
+def _dyn_metrics(environ: Mapping[str, str], values: dict, sources: dict) -> None:
+    """DYN_KVBM_METRICS=true turns the metrics port on (DYN_KVBM_METRICS_PORT, or
+    6880 as in Dynamo, unless another source set one); false turns off a port
+    that only DYN_KVBM_METRICS_PORT set, as Dynamo would not serve it."""
+    text = environ.get("DYN_KVBM_METRICS", "").strip()
+    if not text:
+        return
+    try:
+        enabled = _parse_bool("DYN_KVBM_METRICS", text)
+    except KVBMConfigError:
+        raise KVBMConfigError(
+            f"DYN_KVBM_METRICS (turns metrics_port on): expected true or false, got "
+            f"{text!r}; set it to true and DYN_KVBM_METRICS_PORT (default "
+            f"{DYN_KVBM_METRICS_DEFAULT_PORT}) to serve the kvbm_* metrics on a port") from None
+    if enabled and "metrics_port" not in values:
+        values["metrics_port"] = DYN_KVBM_METRICS_DEFAULT_PORT
+        sources["metrics_port"] = "DYN_KVBM_METRICS"
+    elif not enabled and sources.get("metrics_port") == "DYN_KVBM_METRICS_PORT":
+        del values["metrics_port"], sources["metrics_port"]
+
+
+def dynamo_env_not_read(environ: Mapping[str, str]) -> list[str]:
+    """DYN_KVBM_* variables that are set but mean nothing here (README, Configuration)."""
+    return sorted(name for name, value in environ.items() if name.startswith("DYN_KVBM_")
+                  and name not in _ENV and name != "DYN_KVBM_METRICS" and value.strip())
 
 
 def load_config(extra: Mapping[str, Any] | None,
@@ -274,6 +320,12 @@ def load_config(extra: Mapping[str, Any] | None,
     for env, (key, convert) in _ENV.items():
         if env in environ and environ[env].strip():
             values[key], sources[key] = convert(environ[env].strip()), env
+    _dyn_metrics(environ, values, sources)
+    ignored = dynamo_env_not_read(environ)
+    if ignored:  # names only: some of Dynamo's hold credentials
+        logger.warning("KVBM: %s %s Dynamo's and not read by vllm_kvbm (no setting here means "
+                       "the same; README, Configuration)", ", ".join(ignored),
+                       "is" if len(ignored) == 1 else "are")
     # host_cache_blocks beats host_cache_size; but a size from the environment
     # must still beat a block count from extra_config, or the env var is ignored.
     if sources.get("host_cache_size") in _ENV and sources.get("host_cache_blocks") \
