@@ -3,6 +3,11 @@
 Adapted from vLLM's tests/v1/kv_connector/unit/utils.py to vLLM 0.32. The
 "worker" is the test itself: it reads the connector metadata each step and
 reports completions back through a KVConnectorOutput.
+
+Also used by benchmarks/bench_scheduler.py (which puts tests/ on sys.path):
+``make_scheduler`` takes the sizes of a GPU-like configuration, and
+``worker_output`` builds one step's fake worker output apart from the
+scheduler calls, so those can be timed on their own.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import tempfile
 import torch
 from vllm import SamplingParams
 from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         SchedulerConfig, VllmConfig)
+                         ParallelConfig, SchedulerConfig, VllmConfig)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -35,14 +40,14 @@ init_none_hash(sha256)
 
 
 @functools.cache
-def _model_dir() -> str:
+def _model_dir(max_positions: int = 4096) -> str:
     """A config-only Llama: the scheduler needs the model's shape, not weights."""
     path = tempfile.mkdtemp(prefix="kvbm-sched-model-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama",
                   hidden_size=64, intermediate_size=128, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
-                  vocab_size=100_000, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                  vocab_size=100_000, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                   torch_dtype="float16", bos_token_id=1, eos_token_id=EOS)
     with open(f"{path}/config.json", "w") as f:
         json.dump(config, f)
@@ -51,14 +56,17 @@ def _model_dir() -> str:
 
 def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: int = 256,
                    num_layers: int = 2,
-                   load_failure_policy: str = "recompute", **extra_config) -> Scheduler:
-    model_config = ModelConfig(model=_model_dir(), dtype="float16", seed=0,
-                               max_model_len=4096, skip_tokenizer_init=True)
+                   load_failure_policy: str = "recompute", *, max_model_len: int = 4096,
+                   max_num_seqs: int = 16, tensor_parallel_size: int = 1,
+                   **extra_config) -> Scheduler:
+    model_config = ModelConfig(model=_model_dir(max(4096, max_model_len)), dtype="float16",
+                               seed=0, max_model_len=max_model_len, skip_tokenizer_init=True)
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,
-            enable_chunked_prefill=True, is_encoder_decoder=False),
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len, enable_chunked_prefill=True,
+            is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm.connector",
@@ -66,6 +74,7 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
             kv_connector_extra_config={"host_cache_blocks": host_blocks,
                                        **extra_config}),
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
@@ -103,6 +112,20 @@ def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed
     Returns (scheduler_output, connector metadata, engine outputs).
     """
     out = scheduler.schedule()
+    mro = worker_output(scheduler, out, stores_done=stores_done, stores_failed=stores_failed,
+                        loads_failed=loads_failed, spills_done=spills_done,
+                        slots_held=slots_held, slots_released=slots_released,
+                        finished_recving=finished_recving, finished_sending=finished_sending,
+                        invalid_block_ids=invalid_block_ids, complete=complete, token=token)
+    engine_outputs = scheduler.update_from_output(out, mro)
+    return out, out.kv_connector_metadata, engine_outputs
+
+
+def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=(),
+                  loads_failed=(), spills_done=(), slots_held=(), slots_released=(),
+                  finished_recving=(), finished_sending=(), invalid_block_ids=(),
+                  complete: bool = False, token: int = 7) -> ModelRunnerOutput:
+    """What the fake worker reports for scheduler output ``out`` (see ``step``)."""
     meta = out.kv_connector_metadata
     assert isinstance(meta, KVBMConnectorMetadata)
     req_ids = list(out.num_scheduled_tokens)
@@ -136,8 +159,7 @@ def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed
                             sampled_token_ids=sampled, logprobs=None,
                             prompt_logprobs_dict={}, pooler_output=None,
                             kv_connector_output=kv_out)
-    engine_outputs = scheduler.update_from_output(out, mro)
-    return out, meta, engine_outputs
+    return mro
 
 
 def block_ids(scheduler: Scheduler, req_id: str) -> list[int]:

@@ -16,7 +16,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
-from vllm_kvbm.keys import KeyChain, KeyNamespace, request_salt
+from vllm_kvbm.keys import KeyChain, KeyNamespace, LoRAIdentity, request_salt
 
 
 def tokens(n: int, base: int) -> list[int]:
@@ -552,6 +552,7 @@ def test_cache_reset_during_a_load_never_serves_pre_reset_pages_afterwards():
     r2, load = load_again(s, prompt, max_tokens=2)
     held = block_ids(s, r2.request_id)
     pool = s.kv_cache_manager.block_pool
+    keys = keys_of(s, prompt)  # before the reset: it moves keys to a new epoch
     # The load holds engine blocks: vLLM refuses the local reset, and with
     # reset_running_requests it raises (vLLM 0.32 does not support resetting
     # under a pending KV load); neither frees the blocks being written.
@@ -561,7 +562,6 @@ def test_cache_reset_during_a_load_never_serves_pre_reset_pages_afterwards():
     assert all(pool.blocks[b].ref_cnt == 1 for b in held)
     # The connector part did reset: the slots being read stay pinned until
     # the load ends, then are dropped; no new lookup sees them meanwhile.
-    keys = keys_of(s, prompt)
     assert all(k.host._entries[key].pins == 1 for key in keys[:2])
     assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (0, False)
     _, meta, _ = step(s)
@@ -728,13 +728,36 @@ def _first_key(block_size: int = 16, salt: bytes = b"", **changes) -> bytes:
     return KeyChain(ns.seed(), block_size, salt).extend(_TOKENS)[0]
 
 
+_LORA = LoRAIdentity("lora-a", 1, "/adapters/a", "f1")
+
+
 @pytest.mark.parametrize("change", [
     dict(model="other@"), dict(dtype="torch.bfloat16"), dict(extra="tenant-b"),
     dict(block_size=32), dict(kv_layout="HND"), dict(tp_size=2),
-    dict(salt=request_salt("lora-a", None)), dict(salt=request_salt(None, "salt")),
+    # every fp8 KV cache has torch dtype uint8: vLLM's kv-cache-dtype tells them apart
+    dict(kv_cache_dtype='["fp8_e5m2", []]'), dict(quantization="fp8"),
+    dict(model_fingerprint="new-weights-same-path"),
+    dict(salt=request_salt(_LORA, None)), dict(salt=request_salt(None, "salt")),
 ])
 def test_keys_differ_when_kv_would(change):
     assert _first_key(**change) != _first_key()
+
+
+@pytest.mark.parametrize("other", [
+    LoRAIdentity("lora-a", 2, "/adapters/a", "f1"),      # same name, other adapter id
+    LoRAIdentity("lora-a", 1, "/adapters/b", "f1"),      # same name, other path
+    LoRAIdentity("lora-a", 1, "/adapters/a", "f2"),      # same path, new weights
+])
+def test_lora_identity_is_more_than_its_name(other):
+    assert request_salt(other, None) != request_salt(_LORA, None)
+
+
+def test_request_salt_encoding_is_unambiguous():
+    """The old "name|salt" join made these two requests share keys."""
+    a = request_salt(LoRAIdentity("x|y", 1, ""), "z")
+    b = request_salt(LoRAIdentity("x", 1, ""), "y|z")
+    assert a != b
+    assert request_salt(None, "|") != request_salt(None, "")
 
 
 def test_keys_chain_over_the_prefix():

@@ -7,11 +7,18 @@ vLLM config, so they agree on slot counts and keys without a handshake.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.keys import KeyNamespace
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,11 +56,14 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         raise KVBMConfigError(
             "enable_prefix_caching: KVBMConnector needs vLLM's prefix caching "
             "(it stores and finds blocks by prefix); remove --no-enable-prefix-caching")
-    num_layers = len(groups[0].layer_names)
     parallel = vllm_config.parallel_config
+    _refuse_unsupported_parallelism(parallel)
+    num_layers = len(groups[0].layer_names)
     model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    revision = getattr(model, "revision", None) or ""
     namespace_key = KeyNamespace(
-        model=f"{model.model}@{getattr(model, 'revision', None) or ''}",
+        model=f"{model.model}@{revision}",
         dtype=str(spec.dtype),
         kv_layout=str(kv_cache_config.kv_cache_layout or ""),
         block_size=spec.block_size,
@@ -63,6 +73,10 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         tp_rank=0,
         tp_size=parallel.tensor_parallel_size,
         extra=namespace,
+        kv_cache_dtype=json.dumps([str(cache.cache_dtype),
+                                   sorted(getattr(cache, "kv_cache_dtype_skip_layers", ()))]),
+        quantization=str(model.quantization or ""),
+        model_fingerprint=model_fingerprint(model.model, revision),
     )
     return EngineInfo(
         block_size=spec.block_size,
@@ -72,3 +86,75 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         key_namespace=namespace_key,
     )
 
+
+def _refuse_unsupported_parallelism(parallel) -> None:
+    """Pipeline and context parallelism shard a block's KV in ways the page
+    format does not describe (layers per stage, tokens per rank): refuse them
+    at startup rather than store pages another layout would misread."""
+    for field, what in (("pipeline_parallel_size", "pipeline parallelism"),
+                        ("decode_context_parallel_size", "decode context parallelism"),
+                        ("prefill_context_parallel_size", "prefill context parallelism")):
+        size = getattr(parallel, field, 1) or 1
+        if size > 1:
+            flag = "--" + field.replace("_", "-")
+            raise KVBMConfigError(
+                f"{field}={size}: KVBMConnector does not support {what} yet (each rank "
+                f"holds a different part of a block's KV); run with {flag} 1, or remove "
+                f"--kv-transfer-config. Tensor parallelism is supported.")
+
+
+# Files whose bytes decide the KV a model computes for given token ids.
+_CONFIG_FILES = ("config.json", "adapter_config.json", "params.json")
+_INDEX_SUFFIX = ".index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_SAMPLES, _SAMPLE_BYTES = 16, 4096
+
+
+@functools.lru_cache(maxsize=64)
+def files_fingerprint(directory: str) -> str:
+    """A hash of a model or adapter directory's config and weights.
+
+    Config and weight-index files are hashed whole; each weight file by name,
+    size and 16 samples of 4 KiB spread over it: new weights saved at the same
+    path (a fine-tune, an RL update) change it, yet it reads 64 KiB per file,
+    and a copy of the same files on another machine gives the same value, so
+    engines on different hosts still share a remote store.
+    """
+    h = hashlib.sha256(b"kvbm-files-v1")
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        if name in _CONFIG_FILES or name.endswith(_INDEX_SUFFIX):
+            with open(path, "rb") as f:
+                h.update(json.dumps([name, "whole"]).encode() + f.read())
+        elif name.endswith(_WEIGHT_SUFFIXES):
+            size = os.path.getsize(path)
+            h.update(json.dumps([name, size]).encode())
+            with open(path, "rb") as f:
+                for i in range(_SAMPLES):
+                    f.seek(max(0, size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
+                    h.update(f.read(_SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def local_model_dir(model: str, revision: str) -> str | None:
+    """The local directory of a model path or an already downloaded HF model."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision or None, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the local HF cache
+        return None
+
+
+def model_fingerprint(model: str, revision: str = "") -> str:
+    directory = local_model_dir(model, revision)
+    if directory is None:
+        # Both connector sides see the same files, so this never splits them.
+        logger.warning("KVBM: model %s has no local files to fingerprint; block keys name "
+                       "it by id and revision only", model)
+        return ""
+    return files_fingerprint(os.path.realpath(directory))

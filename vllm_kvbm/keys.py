@@ -5,21 +5,38 @@ seeded from PYTHONHASHSEED (random per process when unset), so they change
 across engine restarts, and the disk and remote tiers must find blocks again
 after a restart. Our key is a SHA-256 chain over the token ids of each full
 block, seeded with a namespace that pins down everything the KV bytes depend
-on: model, dtype, KV layout, block size, TP rank and world size, and our
-format version. Two engines agree on a key only if their KV bytes for that
-prefix would be the same.
+on: the model (name, revision and a fingerprint of its config and weights),
+the KV cache dtype (the torch dtype *and* vLLM's ``--kv-cache-dtype``, since
+every fp8 format is ``torch.uint8``), the weights' quantization, KV layout,
+block size, TP rank and world size, and our format version; per request, the
+LoRA adapter (name, id, path and a fingerprint of its files) and the cache
+salt. Two engines agree on a key only if their KV bytes for that prefix would
+be the same. Every field is encoded as JSON, so no value can be confused with
+another's boundary.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
-# Bump when the stored page format changes, so old pages never match.
-FORMAT_VERSION = 1
+# Bump when the stored page format or the key derivation changes, so old
+# pages never match. v2: JSON encoding, KV cache dtype, quantization, model
+# fingerprint, LoRA identity.
+FORMAT_VERSION = 2
 
 BlockKey = bytes  # 32 bytes
+
+
+def _digest(*fields) -> bytes:
+    return hashlib.sha256(json.dumps(list(fields)).encode()).digest()
+
+
+def derive_seed(seed: bytes, *fields: str) -> bytes:
+    """A new key seed from an old one (e.g. a cache reset's new epoch)."""
+    return _digest(seed.hex(), *fields)
 
 
 @dataclass(frozen=True)
@@ -32,21 +49,33 @@ class KeyNamespace:
     tp_rank: int
     tp_size: int
     extra: str = ""
+    # vLLM's --kv-cache-dtype ("auto", "fp8_e4m3", "fp8_e5m2", ...) and the
+    # layers it skips: fp8 formats all have the torch dtype uint8.
+    kv_cache_dtype: str = "auto"
+    # Quantization scheme of the weights ("" when none).
+    quantization: str = ""
+    # Hash of the model's config and weights (engine_info.files_fingerprint):
+    # new weights at the same path give new keys.
+    model_fingerprint: str = ""
 
     def seed(self) -> bytes:
-        text = "|".join([
-            f"kvbm-v{FORMAT_VERSION}", self.model, self.dtype, self.kv_layout,
-            str(self.block_size), str(self.block_bytes), str(self.tp_rank),
-            str(self.tp_size), self.extra,
-        ])
-        return hashlib.sha256(text.encode()).digest()
+        return _digest(f"kvbm-v{FORMAT_VERSION}", *astuple(self))
 
 
-def request_salt(lora_name: str | None, cache_salt: str | None) -> bytes:
+@dataclass(frozen=True)
+class LoRAIdentity:
+    name: str
+    int_id: int
+    path: str
+    # files_fingerprint of the adapter directory ("" when not local)
+    fingerprint: str = ""
+
+
+def request_salt(lora: LoRAIdentity | None, cache_salt: str | None) -> bytes:
     """Per-request inputs besides tokens that change the KV (LoRA, cache salt)."""
-    if not lora_name and not cache_salt:
+    if lora is None and not cache_salt:
         return b""
-    return hashlib.sha256(f"{lora_name or ''}|{cache_salt or ''}".encode()).digest()
+    return _digest("request", None if lora is None else astuple(lora), cache_salt or "")
 
 
 class KeyChain:

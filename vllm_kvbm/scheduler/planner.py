@@ -8,13 +8,16 @@ the worker side in the connector metadata.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvbm.keys import BlockKey, KeyChain, request_salt
+from vllm_kvbm.engine_info import files_fingerprint, local_model_dir
+from vllm_kvbm.keys import BlockKey, KeyChain, LoRAIdentity, derive_seed, request_salt
 from vllm_kvbm.messages import (KVBMConnectorMetadata, KVBMWorkerMetadata, SpillJob,
                                 TransferJob)
 from vllm_kvbm.scheduler.slot_index import SlotIndex
@@ -36,6 +39,8 @@ logger = logging.getLogger(__name__)
 class _ReqState:
     request: "Request"
     chain: KeyChain
+    # what besides tokens changes this request's KV (LoRA, cache salt)
+    salt: bytes = b""
     # blocks [0, store_cursor) have been considered for storing
     store_cursor: int = 0
     store_jobs: set[int] = field(default_factory=set)
@@ -49,6 +54,11 @@ class _ReqState:
     # slots (promotion): committed to the host tier when the load succeeds
     promoted: list[tuple[BlockKey, str]] = field(default_factory=list)
     finished: bool = False
+    # a worker reported this request's in-flight load failed; kept until
+    # vLLM reports the load finished on every rank (possibly steps later)
+    load_failed: bool = False
+    # holds KV computed before a cache reset: never stored again
+    pre_reset: bool = False
     # tokens asked about by the last lookup; counted when vLLM admits the
     # request (None: nothing to count), as vLLM counts its own cache queries
     lookup_tokens: int | None = None
@@ -78,6 +88,7 @@ class KVBMScheduler:
         self.host = SlotIndex(num_host_slots)
         self.stats = KVBMStats(metrics_sink)
         self._seed = info.key_namespace.seed()
+        self._epoch = 0  # cache resets so far (each gives new keys)
         self._reqs: dict[str, _ReqState] = {}
         self._store_jobs: dict[int, _StoreJob] = {}
         self._job_ids = itertools.count()
@@ -101,9 +112,8 @@ class KVBMScheduler:
         if state is None:
             if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
                 return None  # KV depends on inputs that token ids don't capture
-            lora = request.lora_request.lora_name if request.lora_request else None
-            salt = request_salt(lora, request.cache_salt)
-            state = _ReqState(request, KeyChain(self._seed, self.block_size, salt))
+            salt = request_salt(_lora_identity(request.lora_request), request.cache_salt)
+            state = _ReqState(request, KeyChain(self._seed, self.block_size, salt), salt)
             self._reqs[request.request_id] = state
         return state
 
@@ -211,6 +221,32 @@ class KVBMScheduler:
         for source in state.hit_sources[:hit_blocks]:
             self.stats.add(f"matched_tokens_{source}", self.block_size)
 
+    def hit_sources(self, request: "Request", num_tokens: int) -> dict[str, int]:
+        """The admitted hit's tokens per tier ("host", "disk", "remote"), for
+        vLLM's per-source prefix-cache metrics (vLLM asks right after
+        update_state_after_alloc). Sums to ``num_tokens``; tokens the last
+        lookup did not place (none, unless vLLM admitted more than it found)
+        are under "unknown"."""
+        state = self._reqs.get(request.request_id)
+        sources = state.hit_sources[:num_tokens // self.block_size] if state else []
+        split = {tier: n * self.block_size for tier, n in Counter(sources).items()}
+        rest = num_tokens - len(sources) * self.block_size
+        if rest:
+            split["unknown"] = rest
+        return split
+
+    def may_load_async(self, request: "Request") -> bool:
+        """A cheap guess (vLLM >= 0.34 asks when a request is queued) whether its
+        lookup will return an asynchronous load: its first block is ready in
+        the host tier or its page is on disk. The remote tier is not asked (a
+        network round trip); a remote-only hit still loads, just not early."""
+        state = self._state(request)
+        if state is None or (request.num_tokens - 1) // self.block_size < 1:
+            return False
+        key = self._keys(state, self.block_size)[0]
+        return self.host.is_ready(key) or any(
+            view.contains(key) for view in self.lower.views if view.name == "disk")
+
     # ---- per-step metadata ------------------------------------------------
 
     def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
@@ -232,6 +268,8 @@ class KVBMScheduler:
 
     def _plan_store(self, state: _ReqState, num_scheduled: int) -> TransferJob | None:
         """Stores every full block this step completes that the host lacks."""
+        if state.pre_reset:
+            return None
         request = state.request
         # Tokens whose KV exists after this step and whose ids are known.
         end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
@@ -268,7 +306,6 @@ class KVBMScheduler:
 
     def update_connector_output(self, output: "KVConnectorOutput") -> None:
         meta = output.kv_connector_worker_meta
-        failed_loads: Counter = Counter()
         if isinstance(meta, KVBMWorkerMetadata):
             self.stats.add("offload_bytes_d2h", meta.bytes_stored)
             self.stats.add("onboard_bytes_h2d", meta.bytes_loaded)
@@ -285,7 +322,13 @@ class KVBMScheduler:
             self.lower.record(meta.tier_events, self.stats)
             for tier, key in meta.bad_pages:
                 self.lower.forget(tier, key)
-            failed_loads = meta.loads_failed
+            # With tensor parallelism one rank's failure can arrive steps
+            # before vLLM reports the load finished (on the last rank): keep
+            # it on the request until then.
+            for req_id in meta.loads_failed:
+                state = self._reqs.get(req_id)
+                if state is not None:
+                    state.load_failed = True
         for req_id in output.finished_recving or ():
             state = self._reqs.get(req_id)
             if state is None or not (state.load_keys or state.promoted):
@@ -293,7 +336,8 @@ class KVBMScheduler:
             keys, state.load_keys = state.load_keys, []
             promoted, state.promoted = state.promoted, []
             self.host.unpin(keys)
-            if failed_loads.get(req_id):
+            failed, state.load_failed = state.load_failed, False
+            if failed:
                 # The bytes may be bad: forget them rather than serve them again.
                 for key in keys + [k for k, _ in promoted]:
                     self.host.drop(key)
@@ -383,9 +427,42 @@ class KVBMScheduler:
                     or self._spills or self._pending_spills)
 
     def reset_cache(self) -> int:
+        """Forgets every cached block, in every tier, for this engine.
+
+        The host tier is cleared. The disk and remote tiers are shared with
+        other engines and restarts, so their pages are not deleted: instead
+        this engine's keys move to a new epoch (a fresh random seed), so no
+        page stored before the reset is ever looked up again here; the old
+        pages age out by LRU. Other engines sharing a store still see the
+        pre-reset pages and not this engine's new ones.
+        """
         dropped = self.host.clear()
         # Stores still being written are not cleared; drop them when they land.
         for job in self._store_jobs.values():
             job.stale = True
-        logger.info("KVBM: cache reset dropped %d host blocks", dropped)
+        self._seed = derive_seed(self._seed, "reset", os.urandom(16).hex())
+        for state in self._reqs.values():
+            # KV computed (or being loaded) before the reset never gets a
+            # post-reset key; lookups from now on use the new epoch.
+            if state.request.num_computed_tokens > 0 or state.load_keys or state.promoted:
+                state.pre_reset = True
+            state.chain = KeyChain(self._seed, self.block_size, state.salt)
+        self._epoch += 1
+        logger.info("KVBM: cache reset dropped %d host blocks; disk and remote pages from "
+                    "before it are no longer looked up (key epoch %d)", dropped, self._epoch)
         return dropped
+
+
+def _lora_identity(lora) -> LoRAIdentity | None:
+    """A LoRA adapter as keys see it: its name alone could be reused for
+    other weights, so its id, path and a fingerprint of its files count too."""
+    if lora is None:
+        return None
+    path = getattr(lora, "lora_path", "") or ""
+    return LoRAIdentity(lora.lora_name, lora.lora_int_id, path, _adapter_fingerprint(path))
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_fingerprint(path: str) -> str:
+    directory = local_model_dir(path, "") if path else None
+    return files_fingerprint(os.path.realpath(directory)) if directory else ""

@@ -1,0 +1,129 @@
+"""Two correctness guards on vLLM's real Scheduler:
+
+- tensor parallelism: a load that fails on one rank is never committed as
+  good, even when vLLM reports it finished steps later (after the last rank),
+  driven through vLLM's own ``KVOutputAggregator``;
+- a cache reset reaches every tier: no page stored before it is found again,
+  though the disk still holds it (a real DiskStore writes the files).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.request import RequestStatus
+
+from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step, worker_output
+from test_scheduler_unit import keys_of, run_until_done, store_and_finish, tokens
+
+
+def tp_step(sched, aggregator, *ranks: dict):
+    """One step whose worker output comes from one fake worker per TP rank,
+    combined by vLLM's own aggregator as its executor does."""
+    out = sched.schedule()
+    mro = aggregator.aggregate([worker_output(sched, out, **kw) for kw in ranks])
+    sched.update_from_output(out, mro)
+    return out, out.kv_connector_metadata
+
+
+def test_a_rank_that_fails_its_load_steps_before_the_other_finishes_commits_nothing():
+    s = make_scheduler(tensor_parallel_size=2)
+    k = kvbm(s)
+    agg = KVOutputAggregator(expected_finished_count=2)
+    prompt = tokens(40, 61)  # two full blocks
+    r1 = make_request(prompt, max_tokens=1)
+    s.add_request(r1)
+    for _ in range(10):  # both ranks finish every store and free within the step
+        if r1.request_id not in s.requests:
+            break
+        tp_step(s, agg, dict(complete=True), dict(complete=True))
+    keys = keys_of(s, prompt)[:2]
+    assert all(k.host.is_ready(key) for key in keys)
+    assert s.reset_prefix_cache()  # vLLM's own cache forgets: the host tier must serve
+
+    r2 = make_request(prompt, max_tokens=2)
+    s.add_request(r2)
+    # Step 1: the load is planned; rank 1's copy fails at once, rank 0's is running.
+    out = s.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    rank0 = worker_output(s, out)
+    rank1 = worker_output(s, out, loads_failed=[r2.request_id],
+                          finished_recving=[r2.request_id],
+                          invalid_block_ids=load.block_ids)
+    s.update_from_output(out, agg.aggregate([rank0, rank1]))
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # rank 0 still loading
+    # Step 2: rank 0 finishes fine; vLLM now reports the load finished.
+    out, _ = tp_step(s, agg, dict(finished_recving=[r2.request_id]), dict())
+    # Nothing of that load is trusted: rank 1's slots hold unknown bytes.
+    assert not any(k.host.is_ready(key) for key in keys)
+    assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (0, False)
+    assert k.stats.total["load_error_blocks"] == 2
+    assert k.stats.total["onboard_blocks_h2d"] == 0
+    # vLLM recomputes the whole prompt (both ranks' failure policy: recompute).
+    out, _ = tp_step(s, agg, dict(complete=True), dict(complete=True))
+    assert out.num_scheduled_tokens.get(r2.request_id) == 40
+    for _ in range(10):
+        if r2.request_id not in s.requests:
+            break
+        tp_step(s, agg, dict(complete=True), dict(complete=True))
+    # Recomputed KV is stored again, and serves the next request.
+    assert all(k.host.is_ready(key) for key in keys)
+
+
+def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
+    from vllm_kvbm.tiers.disk import DiskStore
+
+    s = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(s)
+    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    try:
+        prompt = tokens(2 * BLOCK + 5, 62)
+        old_keys = keys_of(s, prompt)[:2]
+        page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
+        for key in old_keys:
+            assert store.put(key, page)
+        deadline = time.monotonic() + 10
+        while not all(k.lower.find(key) == "disk" for key in old_keys):
+            assert time.monotonic() < deadline, "disk writes never became visible"
+            time.sleep(0.05)
+        assert k.get_num_new_matched_tokens(make_request(prompt), 0)[0] == 2 * BLOCK
+
+        assert s.reset_prefix_cache(reset_connector=True)
+        # The pages are still on disk (shared with other engines and restarts)...
+        assert all(k.lower.find(key) == "disk" for key in old_keys)
+        # ...but this engine never looks them up again: its keys changed epoch.
+        assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (0, False)
+        new_keys = keys_of(s, prompt)[:2]
+        assert not set(new_keys) & set(old_keys)
+        # What is computed after the reset is cached under the new keys.
+        store_and_finish(s, prompt)
+        assert all(k.host.is_ready(key) for key in new_keys)
+    finally:
+        store.close()
+
+
+def test_a_request_alive_at_the_reset_never_stores_its_pre_reset_kv():
+    """A prefill running across the reset: its later blocks attend to KV
+    computed before it, so none of them may be stored under the new keys."""
+    s = make_scheduler(max_batched=BLOCK)  # one block of prefill per step
+    k = kvbm(s)
+    prompt = tokens(3 * BLOCK + 1, 63)
+    r1 = make_request(prompt, max_tokens=2)
+    s.add_request(r1)
+    _, meta, _ = step(s, complete=True)
+    assert r1.num_computed_tokens == BLOCK and meta.stores  # block 0 stored pre-reset
+    # vLLM keeps its own blocks (in use), the connector resets.
+    assert not s.reset_prefix_cache(reset_connector=True)
+    stored = []
+    for _ in range(20):
+        if r1.request_id not in s.requests:
+            break
+        _, meta, _ = step(s, complete=True)
+        stored += meta.stores
+    assert not stored
+    assert not any(k.host.is_ready(key) for key in keys_of(s, prompt))
+    # A request arriving after the reset computes and stores afresh.
+    store_and_finish(s, prompt)
+    assert all(k.host.is_ready(key) for key in keys_of(s, prompt)[:3])
