@@ -103,11 +103,23 @@ def test_host_cache_blocks_ok():
 
 
 def test_nixl_backend():
-    assert load({"nixl_backend": "posix"}).nixl_backend == "POSIX"
+    assert load({"nixl_backend": "ucx"}).nixl_backend == "UCX"
     assert load({"nixl_backend": "UCX"}).nixl_backend == "UCX"
     msg = _err({"nixl_backend": "foo"})
-    assert "nixl_backend" in msg and "'foo'" in msg and "UCX, POSIX" in msg
+    assert "nixl_backend" in msg and "'foo'" in msg and '"UCX"' in msg
     assert "nixl_backend" in _err({"nixl_backend": 3})
+
+
+@pytest.mark.parametrize("backend", ["POSIX", "posix", "GDS", "OBJ"])
+def test_nixl_storage_backend_cannot_move_kv_is_a_startup_error(backend):
+    # POSIX and GDS move DRAM/VRAM <-> FILE, OBJ to object stores: none copies
+    # the engine's KV blocks into the host tier (the worker's NIXL agent would
+    # fail every transfer, or worse), so startup stops naming the key and fix.
+    msg = _err({"nixl_backend": backend})
+    assert msg.startswith("nixl_backend: ") and repr(backend) in msg, msg
+    assert "storage backend" in msg and 'Set nixl_backend to "UCX"' in msg, msg
+    msg = _err(None, KVBM_NIXL_BACKEND=backend)
+    assert msg.startswith("KVBM_NIXL_BACKEND") and "storage backend" in msg, msg
 
 
 def test_namespace():
@@ -147,8 +159,8 @@ def test_env_blocks_wins(env):
 
 def test_env_other_keys_and_blank_ignored():
     cfg = load({"nixl_backend": "UCX", "namespace": "a"},
-               KVBM_NIXL_BACKEND="posix", KVBM_NAMESPACE="b", KVBM_HOST_CACHE_SIZE="  ")
-    assert (cfg.nixl_backend, cfg.namespace, cfg.host_cache_bytes) == ("POSIX", "b", 4 * GiB)
+               KVBM_NIXL_BACKEND="ucx", KVBM_NAMESPACE="b", KVBM_HOST_CACHE_SIZE="  ")
+    assert (cfg.nixl_backend, cfg.namespace, cfg.host_cache_bytes) == ("UCX", "b", 4 * GiB)
 
 
 @pytest.mark.parametrize("env,value,fragments", [
@@ -158,7 +170,7 @@ def test_env_other_keys_and_blank_ignored():
     ("KVBM_HOST_CACHE_BLOCKS", "0", ["KVBM_HOST_CACHE_BLOCKS", "host_cache_blocks", ">= 1"]),
     ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "many",
      ["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "host_cache_blocks", "integer"]),
-    ("KVBM_NIXL_BACKEND", "rdma", ["KVBM_NIXL_BACKEND", "nixl_backend", "UCX, POSIX"]),
+    ("KVBM_NIXL_BACKEND", "rdma", ["KVBM_NIXL_BACKEND", "nixl_backend", '"UCX"']),
 ])
 def test_bad_env_value_names_env_var(env, value, fragments):
     msg = _err({"host_cache_size": "1GiB"}, **{env: value})

@@ -147,6 +147,30 @@ def _parse_choice(key: str, value: Any, choices: tuple[str, ...]) -> str:
     return text
 
 
+# NIXL backends that move host memory to and from files or object stores.
+_NIXL_STORAGE_BACKENDS = ("POSIX", "GDS", "GDS_MT", "OBJ", "HF3FS", "AZURE_BLOB", "GUSLI")
+
+
+def _parse_nixl_backend(key: str, value: Any) -> str:
+    """The backend of the one NIXL agent that copies pages between the engine's
+    KV cache and the host tier, to itself: device <-> host memory on CUDA
+    (VRAM <-> DRAM), host <-> host on CPU. UCX does that; nothing else is tested."""
+    if not isinstance(value, str):
+        raise KVBMConfigError(f"{key}: expected a string such as \"UCX\", got {value!r}")
+    name = value.strip().upper()
+    if name == "UCX":
+        return name
+    if name in _NIXL_STORAGE_BACKENDS:
+        raise KVBMConfigError(
+            f"{key}: {value!r} is a NIXL storage backend (host memory <-> files or "
+            f"objects); it cannot copy the engine's KV blocks between device memory and "
+            f"the host tier. Set {key} to \"UCX\" (the default) or remove it; the disk "
+            f"tier is set with disk_cache_dir")
+    raise KVBMConfigError(
+        f"{key}: {value!r} is not a NIXL backend that copies between the engine's KV "
+        f"memory and host RAM; set {key} to \"UCX\" (the default) or remove it")
+
+
 @dataclass(frozen=True)
 class KVBMConfig:
     # Bytes of host RAM for the host (CPU) tier, per worker (TP rank).
@@ -229,7 +253,7 @@ _KEYS = {
     "remote_timeout_s": ("remote_timeout_s", lambda k, v: _parse_seconds(k, v)),
     "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
     "metrics_host": ("metrics_host", _parse_host),
-    "nixl_backend": ("nixl_backend", lambda k, v: _parse_choice(k, v, ("UCX", "POSIX"))),
+    "nixl_backend": ("nixl_backend", _parse_nixl_backend),
     "namespace": ("namespace", lambda k, v: _parse_str(k, v)),
 }
 
