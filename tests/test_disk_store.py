@@ -272,3 +272,24 @@ def test_one_page_size_formula_for_config_and_store(disk, block):
     assert s._phys == phys(block)
     cfg = load_config({"disk_cache_dir": s.directory, "disk_cache_size": 10 * phys(block)})
     assert cfg.disk_blocks(block) == 10
+
+
+def test_staging_freed_by_the_garbage_collector_under_lmcaches_lock_does_not_deadlock(disk):
+    """LMCache frees a MemoryObj in __del__ under the same global lock its
+    metric code holds; a collection inside that code (as when a remote store
+    reconnects after dropping a connection) must not hang the thread."""
+    import gc
+    import threading
+
+    import lmcache.utils
+
+    s = disk()
+    leaked = s._staging.allocate(s._shape, torch.uint8, s._fmt, busy_loop=False)
+    assert leaked is not None
+    cycle = [leaked]
+    cycle.append(cycle)  # only the cyclic collector can free it now
+    del leaked, cycle
+    worker = threading.Thread(target=lmcache.utils.thread_safe(gc.collect), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "garbage collection under LMCache's lock deadlocked"

@@ -17,6 +17,7 @@ from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, disk_page_bytes
 # LMCache sizes its memory and disk in GiB (floats)
 GIB = 1024**3
 
+
 def start_loop(name: str):
     loop = asyncio.new_event_loop()
 
@@ -51,10 +52,22 @@ def stop_loop(loop, thread, wait_s: float) -> bool:
 
 def lmcache_api():
     """Imports LMCache lazily (it is slow to import and not needed without tiers)."""
+    import lmcache.utils
     from lmcache.utils import CacheEngineKey, parse_cache_key
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.metadata import LMCacheMetadata
+
+    # LMCache 0.5.6 guards its metrics with one global, non-reentrant lock,
+    # and a MemoryObj that the garbage collector frees takes that lock in
+    # __del__. A collection that runs while the lock is held (e.g. inside
+    # LocalCPUBackend's metric setup when a store reconnects, with staging
+    # memory of a dropped connection still unreferenced) then deadlocks that
+    # thread forever: seen here as a remote store's reconnect never
+    # returning. The lock only serialises metric updates, so a reentrant
+    # one is safe.
+    if not isinstance(lmcache.utils._shared_observability_lock, type(threading.RLock())):
+        lmcache.utils._shared_observability_lock = threading.RLock()
     return CacheEngineKey, parse_cache_key, LMCacheEngineConfig, MemoryFormat, LMCacheMetadata
 
 
