@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_kvbm.config import load_config
+from vllm_kvbm.config import KVBMConfigError, check_vllm_version, load_config
 from vllm_kvbm.engine_info import engine_info
 from vllm_kvbm.messages import KVBMConnectorMetadata
 from vllm_kvbm.metrics import KVBMConnectorStats, KVBMPromMetrics, StandaloneMetrics
@@ -30,6 +30,7 @@ from vllm_kvbm.metrics import KVBMConnectorStats, KVBMPromMetrics, StandaloneMet
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.config.kv_transfer import KVTransferConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -40,7 +41,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Tier of a hit -> vLLM's label for it (vllm:prompt_tokens_cached_by_source).
+# vLLM 0.32 to 0.34 have no member for a remote cache server.
+_HIT_SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
 class KVBMConnector(KVConnectorBase_V1):
+    # Used only by vLLM's default get_external_cache_hit_sources (overridden).
     _cache_hit_source = CacheHitSource.HOST
 
     @property
@@ -48,8 +55,39 @@ class KVBMConnector(KVConnectorBase_V1):
         # A cache: a store dropped by preemption is only a future miss.
         return False
 
+    # ---- what vLLM asks the class (newer releases; older ones never call) ---
+    # tools/vllm_compat.py: ADDED_IN says which release added each.
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
+        # The workers register the engine's KV memory with NIXL; sleep mode
+        # unmaps and remaps it, which would leave that registration stale.
+        # vLLM >= 0.33 refuses --enable-sleep-mode with KVBM; on 0.32, __init__ does.
+        return False
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: "KVTransferConfig") -> bool:
+        # Block keys cover a block's own tokens (keys.py), not the tokens an
+        # EAGLE drafter reads after it, so a loaded block's last drafter KV may
+        # come from another continuation: vLLM keeps dropping that block.
+        return False
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: "KVTransferConfig"):
+        from vllm.config.kv_transfer import KVCacheAccess  # vLLM >= 0.34
+
+        # NIXL (UCX) registers the device KV cache: one physical allocation
+        # per segment.
+        return KVCacheAccess.REGISTERS
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
+        check_vllm_version()
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+            raise KVBMConfigError(
+                "enable_sleep_mode: KVBMConnector does not support vLLM's sleep mode "
+                "(its workers register the KV cache memory with NIXL, which sleep "
+                "mode unmaps); start vLLM without --enable-sleep-mode")
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = load_config(self._kv_transfer_config.kv_connector_extra_config)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -100,8 +138,11 @@ class KVBMConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self.worker is not None
         from vllm_kvbm.worker.tier_io import open_tiers
+        from vllm_kvbm.worker.vllm_layout import declared_block_dims
 
-        self.worker.register_kv_caches(kv_caches, self._num_blocks)
+        # Each layer's block dim from vLLM's declared KV layout, not guessed.
+        self.worker.register_kv_caches(kv_caches, self._num_blocks,
+                                       declared_block_dims(self._kv_cache_config, kv_caches))
         for store in open_tiers(self.config, self.info, _tp_rank()):
             self.worker.add_tier(store)
 
@@ -163,6 +204,21 @@ class KVBMConnector(KVConnectorBase_V1):
                                  num_external_tokens: int) -> None:
         assert self.sched is not None
         self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: "Request",
+                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+        # Host, disk and remote hits apart in vLLM's own per-source metrics.
+        assert self.sched is not None
+        split: dict[CacheHitSource, int] = {}
+        for tier, tokens in self.sched.hit_sources(request, num_external_tokens).items():
+            source = _HIT_SOURCE.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            split[source] = split.get(source, 0) + tokens
+        return split
+
+    def may_load_async(self, request: "Request") -> bool:
+        # vLLM >= 0.34: with --max-num-inflight-kv-loads, requests this says
+        # True for may start their (asynchronous) load while the batch is full.
+        return self.sched is not None and self.sched.may_load_async(request)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         assert self.sched is not None
