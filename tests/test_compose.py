@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,11 +46,11 @@ def compose_command() -> list[str]:
                 "(it installs the docker compose CLI plugin)")
 
 
-def resolved(**env) -> dict:
-    """`docker compose config` of the repo's compose file, as JSON."""
+def resolved(*args: str, **env) -> dict:
+    """`docker compose [ARGS] config` of the repo's compose file, as JSON."""
     clean = {k: v for k, v in os.environ.items() if k not in dotenv() and
              not k.startswith("COMPOSE_")}
-    proc = subprocess.run([*compose_command(), "config", "--format", "json"], cwd=ROOT,
+    proc = subprocess.run([*compose_command(), *args, "config", "--format", "json"], cwd=ROOT,
                           env={**clean, **env}, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
@@ -159,3 +160,85 @@ def test_image_default_command_serves_with_the_connector(tmp_path):
     assert kv["kv_connector"] == "KVBMConnector"
     assert kv["kv_connector_extra_config"] == {"host_cache_size": "3GiB"}
     assert args[-3:] == ["--enforce-eager", "--seed", "1"]
+
+
+# ---- the CUDA profile ------------------------------------------------------------
+
+CUDA_SERVICES = {"vllm-cuda", "prometheus", "grafana", "lmcache-server"}
+
+
+def test_default_up_starts_the_cpu_vllm_only():
+    assert dotenv()["COMPOSE_PROFILES"] == "cpu"
+    assert set(resolved()["services"]) == SERVICES  # no vllm-cuda
+    # with no profile at all, neither vLLM service starts by accident
+    assert set(resolved(COMPOSE_PROFILES="")["services"]) == SERVICES - {"vllm"}
+
+
+def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
+    env = dotenv()
+    cpu = resolved()["services"]
+    config = resolved("--profile", "cuda")
+    assert set(config["services"]) == CUDA_SERVICES
+    assert set(resolved(COMPOSE_PROFILES="cuda")["services"]) == CUDA_SERVICES
+    cuda = config["services"]["vllm-cuda"]
+
+    assert cuda["build"] == {"context": str(ROOT), "dockerfile": "Dockerfile.cuda"}
+    assert (ROOT / "Dockerfile.cuda").is_file()
+    assert cuda["image"] != cpu["vllm"]["image"]
+    assert cuda["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}]  # count: all
+    assert cuda["ipc"] == "host"
+
+    command = cuda["command"]
+    assert command[:3] == ["vllm", "serve", env["MODEL"]]
+    assert command[command.index("--gpu-memory-utilization") + 1] == \
+        env["GPU_MEMORY_UTILIZATION"]
+    assert command[command.index("--tensor-parallel-size") + 1] == env["TENSOR_PARALLEL_SIZE"]
+    kv = kv_transfer_config(command)
+    assert kv == kv_transfer_config(cpu["vllm"]["command"])
+    from vllm_kvbm.config import load_config
+
+    load_config(kv["kv_connector_extra_config"], environ=cuda["environment"] | {
+        "KVBM_DISK_CACHE_DIR": ""})  # the volume's path exists only in the container
+
+    # the same tiers, volumes and port as the CPU service; CPU-only settings left out
+    cpu_env = dict(cpu["vllm"]["environment"])
+    assert cpu_env.pop("VLLM_CPU_KVCACHE_SPACE") == env["VLLM_CPU_KVCACHE_SPACE"]
+    assert cuda["environment"] == cpu_env
+    assert cuda["environment"]["KVBM_REMOTE_URL"] == f"lm://lmcache-server:{env['LMCACHE_PORT']}"
+    assert cuda["volumes"] == cpu["vllm"]["volumes"]
+    assert cuda["ports"] == cpu["vllm"]["ports"]
+    assert cuda["healthcheck"] == cpu["vllm"]["healthcheck"]
+    assert "lmcache-server" in cuda["depends_on"]
+    assert not {"shm_size", "cap_add", "VLLM_CPU_KVCACHE_SPACE"} & set(cuda)
+
+    # Prometheus scrapes vllm:8000 (deploy/prometheus.yml): the CUDA service answers to it
+    assert "vllm" in cuda["networks"]["default"]["aliases"]
+    assert config["services"]["prometheus"] == cpu["prometheus"]
+    assert config["services"]["grafana"] == cpu["grafana"]
+    assert config["services"]["lmcache-server"] == cpu["lmcache-server"]
+
+
+def test_cuda_image_installs_the_cuda_extra_and_the_matching_nixl():
+    text = (ROOT / "Dockerfile.cuda").read_text()
+    base = re.search(r"^ARG CUDA_IMAGE=(\S+)$", text, re.M).group(1)
+    # vLLM 0.32-0.34's wheels run on PyPI's PyTorch 2.13, built for CUDA 13
+    assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-(runtime|devel)-ubuntu\d\d\.\d\d", base)
+    assert "FROM ${CUDA_IMAGE}" in text
+    assert 'pip install ".[cuda]"' in text
+    # NIXL's build for the CUDA major of the PyTorch that got installed
+    assert "torch.version.cuda" in text and 'pip install "nixl-cu${cuda_major}"' in text
+    assert 'CMD ["bash", "deploy/serve.sh"]' in text
+    for path in re.findall(r"^COPY (\S+) ", text, re.M):
+        assert (ROOT / path).exists(), path
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    [vllm] = [Requirement(r) for r in extras["cuda"]]
+    assert vllm.name == "vllm"
+    spec = SpecifierSet(str(vllm.specifier))
+    assert "0.32.0" in spec and "0.35.0" not in spec and "0.31.0" not in spec
