@@ -1,14 +1,26 @@
-"""What the scheduler side tells the worker side each step, and back."""
+"""What the scheduler side tells the worker side each step, and back.
+
+Shared by both sides, so it imports without vLLM too: the worker side runs on
+machines with only PyTorch and NIXL (benchmarks/gpu_check.py), where the
+messages derive from plain base classes instead of vLLM's.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # no vLLM: the worker side on its own
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        """Stands in for vLLM's base class of the scheduler's per-step metadata."""
+
+    class KVConnectorWorkerMetadata:  # type: ignore[no-redef]
+        """Stands in for vLLM's base class of a worker's per-step metadata."""
 
 
 @dataclass
