@@ -9,8 +9,9 @@ CPU and as a DMA copy to or from GPU memory on CUDA.
 
 from __future__ import annotations
 
+import importlib
 import logging
-import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,14 +22,64 @@ from vllm_kvbm.config import KVBMConfigError
 logger = logging.getLogger(__name__)
 
 
+class NixlBuildError(ImportError):
+    """No importable NIXL build matches this process's CUDA runtime."""
+
+
+_NIXL_BUILDS = ("nixl_cu12", "nixl_cu13")
+
+
+def nixl_builds_for(cuda_version: str | None, hip_version: str | None = None) -> list[str]:
+    """NIXL packages that can serve PyTorch built for ``cuda_version``, in order.
+
+    NIXL ships one wheel per CUDA major (nixl-cu12, nixl-cu13) and they cannot
+    share a process (both register the same native types), so the build must
+    match the CUDA runtime PyTorch uses; a CPU build of PyTorch can use any.
+    """
+    if cuda_version:
+        return [f"nixl_cu{cuda_version.split('.')[0]}"]
+    if hip_version:
+        return ["nixl_rocm"]
+    return list(_NIXL_BUILDS)
+
+
+def _pip_name(module: str) -> str:
+    return module.replace("_", "-")
+
+
 def _nixl_api():
-    # nixl-cu12 imports as nixl_cu12; the `nixl` meta package may point at
-    # another CUDA flavour, so prefer the one this project depends on.
-    try:
-        from nixl_cu12._api import nixl_agent, nixl_agent_config
-    except ImportError:  # pragma: no cover - other installs
-        from nixl._api import nixl_agent, nixl_agent_config
-    return nixl_agent, nixl_agent_config
+    """(nixl_agent, nixl_agent_config, module name) of the NIXL build that
+    matches this process's PyTorch."""
+    return load_nixl(torch.version.cuda, getattr(torch.version, "hip", None))
+
+
+def load_nixl(cuda_version: str | None, hip_version: str | None = None):
+    """(nixl_agent, nixl_agent_config, module name) of the NIXL build for
+    PyTorch built with ``cuda_version`` (or ROCm ``hip_version``; neither: CPU)."""
+    wanted = nixl_builds_for(cuda_version, hip_version)
+    runtime = (f"PyTorch {torch.__version__} (CUDA {cuda_version})" if cuda_version
+               else f"PyTorch {torch.__version__} (ROCm {hip_version})" if hip_version
+               else f"PyTorch {torch.__version__} (CPU)")
+    loaded = [m for m in (*_NIXL_BUILDS, "nixl_rocm") if m in sys.modules]
+    if loaded and loaded[0] not in wanted:
+        raise NixlBuildError(
+            f"KVBM: {runtime} needs NIXL's {wanted[0]} build, but {loaded[0]} is already "
+            f"loaded in this process and the two cannot coexist; make the process use "
+            f"{wanted[0]} (pip install {_pip_name(wanted[0])}; pip uninstall "
+            f"{_pip_name(loaded[0])})")
+    # A build another component already loaded comes first: a second one
+    # cannot be imported beside it.
+    for name in loaded + [m for m in wanted if m not in loaded]:
+        try:
+            api = importlib.import_module(f"{name}._api")
+        except ModuleNotFoundError as err:
+            if err.name in (name, f"{name}._api"):
+                continue
+            raise
+        return api.nixl_agent, api.nixl_agent_config, name
+    raise NixlBuildError(
+        f"KVBM: {runtime} needs NIXL's {' or '.join(wanted)} build, which is not "
+        f"installed; install it: pip install {_pip_name(wanted[0])}")
 
 
 @dataclass(frozen=True)
@@ -40,45 +91,90 @@ class PageRegion:
     page_bytes: int
 
 
-def page_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[PageRegion]:
+def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
+                 declared: int | None) -> tuple[int, int]:
+    """(block dim, kernel blocks per block) of one layer's KV cache view.
+
+    ``declared`` comes from vLLM's KV layout (vllm_kvbm.vllm_layout). Without
+    it the dim is the one of size ``num_blocks``, and only if exactly one dim
+    has that size: with a K/V dim of 2 and num_blocks == 2, or num_blocks ==
+    num_kv_heads, guessing would copy the wrong bytes.
+    """
+    shape = tuple(t.shape)
+    if declared is not None:
+        if not -t.dim() <= declared < t.dim():
+            raise KVBMConfigError(
+                f"KV cache of layer {name} has shape {shape}, but vLLM's KV layout puts "
+                f"the block dimension at index {declared}; this KV layout is unsupported")
+        d = declared % t.dim()
+        if shape[d] < num_blocks or shape[d] % num_blocks:
+            raise KVBMConfigError(
+                f"KV cache of layer {name} has shape {shape}: its block dimension {d} "
+                f"(from vLLM's KV layout) has {shape[d]} entries, not a multiple of "
+                f"num_blocks={num_blocks}; this KV layout is unsupported")
+        # vLLM splits a block into equal kernel blocks when the attention
+        # kernel's block size is smaller; they are adjacent in memory.
+        return d, shape[d] // num_blocks
+    dims = [d for d, n in enumerate(shape) if n == num_blocks]
+    if not dims:
+        raise KVBMConfigError(
+            f"KV cache of layer {name} has shape {shape} with no "
+            f"dimension of size num_blocks={num_blocks}; this KV layout is unsupported")
+    if len(dims) > 1:
+        raise KVBMConfigError(
+            f"KV cache of layer {name} has shape {shape}: dimensions {dims} all have "
+            f"size num_blocks={num_blocks}, and vLLM's KV layout (which says which one "
+            f"holds the blocks) was not available; cannot tell which to copy")
+    return dims[0], 1
+
+
+def page_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                 block_dims: dict[str, int] | None = None) -> list[PageRegion]:
     """Finds where each block's bytes live, for any layout with a block dim.
 
-    vLLM's CPU layout is ``[num_blocks, heads, block_size, 2*head_size]`` per
-    layer; CUDA flash-attention layouts put K/V first: ``[2, num_blocks, ...]``.
-    Every index over the dims before the block dim is a region whose pages
-    (everything after the block dim) must be contiguous.
+    vLLM 0.32 hands every layer as a ``[blocks, heads, tokens, content]``
+    view whose strides follow the resolved KV layout (LBNHC, LBHNC, BLHNC, ...);
+    older flash-attention layouts put K/V first: ``[2, num_blocks, ...]``.
+    Dims laid out outside the block dim (larger stride: the K/V dim, heads in
+    LHBNC) index regions; the dims inside must be one dense page (in any
+    order: HND memory seen through an NHD view is still one run of bytes).
     """
     regions = []
     for name, t in kv_caches.items():
-        dims = [d for d, n in enumerate(t.shape) if n == num_blocks]
-        if not dims:
-            raise KVBMConfigError(
-                f"KV cache of layer {name} has shape {tuple(t.shape)} with no "
-                f"dimension of size num_blocks={num_blocks}; this KV layout is unsupported")
-        d = dims[0]
-        inner = t.shape[d + 1:]
-        # The page must be dense; its dims may be permuted (HND layouts view a
-        # [.., heads, block_size, ..] page as [.., block_size, heads, ..]).
+        declared = None if block_dims is None else block_dims.get(name)
+        d, ratio = block_dim_of(name, t, num_blocks, declared)
+        if ratio > 1:
+            t = t.unflatten(d, (num_blocks, ratio))
+        elem = t.element_size()
+        block_stride = t.stride()[d]
+        others = [i for i in range(t.dim()) if i != d]
+        outer = [i for i in others if t.shape[i] > 1 and t.stride()[i] > block_stride]
+        inner = [i for i in others if i not in outer]
         expected = 1
-        for stride, size in sorted((st, n) for n, st in zip(inner, t.stride()[d + 1:]) if n > 1):
+        for stride, size in sorted((t.stride()[i], t.shape[i]) for i in inner
+                                   if t.shape[i] > 1):
             if stride != expected:
                 raise KVBMConfigError(
                     f"KV cache of layer {name}: a block's page is not contiguous "
                     f"(shape {tuple(t.shape)}, stride {t.stride()}); unsupported layout")
             expected *= size
-        elem = t.element_size()
-        page = math.prod(inner) * elem
-        for outer in np.ndindex(*t.shape[:d]):
-            offset = sum(i * s for i, s in zip(outer, t.stride()[:d])) * elem
-            regions.append(PageRegion(t.data_ptr() + offset, t.stride()[d] * elem, page))
+        page = expected * elem
+        if num_blocks > 1 and block_stride * elem < page:
+            raise KVBMConfigError(
+                f"KV cache of layer {name}: blocks overlap (shape {tuple(t.shape)}, "
+                f"stride {t.stride()}); unsupported layout")
+        for idx in np.ndindex(*[t.shape[i] for i in outer]):
+            offset = sum(j * t.stride()[i] for i, j in zip(outer, idx)) * elem
+            regions.append(PageRegion(t.data_ptr() + offset, block_stride * elem, page))
     return regions
 
 
 class PageMover:
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                 host_pool: torch.Tensor, backend: str = "UCX", name: str = "kvbm"):
-        nixl_agent, nixl_agent_config = _nixl_api()
-        self.regions = page_regions(kv_caches, num_blocks)
+                 host_pool: torch.Tensor, backend: str = "UCX", name: str = "kvbm",
+                 block_dims: dict[str, int] | None = None):
+        nixl_agent, nixl_agent_config, self.nixl_module = _nixl_api()
+        self.regions = page_regions(kv_caches, num_blocks, block_dims)
         self.num_blocks = num_blocks
         self.block_bytes = sum(r.page_bytes for r in self.regions)
         slot_bytes = host_pool.shape[1] * host_pool.element_size()
