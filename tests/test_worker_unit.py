@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -347,3 +350,246 @@ def test_preemption_flush_and_shutdown_are_bounded_by_the_timeout(harness, gen):
     h.worker.shutdown()
     assert time.perf_counter() - t < 5.0
     assert h.worker.mover is None
+
+
+# ---- stream order: a step's transfers wait for its fence -------------------------
+
+
+class ManualFence:
+    """A step fence that is done when the test says so.
+
+    On CUDA the fence is an event recorded on the engine's stream after the
+    forward pass was launched; a pending event cannot be produced on CPU
+    (the forward pass has finished when the connector is called), so this
+    stands in for one. ``wait`` returns once it is done, as
+    ``event.synchronize()`` does.
+    """
+
+    def __init__(self):
+        self.is_done = False
+        self.waits = 0
+
+    def done(self) -> bool:
+        return self.is_done
+
+    def wait(self) -> None:
+        self.waits += 1
+        self.is_done = True
+
+
+def test_cpu_fence_is_always_done():
+    from vllm_kvbm.worker.fence import DONE, fence_maker
+
+    make = fence_maker(torch.device("cpu"))
+    assert make() is DONE and DONE.done()
+
+
+def test_store_waits_for_its_fence_and_copies_what_the_forward_wrote(harness, gen):
+    h = harness()
+    fence = ManualFence()
+    h.worker.make_fence = lambda: fence
+    (b, s), = split(gen, 1, 32)
+    pool_before = h.pool.clone()
+    # wait_for_save: the forward pass that writes these blocks is only launched
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "A", b, s)],
+                                                delayed_free_req_ids=["A"]))
+    for blk in b:  # ... and writes them now, after wait_for_save returned
+        h.lay.fill_block(blk, gen)
+    for _ in range(30):
+        h.step()
+        time.sleep(0.001)
+    # Nothing was copied (a copy posted at once would have read the old KV),
+    # nothing reported, and the blocks stay allocated.
+    assert torch.equal(h.pool, pool_before)
+    assert not h.meta.stores_done and not h.meta.stores_failed
+    assert h.sending == [] and not h.worker._inflight
+    fence.is_done = True
+    h.step_until(lambda: h.meta.stores_done[1] == 1)
+    assert h.pool_holds(b, s)  # the KV as the forward pass left it
+    assert h.sending == ["A"] and fence.waits == 0  # polled, never waited on
+
+
+def test_load_waits_for_its_fence(harness, gen):
+    h = harness()
+    (bs_, ss), (bl, _) = split(gen, 2, 24)
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", bs_, ss)]))
+    h.step_until(lambda: h.meta.stores_done[1] == 1)
+    want = [h.lay.slot_bytes(b) for b in bs_]
+    fence = ManualFence()
+    h.worker.make_fence = lambda: fence
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[TransferJob(2, "L", bl, ss)]))
+    # Kernels queued before the fence (vLLM zeroing the newly allocated
+    # blocks, a step still running for their previous owner) write them now.
+    for b in bl:
+        h.lay.zero_block(b)
+    for _ in range(30):
+        h.step()
+        time.sleep(0.001)
+    assert h.recving == [] and not h.worker._inflight
+    assert all(not h.lay.slot_bytes(b).any() for b in bl)  # not written yet
+    fence.is_done = True
+    h.step_until(lambda: h.recving == ["L"])
+    for b, w in zip(bl, want):  # the loaded pages, not the zeros written before
+        assert torch.equal(h.lay.slot_bytes(b), w)
+    assert not h.meta.loads_failed
+
+
+def test_preemption_flush_waits_for_the_fence_then_the_store(harness, gen):
+    h = harness()
+    fence = ManualFence()
+    h.worker.make_fence = lambda: fence
+    (bp, sp), (bq, sq) = split(gen, 2, 16)
+    h.worker.start_stores(KVBMConnectorMetadata(
+        stores=[TransferJob(1, "P", bp, sp), TransferJob(2, "Q", bq, sq)]))
+    h.step()
+    assert not h.worker._inflight  # both held back by the fence
+    want = torch.stack([h.lay.slot_bytes(b) for b in bp])
+    h.worker.handle_preemptions(KVBMConnectorMetadata(flush_req_ids=["P"]))
+    assert fence.waits == 1
+    assert torch.equal(h.pool[sp], want)  # P's pages are in host RAM on return
+    m = h.worker.build_worker_meta()
+    assert m is not None and m.stores_done[1] == 1
+    h.meta = h.meta.aggregate(m)
+    h.step_until(lambda: h.meta.stores_done[2] == 1)
+    assert h.pool_holds(bq, sq)
+
+
+def test_a_fence_that_never_completes_drops_its_transfers_unposted(harness, gen):
+    h = harness()
+    h.worker.transfer_timeout_s = 0.05
+    fence = ManualFence()
+    h.worker.make_fence = lambda: fence
+    (b, s), (bl, sl) = split(gen, 2, 8)
+    pool_before, kv_before = h.pool.clone(), h.lay.clone_raw()
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)],
+                                                delayed_free_req_ids=["S"]))
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[TransferJob(2, "L", bl, sl)]))
+    time.sleep(0.06)
+    h.step_until(lambda: h.meta.stores_failed[1] == 1 and "L" in h.recving)
+    # never posted, so nothing holds host slots; vLLM recomputes the load
+    assert h.meta.transfers_overdue == 2 and not h.meta.slots_held
+    assert h.sending == ["S"] and h.meta.loads_failed == Counter({"L": 1})
+    assert h.worker.get_block_ids_with_load_errors() == set(bl)
+    fence.is_done = True  # too late: it is never posted
+    for _ in range(10):
+        h.step()
+        time.sleep(0.001)
+    assert torch.equal(h.pool, pool_before) and h.lay.raw_equal(kv_before)
+
+
+def test_shutdown_drops_transfers_still_behind_their_fence(harness, gen):
+    h = harness()
+    fence = ManualFence()
+    h.worker.make_fence = lambda: fence
+    (b, s), = split(gen, 1, 8)
+    pool_before = h.pool.clone()
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)]))
+    t = time.perf_counter()
+    h.worker.shutdown()
+    assert time.perf_counter() - t < 5.0 and h.worker.mover is None
+    assert fence.waits == 0 and torch.equal(h.pool, pool_before)
+
+
+# ---- host pool ------------------------------------------------------------------
+
+
+def test_host_pool_is_exactly_its_slots(harness):
+    h = harness()
+    # no power-of-two rounding: the storage is exactly the slots' bytes
+    assert h.pool.untyped_storage().nbytes() == SLOTS * h.lay.block_bytes()
+    assert not h.worker._host.pinned  # CPU KV: nothing to pin for DMA
+
+
+def test_host_pool_pins_in_slot_aligned_chunks_and_unpins(monkeypatch):
+    """cudaHostRegister needs a GPU: the CUDA runtime is recorded here, not run."""
+    from vllm_kvbm.worker import host_pool
+
+    calls = []
+
+    class Runtime:
+        fail_at = None
+
+        def cudaHostRegister(self, ptr, size, flags):
+            calls.append(("reg", ptr, size, flags))
+            return 1 if len(calls) == self.fail_at else 0
+
+        def cudaHostUnregister(self, ptr):
+            calls.append(("unreg", ptr))
+            return 0
+
+    rt = Runtime()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    pool = host_pool.HostPool(10, 3000, pin=True, max_register_bytes=7000)
+    base = pool.tensor.data_ptr()
+    # 2 slots (6000 bytes) per registration: chunks end on slot boundaries
+    assert calls == [("reg", base + o, n, 0) for o, n in
+                     [(0, 6000), (6000, 6000), (12000, 6000), (18000, 6000), (24000, 6000)]]
+    assert pool.pinned and pool.tensor.untyped_storage().nbytes() == 30000
+    calls.clear()
+    pool.release()
+    assert sorted(calls) == sorted(("unreg", base + o) for o in range(0, 30000, 6000))
+    pool.release()  # once only
+    assert len(calls) == 5
+    # a failed registration rolls back what was registered: pageable, not half pinned
+    calls.clear()
+    rt.fail_at = 3
+    pool = host_pool.HostPool(10, 3000, pin=True, max_register_bytes=7000)
+    base = pool.tensor.data_ptr()
+    assert not pool.pinned
+    assert [c for c in calls if c[0] == "unreg"] == [("unreg", base + 6000), ("unreg", base)]
+
+
+# ---- the worker side without vLLM -----------------------------------------------
+
+
+def test_worker_side_imports_and_moves_pages_without_vllm():
+    """The GPU machine may have only PyTorch and NIXL: import every worker-side
+    module with vLLM unimportable, then store and load pages for real."""
+    tests = Path(__file__).resolve().parent
+    code = f"""
+import importlib.abc, sys
+class NoVllm(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+sys.meta_path.insert(0, NoVllm())
+sys.path[:0] = [{str(tests)!r}, {str(tests.parent)!r}]
+import time, torch
+import vllm_kvbm.config, vllm_kvbm.keys, vllm_kvbm.engine_info, vllm_kvbm.messages
+import vllm_kvbm.tiers.page_format, vllm_kvbm.worker.tier_io, vllm_kvbm.worker.fence
+import vllm_kvbm.worker.host_pool, vllm_kvbm.worker.page_mover, vllm_kvbm.worker.vllm_layout
+from kv_layouts import agent_name, vllm_layout
+from vllm_kvbm.engine_info import EngineInfo
+from vllm_kvbm.keys import KeyNamespace
+from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
+from vllm_kvbm.worker.jobs import KVBMWorker
+from vllm_kvbm.worker.vllm_layout import declared_block_dims
+assert declared_block_dims(None, {{}}) is None  # no vLLM: the shapes decide
+lay = vllm_layout("LBNHC", 4, 40, heads=2, block_size=4, head_size=8,
+                  gen=torch.Generator().manual_seed(0))
+bb = lay.block_bytes()
+ns = KeyNamespace("m@", "torch.bfloat16", "LBNHC", 4, bb, 0, 1)
+w = KVBMWorker(EngineInfo(4, bb, 4, 1, ns), 16, "UCX", agent_name())
+w.register_kv_caches(lay.caches, 40, lay.block_dims)
+w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "A", [3, 7, 9], [0, 5, 2])]))
+deadline = time.monotonic() + 10
+done = 0
+while not done:
+    w.get_finished(set())
+    m = w.build_worker_meta()
+    done = m is not None and m.stores_done[1]
+    assert time.monotonic() < deadline
+for b, s in [(3, 0), (7, 5), (9, 2)]:
+    assert torch.equal(w.host_pool[s], lay.slot_bytes(b))
+w.start_loads(KVBMConnectorMetadata(loads=[TransferJob(2, "L", [20, 21], [0, 5])]))
+while "L" not in w.get_finished(set())[1]:
+    assert time.monotonic() < deadline
+assert torch.equal(lay.slot_bytes(20), lay.slot_bytes(3))
+assert torch.equal(lay.slot_bytes(21), lay.slot_bytes(7))
+w.shutdown()
+print("vllm modules:", sorted(m for m in sys.modules if m.split(".")[0] == "vllm"))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "vllm modules: []"

@@ -1,9 +1,32 @@
 """Worker side of the connector: host memory, NIXL transfers, completions.
 
 Runs in each vLLM worker process. It owns the host tier's memory and runs the
-jobs the scheduler side planned: loads are posted before the forward pass,
-stores after it (the blocks' KV exists only then), both asynchronously; each
-step's ``get_finished`` polls them and reports what completed.
+jobs the scheduler side planned, asynchronously; each step's ``get_finished``
+polls them and reports what completed.
+
+Stream order (CUDA). vLLM calls ``start_load_kv`` and ``wait_for_save`` right
+after it *launches* the step's kernels, and NIXL copies on streams of its own,
+so each step's transfers wait for a ``StepFence`` recorded on the current
+stream when the connector was called, and are posted only once it is done
+(see ``_post_ready``): a store never reads a page before the forward pass has
+written it. What orders each kind of transfer:
+
+- store (engine -> host): after the fence, so after the kernels that write the
+  step's KV. The engine blocks stay the request's until the store is reported
+  (delayed free, preemption flush), so nothing rewrites them meanwhile.
+- load (host -> engine): after the fence too. The blocks were just allocated
+  to the request, but kernels queued earlier may still write them: vLLM's
+  zeroing of newly allocated blocks (shipped in an earlier step for a block
+  since reallocated) and, under async scheduling, a step still running for
+  the block's previous owner; a NIXL write that landed first would be
+  overwritten. The other direction needs no fence: the request waits in
+  WAITING_FOR_REMOTE_KVS until ``get_finished`` reports the load, i.e. until
+  NIXL saw the copy complete, and only then does the scheduler schedule it,
+  so the kernels that read the blocks are launched after the bytes landed.
+- spill (host -> disk/remote): host memory only. The scheduler spills a slot
+  only after every worker reported its store done (the fence passed and NIXL
+  completed the copy into host RAM), and pins it until the spill is copied;
+  the copy is a CPU memcpy on the engine thread, so no stream is involved.
 """
 
 from __future__ import annotations
@@ -16,6 +39,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
+from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
+from vllm_kvbm.worker.host_pool import HostPool
 from vllm_kvbm.worker.page_mover import PageMover
 from vllm_kvbm.worker.tier_io import TierIO
 
@@ -41,6 +66,16 @@ class _InFlight:
     overdue: bool = False
 
 
+@dataclass
+class _Pending:
+    """A transfer not posted yet: its step's fence is not done."""
+
+    job: TransferJob
+    is_store: bool
+    fence: StepFence
+    queued: float
+
+
 class KVBMWorker:
     def __init__(self, info: "EngineInfo", num_host_slots: int, nixl_backend: str,
                  agent_name: str, transfer_timeout_s: float = TRANSFER_TIMEOUT_S):
@@ -51,6 +86,12 @@ class KVBMWorker:
         self.agent_name = agent_name
         self.mover: PageMover | None = None
         self.host_pool: torch.Tensor | None = None
+        self._host: HostPool | None = None
+        # Records the fence of a step's transfers (CUDA event, or always done).
+        self.make_fence = lambda: DONE
+        self._pending: list[_Pending] = []
+        # Loads whose pages are being fetched from a lower tier: their fence.
+        self._fetching: dict[int, tuple[StepFence, float]] = {}
         self._inflight: list[_InFlight] = []
         self._awaiting_free: set[str] = set()
         self._load_error_blocks: set[int] = set()
@@ -62,20 +103,31 @@ class KVBMWorker:
     def add_tier(self, store: "TierStore") -> None:
         self.tier_io.add(store)
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                           block_dims: dict[str, int] | None = None) -> None:
+        """``block_dims``: each layer's block dimension, from vLLM's declared
+        KV layout (see vllm_kvbm.vllm_layout); None: found from the shapes
+        where that is unambiguous."""
         first = next(iter(kv_caches.values()))
-        pin = first.is_cuda  # pinned host memory lets the GPU DMA into it
-        self.host_pool = torch.zeros((self.num_host_slots, self.info.block_bytes),
-                                     dtype=torch.uint8, pin_memory=pin)
-        self.mover = PageMover(kv_caches, num_blocks, self.host_pool,
-                               backend=self.nixl_backend, name=self.agent_name)
-        logger.info("KVBM worker: %d KV layers registered with NIXL, host tier %d blocks "
-                    "(%.2f GiB)", len(kv_caches), self.num_host_slots,
-                    self.host_pool.numel() / 1024**3)
+        # Pinned host memory lets the GPU DMA into it.
+        self._host = HostPool(self.num_host_slots, self.info.block_bytes, pin=first.is_cuda)
+        self.host_pool = self._host.tensor
+        try:
+            self.mover = PageMover(kv_caches, num_blocks, self.host_pool,
+                                   backend=self.nixl_backend, name=self.agent_name,
+                                   block_dims=block_dims)
+        except Exception:
+            self._host.release()
+            raise
+        self.make_fence = fence_maker(first.device)
+        logger.info("KVBM worker: %d KV layers registered with NIXL (%s), host tier %d "
+                    "blocks (%.2f GiB%s)", len(kv_caches), self.mover.nixl_module,
+                    self.num_host_slots, self.host_pool.numel() / 1024**3,
+                    ", pinned" if self._host.pinned else "")
 
     # ---- posting ----------------------------------------------------------
 
-    def _post(self, job: TransferJob, is_store: bool) -> None:
+    def _post(self, job: TransferJob, is_store: bool, started: float) -> None:
         assert self.mover is not None
         try:
             handle = self.mover.post(is_store, job.block_ids, job.slots)
@@ -83,31 +135,70 @@ class KVBMWorker:
             logger.warning("KVBM: could not start %s of %d blocks for %s: %s",
                            "store" if is_store else "load", len(job.block_ids),
                            job.req_id, err)
-            self._complete(job, is_store, ok=False, started=time.perf_counter())
+            self._complete(job, is_store, ok=False, started=started)
             return
-        self._inflight.append(_InFlight(job, is_store, handle, time.perf_counter()))
+        self._inflight.append(_InFlight(job, is_store, handle, started))
+
+    def _queue(self, job: TransferJob, is_store: bool, fence: StepFence,
+               queued: float | None = None) -> None:
+        """Posts ``job`` once ``fence`` is done (see the module docstring)."""
+        self._pending.append(_Pending(job, is_store, fence,
+                                      time.perf_counter() if queued is None else queued))
+
+    def _post_ready(self) -> None:
+        """Posts the queued transfers whose fence is done. Never blocks."""
+        if not self._pending:
+            return
+        now = time.perf_counter()
+        still = []
+        for p in self._pending:
+            if p.fence.done():
+                self._post(p.job, p.is_store, started=p.queued)
+            elif now - p.queued > self.transfer_timeout_s:
+                # Never posted, so it touches no memory: it simply fails (a
+                # store is not cached, a load's blocks are recomputed).
+                logger.error("KVBM: %s of %d blocks for %s: the engine's stream did not "
+                             "reach it within %g s; dropped",
+                             "store" if p.is_store else "load", len(p.job.block_ids),
+                             p.job.req_id, self.transfer_timeout_s)
+                self._meta.transfers_overdue += 1
+                self._complete(p.job, p.is_store, ok=False, started=p.queued)
+            else:
+                still.append(p)
+        self._pending = still
 
     def start_loads(self, meta: KVBMConnectorMetadata) -> None:
+        fence = self.make_fence() if meta.loads else DONE
         for job in meta.loads:
             if not job.fetch:
-                self._post(job, is_store=False)
+                self._queue(job, False, fence)
             elif any(job.slots[i] < 0 for i, _, _ in job.fetch):
                 # The scheduler had no host slot for a promotion: recompute.
                 self._complete(job, False, ok=False, started=time.perf_counter())
             else:
                 # Lower-tier pages go into their host slots first (on the
-                # tiers' I/O threads), then the whole job is one NIXL read.
+                # tiers' I/O threads), then the whole job is one NIXL read,
+                # still behind this step's fence.
                 assert self.host_pool is not None
+                self._fetching[job.job_id] = (fence, time.perf_counter())
                 self.tier_io.fetch(job, self.host_pool)
+        self._post_ready()
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
-        for job in meta.stores:
-            self._post(job, is_store=True)
-        self._awaiting_free.update(meta.delayed_free_req_ids)
         for spill in meta.spills:
+            # A ready slot (its store completed), pinned by the scheduler
+            # until this copy of it is reported.
             assert self.host_pool is not None
             self.tier_io.spill(spill, self.host_pool[spill.slot])
             self._meta.spills_done[spill.job_id] += 1  # the slot may be reused now
+        if meta.stores:
+            # The forward pass that writes these blocks is only launched:
+            # the copies wait for it.
+            fence = self.make_fence()
+            for job in meta.stores:
+                self._queue(job, True, fence)
+        self._awaiting_free.update(meta.delayed_free_req_ids)
+        self._post_ready()
 
     def handle_preemptions(self, meta: KVBMConnectorMetadata) -> None:
         """Preempted requests' blocks are reused by this very step: finish
@@ -115,7 +206,7 @@ class KVBMWorker:
         if meta.flush_req_ids:
             req_ids = set(meta.flush_req_ids)
             # An overdue one is reported failed and holds only host slots.
-            self._wait(lambda f: f.is_store and f.job.req_id in req_ids)
+            self._wait(lambda job, is_store: is_store and job.req_id in req_ids)
 
     # ---- completion -------------------------------------------------------
 
@@ -186,26 +277,39 @@ class KVBMWorker:
                          len(f.job.block_ids), f.job.req_id, self.transfer_timeout_s)
 
     def _wait(self, match) -> bool:
-        """Polls until no transfer ``match``es but overdue ones; True if none is left."""
+        """Waits for the fences of the queued transfers that ``match(job,
+        is_store)`` (these callers must wait anyway), posts them, and polls
+        until no matching transfer is left but overdue ones; True if none is."""
+        for p in self._pending:
+            if match(p.job, p.is_store):
+                p.fence.wait()
+        self._post_ready()
+
         def busy() -> bool:
-            return any(match(f) and not f.overdue for f in self._inflight)
+            return (any(match(p.job, p.is_store) for p in self._pending)
+                    or any(match(f.job, f.is_store) and not f.overdue
+                           for f in self._inflight))
 
         while busy():
             self._poll()
+            self._post_ready()
             if busy():
                 time.sleep(0.0005)
-        return not any(match(f) for f in self._inflight)
+        return not any(match(f.job, f.is_store) for f in self._inflight)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         for job, ok in self.tier_io.poll(self._meta):
+            fence, queued = self._fetching.pop(job.job_id, (DONE, time.perf_counter()))
             if ok:
-                self._post(job, is_store=False)
+                self._queue(job, False, fence, queued)
             else:
-                self._complete(job, False, ok=False, started=time.perf_counter())
+                self._complete(job, False, ok=False, started=queued)
+        self._post_ready()
         if self.mover is not None and self._inflight:
             self._poll()
         # An overdue store was reported failed: it no longer delays the free.
         storing = {f.job.req_id for f in self._inflight if f.is_store and not f.overdue}
+        storing |= {p.job.req_id for p in self._pending if p.is_store}
         sending = {r for r in self._awaiting_free if r not in storing}
         self._awaiting_free -= sending
         recving, self._finished_recving = self._finished_recving, set()
@@ -223,9 +327,12 @@ class KVBMWorker:
 
     def shutdown(self) -> None:
         self.tier_io.close()
+        # Not posted yet: they have touched no memory, and nothing after
+        # shutdown could use them. Dropped without waiting for the engine.
+        self._pending = []
         if self.mover is None:
             return
-        if not self._wait(lambda f: True):
+        if not self._wait(lambda job, is_store: True):
             # Deregistering memory under a running transfer is undefined:
             # leave it to process exit.
             logger.error("KVBM: %d transfers still running at shutdown; NIXL memory "
@@ -234,4 +341,6 @@ class KVBMWorker:
             return
         self.mover.close()
         self.mover = None
+        if self._host is not None:
+            self._host.release()
 
