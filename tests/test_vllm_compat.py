@@ -260,6 +260,16 @@ def test_signature_problem_accepts_extra_optional_parameters():
     assert "lacks **kw" in vc.signature_problem(no_kw, base)
 
 
+def test_no_vllm_helper_whose_meaning_changed_is_used():
+    assert vc.changed_helper_uses() == []
+    # ...and the scan finds one (the way vLLM's own connectors use it).
+    src = ("from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data\n"
+           "for req_id, blocks, preempted in yield_req_data(out):\n    pass\n")
+    uses = vc.changed_helper_uses({"x.py": src})
+    assert [u.split(" ")[0] for u in uses] == ["x.py:1", "x.py:2"]
+    assert "is_full_table" in uses[0]
+
+
 # ---- the remote-zip reader -------------------------------------------------------
 
 

@@ -335,6 +335,36 @@ DEFAULTS_KEPT: dict[str, str] = {
 }
 
 
+# vLLM helpers whose meaning changed within the supported range: KVBM must not
+# use them (or must handle every meaning, and then take them off this list).
+CHANGED_HELPERS: dict[str, str] = {
+    "yield_req_data": "its third item is `preempted` in 0.32 and `is_full_table` from 0.33, "
+                      "and 0.34 sends resumed requests in scheduled_new_reqs",
+}
+PACKAGE = CONNECTOR_PY.parent
+
+
+def changed_helper_uses(sources: dict[str, str] | None = None) -> list[str]:
+    """Where vllm_kvbm (or ``sources``: name -> text) uses a CHANGED_HELPERS name."""
+    if sources is None:
+        sources = {str(p.relative_to(PACKAGE.parent)): p.read_text()
+                   for p in sorted(PACKAGE.rglob("*.py"))}
+    uses = []
+    for name, text in sources.items():
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.Name):
+                found = [node.id]
+            elif isinstance(node, ast.Attribute):
+                found = [node.attr]
+            else:
+                continue
+            uses += [f"{name}:{node.lineno} uses vLLM's {f}, whose meaning changed: "
+                     f"{CHANGED_HELPERS[f]}" for f in found if f in CHANGED_HELPERS]
+    return uses
+
+
 @dataclass(frozen=True)
 class Param:
     name: str
@@ -547,7 +577,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"KVBMConnector against vLLM {SUPPORTED_VLLM} (releases from {index_source})")
     print(table(reports))
-    return 0 if all(r.ok for r in reports) else 1
+    uses = changed_helper_uses()
+    for use in uses:
+        print(use)
+    return 0 if all(r.ok for r in reports) and not uses else 1
 
 
 if __name__ == "__main__":
