@@ -1,10 +1,12 @@
 """Disk and remote tiers on real engines: onboarding, restart, sharing, faults.
 
 Engine 1 has a tiny host tier, a disk directory and a remote LMCache server.
-Clearing its host tier (``reset_prefix_cache(reset_connector=True)``) leaves
-the disk and remote copies, so the next run of a prompt must come from there.
-Engine 2 starts later on the same directory and server: what it finds there
-was written by engine 1 (restart and sharing).
+Pushing a prompt out of its host tier (other prompts fill it) and out of
+vLLM's own cache leaves the disk and remote copies, so the next run of that
+prompt must come from there. Engine 2 starts later on the same directory and
+server: what it finds there was written by engine 1 (restart and sharing).
+A cache reset (``reset_prefix_cache(reset_connector=True)``) hides every
+tier: nothing stored before it is served again.
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ def disk_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("kvbm-disk")
 
 
+HOST_BLOCKS = 40
+
+
 def tier_config(disk_dir: Path, port: int, **extra) -> dict:
-    return kvbm_transfer_config(host_cache_blocks=40, disk_cache_dir=str(disk_dir),
+    return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk_dir),
                                 disk_cache_size="1GiB", remote_url=f"lm://127.0.0.1:{port}",
                                 remote_timeout_s=2, **extra)
 
@@ -51,11 +56,26 @@ def engine1(model_dir, disk_dir, remote):
         pass
 
 
-def clear_engine_and_host(llm) -> None:
-    """Only the disk and remote tiers keep anything after this."""
-    time.sleep(1.0)  # let write-through to disk/remote land
+_fillers = iter(range(10_000, 20_000))
+
+
+def settle(llm) -> None:
+    """Lets write-through to disk/remote land and be collected."""
+    time.sleep(1.0)
     generate(llm, [[7] * 8], max_tokens=1)  # a step collects the writes' results
-    assert llm.reset_prefix_cache(reset_connector=True)
+
+
+def clear_engine_and_host(llm) -> None:
+    """Only the disk and remote tiers keep what was generated before this:
+    fresh prompts push it out of the host tier (LRU), then vLLM's own
+    prefix cache is cleared (not the connector's: that would be a reset)."""
+    settle(llm)
+    per_filler = HOST_BLOCKS // 2 + 2
+    for _ in range(2):
+        generate(llm, [random_prompt(per_filler * BLOCK_SIZE, seed=next(_fillers))],
+                 max_tokens=1)
+    settle(llm)
+    assert llm.reset_prefix_cache()
 
 
 PROMPT_DISK = random_prompt(10 * BLOCK_SIZE + 40, seed=9001)
@@ -78,8 +98,9 @@ def test_corrupt_disk_page_is_recomputed_and_removed(engine1, plain_llm, disk_di
     want = reference(plain_llm, [PROMPT_FLIP])
     before = set(disk_dir.glob("*.pt"))
     generate(engine1, [PROMPT_FLIP])
-    clear_engine_and_host(engine1)
+    settle(engine1)
     pages = sorted(set(disk_dir.glob("*.pt")) - before)
+    clear_engine_and_host(engine1)
     assert len(pages) == len(PROMPT_FLIP) // BLOCK_SIZE
     victim = pages[0]
     data = bytearray(victim.read_bytes())
@@ -98,11 +119,12 @@ def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir,
     want = reference(plain_llm, [PROMPT_DISK, PROMPT_REMOTE])
     before = set(disk_dir.glob("*.pt"))
     generate(engine1, [PROMPT_REMOTE])
+    settle(engine1)
+    new_files = set(disk_dir.glob("*.pt")) - before
     clear_engine_and_host(engine1)
     engine1.llm_engine.engine_core.shutdown()  # engine 1 exits
 
     # PROMPT_REMOTE's pages only survive on the server: drop its disk files.
-    new_files = set(disk_dir.glob("*.pt")) - before
     assert len(new_files) == len(PROMPT_REMOTE) // BLOCK_SIZE
     for path in new_files:
         path.unlink()
@@ -120,6 +142,16 @@ def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir,
         assert got == [want[1]]
         assert cached[0] == expected_hit_tokens(len(PROMPT_REMOTE))  # shared via the server
         assert kvbm_counter("matched_tokens_remote") - remote_before == cached[0]
+
+        # A cache reset (an RL weight update, say) hides every tier: the
+        # pages are still on disk and on the server, yet never served again.
+        on_disk = set(disk_dir.glob("*.pt"))
+        assert engine2.reset_prefix_cache(reset_connector=True)
+        matched = kvbm_counter("matched_tokens")
+        got, cached = generate(engine2, [PROMPT_DISK, PROMPT_REMOTE])
+        assert got == want and cached == [0, 0]
+        assert kvbm_counter("matched_tokens") == matched
+        assert on_disk <= set(disk_dir.glob("*.pt"))
 
         # The server dies: lookups and writes fail fast, outputs stay right.
         stop(remote["proc"])
