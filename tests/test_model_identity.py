@@ -1,0 +1,65 @@
+"""What block keys know about the model: its weights, its KV cache format and
+the parallelism the page format supports (startup refusals)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+
+from scheduler_harness import kvbm, make_scheduler
+from vllm_kvbm.config import KVBMConfigError
+from vllm_kvbm.engine_info import engine_info, files_fingerprint
+
+
+def test_new_weights_at_the_same_path_change_the_fingerprint(tmp_path):
+    from vllm_kvbm.tools.local_model import build
+
+    path = tmp_path / "model"
+    build(path, layers=2, hidden=64, heads=2, kv_heads=2, vocab_size=300, seed=0)
+    first = files_fingerprint(str(path))
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(path, copy_dir)
+    # Same files elsewhere (another host, another mount): same keys, so engines share.
+    assert files_fingerprint(str(copy_dir)) == first
+    files_fingerprint.cache_clear()
+    build(path, layers=2, hidden=64, heads=2, kv_heads=2, vocab_size=300, seed=1, force=True)
+    assert files_fingerprint(str(path)) != first  # a fine-tune / RL update in place
+
+
+def _seed_with(scheduler, change) -> bytes:
+    cfg = copy.deepcopy(scheduler.vllm_config)
+    change(cfg)
+    return engine_info(cfg, scheduler.kv_cache_config).key_namespace.seed()
+
+
+def test_kv_cache_dtype_and_quantization_are_in_the_keys():
+    s = make_scheduler()
+    base = kvbm(s).info.key_namespace.seed()
+    assert _seed_with(s, lambda c: None) == base
+
+    def cache_dtype(name):
+        def change(c):
+            c.cache_config.cache_dtype = name
+        return change
+    e4m3, e5m2 = _seed_with(s, cache_dtype("fp8_e4m3")), _seed_with(s, cache_dtype("fp8_e5m2"))
+    assert len({base, e4m3, e5m2}) == 3
+
+    def quant(c):
+        c.model_config.quantization = "fp8"
+    assert _seed_with(s, quant) != base
+
+
+@pytest.mark.parametrize("field,flag", [
+    ("pipeline_parallel_size", "--pipeline-parallel-size 1"),
+    ("decode_context_parallel_size", "--decode-context-parallel-size 1"),
+    ("prefill_context_parallel_size", "--prefill-context-parallel-size 1"),
+])
+def test_pipeline_and_context_parallelism_are_refused_at_startup(field, flag):
+    s = make_scheduler()
+    cfg = copy.deepcopy(s.vllm_config)
+    object.__setattr__(cfg.parallel_config, field, 2)
+    with pytest.raises(KVBMConfigError) as err:
+        engine_info(cfg, s.kv_cache_config)
+    assert field in str(err.value) and flag in str(err.value)
