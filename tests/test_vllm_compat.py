@@ -100,6 +100,17 @@ def test_connector_refuses_sleep_mode_on_vllm_032():
     assert KVBMConnector.supports_sleep_mode(config.kv_transfer_config) is False
 
 
+def test_connector_refuses_to_release_the_kv_cache_memory():
+    """vLLM >= 0.33 calls unregister_kv_caches before it frees the KV cache
+    (0.34: release_kv_cache_memory, weight updates with the extensible KV
+    cache); the NIXL registration cannot follow, so it is refused first."""
+    from scheduler_harness import make_scheduler
+
+    sched = make_scheduler()
+    with pytest.raises(RuntimeError, match="--no-enable-extensible-kv-cache"):
+        sched.connector.unregister_kv_caches()
+
+
 # ---- every supported release ----------------------------------------------------
 
 

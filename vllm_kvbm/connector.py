@@ -146,6 +146,17 @@ class KVBMConnector(KVConnectorBase_V1):
         for store in open_tiers(self.config, self.info, _tp_rank()):
             self.worker.add_tier(store)
 
+    def unregister_kv_caches(self) -> None:
+        # vLLM >= 0.33 calls this right before it frees the KV cache's memory:
+        # sleep mode (refused at startup), and in 0.34 release_kv_cache_memory()
+        # and layerwise weight updates with the extensible KV cache. The NIXL
+        # registration of that memory cannot follow it (yet): refuse while
+        # nothing is freed, rather than copy into freed memory later.
+        raise RuntimeError(
+            "KVBMConnector cannot release the KV cache's memory: its workers keep it "
+            "registered with NIXL. For weight updates start vLLM with "
+            "--no-enable-extensible-kv-cache, and do not call release_kv_cache_memory()")
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None and isinstance(kv_connector_metadata,
                                                       KVBMConnectorMetadata)
