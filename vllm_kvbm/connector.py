@@ -148,8 +148,8 @@ class KVBMConnector(KVConnectorBase_V1):
 
     def unregister_kv_caches(self) -> None:
         # vLLM >= 0.33 calls this right before it frees the KV cache's memory:
-        # sleep mode (refused at startup), and in 0.34 release_kv_cache_memory()
-        # and layerwise weight updates with the extensible KV cache. The NIXL
+        # sleep mode (refused at startup), release_kv_cache_memory(), and in 0.34
+        # layerwise weight updates with the extensible KV cache. The NIXL
         # registration of that memory cannot follow it (yet): refuse while
         # nothing is freed, rather than copy into freed memory later.
         raise RuntimeError(
