@@ -19,11 +19,15 @@ import os
 import re
 import sys
 import threading
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
 
 from vllm_kvbm.config import (SUPPORTED_VLLM, KVBMConfigError, check_vllm_version,
                               vllm_release)
