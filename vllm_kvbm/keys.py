@@ -81,8 +81,10 @@ def request_salt(lora: LoRAIdentity | None, cache_salt: str | None) -> bytes:
 class KeyChain:
     """Incrementally computed keys of a request's full blocks.
 
-    ``extend`` is called as the request's tokens grow; keys for complete
-    blocks are computed once and kept.
+    Key ``i`` is SHA-256(key ``i-1`` + block ``i``'s token ids as little-endian
+    int64), key ``-1`` being SHA-256(seed + salt). Keys are computed on demand
+    (``extend_to``: only as far as asked, from the token ids not yet hashed)
+    and kept; ``keys`` only ever grows.
     """
 
     def __init__(self, seed: bytes, block_size: int, salt: bytes = b""):
@@ -91,12 +93,24 @@ class KeyChain:
         self.keys: list[BlockKey] = []
 
     def extend(self, token_ids) -> list[BlockKey]:
-        bs = self._block_size
-        full = len(token_ids) // bs
-        for i in range(len(self.keys), full):
-            block = token_ids[i * bs:(i + 1) * bs]
-            h = hashlib.sha256(self._parent)
-            h.update(struct.pack(f"<{bs}q", *block))
-            self._parent = h.digest()
-            self.keys.append(self._parent)
+        """Keys of every full block of ``token_ids`` (and any computed before)."""
+        self.extend_to(token_ids, len(token_ids) // self._block_size)
         return self.keys
+
+    def extend_to(self, token_ids, num_blocks: int) -> None:
+        """Computes keys up to block ``num_blocks`` (exclusive), reading only
+        the token ids of the blocks not hashed yet; ``token_ids`` needs at
+        least ``num_blocks`` full blocks."""
+        done = len(self.keys)
+        if num_blocks <= done:
+            return
+        bs = self._block_size
+        step = 8 * bs  # bytes per block
+        # One pack for all new blocks; then one hash call per block.
+        data = struct.pack(f"<{(num_blocks - done) * bs}q",
+                           *token_ids[done * bs:num_blocks * bs])
+        sha256, parent, append = hashlib.sha256, self._parent, self.keys.append
+        for off in range(0, len(data), step):
+            parent = sha256(parent + data[off:off + step]).digest()
+            append(parent)
+        self._parent = parent
