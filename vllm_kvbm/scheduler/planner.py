@@ -118,10 +118,12 @@ class KVBMScheduler:
         return state
 
     def _keys(self, state: _ReqState, num_tokens: int) -> list[BlockKey]:
+        """Keys of the first ``num_tokens // block_size`` blocks. Copies only
+        when more are computed (hot paths index ``state.chain.keys`` instead)."""
         full = num_tokens // self.block_size
-        if len(state.chain.keys) < full:
-            state.chain.extend(state.request.all_token_ids[: full * self.block_size])
-        return state.chain.keys[:full]
+        state.chain.extend_to(state.request.all_token_ids, full)
+        keys = state.chain.keys
+        return keys if len(keys) == full else keys[:full]
 
     # ---- lookup and load --------------------------------------------------
 
@@ -138,22 +140,30 @@ class KVBMScheduler:
         state.hit_sources = []
         if start >= max_blocks:
             return 0, False
-        keys = self._keys(state, max_blocks * self.block_size)
-        state.hit_sources = self._lookup(keys[start:max_blocks])
+        state.hit_sources = self._lookup(state, start, max_blocks)
         hit = len(state.hit_sources)
         if hit == 0:
             return 0, False
         return hit * self.block_size, True
 
-    def _lookup(self, keys: list[BlockKey]) -> list[str]:
-        """Tier of each block of the longest prefix held across all tiers.
+    def _lookup(self, state: _ReqState, start: int, end: int) -> list[str]:
+        """Tier of each block of the longest prefix of blocks [start, end)
+        held across all tiers.
 
+        Keys are computed as the prefix goes (the chain up to ``start`` first,
+        then doubling the hit so far), so a miss costs few hashes, not the
+        whole prompt's.
         Blocks found below the host tier are loaded through a fresh host slot
         each, so the prefix is cut where no slot would be free for them.
         """
+        chain, tokens = state.chain, state.request.all_token_ids
+        keys = chain.keys  # grows in place
         sources: list[str] = []
         room = None  # host slots left for promotions, computed when needed
-        for key in keys:
+        for i in range(start, end):
+            if i >= len(keys):
+                chain.extend_to(tokens, min(end, i + max(1, i - start)))
+            key = keys[i]
             if self.host.is_ready(key):
                 sources.append("host")
                 continue
@@ -275,25 +285,29 @@ class KVBMScheduler:
         end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
         if not self.offload_decode_blocks:
             end = min(end, request.num_prompt_tokens)
-        keys = self._keys(state, end)
-        if state.store_cursor >= len(keys):
-            return None
+        full = end // self.block_size
+        if state.store_cursor >= full:
+            return None  # no new full block: O(1), whatever the prompt's length
+        # Only the new blocks are hashed and looked at (no copies of the
+        # request's keys or block ids).
+        state.chain.extend_to(request.all_token_ids, full)
+        keys = state.chain.keys
         assert self._kv_cache_manager is not None
-        block_ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
+        blocks = self._kv_cache_manager.get_blocks(request.request_id).blocks[0]
         job_keys, job_blocks, job_slots = [], [], []
-        for i in range(state.store_cursor, len(keys)):
+        for i in range(state.store_cursor, full):
             key = keys[i]
             if key in self.host:
                 continue  # stored already, or being stored by another request
             slot = self.host.allocate(key)
             if slot is None:
                 # Every slot is pinned or being written: skip, never wait.
-                self.stats.add("store_skipped_blocks", len(keys) - i)
+                self.stats.add("store_skipped_blocks", full - i)
                 break
             job_keys.append(key)
-            job_blocks.append(block_ids[i])
+            job_blocks.append(blocks[i].block_id)
             job_slots.append(slot)
-        state.store_cursor = len(keys)
+        state.store_cursor = full
         if not job_keys:
             return None
         job_id = next(self._job_ids)
