@@ -11,6 +11,9 @@ loaded. A ready slot with pins (loads in flight) is never evicted, and a
 storing slot is never evicted, so no transfer ever touches a slot that has
 been handed to another key. A slot that an overdue transfer may still write
 is *held*: whatever its key's fate, it is not free again until released.
+
+Every operation a step performs is O(1) per key: ``available`` reads a running
+count of evictable (ready, unpinned) entries instead of scanning them.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class SlotIndex:
         # slot -> overdue transfers (one per worker) that may still write it
         self._held: Counter = Counter()
         self.evictions = 0
+        # entries that are ready and unpinned: what an allocation may evict
+        self._evictable = 0
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._entries
@@ -51,8 +56,7 @@ class SlotIndex:
 
     def available(self) -> int:
         """Slots a store or promotion could get now: free or evictable."""
-        return len(self._free) + sum(
-            1 for e in self._entries.values() if e.ready and not e.pins)
+        return len(self._free) + self._evictable
 
     def is_ready(self, key: BlockKey) -> bool:
         entry = self._entries.get(key)
@@ -64,6 +68,8 @@ class SlotIndex:
         for key in keys:
             entry = self._entries[key]
             assert entry.ready, "only ready slots can be loaded"
+            if not entry.pins:
+                self._evictable -= 1
             entry.pins += 1
             self._entries.move_to_end(key)
             slots.append(entry.slot)
@@ -74,14 +80,19 @@ class SlotIndex:
             entry = self._entries.get(key)
             if entry is not None and entry.pins > 0:
                 entry.pins -= 1
-                if entry.doomed and entry.pins == 0:
-                    self.drop(key)
+                if entry.pins == 0:
+                    if entry.doomed:
+                        self.drop(key)
+                    elif entry.ready:
+                        self._evictable += 1
 
     def allocate(self, key: BlockKey) -> int | None:
         """Reserves a slot for a store of ``key``; None if every slot is busy."""
         assert key not in self._entries
-        if not self._free and not self._evict_one():
-            return None
+        while not self._free:
+            # An evicted entry whose slot is held frees nothing: evict on.
+            if not self._evict_one():
+                return None
         slot = self._free.pop()
         self._entries[key] = _Entry(slot)
         return slot
@@ -89,8 +100,10 @@ class SlotIndex:
     def commit(self, key: BlockKey) -> None:
         """The store of ``key`` finished: its slot may now be loaded."""
         entry = self._entries.get(key)
-        if entry is not None:
+        if entry is not None and not entry.ready:
             entry.ready = True
+            if not entry.pins:
+                self._evictable += 1
 
     def drop(self, key: BlockKey) -> bool:
         """Forgets ``key`` (failed store, bad data). Pinned entries are kept."""
@@ -98,6 +111,8 @@ class SlotIndex:
         if entry is None or entry.pins:
             return False
         del self._entries[key]
+        if entry.ready:
+            self._evictable -= 1
         self._give_back(entry.slot)
         return True
 
@@ -131,16 +146,19 @@ class SlotIndex:
         ready = [(k, e) for k, e in self._entries.items() if e.ready]
         for key, entry in ready:
             if entry.pins:
-                entry.ready, entry.doomed = False, True
+                entry.ready, entry.doomed = False, True  # pinned: never counted
             else:
                 self.drop(key)
         return len(ready)
 
     def _evict_one(self) -> bool:
+        if not self._evictable:
+            return False  # every entry is pinned or being written: no scan
         for key, entry in self._entries.items():
             if entry.ready and not entry.pins:
                 del self._entries[key]
+                self._evictable -= 1
                 self._give_back(entry.slot)
                 self.evictions += 1
                 return True
-        return False
+        raise AssertionError("evictable count out of step with the entries")
