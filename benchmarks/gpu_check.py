@@ -1,0 +1,338 @@
+"""GPU check of KVBM's worker side: stream order, exact bytes, bandwidth.
+
+Runs on a CUDA machine with only PyTorch and NIXL installed (no vLLM): copy
+the repository there and run
+
+    python benchmarks/gpu_check.py                 # CUDA, about a minute
+    python benchmarks/gpu_check.py --device cpu    # the same logic on CPU tensors
+
+For each KV layout of vLLM 0.32's CUDA attention backends (laid out exactly
+as vLLM's create_kv_cache_views does, see tests/kv_layouts.py: FlashAttention
+LBNHC, FlashInfer LBHNC (HND), a packed BLHNC, MLA, and blocks split into
+smaller kernel blocks), with the real KVBMWorker, PageMover and NIXL:
+
+1. stores: a kernel rewrites every KV byte, and at once, as vLLM's
+   wait_for_save does right after launching the forward pass,
+   KVBMWorker.start_stores records its fence and the stores are polled to
+   completion; the host pages must equal the KV *after* the kernel. The same
+   without the fence (the old behaviour) is run as a control, which shows
+   whether the race is real on this machine (informational).
+2. loads: a kernel zeroes the destination blocks (vLLM's zeroing of newly
+   allocated blocks) and the loads are started at once; the destination
+   blocks must hold the stored pages, every other KV byte must be unchanged.
+3. bandwidth: offload (device -> host) and onboard (host -> device) of the
+   same blocks through the worker, against PyTorch's pinned ``copy_`` of the
+   same number of bytes in one piece.
+
+Everything is printed as one table; the exit status is 0 only if every check
+passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+import torch  # noqa: E402
+
+from kv_layouts import KVLayout, agent_name, vllm_layout  # noqa: E402
+from vllm_kvbm.engine_info import EngineInfo  # noqa: E402
+from vllm_kvbm.keys import KeyNamespace  # noqa: E402
+from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob  # noqa: E402
+from vllm_kvbm.worker.fence import DONE, fence_maker  # noqa: E402
+from vllm_kvbm.worker.jobs import KVBMWorker  # noqa: E402
+
+# name -> (vLLM KVCacheLayout, MLA, kernel blocks per block)
+CASES = {
+    "flash-attn": ("LBNHC", False, 1),
+    "flashinfer-hnd": ("LBHNC", False, 1),
+    "packed-blhnc": ("BLHNC", False, 1),
+    "mla": ("LBNHC", True, 1),
+    "kernel-split": ("LBNHC", False, 2),
+}
+
+
+@dataclass
+class Report:
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    def check(self, case: str, what: str, ok: bool, detail: str) -> bool:
+        self.rows.append((case, what, "PASS" if ok else "FAIL", detail))
+        return ok
+
+    def info(self, case: str, what: str, detail: str) -> None:
+        self.rows.append((case, what, "info", detail))
+
+    @property
+    def failed(self) -> int:
+        return sum(r[2] == "FAIL" for r in self.rows)
+
+    @property
+    def passed(self) -> int:
+        return sum(r[2] == "PASS" for r in self.rows)
+
+    def print(self) -> None:
+        widths = [max(len(r[i]) for r in self.rows + [("case", "check", "result", "")])
+                  for i in range(3)]
+        head = ("case", "check", "result", "detail")
+        for r in [head] + self.rows:
+            print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+
+
+class Worker:
+    """A KVBMWorker driven as vLLM drives it, with its metadata summed."""
+
+    def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float):
+        bb = lay.block_bytes()
+        ns = KeyNamespace("gpu-check@", "bf16", "check", block_size, bb, 0, 1)
+        self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns), num_slots,
+                            "UCX", agent_name("kvbm-gpu-check"))
+        self.w.register_kv_caches(lay.caches, lay.num_blocks, lay.block_dims)
+        self.done: Counter = Counter()
+        self.failed: Counter = Counter()
+        self.recving: set[str] = set()
+        self.timeout_s = timeout_s
+        self._ids = iter(range(1, 10**9))
+
+    def step(self) -> None:
+        _, recving = self.w.get_finished(set())
+        self.recving |= recving
+        m = self.w.build_worker_meta()
+        if m is not None:
+            self.done.update(m.stores_done)
+            self.failed.update(m.stores_failed)
+            self.failed.update(m.loads_failed)
+
+    def until(self, cond) -> float:
+        start = time.perf_counter()
+        while not cond():
+            if time.perf_counter() - start > self.timeout_s:
+                raise TimeoutError("transfers did not finish")
+            self.step()
+        return time.perf_counter() - start
+
+    def store(self, blocks: list[int], slots: list[int]) -> int:
+        job = next(self._ids)
+        self.w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(job, "r", blocks,
+                                                                      slots)]))
+        return job
+
+    def load(self, blocks: list[int], slots: list[int]) -> str:
+        req = f"load-{next(self._ids)}"
+        self.w.start_loads(KVBMConnectorMetadata(loads=[TransferJob(0, req, blocks, slots)]))
+        return req
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def delay(device: torch.device, seconds: float) -> None:
+    """Keeps the stream busy for about ``seconds`` before the next kernel."""
+    if device.type == "cuda" and seconds > 0:
+        torch.cuda._sleep(int(seconds * 2e9))  # cycles; ~1-2 GHz clocks
+
+
+def rewrite_kv(lay: KVLayout, step: int) -> None:
+    """The 'forward pass': a kernel that rewrites every byte of the KV cache."""
+    u8 = lay.raw[0].view(torch.uint8)
+    u8.bitwise_xor_(step * 37 % 255 + 1)  # never 0: every byte changes
+
+
+def slot_pages_equal(pool: torch.Tensor, lay: KVLayout, kv_cpu: list[torch.Tensor],
+                     blocks: list[int], slots: list[int]) -> int:
+    """How many of ``blocks`` are NOT byte-equal in their host slot."""
+    return sum(not torch.equal(pool[s], lay.slot_bytes(b, kv_cpu))
+               for b, s in zip(blocks, slots))
+
+
+def run_case(name: str, args, device: torch.device, report: Report) -> None:
+    layout, mla, split = CASES[name]
+    lay = vllm_layout(layout, args.layers, args.blocks, heads=args.heads,
+                      block_size=args.block_size * split,
+                      head_size=args.mla_head_size if mla else args.head_size,
+                      gen=None, dtype=torch.bfloat16, mla=mla, kernel_split=split,
+                      device=device, pad=4096)
+    lay.raw[0].view(torch.uint8).random_(0, 256)
+    sync(device)
+    nb, slots_n = args.blocks, args.slots
+    n = min(slots_n, nb // 2)  # blocks stored; loaded back into n other blocks
+    blocks = list(range(0, 2 * n, 2))
+    others = list(range(1, 2 * n, 2))
+    slots = list(range(n))[::-1]
+    bb = lay.block_bytes()
+    gib = n * bb / 1024**3
+    shape = tuple(next(iter(lay.caches.values())).shape)
+    report.info(name, "layout", f"{layout}{' MLA' if mla else ''}, per-layer view {shape}, "
+                f"block {bb / 1024**2:.2f} MiB, {n} blocks = {gib:.2f} GiB per transfer")
+    wk = Worker(lay, slots_n, args.block_size * split, args.timeout)
+    try:
+        pool = wk.w.host_pool
+        report.check(name, "host pool exact size",
+                     pool.untyped_storage().nbytes() == slots_n * bb,
+                     f"{pool.untyped_storage().nbytes()} bytes for {slots_n} slots of {bb}")
+        if device.type == "cuda":
+            report.check(name, "host pool pinned (cudaHostRegister)", pool.is_pinned(),
+                         f"is_pinned={pool.is_pinned()}")
+        report.info(name, "nixl", wk.w.mover.nixl_module)
+
+        # 1. stores right after the kernel that writes the KV, with the fence
+        delay(device, args.kernel_delay)
+        rewrite_kv(lay, 1)
+        t = time.perf_counter()
+        job = wk.store(blocks, slots)  # exactly what wait_for_save does
+        wk.until(lambda: wk.done[job] or wk.failed[job])
+        waited = time.perf_counter() - t
+        sync(device)
+        kv_cpu = [lay.raw[0].cpu()]
+        bad = slot_pages_equal(pool, lay, kv_cpu, blocks, slots)
+        report.check(name, "stores copy the KV after the forward", not bad and wk.done[job],
+                     f"{n - bad}/{n} host pages byte-equal; done in {waited * 1e3:.0f} ms")
+
+        # control: the same without the fence (the behaviour before the fix)
+        if device.type == "cuda":
+            wk.w.make_fence = lambda: DONE
+            delay(device, args.kernel_delay)
+            rewrite_kv(lay, 2)
+            job = wk.store(blocks, slots)
+            wk.until(lambda: wk.done[job] or wk.failed[job])
+            sync(device)
+            stale = slot_pages_equal(pool, lay, [lay.raw[0].cpu()], blocks, slots)
+            report.info(name, "control: stores without the fence",
+                        f"{stale}/{n} host pages stale (the race the fence prevents)")
+            wk.w.make_fence = fence_maker(device)  # the real fence again
+            # store again with the fence, so the pool holds the current KV
+            job = wk.store(blocks, slots)
+            wk.until(lambda: wk.done[job] or wk.failed[job])
+            sync(device)
+
+        # 2. loads into other blocks right after a kernel that zeroes them
+        kv_before = lay.raw[0].clone()
+        want = [pool[s].clone() for s in slots]
+        delay(device, args.kernel_delay)
+        for b in others:
+            lay.zero_block(b)
+        t = time.perf_counter()
+        req = wk.load(others, slots)
+        wk.until(lambda: req in wk.recving)
+        waited = time.perf_counter() - t
+        sync(device)
+        kv_cpu = [lay.raw[0].cpu()]
+        bad = sum(not torch.equal(lay.slot_bytes(b, kv_cpu), w) for b, w in zip(others, want))
+        # every byte outside the loaded blocks is as before
+        expected = [kv_before.cpu()]
+        for b, w in zip(others, want):
+            off = 0
+            for page in lay.pages(expected, b):
+                page.copy_(w[off:off + page.numel()])
+                off += page.numel()
+        whole = torch.equal(kv_cpu[0], expected[0])
+        report.check(name, "loads land after pending kernels",
+                     not bad and whole and not wk.failed,
+                     f"{n - bad}/{n} blocks byte-equal, rest of KV untouched: {whole}; "
+                     f"{waited * 1e3:.0f} ms")
+
+        # 3. bandwidth through the worker against PyTorch's pinned copy_
+        off_s = on_s = float("inf")
+        for _ in range(args.repeats):
+            sync(device)
+            t = time.perf_counter()
+            job = wk.store(blocks, slots)
+            wk.until(lambda: wk.done[job] or wk.failed[job])
+            off_s = min(off_s, time.perf_counter() - t)
+            t = time.perf_counter()
+            req = wk.load(others, slots)
+            wk.until(lambda: req in wk.recving)
+            on_s = min(on_s, time.perf_counter() - t)
+        ref_off, ref_on = torch_copy_seconds(n * bb, device, args.repeats)
+        nbytes = n * bb
+        report.info(name, "offload d2h GB/s (KVBM / torch copy_)",
+                    f"{nbytes / off_s / 1e9:.1f} / {nbytes / ref_off / 1e9:.1f} "
+                    f"({ref_off / off_s:.0%} of torch)")
+        report.info(name, "onboard h2d GB/s (KVBM / torch copy_)",
+                    f"{nbytes / on_s / 1e9:.1f} / {nbytes / ref_on / 1e9:.1f} "
+                    f"({ref_on / on_s:.0%} of torch)")
+        report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
+    finally:
+        wk.w.shutdown()
+        report.check(name, "shutdown released NIXL", wk.w.mover is None, "")
+        del lay
+
+
+def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Best seconds of one pinned copy_ of ``nbytes`` device -> host and back."""
+    pin = device.type == "cuda"
+    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)  # touched: no page faults
+    dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    best_off = best_on = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        host.copy_(dev, non_blocking=pin)
+        sync(device)
+        best_off = min(best_off, time.perf_counter() - t)
+        t = time.perf_counter()
+        dev.copy_(host, non_blocking=pin)
+        sync(device)
+        best_on = min(best_on, time.perf_counter() - t)
+    return best_off, best_on
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--blocks", type=int, default=None, help="engine KV blocks")
+    p.add_argument("--slots", type=int, default=None, help="host tier slots")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--mla-head-size", type=int, default=576,
+                   help="MLA latent + rope dims (DeepSeek: 512 + 64)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--kernel-delay", type=float, default=0.05,
+                   help="seconds the stream stays busy before the KV-writing kernel")
+    p.add_argument("--timeout", type=float, default=60.0)
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        p.error("no CUDA device; use --device cpu")
+    # CUDA: 32 layers x 2 MiB blocks, 2 GiB of KV, 1 GiB moved per transfer.
+    args.layers = args.layers or (32 if cuda else 4)
+    args.blocks = args.blocks or (1024 if cuda else 64)
+    args.slots = args.slots or args.blocks // 2
+    start = time.perf_counter()
+    print(f"gpu_check: torch {torch.__version__} (CUDA {torch.version.cuda}), device "
+          f"{torch.cuda.get_device_name(device) if cuda else 'cpu'}, "
+          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
+    report = Report()
+    for name in args.cases:
+        try:
+            run_case(name, args, device, report)
+        except Exception as err:  # a crash is a failed check, not a lost table
+            report.check(name, "ran", False, f"{type(err).__name__}: {err}")
+        if cuda:
+            torch.cuda.empty_cache()
+    report.print()
+    total = report.passed + report.failed
+    elapsed = time.perf_counter() - start
+    if report.failed:
+        print(f"gpu_check: {report.failed} of {total} checks FAILED ({elapsed:.0f} s)")
+        return 1
+    print(f"gpu_check: all {total} checks passed ({elapsed:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
