@@ -1,0 +1,138 @@
+"""Tensor parallelism (TP=2) on real engines: each rank moves its own shard.
+
+A plain TP=2 engine computes every prompt itself; a KVBM TP=2 engine with a
+host and a disk tier must give the same greedy tokens when the prefix comes
+back from the host tier, from the disk tier, and when one rank's disk page is
+corrupt (that rank's load fails, the other's succeeds: vLLM must recompute,
+never combine a good shard with a bad one). vLLM CPU runs TP=2 with one core
+per rank (VLLM_CPU_OMP_THREADS_BIND='0|1'), both engines bound alike.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from test_engine_e2e import expected_hit_tokens, generate
+from vllm_kvbm.tools.server import kvbm_transfer_config
+
+pytestmark = pytest.mark.timeout(1200)
+
+TP = 2
+HOST_BLOCKS = 24
+ENGINE = dict(tensor_parallel_size=TP, kv_cache_memory_bytes=256 << 20,
+              max_model_len=4096, max_num_batched_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def tp_env():
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    else:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+
+
+PROMPTS = {name: random_prompt(n, seed=seed) for name, n, seed in
+           (("host", 6 * BLOCK_SIZE + 17, 7001), ("disk", 8 * BLOCK_SIZE + 3, 7002),
+            ("bad_rank", 7 * BLOCK_SIZE + 9, 7003))}
+
+
+@pytest.fixture(scope="module")
+def want(model_dir, tp_env):
+    """Greedy tokens of a plain TP=2 engine that computes every prompt."""
+    llm = make_llm(None, **ENGINE)
+    try:
+        return {name: generate(llm, [p])[0][0] for name, p in PROMPTS.items()}
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tp_kvbm(model_dir, tp_env, want, tmp_path_factory):
+    disk = tmp_path_factory.mktemp("kvbm-tp-disk")
+    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
+                                        disk_cache_dir=str(disk), disk_cache_size="512MiB"),
+                   **ENGINE)
+    yield llm, disk
+    llm.llm_engine.engine_core.shutdown()
+
+
+_fillers = iter(range(20_000, 30_000))
+
+
+def settle(llm) -> None:
+    time.sleep(1.0)  # write-through to disk lands...
+    generate(llm, [[7] * 8], max_tokens=1)  # ...and a step collects it
+
+
+def push_out_of_host_and_engine(llm) -> None:
+    settle(llm)
+    for _ in range(2):  # fresh prompts fill the host tier (LRU)
+        generate(llm, [random_prompt((HOST_BLOCKS // 2 + 2) * BLOCK_SIZE,
+                                     seed=next(_fillers))], max_tokens=1)
+    settle(llm)
+    assert llm.reset_prefix_cache()  # vLLM's own cache only
+
+
+def test_tp2_host_tier_hit_equals_recompute(tp_kvbm, want):
+    llm, _ = tp_kvbm
+    prompt = PROMPTS["host"]
+    assert generate(llm, [prompt])[0][0] == want["host"]
+    settle(llm)
+    assert llm.reset_prefix_cache()
+    before = kvbm_counter("onboard_blocks_h2d")
+    got, cached = generate(llm, [prompt])
+    assert got[0] == want["host"]
+    assert cached[0] == expected_hit_tokens(len(prompt))
+    assert kvbm_counter("onboard_blocks_h2d") - before == cached[0] // BLOCK_SIZE
+
+
+def test_tp2_disk_tier_hit_equals_recompute(tp_kvbm, want):
+    llm, disk = tp_kvbm
+    prompt = PROMPTS["disk"]
+    before_files = set(disk.glob("*.pt"))
+    assert generate(llm, [prompt])[0][0] == want["disk"]
+    settle(llm)
+    new = set(disk.glob("*.pt")) - before_files
+    blocks = len(prompt) // BLOCK_SIZE
+    # one page per block and rank
+    assert len([p for p in new if f"@{TP}@0@" in p.name]) == blocks
+    assert len([p for p in new if f"@{TP}@1@" in p.name]) == blocks
+    push_out_of_host_and_engine(llm)
+    before = kvbm_counter("matched_tokens_disk")
+    got, cached = generate(llm, [prompt])
+    assert got[0] == want["disk"]
+    assert cached[0] == expected_hit_tokens(len(prompt))
+    assert kvbm_counter("matched_tokens_disk") - before == cached[0]
+
+
+def test_tp2_one_rank_fails_its_load_and_vllm_recomputes(tp_kvbm, want):
+    llm, disk = tp_kvbm
+    prompt = PROMPTS["bad_rank"]
+    before_files = set(disk.glob("*.pt"))
+    assert generate(llm, [prompt])[0][0] == want["bad_rank"]
+    settle(llm)
+    rank1 = sorted(p for p in set(disk.glob("*.pt")) - before_files if f"@{TP}@1@" in p.name)
+    assert len(rank1) == len(prompt) // BLOCK_SIZE
+    push_out_of_host_and_engine(llm)
+    for page in rank1:  # every rank-1 page of this prompt: rank 0's stay good
+        data = bytearray(page.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        page.write_bytes(bytes(data))
+    errors, checksums = kvbm_counter("load_error_blocks"), kvbm_counter("checksum_failures")
+    got, _ = generate(llm, [prompt])
+    assert got[0] == want["bad_rank"]
+    assert kvbm_counter("checksum_failures") > checksums
+    assert kvbm_counter("load_error_blocks") > errors
+    # Whatever the host tier now holds for this prompt (the recomputed KV,
+    # never the failed load's slots) serves the next run correctly.
+    settle(llm)
+    assert llm.reset_prefix_cache()
+    got, cached = generate(llm, [prompt])
+    assert got[0] == want["bad_rank"] and cached[0] == expected_hit_tokens(len(prompt))
