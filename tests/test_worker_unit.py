@@ -519,24 +519,31 @@ def test_host_pool_pins_in_slot_aligned_chunks_and_unpins(monkeypatch):
 
     rt = Runtime()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    pool = host_pool.HostPool(10, 3000, pin=True, max_register_bytes=7000)
+    slot = 3 * 4096
+    pool = host_pool.HostPool(10, slot, pin=True, max_register_bytes=30000)
     base = pool.tensor.data_ptr()
-    # 2 slots (6000 bytes) per registration: chunks end on slot boundaries
-    assert calls == [("reg", base + o, n, 0) for o, n in
-                     [(0, 6000), (6000, 6000), (12000, 6000), (18000, 6000), (24000, 6000)]]
-    assert pool.pinned and pool.tensor.untyped_storage().nbytes() == 30000
+    assert base % 4096 == 0
+    # 2 slots (24576 bytes) per registration: chunks end on slot and page boundaries
+    assert calls == [("reg", base + i * 2 * slot, 2 * slot, 0) for i in range(5)]
+    assert pool.pinned and pool.tensor.untyped_storage().nbytes() == 10 * slot
     calls.clear()
     pool.release()
-    assert sorted(calls) == sorted(("unreg", base + o) for o in range(0, 30000, 6000))
+    assert sorted(calls) == sorted(("unreg", base + i * 2 * slot) for i in range(5))
     pool.release()  # once only
     assert len(calls) == 5
+    # slots that are not whole pages: a chunk is a whole number of both
+    calls.clear()
+    pool = host_pool.HostPool(10, 3000, pin=True, max_register_bytes=7000)
+    assert calls == [("reg", pool.tensor.data_ptr(), 30000, 0)]  # lcm(3000, 4096) > 7000
+    pool.release()
     # a failed registration rolls back what was registered: pageable, not half pinned
     calls.clear()
     rt.fail_at = 3
-    pool = host_pool.HostPool(10, 3000, pin=True, max_register_bytes=7000)
+    pool = host_pool.HostPool(10, slot, pin=True, max_register_bytes=30000)
     base = pool.tensor.data_ptr()
     assert not pool.pinned
-    assert [c for c in calls if c[0] == "unreg"] == [("unreg", base + 6000), ("unreg", base)]
+    assert [c for c in calls if c[0] == "unreg"] == [("unreg", base + 2 * slot),
+                                                     ("unreg", base)]
 
 
 # ---- the worker side without vLLM -----------------------------------------------

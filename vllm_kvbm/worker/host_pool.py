@@ -3,14 +3,18 @@
 ``torch.zeros(..., pin_memory=True)`` goes through PyTorch's caching host
 allocator, which rounds every allocation up to a power of two (a 20 GiB host
 tier would pin 32 GiB). As vLLM's own CPU offloading does, the pool is an
-ordinary allocation of exactly ``num_slots * slot_bytes`` bytes that is then
-registered with ``cudaHostRegister`` (in chunks that end on slot boundaries,
-so no page straddles two registrations) and unregistered on shutdown.
+ordinary allocation of exactly ``num_slots * slot_bytes`` bytes (an anonymous
+mapping: page aligned, zeroed by the kernel as it is touched) that is then
+registered with ``cudaHostRegister``, in chunks that end on slot and page
+boundaries (no page in two registrations, no page of a slot in two), and
+unregistered on shutdown.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 
 import torch
 
@@ -24,7 +28,10 @@ MAX_REGISTER_BYTES = 64 * 1024**3
 class HostPool:
     def __init__(self, num_slots: int, slot_bytes: int, pin: bool,
                  max_register_bytes: int = MAX_REGISTER_BYTES):
-        self.tensor = torch.zeros((num_slots, slot_bytes), dtype=torch.uint8)
+        total = num_slots * slot_bytes
+        self._mapping = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8,
+                                       count=total).view(num_slots, slot_bytes)
         self._registered: list[int] = []
         if pin:
             self._pin(slot_bytes, max_register_bytes)
@@ -36,7 +43,8 @@ class HostPool:
     def _pin(self, slot_bytes: int, max_register_bytes: int) -> None:
         cudart = torch.cuda.cudart()
         base, total = self.tensor.data_ptr(), self.tensor.numel()
-        chunk = max(max_register_bytes // slot_bytes, 1) * slot_bytes
+        unit = math.lcm(slot_bytes, mmap.PAGESIZE)
+        chunk = max(max_register_bytes // unit, 1) * unit
         for offset in range(0, total, chunk):
             size = min(chunk, total - offset)
             err = cudart.cudaHostRegister(base + offset, size, 0)

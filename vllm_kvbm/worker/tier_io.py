@@ -64,6 +64,9 @@ class TierIO:
     def spill(self, spill: "SpillJob", slot_page: torch.Tensor) -> None:
         """Copies a host slot now (so it can be reused at once) and writes it
         to ``spill.tiers`` in the background."""
+        # Stream order: host memory only. The slot is spilled after every
+        # worker reported its store done (its fence passed, NIXL finished the
+        # copy into host RAM) and stays pinned until this copy is reported.
         page = torch.empty_like(slot_page)
         copy_bytes(page, slot_page)
         for tier in spill.tiers:
@@ -138,14 +141,15 @@ def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["Tie
     """This worker's stores of the configured disk and remote tiers."""
     stores: list[TierStore] = []
     namespace, world = info.tier_namespace, info.key_namespace.tp_size
+    secret = config.page_secret.reveal() if config.page_secret is not None else None
     if config.disk_cache_dir is not None:
         from vllm_kvbm.tiers.disk import DiskStore
 
         stores.append(DiskStore(config.disk_cache_dir, config.disk_cache_bytes,
-                                info.block_bytes, namespace, rank, world))
+                                info.block_bytes, namespace, rank, world, page_secret=secret))
     if config.remote_url is not None:
         from vllm_kvbm.tiers.remote import RemoteStore
 
         stores.append(RemoteStore(config.remote_url, info.block_bytes, namespace, rank, world,
-                                  config.remote_timeout_s))
+                                  config.remote_timeout_s, page_secret=secret))
     return stores
