@@ -4,12 +4,16 @@ Runs in each vLLM worker process. It owns the host tier's memory and runs the
 jobs the scheduler side planned, asynchronously; each step's ``get_finished``
 polls them and reports what completed.
 
-Stream order (CUDA). vLLM calls ``start_load_kv`` and ``wait_for_save`` right
-after it *launches* the step's kernels, and NIXL copies on streams of its own,
-so each step's transfers wait for a ``StepFence`` recorded on the current
+Stream order (CUDA). vLLM 0.32 calls ``wait_for_save`` right after it
+*launches* the step's forward pass (``start_load_kv`` too, unless a load of
+the step is synchronous: then just before it, after the zeroing of new
+blocks), and NIXL copies on streams of its own, so each step's transfers wait for a ``StepFence`` recorded on the current
 stream when the connector was called, and are posted only once it is done
 (see ``_post_ready``): a store never reads a page before the forward pass has
-written it. What orders each kind of transfer:
+written it. vLLM's own offloading orders its copies the same way, with a copy
+stream that waits for the current one (v1/kv_offload/cpu/gpu_worker.py,
+v1/simple_kv_offload/worker.py); a NIXL post takes no stream, so the event is
+polled instead. What orders each kind of transfer:
 
 - store (engine -> host): after the fence, so after the kernels that write the
   step's KV. The engine blocks stay the request's until the store is reported
