@@ -23,7 +23,7 @@ from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_path  # noqa: E4
 
 
 def files(d) -> list[str]:
-    return sorted(f for f in os.listdir(d) if not f.startswith(".kvbm-probe"))
+    return sorted(f for f in os.listdir(d) if not f.startswith(".kvbm-"))  # probe and lock files
 
 
 def used_bytes(store: DiskStore) -> int:
@@ -293,3 +293,56 @@ def test_staging_freed_by_the_garbage_collector_under_lmcaches_lock_does_not_dea
     worker.start()
     worker.join(10)
     assert not worker.is_alive(), "garbage collection under LMCache's lock deadlocked"
+
+
+def test_page_files_are_owner_only_and_never_written_through_a_symlink(disk, tmp_path):
+    s = disk()
+    assert s.put(key(1), page(1, SMALL))
+    assert os.stat(path_of(s, key(1))).st_mode & 0o777 == 0o600
+    # Someone plants a link where the next page's temporary file will go.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, path_of(s, key(2)) + ".tmp")
+    assert s.put(key(2), page(2, SMALL))
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(path_of(s, key(2)))
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert s.get_into(key(2), out) == "ok" and torch.equal(out, page(2, SMALL))
+
+
+def test_a_page_replaced_by_a_symlink_is_never_read_through_it(disk, tmp_path):
+    s = disk()
+    assert s.put(key(3), page(3, SMALL))
+    # A valid page of the same key elsewhere (e.g. copied from another engine's
+    # directory) is linked in: the store must not follow it.
+    elsewhere = tmp_path / "elsewhere.pt"
+    shutil.copy(path_of(s, key(3)), elsewhere)
+    os.remove(path_of(s, key(3)))
+    os.symlink(elsewhere, path_of(s, key(3)))
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert s.get_into(key(3), out) == "corrupt"
+    assert not os.path.lexists(path_of(s, key(3))) and elsewhere.exists()
+
+
+def test_a_second_store_of_the_same_model_and_rank_on_a_directory_is_refused(disk, tmp_path):
+    d = tmp_path / "shared"
+    a = disk(directory=d, ns="model-a", capacity=2 * phys(SMALL))
+    with pytest.raises(KVBMConfigError, match=r"disk_cache_dir: .* in use by another engine "
+                                              rf"\(pid {os.getpid()}\).*own disk_cache_dir"):
+        disk(directory=d, ns="model-a")
+    # Another rank, or another model, may share the directory: each evicts
+    # and counts only its own pages.
+    other_rank = DiskStore(str(d), 2 * phys(SMALL), SMALL, "model-a", 1, 2)
+    b = disk(directory=d, ns="model-b", capacity=2 * phys(SMALL))
+    try:
+        for i in range(4):  # a's capacity is two pages: it evicts its own only
+            assert a.put(key(i), page(i, SMALL))
+        assert b.put(key(10), page(10, SMALL)) and other_rank.put(key(11), page(11, SMALL))
+        assert used_bytes(a) == 2 * phys(SMALL) and used_bytes(b) == phys(SMALL)
+        assert b.contains(key(10)) and other_rank.contains(key(11))
+        assert os.path.exists(path_of(b, key(10)))
+    finally:
+        other_rank.close()
+    a.close()
+    again = disk(directory=d, ns="model-a")  # free again once the first store closed
+    assert again.adopted == 2

@@ -15,9 +15,12 @@ LMCache behaviour worked around here (0.5.6), each next to its call:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -27,7 +30,8 @@ import torch
 
 from vllm_kvbm.config import KVBMConfigError, disk_tier_too_small
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
-from vllm_kvbm.tiers.page_format import KEY_BYTES, flat_u8, valid_key, valid_page
+from vllm_kvbm.tiers.page_format import (KEY_BYTES, flat_u8, retired_model_names, valid_key,
+                                         valid_page)
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,14 @@ def _disk_backend_class():
         def write_file(self, buffer, path):
             tmp = path + ".tmp"
             try:
-                with open(tmp, "wb") as f:
+                # Owner-only, never through a symlink someone planted: the
+                # directory may be shared (see DiskStore's directory lock).
+                try:
+                    os.unlink(tmp)  # a crash's leftover (removes a link, not its target)
+                except FileNotFoundError:
+                    pass
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
                     f.write(buffer)
                 os.replace(tmp, path)
             except BaseException:
@@ -105,7 +116,13 @@ def _disk_backend_class():
                 raise _NoStaging()
             try:
                 view = memoryview(mo.byte_array).cast("B")
-                with open(path, "rb", buffering=0) as f:  # FileNotFoundError propagates
+                try:  # FileNotFoundError propagates: a miss
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+                except OSError as e:
+                    if e.errno != errno.ELOOP:
+                        raise
+                    raise _ShortFile(f"{path}: a symlink, not a page file") from None
+                with os.fdopen(fd, "rb", buffering=0) as f:
                     got = 0
                     while got < len(view):
                         n = f.readinto(view[got:])
@@ -154,53 +171,93 @@ def _prepare_dir(directory: str) -> str:
     return d
 
 
+def _claim(directory: str, owner: str) -> int:
+    """Locks ``directory`` for one store (namespace and rank); refuses a second."""
+    path = os.path.join(directory, f".kvbm-{owner}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise KVBMConfigError(
+            f"disk_cache_dir: {directory!r} is in use by another engine (pid {holder}) for "
+            f"the same model, KV format and TP rank; two of them would evict each other's "
+            f"pages. Give each engine its own disk_cache_dir (engines of different models "
+            f"may share one)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
 class DiskStore(LMCacheStore):
     """Pages as files in ``directory`` via LMCache's LocalDiskBackend (LRU by bytes).
 
     Each page costs ``block_bytes + 64`` rounded up to 4 KiB of the capacity.
     A new instance on the same directory adopts the pages left there by an
     earlier one (same namespace, rank and world size), newest first up to the
-    capacity; older surplus files are deleted.
+    capacity; older surplus files are deleted, and so are this namespace's
+    files of an older page format version. With ``page_secret`` pages carry
+    a MAC and a page without a valid one reads as "unauthenticated" (removed).
+
+    A directory may be shared by engines of different models (or block
+    sizes, dtypes, ...): each store counts, evicts and adopts only its own
+    namespace's files. Two live stores of the same namespace and rank would
+    evict each other's files and count the same bytes twice, so each holds
+    an exclusive lock on ``.kvbm-<namespace>@<world>@<rank>.lock`` for its
+    lifetime and a second one is refused at startup. Page files are created
+    0600 and never opened through a symlink.
     """
 
     name = "disk"
 
     def __init__(self, directory: str, capacity_bytes: int, block_bytes: int, namespace: str,
-                 rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8):
-        super().__init__(block_bytes, namespace, rank, world_size)
+                 rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8,
+                 page_secret: bytes | None = None):
+        super().__init__(block_bytes, namespace, rank, world_size, page_secret)
+        self._retired = tuple(f"{m}@{world_size}@{rank}@"
+                              for m in retired_model_names(namespace, block_bytes))
         if capacity_bytes < self._phys:
             raise disk_tier_too_small(capacity_bytes, self._phys)
         self.directory = _prepare_dir(directory)
-        self.capacity_bytes = int(capacity_bytes)
-        self._io_timeout_s = io_timeout_s
-        from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+        self._lock_fd = _claim(self.directory, f"{self._model}@{world_size}@{rank}")
+        try:
+            self.capacity_bytes = int(capacity_bytes)
+            self._io_timeout_s = io_timeout_s
+            from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-        cfg = self._Config.from_defaults(
-            chunk_size=1, local_cpu=False,
-            # staging only; slack in case the allocator aligns more coarsely
-            max_local_cpu_size=((max_inflight + 2) * self._phys + 8 * 1024**2) / GIB,
-            local_disk=self.directory, max_local_disk_size=self.capacity_bytes / GIB)
-        self._slots = threading.BoundedSemaphore(max_inflight)  # staging users (put + get)
-        self._loop, self._thread = start_loop("kvbm-disk-io")
-        self._staging = LocalCPUBackend(cfg, self._md)
-        self._disk = _disk_backend_class()(cfg, self._loop, self._staging, dst_device="cpu",
-                                           metadata=self._md)
-        self._disk.max_cache_size = self.capacity_bytes  # exact, not via float GiB
-        self._closed = False
-        probe = self._staging.allocate(self._shape, torch.uint8, self._fmt, busy_loop=False)
-        if probe is None:
-            self.close()
-            raise RuntimeError("disk tier: cannot allocate LMCache staging memory")
-        self._phys = probe.get_physical_size()  # what LMCache charges per page
-        probe.ref_count_down()
-        self._writes_failing = False
-        self.adopted = self._adopt_existing()
+            cfg = self._Config.from_defaults(
+                chunk_size=1, local_cpu=False,
+                # staging only; slack in case the allocator aligns more coarsely
+                max_local_cpu_size=((max_inflight + 2) * self._phys + 8 * 1024**2) / GIB,
+                local_disk=self.directory, max_local_disk_size=self.capacity_bytes / GIB)
+            self._slots = threading.BoundedSemaphore(max_inflight)  # staging users (put + get)
+            self._loop, self._thread = start_loop("kvbm-disk-io")
+            self._staging = LocalCPUBackend(cfg, self._md)
+            self._disk = _disk_backend_class()(cfg, self._loop, self._staging, dst_device="cpu",
+                                               metadata=self._md)
+            self._disk.max_cache_size = self.capacity_bytes  # exact, not via float GiB
+            self._closed = False
+            probe = self._staging.allocate(self._shape, torch.uint8, self._fmt, busy_loop=False)
+            if probe is None:
+                self.close()
+                raise RuntimeError("disk tier: cannot allocate LMCache staging memory")
+            self._phys = probe.get_physical_size()  # what LMCache charges per page
+            probe.ref_count_down()
+            self._writes_failing = False
+            self.adopted = self._adopt_existing()
+        except BaseException:
+            self._release_lock()
+            raise
 
     # -- restart ----------------------------------------------------------
     def _adopt_existing(self) -> int:
         prefix = f"{self._model}@{self._world_size}@{self._rank}@"
         found = []
         for fn in os.listdir(self.directory):
+            if fn.startswith(self._retired) and fn.endswith((".pt", ".tmp")):
+                self._unlink(os.path.join(self.directory, fn))  # an older page format
+                continue
             if not fn.startswith(prefix):
                 continue  # another namespace/rank, or not ours at all
             path = os.path.join(self.directory, fn)
@@ -217,10 +274,10 @@ class DiskStore(LMCacheStore):
                 key = h.to_bytes(KEY_BYTES, "big")
                 if self._disk._key_to_path(self._ckey(key)) != path:
                     continue
-                st = os.stat(path)
+                st = os.lstat(path)
             except Exception:  # noqa: BLE001 - not a name we wrote
                 continue
-            if st.st_size != self._codec.stored_bytes:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != self._codec.stored_bytes:
                 self._unlink(path)  # ours but truncated/garbled
                 continue
             found.append((st.st_mtime_ns, fn, key, path))
@@ -336,6 +393,10 @@ class DiskStore(LMCacheStore):
         if status == "corrupt":
             logger.warning("disk tier: corrupt page removed: %s", self._disk._key_to_path(ck))
             self._disk.remove(ck)
+        elif status == "unauthenticated":
+            logger.warning("disk tier: page without a valid MAC (not written with this "
+                           "deployment's page secret) removed: %s", self._disk._key_to_path(ck))
+            self._disk.remove(ck)
         elif status == "ok":
             try:  # persist recency for the LRU order after a restart
                 os.utime(self._disk._key_to_path(ck))
@@ -370,3 +431,9 @@ class DiskStore(LMCacheStore):
                 self._staging.close()
             except Exception:  # noqa: BLE001
                 pass
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the directory lock
+            self._lock_fd = -1
