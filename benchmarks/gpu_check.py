@@ -92,7 +92,8 @@ class Worker:
 
     def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float):
         bb = lay.block_bytes()
-        ns = KeyNamespace("gpu-check@", "bf16", "check", block_size, bb, 0, 1)
+        ns = KeyNamespace(model="gpu-check@", dtype="torch.bfloat16", kv_layout="check",
+                          block_size=block_size, block_bytes=bb, tp_rank=0, tp_size=1)
         self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns), num_slots,
                             "UCX", agent_name("kvbm-gpu-check"))
         self.w.register_kv_caches(lay.caches, lay.num_blocks, lay.block_dims)

@@ -575,7 +575,8 @@ assert declared_block_dims(None, {{}}) is None  # no vLLM: the shapes decide
 lay = vllm_layout("LBNHC", 4, 40, heads=2, block_size=4, head_size=8,
                   gen=torch.Generator().manual_seed(0))
 bb = lay.block_bytes()
-ns = KeyNamespace("m@", "torch.bfloat16", "LBNHC", 4, bb, 0, 1)
+ns = KeyNamespace(model="m@", dtype="torch.bfloat16", kv_layout="LBNHC", block_size=4,
+                  block_bytes=bb, tp_rank=0, tp_size=1)
 w = KVBMWorker(EngineInfo(4, bb, 4, 1, ns), 16, "UCX", agent_name())
 w.register_kv_caches(lay.caches, 40, lay.block_dims)
 w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "A", [3, 7, 9], [0, 5, 2])]))
