@@ -145,3 +145,35 @@ def test_stored_blocks_are_written_down_with_the_slot_pinned(disk_setup):
     step(sched, spills_done=[s.job_id for s in meta.spills])  # the worker copied them
     assert all(k.host._entries[key].pins == 0 for key in keys)
     run_until_done(sched, req.request_id)
+
+
+def test_a_request_whose_prefix_is_being_promoted_waits_for_it(disk_setup):
+    """Two requests share a prefix on disk: the second arrives while the
+    first promotes it into the host tier. It waits (None) and then loads it
+    from the host tier, instead of recomputing it."""
+    sched, k, store = disk_setup
+    prompt = tokens(3 * BLOCK + 5, 14)
+    keys = keys_of(sched, prompt)
+    page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
+    for key in keys[:3]:
+        assert store.put(key, page)
+    deadline = time.monotonic() + 10
+    while not all(k.lower.find(key) == "disk" for key in keys[:3]):
+        assert time.monotonic() < deadline, "disk writes never became visible"
+        time.sleep(0.05)
+    first = make_request(prompt, max_tokens=2)
+    sched.add_request(first)
+    _, meta, _ = step(sched)
+    [load] = meta.loads
+    assert [tier for _, tier, _ in load.fetch] == ["disk"] * 3
+    second = make_request(prompt + [5, 6, 7], max_tokens=2)
+    sched.add_request(second)
+    out, meta, _ = step(sched)  # the promotion is still in flight
+    assert second.request_id not in out.num_scheduled_tokens and not meta.loads
+    assert second.status == RequestStatus.WAITING
+    step(sched, finished_recving=[first.request_id])  # promoted into the host tier
+    out, meta, _ = step(sched)
+    # The loaded blocks are vLLM's own cached blocks now: the second request
+    # computes only its tail, nothing of the shared prefix.
+    assert out.num_scheduled_tokens[second.request_id] == len(second.prompt_token_ids) - 3 * BLOCK
+    assert all(k.host.is_ready(key) for key in keys[:3])

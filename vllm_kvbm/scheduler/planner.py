@@ -128,7 +128,7 @@ class KVBMScheduler:
     # ---- lookup and load --------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int, bool]:
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         if state is None:
             return 0, False
@@ -140,15 +140,21 @@ class KVBMScheduler:
         state.hit_sources = []
         if start >= max_blocks:
             return 0, False
-        state.hit_sources = self._lookup(state, start, max_blocks)
-        hit = len(state.hit_sources)
+        sources = self._lookup(state, start, max_blocks)
+        if sources is None:
+            return None, False  # vLLM asks again next step
+        state.hit_sources = sources
+        hit = len(sources)
         if hit == 0:
             return 0, False
         return hit * self.block_size, True
 
-    def _lookup(self, state: _ReqState, start: int, end: int) -> list[str]:
+    def _lookup(self, state: _ReqState, start: int, end: int) -> list[str] | None:
         """Tier of each block of the longest prefix of blocks [start, end)
-        held across all tiers.
+        held across all tiers; None when the next block is being stored or
+        promoted into the host tier right now (by another request, or this
+        one before a preemption): waiting a step for it beats computing it
+        again.
 
         Keys are computed as the prefix goes (the chain up to ``start`` first,
         then doubling the hit so far), so a miss costs few hashes, not the
@@ -167,8 +173,10 @@ class KVBMScheduler:
             if self.host.is_ready(key):
                 sources.append("host")
                 continue
-            if key in self.host or not self.lower:
-                break  # being stored or promoted right now: don't fetch it twice
+            if key in self.host:
+                return None  # being stored or promoted: ready within a few steps
+            if not self.lower:
+                break
             if room is None:
                 # Pinning the host hits for the load makes them unevictable.
                 room = self.host.available() - sources.count("host")
@@ -278,9 +286,10 @@ class KVBMScheduler:
 
     def _plan_store(self, state: _ReqState, num_scheduled: int) -> TransferJob | None:
         """Stores every full block this step completes that the host lacks."""
-        if state.pre_reset:
-            return None
         request = state.request
+        if state.pre_reset or (not self.offload_decode_blocks and state.store_cursor
+                               >= request.num_prompt_tokens // self.block_size):
+            return None  # e.g. decoding, prompt stored: the common case, kept cheap
         # Tokens whose KV exists after this step and whose ids are known.
         end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
         if not self.offload_decode_blocks:
