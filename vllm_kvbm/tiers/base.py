@@ -15,7 +15,8 @@ class TierStore:
         raise NotImplementedError
 
     def get_into(self, key: bytes, out: torch.Tensor) -> str:
-        """Fills out -> "ok" | "miss" | "corrupt" (entry removed) | "error"."""
+        """Fills out -> "ok" | "miss" | "corrupt" (entry removed) | "unauthenticated"
+        (no valid page MAC for this deployment's secret; entry removed) | "error"."""
         raise NotImplementedError
 
     def contains(self, key: bytes) -> bool:

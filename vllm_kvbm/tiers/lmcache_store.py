@@ -75,7 +75,8 @@ def lmcache_api():
 class LMCacheStore(TierStore):
     """A store whose pages live in an LMCache backend under our page format."""
 
-    def __init__(self, block_bytes: int, namespace: str, rank: int, world_size: int):
+    def __init__(self, block_bytes: int, namespace: str, rank: int, world_size: int,
+                 page_secret: bytes | None = None):
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if not (0 <= rank < world_size):
@@ -83,7 +84,7 @@ class LMCacheStore(TierStore):
         (self._CacheEngineKey, self._parse_cache_key, self._Config, MemoryFormat,
          LMCacheMetadata) = lmcache_api()
         self._fmt = MemoryFormat.KV_2LTD  # any non-binary format; arena-backed
-        self._codec = PageCodec(namespace, block_bytes)
+        self._codec = PageCodec(namespace, block_bytes, page_secret)
         self.block_bytes = block_bytes
         self._rank, self._world_size = rank, world_size
         self._model = self._codec.model_name

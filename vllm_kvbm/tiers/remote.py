@@ -109,14 +109,17 @@ class RemoteStore(LMCacheStore):
     once per ``retry_interval_s``. One call at a time uses the connection
     (the lm:// stream has no request ids).
     The server never evicts; ``remove`` writes a tombstone (a header-only
-    page that reads back as "miss").
+    page that reads back as "miss"). With ``page_secret`` pages (tombstones
+    too) carry a MAC; a page without a valid one reads as "unauthenticated"
+    and is overwritten with a tombstone.
     """
 
     name = "remote"
 
     def __init__(self, url: str, block_bytes: int, namespace: str, rank: int, world_size: int,
-                 timeout_s: float = 2.0, *, retry_interval_s: float = 2.0):
-        super().__init__(block_bytes, namespace, rank, world_size)
+                 timeout_s: float = 2.0, *, retry_interval_s: float = 2.0,
+                 page_secret: bytes | None = None):
+        super().__init__(block_bytes, namespace, rank, world_size, page_secret)
         self._host, self._port = parse_lm_url("remote_url", url)
         if not timeout_s > 0:
             raise KVBMConfigError(f"remote_timeout_s: must be positive, got {timeout_s!r}")
@@ -265,8 +268,10 @@ class RemoteStore(LMCacheStore):
                 status = self._codec.decode_into(flat_u8(mo.tensor), key, out)
             finally:
                 mo.ref_count_down()
-            if status == "corrupt":
-                logger.warning("remote tier: corrupt page for key %s overwritten", key.hex()[:16])
+            if status in ("corrupt", "unauthenticated"):
+                logger.warning("remote tier: %s page for key %s overwritten",
+                               "corrupt" if status == "corrupt" else "unauthenticated (no valid "
+                               "MAC for this deployment's page secret)", key.hex()[:16])
                 self._forget(key)
                 self._send(conn, key, None, deadline)
             return status
