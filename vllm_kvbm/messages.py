@@ -76,9 +76,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # spill job id -> workers that copied the slot (the slot may be reused)
     spills_done: Counter = field(default_factory=Counter)
     # (tier, outcome) -> pages: fetch outcomes ("ok", "miss", "corrupt",
-    # "error") and spill outcomes ("stored", "refused")
+    # "unauthenticated", "error") and spill outcomes ("stored", "refused")
     tier_events: Counter = field(default_factory=Counter)
-    # (tier, key) of pages found missing or corrupt (removed from the tier)
+    # (tier, key) of pages found missing, corrupt or unauthenticated (removed)
     bad_pages: list[tuple[str, bytes]] = field(default_factory=list)
     # seconds from post to completion, one entry per transfer
     store_latencies: list[float] = field(default_factory=list)

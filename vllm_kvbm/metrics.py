@@ -41,6 +41,9 @@ COUNTERS = {
     "tier_read_misses": "Pages expected in a lower tier that were gone when read",
     "tier_read_errors": "Lower-tier reads that failed (I/O error, timeout, server down)",
     "checksum_failures": "Pages whose bytes or key did not match their checksum; removed, recomputed",
+    "page_auth_failures": "Intact pages without a valid MAC for this deployment's page secret "
+                          "(written without it, with another secret, or forged); removed, "
+                          "recomputed",
     "transfer_timeouts": "NIXL transfers still running after 30 s (stores are dropped, their "
                          "host slots held until the copy ends)",
 }

@@ -70,7 +70,7 @@ class LowerTiers:
         return tiers
 
     def forget(self, tier: str, key: BlockKey) -> None:
-        """A page was found gone or corrupt: allow writing it again."""
+        """A page was found gone, corrupt or unauthenticated: allow writing it again."""
         self._written.pop((tier, key), None)
 
     @staticmethod
@@ -82,7 +82,8 @@ class LowerTiers:
         """Turns the worker's (tier, outcome) page counts into counters."""
         names = {"stored": {"disk": "offload_blocks_h2d", "remote": "offload_blocks_remote"},
                  "refused": "tier_write_errors", "miss": "tier_read_misses",
-                 "corrupt": "checksum_failures", "error": "tier_read_errors"}
+                 "corrupt": "checksum_failures", "error": "tier_read_errors",
+                 "unauthenticated": "page_auth_failures"}
         for (tier, outcome), count in events.items():
             name = names.get(outcome)
             if isinstance(name, dict):
