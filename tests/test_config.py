@@ -46,7 +46,8 @@ def test_defaults():
     assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "metrics_host", "metrics_port", "namespace", "nixl_backend",
-                             "offload_decode_blocks", "remote_timeout_s", "remote_url"]
+                             "offload_decode_blocks", "page_secret_file", "remote_timeout_s",
+                             "remote_url"]
 
 
 def _err(extra, **env) -> str:
@@ -276,6 +277,7 @@ BAD_INPUT = {
     "namespace": [5, ["a"]],  # any string is a namespace
     "nixl_backend": [3, "rdma"],
     "offload_decode_blocks": [[1], "sometimes"],
+    "page_secret_file": [5, "/nonexistent/kvbm-page-secret"],  # more: test_page_auth.py
     "remote_timeout_s": ["soon", True, 0, float("inf")],
     "remote_url": [5, "http://127.0.0.1:1234", "lm://h:0"],
 }

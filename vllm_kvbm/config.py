@@ -9,11 +9,12 @@ names the key and says how to fix it, and is raised when the engine starts.
 from __future__ import annotations
 
 import difflib
+import hmac
 import logging
 import math
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 logger = logging.getLogger(__name__)
@@ -233,6 +234,92 @@ def _parse_nixl_backend(key: str, value: Any) -> str:
         f"memory and host RAM; set {key} to \"UCX\" (the default) or remove it")
 
 
+# The page secret keys the MAC every disk/remote page carries (tiers/page_format.py).
+# It is read from a file (page_secret_file) or KVBM_PAGE_SECRET, never from
+# kv_connector_extra_config: vLLM logs its whole kv_transfer_config at startup.
+MIN_PAGE_SECRET_BYTES = 16  # = page_format.MIN_SECRET_BYTES (a test checks)
+_MAX_SECRET_FILE_BYTES = 64 * 1024
+_SECRET_FIX = ("put at least 32 random bytes in it, readable only by the engine's user "
+               "(head -c 32 /dev/urandom > FILE && chmod 600 FILE), the same file on every "
+               "engine sharing the disk or remote tier")
+
+
+class PageSecret:
+    """The deployment's page secret. Never printed: repr and str name only its source."""
+
+    __slots__ = ("_value", "source")
+
+    def __init__(self, value: bytes, source: str):
+        self._value = bytes(value)
+        self.source = source
+
+    def reveal(self) -> bytes:
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"PageSecret(<redacted>, from {self.source})"
+
+    __str__ = __repr__
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PageSecret) and hmac.compare_digest(self._value, other._value)
+
+    def __hash__(self) -> int:
+        return hash(PageSecret)
+
+
+def _parse_page_secret_file(key: str, value: Any) -> PageSecret:
+    """Reads the page secret from the file at ``value``; errors name the file, never its bytes."""
+    if not isinstance(value, str) or not value.strip():
+        raise KVBMConfigError(
+            f"{key}: expected the path of a file holding the page secret, got {value!r}")
+    path = os.path.expanduser(value)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_SECRET_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise KVBMConfigError(
+            f"{key}: {value!r} does not exist; create it ({_SECRET_FIX}) or remove "
+            f"{key}") from None
+    except IsADirectoryError:
+        raise KVBMConfigError(
+            f"{key}: {value!r} is a directory, not a file holding the page secret; "
+            f"{_SECRET_FIX}") from None
+    except OSError as e:
+        raise KVBMConfigError(
+            f"{key}: cannot read {value!r} ({e.strerror or type(e).__name__}); make it "
+            f"readable by the user the engine runs as, or fix the path") from None
+    if len(data) > _MAX_SECRET_FILE_BYTES:
+        raise KVBMConfigError(
+            f"{key}: {value!r} is over {_MAX_SECRET_FILE_BYTES} bytes, not a secret file; "
+            f"{_SECRET_FIX}")
+    secret = data.rstrip(b"\r\n")  # a trailing newline is not part of the secret
+    if not secret:
+        raise KVBMConfigError(f"{key}: {value!r} is empty; {_SECRET_FIX}")
+    if len(secret) < MIN_PAGE_SECRET_BYTES:
+        raise KVBMConfigError(
+            f"{key}: the secret in {value!r} is shorter than {MIN_PAGE_SECRET_BYTES} bytes; "
+            f"{_SECRET_FIX}")
+    return PageSecret(secret, f"{key} {value}")
+
+
+def _page_secret_env(environ: Mapping[str, str], kwargs: dict, sources: dict) -> None:
+    """KVBM_PAGE_SECRET holds the secret itself (a page_secret_file may not be set too)."""
+    text = environ.get("KVBM_PAGE_SECRET", "").strip()
+    if not text:
+        return
+    if "page_secret" in kwargs:
+        raise KVBMConfigError(
+            f"KVBM_PAGE_SECRET and page_secret_file (from {sources['page_secret_file']}) are "
+            f"both set; set only one of them")
+    if len(text.encode()) < MIN_PAGE_SECRET_BYTES:
+        raise KVBMConfigError(
+            f"KVBM_PAGE_SECRET (the page secret): shorter than {MIN_PAGE_SECRET_BYTES} bytes; "
+            f"set it to at least 32 random characters (e.g. openssl rand -hex 32), the same "
+            f"on every engine sharing the disk or remote tier, or use page_secret_file")
+    kwargs["page_secret"] = PageSecret(text.encode(), "KVBM_PAGE_SECRET")
+
+
 @dataclass(frozen=True)
 class KVBMConfig:
     # Bytes of host RAM for the host (CPU) tier, per worker (TP rank).
@@ -265,6 +352,9 @@ class KVBMConfig:
     # Extra text mixed into every block key: engines that must never share
     # cached KV (e.g. different fine-tunes under one name) set different ones.
     namespace: str = ""
+    # Keys the MAC of every disk/remote page (page_secret_file or
+    # KVBM_PAGE_SECRET); None: pages carry no MAC. Never in repr or logs.
+    page_secret: PageSecret | None = field(default=None, repr=False)
 
     def disk_blocks(self, block_bytes: int) -> int:
         """Whole blocks the disk tier holds (0 when there is no disk tier)."""
@@ -317,6 +407,7 @@ _KEYS = {
     "metrics_host": ("metrics_host", _parse_host),
     "nixl_backend": ("nixl_backend", _parse_nixl_backend),
     "namespace": ("namespace", lambda k, v: _parse_str(k, v)),
+    "page_secret_file": ("page_secret", _parse_page_secret_file),
 }
 
 # env var -> (extra_config key, converter of the env text into that key's value)
@@ -341,6 +432,7 @@ _ENV = {
     "KVBM_METRICS_HOST": ("metrics_host", str),
     "KVBM_NIXL_BACKEND": ("nixl_backend", str),
     "KVBM_NAMESPACE": ("namespace", str),
+    "KVBM_PAGE_SECRET_FILE": ("page_secret_file", str),
 }
 # Dynamo serves its KVBM metrics only with DYN_KVBM_METRICS=true, on
 # DYN_KVBM_METRICS_PORT or this port (see _dyn_metrics).
@@ -426,6 +518,7 @@ def load_config(extra: Mapping[str, Any] | None,
             if sources[key] != key:  # came from an env var: say which one
                 raise KVBMConfigError(f"{sources[key]} (sets {err})") from None
             raise
+    _page_secret_env(environ, kwargs, sources)
     return KVBMConfig(**kwargs)
 
 

@@ -141,14 +141,15 @@ def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["Tie
     """This worker's stores of the configured disk and remote tiers."""
     stores: list[TierStore] = []
     namespace, world = info.tier_namespace, info.key_namespace.tp_size
+    secret = config.page_secret.reveal() if config.page_secret is not None else None
     if config.disk_cache_dir is not None:
         from vllm_kvbm.tiers.disk import DiskStore
 
         stores.append(DiskStore(config.disk_cache_dir, config.disk_cache_bytes,
-                                info.block_bytes, namespace, rank, world))
+                                info.block_bytes, namespace, rank, world, page_secret=secret))
     if config.remote_url is not None:
         from vllm_kvbm.tiers.remote import RemoteStore
 
         stores.append(RemoteStore(config.remote_url, info.block_bytes, namespace, rank, world,
-                                  config.remote_timeout_s))
+                                  config.remote_timeout_s, page_secret=secret))
     return stores
