@@ -1,0 +1,493 @@
+"""Pages that prove where they came from: the page MAC keyed by the deployment secret.
+
+Real parts throughout: the codec on real pages, real DiskStores on real files,
+RemoteStores against a real LMCache server, vLLM's real Scheduler fed by the
+worker's real TierIO, and real engines. Forged pages are built the way an
+attacker who has this code, the model and write access would build them:
+the right key and namespace, a valid CRC, and no secret (or the wrong one).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
+from test_remote_store import LMServer, raw_get, raw_put  # noqa: E402
+from tier_pages import SMALL, key, page  # noqa: E402
+from vllm_kvbm.config import (MIN_PAGE_SECRET_BYTES, KVBMConfigError, PageSecret,  # noqa: E402
+                              load_config)
+from vllm_kvbm.tiers import page_format as pf  # noqa: E402
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, disk_page_path  # noqa: E402
+
+SECRET = b"kvbm-test-deployment-secret-0001"
+OTHER = b"another-deployment-secret-000002"
+NS = "model-a|float32|layout"
+
+
+# ---- forging, as an attacker would -------------------------------------------
+
+def _header_fields(buf: bytes) -> list:
+    return list(pf._HDR.unpack(buf[:HEADER_BYTES]))
+
+
+def restamp(data: bytes, *, payload: bytes | None = None, flags=None, mac_alg=None, mac=None,
+            ns8=None) -> bytes:
+    """``data`` (a stored page) with some header fields or the payload replaced
+    and the CRC recomputed, so it passes every integrity check."""
+    f = _header_fields(data)  # magic, version, alg, flags, mac_alg, plen, ns8, key, mac, crc
+    if flags is not None:
+        f[3] = flags
+    if mac_alg is not None:
+        f[4] = mac_alg
+    if ns8 is not None:
+        f[6] = ns8
+    if mac is not None:
+        f[8] = mac
+    body = data[HEADER_BYTES:] if payload is None else payload
+    prefix = pf._HDR.pack(*f[:9], 0)[:pf._CRC_OFF]
+    t = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else torch.empty(0, dtype=torch.uint8)
+    crc = pf._checksum(f[2], prefix, t)
+    return prefix + struct.pack("<I", crc) + body
+
+
+def encoded(codec: PageCodec, k: bytes, p: torch.Tensor) -> bytes:
+    buf = torch.empty(codec.stored_bytes, dtype=torch.uint8)
+    codec.encode_into(buf, k, p)
+    return buf.numpy().tobytes()
+
+
+def decode(codec: PageCodec, data: bytes, k: bytes, out: torch.Tensor) -> str:
+    return codec.decode_into(torch.frombuffer(bytearray(data), dtype=torch.uint8), k, out)
+
+
+def v1_page(ns: str, block: int, k: bytes, p: torch.Tensor) -> bytes:
+    """A page in format version 1 (64-byte header, no MAC field), as v1 wrote it."""
+    hdr = struct.Struct("<4sHHIQ8s32sI")
+    ns8 = pf._namespace_hash(ns, block, 1)
+    prefix = hdr.pack(b"KVBT", 1, pf._ALG_CRC32C, 0, block, ns8, k, 0)[:60]
+    return prefix + struct.pack("<I", pf._checksum(pf._ALG_CRC32C, prefix, p)) + p.numpy().tobytes()
+
+
+# ---- the codec -----------------------------------------------------------------
+
+def test_keyed_pages_round_trip_and_every_forgery_is_unauthenticated():
+    keyed, plain, other = (PageCodec(NS, SMALL, SECRET), PageCodec(NS, SMALL),
+                           PageCodec(NS, SMALL, OTHER))
+    p, q = page(1, SMALL), page(2, SMALL)
+    k = key(1)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    genuine = encoded(keyed, k, p)
+    assert len(genuine) == HEADER_BYTES + SMALL == keyed.stored_bytes
+    assert decode(keyed, genuine, k, out) == "ok" and torch.equal(out, p)
+
+    sentinel = torch.full((SMALL,), 0xAB, dtype=torch.uint8)
+    forgeries = {
+        # written by an engine (or an attacker) without the secret
+        "no secret": encoded(plain, k, q),
+        # written with another deployment's secret
+        "other secret": encoded(other, k, q),
+        # a made-up MAC, flagged as present
+        "random MAC": restamp(encoded(plain, k, q), flags=pf._FLAG_MAC,
+                              mac_alg=pf._MAC_BLAKE3, mac=os.urandom(32)),
+        # the genuine page's MAC over other KV
+        "MAC transplanted": restamp(genuine, payload=q.numpy().tobytes()),
+        # the genuine page with its MAC flag cleared
+        "MAC stripped": restamp(genuine, flags=0, mac_alg=0, mac=bytes(32)),
+        # namespace B's genuine page (same secret) relabelled with A's namespace
+        # hash: the MAC binds the full namespace, not its 8-byte hash
+        "other namespace": restamp(encoded(PageCodec("model-b", SMALL, SECRET), k, q),
+                                   ns8=keyed.ns8),
+    }
+    for what, data in forgeries.items():
+        # every one passes the integrity checks...
+        assert decode(plain, data, k, torch.empty(SMALL, dtype=torch.uint8)) == "ok", what
+        # ...and none is accepted with the secret, nor copied into the output
+        out.copy_(sentinel)
+        assert decode(keyed, data, k, out) == "unauthenticated", what
+        assert torch.equal(out, sentinel), what
+    # The genuine page filed under another key is caught by the header, as before.
+    assert decode(keyed, genuine, key(2), out) == "corrupt"
+
+
+def test_integrity_is_checked_first_and_the_header_stays_strict():
+    keyed = PageCodec(NS, SMALL, SECRET)
+    k, p = key(3), page(3, SMALL)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    genuine = bytearray(encoded(keyed, k, p))
+    flipped = bytearray(genuine)
+    flipped[HEADER_BYTES + 10] ^= 1
+    assert decode(keyed, bytes(flipped), k, out) == "corrupt"  # damage, not an attack
+    mac_off = pf._MAC_OFF
+    flipped = bytearray(genuine)
+    flipped[mac_off + 3] ^= 1  # the MAC itself: the CRC covers it
+    assert decode(keyed, bytes(flipped), k, out) == "corrupt"
+    plain_page = encoded(PageCodec(NS, SMALL), k, p)
+    # Inconsistent MAC fields are malformed, whoever reads them.
+    for bad in (restamp(plain_page, mac=b"\x01" * 32),             # no flag, a MAC
+                restamp(plain_page, mac_alg=pf._MAC_BLAKE3),        # no flag, an algorithm
+                restamp(bytes(genuine), mac_alg=7),                 # unknown algorithm
+                restamp(bytes(genuine), flags=pf._FLAG_MAC | 8)):   # unknown flag
+        for codec in (keyed, PageCodec(NS, SMALL)):
+            assert decode(codec, bad, k, out) == "corrupt"
+    # Format version 1 pages are refused, never misread, with or without a secret.
+    old = v1_page(NS, SMALL, k, p)
+    for codec in (keyed, PageCodec(NS, SMALL)):
+        assert decode(codec, old, k, out) == "corrupt"
+        assert decode(codec, old + bytes(32), k, out) == "corrupt"  # even at v2's length
+    assert pf.page_name(NS, SMALL, 0, 1, k).split("@")[0] not in pf.retired_model_names(NS, SMALL)
+
+
+def test_tombstones_carry_the_mac_too():
+    keyed, plain = PageCodec(NS, SMALL, SECRET), PageCodec(NS, SMALL)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    for codec in (keyed, plain):
+        buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        codec.encode_tombstone(buf, key(4))
+        data = buf.numpy().tobytes()
+        assert decode(plain, data, key(4), out) == "miss"
+        assert decode(keyed, data, key(4), out) == ("miss" if codec is keyed
+                                                    else "unauthenticated")
+
+
+def test_an_engine_without_a_secret_accepts_maced_pages_and_warns_once(caplog):
+    keyed, plain = PageCodec(NS, SMALL, SECRET), PageCodec(NS, SMALL)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.tiers.page_format"):
+        for i in range(3):
+            assert decode(plain, encoded(keyed, key(i), page(i, SMALL)), key(i), out) == "ok"
+            assert torch.equal(out, page(i, SMALL))
+    warnings = [r.getMessage() for r in caplog.records if "carry a MAC" in r.getMessage()]
+    assert len(warnings) == 1 and "page_secret_file" in warnings[0]
+    assert keyed.keyed and not plain.keyed
+
+
+def test_the_secret_is_never_printed_and_short_secrets_are_refused():
+    codec = PageCodec(NS, SMALL, SECRET)
+    assert SECRET.decode() not in repr(codec.__dict__) and SECRET.hex() not in repr(codec.__dict__)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        PageCodec(NS, SMALL, b"short")
+    assert MIN_PAGE_SECRET_BYTES == pf.MIN_SECRET_BYTES
+
+
+# ---- configuration -----------------------------------------------------------------
+
+def _err(extra, environ=None) -> str:
+    with pytest.raises(KVBMConfigError) as info:
+        load_config(extra, environ or {})
+    return str(info.value)
+
+
+def test_secret_file_and_env(tmp_path, caplog):
+    path = tmp_path / "page.secret"
+    path.write_bytes(SECRET + b"\n")  # a trailing newline is not part of the secret
+    with caplog.at_level(logging.DEBUG):
+        cfg = load_config({"page_secret_file": str(path)}, {})
+        env_cfg = load_config({}, {"KVBM_PAGE_SECRET_FILE": str(path)})
+        text_cfg = load_config({}, {"KVBM_PAGE_SECRET": SECRET.decode()})
+    assert cfg.page_secret.reveal() == env_cfg.page_secret.reveal() == SECRET
+    assert text_cfg.page_secret.reveal() == SECRET and cfg.page_secret == text_cfg.page_secret
+    assert load_config({}, {}).page_secret is None
+    for shown in (repr(cfg), str(cfg), repr(cfg.page_secret), str(cfg.page_secret),
+                  repr(text_cfg), caplog.text):
+        assert SECRET.decode() not in shown and SECRET.hex() not in shown
+    assert "page_secret" not in repr(cfg)  # the field is left out of the config's repr
+
+
+def test_bad_secret_files_are_startup_errors_naming_the_key_and_the_fix(tmp_path):
+    cases = {}
+    cases["missing"] = (str(tmp_path / "nope"), "does not exist")
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    cases["empty"] = (str(empty), "is empty")
+    newline = tmp_path / "newline"
+    newline.write_bytes(b"\n")
+    cases["only a newline"] = (str(newline), "is empty")
+    short = tmp_path / "short"
+    short.write_bytes(b"kvbm-secret\n")
+    cases["too short"] = (str(short), "shorter than 16 bytes")
+    cases["a directory"] = (str(tmp_path), "is a directory")
+    loop = tmp_path / "loop"
+    os.symlink(loop, loop)  # reading it fails for real, even as root
+    cases["unreadable"] = (str(loop), "cannot read")
+    for what, (path, fragment) in cases.items():
+        msg = _err({"page_secret_file": path})
+        assert msg.startswith("page_secret_file: "), (what, msg)
+        assert fragment in msg and repr(path) in msg, (what, msg)
+        if fragment != "cannot read":
+            assert "head -c 32 /dev/urandom" in msg, (what, msg)
+        assert "kvbm-secret" not in msg  # the short file's content is never shown
+        env_msg = _err({}, {"KVBM_PAGE_SECRET_FILE": path})
+        assert env_msg.startswith("KVBM_PAGE_SECRET_FILE (sets page_secret_file: "), env_msg
+    if os.geteuid() != 0:  # root reads a file whatever its mode
+        locked = tmp_path / "locked"
+        locked.write_bytes(SECRET)
+        locked.chmod(0)
+        assert "cannot read" in _err({"page_secret_file": str(locked)})
+    assert _err({"page_secret_file": 5}).startswith("page_secret_file: expected the path")
+
+
+def test_secret_env_errors_never_show_the_secret(tmp_path):
+    msg = _err({}, {"KVBM_PAGE_SECRET": "hunter2"})
+    assert msg.startswith("KVBM_PAGE_SECRET") and "16 bytes" in msg and "hunter2" not in msg
+    path = tmp_path / "s"
+    path.write_bytes(SECRET)
+    msg = _err({"page_secret_file": str(path)}, {"KVBM_PAGE_SECRET": OTHER.decode()})
+    assert "set only one" in msg and OTHER.decode() not in msg and SECRET.decode() not in msg
+    # Inline secrets are not a key (vLLM logs kv_connector_extra_config).
+    msg = _err({"page_secret": OTHER.decode()})
+    assert "unknown key 'page_secret'" in msg and "page_secret_file" in msg
+    assert OTHER.decode() not in msg
+
+
+# ---- the disk tier ----------------------------------------------------------------
+
+def _disk(d, secret=None, **kw):
+    from vllm_kvbm.tiers.disk import DiskStore
+
+    return DiskStore(str(d), 64 << 20, SMALL, NS, 0, 1, page_secret=secret, **kw)
+
+
+def test_disk_refuses_planted_and_forged_pages_and_removes_them(tmp_path):
+    d = tmp_path / "cache"
+    for secret, k in ((None, key(1)), (OTHER, key(2))):  # other engines wrote these
+        s = _disk(d, secret)
+        assert s.put(k, page(9, SMALL))
+        s.close()
+    # Planted by hand: right name, key and CRC; a made-up MAC.
+    planted = disk_page_path(str(d), NS, SMALL, 0, 1, key(5))
+    with open(planted, "wb") as f:
+        f.write(restamp(encoded(PageCodec(NS, SMALL), key(5), page(9, SMALL)),
+                        flags=pf._FLAG_MAC, mac_alg=pf._MAC_BLAKE3, mac=os.urandom(32)))
+    # A v1 file of this namespace is deleted at startup (no engine of v2 reads it).
+    old_name = pf.retired_model_names(NS, SMALL)[0]
+    old = d / f"{old_name}@1@0@{int.from_bytes(key(6), 'big'):x}@uint8.pt"
+    old.write_bytes(v1_page(NS, SMALL, key(6), page(6, SMALL)))
+
+    s = _disk(d, SECRET)
+    try:
+        assert s.adopted == 3 and not old.exists()
+        assert s.put(key(3), page(3, SMALL)) and s.put(key(4), page(4, SMALL))
+        # Rewritten in place while the engine runs: key(4)'s KV under key(3)'s
+        # name, with key(3)'s genuine MAC, the CRC fixed.
+        p3 = disk_page_path(str(d), NS, SMALL, 0, 1, key(3))
+        genuine = open(p3, "rb").read()
+        with open(p3, "wb") as f:
+            f.write(restamp(genuine, payload=page(4, SMALL).numpy().tobytes()))
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        for k in (key(1), key(2), key(5), key(3)):
+            path = disk_page_path(str(d), NS, SMALL, 0, 1, k)
+            assert os.path.exists(path)
+            out.fill_(0xAB)
+            assert s.get_into(k, out) == "unauthenticated", k
+            assert bool((out == 0xAB).all()), "never loaded"
+            assert not os.path.exists(path) and not s.contains(k)
+            assert s.get_into(k, out) == "miss"
+        assert s.get_into(key(4), out) == "ok" and torch.equal(out, page(4, SMALL))
+    finally:
+        s.close()
+    # An engine without the secret still reads the MAC'd page (CRC verified).
+    plain = _disk(d)
+    try:
+        assert plain.get_into(key(4), out) == "ok" and torch.equal(out, page(4, SMALL))
+    finally:
+        plain.close()
+
+
+# ---- the remote tier (a real LMCache server) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def lm_server():
+    srv = LMServer()
+    srv.start()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.kill()
+
+
+def test_remote_refuses_pages_without_a_valid_mac_and_overwrites_them(lm_server):
+    from vllm_kvbm.tiers.remote import RemoteStore
+
+    def store(secret):
+        return RemoteStore(lm_server.url, SMALL, NS, 0, 1, timeout_s=3.0, page_secret=secret)
+
+    plain, keyed, other = store(None), store(SECRET), store(OTHER)
+    try:
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        assert plain.put(key(1), page(1, SMALL)) and other.put(key(2), page(2, SMALL))
+        assert keyed.put(key(3), page(3, SMALL)) and keyed.put(key(4), page(4, SMALL))
+        # Forged on the server: key(3)'s genuine MAC over key(4)'s KV, CRC fixed.
+        raw_put(keyed, key(3), restamp(raw_get(keyed, key(3)),
+                                       payload=page(4, SMALL).numpy().tobytes()))
+        for k in (key(1), key(2), key(3)):
+            out.fill_(0xAB)
+            assert keyed.get_into(k, out) == "unauthenticated", k
+            assert bool((out == 0xAB).all())
+            assert not keyed.contains(k) and keyed.get_into(k, out) == "miss"  # tombstoned
+        assert keyed.get_into(key(4), out) == "ok" and torch.equal(out, page(4, SMALL))
+        # Without a secret the MAC'd page and the MAC'd tombstone read as before.
+        assert plain.get_into(key(4), out) == "ok" and torch.equal(out, page(4, SMALL))
+        assert plain.get_into(key(1), out) == "miss"
+        # Another deployment's secret refuses this one's pages.
+        assert other.get_into(key(4), out) == "unauthenticated"
+    finally:
+        for s in (plain, keyed, other):
+            s.close()
+
+
+# ---- the counter reaches the scheduler through the worker metadata -------------------
+
+def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp_path):
+    from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
+    from test_scheduler_unit import keys_of, tokens
+    from vllm_kvbm.messages import KVBMWorkerMetadata
+    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.worker.tier_io import TierIO
+
+    secret_file = tmp_path / "page.secret"
+    secret_file.write_bytes(SECRET)
+    d = tmp_path / "disk"
+    d.mkdir()
+    sched = make_scheduler(host_blocks=8, disk_cache_dir=str(d), disk_cache_size="64MiB",
+                           page_secret_file=str(secret_file))
+    k = kvbm(sched)
+    secret = sched.connector.config.page_secret  # parsed from the file by the connector
+    assert secret == PageSecret(SECRET, "test")
+    prompt = tokens(3 * BLOCK + 5, 21)
+    keys = keys_of(sched, prompt)
+    bb, ns = k.info.block_bytes, k.info.tier_namespace
+    # Planted without the secret (as an engine without it, or an attacker, writes them).
+    planter = DiskStore(str(d), 64 << 20, bb, ns, 0, 1)
+    for key_ in keys[:2]:
+        assert planter.put(key_, torch.zeros(bb, dtype=torch.uint8))
+    planter.close()
+    deadline = time.monotonic() + 10
+    while not all(k.lower.find(key_) == "disk" for key_ in keys[:2]):
+        assert time.monotonic() < deadline, "planted pages never became visible"
+        time.sleep(0.05)
+
+    worker_store = DiskStore(str(d), 64 << 20, bb, ns, 0, 1,
+                             page_secret=secret.reveal())
+    io = TierIO()
+    io.add(worker_store)
+    try:
+        req = make_request(prompt, max_tokens=2)
+        sched.add_request(req)
+        out = sched.schedule()
+        [load] = out.kv_connector_metadata.loads
+        assert [tier for _, tier, _ in load.fetch] == ["disk", "disk"]
+        pool = torch.zeros(8, bb, dtype=torch.uint8)
+        io.fetch(load, pool)
+        meta = KVBMWorkerMetadata()
+        deadline = time.monotonic() + 10
+        while not (ready := io.poll(meta)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert ready == [(load, False)]
+        assert meta.tier_events == {("disk", "unauthenticated"): 2}
+        assert sorted(meta.bad_pages) == sorted(("disk", key_) for key_ in keys[:2])
+        mro = worker_output(sched, out, finished_recving=[req.request_id],
+                            loads_failed=[req.request_id], invalid_block_ids=load.block_ids)
+        kv_out = mro.kv_connector_output
+        kv_out.kv_connector_worker_meta = kv_out.kv_connector_worker_meta.aggregate(meta)
+        sched.update_from_output(out, mro)
+        assert k.stats.total["page_auth_failures"] == 2
+        assert k.stats.total["checksum_failures"] == 0
+        assert k.stats.total["load_error_blocks"] == 2
+        # Removed: the scheduler's disk index (the directory) no longer has them.
+        assert all(k.lower.find(key_) is None for key_ in keys[:2])
+    finally:
+        io.close()
+
+
+# ---- a real engine ------------------------------------------------------------------
+
+E2E_PROMPT = random_prompt(6 * BLOCK_SIZE + 3, seed=9101)
+
+
+def _flags(path) -> int:
+    with open(path, "rb") as f:
+        return _header_fields(f.read(HEADER_BYTES))[3]
+
+
+@pytest.mark.timeout(900)
+def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
+        model_dir, plain_llm, tmp_path):
+    from test_engine_e2e import expected_hit_tokens, generate, reference
+    from test_tiers_e2e import HOST_BLOCKS, clear_engine_and_host, settle
+    from vllm_kvbm.tools.server import kvbm_transfer_config
+
+    d = tmp_path / "disk"
+    d.mkdir()
+    secret_file = tmp_path / "page.secret"
+    secret_file.write_bytes(os.urandom(32))
+    secret_file.chmod(0o600)
+
+    def config(**extra):
+        return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(d),
+                                    disk_cache_size="1GiB", **extra)
+
+    want = reference(plain_llm, [E2E_PROMPT])
+    n_pages = len(E2E_PROMPT) // BLOCK_SIZE
+
+    # The attacker: the same public model with KVBM and no secret, on the same directory.
+    attacker = make_llm(config())
+    try:
+        generate(attacker, [E2E_PROMPT])
+        settle(attacker)
+    finally:
+        attacker.llm_engine.engine_core.shutdown()
+    pages = sorted(d.glob("*.pt"))
+    assert len(pages) == n_pages
+    # Wrong KV with the right keys and valid CRCs: each file gets the next one's payload.
+    blobs = [p.read_bytes() for p in pages]
+    for i, path in enumerate(pages):
+        path.write_bytes(restamp(blobs[i], payload=blobs[(i + 1) % n_pages][HEADER_BYTES:]))
+    assert all(_flags(p) & pf._FLAG_MAC == 0 for p in pages)
+
+    engine = make_llm(config(page_secret_file=str(secret_file)))
+    try:
+        auth, checksum = kvbm_counter("page_auth_failures"), kvbm_counter("checksum_failures")
+        d2d = kvbm_counter("onboard_blocks_d2d")
+        got, _ = generate(engine, [E2E_PROMPT])
+        assert got == want
+        assert kvbm_counter("page_auth_failures") - auth == n_pages  # every planted page
+        assert kvbm_counter("checksum_failures") == checksum
+        assert kvbm_counter("onboard_blocks_d2d") == d2d  # none was loaded
+
+        # Recomputed and written again, now with this deployment's MAC.
+        settle(engine)
+        own = sorted(d.glob("*.pt"))
+        assert len(own) == n_pages and all(_flags(p) & pf._FLAG_MAC for p in own)
+
+        # Its own pages come back from disk, equal to a plain engine's recompute.
+        clear_engine_and_host(engine)
+        auth = kvbm_counter("page_auth_failures")
+        d2d = kvbm_counter("onboard_blocks_d2d")
+        got, cached = generate(engine, [E2E_PROMPT])
+        assert got == want
+        assert cached[0] == expected_hit_tokens(len(E2E_PROMPT))
+        assert kvbm_counter("onboard_blocks_d2d") - d2d == cached[0] // BLOCK_SIZE
+        assert kvbm_counter("page_auth_failures") == auth
+
+        # One of them rewritten in place with another block's KV under its
+        # genuine MAC (CRC fixed): refused, counted, removed; outputs stay right.
+        clear_engine_and_host(engine)
+        victim, donor = own[:2]
+        victim.write_bytes(restamp(victim.read_bytes(),
+                                   payload=donor.read_bytes()[HEADER_BYTES:]))
+        got, _ = generate(engine, [E2E_PROMPT])
+        assert got == want
+        assert kvbm_counter("page_auth_failures") - auth == 1
+        assert kvbm_counter("checksum_failures") == checksum
+    finally:
+        engine.llm_engine.engine_core.shutdown()
