@@ -46,8 +46,8 @@ def test_defaults():
     assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "metrics_host", "metrics_port", "namespace", "nixl_backend",
-                             "offload_decode_blocks", "page_secret_file", "remote_timeout_s",
-                             "remote_url"]
+                             "offload_decode_blocks", "page_secret_file", "remote_password_file",
+                             "remote_timeout_s", "remote_url"]
 
 
 def _err(extra, **env) -> str:
@@ -245,10 +245,54 @@ def test_disk_tier_too_small_for_one_block(tmp_path):
                         "disk_cache_size": "1GiB"}).disk_blocks(2 << 20) > 400
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:1234", "lm://host", "lm://h:0", "redis://h:1"])
-def test_remote_url_must_be_an_lmcache_server(url):
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1234", "lm://host", "lm://h:0", "redis://h:0",
+                                 "resp://h:1", "redis+cluster://a:1/1", "redis://h:1/x",
+                                 "rediss://h:1?ssl_cert_reqs=none", "valkey://a b:1"])
+def test_remote_url_must_be_an_lmcache_or_redis_server(url):
     with pytest.raises(KVBMConfigError, match=r'remote_url: .* write it as "lm://HOST:PORT"'):
         load_config({"remote_url": url})
+
+
+@pytest.mark.parametrize("url,scheme,nodes,tls,cluster,db,user", [
+    ("lm://h:65432", "lm", [("h", 65432)], False, False, 0, None),
+    ("redis://cache.local", "redis", [("cache.local", 6379)], False, False, 0, None),
+    ("rediss://kvbm@10.0.0.5:6380/3", "rediss", [("10.0.0.5", 6380)], True, False, 3, "kvbm"),
+    ("valkey://[::1]:7000", "valkey", [("::1", 7000)], False, False, 0, None),
+    ("valkeys://v:1/0", "valkeys", [("v", 1)], True, False, 0, None),
+    ("redis+cluster://a:7000,b:7001,c", "redis", [("a", 7000), ("b", 7001), ("c", 6379)],
+     False, True, 0, None),
+    ("rediss+cluster://u@a:1", "rediss", [("a", 1)], True, True, 0, "u"),
+])
+def test_remote_url_forms(url, scheme, nodes, tls, cluster, db, user):
+    from vllm_kvbm.config import parse_remote_url
+
+    assert load_config({"remote_url": url}).remote_url == url
+    t = parse_remote_url("remote_url", url)
+    assert (t.scheme, list(t.nodes), t.tls, t.cluster, t.db, t.username) == \
+        (scheme, nodes, tls, cluster, db, user)
+    assert t.resp == (scheme != "lm")
+    assert parse_remote_url("remote_url", str(t)) == t  # the logged form reads back the same
+
+
+def test_remote_password_file_and_env(tmp_path):
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret-pw\n")
+    cfg = load({"remote_url": "redis://h:1", "remote_password_file": str(pw)})
+    assert cfg.remote_password.reveal() == "s3cret-pw"
+    assert "s3cret" not in repr(cfg) and "s3cret" not in repr(cfg.remote_password)
+    assert load({"remote_url": "redis://h:1"}, KVBM_REMOTE_PASSWORD_FILE=str(pw)) == cfg
+    assert load({"remote_url": "redis://h:1"},
+                KVBM_REMOTE_PASSWORD="env-pw").remote_password.reveal() == "env-pw"
+    msg = _err({"remote_url": "redis://h:1", "remote_password_file": str(pw)},
+               KVBM_REMOTE_PASSWORD="env-pw")
+    assert "both set" in msg and "env-pw" not in msg and "s3cret" not in msg
+    msg = _err({"remote_url": "lm://h:1", "remote_password_file": str(pw)})
+    assert msg.startswith("remote_password_file: ") and "s3cret" not in msg
+    (tmp_path / "empty").write_text("\n")
+    (tmp_path / "two").write_text("a\nb\n")
+    for bad in ("empty", "two"):
+        msg = _err({"remote_password_file": str(tmp_path / bad)})
+        assert msg.startswith("remote_password_file: ") and "one password" in msg
 
 
 @pytest.mark.parametrize("raw", [0, -1, "soon", float("nan"), True])
@@ -279,7 +323,8 @@ BAD_INPUT = {
     "offload_decode_blocks": [[1], "sometimes"],
     "page_secret_file": [5, "/nonexistent/kvbm-page-secret"],  # more: test_page_auth.py
     "remote_timeout_s": ["soon", True, 0, float("inf")],
-    "remote_url": [5, "http://127.0.0.1:1234", "lm://h:0"],
+    "remote_password_file": [5, "", "/nonexistent/kvbm-redis-password"],
+    "remote_url": [5, "http://127.0.0.1:1234", "lm://h:0", "redis://h:0", "redis+cluster://h:1/2"],
 }
 
 

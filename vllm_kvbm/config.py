@@ -167,8 +167,172 @@ def parse_lm_url(key: str, value: Any) -> tuple[str, int]:
 
 
 def _parse_remote_url(key: str, value: Any) -> str:
-    parse_lm_url(key, value)
+    parse_remote_url(key, value)
     return value
+
+
+# remote_url schemes of a Redis/Valkey server (RESP), each with whether it is TLS.
+_RESP_SCHEMES = {"redis": False, "rediss": True, "valkey": False, "valkeys": True}
+REMOTE_URL_FORMS = (
+    "\"lm://HOST:PORT\" (an LMCache server), \"redis://[USER@]HOST[:PORT][/DB]\" (a Redis or "
+    "Valkey server; rediss:// with TLS; valkey:// and valkeys:// mean the same) or "
+    "\"redis+cluster://[USER@]HOST[:PORT][,HOST[:PORT]...]\" (a Redis/Valkey Cluster by its "
+    "seed nodes; also rediss+cluster://, valkey+cluster://, valkeys+cluster://)")
+_PASSWORD_KEYS = "remote_password_file (a file holding it) or KVBM_REMOTE_PASSWORD"
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:/@,\[\]?#%]+)(?::([0-9]+))?$")
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """A parsed ``remote_url``. It never holds a password (a URL with one is refused)."""
+
+    scheme: str                              # "lm", "redis", "rediss", "valkey", "valkeys"
+    nodes: tuple[tuple[str, int], ...]       # one, or a cluster's seed nodes
+    cluster: bool = False
+    db: int = 0
+    username: str | None = None
+
+    @property
+    def resp(self) -> bool:
+        """A Redis/Valkey server (RESP), not LMCache's lm:// server."""
+        return self.scheme in _RESP_SCHEMES
+
+    @property
+    def tls(self) -> bool:
+        return _RESP_SCHEMES.get(self.scheme, False)
+
+    def __str__(self) -> str:
+        """The URL as logs show it (it has no secret to hide)."""
+        user = f"{self.username}@" if self.username else ""
+        nodes = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+        db = f"/{self.db}" if self.db else ""
+        return f"{self.scheme}{'+cluster' if self.cluster else ''}://{user}{nodes}{db}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any user:password and query string masked, for messages."""
+    head, sep, tail = url.partition("://")
+    user, at, host = tail.rpartition("@")
+    if at and ":" in user:
+        tail = "***:***@" + host
+    return head + sep + re.sub(r"[?#].*$", "?***", tail)
+
+
+def parse_remote_url(key: str, value: Any) -> RemoteTarget:
+    """The one reading of ``remote_url``: an LMCache server or a Redis/Valkey server/cluster.
+
+    A password in the URL is refused, naming the keys that take it: vLLM logs
+    the whole kv_transfer_config at startup. Messages never show it.
+    """
+    url = _parse_str(key, value)
+    shown = redact_url(url)
+    if url.startswith("lm://") and shown == url:
+        host, port = parse_lm_url(key, url)
+        return RemoteTarget("lm", ((host, port),))
+
+    def bad(why: str) -> KVBMConfigError:
+        return KVBMConfigError(f"{key}: {shown!r} {why}; write it as {REMOTE_URL_FORMS}")
+
+    m = re.match(r"^([a-z]+)(\+cluster)?://(.*)$", url)
+    if not m or m.group(1) not in _RESP_SCHEMES:
+        raise bad("is not a remote tier URL")
+    scheme, cluster, rest = m.group(1), bool(m.group(2)), m.group(3)
+    username = None
+    if "@" in rest:
+        userinfo, rest = rest.rsplit("@", 1)
+        if ":" in userinfo:
+            raise KVBMConfigError(
+                f"{key}: {shown!r} has a password in it, which would be logged (vLLM logs its "
+                f"kv_transfer_config); remove it from the URL (\"{scheme}://USER@HOST:PORT\") "
+                f"and give it with {_PASSWORD_KEYS}")
+        if not userinfo or any(c.isspace() or c in "/?#," for c in userinfo):
+            raise bad(f"has an empty or malformed user name {userinfo!r}")
+        username = userinfo
+    if "?" in rest or "#" in rest:
+        raise bad("has options (?...), which are not read")
+    where, slash, db_text = rest.partition("/")
+    db = 0
+    if slash:
+        if cluster:
+            raise bad("names a database, but a cluster has only database 0")
+        if not db_text.isdigit():
+            raise bad(f"has a database {db_text!r} that is not a number")
+        db = int(db_text)
+    nodes = []
+    for part in where.split(",") if cluster else [where]:
+        hp = _HOST_PORT.match(part)
+        port = int(hp.group(2) or 6379) if hp else 0
+        if not hp or not 0 < port < 65536:
+            raise bad(f"has a bad HOST:PORT {part!r}")
+        nodes.append((hp.group(1).strip("[]"), port))
+    return RemoteTarget(scheme, tuple(nodes), cluster, db, username)
+
+
+class RemotePassword:
+    """The remote tier's password. Never printed: repr and str name only its source."""
+
+    __slots__ = ("_value", "source")
+
+    def __init__(self, value: str, source: str):
+        self._value = value
+        self.source = source
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"RemotePassword(<redacted>, from {self.source})"
+
+    __str__ = __repr__
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RemotePassword) and self._value == other._value
+
+    def __hash__(self) -> int:
+        return hash(RemotePassword)
+
+
+def _parse_password_file(key: str, value: Any) -> RemotePassword:
+    """Reads the remote tier's password from the file at ``value`` (a trailing
+    newline is not part of it); errors name the file, never its content."""
+    if not isinstance(value, str) or not value.strip():
+        raise KVBMConfigError(
+            f"{key}: expected the path of a file holding the remote tier's password, "
+            f"got {value!r}")
+    try:
+        with open(os.path.expanduser(value), "rb") as f:
+            data = f.read(64 * 1024 + 1)
+    except FileNotFoundError:
+        raise KVBMConfigError(
+            f"{key}: {value!r} does not exist; write the Redis/Valkey password into it "
+            f"(chmod 600) or remove {key}") from None
+    except OSError as e:
+        raise KVBMConfigError(
+            f"{key}: cannot read {value!r} ({e.strerror or type(e).__name__}); make it a file "
+            f"readable by the user the engine runs as") from None
+    text = data.decode("utf-8", "replace").rstrip("\r\n")
+    if len(data) > 64 * 1024 or not text or "\n" in text:
+        raise KVBMConfigError(
+            f"{key}: {value!r} does not hold one password (it is empty, over 64 KiB or more "
+            f"than one line); write only the password into it")
+    return RemotePassword(text, f"{key} {value}")
+
+
+def _remote_password_env(environ: Mapping[str, str], kwargs: dict, sources: dict) -> None:
+    """KVBM_REMOTE_PASSWORD holds the password itself; a password needs a Redis/Valkey URL."""
+    text = environ.get("KVBM_REMOTE_PASSWORD", "").rstrip("\r\n")
+    if text.strip():
+        if "remote_password" in kwargs:
+            raise KVBMConfigError(
+                f"KVBM_REMOTE_PASSWORD and remote_password_file (from "
+                f"{sources['remote_password_file']}) are both set; set only one of them")
+        kwargs["remote_password"] = RemotePassword(text, "KVBM_REMOTE_PASSWORD")
+    password = kwargs.get("remote_password")
+    url = kwargs.get("remote_url")
+    if password is not None and url is not None and not parse_remote_url("remote_url", url).resp:
+        raise KVBMConfigError(
+            f"{password.source.split()[0]}: a password is set, but remote_url {url!r} is an "
+            f"LMCache server, which has no authentication; remove it or use a redis:// URL")
 
 
 def _parse_seconds(key: str, value: Any) -> float:
@@ -339,10 +503,14 @@ class KVBMConfig:
     # frequency filter, so one-off prompts don't churn the disk.
     disk_admission: str = "always"
     disk_admission_min_uses: int = 2
-    # Remote tier: LMCache's cache server ("lm://host:port"; None: no remote).
+    # Remote tier: LMCache's cache server ("lm://host:port") or a Redis/Valkey
+    # server or cluster ("redis://...", see REMOTE_URL_FORMS); None: no remote.
     remote_url: str | None = None
     # Bound on every remote call; a slower or dead server is a miss.
     remote_timeout_s: float = 2.0
+    # Password of a redis:// / valkey:// remote tier (requirepass or the ACL
+    # user's), from remote_password_file or KVBM_REMOTE_PASSWORD. Never logged.
+    remote_password: RemotePassword | None = field(default=None, repr=False)
     # Serve the kvbm_* metrics on their own HTTP port from the engine process
     # (offline LLM use, where there is no vllm serve /metrics). None: off.
     metrics_port: int | None = None
@@ -403,6 +571,7 @@ _KEYS = {
     "disk_admission_min_uses": ("disk_admission_min_uses", lambda k, v: _parse_int(k, v, 1)),
     "remote_url": ("remote_url", lambda k, v: _parse_remote_url(k, v)),
     "remote_timeout_s": ("remote_timeout_s", lambda k, v: _parse_seconds(k, v)),
+    "remote_password_file": ("remote_password", _parse_password_file),
     "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
     "metrics_host": ("metrics_host", _parse_host),
     "nixl_backend": ("nixl_backend", _parse_nixl_backend),
@@ -427,6 +596,7 @@ _ENV = {
     "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": ("disk_admission", lambda v: _dyn_disk_filter(v)),
     "KVBM_REMOTE_URL": ("remote_url", str),
     "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
+    "KVBM_REMOTE_PASSWORD_FILE": ("remote_password_file", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),
     "DYN_KVBM_METRICS_PORT": ("metrics_port", str),
     "KVBM_METRICS_HOST": ("metrics_host", str),
@@ -519,6 +689,7 @@ def load_config(extra: Mapping[str, Any] | None,
                 raise KVBMConfigError(f"{sources[key]} (sets {err})") from None
             raise
     _page_secret_env(environ, kwargs, sources)
+    _remote_password_env(environ, kwargs, sources)
     return KVBMConfig(**kwargs)
 
 
