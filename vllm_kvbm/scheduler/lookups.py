@@ -3,7 +3,7 @@
 The stores themselves run in the workers (``vllm_kvbm.tiers``); the
 scheduler only asks whether a page exists, by its name, without LMCache:
 the disk through the directory, the remote server through the ``lm://``
-EXIST message.
+EXIST message or, on Redis/Valkey, EXISTS (redis-py, pipelined).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from vllm_kvbm.config import parse_lm_url
+from vllm_kvbm.config import parse_lm_url, parse_remote_url
 from vllm_kvbm.keys import BlockKey
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 from vllm_kvbm.tiers.lm_protocol import REPLY_BYTES, exist_reply, exist_request
 from vllm_kvbm.tiers.page_format import disk_page_path, page_name
+from vllm_kvbm.tiers.redis_conn import RedisLink
 
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
@@ -124,6 +125,52 @@ class RemoteView:
                 self._sock = None
 
 
+class RedisView:
+    """A Redis/Valkey remote tier as the scheduler sees it: EXISTS on every
+    TP rank's page, in one pipelined round trip.
+
+    A page exists only if all ranks' pages do (an LRU server evicts them one
+    by one). The call that finds the server dead or frozen waits at most
+    ``timeout_s`` per socket operation; after it lookups miss at once while
+    the link is re-made in the background, at most every
+    ``retry_interval_s`` (the scheduler thread never waits on a reconnect).
+    A refused password at startup is a KVBMConfigError naming the key.
+    """
+
+    name = "remote"
+
+    def __init__(self, url: str, password, namespace: str, block_bytes: int, world_size: int,
+                 timeout_s: float = 2.0, retry_interval_s: float = 2.0):
+        self.url = url
+        self._names = [
+            (lambda key, r=rank: page_name(namespace, block_bytes, r, world_size, key))
+            for rank in range(world_size)]
+        self._link = RedisLink(parse_remote_url("remote_url", url), password, timeout_s,
+                               retry_interval_s, "remote tier (lookups)")
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: list[BlockKey]) -> list[bool]:
+        if not keys:
+            return []
+        names = [name(key) for key in keys for name in self._names]
+
+        def exists(client):
+            pipe = client.pipeline(transaction=False)
+            for n in names:
+                pipe.exists(n)
+            return pipe.execute()
+        found = self._link.call(exists, None, "lookup")
+        if found is None:
+            return [False] * len(keys)
+        ranks = len(self._names)
+        return [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(keys))]
+
+    def close(self) -> None:
+        self._link.close()
+
+
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
     """The scheduler's views of the configured disk and remote tiers."""
     views: list = []
@@ -131,7 +178,10 @@ def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
     if config.disk_cache_dir is not None:
         config.disk_blocks(info.block_bytes)  # fails early if too small
         views.append(DiskView(config.disk_cache_dir, namespace, info.block_bytes, world))
-    if config.remote_url is not None:
+    if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
+        views.append(RedisView(config.remote_url, config.remote_password, namespace,
+                               info.block_bytes, world, config.remote_timeout_s))
+    elif config.remote_url is not None:
         views.append(RemoteView(config.remote_url, namespace, info.block_bytes, world,
                                 config.remote_timeout_s))
     return LowerTiers(views, config.disk_admission, config.disk_admission_min_uses)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_kvbm.config import parse_remote_url
 from vllm_kvbm.tiers.page_format import copy_bytes
 
 if TYPE_CHECKING:
@@ -147,7 +148,13 @@ def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["Tie
 
         stores.append(DiskStore(config.disk_cache_dir, config.disk_cache_bytes,
                                 info.block_bytes, namespace, rank, world, page_secret=secret))
-    if config.remote_url is not None:
+    if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
+        from vllm_kvbm.tiers.redis_store import RedisStore
+
+        stores.append(RedisStore(parse_remote_url("remote_url", config.remote_url),
+                                 config.remote_password, info.block_bytes, namespace, rank,
+                                 world, config.remote_timeout_s, page_secret=secret))
+    elif config.remote_url is not None:
         from vllm_kvbm.tiers.remote import RemoteStore
 
         stores.append(RemoteStore(config.remote_url, info.block_bytes, namespace, rank, world,

@@ -1,0 +1,508 @@
+"""The remote tier on Redis (RedisStore, RedisView) against real ``redis-server``s
+(Debian's, installed by scripts/setup_tools.sh) with a password; faults are
+produced for real: a wrong password, a full LRU server, a killed and a frozen
+(SIGSTOP) server, flipped bytes, a cluster node killed.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+import redis
+import torch
+
+from tier_pages import MiB, SMALL, key, page
+from vllm_kvbm.config import (KVBMConfig, KVBMConfigError, RemotePassword, load_config,
+                              parse_remote_url)
+from vllm_kvbm.scheduler.lookups import RedisView
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, page_name
+from vllm_kvbm.tiers.redis_store import RedisStore
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(shutil.which("redis-server") is None,
+                       reason="redis-server not installed (scripts/setup_tools.sh installs it)"),
+]
+
+PASSWORD = "kvbm-T3st-pässword/with:odd@chars"
+WRONG = "not-the-Right-0ne"
+NS = "ns-redis"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free and valid too."""
+    for _ in range(200):
+        port = random.randrange(20000, 55535)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+class RedisServer:
+    """A real redis-server on 127.0.0.1 with requirepass; always killed."""
+
+    def __init__(self, workdir, password: str = PASSWORD, maxmemory: str = "8mb",
+                 policy: str = "allkeys-lru", *extra: str, port: int | None = None):
+        self.port = port or _free_port()
+        self.password = password
+        self.dir = str(workdir)
+        self.args = ["--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", password,
+                     "--maxmemory", maxmemory, "--maxmemory-policy", policy, "--save", "",
+                     "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
+                     "--logfile", os.path.join(self.dir, f"redis-{self.port}.log"), *extra]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self) -> "RedisServer":
+        self.proc = subprocess.Popen(["redis-server", *self.args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        self.wait_ready()
+        return self
+
+    def admin(self) -> redis.Redis:
+        return redis.Redis("127.0.0.1", self.port, password=self.password, socket_timeout=5)
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                with self.admin() as c:
+                    if c.ping():
+                        return
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"redis-server not answering after {timeout}s")
+
+    def freeze(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            states = []
+            for stat in glob.glob(f"/proc/{self.proc.pid}/task/*/stat"):
+                try:
+                    with open(stat) as f:
+                        states.append(f.read().rsplit(")", 1)[1].split()[0])
+                except OSError:
+                    pass
+            if states and all(st in "tT" for st in states):
+                return
+            time.sleep(0.01)
+        raise RuntimeError("redis-server did not stop")
+
+    def thaw(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = RedisServer(tmp_path).start()
+    try:
+        yield srv
+    finally:
+        srv.kill()
+
+
+@pytest.fixture
+def stores():
+    made = []
+
+    def make(srv=None, *, url=None, password=PASSWORD, ns=NS, block=SMALL, rank=0, world=1,
+             timeout_s=1.0, retry=0.3, view=False):
+        target = url or srv.url
+        pw = None if password is None else RemotePassword(password, "remote_password_file f")
+        if view:
+            s = RedisView(target, pw, ns, block, world, timeout_s, retry)
+        else:
+            s = RedisStore(parse_remote_url("remote_url", target), pw, block, ns, rank, world,
+                           timeout_s, retry_interval_s=retry)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_password_in_logs(caplog):
+    """Whatever a test does, neither password reaches a log record."""
+    caplog.set_level(logging.DEBUG)
+    yield
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert PASSWORD not in text and WRONG not in text
+
+
+def wait_until(cond, timeout: float = 10.0, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(step)
+    return False
+
+
+def timed(fn):
+    t0 = time.monotonic()
+    r = fn()
+    return r, time.monotonic() - t0
+
+
+# ---- the page on the server --------------------------------------------------
+
+def test_round_trip_one_key_per_page_and_remove(server, stores):
+    s = stores(server)
+    src = page(1, SMALL)
+    want = src.clone()
+    assert s.put(key(1), src)
+    src.fill_(7)  # put copied it
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert s.contains(key(1)) and not s.contains(key(2))
+    assert s.contains_many([key(1), key(2), b"short", key(1)]) == [True, False, False, True]
+    assert s.get_into(key(1), out) == "ok" and torch.equal(out, want)
+    assert s.get_into(key(2), out) == "miss"
+    # One key per page, named by page_name(), holding header + payload.
+    name = page_name(NS, SMALL, 0, 1, key(1))
+    with server.admin() as c:
+        assert c.keys("*") == [name.encode()]
+        assert c.strlen(name) == HEADER_BYTES + SMALL
+    # Another namespace (model, dtype, ...) never sees it; another process does.
+    assert stores(server, ns="other").get_into(key(1), out) == "miss"
+    assert stores(server).get_into(key(1), out) == "ok" and torch.equal(out, want)
+    s.remove(key(1))
+    assert not s.contains(key(1)) and s.get_into(key(1), out) == "miss"
+    # Bad arguments are refusals, not exceptions.
+    assert not s.put(b"short", want) and s.get_into(key(1), torch.empty(3, dtype=torch.uint8)) \
+        == "error"
+
+
+def test_flipped_byte_foreign_and_truncated_values_are_corrupt_and_removed(server, stores):
+    s = stores(server)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    with server.admin() as c:
+        for i, damage in enumerate(("flip", "foreign", "truncated", "moved")):
+            k = key(10 + i)
+            name = page_name(NS, SMALL, 0, 1, k)
+            assert s.put(k, page(i, SMALL))
+            if damage == "flip":
+                offset = HEADER_BYTES + SMALL // 2
+                byte = c.getrange(name, offset, offset)[0]
+                c.setrange(name, offset, bytes([byte ^ 0x01]))
+            elif damage == "foreign":
+                c.set(name, b"not a page")
+            elif damage == "truncated":
+                c.set(name, c.getrange(name, 0, HEADER_BYTES + 99))
+            else:  # another key's page filed under this name
+                assert s.put(key(99), page(99, SMALL))
+                c.set(name, c.get(page_name(NS, SMALL, 0, 1, key(99))))
+            assert s.get_into(k, out) == "corrupt", damage
+            assert c.exists(name) == 0, damage
+            assert s.get_into(k, out) == "miss", damage
+    assert s.get_into(key(99), out) == "ok" and torch.equal(out, page(99, SMALL))
+
+
+def test_lru_server_stays_bounded_and_recent_pages_hit(server, stores, caplog):
+    """maxmemory 8 MiB, allkeys-lru: ten times that written keeps memory
+    bounded; the most recent pages all hit, the oldest are gone."""
+    s = stores(server)
+    with server.admin() as c:
+        maxmemory = int(c.config_get("maxmemory")["maxmemory"])
+    n = 10 * maxmemory // SMALL
+    peak = 0
+    for i in range(n):
+        assert s.put(key(i), page(i % 64, SMALL)), i
+        if i % 100 == 0:
+            with server.admin() as c:
+                peak = max(peak, c.info("memory")["used_memory"])
+    with server.admin() as c:
+        used = c.info("memory")["used_memory"]
+        evicted = c.info("stats")["evicted_keys"]
+        held = c.dbsize()
+    peak = max(peak, used)
+    assert peak <= maxmemory + 2 * SMALL, (peak, maxmemory)
+    assert evicted >= n - held and held < n // 5, (evicted, held, n)
+    # Redis's LRU is approximate (it samples keys), so a few recent pages may
+    # go too; every page read back is whole and right, the oldest are gone.
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    recent = [s.get_into(key(i), out) == "ok" and torch.equal(out, page(i % 64, SMALL))
+              for i in range(n - 20, n)]
+    assert sum(recent) >= 16, recent
+    assert all(s.get_into(key(i), out) in ("ok", "miss") for i in range(n - 200, n))
+    assert [s.get_into(key(i), out) for i in range(100)] == ["miss"] * 100
+    assert "maxmemory-policy" not in caplog.text  # allkeys-lru: no warning
+
+
+def test_noeviction_server_refuses_pages_when_full_and_stays_usable(tmp_path, stores, caplog):
+    srv = RedisServer(tmp_path, PASSWORD, "2mb", "noeviction").start()
+    try:
+        s = stores(srv)
+        assert "maxmemory-policy noeviction" in caplog.text  # told at startup
+        results = [s.put(key(i), page(i, SMALL)) for i in range(64)]
+        assert results[0] and not results[-1]  # OOM replies: refused, not a crash
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        assert s.get_into(key(0), out) == "ok" and torch.equal(out, page(0, SMALL))
+        assert s.contains(key(0))  # the link stayed up
+    finally:
+        srv.kill()
+
+
+# ---- passwords -------------------------------------------------------------------
+
+def test_wrong_or_missing_password_is_a_startup_error_naming_the_key(server, stores, tmp_path,
+                                                                     caplog):
+    pw_file = tmp_path / "redis-password"
+    pw_file.write_text(WRONG + "\n")
+    cfg = load_config({"remote_url": server.url, "remote_password_file": str(pw_file)},
+                      environ={})
+    assert cfg.remote_password.reveal() == WRONG  # the newline is not part of it
+    assert WRONG not in repr(cfg) and WRONG not in str(cfg.remote_password)
+    for make in (lambda: RedisStore(parse_remote_url("remote_url", cfg.remote_url),
+                                    cfg.remote_password, SMALL, NS, 0, 1, 1.0),
+                 lambda: RedisView(cfg.remote_url, cfg.remote_password, NS, SMALL, 1, 1.0)):
+        with pytest.raises(KVBMConfigError) as info:
+            make()
+        msg = str(info.value)
+        assert msg.startswith("remote_password_file: ") and str(pw_file) in msg, msg
+        assert WRONG not in msg and PASSWORD not in msg, msg
+
+    env_cfg = load_config({"remote_url": server.url}, environ={"KVBM_REMOTE_PASSWORD": WRONG})
+    with pytest.raises(KVBMConfigError, match=r"^KVBM_REMOTE_PASSWORD: ") as info:
+        RedisStore(parse_remote_url("remote_url", env_cfg.remote_url), env_cfg.remote_password,
+                   SMALL, NS, 0, 1, 1.0)
+    assert WRONG not in str(info.value)
+
+    with pytest.raises(KVBMConfigError, match="needs a password") as info:
+        stores(server, password=None)
+    assert "remote_password_file" in str(info.value) and "KVBM_REMOTE_PASSWORD" in str(info.value)
+    assert WRONG not in caplog.text and PASSWORD not in caplog.text
+
+    # The right one, from the environment: works, and still never printed.
+    ok = load_config({"remote_url": server.url}, environ={"KVBM_REMOTE_PASSWORD": PASSWORD})
+    s = RedisStore(parse_remote_url("remote_url", ok.remote_url), ok.remote_password, SMALL, NS,
+                   0, 1, 1.0)
+    try:
+        assert s.put(key(1), page(1, SMALL)) and s.contains(key(1))
+        assert PASSWORD not in repr(ok) and PASSWORD not in repr(KVBMConfig())
+    finally:
+        s.close()
+
+
+def test_acl_user_in_the_url(server, stores):
+    with server.admin() as c:
+        c.acl_setuser("kvbm", enabled=True, passwords=[f"+{WRONG}x"], keys=["kvbm_*"],
+                      commands=["+@all"])
+    s = stores(url=f"redis://kvbm@127.0.0.1:{server.port}", password=WRONG + "x")
+    assert s.put(key(1), page(1, SMALL)) and s.contains(key(1))
+    with pytest.raises(KVBMConfigError, match="ACL user kvbm") as info:
+        stores(url=f"redis://kvbm@127.0.0.1:{server.port}", password=WRONG)
+    assert WRONG not in str(info.value)
+
+
+# ---- a dead or frozen server ----------------------------------------------------
+
+def test_killed_server_costs_hits_within_the_timeout_then_recovers(tmp_path, stores, caplog):
+    srv = RedisServer(tmp_path).start()
+    timeout = 1.0
+    try:
+        s = stores(srv, timeout_s=timeout, retry=0.3)
+        v = stores(srv, timeout_s=timeout, retry=0.3, view=True)
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        assert s.put(key(1), page(1, SMALL)) and v.contains(key(1))
+        srv.kill()
+        seen = [timed(lambda: s.get_into(key(1), out)), timed(lambda: v.contains(key(1))),
+                timed(lambda: s.put(key(2), page(2, SMALL))), timed(lambda: s.contains(key(1)))]
+        assert [r for r, _ in seen] == ["error", False, False, False], seen
+        assert all(dt < timeout + 0.5 for _, dt in seen), seen
+        assert "unavailable" in caplog.text
+        # Further calls fail at once: nobody waits on the reconnects.
+        for _ in range(5):
+            r, dt = timed(lambda: s.get_into(key(1), out))
+            assert r == "error" and dt < 0.05, dt
+            time.sleep(0.1)
+        srv.start()  # same port, an empty server
+        assert wait_until(lambda: s.put(key(3), page(3, SMALL)), timeout=10)
+        assert wait_until(lambda: v.contains(key(3)), timeout=10)
+        assert s.get_into(key(3), out) == "ok" and torch.equal(out, page(3, SMALL))
+        assert s.get_into(key(1), out) == "miss"  # the old server's pages died with it
+        assert "reachable again" in caplog.text
+    finally:
+        srv.kill()
+
+
+def test_frozen_server_is_bounded_then_recovers(server, stores):
+    timeout = 1.0
+    s = stores(server, timeout_s=timeout, retry=0.3)
+    v = stores(server, timeout_s=timeout, retry=0.3, view=True)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert s.put(key(1), page(1, SMALL))
+    server.freeze()
+    try:
+        first = [timed(lambda: s.get_into(key(1), out)), timed(lambda: v.contains(key(1)))]
+        assert [r for r, _ in first] == ["error", False], first
+        # Each waited on the frozen server, and no longer than its timeouts.
+        assert all(timeout * 0.8 < dt < 2 * timeout + 0.5 for _, dt in first), first
+        later = []
+        for _ in range(6):  # the reconnects run in the background
+            later += [timed(lambda: s.contains(key(1))), timed(lambda: v.contains(key(1))),
+                      timed(lambda: s.put(key(2), page(2, SMALL)))]
+            time.sleep(0.2)
+        assert all(r is False and dt < 0.05 for r, dt in later), later
+    finally:
+        server.thaw()
+    assert wait_until(lambda: s.get_into(key(1), out) == "ok", timeout=10)
+    assert torch.equal(out, page(1, SMALL))  # frozen, not lost
+    assert wait_until(lambda: v.contains(key(1)), timeout=10)
+
+
+def test_unreachable_at_startup_then_the_server_appears(tmp_path, stores):
+    srv = RedisServer(tmp_path)
+    t0 = time.monotonic()
+    s = stores(url=srv.url, timeout_s=1.0, retry=0.3)
+    v = stores(url=srv.url, timeout_s=1.0, retry=0.3, view=True)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert not s.put(key(1), page(1, SMALL)) and s.get_into(key(1), out) == "error"
+    assert not v.contains(key(1))
+    assert time.monotonic() - t0 < 1.0
+    try:
+        srv.start()
+        assert wait_until(lambda: s.put(key(1), page(1, SMALL)), timeout=10)
+        assert wait_until(lambda: v.contains(key(1)), timeout=10)
+    finally:
+        srv.kill()
+
+
+# ---- the scheduler's view ------------------------------------------------------
+
+def test_view_needs_every_ranks_page(server, stores):
+    block = 4096
+    r0 = stores(server, block=block, rank=0, world=2)
+    r1 = stores(server, block=block, rank=1, world=2)
+    v = stores(server, block=block, world=2, view=True)
+    assert r0.put(key(1), page(1, block)) and r0.put(key(2), page(2, block))
+    assert r1.put(key(2), page(3, block))
+    assert v.contains_many([key(1), key(2), key(3)]) == [False, True, False]
+    assert not v.contains(key(1)) and v.contains(key(2))
+
+
+# ---- a Redis Cluster -------------------------------------------------------------
+
+def test_cluster_spreads_pages_and_survives_a_dead_node(tmp_path, stores):
+    nodes = []
+    try:
+        for i in range(3):
+            d = tmp_path / f"node{i}"
+            d.mkdir()
+            nodes.append(RedisServer(d, PASSWORD, "16mb", "allkeys-lru", "--cluster-enabled",
+                                     "yes", "--masterauth", PASSWORD, "--cluster-config-file",
+                                     str(d / "nodes.conf"), port=_cluster_port()).start())
+        r = subprocess.run(["redis-cli", "--cluster", "create",
+                            *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas", "0",
+                            "--cluster-yes"], env={**os.environ, "REDISCLI_AUTH": PASSWORD},
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+        def cluster_ok():
+            with nodes[0].admin() as c:
+                return all(n.admin().cluster("info")["cluster_state"] == "ok" for n in nodes)
+        assert wait_until(cluster_ok, timeout=30, step=0.2)
+
+        url = f"redis+cluster://127.0.0.1:{nodes[0].port}"  # one seed node finds the rest
+        s = stores(url=url, timeout_s=1.0, retry=0.3)
+        v = stores(url=url, timeout_s=1.0, retry=0.3, view=True)
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        keys = [key(i) for i in range(30)]
+        assert all(s.put(k, page(i, SMALL)) for i, k in enumerate(keys))
+        sizes = []
+        for n in nodes:
+            with n.admin() as c:
+                sizes.append(c.dbsize())
+        assert sum(sizes) == 30 and sum(1 for x in sizes if x) >= 2, sizes
+        assert v.contains_many(keys) == [True] * 30
+        assert all(s.get_into(k, out) == "ok" and torch.equal(out, page(i, SMALL))
+                   for i, k in enumerate(keys))
+        with pytest.raises(KVBMConfigError, match="remote_password_file"):
+            stores(url=url, password=WRONG)
+
+        nodes[2].kill()
+        results = [timed(lambda k=k: s.get_into(k, out)) for k in keys]
+        assert {r for r, _ in results} <= {"ok", "error"}, results
+        assert "error" in {r for r, _ in results}
+        assert all(dt < 2 * 1.0 + 0.5 for _, dt in results), results
+        assert sum(dt for _, dt in results) < 10
+        looked, dt = timed(lambda: v.contains_many(keys))
+        assert dt < 2 * 1.0 + 0.5 and not all(looked)
+    finally:
+        for n in nodes:
+            n.kill()
+
+
+# ---- config ------------------------------------------------------------------------
+
+def test_password_in_the_url_is_refused_and_never_echoed():
+    for url in (f"redis://:{WRONG}@127.0.0.1:6379", f"rediss://kvbm:{WRONG}@h:1/2",
+                f"redis+cluster://kvbm:{WRONG}@a:1,b:2"):
+        with pytest.raises(KVBMConfigError) as info:
+            load_config({"remote_url": url}, environ={})
+        msg = str(info.value)
+        assert msg.startswith("remote_url: ") and "remote_password_file" in msg, msg
+        assert "KVBM_REMOTE_PASSWORD" in msg and WRONG not in msg, msg
+    with pytest.raises(KVBMConfigError) as info:
+        load_config({"remote_url": f"redis://h:1?password={WRONG}"}, environ={})
+    assert WRONG not in str(info.value)
+    with pytest.raises(KVBMConfigError, match="KVBM_REMOTE_PASSWORD: .* LMCache server"):
+        load_config({"remote_url": "lm://h:1"}, environ={"KVBM_REMOTE_PASSWORD": WRONG})
+
+
+def test_scheduler_process_with_a_redis_tier_loads_neither_lmcache_nor_nixl(server, tmp_path):
+    import sys
+    from pathlib import Path
+
+    pw_file = tmp_path / "pw"
+    pw_file.write_text(PASSWORD)
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from scheduler_harness import make_scheduler
+s = make_scheduler(remote_url={server.url!r}, remote_password_file={str(pw_file)!r})
+assert s.connector.sched is not None
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "nixl_cu12",
+                                                           "nixl_cu13", "redis")))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    loaded = eval(out.stdout.strip().splitlines()[-1])
+    assert "redis" in loaded  # the view is real
+    assert not [m for m in loaded if m.startswith(("lmcache", "nixl"))], loaded
+    assert PASSWORD not in out.stdout + out.stderr

@@ -1,0 +1,212 @@
+"""A bounded, never-raising link to a Redis or Valkey server or cluster (RESP), via redis-py.
+
+Shared by the scheduler's lookups (``scheduler/lookups.py``) and the worker's
+store (``tiers/redis_store.py``); imports neither LMCache nor NIXL nor torch.
+
+- Every socket operation (connect, send, receive) is bounded by ``timeout_s``;
+  redis-py's own retries are off, so a call costs at most its timeouts.
+- A wrong or missing password found when the link is first made is a
+  ``KVBMConfigError`` naming the key that sets it (startup stops). Later
+  (a restarted server with another password) it is an outage like any other.
+- A dead or frozen server makes ``call`` return its ``fail`` value: the call
+  that finds the outage waits at most its timeouts, then calls fail at once
+  while a background thread re-makes the link at most every
+  ``retry_interval_s``; the caller's thread never waits on a reconnect.
+- An error the server answers (out of memory under ``noeviction``, a wrong
+  type) fails that call only; the link stays up.
+- The password never appears in a message: every logged error text is
+  scrubbed of it, and the target is shown as the parsed URL (which has none).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
+from redis.maint_notifications import MaintNotificationsConfig
+from redis.retry import Retry
+
+from vllm_kvbm.config import KVBMConfigError, RemotePassword, RemoteTarget
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Replies that mean the credentials, not the network, are wrong.
+_AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM", "AUTH", "invalid password",
+                 "invalid username-password")
+
+
+class RedisLink:
+    """One redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``),
+    replaced whole after a failure. ``call(fn, fail)`` runs ``fn(client)``."""
+
+    def __init__(self, target: RemoteTarget, password: RemotePassword | None, timeout_s: float,
+                 retry_interval_s: float = 2.0, what: str = "remote tier"):
+        if not target.resp:
+            raise ValueError(f"{target} is not a Redis/Valkey URL")
+        if not timeout_s > 0:
+            raise KVBMConfigError(f"remote_timeout_s: must be positive, got {timeout_s!r}")
+        self.target = target
+        self._password = password
+        self._timeout_s = float(timeout_s)
+        self._retry_s = float(retry_interval_s)
+        self._what = what
+        self._lock = threading.Lock()
+        self._client = None
+        self._state = "new"
+        self._closed = threading.Event()
+        self._reconnecting = False
+        client = self._connect(at_startup=True)
+        if client is None:
+            self._start_reconnect()
+        else:
+            self._client = client
+            self._set_state("up")
+
+    # -- messages --------------------------------------------------------------
+    def safe(self, err: Any) -> str:
+        """``err`` as text, with the password (if any) masked."""
+        text = f"{type(err).__name__}: {err}" if isinstance(err, BaseException) else str(err)
+        if self._password is not None and self._password.reveal():
+            text = text.replace(self._password.reveal(), "***")
+        return text
+
+    def _set_state(self, state: str, why: Any = None) -> None:
+        with self._lock:
+            prev, self._state = self._state, state
+        if state == prev:
+            return
+        if state == "down":
+            logger.warning("KVBM: %s %s unavailable (%s); its calls miss at once, reconnecting "
+                           "at most every %.1fs", self._what, self.target, self.safe(why),
+                           self._retry_s)
+        elif prev == "down":
+            logger.warning("KVBM: %s %s reachable again", self._what, self.target)
+
+    @property
+    def up(self) -> bool:
+        return self._client is not None
+
+    # -- connecting ---------------------------------------------------------------
+    def _build(self):
+        t = self.target
+        kwargs: dict[str, Any] = dict(
+            username=t.username, socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s, retry=Retry(NoBackoff(), 0),
+            ssl=t.tls, health_check_interval=0, decode_responses=False,
+            # redis-py 7+ asks every new connection to enable maintenance
+            # notifications (an extra round trip, refused by Redis < 8).
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
+            password=self._password.reveal() if self._password is not None else None)
+        if t.cluster:
+            from redis.cluster import ClusterNode, RedisCluster
+
+            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes],
+                                **kwargs)
+        host, port = t.nodes[0]
+        return redis.Redis(host=host, port=port, db=t.db, max_connections=8, **kwargs)
+
+    def _auth_error(self, err: Exception) -> KVBMConfigError:
+        if self._password is None:
+            return KVBMConfigError(
+                f"remote_password_file: {self.target} refused the connection ({self.safe(err)}); "
+                f"it needs a password: write it into a file named by remote_password_file, or "
+                f"set KVBM_REMOTE_PASSWORD")
+        key = self._password.source.split()[0]
+        return KVBMConfigError(
+            f"{key}: {self.target} refused the password from {self._password.source} "
+            f"({self.safe(err)}); put the server's password (requirepass, or the ACL user "
+            f"{self.target.username or 'default'}'s) there")
+
+    def _connect(self, at_startup: bool):
+        """A fresh client that answered PING, or None. At startup a refused
+        password raises KVBMConfigError; afterwards it is logged as an outage."""
+        client = None
+        try:
+            client = self._build()
+            client.ping()
+            return client
+        except (AuthenticationError, ResponseError, RedisClusterException) as err:
+            _close(client)
+            if at_startup and any(s.lower() in str(err).lower() for s in _AUTH_REPLIES):
+                raise self._auth_error(err) from None
+            self._set_state("down", err)
+        except (RedisError, OSError) as err:
+            _close(client)
+            self._set_state("down", err)
+        except Exception as err:  # noqa: BLE001 - never into vLLM
+            _close(client)
+            self._set_state("down", err)
+        return None
+
+    def _start_reconnect(self) -> None:
+        with self._lock:
+            if self._reconnecting or self._closed.is_set():
+                return
+            self._reconnecting = True
+        threading.Thread(target=self._reconnect_loop, name="kvbm-redis-reconnect",
+                         daemon=True).start()
+
+    def _reconnect_loop(self) -> None:
+        try:
+            while not self._closed.wait(self._retry_s):
+                client = self._connect(at_startup=False)
+                if client is None:
+                    continue
+                with self._lock:
+                    if self._closed.is_set():
+                        _close(client)
+                        return
+                    self._client = client
+                self._set_state("up")
+                return
+        finally:
+            with self._lock:
+                self._reconnecting = False
+
+    def _drop(self, client, why) -> None:
+        with self._lock:
+            if self._client is client:
+                self._client = None
+        _close(client)
+        self._set_state("down", why)
+        self._start_reconnect()
+
+    # -- calls ---------------------------------------------------------------------
+    def call(self, fn: Callable[[Any], T], fail: T, what: str = "call") -> T:
+        """fn(client), or ``fail`` when the link is down or the call fails."""
+        client = self._client
+        if client is None:
+            return fail
+        try:
+            return fn(client)
+        except ResponseError as err:
+            if any(s.lower() in str(err).lower() for s in _AUTH_REPLIES[:3]):
+                self._drop(client, err)
+            else:  # the server answered: this call failed, the link is fine
+                logger.warning("KVBM: %s %s: %s failed: %s", self._what, self.target, what,
+                               self.safe(err))
+            return fail
+        except Exception as err:  # noqa: BLE001 - timeout, reset, cluster moved, ...
+            self._drop(client, err)
+            return fail
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            client, self._client = self._client, None
+        _close(client)
+
+
+def _close(client) -> None:
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001
+        pass

@@ -1,0 +1,156 @@
+"""The remote tier on a Redis or Valkey server or cluster, through redis-py.
+
+Why not LMCache 0.5.6's RESP connectors (tried against a real
+``redis-server`` with ``requirepass``, a wrong password and SIGSTOP):
+- ``RedisConnector`` (``redis://``, redis-py asyncio) takes the password
+  only inside the URL and LMCache logs that URL at INFO ("Creating connector
+  for URL: redis://:<password>@..."); it sets no socket timeout (redis-py's
+  5 s default, plus its retries); every page is two keys (``...metadata`` and
+  ``...kv_bytes``) that an LRU server evicts independently; there is no delete.
+- ``RESPConnector`` (``resp://``, LMCache's native client): with a wrong
+  password the first call never returns (its worker logs "AUTH failed" and
+  the request is never answered); no timeouts, no TLS, no cluster.
+- ``ValkeyConnector`` needs ``valkey-glide-sync``, which is not installed.
+So this store uses redis-py's synchronous client directly
+(``tiers/redis_conn.py``): socket timeouts on every call, no retries, TLS,
+Redis/Valkey Cluster, a password kept out of every message, and a refused
+password at startup as a ``KVBMConfigError``.
+
+A page is one key: the name ``page_name()`` gives (per TP rank), holding the
+page (``PageCodec``: header + payload + checksum, and a MAC with a page
+secret). One key per page means an LRU server (``maxmemory-policy
+allkeys-lru``) drops whole pages only; a page that fails verification (a
+flipped byte, a foreign value) is "corrupt" (or "unauthenticated") and deleted. Used from the worker's remote I/O thread; no call raises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from vllm_kvbm.config import RemotePassword, RemoteTarget
+from vllm_kvbm.tiers.base import TierStore
+from vllm_kvbm.tiers.page_format import PageCodec, page_name, valid_key, valid_page
+from vllm_kvbm.tiers.redis_conn import RedisLink
+
+logger = logging.getLogger(__name__)
+_FAILED = object()
+
+
+class RedisStore(TierStore):
+    """Pages on a Redis/Valkey server or cluster (``redis://``, ``rediss://``,
+    ``valkey://``, ``valkeys://``, ``...+cluster://``).
+
+    ``put`` returns True once the server stored the page (SET answered).
+    Every call is bounded by ``timeout_s`` per socket operation; while the
+    server is unreachable calls fail at once ("error"/False) and the link is
+    re-made in the background at most every ``retry_interval_s``.
+    """
+
+    name = "remote"
+
+    def __init__(self, target: RemoteTarget, password: RemotePassword | None, block_bytes: int,
+                 namespace: str, rank: int, world_size: int, timeout_s: float = 2.0, *,
+                 retry_interval_s: float = 2.0, page_secret: bytes | None = None):
+        if not isinstance(block_bytes, int) or block_bytes <= 0:
+            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if not (0 <= rank < world_size):
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        self.block_bytes = block_bytes
+        self.url = str(target)
+        self._codec = PageCodec(namespace, block_bytes, page_secret)
+        self._page_name = lambda key: page_name(namespace, block_bytes, rank, world_size, key)
+        self._link = RedisLink(target, password, timeout_s, retry_interval_s, "remote tier")
+        if rank == 0:
+            self._check_eviction_policy()
+
+    def _check_eviction_policy(self) -> None:
+        """Warns once if the server would refuse pages when full instead of evicting.
+        CONFIG is often not allowed (managed servers, ACLs): then nothing is said."""
+        def policy(client):
+            if self._link.target.cluster:
+                return None
+            return client.config_get("maxmemory-policy").get("maxmemory-policy")
+        try:
+            found = self._link.call(policy, None, "CONFIG GET")
+        except Exception:  # noqa: BLE001
+            found = None
+        if isinstance(found, bytes):
+            found = found.decode()
+        if found is not None and not str(found).startswith("allkeys-"):
+            logger.warning("KVBM: remote tier %s has maxmemory-policy %s; once full it refuses "
+                           "new pages (or keeps only expiring keys) instead of dropping old ones. "
+                           "Set maxmemory and maxmemory-policy allkeys-lru on it", self.url, found)
+
+    # -- API -------------------------------------------------------------
+    def put(self, key: bytes, page: torch.Tensor) -> bool:
+        if not valid_key(key) or not valid_page(page, self.block_bytes):
+            return False
+        key = bytes(key)
+        try:
+            buf = torch.empty(self._codec.stored_bytes, dtype=torch.uint8)
+            self._codec.encode_into(buf, key, page)
+            data = memoryview(buf.numpy())  # sent without another copy
+            name = self._page_name(key)
+            return bool(self._link.call(lambda c: c.set(name, data), False, "put"))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("KVBM: remote tier: put failed: %s", self._link.safe(e))
+            return False
+
+    def get_into(self, key: bytes, out: torch.Tensor) -> str:
+        if not valid_key(key) or not valid_page(out, self.block_bytes):
+            return "error"
+        key = bytes(key)
+        try:
+            name = self._page_name(key)
+            data = self._link.call(lambda c: c.get(name), _FAILED, "get")
+            if data is _FAILED:
+                return "error"
+            if data is None:
+                return "miss"
+            buf = torch.empty(len(data), dtype=torch.uint8)
+            if len(data):
+                ctypes.memmove(buf.data_ptr(), data, len(data))
+            status = self._codec.decode_into(buf, key, out)
+            if status in ("corrupt", "unauthenticated"):  # the latter: a page MAC failed
+                logger.warning("KVBM: remote tier: %s page %s deleted", status, name)
+                self._link.call(lambda c: c.delete(name), 0, "delete")
+            return status
+        except Exception as e:  # noqa: BLE001
+            logger.warning("KVBM: remote tier: get failed: %s", self._link.safe(e))
+            return "error"
+
+    def contains(self, key: bytes) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        """One round trip (a pipeline of EXISTS) for many keys."""
+        names = [self._page_name(bytes(k)) if valid_key(k) else None for k in keys]
+        wanted = [n for n in names if n is not None]
+        if not wanted:
+            return [False] * len(keys)
+
+        def exists(client):
+            pipe = client.pipeline(transaction=False)
+            for n in wanted:
+                pipe.exists(n)
+            return pipe.execute()
+        try:
+            found = iter(self._link.call(exists, [0] * len(wanted), "exists"))
+        except Exception:  # noqa: BLE001
+            return [False] * len(keys)
+        return [n is not None and bool(next(found, 0)) for n in names]
+
+    def remove(self, key: bytes) -> None:
+        if not valid_key(key):
+            return
+        name = self._page_name(bytes(key))
+        try:
+            self._link.call(lambda c: c.delete(name), 0, "delete")
+        except Exception:  # noqa: BLE001
+            pass
+
+    def close(self) -> None:
+        self._link.close()
