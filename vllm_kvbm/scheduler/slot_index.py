@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from vllm_kvbm.keys import BlockKey
 
 
-@dataclass
+@dataclass(slots=True)
 class _Entry:
     slot: int
     ready: bool = False
