@@ -117,7 +117,7 @@ def test_keyed_pages_round_trip_and_every_forgery_is_unauthenticated():
     assert decode(keyed, genuine, key(2), out) == "corrupt"
 
 
-def test_integrity_is_checked_first_and_the_header_stays_strict():
+def test_damage_is_corrupt_not_unauthenticated_and_the_header_stays_strict():
     keyed = PageCodec(NS, SMALL, SECRET)
     k, p = key(3), page(3, SMALL)
     out = torch.empty(SMALL, dtype=torch.uint8)
@@ -129,6 +129,12 @@ def test_integrity_is_checked_first_and_the_header_stays_strict():
     flipped = bytearray(genuine)
     flipped[mac_off + 3] ^= 1  # the MAC itself: the CRC covers it
     assert decode(keyed, bytes(flipped), k, out) == "corrupt"
+    # A verified MAC proves the bytes intact, so the CRC is then not computed:
+    # a flipped CRC field fails only a reader without the secret.
+    flipped = bytearray(genuine)
+    flipped[pf._CRC_OFF] ^= 1
+    assert decode(keyed, bytes(flipped), k, out) == "ok" and torch.equal(out, p)
+    assert decode(PageCodec(NS, SMALL), bytes(flipped), k, out) == "corrupt"
     plain_page = encoded(PageCodec(NS, SMALL), k, p)
     # Inconsistent MAC fields are malformed, whoever reads them.
     for bad in (restamp(plain_page, mac=b"\x01" * 32),             # no flag, a MAC

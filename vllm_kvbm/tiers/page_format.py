@@ -15,8 +15,10 @@ remote server can plant a page for a well-known prompt with a valid CRC. An
 engine with a secret reads a page only if its MAC verifies; a page without one
 (written by an engine without the secret, or planted) or with a wrong one
 (another secret, forged) is "unauthenticated": removed and counted like a
-corrupt page, never loaded. Integrity is checked first, so a damaged page
-still reads as "corrupt". An engine without a secret verifies the CRC only and
+corrupt page, never loaded. A damaged page
+still reads as "corrupt" (with a secret the MAC is checked first, and the
+CRC only when it fails, to tell damage from forgery: a verified MAC already
+proves the bytes intact). An engine without a secret verifies the CRC only and
 accepts MAC'd pages (it cannot check them; it trusts any valid page anyway),
 warning once that pages carry a MAC it cannot verify.
 
@@ -273,18 +275,22 @@ class PageCodec:
         if plen != want_len or buf.numel() != HEADER_BYTES + plen:
             return "corrupt"
         payload = buf[HEADER_BYTES:]
+        if self._mac is not None and flags & _FLAG_MAC and hmac.compare_digest(
+                self._mac.digest(hdr[:_MAC_OFF], payload), mac):
+            # Authentic, so intact: the CRC adds nothing (and costs as much as the MAC).
+            if flags & _FLAG_TOMBSTONE:
+                return "miss"
+            copy_bytes(out, payload)
+            return "ok"
         got = _checksum(alg, hdr[:_CRC_OFF], payload)
         if got is None:
             # Written with an algorithm this process cannot compute: can't tell.
             return "corrupt" if alg not in (_ALG_CRC32, _ALG_CRC32C) else "error"
         if got != crc:
-            return "corrupt"
+            return "corrupt"  # damaged (whether or not it was authentic)
         if self._mac is not None:
-            if not flags & _FLAG_MAC:
-                return "unauthenticated"
-            if not hmac.compare_digest(self._mac.digest(hdr[:_MAC_OFF], payload), mac):
-                return "unauthenticated"
-        elif flags & _FLAG_MAC and not self._warned_unverified:
+            return "unauthenticated"  # intact, but no MAC or a wrong one
+        if flags & _FLAG_MAC and not self._warned_unverified:
             self._warned_unverified = True
             logger.warning(
                 "KVBM: pages in this tier carry a MAC, but this engine has no page secret, so "
