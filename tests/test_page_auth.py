@@ -497,3 +497,21 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         assert kvbm_counter("checksum_failures") == checksum
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def test_bench_page_mac_runs_and_reports_the_ratio():
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_page_mac.py"),
+                        "--pages", "3", "--rounds", "1", "--block-mib", "0.25"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines()
+            if line.startswith("| ")}
+    for name in ("warm (page cache)", "cold (page cache dropped)"):
+        ratio = float(rows[name].split("|")[5])
+        assert ratio > 0, rows[name]
+    assert "keyed BLAKE3 (chosen)" in rows and "HMAC-SHA256" in rows
