@@ -154,8 +154,10 @@ def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=()
                                finished_recving=set(finished_recving),
                                invalid_block_ids=set(invalid_block_ids),
                                kv_connector_worker_meta=worker_meta)
-    mro = ModelRunnerOutput(req_ids=req_ids,
-                            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+    extra = {}
+    if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM < 0.34
+        extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+    mro = ModelRunnerOutput(req_ids=req_ids, **extra,
                             sampled_token_ids=sampled, logprobs=None,
                             prompt_logprobs_dict={}, pooler_output=None,
                             kv_connector_output=kv_out)

@@ -139,6 +139,43 @@ def test_connector_matches_every_supported_release():
             assert (name in r.overridden) == (release[:2] >= added), (r.version, name)
 
 
+# The connector's scheduler-side tests, which need vLLM's Scheduler but no
+# compiled vLLM code: they also run on the other supported releases.
+SCHEDULER_TESTS = ["tests/test_hit_sources.py", "tests/test_scheduler_unit.py",
+                   "tests/test_tier_policy.py"]
+
+
+@pytest.mark.parametrize("series", SUPPORTED_VLLM.series())
+def test_scheduler_tests_pass_on_the_newest_release_of(series):
+    """vLLM's real Scheduler of that release (its pure-Python sources, first on
+    PYTHONPATH, over the installed torch) runs SCHEDULER_TESTS."""
+    import subprocess
+
+    import vllm
+
+    if vllm.__version__.startswith(series + "."):
+        pytest.skip(f"vLLM {vllm.__version__} is installed: the suite itself runs on it")
+    try:
+        index, _ = vc.fetch_index()
+        [*_, release] = [r for r in vc.list_releases(index)
+                         if r.version.startswith(series + ".")] or [None]
+        assert release is not None, f"no vLLM {series}.x on PyPI"
+        sources = vc.python_sources(release)
+    except vc.Offline as err:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run on every supported vLLM release, but: {err}")
+        pytest.skip(f"no network and nothing cached: {err}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(sources), os.environ.get("PYTHONPATH")) if p)}
+    seen = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert seen.stdout.strip() == release.version, seen.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-W", "ignore", *SCHEDULER_TESTS],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=800)
+    assert run.returncode == 0, f"on vLLM {release.version}:\n{run.stdout[-6000:]}"
+
+
 def test_reviewed_defaults_name_real_members():
     """DEFAULTS_KEPT and ADDED_IN list only members of some supported release
     (a stale entry would hide nothing, but misleads)."""
@@ -175,6 +212,10 @@ def test_script_prints_a_table(tmp_path):
 # ---- the checker catches drift -----------------------------------------------------
 
 
+# On the installed vLLM's real base.py (0.32 here; any supported release works).
+V = vc.installed_source()[0]
+
+
 @pytest.fixture(scope="module")
 def base_src() -> str:
     return vc.installed_source()[1]
@@ -185,7 +226,7 @@ def _drift(source: str, old: str, new: str) -> str:
     return source.replace(old, new)
 
 
-def _problems(base: str, version: str = "0.32.0") -> list[str]:
+def _problems(base: str, version: str = V) -> list[str]:
     return vc.check(base, version).problems
 
 
@@ -223,45 +264,48 @@ def test_checker_catches_a_drifted_signature(base_src, new, why):
 def test_checker_catches_a_property_turned_method(base_src):
     old = "    @property\n    def requires_kv_delivery(self) -> bool:"
     problems = _problems(_drift(base_src, old, "    def requires_kv_delivery(self) -> bool:"))
-    assert problems == [p for p in problems if "requires_kv_delivery" in p] and \
-        "is a property, vLLM's is a method" in problems[0]
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("requires_kv_delivery (connector.py:")
+    assert "is a property, vLLM's is a method" in problems[0]
 
 
 def test_checker_catches_a_removed_hook(base_src):
     problems = _problems(_drift(base_src, "    def has_pending_push_work(self) -> bool:",
                                 "    def has_pending_push_work_v2(self) -> bool:"))
-    assert any(p.startswith("has_pending_push_work (connector.py:")
-               and "overrides nothing in vLLM 0.32.0" in p for p in problems), problems
-    assert any(p.startswith("has_pending_push_work_v2: ") and "DEFAULTS_KEPT" in p
-               for p in problems), problems
+    assert len(problems) == 2, problems
+    assert problems[0].startswith("has_pending_push_work (connector.py:")
+    assert f"overrides nothing in vLLM {V}" in problems[0]
+    assert problems[1].startswith("has_pending_push_work_v2: ") and "DEFAULTS_KEPT" in problems[1]
 
 
 def test_checker_catches_a_new_abstract_method(base_src):
     old = "    def take_events(self) -> Iterable[\"KVCacheEvent\"]:"
     new = ("    @abstractmethod\n    def must_do(self) -> None:\n        pass\n\n" + old)
     problems = _problems(_drift(base_src, old, new))
-    assert problems == ["must_do: abstract in vLLM 0.32.0's KVConnectorBase_V1, "
-                        "not implemented"]
+    assert problems == [f"must_do: abstract in vLLM {V}'s KVConnectorBase_V1, not implemented"]
 
 
 def test_checker_catches_an_undecided_new_hook(base_src):
     old = "    def take_events(self) -> Iterable[\"KVCacheEvent\"]:"
     new = "    def supports_teleport(self) -> bool:\n        return True\n\n" + old
     [problem] = _problems(_drift(base_src, old, new))
-    assert problem.startswith("supports_teleport: vLLM 0.32.0's KVConnectorBase_V1 has it")
+    assert problem.startswith(f"supports_teleport: vLLM {V}'s KVConnectorBase_V1 has it")
 
 
 def test_checker_knows_when_hooks_were_added(base_src):
-    # In a 0.34 the hooks of 0.33 and 0.34 must exist: a base without them fails.
+    members = vc.class_members(base_src, vc.BASE_CLASS)
+    # Claimed to be a 0.34, the hooks of 0.33 and 0.34 must exist there.
+    missing = {name for name in vc.ADDED_IN if name not in members}
     problems = _problems(base_src, version="0.34.0")
-    assert {p.split(" ")[0] for p in problems} == set(vc.ADDED_IN)
+    assert {p.split(" ")[0] for p in problems} == missing
     assert all("overrides nothing in vLLM 0.34.0" in p for p in problems)
-    # A hook that exists before ADDED_IN says is a wrong record.
+    # Claimed to be a 0.32, a base with hooks of later releases contradicts ADDED_IN.
     old = "    def get_external_cache_hit_sources("
-    new = ("    def may_load_async(self, request: \"Request\") -> bool:\n"
-           "        return False\n\n" + old)
-    [problem] = _problems(_drift(base_src, old, new))
-    assert problem.startswith("may_load_async: ADDED_IN says vLLM 0.34")
+    added = "".join(f"    def {name}(self):\n        pass\n\n" for name in sorted(missing))
+    problems = _problems(_drift(base_src, old, added + old), version="0.32.0")
+    wrong_record = [p for p in problems if "ADDED_IN says vLLM 0.3" in p]
+    assert {p.split(":")[0] for p in wrong_record} == set(vc.ADDED_IN), problems
+    assert all("but 0.32.0 has it" in p for p in wrong_record)
 
 
 def test_signature_problem_accepts_extra_optional_parameters():

@@ -40,6 +40,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import urllib.error
@@ -272,6 +273,43 @@ def release_sources(release: Release, members: Iterable[str] = (BASE_MEMBER,),
             tmp.replace(path)
             out[member] = data.decode()
     return out
+
+
+def python_sources(release: Release) -> Path:
+    """A directory holding the release's ``vllm`` package without its compiled
+    parts (every ``*.py`` of the wheel and its ``.dist-info``, about 13 MB
+    fetched by range requests), cached. First on ``PYTHONPATH`` it is the vLLM
+    that Python imports: enough for vLLM's Scheduler, which runs no compiled
+    code, on the installed torch. (Its dist-info names the CUDA build, so on a
+    machine without a GPU vLLM picks no platform instead of its CPU platform,
+    which from 0.34 wants triton-cpu.)
+    """
+    root = cache_dir() / "vllm-src" / release.wheel
+    if (root / ".complete").exists():
+        return root
+    remote = RemoteFile(release.url, release.size or None)
+    remote.BLOCK = 1 << 20  # the members are read in order: fewer, larger requests
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        with zipfile.ZipFile(remote) as zf:
+            infos = sorted((i for i in zf.infolist()
+                            if (i.filename.startswith("vllm/") and i.filename.endswith(".py"))
+                            or (i.filename.split("/")[0].endswith(".dist-info")
+                                and not i.is_dir())),
+                           key=lambda i: i.header_offset)
+            if not any(i.filename == "vllm/__init__.py" for i in infos):
+                raise _not_in_wheel(release, "vllm/__init__.py")
+            for info in infos:
+                path = tmp / info.filename
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(zf.read(info))  # checks each member's CRC-32
+    except (zipfile.BadZipFile, zlib.error) as err:
+        raise FetchError(f"{release.wheel}: corrupt ({err})") from err
+    (tmp / ".complete").touch()
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    return root
 
 
 def _not_in_wheel(release: Release, member: str) -> FetchError:
@@ -570,6 +608,21 @@ def table(reports: list[Report]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--sources"] and len(argv) == 2:
+        # python -m vllm_kvbm.tools.vllm_compat --sources 0.34.0: print the
+        # directory to put first on PYTHONPATH to run the scheduler tests on it.
+        try:
+            index, _ = fetch_index()
+            [release] = [r for r in list_releases(index) if r.version == argv[1]] or [None]
+            if release is None:
+                print(f"vllm_compat: no vLLM {argv[1]} in {SUPPORTED_VLLM}", file=sys.stderr)
+                return 2
+            print(python_sources(release))
+        except FetchError as err:
+            print(f"vllm_compat: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         reports, index_source = check_all()
     except FetchError as err:
