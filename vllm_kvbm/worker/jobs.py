@@ -124,10 +124,10 @@ class KVBMWorker:
             self._host.release()
             raise
         self.make_fence = fence_maker(first.device)
-        logger.info("KVBM worker: %d KV layers registered with NIXL (%s), host tier %d "
-                    "blocks (%.2f GiB%s)", len(kv_caches), self.mover.nixl_module,
-                    self.num_host_slots, self.host_pool.numel() / 1024**3,
-                    ", pinned" if self._host.pinned else "")
+        logger.info("KVBM worker: %d KV layers registered with NIXL (%s; block dim declared "
+                    "by vLLM for %d), host tier %d blocks (%.2f GiB%s)", len(kv_caches),
+                    self.mover.nixl_module, len(block_dims or {}), self.num_host_slots,
+                    self.host_pool.numel() / 1024**3, ", pinned" if self._host.pinned else "")
 
     # ---- posting ----------------------------------------------------------
 
