@@ -194,3 +194,36 @@ def test_may_load_async_guesses_from_the_first_block(tmp_path):
     assert connector.may_load_async(make_request(on_disk))
     assert not connector.may_load_async(make_request(tokens(2 * BLOCK + 1, 27)))
     assert not connector.may_load_async(make_request(stored[:BLOCK]))  # no full block to load
+
+
+def test_vllm_starts_a_hit_load_while_the_batch_is_full():
+    """vLLM >= 0.34 with --max-num-inflight-kv-loads: a request may_load_async
+    says True for waits in vLLM's async-load queue and starts its load while the
+    running batch is full; a miss waits for a running slot. (Runs on 0.34 through
+    test_vllm_compat's run of this file on each supported release.)"""
+    sched = make_scheduler(host_blocks=16, max_num_seqs=1)
+    if not hasattr(sched, "async_kv_waiting"):
+        pytest.skip("this vLLM has no --max-num-inflight-kv-loads (added in 0.34)")
+    stored = tokens(2 * BLOCK + 3, 31)
+    store_and_finish(sched, stored)
+    assert sched.reset_prefix_cache()
+    sched.scheduler_config.max_num_inflight_kv_loads = 2
+    running = make_request(tokens(BLOCK + 1, 32), max_tokens=30)
+    sched.add_request(running)
+    step(sched, complete=True)
+    assert running.status == RequestStatus.RUNNING  # the one running slot is taken
+
+    hit, miss = make_request(stored, max_tokens=2), make_request(tokens(2 * BLOCK + 3, 33))
+    sched.add_request(hit)
+    sched.add_request(miss)
+    assert len(sched.async_kv_waiting) == 1 and len(sched.waiting) == 1
+    _, meta, _ = step(sched, complete=True)
+    assert running.status == RequestStatus.RUNNING
+    assert hit.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # loading meanwhile
+    assert [job.req_id for job in meta.loads] == [hit.request_id]
+    assert miss.status == RequestStatus.WAITING
+    for _ in range(100):  # the load was reported done above: the rest just runs
+        if not sched.requests:
+            break
+        step(sched, complete=True)
+    assert not sched.requests
