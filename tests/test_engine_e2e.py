@@ -145,3 +145,29 @@ def test_standalone_metrics_port_agrees_with_vllm_metrics(kvbm_llm):
     assert values["kvbm_onboard_latency_seconds_count"] >= 1
     assert values["kvbm_host_cache_capacity_blocks"] == HOST_BLOCKS
     assert 0 < values["kvbm_host_cache_used_blocks"] <= HOST_BLOCKS
+
+
+def test_vllm_counts_host_tier_hits_as_source_host(kvbm_llm):
+    """vLLM's own vllm:prompt_tokens_cached_by_source labels KVBM's host-tier
+    hits "host" (get_external_cache_hit_sources), not external_unspecified."""
+    from prometheus_client import REGISTRY
+
+    def by_source() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for metric in REGISTRY.collect():
+            for s in metric.samples:
+                if s.name == "vllm:prompt_tokens_cached_by_source_total":
+                    out[s.labels["source"]] = out.get(s.labels["source"], 0) + s.value
+        return out
+
+    prompt = random_prompt(1000, seed=1001)
+    generate(kvbm_llm, [prompt], max_tokens=2)
+    kvbm_llm.reset_prefix_cache()
+    before = by_source()
+    _, cached = generate(kvbm_llm, [prompt], max_tokens=2)
+    generate(kvbm_llm, [[5] * 20], max_tokens=2)  # one more step flushes the stats
+    after = by_source()
+    delta = {s: after[s] - before.get(s, 0) for s in after}
+    assert cached[0] == expected_hit_tokens(1000)
+    assert delta["host"] == expected_hit_tokens(1000)
+    assert delta["external_unspecified"] == 0 and delta["disk"] == 0
