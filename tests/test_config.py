@@ -47,7 +47,7 @@ def test_defaults():
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "metrics_host", "metrics_port", "namespace", "nixl_backend",
                              "offload_decode_blocks", "page_secret_file", "remote_password_file",
-                             "remote_timeout_s", "remote_url"]
+                             "remote_timeout_s", "remote_tls_ca_file", "remote_url"]
 
 
 def _err(extra, **env) -> str:
@@ -295,6 +295,20 @@ def test_remote_password_file_and_env(tmp_path):
         assert msg.startswith("remote_password_file: ") and "one password" in msg
 
 
+def test_remote_tls_ca_file_needs_a_tls_url(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    assert load({"remote_url": "rediss://h:1", "remote_tls_ca_file": str(ca)}) \
+        .remote_tls_ca_file == str(ca)
+    assert load({"remote_url": "valkeys+cluster://h:1"},
+                KVBM_REMOTE_TLS_CA_FILE=str(ca)).remote_tls_ca_file == str(ca)
+    for url in ("redis://h:1", "lm://h:1"):
+        msg = _err({"remote_url": url, "remote_tls_ca_file": str(ca)})
+        assert msg.startswith("remote_tls_ca_file: ") and "rediss://" in msg, msg
+    msg = _err({"remote_url": "redis://h:1"}, KVBM_REMOTE_TLS_CA_FILE=str(ca))
+    assert msg.startswith("KVBM_REMOTE_TLS_CA_FILE (sets remote_tls_ca_file): "), msg
+
+
 @pytest.mark.parametrize("raw", [0, -1, "soon", float("nan"), True])
 def test_remote_timeout_must_be_positive_seconds(raw):
     with pytest.raises(KVBMConfigError, match="remote_timeout_s"):
@@ -324,6 +338,7 @@ BAD_INPUT = {
     "page_secret_file": [5, "/nonexistent/kvbm-page-secret"],  # more: test_page_auth.py
     "remote_timeout_s": ["soon", True, 0, float("inf")],
     "remote_password_file": [5, "", "/nonexistent/kvbm-redis-password"],
+    "remote_tls_ca_file": [5, "/nonexistent/ca.pem"],
     "remote_url": [5, "http://127.0.0.1:1234", "lm://h:0", "redis://h:0", "redis+cluster://h:1/2"],
 }
 

@@ -139,14 +139,14 @@ def stores():
     made = []
 
     def make(srv=None, *, url=None, password=PASSWORD, ns=NS, block=SMALL, rank=0, world=1,
-             timeout_s=1.0, retry=0.3, view=False):
+             timeout_s=1.0, retry=0.3, view=False, ca=None, secret=None):
         target = url or srv.url
         pw = None if password is None else RemotePassword(password, "remote_password_file f")
         if view:
-            s = RedisView(target, pw, ns, block, world, timeout_s, retry)
+            s = RedisView(target, pw, ns, block, world, timeout_s, retry, tls_ca_file=ca)
         else:
             s = RedisStore(parse_remote_url("remote_url", target), pw, block, ns, rank, world,
-                           timeout_s, retry_interval_s=retry)
+                           timeout_s, retry_interval_s=retry, tls_ca_file=ca, page_secret=secret)
         made.append(s)
         return s
 
@@ -327,6 +327,69 @@ def test_acl_user_in_the_url(server, stores):
     with pytest.raises(KVBMConfigError, match="ACL user kvbm") as info:
         stores(url=f"redis://kvbm@127.0.0.1:{server.port}", password=WRONG)
     assert WRONG not in str(info.value)
+
+
+def test_pages_of_another_page_secret_are_unauthenticated_and_removed(server, stores):
+    a = stores(server, secret=b"A" * 32)
+    b = stores(server, secret=b"A" * 32)
+    other = stores(server, secret=b"B" * 32)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert a.put(key(1), page(1, SMALL)) and a.put(key(2), page(2, SMALL))
+    assert b.get_into(key(1), out) == "ok" and torch.equal(out, page(1, SMALL))
+    assert other.get_into(key(2), out) == "unauthenticated"
+    assert not other.contains(key(2)) and b.get_into(key(2), out) == "miss"  # deleted
+
+
+def _tls_files(d) -> tuple[str, str, str]:
+    """A CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
+    ca_key, ca, key_, csr, crt, ext = (str(d / n) for n in (
+        "ca.key", "ca.pem", "server.key", "server.csr", "server.pem", "ext.cnf"))
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    for cmd in (
+            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
+             "-days", "2", "-subj", "/CN=kvbm-test-ca"],
+            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key_, "-out", csr, "-subj",
+             "/CN=127.0.0.1"],
+            ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out",
+             crt, "-days", "2", "-extfile", ext]):
+        subprocess.run(["openssl", *cmd], check=True, capture_output=True, timeout=60)
+    return ca, crt, key_
+
+
+class TLSRedisServer(RedisServer):
+    def __init__(self, workdir):
+        self.ca, crt, key_ = _tls_files(workdir)
+        super().__init__(workdir)
+        self.args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", crt,
+                      "--tls-key-file", key_, "--tls-ca-cert-file", self.ca,
+                      "--tls-auth-clients", "no"]
+
+    @property
+    def url(self) -> str:
+        return f"rediss://127.0.0.1:{self.port}"
+
+    def admin(self) -> redis.Redis:
+        return redis.Redis("127.0.0.1", self.port, password=self.password, socket_timeout=5,
+                           ssl=True, ssl_ca_certs=self.ca)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
+def test_tls_server_with_a_private_ca(tmp_path, stores):
+    srv = TLSRedisServer(tmp_path).start()
+    try:
+        s = stores(srv, ca=srv.ca)
+        v = stores(srv, ca=srv.ca, view=True)
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        assert s.put(key(1), page(1, SMALL)) and v.contains(key(1))
+        assert s.get_into(key(1), out) == "ok" and torch.equal(out, page(1, SMALL))
+        # Without the CA the certificate does not verify: a startup error naming the key.
+        with pytest.raises(KVBMConfigError, match="^remote_tls_ca_file: .* did not verify"):
+            stores(srv)
+        # Plain RESP to the TLS port: no answer it can read; calls miss, nothing raises.
+        plain = stores(url=f"redis://127.0.0.1:{srv.port}")
+        assert not plain.put(key(2), page(2, SMALL)) and plain.get_into(key(1), out) == "error"
+    finally:
+        srv.kill()
 
 
 # ---- a dead or frozen server ----------------------------------------------------

@@ -268,6 +268,28 @@ def parse_remote_url(key: str, value: Any) -> RemoteTarget:
     return RemoteTarget(scheme, tuple(nodes), cluster, db, username)
 
 
+def _parse_ca_file(key: str, value: Any) -> str:
+    path = _parse_str(key, value)
+    if not path or not os.path.isfile(os.path.expanduser(path)):
+        raise KVBMConfigError(
+            f"{key}: {path!r} is not a file; set it to the PEM file of the CA that signed the "
+            f"Redis/Valkey server's certificate, or remove it to use the system's CAs")
+    if not os.access(os.path.expanduser(path), os.R_OK):
+        raise KVBMConfigError(f"{key}: {path!r} is not readable by this process")
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def _check_remote_tls(kwargs: dict, sources: dict) -> None:
+    url = kwargs.get("remote_url")
+    if kwargs.get("remote_tls_ca_file") is not None and not (
+            url is not None and parse_remote_url("remote_url", url).tls):
+        source = sources["remote_tls_ca_file"]
+        raise KVBMConfigError(
+            f"{source if source == 'remote_tls_ca_file' else source + ' (sets remote_tls_ca_file)'}"
+            f": it only applies to a TLS remote_url (rediss://, valkeys://, ...+cluster://), not {url!r}; use one or "
+            f"remove it")
+
+
 class RemotePassword:
     """The remote tier's password. Never printed: repr and str name only its source."""
 
@@ -511,6 +533,9 @@ class KVBMConfig:
     # Password of a redis:// / valkey:// remote tier (requirepass or the ACL
     # user's), from remote_password_file or KVBM_REMOTE_PASSWORD. Never logged.
     remote_password: RemotePassword | None = field(default=None, repr=False)
+    # CA certificates (PEM) a rediss:// / valkeys:// server's certificate must
+    # chain to; None: the system's CAs.
+    remote_tls_ca_file: str | None = None
     # Serve the kvbm_* metrics on their own HTTP port from the engine process
     # (offline LLM use, where there is no vllm serve /metrics). None: off.
     metrics_port: int | None = None
@@ -572,6 +597,7 @@ _KEYS = {
     "remote_url": ("remote_url", lambda k, v: _parse_remote_url(k, v)),
     "remote_timeout_s": ("remote_timeout_s", lambda k, v: _parse_seconds(k, v)),
     "remote_password_file": ("remote_password", _parse_password_file),
+    "remote_tls_ca_file": ("remote_tls_ca_file", lambda k, v: _parse_ca_file(k, v)),
     "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
     "metrics_host": ("metrics_host", _parse_host),
     "nixl_backend": ("nixl_backend", _parse_nixl_backend),
@@ -597,6 +623,7 @@ _ENV = {
     "KVBM_REMOTE_URL": ("remote_url", str),
     "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
     "KVBM_REMOTE_PASSWORD_FILE": ("remote_password_file", str),
+    "KVBM_REMOTE_TLS_CA_FILE": ("remote_tls_ca_file", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),
     "DYN_KVBM_METRICS_PORT": ("metrics_port", str),
     "KVBM_METRICS_HOST": ("metrics_host", str),
@@ -690,6 +717,7 @@ def load_config(extra: Mapping[str, Any] | None,
             raise
     _page_secret_env(environ, kwargs, sources)
     _remote_password_env(environ, kwargs, sources)
+    _check_remote_tls(kwargs, sources)
     return KVBMConfig(**kwargs)
 
 

@@ -140,13 +140,14 @@ class RedisView:
     name = "remote"
 
     def __init__(self, url: str, password, namespace: str, block_bytes: int, world_size: int,
-                 timeout_s: float = 2.0, retry_interval_s: float = 2.0):
+                 timeout_s: float = 2.0, retry_interval_s: float = 2.0,
+                 tls_ca_file: str | None = None):
         self.url = url
         self._names = [
             (lambda key, r=rank: page_name(namespace, block_bytes, r, world_size, key))
             for rank in range(world_size)]
         self._link = RedisLink(parse_remote_url("remote_url", url), password, timeout_s,
-                               retry_interval_s, "remote tier (lookups)")
+                               retry_interval_s, "remote tier (lookups)", tls_ca_file)
 
     def contains(self, key: BlockKey) -> bool:
         return self.contains_many([key])[0]
@@ -180,7 +181,8 @@ def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
         views.append(DiskView(config.disk_cache_dir, namespace, info.block_bytes, world))
     if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
         views.append(RedisView(config.remote_url, config.remote_password, namespace,
-                               info.block_bytes, world, config.remote_timeout_s))
+                               info.block_bytes, world, config.remote_timeout_s,
+                               tls_ca_file=config.remote_tls_ca_file))
     elif config.remote_url is not None:
         views.append(RemoteView(config.remote_url, namespace, info.block_bytes, world,
                                 config.remote_timeout_s))

@@ -46,7 +46,8 @@ class RedisLink:
     replaced whole after a failure. ``call(fn, fail)`` runs ``fn(client)``."""
 
     def __init__(self, target: RemoteTarget, password: RemotePassword | None, timeout_s: float,
-                 retry_interval_s: float = 2.0, what: str = "remote tier"):
+                 retry_interval_s: float = 2.0, what: str = "remote tier",
+                 tls_ca_file: str | None = None):
         if not target.resp:
             raise ValueError(f"{target} is not a Redis/Valkey URL")
         if not timeout_s > 0:
@@ -56,6 +57,7 @@ class RedisLink:
         self._timeout_s = float(timeout_s)
         self._retry_s = float(retry_interval_s)
         self._what = what
+        self._tls_ca_file = tls_ca_file
         self._lock = threading.Lock()
         self._client = None
         self._state = "new"
@@ -102,6 +104,7 @@ class RedisLink:
             # redis-py 7+ asks every new connection to enable maintenance
             # notifications (an extra round trip, refused by Redis < 8).
             maint_notifications_config=MaintNotificationsConfig(enabled=False),
+            **({"ssl_ca_certs": self._tls_ca_file} if t.tls and self._tls_ca_file else {}),
             password=self._password.reveal() if self._password is not None else None)
         if t.cluster:
             from redis.cluster import ClusterNode, RedisCluster
@@ -138,6 +141,11 @@ class RedisLink:
             self._set_state("down", err)
         except (RedisError, OSError) as err:
             _close(client)
+            if at_startup and "CERTIFICATE_VERIFY_FAILED" in str(err):
+                raise KVBMConfigError(
+                    f"remote_tls_ca_file: the certificate of {self.target} did not verify against "
+                    f"{self._tls_ca_file or 'the system CAs'} ({self.safe(err)}); set "
+                    f"remote_tls_ca_file to the PEM file of the CA that signed it") from None
             self._set_state("down", err)
         except Exception as err:  # noqa: BLE001 - never into vLLM
             _close(client)

@@ -53,7 +53,8 @@ class RedisStore(TierStore):
 
     def __init__(self, target: RemoteTarget, password: RemotePassword | None, block_bytes: int,
                  namespace: str, rank: int, world_size: int, timeout_s: float = 2.0, *,
-                 retry_interval_s: float = 2.0, page_secret: bytes | None = None):
+                 retry_interval_s: float = 2.0, page_secret: bytes | None = None,
+                 tls_ca_file: str | None = None):
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if not (0 <= rank < world_size):
@@ -62,7 +63,8 @@ class RedisStore(TierStore):
         self.url = str(target)
         self._codec = PageCodec(namespace, block_bytes, page_secret)
         self._page_name = lambda key: page_name(namespace, block_bytes, rank, world_size, key)
-        self._link = RedisLink(target, password, timeout_s, retry_interval_s, "remote tier")
+        self._link = RedisLink(target, password, timeout_s, retry_interval_s, "remote tier",
+                               tls_ca_file)
         if rank == 0:
             self._check_eviction_policy()
 

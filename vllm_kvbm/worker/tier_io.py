@@ -153,7 +153,8 @@ def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["Tie
 
         stores.append(RedisStore(parse_remote_url("remote_url", config.remote_url),
                                  config.remote_password, info.block_bytes, namespace, rank,
-                                 world, config.remote_timeout_s, page_secret=secret))
+                                 world, config.remote_timeout_s, page_secret=secret,
+                                 tls_ca_file=config.remote_tls_ca_file))
     elif config.remote_url is not None:
         from vllm_kvbm.tiers.remote import RemoteStore
 
