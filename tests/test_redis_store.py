@@ -551,14 +551,21 @@ def test_scheduler_process_with_a_redis_tier_loads_neither_lmcache_nor_nixl(serv
     import sys
     from pathlib import Path
 
-    pw_file = tmp_path / "pw"
+    pw_file, wrong_file = tmp_path / "pw", tmp_path / "wrong"
     pw_file.write_text(PASSWORD)
+    wrong_file.write_text(WRONG)
     code = f"""
 import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from scheduler_harness import make_scheduler
 s = make_scheduler(remote_url={server.url!r}, remote_password_file={str(pw_file)!r})
 assert s.connector.sched is not None
+from vllm_kvbm.config import KVBMConfigError
+try:
+    make_scheduler(remote_url={server.url!r}, remote_password_file={str(wrong_file)!r})
+    print("STARTED WITH A WRONG PASSWORD")
+except KVBMConfigError as e:
+    print("REFUSED:", e)
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "nixl_cu12",
                                                            "nixl_cu13", "redis")))
 """
@@ -568,4 +575,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "n
     loaded = eval(out.stdout.strip().splitlines()[-1])
     assert "redis" in loaded  # the view is real
     assert not [m for m in loaded if m.startswith(("lmcache", "nixl"))], loaded
-    assert PASSWORD not in out.stdout + out.stderr
+    refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED: ")]
+    assert refused and refused[0].startswith(f"REFUSED: remote_password_file: {server.url}"), \
+        out.stdout[-2000:]
+    assert PASSWORD not in out.stdout + out.stderr and WRONG not in out.stdout + out.stderr

@@ -63,6 +63,7 @@ class RedisLink:
         self._state = "new"
         self._closed = threading.Event()
         self._reconnecting = False
+        self._warned: dict[str, float] = {}  # reply -> when last logged
         client = self._connect(at_startup=True)
         if client is None:
             self._start_reconnect()
@@ -197,8 +198,13 @@ class RedisLink:
             if any(s.lower() in str(err).lower() for s in _AUTH_REPLIES[:3]):
                 self._drop(client, err)
             else:  # the server answered: this call failed, the link is fine
-                logger.warning("KVBM: %s %s: %s failed: %s", self._what, self.target, what,
-                               self.safe(err))
+                text, now = self.safe(err), time.monotonic()
+                if now - self._warned.get(text, -1e9) >= 60:  # e.g. OOM on every put
+                    if len(self._warned) > 64:
+                        self._warned.clear()
+                    self._warned[text] = now
+                    logger.warning("KVBM: %s %s: %s failed: %s (said at most once a minute)",
+                                   self._what, self.target, what, text)
             return fail
         except Exception as err:  # noqa: BLE001 - timeout, reset, cluster moved, ...
             self._drop(client, err)
