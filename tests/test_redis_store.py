@@ -20,7 +20,7 @@ import pytest
 import redis
 import torch
 
-from tier_pages import MiB, SMALL, key, page
+from tier_pages import SMALL, key, page
 from vllm_kvbm.config import (KVBMConfig, KVBMConfigError, RemotePassword, load_config,
                               parse_remote_url)
 from vllm_kvbm.scheduler.lookups import RedisView
@@ -496,8 +496,11 @@ def test_cluster_spreads_pages_and_survives_a_dead_node(tmp_path, stores):
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
         def cluster_ok():
-            with nodes[0].admin() as c:
-                return all(n.admin().cluster("info")["cluster_state"] == "ok" for n in nodes)
+            states = []
+            for n in nodes:
+                with n.admin() as c:
+                    states.append(c.cluster("info")["cluster_state"])
+            return states == ["ok"] * len(nodes)
         assert wait_until(cluster_ok, timeout=30, step=0.2)
 
         url = f"redis+cluster://127.0.0.1:{nodes[0].port}"  # one seed node finds the rest

@@ -284,10 +284,11 @@ def _check_remote_tls(kwargs: dict, sources: dict) -> None:
     if kwargs.get("remote_tls_ca_file") is not None and not (
             url is not None and parse_remote_url("remote_url", url).tls):
         source = sources["remote_tls_ca_file"]
+        if source != "remote_tls_ca_file":
+            source += " (sets remote_tls_ca_file)"
         raise KVBMConfigError(
-            f"{source if source == 'remote_tls_ca_file' else source + ' (sets remote_tls_ca_file)'}"
-            f": it only applies to a TLS remote_url (rediss://, valkeys://, ...+cluster://), not {url!r}; use one or "
-            f"remove it")
+            f"{source}: it only applies to a TLS remote_url (rediss://, valkeys://, "
+            f"...+cluster://), not {url!r}; use one or remove it")
 
 
 class RemotePassword:

@@ -20,7 +20,8 @@ A page is one key: the name ``page_name()`` gives (per TP rank), holding the
 page (``PageCodec``: header + payload + checksum, and a MAC with a page
 secret). One key per page means an LRU server (``maxmemory-policy
 allkeys-lru``) drops whole pages only; a page that fails verification (a
-flipped byte, a foreign value) is "corrupt" (or "unauthenticated") and deleted. Used from the worker's remote I/O thread; no call raises.
+flipped byte, a foreign value) is "corrupt" (or "unauthenticated") and
+deleted. Used from the worker's remote I/O thread; no call raises.
 """
 
 from __future__ import annotations
