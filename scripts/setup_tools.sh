@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# System tools for the dashboard tests (called by scripts/setup.sh; idempotent, a
-# no-op once both are present):
+# System tools for the dashboard and Redis tests (called by scripts/setup.sh; idempotent, a
+# no-op once all are present):
 # - prometheus, Debian's package: tests/test_prometheus_dashboard.py starts its own
 #   on 127.0.0.1 with its own config and data dir; the packaged service is left off.
 # - redis-server (and redis-cli), Debian's package: tests/test_redis_store.py and
