@@ -108,7 +108,7 @@ def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
 
 
 def test_demo_shows_a_host_tier_hit(model_dir, capsys):
-    from vllm_kvbm import demo
+    from vllm_kvbm.tools import demo
 
     assert demo.main(["--model", str(MODEL_DIR)]) == 0
     out = capsys.readouterr().out
