@@ -8,13 +8,12 @@ standalone /metrics endpoint.
 from __future__ import annotations
 
 import re
-import time
 import urllib.request
 
 import pytest
-import torch
 
 from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+from tier_pages import put_where_the_scheduler_sees
 from vllm_kvbm import metrics
 from vllm_kvbm.keys import KeyChain
 from vllm_kvbm.metrics import GAUGES, KVBMStats, StandaloneMetrics
@@ -87,13 +86,7 @@ def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
     try:
         prompt = tokens(3 * BLOCK + 5, 22)
         keys = list(KeyChain(k._seed, BLOCK).extend(prompt))
-        page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
-        for key in keys[:2]:  # two of the three full blocks are on disk
-            assert store.put(key, page)
-        deadline = time.monotonic() + 10
-        while not all(k.lower.find(key) == "disk" for key in keys[:2]):
-            assert time.monotonic() < deadline, "disk writes never became visible"
-            time.sleep(0.05)
+        put_where_the_scheduler_sees(store, k, keys[:2])  # two of three full blocks on disk
         sched.add_request(make_request(prompt, max_tokens=2))
         step(sched)
         assert rates(k.stats) == (0.0, 2 * BLOCK / len(prompt), 0.0)

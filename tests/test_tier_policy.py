@@ -6,13 +6,12 @@ DiskStore into the directory the scheduler's DiskView reads.
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
-import torch
 from vllm.v1.request import RequestStatus
 
+from tier_pages import put_where_the_scheduler_sees
 from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
 from test_scheduler_unit import keys_of, run_until_done, tokens
 from vllm_kvbm.metrics import KVBMStats
@@ -77,13 +76,7 @@ def test_disk_pages_are_found_loaded_through_host_slots_and_promoted(disk_setup)
     sched, k, store = disk_setup
     prompt = tokens(3 * BLOCK + 5, 11)
     keys = keys_of(sched, prompt)
-    page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
-    for key in keys[:2]:  # the worker wrote two of the three blocks to disk
-        assert store.put(key, page)
-    deadline = time.monotonic() + 10
-    while not all(k.lower.find(key) == "disk" for key in keys[:2]):
-        assert time.monotonic() < deadline, "disk writes never became visible"
-        time.sleep(0.05)
+    put_where_the_scheduler_sees(store, k, keys[:2])  # two of the three blocks on disk
 
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
@@ -109,11 +102,7 @@ def test_failed_disk_load_drops_promoted_slots(disk_setup):
     sched, k, store = disk_setup
     prompt = tokens(2 * BLOCK + 1, 12)
     keys = keys_of(sched, prompt)
-    assert store.put(keys[0], torch.zeros(k.info.block_bytes, dtype=torch.uint8))
-    deadline = time.monotonic() + 10
-    while k.lower.find(keys[0]) != "disk":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    put_where_the_scheduler_sees(store, k, keys[:1])
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
     _, meta, _ = step(sched)
@@ -154,13 +143,7 @@ def test_a_request_whose_prefix_is_being_promoted_waits_for_it(disk_setup):
     sched, k, store = disk_setup
     prompt = tokens(3 * BLOCK + 5, 14)
     keys = keys_of(sched, prompt)
-    page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
-    for key in keys[:3]:
-        assert store.put(key, page)
-    deadline = time.monotonic() + 10
-    while not all(k.lower.find(key) == "disk" for key in keys[:3]):
-        assert time.monotonic() < deadline, "disk writes never became visible"
-        time.sleep(0.05)
+    put_where_the_scheduler_sees(store, k, keys[:3])
     first = make_request(prompt, max_tokens=2)
     sched.add_request(first)
     _, meta, _ = step(sched)

@@ -65,12 +65,12 @@ def settle(llm) -> None:
     generate(llm, [[7] * 8], max_tokens=1)  # a step collects the writes' results
 
 
-def clear_engine_and_host(llm) -> None:
+def clear_engine_and_host(llm, host_blocks: int = HOST_BLOCKS) -> None:
     """Only the disk and remote tiers keep what was generated before this:
     fresh prompts push it out of the host tier (LRU), then vLLM's own
     prefix cache is cleared (not the connector's: that would be a reset)."""
     settle(llm)
-    per_filler = HOST_BLOCKS // 2 + 2
+    per_filler = host_blocks // 2 + 2
     for _ in range(2):
         generate(llm, [random_prompt(per_filler * BLOCK_SIZE, seed=next(_fillers))],
                  max_tokens=1)

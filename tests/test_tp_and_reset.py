@@ -9,14 +9,13 @@
 
 from __future__ import annotations
 
-import time
 
-import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.request import RequestStatus
 
+from tier_pages import put_where_the_scheduler_sees
 from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step, worker_output
-from test_scheduler_unit import keys_of, run_until_done, store_and_finish, tokens
+from test_scheduler_unit import keys_of, store_and_finish, tokens
 
 
 def tp_step(sched, aggregator, *ranks: dict):
@@ -81,13 +80,7 @@ def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
     try:
         prompt = tokens(2 * BLOCK + 5, 62)
         old_keys = keys_of(s, prompt)[:2]
-        page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
-        for key in old_keys:
-            assert store.put(key, page)
-        deadline = time.monotonic() + 10
-        while not all(k.lower.find(key) == "disk" for key in old_keys):
-            assert time.monotonic() < deadline, "disk writes never became visible"
-            time.sleep(0.05)
+        put_where_the_scheduler_sees(store, k, old_keys)
         assert k.get_num_new_matched_tokens(make_request(prompt), 0)[0] == 2 * BLOCK
 
         assert s.reset_prefix_cache(reset_connector=True)

@@ -11,12 +11,12 @@ per rank (VLLM_CPU_OMP_THREADS_BIND='0|1'), both engines bound alike.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate
+from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1200)
@@ -63,23 +63,6 @@ def tp_kvbm(model_dir, tp_env, want, tmp_path_factory):
     llm.llm_engine.engine_core.shutdown()
 
 
-_fillers = iter(range(20_000, 30_000))
-
-
-def settle(llm) -> None:
-    time.sleep(1.0)  # write-through to disk lands...
-    generate(llm, [[7] * 8], max_tokens=1)  # ...and a step collects it
-
-
-def push_out_of_host_and_engine(llm) -> None:
-    settle(llm)
-    for _ in range(2):  # fresh prompts fill the host tier (LRU)
-        generate(llm, [random_prompt((HOST_BLOCKS // 2 + 2) * BLOCK_SIZE,
-                                     seed=next(_fillers))], max_tokens=1)
-    settle(llm)
-    assert llm.reset_prefix_cache()  # vLLM's own cache only
-
-
 def test_tp2_host_tier_hit_equals_recompute(tp_kvbm, want):
     llm, _ = tp_kvbm
     prompt = PROMPTS["host"]
@@ -104,7 +87,7 @@ def test_tp2_disk_tier_hit_equals_recompute(tp_kvbm, want):
     # one page per block and rank
     assert len([p for p in new if f"@{TP}@0@" in p.name]) == blocks
     assert len([p for p in new if f"@{TP}@1@" in p.name]) == blocks
-    push_out_of_host_and_engine(llm)
+    clear_engine_and_host(llm, HOST_BLOCKS)
     before = kvbm_counter("matched_tokens_disk")
     got, cached = generate(llm, [prompt])
     assert got[0] == want["disk"]
@@ -120,7 +103,7 @@ def test_tp2_one_rank_fails_its_load_and_vllm_recomputes(tp_kvbm, want):
     settle(llm)
     rank1 = sorted(p for p in set(disk.glob("*.pt")) - before_files if f"@{TP}@1@" in p.name)
     assert len(rank1) == len(prompt) // BLOCK_SIZE
-    push_out_of_host_and_engine(llm)
+    clear_engine_and_host(llm, HOST_BLOCKS)
     for page in rank1:  # every rank-1 page of this prompt: rank 0's stay good
         data = bytearray(page.read_bytes())
         data[len(data) // 2] ^= 0xFF

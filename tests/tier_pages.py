@@ -22,3 +22,18 @@ def page(seed: int, n: int) -> torch.Tensor:
 
 def key(i: int) -> bytes:
     return bytes([i % 256]) * 16 + i.to_bytes(16, "big")
+
+
+def put_where_the_scheduler_sees(store, scheduler_side, keys, tier: str = "disk",
+                                 timeout: float = 10.0) -> None:
+    """Writes a page for each key with a real store, as a worker would, and
+    waits until the scheduler's view of that tier finds every one."""
+    import time
+
+    page_bytes = torch.zeros(scheduler_side.info.block_bytes, dtype=torch.uint8)
+    for key in keys:
+        assert store.put(key, page_bytes)
+    deadline = time.monotonic() + timeout
+    while not all(scheduler_side.lower.find(key) == tier for key in keys):
+        assert time.monotonic() < deadline, f"{tier} writes never became visible"
+        time.sleep(0.05)
