@@ -15,8 +15,14 @@ from typing import Protocol
 
 from vllm_kvbm.keys import BlockKey
 
-# Bound on the per-key bookkeeping below (use counts, recent writes).
-_MEMORY = 1 << 20
+# Bound on the per-key bookkeeping below (use counts, recent writes): entries
+# are keyed by the first 8 bytes of a block key (a collision only changes an
+# admission decision, never what is loaded), about 10 MiB per table at most.
+_MEMORY = 1 << 16
+
+
+def _short(key: BlockKey) -> int:
+    return int.from_bytes(key[:8], "little")
 
 
 class TierView(Protocol):
@@ -26,13 +32,22 @@ class TierView(Protocol):
 
 
 class _BoundedCounter(OrderedDict):
-    def bump(self, key) -> int:
-        value = self.get(key, 0) + 1
-        self[key] = value
-        self.move_to_end(key)
+    """Counts per block key for the most recently seen ``_MEMORY`` keys."""
+
+    def bump(self, key: BlockKey) -> int:
+        short = _short(key)
+        value = self.get(short, 0) + 1
+        self[short] = value
+        self.move_to_end(short)
         if len(self) > _MEMORY:
             self.popitem(last=False)
         return value
+
+    def has(self, key: BlockKey) -> bool:
+        return _short(key) in self
+
+    def drop(self, key: BlockKey) -> None:
+        self.pop(_short(key), None)
 
 
 class LowerTiers:
@@ -42,7 +57,10 @@ class LowerTiers:
         self.disk_admission = disk_admission
         self.disk_min_uses = disk_min_uses
         self._uses = _BoundedCounter()
-        self._written = _BoundedCounter()  # (tier, key) recently written
+        # per tier: keys written recently. A page the tier evicted since is
+        # written again when it is reused: the disk is asked (a stat), the
+        # server is not (a round trip), so there the entry has to age out.
+        self._written = {view.name: _BoundedCounter() for view in views}
 
     def __bool__(self) -> bool:
         return bool(self.views)
@@ -60,18 +78,21 @@ class LowerTiers:
         uses = self._uses.bump(key)
         tiers = []
         for view in self.views:
-            if (view.name, key) in self._written:
+            written = self._written[view.name]
+            if written.has(key) and not (reused and view.name == "disk"
+                                         and not view.contains(key)):
                 continue
             if (view.name == "disk" and self.disk_admission == "frequency"
                     and uses < self.disk_min_uses):
                 continue  # seen once so far: not worth a disk write yet
-            self._written.bump((view.name, key))
+            written.bump(key)
             tiers.append(view.name)
         return tiers
 
     def forget(self, tier: str, key: BlockKey) -> None:
         """A page was found gone, corrupt or unauthenticated: allow writing it again."""
-        self._written.pop((tier, key), None)
+        if tier in self._written:
+            self._written[tier].drop(key)
 
     @staticmethod
     def onboard_counter(tier: str) -> str:
