@@ -7,15 +7,21 @@ tokens whose first ``--shared-tokens`` are one of ``--groups`` shared prefixes,
 a host tier of ``--host-blocks`` slots and a disk tier (a real DiskView over a
 temporary directory). The fake worker completes every store, load and spill in
 the step that posts it, and creates the disk page file of every disk spill, so
-lookups find pages on disk. Finished requests are replaced to keep the waiting
-queue full; ``--returning`` of the new ones repeat an earlier prompt (so they
-hit the host or the disk tier once vLLM's own cache has dropped it).
+lookups find pages on disk. Before the measured steps, ``--history`` prompts
+are run and stored and vLLM's prefix cache is reset (they are long gone from
+the engine, not from the tiers); ``--returning`` of all requests repeat one of
+those or of the finished ones. Finished requests are replaced to keep the
+waiting queue full.
 
 Every scheduler-side method of the connector is wrapped with perf_counter
 accounting. vLLM's time is ``schedule()`` plus ``update_from_output()`` minus
-the connector's time inside them; the fake worker's time is in neither.
-Printed: per phase (filling the running set, then the steady state), ms per
-step of each and their ratio; the bar is connector <= 10% of vLLM's step.
+the connector's time inside them; the fake worker's time is in neither, and
+garbage collection (which runs in whichever call allocates past a threshold)
+is counted apart. The startup heap is frozen first, as vLLM's engine core does.
+Printed: per phase (filling the running set, then the steady state with the
+running set full, split into decode-only steps and steps with prefill or
+loads), ms per step of each and their ratio; the bar is connector <= 10% of
+vLLM's step.
 
     .venv/bin/python benchmarks/bench_scheduler.py            # full size, a few minutes
     .venv/bin/python benchmarks/bench_scheduler.py --quick    # small, seconds
