@@ -445,20 +445,31 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
     want = reference(plain_llm, [E2E_PROMPT])
     n_pages = len(E2E_PROMPT) // BLOCK_SIZE
 
-    # The attacker: the same public model with KVBM and no secret, on the same directory.
+    # The attacker: the same public model with KVBM and no secret, on the same
+    # directory. It plants another prompt's KV under E2E_PROMPT's keys, with
+    # valid CRCs. (Shuffling the prompt's own blocks would not do: attention
+    # over the same set of K/V barely changes on this small random model.)
     attacker = make_llm(config())
     try:
         generate(attacker, [E2E_PROMPT])
         settle(attacker)
+        pages = sorted(d.glob("*.pt"))
+        generate(attacker, [random_prompt(len(E2E_PROMPT), seed=9102)])
+        settle(attacker)
+        donors = sorted(set(d.glob("*.pt")) - set(pages))
+        assert len(pages) == len(donors) == n_pages
+        poison = [donor.read_bytes()[HEADER_BYTES:] for donor in donors]
+        for path, payload in zip(pages, poison):
+            path.write_bytes(restamp(path.read_bytes(), payload=payload))
+        assert all(_flags(p) & pf._FLAG_MAC == 0 for p in pages)
+        # Without a page secret the planted KV is loaded: wrong outputs.
+        clear_engine_and_host(attacker)
+        d2d = kvbm_counter("onboard_blocks_d2d")
+        got, _ = generate(attacker, [E2E_PROMPT])
+        assert kvbm_counter("onboard_blocks_d2d") - d2d == n_pages
+        assert got != want
     finally:
         attacker.llm_engine.engine_core.shutdown()
-    pages = sorted(d.glob("*.pt"))
-    assert len(pages) == n_pages
-    # Wrong KV with the right keys and valid CRCs: each file gets the next one's payload.
-    blobs = [p.read_bytes() for p in pages]
-    for i, path in enumerate(pages):
-        path.write_bytes(restamp(blobs[i], payload=blobs[(i + 1) % n_pages][HEADER_BYTES:]))
-    assert all(_flags(p) & pf._FLAG_MAC == 0 for p in pages)
 
     engine = make_llm(config(page_secret_file=str(secret_file)))
     try:
@@ -472,8 +483,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
 
         # Recomputed and written again, now with this deployment's MAC.
         settle(engine)
-        own = sorted(d.glob("*.pt"))
-        assert len(own) == n_pages and all(_flags(p) & pf._FLAG_MAC for p in own)
+        assert all(p.exists() and _flags(p) & pf._FLAG_MAC for p in pages)
 
         # Its own pages come back from disk, equal to a plain engine's recompute.
         clear_engine_and_host(engine)
@@ -485,12 +495,11 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         assert kvbm_counter("onboard_blocks_d2d") - d2d == cached[0] // BLOCK_SIZE
         assert kvbm_counter("page_auth_failures") == auth
 
-        # One of them rewritten in place with another block's KV under its
-        # genuine MAC (CRC fixed): refused, counted, removed; outputs stay right.
+        # One of them rewritten in place with the other prompt's KV under its
+        # genuine MAC (CRC fixed): refused and counted; outputs stay right.
         clear_engine_and_host(engine)
-        victim, donor = own[:2]
-        victim.write_bytes(restamp(victim.read_bytes(),
-                                   payload=donor.read_bytes()[HEADER_BYTES:]))
+        victim = pages[0]
+        victim.write_bytes(restamp(victim.read_bytes(), payload=poison[0]))
         got, _ = generate(engine, [E2E_PROMPT])
         assert got == want
         assert kvbm_counter("page_auth_failures") - auth == 1
