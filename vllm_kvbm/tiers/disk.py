@@ -193,7 +193,7 @@ def _claim(directory: str, owner: str) -> int:
 class DiskStore(LMCacheStore):
     """Pages as files in ``directory`` via LMCache's LocalDiskBackend (LRU by bytes).
 
-    Each page costs ``block_bytes + 64`` rounded up to 4 KiB of the capacity.
+    Each page costs ``block_bytes + HEADER_BYTES`` (96) rounded up to 4 KiB of the capacity.
     A new instance on the same directory adopts the pages left there by an
     earlier one (same namespace, rank and world size), newest first up to the
     capacity; older surplus files are deleted, and so are this namespace's
