@@ -346,3 +346,30 @@ def test_a_second_store_of_the_same_model_and_rank_on_a_directory_is_refused(dis
     a.close()
     again = disk(directory=d, ns="model-a")  # free again once the first store closed
     assert again.adopted == 2
+
+
+def test_lmcache_leaves_the_prometheus_multiprocess_dir_unset(tmp_path):
+    """LMCache would point PROMETHEUS_MULTIPROC_DIR at a fixed, never-wiped
+    /tmp directory in this process's environment, and every vllm serve started
+    afterwards would add earlier servers' counters to its own."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+import torch
+from tier_pages import SMALL, key, page
+from vllm_kvbm.tiers.disk import DiskStore
+s = DiskStore({str(tmp_path / "cache")!r}, 1 << 24, SMALL, "ns", 0, 1)
+assert s.put(key(1), page(1, SMALL))
+out = torch.empty(SMALL, dtype=torch.uint8)
+assert s.get_into(key(1), out) == "ok"
+s.close()
+print("DIR=" + repr(os.environ.get("PROMETHEUS_MULTIPROC_DIR")))
+"""
+    env = {k: v for k, v in os.environ.items() if k.upper() != "PROMETHEUS_MULTIPROC_DIR"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "DIR=None" in out.stdout

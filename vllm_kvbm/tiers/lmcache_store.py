@@ -7,6 +7,7 @@ provides; each store runs one on a daemon thread of its own.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import torch
@@ -50,6 +51,12 @@ def stop_loop(loop, thread, wait_s: float) -> bool:
     return not thread.is_alive()
 
 
+def _keep_multiproc_env() -> None:
+    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+
+
 def lmcache_api():
     """Imports LMCache lazily (it is slow to import and not needed without tiers)."""
     import lmcache.utils
@@ -68,6 +75,15 @@ def lmcache_api():
     # one is safe.
     if not isinstance(lmcache.utils._shared_observability_lock, type(threading.RLock())):
         lmcache.utils._shared_observability_lock = threading.RLock()
+    # LMCache's metrics logger sets PROMETHEUS_MULTIPROC_DIR to a fixed
+    # /tmp/lmcache_prometheus in this process's environment when it is unset.
+    # Every process started from here on (a `vllm serve`, an engine of the
+    # offline LLM class) then shares that never-wiped directory, and vLLM
+    # sums its counters with those of every earlier process. Where vLLM set
+    # the variable (vllm serve), it is left alone.
+    from lmcache.observability import PrometheusLogger
+
+    PrometheusLogger._ensure_multiprocess_dir = staticmethod(_keep_multiproc_env)
     return CacheEngineKey, parse_cache_key, LMCacheEngineConfig, MemoryFormat, LMCacheMetadata
 
 
