@@ -356,3 +356,20 @@ def test_scheduler_remote_view_sees_what_the_store_wrote(remote, lm_server):
     t0 = time.monotonic()
     assert not dead.contains(key(4)) and not dead.contains(key(4))
     assert time.monotonic() - t0 < 1.0  # the second call fails fast, no reconnect
+
+
+def test_scheduler_remote_view_asks_many_keys_in_one_round_trip(remote, lm_server):
+    from vllm_kvbm.scheduler.lookups import RemoteView
+
+    s = remote(ns="ns-many", block=SMALL)
+    for i in (1, 2, 4):
+        assert s.put(key(i), page(i, SMALL))
+    view = RemoteView(lm_server.url, "ns-many", SMALL, 1, timeout_s=2.0)
+    try:
+        assert view.contains_many([key(i) for i in range(1, 6)]) == [
+            True, True, False, True, False]
+        assert view.contains_many([]) == []
+        # the stream is still in step after a batch
+        assert view.contains(key(4)) and not view.contains(key(3))
+    finally:
+        view.close()

@@ -42,14 +42,24 @@ def test_admission_always_writes_each_tier_once():
     disk.keys.add(b"k")
     remote.keys.add(b"k")  # the worker's writes landed
     assert tiers.admit(b"k", reused=True) == []  # written already
-    tiers.forget("disk", b"k")  # found corrupt: may be written again
+    disk.keys.discard(b"k")  # found corrupt: the worker removed it...
+    tiers.forget("disk", b"k")  # ...and says so: it may be written again
     assert tiers.admit(b"k", reused=True) == ["disk"]
 
 
+def test_a_page_already_on_disk_is_not_written_again():
+    """Written by another engine, an earlier run, or forgotten by the bounded
+    table: the disk is asked before a write."""
+    tiers = LowerTiers([_Listed("disk", {b"k"}), _Listed("remote")], "always")
+    assert tiers.admit(b"k", reused=False) == ["remote"]
+
+
 def test_a_page_the_disk_evicted_is_written_again_when_it_is_hot_again():
-    disk, remote = _Listed("disk", {b"k"}), _Listed("remote", {b"k"})
+    disk, remote = _Listed("disk"), _Listed("remote")
     tiers = LowerTiers([disk, remote], "always")
     assert tiers.admit(b"k", reused=False) == ["disk", "remote"]
+    disk.keys.add(b"k")
+    remote.keys.add(b"k")  # the writes landed
     assert tiers.admit(b"k", reused=True) == []
     disk.keys.discard(b"k")  # the disk's LRU deleted it
     assert tiers.admit(b"k", reused=True) == ["disk"]  # reused: written down again
@@ -190,3 +200,38 @@ def test_a_request_whose_prefix_is_being_promoted_waits_for_it(disk_setup):
     # computes only its tail, nothing of the shared prefix.
     assert out.num_scheduled_tokens[second.request_id] == len(second.prompt_token_ids) - 3 * BLOCK
     assert all(k.host.is_ready(key) for key in keys[:3])
+
+
+class _Counted(_Listed):
+    """A tier view that answers many keys per call, and counts the calls."""
+
+    def __init__(self, name, keys=()):
+        super().__init__(name, keys)
+        self.calls = 0
+
+    def contains_many(self, keys):
+        self.calls += 1
+        return [key in self.keys for key in keys]
+
+
+def test_find_run_asks_each_tier_once_and_stops_at_the_first_gap():
+    disk = _Listed("disk", {b"a", b"c"})
+    remote = _Counted("remote", {b"b", b"c", b"e"})
+    tiers = LowerTiers([disk, remote])
+    assert tiers.find_run([b"a", b"b", b"c", b"d", b"e"]) == ["disk", "remote", "disk"]
+    assert remote.calls == 1
+    assert tiers.find_run([]) == [] and tiers.find(b"b") == "remote"
+
+
+def test_a_long_prefix_on_a_remote_tier_costs_a_few_round_trips():
+    sched = make_scheduler(host_blocks=64)
+    k = kvbm(sched)
+    prompt = tokens(20 * BLOCK + 3, 15)
+    keys = keys_of(sched, prompt)
+    remote = _Counted("remote", keys[:20])
+    k.lower = LowerTiers([remote])
+    assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (20 * BLOCK, True)
+    assert remote.calls == 5  # runs of 1, 2, 4, 8 and the last 5 blocks
+    # A gap ends the hit where it is, whatever the batch.
+    remote.keys.discard(keys[9])
+    assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (9 * BLOCK, True)

@@ -19,7 +19,7 @@ from vllm_kvbm.config import parse_lm_url, parse_remote_url
 from vllm_kvbm.keys import BlockKey
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 from vllm_kvbm.tiers.lm_protocol import REPLY_BYTES, exist_reply, exist_request
-from vllm_kvbm.tiers.page_format import disk_page_path, page_name
+from vllm_kvbm.tiers.page_format import disk_page_namer, page_namer
 from vllm_kvbm.tiers.redis_conn import RedisLink
 
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ class DiskView:
 
     def __init__(self, directory: str, namespace: str, block_bytes: int, world_size: int):
         self._paths = [
-            (lambda key, r=rank: disk_page_path(directory, namespace, block_bytes, r,
-                                                world_size, key))
+            disk_page_namer(directory, namespace, block_bytes, rank, world_size)
             for rank in range(world_size)]
 
     def contains(self, key: BlockKey) -> bool:
@@ -64,7 +63,7 @@ class RemoteView:
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0):
         self.url = url
         self._addr = parse_lm_url("remote_url", url)
-        self._name = lambda key: page_name(namespace, block_bytes, 0, world_size, key)
+        self._name = page_namer(namespace, block_bytes, 0, world_size)
         self._timeout_s = timeout_s
         self._retry_s = retry_interval_s
         self._lock = threading.Lock()
@@ -73,22 +72,37 @@ class RemoteView:
         self._down = False
 
     def contains(self, key: BlockKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: list[BlockKey]) -> list[bool]:
+        """One round trip for all ``keys``: the server answers a connection's
+        requests in order, so they are sent at once and the replies read
+        back; the whole exchange is bounded by ``timeout_s``."""
+        if not keys:
+            return []
         with self._lock:
             sock = self._connection()
             if sock is None:
-                return False
+                return [False] * len(keys)
+            deadline = time.monotonic() + self._timeout_s
             try:
-                sock.sendall(exist_request(self._name(key)))
-                reply = b""
-                while len(reply) < REPLY_BYTES:
-                    chunk = sock.recv(REPLY_BYTES - len(reply))
+                sock.sendall(b"".join(exist_request(self._name(key)) for key in keys))
+                want = REPLY_BYTES * len(keys)
+                reply = bytearray()
+                while len(reply) < want:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(f"no answer within {self._timeout_s}s")
+                    sock.settimeout(left)
+                    chunk = sock.recv(want - len(reply))
                     if not chunk:
                         raise ConnectionError("server closed the connection")
                     reply += chunk
-                return exist_reply(reply)
+                return [exist_reply(bytes(reply[i:i + REPLY_BYTES]))
+                        for i in range(0, want, REPLY_BYTES)]
             except (OSError, ValueError) as err:
                 self._drop(err)
-                return False
+                return [False] * len(keys)
 
     def _connection(self) -> socket.socket | None:
         if self._sock is not None:
@@ -144,7 +158,7 @@ class RedisView:
                  tls_ca_file: str | None = None):
         self.url = url
         self._names = [
-            (lambda key, r=rank: page_name(namespace, block_bytes, r, world_size, key))
+            page_namer(namespace, block_bytes, rank, world_size)
             for rank in range(world_size)]
         self._link = RedisLink(parse_remote_url("remote_url", url), password, timeout_s,
                                retry_interval_s, "remote tier (lookups)", tls_ca_file)

@@ -160,18 +160,24 @@ class KVBMScheduler:
         then doubling the hit so far), so a miss costs few hashes, not the
         whole prompt's.
         Blocks found below the host tier are loaded through a fresh host slot
-        each, so the prefix is cut where no slot would be free for them.
+        each, so the prefix is cut where no slot would be free for them. They
+        are asked of the lower tiers in runs that double (1, 2, 4, ... blocks):
+        one batched question per tier and run, so a long prefix on a remote
+        server costs a few round trips, not one per block.
         """
         chain, tokens = state.chain, state.request.all_token_ids
         keys = chain.keys  # grows in place
         sources: list[str] = []
         room = None  # host slots left for promotions, computed when needed
-        for i in range(start, end):
+        batch = 1
+        i = start
+        while i < end:
             if i >= len(keys):
                 chain.extend_to(tokens, min(end, i + max(1, i - start)))
             key = keys[i]
             if self.host.is_ready(key):
                 sources.append("host")
+                i += 1
                 continue
             if key in self.host:
                 return None  # being stored or promoted: ready within a few steps
@@ -180,11 +186,23 @@ class KVBMScheduler:
             if room is None:
                 # Pinning the host hits for the load makes them unevictable.
                 room = self.host.available() - sources.count("host")
-            tier = self.lower.find(key) if room > 0 else None
-            if tier is None:
+            n = min(end - i, room, batch)
+            if n <= 0:
                 break
-            sources.append(tier)
-            room -= 1
+            if len(keys) < i + n:
+                chain.extend_to(tokens, i + n)
+            run_keys = []  # up to the next block the host tier knows
+            for k in keys[i:i + n]:
+                if k in self.host:
+                    break
+                run_keys.append(k)
+            run = self.lower.find_run(run_keys)
+            sources += run
+            room -= len(run)
+            i += len(run)
+            if len(run) < len(run_keys):
+                break  # a block no tier has
+            batch *= 2
         return sources
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",

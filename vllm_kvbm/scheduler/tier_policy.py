@@ -28,6 +28,8 @@ def _short(key: BlockKey) -> int:
 class TierView(Protocol):
     name: str
 
+    # and, where one round trip can answer many keys:
+    # contains_many(keys) -> list[bool]
     def contains(self, key: BlockKey) -> bool: ...
 
 
@@ -66,10 +68,31 @@ class LowerTiers:
         return bool(self.views)
 
     def find(self, key: BlockKey) -> str | None:
+        run = self.find_run([key])
+        return run[0] if run else None
+
+    def find_run(self, keys: list[BlockKey]) -> list[str]:
+        """The tier of each key of the longest leading run of ``keys`` held
+        below the host tier (the first tier, in lookup order, that has it).
+        Each tier is asked once for all the keys the tiers before it lack
+        (a batch where it has ``contains_many``: one round trip to a server)."""
+        found: list[str | None] = [None] * len(keys)
         for view in self.views:
-            if view.contains(key):
-                return view.name
-        return None
+            todo = [i for i, tier in enumerate(found) if tier is None]
+            if not todo:
+                break
+            batch = [keys[i] for i in todo]
+            many = getattr(view, "contains_many", None)
+            hits = many(batch) if many is not None else [view.contains(k) for k in batch]
+            for i, hit in zip(todo, hits):
+                if hit:
+                    found[i] = view.name
+        run: list[str] = []
+        for tier in found:
+            if tier is None:
+                break
+            run.append(tier)
+        return run
 
     def admit(self, key: BlockKey, reused: bool) -> list[str]:
         """Tiers a ready host block should now be written to."""
@@ -79,8 +102,13 @@ class LowerTiers:
         tiers = []
         for view in self.views:
             written = self._written[view.name]
-            if written.has(key) and not (reused and view.name == "disk"
-                                         and not view.contains(key)):
+            if written.has(key):
+                if not (reused and view.name == "disk" and not view.contains(key)):
+                    continue
+            elif view.name == "disk" and view.contains(key):
+                # On disk already (the table forgot it, or another engine or
+                # an earlier run wrote it): a stat is cheaper than a write.
+                written.bump(key)
                 continue
             if (view.name == "disk" and self.disk_admission == "frequency"
                     and uses < self.disk_min_uses):

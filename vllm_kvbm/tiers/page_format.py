@@ -57,6 +57,7 @@ import logging
 import os
 import struct
 import zlib
+from typing import Callable
 
 import torch
 
@@ -154,29 +155,41 @@ def retired_model_names(namespace: str, block_bytes: int) -> list[str]:
 
 
 
-def page_name(namespace: str, block_bytes: int, rank: int, world_size: int,
-              key: bytes) -> str:
-    """The name a tier stores ``key``'s page under for one TP rank.
+def page_namer(namespace: str, block_bytes: int, rank: int,
+               world_size: int) -> Callable[[bytes], str]:
+    """``key -> name`` a tier stores ``key``'s page under for one TP rank.
 
     It is LMCache's ``CacheEngineKey.to_string()`` of the key the stores use
     (model ``kvbm_<namespace hash>``, dtype uint8), written out here so the
     scheduler process can name pages without importing LMCache; a test checks
-    that the two agree.
+    that the two agree. The namespace part is computed once: lookups name
+    pages on the scheduler's hot path.
     """
-    model = "kvbm_" + _namespace_hash(namespace, block_bytes).hex()
-    return f"{model}@{world_size}@{rank}@{int.from_bytes(key, 'big'):x}@uint8"
+    prefix = f"kvbm_{_namespace_hash(namespace, block_bytes).hex()}@{world_size}@{rank}@"
+    return lambda key: f"{prefix}{int.from_bytes(key, 'big'):x}@uint8"
 
 
-def disk_page_path(directory: str, namespace: str, block_bytes: int, rank: int,
-                   world_size: int, key: bytes) -> str:
-    """The file the disk store keeps ``key``'s page in.
+def page_name(namespace: str, block_bytes: int, rank: int, world_size: int,
+              key: bytes) -> str:
+    return page_namer(namespace, block_bytes, rank, world_size)(key)
+
+
+def disk_page_namer(directory: str, namespace: str, block_bytes: int, rank: int,
+                    world_size: int) -> Callable[[bytes], str]:
+    """``key -> path`` of the file the disk store keeps ``key``'s page in.
 
     Files appear only complete (written as ``.tmp`` and renamed) and vanish
     on eviction, so a reader in another process may treat existence as "on
     disk" (the content is still verified when read).
     """
-    name = page_name(namespace, block_bytes, rank, world_size, key) + ".pt"
-    return os.path.join(os.path.abspath(os.path.expanduser(directory)), name)
+    name = page_namer(namespace, block_bytes, rank, world_size)
+    base = os.path.join(os.path.abspath(os.path.expanduser(directory)), "")
+    return lambda key: f"{base}{name(key)}.pt"
+
+
+def disk_page_path(directory: str, namespace: str, block_bytes: int, rank: int,
+                   world_size: int, key: bytes) -> str:
+    return disk_page_namer(directory, namespace, block_bytes, rank, world_size)(key)
 
 
 class _Mac:

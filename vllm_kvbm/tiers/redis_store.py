@@ -33,7 +33,7 @@ import torch
 
 from vllm_kvbm.config import RemotePassword, RemoteTarget
 from vllm_kvbm.tiers.base import TierStore
-from vllm_kvbm.tiers.page_format import PageCodec, page_name, valid_key, valid_page
+from vllm_kvbm.tiers.page_format import PageCodec, page_namer, valid_key, valid_page
 from vllm_kvbm.tiers.redis_conn import RedisLink
 
 logger = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class RedisStore(TierStore):
         self.block_bytes = block_bytes
         self.url = str(target)
         self._codec = PageCodec(namespace, block_bytes, page_secret)
-        self._page_name = lambda key: page_name(namespace, block_bytes, rank, world_size, key)
+        self._page_name = page_namer(namespace, block_bytes, rank, world_size)
         self._link = RedisLink(target, password, timeout_s, retry_interval_s, "remote tier",
                                tls_ca_file)
         if rank == 0:
