@@ -150,11 +150,16 @@ def test_standalone_metrics_port_agrees_with_vllm_metrics(kvbm_llm):
 def test_vllm_counts_host_tier_hits_as_source_host(kvbm_llm):
     """vLLM's own vllm:prompt_tokens_cached_by_source labels KVBM's host-tier
     hits "host" (get_external_cache_hit_sources), not external_unspecified."""
-    from prometheus_client import REGISTRY
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    # This engine's own logger: another engine created later in the same
+    # process (the plain one) unregisters it from the global REGISTRY.
+    (prom,) = [lg for lg in kvbm_llm.llm_engine.logger_manager.stat_loggers
+               if isinstance(lg, PrometheusStatLogger)]
 
     def by_source() -> dict[str, float]:
         out: dict[str, float] = {}
-        for metric in REGISTRY.collect():
+        for metric in prom.counter_prompt_tokens_cached_by_source.collect():
             for s in metric.samples:
                 if s.name == "vllm:prompt_tokens_cached_by_source_total":
                     out[s.labels["source"]] = out.get(s.labels["source"], 0) + s.value
