@@ -373,3 +373,39 @@ print("DIR=" + repr(os.environ.get("PROMETHEUS_MULTIPROC_DIR")))
                          timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "DIR=None" in out.stdout
+
+
+def test_pages_the_lru_or_a_check_deleted_are_reported_once(disk):
+    """The scheduler forgets them, so a hot page is written down again."""
+    s = disk(capacity=2 * phys(SMALL))
+    for i in range(3):  # the third evicts the first
+        assert s.put(key(i), page(i, SMALL))
+    assert s.take_removed() == [key(0)]
+    assert s.take_removed() == []
+    with open(path_of(s, key(1)), "r+b") as f:  # damage
+        f.seek(HEADER_BYTES + 5)
+        f.write(b"\xff")
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert s.get_into(key(1), out) == "corrupt"
+    assert s.take_removed() == [key(1)]
+
+
+def test_evictions_reach_the_scheduler_through_the_worker_metadata(disk):
+    import time as _time
+
+    from vllm_kvbm.messages import KVBMWorkerMetadata, SpillJob
+    from vllm_kvbm.worker.tier_io import TierIO
+
+    io = TierIO()
+    io.add(disk(capacity=2 * phys(SMALL)))
+    meta = KVBMWorkerMetadata()
+    for i in range(3):
+        io.spill(SpillJob(i, key(i), 0, ["disk"]), page(i, SMALL))
+    deadline = _time.monotonic() + 10
+    while meta.tier_events[("disk", "stored")] < 3:
+        assert _time.monotonic() < deadline, "spills never finished"
+        io.poll(meta)
+        _time.sleep(0.01)
+    io.poll(meta)
+    assert ("disk", key(0)) in meta.removed_pages and not meta.is_empty()
+    io.close()

@@ -47,42 +47,6 @@ def test_admission_always_writes_each_tier_once():
     assert tiers.admit(b"k", reused=True) == ["disk"]
 
 
-def test_a_page_already_on_disk_is_not_written_again():
-    """Written by another engine, an earlier run, or forgotten by the bounded
-    table: the disk is asked before a write."""
-    tiers = LowerTiers([_Listed("disk", {b"k"}), _Listed("remote")], "always")
-    assert tiers.admit(b"k", reused=False) == ["remote"]
-
-
-def test_a_page_the_disk_evicted_is_written_again_when_it_is_hot_again():
-    disk, remote = _Listed("disk"), _Listed("remote")
-    tiers = LowerTiers([disk, remote], "always")
-    assert tiers.admit(b"k", reused=False) == ["disk", "remote"]
-    disk.keys.add(b"k")
-    remote.keys.add(b"k")  # the writes landed
-    assert tiers.admit(b"k", reused=True) == []
-    disk.keys.discard(b"k")  # the disk's LRU deleted it
-    assert tiers.admit(b"k", reused=True) == ["disk"]  # reused: written down again
-    assert tiers.admit(b"k", reused=False) == []  # not on a mere store
-
-
-def test_per_key_bookkeeping_is_bounded_and_small():
-    import os
-    import tracemalloc
-
-    tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "frequency")
-    tracemalloc.start()
-    try:
-        for _ in range(300_000):
-            tiers.admit(os.urandom(32), reused=False)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert len(tiers._uses) <= 1 << 16
-    assert all(len(t) <= 1 << 16 for t in tiers._written.values())
-    assert peak < 48 << 20, f"{peak / 2**20:.0f} MiB"
-
-
 def test_frequency_admission_waits_for_the_second_use():
     tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "frequency", disk_min_uses=2)
     assert tiers.admit(b"k", reused=False) == ["remote"]  # first use: no disk write

@@ -80,6 +80,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     tier_events: Counter = field(default_factory=Counter)
     # (tier, key) of pages found missing, corrupt or unauthenticated (removed)
     bad_pages: list[tuple[str, bytes]] = field(default_factory=list)
+    # (tier, key) of pages a tier deleted on its own (its LRU): may be written again
+    removed_pages: list[tuple[str, bytes]] = field(default_factory=list)
     # seconds from post to completion, one entry per transfer
     store_latencies: list[float] = field(default_factory=list)
     load_latencies: list[float] = field(default_factory=list)
@@ -98,6 +100,7 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             spills_done=self.spills_done + other.spills_done,
             tier_events=self.tier_events + other.tier_events,
             bad_pages=self.bad_pages + other.bad_pages,
+            removed_pages=self.removed_pages + other.removed_pages,
             bytes_stored=self.bytes_stored + other.bytes_stored,
             bytes_loaded=self.bytes_loaded + other.bytes_loaded,
             store_latencies=self.store_latencies + other.store_latencies,
@@ -110,4 +113,4 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     def is_empty(self) -> bool:
         return not (self.stores_done or self.stores_failed or self.loads_failed
                     or self.spills_done or self.tier_events or self.transfers_overdue
-                    or self.slots_held or self.slots_released)
+                    or self.slots_held or self.slots_released or self.removed_pages)

@@ -361,7 +361,7 @@ class KVBMScheduler:
             self.host.release(meta.slots_released.elements())
             self._finish_spills(meta.spills_done)
             self.lower.record(meta.tier_events, self.stats)
-            for tier, key in meta.bad_pages:
+            for tier, key in meta.bad_pages + meta.removed_pages:
                 self.lower.forget(tier, key)
             # With tensor parallelism one rank's failure can arrive steps
             # before vLLM reports the load finished (on the last rank): keep

@@ -59,9 +59,10 @@ class LowerTiers:
         self.disk_admission = disk_admission
         self.disk_min_uses = disk_min_uses
         self._uses = _BoundedCounter()
-        # per tier: keys written recently. A page the tier evicted since is
-        # written again when it is reused: the disk is asked (a stat), the
-        # server is not (a round trip), so there the entry has to age out.
+        # per tier: keys written recently. A page the disk deleted since (its
+        # LRU, damage) is reported by the worker and forgotten here, so it is
+        # written again when hot; a server's evictions are not reported, so
+        # there the entry has to age out of the bounded table.
         self._written = {view.name: _BoundedCounter() for view in views}
 
     def __bool__(self) -> bool:
@@ -103,11 +104,11 @@ class LowerTiers:
         for view in self.views:
             written = self._written[view.name]
             if written.has(key):
-                if not (reused and view.name == "disk" and not view.contains(key)):
-                    continue
-            elif view.name == "disk" and view.contains(key):
-                # On disk already (the table forgot it, or another engine or
-                # an earlier run wrote it): a stat is cheaper than a write.
+                continue  # until the worker reports the page gone (forget)
+            if reused and view.name == "disk" and view.contains(key):
+                # Reused and on disk, though the bounded table forgot it (or
+                # another engine or an earlier run wrote it): a stat is
+                # cheaper than a write. Fresh blocks are not asked about.
                 written.bump(key)
                 continue
             if (view.name == "disk" and self.disk_admission == "frequency"

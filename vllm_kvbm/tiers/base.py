@@ -25,6 +25,11 @@ class TierStore:
     def remove(self, key: bytes) -> None:
         raise NotImplementedError
 
+    def take_removed(self) -> list[bytes]:
+        """Keys of pages this store deleted on its own (eviction, damage) since
+        last asked, so the scheduler may write them again when they are hot."""
+        return []
+
     def close(self) -> None:
         raise NotImplementedError
 

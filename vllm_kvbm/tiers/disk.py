@@ -108,6 +108,7 @@ def _disk_backend_class():
                     logger.warning("disk tier: could not delete %s: %s", meta.path, e)
                 if force:
                     self.cache_policy.update_on_force_evict(key)
+                self.removed.append(key.chunk_hash)  # reported to the scheduler
             return True
 
         def load_bytes_from_disk(self, key, path, dtype, shape, fmt):
@@ -237,6 +238,7 @@ class DiskStore(LMCacheStore):
             self._disk = _disk_backend_class()(cfg, self._loop, self._staging, dst_device="cpu",
                                                metadata=self._md)
             self._disk.max_cache_size = self.capacity_bytes  # exact, not via float GiB
+            self._disk.removed = []  # chunk hashes of deleted pages (LRU, damage)
             self._closed = False
             probe = self._staging.allocate(self._shape, torch.uint8, self._fmt, busy_loop=False)
             if probe is None:
@@ -410,6 +412,10 @@ class DiskStore(LMCacheStore):
                     and self._disk.contains(self._ckey(bytes(key))))
         except Exception:  # noqa: BLE001
             return False
+
+    def take_removed(self) -> list[bytes]:
+        removed, self._disk.removed = self._disk.removed, []
+        return [int(h).to_bytes(KEY_BYTES, "big") for h in removed]
 
     def remove(self, key: bytes) -> None:
         try:

@@ -103,6 +103,8 @@ class TierIO:
             else:
                 writing.append((tier, key, future))
         self._writing = writing
+        for name, store in self.tiers.items():
+            meta.removed_pages.extend((name, key) for key in store.take_removed())
         return ready
 
     def close(self) -> None:
