@@ -112,5 +112,42 @@ def mount_tmpfs(mnt, opts: str) -> None:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); fault not produced")
 
 
+def stop_every_thread(proc: subprocess.Popen, what: str, timeout: float = 5.0) -> None:
+    """SIGSTOP a server (a frozen-server fault), and wait until every one of
+    its threads has stopped."""
+    import glob
+    import signal
+    import time
+
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for stat in glob.glob(f"/proc/{proc.pid}/task/*/stat"):
+            try:
+                with open(stat) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"{what} did not stop")
+
+
+@pytest.fixture(scope="module")
+def lm_server():
+    """A real LMCache server for one test module, always killed."""
+    from lm_server import LMServer
+
+    srv = LMServer()
+    srv.start()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.kill()
+
+
 def umount(mnt) -> None:
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)

@@ -18,7 +18,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
-from test_remote_store import LMServer
 from test_scheduler_unit import keys_of, store_and_finish, tokens
 
 
@@ -70,17 +69,6 @@ def test_miss_reports_no_source():
     assert stats.queries == 2 * BLOCK + 3 and stats.hits == 0
     assert stats.hits_by_source == {}
     _finish(sched, req)
-
-
-@pytest.fixture(scope="module")
-def lm_server():
-    srv = LMServer()
-    srv.start()
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.kill()
 
 
 def test_host_disk_and_remote_hits_split_in_vllm_stats(tmp_path, lm_server):

@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
-from test_remote_store import LMServer, raw_get, raw_put  # noqa: E402
+from test_remote_store import raw_get, raw_put  # noqa: E402
 from tier_pages import SMALL, key, page  # noqa: E402
 from vllm_kvbm.config import (MIN_PAGE_SECRET_BYTES, KVBMConfigError, PageSecret,  # noqa: E402
                               load_config)
@@ -308,17 +308,6 @@ def test_disk_refuses_planted_and_forged_pages_and_removes_them(tmp_path):
 
 
 # ---- the remote tier (a real LMCache server) ---------------------------------------
-
-@pytest.fixture(scope="module")
-def lm_server():
-    srv = LMServer()
-    srv.start()
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.kill()
-
 
 def test_remote_refuses_pages_without_a_valid_mac_and_overwrites_them(lm_server):
     from vllm_kvbm.tiers.remote import RemoteStore

@@ -6,7 +6,6 @@ produced for real: a wrong password, a full LRU server, a killed and a frozen
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import random
@@ -20,6 +19,7 @@ import pytest
 import redis
 import torch
 
+from conftest import stop_every_thread
 from tier_pages import SMALL, key, page
 from vllm_kvbm.config import (KVBMConfig, KVBMConfigError, RemotePassword, load_config,
                               parse_remote_url)
@@ -100,20 +100,7 @@ class RedisServer:
         raise RuntimeError(f"redis-server not answering after {timeout}s")
 
     def freeze(self) -> None:
-        self.proc.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            states = []
-            for stat in glob.glob(f"/proc/{self.proc.pid}/task/*/stat"):
-                try:
-                    with open(stat) as f:
-                        states.append(f.read().rsplit(")", 1)[1].split()[0])
-                except OSError:
-                    pass
-            if states and all(st in "tT" for st in states):
-                return
-            time.sleep(0.01)
-        raise RuntimeError("redis-server did not stop")
+        stop_every_thread(self.proc, "redis-server")
 
     def thaw(self) -> None:
         self.proc.send_signal(signal.SIGCONT)
