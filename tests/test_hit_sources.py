@@ -45,7 +45,15 @@ def _admit(sched, prompt):
     stats vLLM reports for the step that admitted it."""
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
-    _, _, engine_outputs = step(sched)
+    # With a tier behind a server, the first lookup is answered in the
+    # background: vLLM asks again each step until the answer is there.
+    deadline = time.monotonic() + 10
+    while True:
+        _, _, engine_outputs = step(sched)
+        if req.status != RequestStatus.WAITING:
+            break
+        assert time.monotonic() < deadline, "the request was never admitted"
+        time.sleep(0.01)
     stats = engine_outputs[0].scheduler_stats.connector_prefix_cache_stats
     return req, stats
 

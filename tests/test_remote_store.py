@@ -284,3 +284,44 @@ def test_scheduler_remote_view_asks_many_keys_in_one_round_trip(remote, lm_serve
         assert view.contains(key(4)) and not view.contains(key(3))
     finally:
         view.close()
+
+
+def test_a_frozen_remote_server_never_stalls_vllms_scheduler(lm_server):
+    """Lookups behind a server run on a thread of their own: while the server
+    is frozen, every scheduler step stays fast (a running request keeps
+    decoding), and a new request waits for its answer (a miss, after
+    remote_timeout_s) instead of the whole engine waiting."""
+    import sys as _sys
+    from pathlib import Path
+
+    _sys.path.insert(0, str(Path(__file__).parent))
+    from scheduler_harness import BLOCK, make_request, make_scheduler, step
+    from vllm.v1.request import RequestStatus
+
+    sched = make_scheduler(host_blocks=16, remote_url=lm_server.url, remote_timeout_s=1.5)
+    running = make_request([3000 + i for i in range(BLOCK + 3)], max_tokens=400)
+    sched.add_request(running)
+    deadline = time.monotonic() + 10
+    while running.status != RequestStatus.RUNNING:
+        assert time.monotonic() < deadline, "never admitted"
+        step(sched, complete=True)
+        time.sleep(0.005)
+    lm_server.freeze()
+    try:
+        newcomer = make_request([4000 + i for i in range(3 * BLOCK + 1)], max_tokens=2)
+        sched.add_request(newcomer)
+        slowest, decoded = 0.0, running.num_output_tokens
+        for _ in range(30):
+            t0 = time.monotonic()
+            step(sched, complete=True)
+            slowest = max(slowest, time.monotonic() - t0)
+        assert slowest < 0.5, f"a step took {slowest:.2f}s with the server frozen"
+        assert running.num_output_tokens >= decoded + 30  # it decoded every step
+        assert newcomer.status == RequestStatus.WAITING  # its answer is still coming
+        deadline = time.monotonic() + 15  # the frozen lookup times out: a miss
+        while newcomer.status == RequestStatus.WAITING:
+            assert time.monotonic() < deadline, "the newcomer was never admitted"
+            step(sched, complete=True)
+            time.sleep(0.01)
+    finally:
+        lm_server.thaw()

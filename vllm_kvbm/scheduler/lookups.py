@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -58,6 +59,7 @@ class RemoteView:
     """
 
     name = "remote"
+    slow = True  # a network round trip: asked off the scheduler thread
 
     def __init__(self, url: str, namespace: str, block_bytes: int, world_size: int,
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0):
@@ -152,6 +154,7 @@ class RedisView:
     """
 
     name = "remote"
+    slow = True  # a network round trip: asked off the scheduler thread
 
     def __init__(self, url: str, password, namespace: str, block_bytes: int, world_size: int,
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0,
@@ -184,6 +187,57 @@ class RedisView:
 
     def close(self) -> None:
         self._link.close()
+
+
+class BackgroundLookups:
+    """Lower-tier lookups that may wait on a server, run on a thread of their
+    own so that vLLM's scheduler thread never does.
+
+    ``ask`` returns the answer for exactly these keys when it is known, else
+    None after queueing the question (the planner then answers vLLM "ask
+    again next step"). Answers are kept per request and first key until the
+    request is admitted or finished (``forget``).
+    """
+
+    def __init__(self, lower: LowerTiers):
+        self._lower = lower
+        self._lock = threading.Lock()
+        self._answers: dict[tuple[str, BlockKey], tuple[tuple[BlockKey, ...], list[str]]] = {}
+        self._asked: set[tuple[str, BlockKey]] = set()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
+        self._thread.start()
+
+    def ask(self, req_id: str, keys: tuple[BlockKey, ...]) -> list[str] | None:
+        slot = (req_id, keys[0])
+        with self._lock:
+            answer = self._answers.get(slot)
+            if answer is not None and answer[0] == keys:
+                return answer[1]
+            if slot in self._asked:
+                return None
+            self._asked.add(slot)
+        self._queue.put((slot, keys))
+        return None
+
+    def forget(self, req_id: str) -> None:
+        with self._lock:
+            for slot in [s for s in self._answers if s[0] == req_id]:
+                del self._answers[slot]
+            self._asked = {s for s in self._asked if s[0] != req_id}
+
+    def _serve(self) -> None:
+        while True:
+            slot, keys = self._queue.get()
+            try:
+                run = self._lower.find_run_doubling(list(keys))
+            except Exception as err:  # a view must not kill the thread: a miss
+                logger.warning("KVBM: lower-tier lookup failed: %s", err)
+                run = []
+            with self._lock:
+                if slot in self._asked:  # else forgotten meanwhile
+                    self._asked.discard(slot)
+                    self._answers[slot] = (keys, run)
 
 
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:

@@ -22,6 +22,7 @@ from vllm_kvbm.messages import (KVBMConnectorMetadata, KVBMWorkerMetadata, Spill
                                 TransferJob)
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.metrics import KVBMStats
+from vllm_kvbm.scheduler.lookups import BackgroundLookups
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 
 if TYPE_CHECKING:
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
     from vllm_kvbm.engine_info import EngineInfo
 
 logger = logging.getLogger(__name__)
+
+# Blocks one background lookup asks about at most (64k tokens at block size
+# 16): a hit from the tiers behind a server is at most this long.
+_BACKGROUND_RUN = 4096
 
 
 @dataclass
@@ -82,6 +87,10 @@ class KVBMScheduler:
         self.offload_decode_blocks = offload_decode_blocks
         # disk / remote tiers below the host tier (empty: host tier only)
         self.lower = lower or LowerTiers([])
+        # Tiers behind a server are asked on a thread of their own: a slow or
+        # frozen server costs hits, never the scheduler's time.
+        self._background = BackgroundLookups(self.lower) if self.lower.waits_on_a_server \
+            else None
         self._spills: list[SpillJob] = []
         self._pending_spills: dict[int, list] = {}  # job id -> [key, workers left]
         self.block_size = info.block_size
@@ -186,6 +195,8 @@ class KVBMScheduler:
             if room is None:
                 # Pinning the host hits for the load makes them unevictable.
                 room = self.host.available() - sources.count("host")
+            if self._background is not None:
+                return self._lookup_in_background(state, sources, i, end, room)
             n = min(end - i, room, batch)
             if n <= 0:
                 break
@@ -205,11 +216,38 @@ class KVBMScheduler:
             batch *= 2
         return sources
 
+    def _lookup_in_background(self, state: _ReqState, sources: list[str], i: int, end: int,
+                              room: int) -> list[str] | None:
+        """The rest of ``_lookup`` from block ``i`` (the first the host tier
+        lacks) when a tier sits behind a server: its answer comes from the
+        background thread, None until it has one."""
+        n = min(end - i, _BACKGROUND_RUN)
+        keys = state.chain.keys
+        if len(keys) < i + n:
+            state.chain.extend_to(state.request.all_token_ids, i + n)
+        lower = self._background.ask(state.request.request_id, tuple(keys[i:i + n]))
+        if lower is None:
+            return None  # asked: vLLM asks again next step
+        for j in range(i, i + n):
+            key = keys[j]
+            if self.host.is_ready(key):
+                sources.append("host")
+                continue
+            if key in self.host:
+                return None
+            if j - i >= len(lower) or room <= 0:
+                break
+            sources.append(lower[j - i])
+            room -= 1
+        return sources
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
         if state is None:
             return
+        if self._background is not None:
+            self._background.forget(request.request_id)  # admitted: the answer is used
         count = num_external_tokens // self.block_size
         self._count_lookup(state, count)
         if num_external_tokens == 0:
@@ -448,6 +486,8 @@ class KVBMScheduler:
                 self.host.unpin([pending[0]])
 
     def _maybe_forget(self, state: _ReqState) -> None:
+        if self._background is not None and state.finished:
+            self._background.forget(state.request.request_id)
         if state.finished and not (state.store_jobs or state.load_keys or state.promoted):
             self._reqs.pop(state.request.request_id, None)
 

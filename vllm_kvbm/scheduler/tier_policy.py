@@ -68,6 +68,25 @@ class LowerTiers:
     def __bool__(self) -> bool:
         return bool(self.views)
 
+    @property
+    def waits_on_a_server(self) -> bool:
+        """A tier whose lookups go over the network (asked off the scheduler thread)."""
+        return any(getattr(view, "slow", False) for view in self.views)
+
+    def find_run_doubling(self, keys: list[BlockKey]) -> list[str]:
+        """``find_run`` asked in runs of 1, 2, 4, ... keys: a miss at the
+        first block costs one small question, a long hit a few."""
+        run: list[str] = []
+        size = 1
+        while len(run) < len(keys):
+            part = keys[len(run):len(run) + size]
+            found = self.find_run(part)
+            run += found
+            if len(found) < len(part):
+                break
+            size *= 2
+        return run
+
     def find(self, key: BlockKey) -> str | None:
         run = self.find_run([key])
         return run[0] if run else None
