@@ -221,6 +221,8 @@ class KVBMScheduler:
         """The rest of ``_lookup`` from block ``i`` (the first the host tier
         lacks) when a tier sits behind a server: its answer comes from the
         background thread, None until it has one."""
+        if room <= 0:
+            return sources  # no host slot to promote into: nothing to ask
         n = min(end - i, _BACKGROUND_RUN)
         keys = state.chain.keys
         if len(keys) < i + n:
