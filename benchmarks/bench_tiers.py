@@ -28,11 +28,18 @@ def ttft(llm, prompt) -> float:
     return time.perf_counter() - start
 
 
-def settle(llm) -> None:
-    """Lets write-through to the lower tiers land, then clears engine + host."""
+def settle(llm, host_blocks: int, rng: random.Random) -> None:
+    """Lets write-through to the lower tiers land, then pushes everything out
+    of the host tier with fresh prompts and clears vLLM's own prefix cache.
+    (A connector reset would move KVBM's keys to a new epoch: nothing from
+    before it would be found in any tier.)"""
     time.sleep(2.0)
     ttft(llm, [7] * 8)
-    llm.reset_prefix_cache(reset_connector=True)
+    for _ in range(2):
+        ttft(llm, [rng.randrange(10, 7000) for _ in range((host_blocks // 2 + 2) * BLOCK_SIZE)])
+    time.sleep(2.0)
+    ttft(llm, [7] * 8)
+    llm.reset_prefix_cache()
 
 
 def tier_bandwidth(store, block_bytes: int, pages: int = 32) -> float:
@@ -80,11 +87,12 @@ def main() -> None:
         disk_store.close()
         remote_store.close()
 
+        host_blocks = args.tokens // BLOCK_SIZE + 8  # the prompt, and fresh prompts push it out
         llm = LLM(model=args.model, dtype="bfloat16", block_size=BLOCK_SIZE, enforce_eager=True,
                   max_model_len=args.tokens + BLOCK_SIZE, max_num_batched_tokens=8192,
                   kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3,
                   kv_transfer_config=kvbm_transfer_config(
-                      host_cache_size="1GiB", disk_cache_dir=str(disk),
+                      host_cache_blocks=host_blocks, disk_cache_dir=str(disk),
                       disk_cache_size="4GiB", remote_url=f"lm://127.0.0.1:{port}"))
         ttft(llm, [11] * 64)
         rng = random.Random(args.tokens)
@@ -95,9 +103,9 @@ def main() -> None:
         t["vLLM prefix hit"] = ttft(llm, prompt)
         llm.reset_prefix_cache()
         t["host hit"] = ttft(llm, prompt)
-        settle(llm)
+        settle(llm, host_blocks, rng)
         t["disk hit"] = ttft(llm, prompt)
-        settle(llm)
+        settle(llm, host_blocks, rng)
         for path in set(disk.glob("*.pt")) - before:
             path.unlink()  # only the server has the prompt now
         t["remote hit"] = ttft(llm, prompt)
