@@ -17,6 +17,7 @@ import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
+from tier_pages import tier_of
 from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
 from test_scheduler_unit import keys_of, store_and_finish, tokens
 
@@ -101,8 +102,8 @@ def test_host_disk_and_remote_hits_split_in_vllm_stats(tmp_path, lm_server):
     try:
         assert disk.put(keys[2], page)
         assert remote.put(keys[3], page)
-        _wait_until(lambda: k.lower.find(keys[2]) == "disk", "disk page never visible")
-        _wait_until(lambda: k.lower.find(keys[3]) == "remote", "remote page never visible")
+        _wait_until(lambda: tier_of(k.lower, keys[2]) == "disk", "disk page never visible")
+        _wait_until(lambda: tier_of(k.lower, keys[3]) == "remote", "remote page never visible")
         before = dict(k.stats.total)
 
         req, stats = _admit(sched, prompt)
@@ -141,7 +142,7 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
     try:
         page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
         assert disk.put(keys[1], page) and disk.put(keys[2], page)
-        _wait_until(lambda: k.lower.find(keys[2]) == "disk", "disk pages never visible")
+        _wait_until(lambda: tier_of(k.lower, keys[2]) == "disk", "disk pages never visible")
     finally:
         disk.close()
 
@@ -181,7 +182,7 @@ def test_may_load_async_guesses_from_the_first_block(tmp_path):
     try:
         assert disk.put(keys_of(sched, on_disk)[0],
                         torch.zeros(k.info.block_bytes, dtype=torch.uint8))
-        _wait_until(lambda: k.lower.find(keys_of(sched, on_disk)[0]) == "disk",
+        _wait_until(lambda: tier_of(k.lower, keys_of(sched, on_disk)[0]) == "disk",
                     "disk page never visible")
     finally:
         disk.close()

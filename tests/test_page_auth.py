@@ -21,7 +21,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
 from test_remote_store import raw_get, raw_put  # noqa: E402
-from tier_pages import SMALL, key, page  # noqa: E402
+from tier_pages import SMALL, key, page, tier_of  # noqa: E402
 from vllm_kvbm.config import (MIN_PAGE_SECRET_BYTES, KVBMConfigError, PageSecret,  # noqa: E402
                               load_config)
 from vllm_kvbm.tiers import page_format as pf  # noqa: E402
@@ -366,7 +366,7 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
         assert planter.put(key_, torch.zeros(bb, dtype=torch.uint8))
     planter.close()
     deadline = time.monotonic() + 10
-    while not all(k.lower.find(key_) == "disk" for key_ in keys[:2]):
+    while not all(tier_of(k.lower, key_) == "disk" for key_ in keys[:2]):
         assert time.monotonic() < deadline, "planted pages never became visible"
         time.sleep(0.05)
 
@@ -399,7 +399,7 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
         assert k.stats.total["checksum_failures"] == 0
         assert k.stats.total["load_error_blocks"] == 2
         # Removed: the scheduler's disk index (the directory) no longer has them.
-        assert all(k.lower.find(key_) is None for key_ in keys[:2])
+        assert all(tier_of(k.lower, key_) is None for key_ in keys[:2])
     finally:
         io.close()
 

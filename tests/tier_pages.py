@@ -34,6 +34,12 @@ def put_where_the_scheduler_sees(store, scheduler_side, keys, tier: str = "disk"
     for key in keys:
         assert store.put(key, page_bytes)
     deadline = time.monotonic() + timeout
-    while not all(scheduler_side.lower.find(key) == tier for key in keys):
+    while not all(tier_of(scheduler_side.lower, key) == tier for key in keys):
         assert time.monotonic() < deadline, f"{tier} writes never became visible"
         time.sleep(0.05)
+
+
+def tier_of(lower, key: bytes):
+    """The lower tier that holds ``key`` (the first in lookup order), or None."""
+    run = lower.find_run([key])
+    return run[0] if run else None

@@ -87,10 +87,6 @@ class LowerTiers:
             size *= 2
         return run
 
-    def find(self, key: BlockKey) -> str | None:
-        run = self.find_run([key])
-        return run[0] if run else None
-
     def find_run(self, keys: list[BlockKey]) -> list[str]:
         """The tier of each key of the longest leading run of ``keys`` held
         below the host tier (the first tier, in lookup order, that has it).
