@@ -45,7 +45,7 @@ def test_defaults():
     assert cfg.nixl_backend == "UCX" and cfg.namespace == ""
     assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
-                             "metrics_host", "metrics_port", "namespace", "nixl_backend",
+                             "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",
                              "offload_decode_blocks", "page_secret_file", "remote_password_file",
                              "remote_timeout_s", "remote_tls_ca_file", "remote_url"]
 
@@ -330,6 +330,7 @@ BAD_INPUT = {
     "disk_cache_size": [[1], "lots", "-1GiB"],
     "host_cache_blocks": [1.5, "many", 0],
     "host_cache_size": [None, "4 Gigs", -1],
+    "load_split": [[1], "sometimes"],
     "metrics_host": [127, "", "local host"],
     "metrics_port": ["http", 0, 70000],
     "namespace": [5, ["a"]],  # any string is a namespace

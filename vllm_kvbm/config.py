@@ -546,6 +546,9 @@ class KVBMConfig:
     # Extra text mixed into every block key: engines that must never share
     # cached KV (e.g. different fine-tunes under one name) set different ones.
     namespace: str = ""
+    # Load only the part of a found prefix whose load is expected to beat
+    # recomputing it (costs learned as the engine runs); off: load all found.
+    load_split: bool = True
     # Keys the MAC of every disk/remote page (page_secret_file or
     # KVBM_PAGE_SECRET); None: pages carry no MAC. Never in repr or logs.
     page_secret: PageSecret | None = field(default=None, repr=False)
@@ -604,6 +607,7 @@ _KEYS = {
     "nixl_backend": ("nixl_backend", _parse_nixl_backend),
     "namespace": ("namespace", lambda k, v: _parse_str(k, v)),
     "page_secret_file": ("page_secret", _parse_page_secret_file),
+    "load_split": ("load_split", _parse_bool),
 }
 
 # env var -> (extra_config key, converter of the env text into that key's value)
@@ -631,6 +635,7 @@ _ENV = {
     "KVBM_NIXL_BACKEND": ("nixl_backend", str),
     "KVBM_NAMESPACE": ("namespace", str),
     "KVBM_PAGE_SECRET_FILE": ("page_secret_file", str),
+    "KVBM_LOAD_SPLIT": ("load_split", str),
 }
 # Dynamo serves its KVBM metrics only with DYN_KVBM_METRICS=true, on
 # DYN_KVBM_METRICS_PORT or this port (see _dyn_metrics).

@@ -112,7 +112,8 @@ class KVBMConnector(KVConnectorBase_V1):
             self.sched = KVBMScheduler(self.info, num_slots,
                                        self.config.offload_decode_blocks,
                                        metrics_sink=self._standalone_metrics(),
-                                       lower=lower_tiers(self.config, self.info))
+                                       lower=lower_tiers(self.config, self.info),
+                                       load_split=self.config.load_split)
         else:
             from vllm_kvbm.worker.jobs import KVBMWorker
 

@@ -44,6 +44,8 @@ COUNTERS = {
     "page_auth_failures": "Intact pages without a valid MAC for this deployment's page secret "
                           "(written without it, with another secret, or forged); removed, "
                           "recomputed",
+    "recompute_chosen_tokens": "Prompt tokens found in a tier but recomputed on purpose: loading "
+                               "them was expected to take longer (learned costs, load_split)",
     "transfer_timeouts": "NIXL transfers still running after 30 s (stores are dropped, their "
                          "host slots held until the copy ends)",
 }
@@ -79,6 +81,10 @@ GAUGES = {
     "host_cache_used_bytes": "Host-tier bytes holding or receiving KV (per worker)",
     "host_cache_capacity_bytes": "Host-tier capacity in bytes (per worker)",
     **{f"{tier}_cache_hit_rate": _hit_rate_help(tier) for tier in _HIT_TIERS},
+    **{f"load_seconds_per_block_{tier}": f"Learned time to load one block from the {tier} "
+       f"tier into the engine (admission to completion)" for tier in _HIT_TIERS},
+    "recompute_seconds_per_block": "Learned time to recompute one block at the start of a "
+                                   "prompt (later blocks cost more: attention)",
 }
 
 

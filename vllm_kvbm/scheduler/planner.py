@@ -22,6 +22,7 @@ from vllm_kvbm.messages import (KVBMConnectorMetadata, KVBMWorkerMetadata, Spill
                                 TransferJob)
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.metrics import KVBMStats
+from vllm_kvbm.scheduler.load_split import LoadSplit
 from vllm_kvbm.scheduler.lookups import BackgroundLookups
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 
@@ -67,6 +68,15 @@ class _ReqState:
     # tokens asked about by the last lookup; counted when vLLM admits the
     # request (None: nothing to count), as vLLM counts its own cache queries
     lookup_tokens: int | None = None
+    # blocks the last lookup found but left to recompute (cheaper than loading)
+    split_dropped: int = 0
+    # the in-flight load: when it was planned and its blocks per tier
+    load_started: float = 0.0
+    load_blocks: Counter | None = None
+    # (time, cached tokens) when its prompt's first chunk was scheduled
+    prefill_start: tuple[float, int] | None = None
+    # its last prompt chunk is scheduled: timed at its first token
+    prefill_ending: bool = False
 
 
 @dataclass
@@ -82,7 +92,7 @@ class _StoreJob:
 class KVBMScheduler:
     def __init__(self, info: "EngineInfo", num_host_slots: int,
                  offload_decode_blocks: bool = False, metrics_sink=None,
-                 lower: LowerTiers | None = None):
+                 lower: LowerTiers | None = None, load_split: bool = True):
         self.info = info
         self.offload_decode_blocks = offload_decode_blocks
         # disk / remote tiers below the host tier (empty: host tier only)
@@ -91,6 +101,10 @@ class KVBMScheduler:
         # frozen server costs hits, never the scheduler's time.
         self._background = BackgroundLookups(self.lower) if self.lower.waits_on_a_server \
             else None
+        # what loading a block from each tier and recomputing it cost
+        self.split = LoadSplit(info.block_size, enabled=load_split)
+        # requests whose last prompt chunk was scheduled, awaiting their first token
+        self._prefills_ending: list[_ReqState] = []
         self._spills: list[SpillJob] = []
         self._pending_spills: dict[int, list] = {}  # job id -> [key, workers left]
         self.block_size = info.block_size
@@ -147,11 +161,16 @@ class KVBMScheduler:
         state.local_hit_blocks = start
         state.lookup_tokens = request.num_tokens - num_computed_tokens
         state.hit_sources = []
+        state.split_dropped = 0
         if start >= max_blocks:
             return 0, False
         sources = self._lookup(state, start, max_blocks)
         if sources is None:
             return None, False  # vLLM asks again next step
+        # Only the part whose load beats recomputing it (learned costs).
+        keep = self.split.cut(sources, start)
+        state.split_dropped = len(sources) - keep
+        sources = sources[:keep]
         state.hit_sources = sources
         hit = len(sources)
         if hit == 0:
@@ -277,6 +296,7 @@ class KVBMScheduler:
             job.slots.append(slot)
             job.fetch.append((i, src, key))
         state.load_keys = host_keys
+        state.load_started, state.load_blocks = self.split.clock(), Counter(sources)
         # The loaded blocks are in the host tier now: never store them again.
         state.store_cursor = max(state.store_cursor, start + count)
         self._loads.append(job)
@@ -294,6 +314,7 @@ class KVBMScheduler:
             return
         self.stats.add("lookup_tokens", lookup)
         self.stats.add("matched_tokens", hit_blocks * self.block_size)
+        self.stats.add("recompute_chosen_tokens", state.split_dropped * self.block_size)
         for source in state.hit_sources[:hit_blocks]:
             self.stats.add(f"matched_tokens_{source}", self.block_size)
 
@@ -330,6 +351,8 @@ class KVBMScheduler:
                                      delayed_free_req_ids=self._delayed_free,
                                      spills=self._spills)
         self._loads, self._delayed_free, self._spills = [], [], []
+        now = self.split.clock()
+        self._time_prefills(now)
         for req_id in out.preempted_req_ids or ():
             state = self._reqs.get(req_id)
             if state is not None and state.store_jobs:
@@ -337,10 +360,45 @@ class KVBMScheduler:
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             state = self._reqs.get(req_id)
             if state is not None and num_scheduled > 0:
+                self._watch_prefill(state, num_scheduled, now)
                 job = self._plan_store(state, num_scheduled)
                 if job is not None:
                     meta.stores.append(job)
         return meta
+
+    def _watch_prefill(self, state: _ReqState, num_scheduled: int, now: float) -> None:
+        """Notes when a request's prompt starts and ends computing (the
+        recompute cost ``split`` learns)."""
+        request = state.request
+        computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
+        if computed >= prompt:
+            return
+        if state.prefill_start is None:
+            state.prefill_start = (now, computed)
+        if computed + num_scheduled >= prompt and not state.prefill_ending:
+            state.prefill_ending = True
+            self._prefills_ending.append(state)
+
+    def _time_prefills(self, now: float) -> None:
+        """Prompts whose first token has appeared since: one prefill sample each."""
+        if not self._prefills_ending:
+            return
+        still = []
+        for state in self._prefills_ending:
+            if state.request.num_output_tokens == 0 and not state.finished:
+                still.append(state)  # async scheduling: its step is still running
+                continue
+            self._prefill_sample(state, now)
+        self._prefills_ending = still
+
+    def _prefill_sample(self, state: _ReqState, now: float) -> None:
+        start, state.prefill_start = state.prefill_start, None
+        if start is None or state.request.num_preemptions > 0:
+            return
+        started, cached = start
+        self.split.prefill_done(cached, state.request.num_prompt_tokens - cached, now - started)
+        self.stats.set_gauge("recompute_seconds_per_block",
+                             self.split.prefill.block_seconds(0, self.block_size))
 
     def _plan_store(self, state: _ReqState, num_scheduled: int) -> TransferJob | None:
         """Stores every full block this step completes that the host lacks."""
@@ -426,6 +484,7 @@ class KVBMScheduler:
                 # vLLM recomputes these blocks: store them again once it has.
                 state.store_cursor = min(state.store_cursor, state.local_hit_blocks)
             else:
+                self._learn_load(state)
                 self.stats.add("onboard_blocks_h2d", len(keys) + len(promoted))
                 for key, tier in promoted:
                     self.host.commit(key)  # promoted into the host tier
@@ -436,6 +495,15 @@ class KVBMScheduler:
         self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
         self._evictions_seen = self.host.evictions
         self._update_gauges()
+
+    def _learn_load(self, state: _ReqState) -> None:
+        if state.load_blocks is None:
+            return
+        blocks, state.load_blocks = state.load_blocks, None
+        self.split.load_done(blocks, self.split.clock() - state.load_started)
+        for tier in blocks:
+            self.stats.set_gauge(f"load_seconds_per_block_{tier}",
+                                 self.split.seconds_per_block(tier))
 
     def _update_gauges(self) -> None:
         used = self.host.used_slots
@@ -498,6 +566,9 @@ class KVBMScheduler:
         if state is None:
             return False, None
         state.finished = True
+        if state.prefill_ending:  # finished at its first token
+            self._prefills_ending = [s for s in self._prefills_ending if s is not state]
+            self._prefill_sample(state, self.split.clock())
         if state.store_jobs:
             # Stores still read these blocks: keep them until the worker says so.
             self._delayed_free.append(request.request_id)
