@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 # Weight of the newest sample in each running estimate: a tier that slows
 # down (a congested server) is followed within a few loads.
-_NEW = 0.3
+_NEW = 0.5
 # Decay of old prefill samples in the least-squares fit, per new sample.
 _KEEP = 0.9
 # A tier judged slower than recompute is tried again after this long, so a
