@@ -414,7 +414,10 @@ class DiskStore(LMCacheStore):
             return False
 
     def take_removed(self) -> list[bytes]:
-        removed, self._disk.removed = self._disk.removed, []
+        # Under the lock its appends hold: the reader and the writer thread
+        # (and LMCache's eviction) delete pages while the worker polls.
+        with self._disk.disk_lock:
+            removed, self._disk.removed = self._disk.removed, []
         return [int(h).to_bytes(KEY_BYTES, "big") for h in removed]
 
     def remove(self, key: bytes) -> None:
