@@ -43,12 +43,13 @@ def remote(lm_server):
 
 
 def connected(store: RemoteStore) -> bool:
-    return store._conn is not None
+    """Whether the store's read connection is up (the one get_into uses)."""
+    return store._reads.conn is not None
 
 
 def raw_get(store: RemoteStore, k: bytes) -> bytes:
     """The bytes the server holds for k, read with LMCache directly."""
-    conn = store._conn
+    conn = store._reads.conn
     mo = conn.run(conn.conn.get(store._ckey(k)), 5.0)
     assert mo is not None
     try:
@@ -58,7 +59,7 @@ def raw_get(store: RemoteStore, k: bytes) -> bytes:
 
 
 def raw_put(store: RemoteStore, k: bytes, data: bytes) -> None:
-    conn = store._conn
+    conn = store._reads.conn
     mo = conn.staging.allocate(torch.Size([1, 1, 1, len(data)]), torch.uint8, store._fmt,
                                busy_loop=False)
     flat_u8(mo.tensor).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -325,3 +326,40 @@ def test_a_frozen_remote_server_never_stalls_vllms_scheduler(lm_server):
             time.sleep(0.01)
     finally:
         lm_server.thaw()
+
+
+@pytest.fixture
+def relay(lm_server):
+    from tcp_relay import Relay
+
+    lm_server.wait_ready()
+    r = Relay(lm_server.port)
+    yield r
+    r.close()
+
+
+def test_a_read_does_not_wait_for_a_write_stuck_on_the_network(remote, relay):
+    """Reads and writes have a connection each: a put whose path stalled
+    (its relay frozen, a real TCP stall) holds only the write connection,
+    and a get of the same store answers meanwhile."""
+    import threading
+
+    timeout = 3.0
+    s = remote(url=relay.url, timeout_s=timeout, retry=0.3)
+    assert s.put(key(1), page(1, SMALL))
+    relay.freeze(s._writes.conn.sock)
+    result = {}
+    writer = threading.Thread(target=lambda: result.update(put=s.put(key(2), page(2, SMALL))))
+    t0 = time.monotonic()
+    writer.start()
+    while not s._writes.lock.locked():  # the put holds the write connection
+        time.sleep(0.001)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    assert s.get_into(key(1), out) == "ok" and torch.equal(out, page(1, SMALL))
+    assert s.contains(key(1))
+    assert writer.is_alive()  # the put is still waiting for its reply
+    writer.join(timeout + 2)
+    assert result == {"put": False} and time.monotonic() - t0 >= timeout * 0.9
+    relay.thaw()
+    time.sleep(0.4)  # the write connection is re-made (through a fresh relay process)
+    assert s.put(key(3), page(3, SMALL)) and s.get_into(key(3), out) == "ok"

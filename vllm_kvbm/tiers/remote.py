@@ -11,6 +11,9 @@ LMCache behaviour worked around here (0.5.6), each next to its call:
   memory included) and open a new one lazily, at most once per
   ``retry_interval_s``. Delete is emulated by overwriting with a tombstone.
 - lm:// PUT has no reply: put() confirms with an EXIST on the same stream.
+- The lm:// stream has no request ids, so one call at a time uses a
+  connection: reads and writes get one connection each, so a read never
+  waits behind a write (the worker reads and writes on separate threads).
 - A PUT cut off mid-page leaves an entry on LMCache's server whose GET makes
   the server hang up; keys whose PUT was cut off or whose GET broke the
   stream are overwritten with a tombstone when the store reconnects.
@@ -99,6 +102,19 @@ class _RemoteConn:
         # staging memory is released with it by the garbage collector.
 
 
+class _Link:
+    """One of the store's two connections (reads, writes): the connection of
+    the moment, the lock that lets one call at a time use it, and when to
+    try reconnecting."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.lock = threading.Lock()
+        self.conn: _RemoteConn | None = None
+        self.next_try = 0.0
+        self.state = "new"
+
+
 class RemoteStore(LMCacheStore):
     """Pages on an LMCache server (``lm://host:port``) via LMCache's RemoteBackend.
 
@@ -106,8 +122,10 @@ class RemoteStore(LMCacheStore):
     EXIST on the same ordered stream). Every call is bounded by
     ``timeout_s``. On an error or timeout the connection is dropped and
     calls fail fast ("error"/False) until the next reconnect attempt, at most
-    once per ``retry_interval_s``. One call at a time uses the connection
-    (the lm:// stream has no request ids).
+    once per ``retry_interval_s``. Reads (``get_into``, ``contains``) and
+    writes (``put``, ``remove``) each have a connection of their own, which
+    one call at a time uses (the lm:// stream has no request ids): one reader
+    and one writer thread never wait for each other.
     The server never evicts; ``remove`` writes a tombstone (a header-only
     page that reads back as "miss"). With ``page_secret`` pages (tombstones
     too) carry a MAC; a page without a valid one reads as "unauthenticated"
@@ -129,76 +147,75 @@ class RemoteStore(LMCacheStore):
         self._cfg = self._Config.from_defaults(
             chunk_size=1, local_cpu=False, max_local_cpu_size=4 * self._phys / GIB,
             remote_url=url, remote_serde="naive", blocking_timeout_secs=max(1, int(timeout_s + 1)))
-        self._lock = threading.Lock()      # one call on the stream at a time
-        self._conn: _RemoteConn | None = None
-        self._next_try = 0.0
-        self._state = "new"
+        self._reads, self._writes = _Link("reads"), _Link("writes")
         self._closed = False
         self._removed: set[bytes] = set()  # tombstoned by us: contains() -> False
         self._suspect: set[bytes] = set()  # puts cut off mid-stream: overwrite on reconnect
-        with self._lock:
-            self._connection(time.monotonic() + self._timeout_s)
+        for link in (self._writes, self._reads):
+            with link.lock:
+                self._connection(link, time.monotonic() + self._timeout_s)
 
     # -- connection state ----------------------------------------------------
-    def _set_state(self, state: str, why=None) -> None:
-        if state == self._state:
+    def _set_state(self, link: _Link, state: str, why=None) -> None:
+        if state == link.state:
             return
-        prev, self._state = self._state, state
+        prev, link.state = link.state, state
         if state == "down":
-            logger.warning("remote tier %s unavailable (%s); calls fail fast, reconnecting at "
-                           "most every %.1fs", self.url, why, self._retry_s)
+            logger.warning("remote tier %s unavailable for %s (%s); calls fail fast, "
+                           "reconnecting at most every %.1fs", self.url, link.role, why,
+                           self._retry_s)
         elif prev == "down":
-            logger.warning("remote tier %s reachable again", self.url)
+            logger.warning("remote tier %s reachable again for %s", self.url, link.role)
 
-    def _connection(self, deadline: float) -> _RemoteConn | None:
-        if self._conn is not None or self._closed:
-            return self._conn
+    def _connection(self, link: _Link, deadline: float) -> _RemoteConn | None:
+        if link.conn is not None or self._closed:
+            return link.conn
         now = time.monotonic()
-        if now < self._next_try:
+        if now < link.next_try:
             return None
-        self._next_try = now + self._retry_s
+        link.next_try = now + self._retry_s
         try:
             conn = _RemoteConn(self._host, self._port, self._cfg, self._md, self._timeout_s,
                                deadline - now)
         except Exception as e:  # noqa: BLE001
-            self._set_state("down", e)
+            self._set_state(link, "down", e)
             return None
-        self._conn = conn
+        link.conn = conn
         try:
             for key in list(self._suspect)[:256]:  # may hold a half-received page
                 self._send(conn, key, None, deadline)
                 self._suspect.discard(key)
         except Exception as e:  # noqa: BLE001
-            self._drop(conn, e)
+            self._drop(link, conn, e)
             return None
-        self._set_state("up")
+        self._set_state(link, "up")
         return conn
 
-    def _drop(self, conn: _RemoteConn, why) -> None:
-        if self._conn is conn:
-            self._conn = None
-        self._next_try = time.monotonic() + self._retry_s
-        self._set_state("down", why)
+    def _drop(self, link: _Link, conn: _RemoteConn, why) -> None:
+        if link.conn is conn:
+            link.conn = None
+        link.next_try = time.monotonic() + self._retry_s
+        self._set_state(link, "down", why)
         conn.close()
 
-    def _call(self, fn, fail):
-        """Runs fn(conn, deadline) under the stream lock; any failure -> fail."""
+    def _call(self, link: _Link, fn, fail):
+        """Runs fn(conn, deadline) on ``link`` under its lock; any failure -> fail."""
         if self._closed:
             return fail
         deadline = time.monotonic() + self._timeout_s
-        if not self._lock.acquire(timeout=self._timeout_s):
+        if not link.lock.acquire(timeout=self._timeout_s):
             return fail  # another call holds the stream for its whole timeout
         try:
-            conn = self._connection(deadline)
+            conn = self._connection(link, deadline)
             if conn is None:
                 return fail
             try:
                 return fn(conn, deadline)
             except Exception as e:  # noqa: BLE001 - timeout, reset, desync, ...
-                self._drop(conn, e)
+                self._drop(link, conn, e)
                 return fail
         finally:
-            self._lock.release()
+            link.lock.release()
 
     def _send(self, conn: _RemoteConn, key: bytes, page, deadline: float) -> None:
         """Puts page (None: a tombstone) and waits until it is on the wire."""
@@ -238,7 +255,7 @@ class RemoteStore(LMCacheStore):
             self._removed.discard(key)
             return True
         try:
-            return self._call(op, False)
+            return self._call(self._writes, op, False)
         except Exception as e:  # noqa: BLE001
             logger.warning("remote tier: put failed: %s", e)
             return False
@@ -276,7 +293,7 @@ class RemoteStore(LMCacheStore):
                 self._send(conn, key, None, deadline)
             return status
         try:
-            return self._call(op, "error")
+            return self._call(self._reads, op, "error")
         except Exception as e:  # noqa: BLE001
             logger.warning("remote tier: get failed: %s", e)
             return "error"
@@ -287,7 +304,7 @@ class RemoteStore(LMCacheStore):
         ck = self._ckey(bytes(key))
         try:
             return bool(self._call(
-                lambda conn, deadline: conn.run(conn.conn.exists(ck), deadline - time.monotonic()),
+                self._reads, lambda conn, deadline: conn.run(conn.conn.exists(ck), deadline - time.monotonic()),
                 False))
         except Exception:  # noqa: BLE001
             return False
@@ -298,7 +315,8 @@ class RemoteStore(LMCacheStore):
         key = bytes(key)
         self._forget(key)
         try:
-            self._call(lambda conn, deadline: self._send(conn, key, None, deadline), None)
+            self._call(self._writes,
+                       lambda conn, deadline: self._send(conn, key, None, deadline), None)
         except Exception:  # noqa: BLE001
             pass
 
@@ -310,12 +328,13 @@ class RemoteStore(LMCacheStore):
     def close(self) -> None:
         if self._closed:
             return
-        got = self._lock.acquire(timeout=self._timeout_s)
-        try:
-            self._closed = True
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-        finally:
-            if got:
-                self._lock.release()
+        self._closed = True  # new calls fail at once
+        for link in (self._reads, self._writes):
+            got = link.lock.acquire(timeout=self._timeout_s)
+            try:
+                if link.conn is not None:
+                    link.conn.close()
+                    link.conn = None
+            finally:
+                if got:
+                    link.lock.release()
