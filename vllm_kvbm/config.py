@@ -507,6 +507,9 @@ def _page_secret_env(environ: Mapping[str, str], kwargs: dict, sources: dict) ->
     kwargs["page_secret"] = PageSecret(text.encode(), "KVBM_PAGE_SECRET")
 
 
+DEFAULT_TIER_WRITE_QUEUE_PAGES = 64
+
+
 @dataclass(frozen=True)
 class KVBMConfig:
     # Bytes of host RAM for the host (CPU) tier, per worker (TP rank).
@@ -531,6 +534,12 @@ class KVBMConfig:
     remote_url: str | None = None
     # Bound on every remote call; a slower or dead server is a miss.
     remote_timeout_s: float = 2.0
+    # Pages each lower tier (disk, remote) may have waiting to be written,
+    # per worker; a write-through that finds them all taken is dropped and
+    # counted (kvbm_tier_write_drops_total). Each holds a copy of one KV block
+    # in RAM until written: this bounds that memory when a tier is slower
+    # than the offload rate.
+    tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES
     # Password of a redis:// / valkey:// remote tier (requirepass or the ACL
     # user's), from remote_password_file or KVBM_REMOTE_PASSWORD. Never logged.
     remote_password: RemotePassword | None = field(default=None, repr=False)
@@ -600,6 +609,7 @@ _KEYS = {
     "disk_admission_min_uses": ("disk_admission_min_uses", lambda k, v: _parse_int(k, v, 1)),
     "remote_url": ("remote_url", lambda k, v: _parse_remote_url(k, v)),
     "remote_timeout_s": ("remote_timeout_s", lambda k, v: _parse_seconds(k, v)),
+    "tier_write_queue_pages": ("tier_write_queue_pages", lambda k, v: _parse_int(k, v, 1)),
     "remote_password_file": ("remote_password", _parse_password_file),
     "remote_tls_ca_file": ("remote_tls_ca_file", lambda k, v: _parse_ca_file(k, v)),
     "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
@@ -627,6 +637,7 @@ _ENV = {
     "DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": ("disk_admission", lambda v: _dyn_disk_filter(v)),
     "KVBM_REMOTE_URL": ("remote_url", str),
     "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
+    "KVBM_TIER_WRITE_QUEUE_PAGES": ("tier_write_queue_pages", str),
     "KVBM_REMOTE_PASSWORD_FILE": ("remote_password_file", str),
     "KVBM_REMOTE_TLS_CA_FILE": ("remote_tls_ca_file", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),

@@ -117,8 +117,10 @@ class KVBMConnector(KVConnectorBase_V1):
         else:
             from vllm_kvbm.worker.jobs import KVBMWorker
 
-            self.worker = KVBMWorker(self.info, num_slots, self.config.nixl_backend,
-                                     agent_name=f"kvbm-{os.getpid()}")
+            self.worker = KVBMWorker(
+                self.info, num_slots, self.config.nixl_backend,
+                agent_name=f"kvbm-{os.getpid()}",
+                tier_write_queue_pages=self.config.tier_write_queue_pages)
 
     def _standalone_metrics(self) -> StandaloneMetrics | None:
         port = self.config.metrics_port

@@ -76,11 +76,13 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # spill job id -> workers that copied the slot (the slot may be reused)
     spills_done: Counter = field(default_factory=Counter)
     # (tier, outcome) -> pages: fetch outcomes ("ok", "miss", "corrupt",
-    # "unauthenticated", "error") and spill outcomes ("stored", "refused")
+    # "unauthenticated", "error") and spill outcomes ("stored", "refused",
+    # "dropped": the tier's write queue was full)
     tier_events: Counter = field(default_factory=Counter)
     # (tier, key) of pages found missing, corrupt or unauthenticated (removed)
     bad_pages: list[tuple[str, bytes]] = field(default_factory=list)
-    # (tier, key) of pages a tier deleted on its own (its LRU): may be written again
+    # (tier, key) of pages a tier deleted on its own (its LRU), or whose write
+    # was dropped (write queue full): may be written again
     removed_pages: list[tuple[str, bytes]] = field(default_factory=list)
     # seconds from post to completion, one entry per transfer
     store_latencies: list[float] = field(default_factory=list)

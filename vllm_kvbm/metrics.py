@@ -38,6 +38,9 @@ COUNTERS = {
     "offload_blocks_h2d": "Blocks written from the host tier to the disk tier",
     "offload_blocks_remote": "Blocks written from the host tier to the remote tier",
     "tier_write_errors": "Pages a lower tier (disk or remote) refused or failed to write",
+    "tier_write_drops": "Pages not written to a lower tier (disk or remote) because its write "
+                        "queue was full (the tier is slower than the offload rate); written "
+                        "when next reused",
     "tier_read_misses": "Pages expected in a lower tier that were gone when read",
     "tier_read_errors": "Lower-tier reads that failed (I/O error, timeout, server down)",
     "checksum_failures": "Pages whose bytes or key did not match their checksum; removed, recomputed",

@@ -68,11 +68,6 @@ class LowerTiers:
     def __bool__(self) -> bool:
         return bool(self.views)
 
-    @property
-    def waits_on_a_server(self) -> bool:
-        """A tier whose lookups go over the network (asked off the scheduler thread)."""
-        return any(getattr(view, "slow", False) for view in self.views)
-
     def find_run_doubling(self, keys: list[BlockKey]) -> list[str]:
         """``find_run`` asked in runs of 1, 2, 4, ... keys: a miss at the
         first block costs one small question, a long hit a few."""
@@ -134,7 +129,8 @@ class LowerTiers:
         return tiers
 
     def forget(self, tier: str, key: BlockKey) -> None:
-        """A page was found gone, corrupt or unauthenticated: allow writing it again."""
+        """A page was found gone, corrupt or unauthenticated, or its write was
+        dropped (the tier's write queue was full): allow writing it again."""
         if tier in self._written:
             self._written[tier].drop(key)
 
@@ -146,7 +142,8 @@ class LowerTiers:
     def record(events: Counter, stats) -> None:
         """Turns the worker's (tier, outcome) page counts into counters."""
         names = {"stored": {"disk": "offload_blocks_h2d", "remote": "offload_blocks_remote"},
-                 "refused": "tier_write_errors", "miss": "tier_read_misses",
+                 "refused": "tier_write_errors", "dropped": "tier_write_drops",
+                 "miss": "tier_read_misses",
                  "corrupt": "checksum_failures", "error": "tier_read_errors",
                  "unauthenticated": "page_auth_failures"}
         for (tier, outcome), count in events.items():

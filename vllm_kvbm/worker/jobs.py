@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_kvbm.config import DEFAULT_TIER_WRITE_QUEUE_PAGES
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
@@ -82,7 +83,8 @@ class _Pending:
 
 class KVBMWorker:
     def __init__(self, info: "EngineInfo", num_host_slots: int, nixl_backend: str,
-                 agent_name: str, transfer_timeout_s: float = TRANSFER_TIMEOUT_S):
+                 agent_name: str, transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+                 tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES):
         self.info = info
         self.transfer_timeout_s = transfer_timeout_s
         self.num_host_slots = num_host_slots
@@ -101,8 +103,8 @@ class KVBMWorker:
         self._load_error_blocks: set[int] = set()
         self._meta = KVBMWorkerMetadata()
         self._finished_recving: set[str] = set()
-        # Lower tiers (disk, remote), each on an I/O thread of its own.
-        self.tier_io = TierIO()
+        # Lower tiers (disk, remote), each on a read and a write thread of its own.
+        self.tier_io = TierIO(tier_write_queue_pages)
 
     def add_tier(self, store: "TierStore") -> None:
         self.tier_io.add(store)
@@ -191,7 +193,8 @@ class KVBMWorker:
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for spill in meta.spills:
             # A ready slot (its store completed), pinned by the scheduler
-            # until this copy of it is reported.
+            # until this copy of it is reported; reported even when every
+            # tier's write queue was full and no copy was made.
             assert self.host_pool is not None
             self.tier_io.spill(spill, self.host_pool[spill.slot])
             self._meta.spills_done[spill.job_id] += 1  # the slot may be reused now

@@ -1,21 +1,30 @@
 """The lower tiers' I/O, off the engine thread: fetches into host slots and spills.
 
-Each tier (disk, remote) gets one I/O thread, so a slow remote never delays
-a disk read and the engine thread never blocks on a tier. A load whose pages
-live below the host tier is fetched into its host slots here first; the
-worker then moves the whole job with one NIXL read.
+Each tier (disk, remote) gets a read thread and a write thread of its own, so
+a fetch (a waiting request's onboarding) never queues behind the tier's
+spills, a slow remote never delays a disk read, and the engine thread never
+blocks on a tier. A load whose pages live below the host tier is fetched
+into its host slots here first; the worker then moves the whole job with one
+NIXL read.
+
+Each tier's writes are bounded (``write_queue_pages``): a spill that finds
+its tier's queue full is dropped before its page is copied, counted
+("dropped"), and reported like a page the tier does not have, so the
+scheduler writes it again when it is next admitted. A tier slower than the
+offload rate so costs write-throughs, never memory or reads.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm.config import parse_remote_url
+from vllm_kvbm.config import DEFAULT_TIER_WRITE_QUEUE_PAGES, parse_remote_url
 from vllm_kvbm.tiers.page_format import copy_bytes
 
 if TYPE_CHECKING:
@@ -27,16 +36,48 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+class _WriteQueue:
+    """Spills of one tier not written yet (queued or being written), at most ``cap``."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._lock = threading.Lock()  # entered on the engine thread, left on the writer
+        self.queued = 0
+        self.peak = 0  # most ever queued at once (tests, debugging)
+
+    def enter(self) -> bool:
+        with self._lock:
+            if self.queued >= self.cap:
+                return False
+            self.queued += 1
+            self.peak = max(self.peak, self.queued)
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.queued -= 1
+
+
 class TierIO:
-    def __init__(self) -> None:
+    def __init__(self, write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES) -> None:
+        if write_queue_pages < 1:
+            raise ValueError(f"write_queue_pages must be >= 1, got {write_queue_pages}")
+        self.write_queue_pages = write_queue_pages
         self.tiers: dict[str, TierStore] = {}
-        self._io: dict[str, ThreadPoolExecutor] = {}
+        self._reader: dict[str, ThreadPoolExecutor] = {}
+        self._writer: dict[str, ThreadPoolExecutor] = {}
+        self.queues: dict[str, _WriteQueue] = {}
         self._fetching: list[tuple[TransferJob, Future]] = []
         self._writing: list[tuple[str, bytes, Future]] = []
+        self._dropped: list[tuple[str, bytes]] = []
+        self._unreported, self._warned_at = 0, -1e9
 
     def add(self, store: "TierStore") -> None:
-        self.tiers[store.name] = store
-        self._io[store.name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{store.name}")
+        name = store.name
+        self.tiers[name] = store
+        self._reader[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-read")
+        self._writer[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-write")
+        self.queues[name] = _WriteQueue(self.write_queue_pages)
 
     def fetch(self, job: "TransferJob", host_pool: torch.Tensor) -> None:
         """Starts reading ``job.fetch``'s pages into their host slots."""
@@ -58,23 +99,32 @@ class TierIO:
                         status = "error"
                     results.append((tier, key, status))
                 return results
-            futures.append(self._io[tier].submit(fetch) if store is not None
+            futures.append(self._reader[tier].submit(fetch) if store is not None
                            else _done([(tier, key, "error") for _, key in items]))
         self._fetching.append((job, _gather(futures)))
 
     def spill(self, spill: "SpillJob", slot_page: torch.Tensor) -> None:
         """Copies a host slot now (so it can be reused at once) and writes it
-        to ``spill.tiers`` in the background."""
+        to ``spill.tiers`` in the background; a tier whose write queue is
+        full drops it instead."""
+        tiers = []
+        for tier in spill.tiers:
+            if tier not in self.tiers:
+                continue
+            if self.queues[tier].enter():
+                tiers.append(tier)
+            else:
+                self._dropped.append((tier, spill.key))
+        if not tiers:
+            return  # no copy made
         # Stream order: host memory only. The slot is spilled after every
         # worker reported its store done (its fence passed, NIXL finished the
         # copy into host RAM) and stays pinned until this copy is reported.
         page = torch.empty_like(slot_page)
         copy_bytes(page, slot_page)
-        for tier in spill.tiers:
-            store = self.tiers.get(tier)
-            if store is not None:
-                self._writing.append(
-                    (tier, spill.key, self._io[tier].submit(store.put, spill.key, page)))
+        for tier in tiers:
+            self._writing.append((tier, spill.key, self._writer[tier].submit(
+                _write, self.tiers[tier], self.queues[tier], spill.key, page)))
 
     def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool]]:
         """Records finished fetches and writes in ``meta``; returns the fetched
@@ -103,16 +153,45 @@ class TierIO:
             else:
                 writing.append((tier, key, future))
         self._writing = writing
+        for tier, key in self._dropped:
+            meta.tier_events[(tier, "dropped")] += 1
+            # like a page the tier does not have: written again when next admitted
+            meta.removed_pages.append((tier, key))
+        self._warn_drops()
         for name, store in self.tiers.items():
             meta.removed_pages.extend((name, key) for key in store.take_removed())
         return ready
 
+    def _warn_drops(self) -> None:
+        """Says so at most once a minute: under a sustained overload every step drops."""
+        self._unreported += len(self._dropped)
+        self._dropped = []
+        now = time.monotonic()
+        if self._unreported and now - self._warned_at >= 60:
+            logger.warning("KVBM: %d page writes dropped since last said: a lower tier is "
+                           "slower than the offload rate and its write queue (%d pages) is "
+                           "full; those pages are written when next reused (said at most once "
+                           "a minute)", self._unreported, self.write_queue_pages)
+            self._unreported, self._warned_at = 0, now
+
     def close(self) -> None:
-        for pool in self._io.values():
-            pool.shutdown(wait=True, cancel_futures=True)
+        for pool in [*self._reader.values(), *self._writer.values()]:
+            pool.shutdown(wait=False, cancel_futures=True)  # queued work is dropped
+        for pool in [*self._reader.values(), *self._writer.values()]:
+            pool.shutdown(wait=True)  # each store call is bounded
         for store in self.tiers.values():
             store.close()
-        self.tiers, self._io = {}, {}
+        self.tiers, self._reader, self._writer = {}, {}, {}
+
+
+def _write(store: "TierStore", queue: _WriteQueue, key: bytes, page: torch.Tensor) -> bool:
+    try:
+        return store.put(key, page)
+    except Exception as err:  # a store must not take the engine down
+        logger.warning("KVBM: %s write failed: %s", store.name, err)
+        return False
+    finally:
+        queue.leave()
 
 
 def _done(value) -> Future:

@@ -1,0 +1,196 @@
+"""TierIO, the worker's lower-tier I/O, on real stores: reads never queue
+behind writes, and each tier's write queue is bounded (a full queue drops the
+write, counts it, and the scheduler writes the page again when next reused).
+
+Slowness is real: many large pages written to a real disk directory, and a
+real LMCache server whose write connection stalls (a relay process in front
+of it, SIGSTOPped for that connection only: tests/tcp_relay.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+
+from tier_pages import MiB, SMALL, key, page  # noqa: E402
+from vllm_kvbm.messages import KVBMWorkerMetadata, SpillJob, TransferJob  # noqa: E402
+from vllm_kvbm.worker.tier_io import TierIO  # noqa: E402
+
+
+def fetch_one(io: TierIO, tier: str, k: bytes, pool: torch.Tensor, slot: int, meta,
+              timeout: float = 20.0) -> bool:
+    """Fetches ``k`` into ``pool[slot]``, polling as the worker does each step."""
+    io.fetch(TransferJob(1, "req", [0], [slot], fetch=[(0, tier, k)]), pool)
+    deadline = time.monotonic() + timeout
+    while True:
+        ready = io.poll(meta)
+        if ready:
+            [(_, ok)] = ready
+            return ok
+        assert time.monotonic() < deadline, "the fetch never finished"
+        time.sleep(0.001)
+
+
+def wait_writes(io: TierIO, meta, tier: str, n: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while meta.tier_events[(tier, "stored")] + meta.tier_events[(tier, "refused")] < n:
+        assert time.monotonic() < deadline, "the writes never finished"
+        io.poll(meta)
+        time.sleep(0.01)
+
+
+def test_a_disk_fetch_does_not_wait_for_the_disks_queued_writes(tmp_path):
+    """512 spills queue on the disk's writer (each write a file created,
+    written and renamed: far slower than the spill's copy); a fetch asked
+    after them completes while most of them are still waiting. With one I/O
+    thread per tier it came after all of them."""
+    from vllm_kvbm.tiers.disk import DiskStore
+
+    n = 512
+    store = DiskStore(str(tmp_path), 1 << 30, SMALL, "ns-io", 0, 1)
+    io = TierIO(write_queue_pages=n)
+    io.add(store)
+    try:
+        assert store.put(key(1000), page(1000, SMALL))
+        slot = page(1, SMALL)
+        for i in range(n):
+            io.spill(SpillJob(i, key(i), 0, ["disk"]), slot)
+        queued = io.queues["disk"].queued
+        meta = KVBMWorkerMetadata()
+        pool = torch.zeros(1, SMALL, dtype=torch.uint8)
+        assert fetch_one(io, "disk", key(1000), pool, 0, meta)
+        left = io.queues["disk"].queued
+        print(f"writes queued when the fetch was asked: {queued}, when it completed: {left}")
+        assert left > 0, "the fetch waited for every write queued before it"
+        assert torch.equal(pool[0], page(1000, SMALL))
+        wait_writes(io, meta, "disk", n)
+        assert meta.tier_events[("disk", "stored")] == n
+        assert io.queues["disk"].queued == 0 and not meta.tier_events[("disk", "dropped")]
+    finally:
+        io.close()
+
+
+@pytest.fixture
+def relay(lm_server):
+    from tcp_relay import Relay
+
+    lm_server.wait_ready()
+    r = Relay(lm_server.port)
+    yield r
+    r.close()
+
+
+def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
+    """The remote's write connection stalls (and so does any new one): its
+    writer waits on the first spill, the queue holds 4, the other 6 spills
+    are dropped (no copy), counted and reported as pages the tier lacks; a
+    fetch from the same tier answers meanwhile on its read connection."""
+    from vllm_kvbm.tiers.remote import RemoteStore
+
+    timeout = 3.0
+    store = RemoteStore(relay.url, SMALL, "ns-io", 0, 1, timeout_s=timeout,
+                        retry_interval_s=0.2)
+    io = TierIO(write_queue_pages=4)
+    io.add(store)
+    try:
+        assert store.put(key(100), page(100, SMALL))
+        relay.freeze(store._writes.conn.sock)
+        relay.freeze_new_connections()
+        for i in range(10):
+            io.spill(SpillJob(i, key(i), 0, ["remote"]), page(i, SMALL))
+        assert io.queues["remote"].queued == 4  # the writer is stuck on the first
+        meta = KVBMWorkerMetadata()
+        pool = torch.zeros(2, SMALL, dtype=torch.uint8)
+        assert fetch_one(io, "remote", key(100), pool, 1, meta)
+        assert torch.equal(pool[1], page(100, SMALL))
+        assert io.queues["remote"].queued == 4  # read while no write had finished
+        assert meta.tier_events[("remote", "dropped")] == 6
+        assert sorted(meta.removed_pages) == [("remote", key(i)) for i in range(4, 10)]
+        assert meta.tier_events[("remote", "ok")] == 1 and not meta.is_empty()
+    finally:
+        relay.thaw()
+    try:
+        wait_writes(io, meta, "remote", 4, timeout=30)
+        assert io.queues["remote"].peak == 4 and io.queues["remote"].queued == 0
+        assert meta.tier_events[("remote", "dropped")] == 6  # nothing else dropped
+    finally:
+        io.close()
+
+
+def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(relay):
+    """Through the real worker and scheduler: a request's three blocks are
+    spilled to a remote tier whose write connection stalled, with room for
+    one write. The worker still reports every spill copied (the host slots
+    are unpinned), the scheduler counts two drops, and when the prompt is
+    reused from the host tier exactly the two dropped blocks are spilled
+    again."""
+    from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+    from test_scheduler_unit import keys_of, tokens
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from vllm_kvbm.messages import KVBMConnectorMetadata
+    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.worker.jobs import KVBMWorker
+
+    sched = make_scheduler(host_blocks=16, remote_url=relay.url, remote_timeout_s=3.0)
+    k = kvbm(sched)
+    info = k.info
+    worker = KVBMWorker(info, 16, "UCX", "kvbm-tier-io-test", tier_write_queue_pages=1)
+    # Spills read host slots only: plain memory is all they need (no NIXL).
+    worker.host_pool = torch.zeros(16, info.block_bytes, dtype=torch.uint8)
+    store = RemoteStore(relay.url, info.block_bytes, info.tier_namespace, 0, 1,
+                        timeout_s=3.0, retry_interval_s=0.2)
+    worker.add_tier(store)
+    try:
+        prompt = tokens(3 * BLOCK + 1, 21)
+        keys = keys_of(sched, prompt)
+        req = make_request(prompt, max_tokens=1)
+        sched.add_request(req)
+        spills = []
+        deadline = time.monotonic() + 20  # its lookup asks the server off the scheduler thread
+        while not spills:
+            assert time.monotonic() < deadline, "the blocks were never spilled"
+            _, meta, _ = step(sched, complete=True)
+            spills += meta.spills
+            time.sleep(0.01)
+        assert [s.key for s in spills] == keys[:3] and all(s.tiers == ["remote"] for s in spills)
+        assert all(k.host._entries[key].pins == 1 for key in keys[:3])
+
+        relay.freeze(store._writes.conn.sock)
+        worker.start_stores(KVBMConnectorMetadata(spills=spills))
+        worker.get_finished(set())
+        wmeta = worker.build_worker_meta()
+        assert wmeta.spills_done == Counter({s.job_id: 1 for s in spills})
+        assert wmeta.tier_events[("remote", "dropped")] == 2
+        k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=wmeta))
+        assert k.stats.total["tier_write_drops"] == 2
+        assert all(k.host._entries[key].pins == 0 for key in keys[:3])  # pins released
+
+        # The prompt again: a host-tier hit, and the loaded blocks are
+        # admitted for write-through again: only the two dropped ones.
+        for _ in range(50):
+            if req.request_id not in sched.requests:
+                break
+            step(sched, complete=True)
+        assert sched.reset_prefix_cache()  # vLLM forgets the prompt; the host tier does not
+        again = make_request(prompt, max_tokens=1)
+        sched.add_request(again)
+        respilled = []
+        deadline = time.monotonic() + 20
+        while again.request_id in sched.requests:
+            assert time.monotonic() < deadline, "the second request never finished"
+            _, meta, _ = step(sched, complete=True)
+            respilled += meta.spills
+            time.sleep(0.01)
+        assert k.stats.total["onboard_blocks_h2d"] >= 3  # it was a host hit
+        assert sorted(s.key for s in respilled) == sorted(keys[1:3])
+        assert all(s.tiers == ["remote"] for s in respilled)
+    finally:
+        relay.thaw()
+        worker.shutdown()
