@@ -50,15 +50,15 @@ KVBM_COUNTERS = ["matched_tokens", "lookup_tokens", "offload_blocks_d2h",
                  "load_error_blocks", "matched_tokens_host", "matched_tokens_disk",
                  "matched_tokens_remote", "onboard_blocks_d2d", "onboard_blocks_remote",
                  "offload_blocks_h2d", "offload_blocks_remote", "tier_write_errors",
-                 "tier_read_misses", "tier_read_errors", "checksum_failures",
-                 "page_auth_failures", "transfer_timeouts"]
+                 "tier_write_drops", "tier_read_misses", "tier_read_errors",
+                 "checksum_failures", "page_auth_failures", "transfer_timeouts"]
 # Zero in this workload: a host tier only (no disk or remote tier), never full.
 ZERO_COUNTERS = ["host_evictions", "store_skipped_blocks", "store_errors",
                  "load_error_blocks", "matched_tokens_disk", "matched_tokens_remote",
                  "onboard_blocks_d2d", "onboard_blocks_remote", "offload_blocks_h2d",
-                 "offload_blocks_remote", "tier_write_errors", "tier_read_misses",
-                 "tier_read_errors", "checksum_failures", "page_auth_failures",
-                 "transfer_timeouts"]
+                 "offload_blocks_remote", "tier_write_errors", "tier_write_drops",
+                 "tier_read_misses", "tier_read_errors", "checksum_failures",
+                 "page_auth_failures", "transfer_timeouts"]
 # Every value the checks read: from Prometheus, and from /metrics to compare.
 METRICS = ([f"kvbm_{name}_total" for name in KVBM_COUNTERS]
            + ["kvbm_offload_latency_seconds_count", "kvbm_onboard_latency_seconds_count",
