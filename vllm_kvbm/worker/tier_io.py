@@ -169,9 +169,10 @@ class TierIO:
         now = time.monotonic()
         if self._unreported and now - self._warned_at >= 60:
             logger.warning("KVBM: %d page writes dropped since last said: a lower tier is "
-                           "slower than the offload rate and its write queue (%d pages) is "
-                           "full; those pages are written when next reused (said at most once "
-                           "a minute)", self._unreported, self.write_queue_pages)
+                           "slower than the offload rate and its write queue "
+                           "(tier_write_queue_pages=%d) is full; those pages are written when "
+                           "next reused (said at most once a minute)", self._unreported,
+                           self.write_queue_pages)
             self._unreported, self._warned_at = 0, now
 
     def close(self) -> None:
