@@ -1,13 +1,15 @@
 """Async OpenAI-compatible client: drives a workload, writes CSV and summary.
 
     kvbm-bench multi-round --base-url http://127.0.0.1:8000 --model M \
-        --num-users 4 --num-rounds 3 --qps 0.5 --shared-system-prompt 1536 \
+        --num-users 6 --num-rounds 4 --qps 0.5 --shared-system-prompt 1536 \
         --user-history-prompt 512 --answer-len 32 --output out.csv
     kvbm-bench doc-qa --base-url ... --model M --num-documents 4 \
         --document-length 2000 --repeat-count 2 --hit-ratio 0.5 --output docs.csv
 
 Every request is a greedy streaming completion with ``ignore_eos``; TTFT is
-the time to the first streamed token. Every wait is bounded.
+the time to the first streamed token. Every wait is bounded. Multi-round QA
+paces users as LMBenchmark does (``arrival_gaps``), so requests of several
+users overlap; the summary says how many were in flight at most.
 """
 
 from __future__ import annotations
@@ -106,43 +108,63 @@ async def _paced(items_ready: Callable, launch: Callable, qps: float, duration: 
     return tasks
 
 
+def arrival_gaps(num_users: int, num_rounds: int, qps: float) -> tuple[float, float]:
+    """LMBenchmark's pacing (``UserSessionManager``): a user's rounds are
+    ``num_users / qps`` seconds apart, and users join ``round gap x
+    (num_rounds - 1) / num_users`` apart, so about ``num_users`` sessions are
+    open at once and together they send ``qps`` requests per second."""
+    if qps <= 0:
+        return 0.0, 0.0
+    round_gap = num_users / qps
+    return round_gap, round_gap * (num_rounds - 1) / num_users
+
+
 async def run_multi_round(base_url: str, model: str, workload: MultiRoundQA, qps: float,
                           duration: float = 600, request_timeout: float = 300,
                           on_result: Callable[[Result | None], None] = lambda r: None
                           ) -> RunOutput:
-    """Synthetic multi-round QA: at most ``qps`` launches per second; a user's
-    next round starts only after its previous answer came back."""
+    """Synthetic multi-round QA with LMBenchmark's arrival pattern: users start
+    staggered (``arrival_gaps``), each sends a round every round gap but never
+    before its previous answer came back, so several users are in flight at
+    once. Unlike LMBenchmark (whose first sessions start mid-conversation and
+    which stops at a deadline), every user runs every round from round 0, so
+    each configuration gets the same requests; no round starts after
+    ``duration`` seconds."""
     results: list[Result] = []
     errors: list[str] = []
-    ready = deque(workload.users)
-    finished = [0]
+    round_gap, join_gap = arrival_gaps(workload.num_users, workload.num_rounds, qps)
+    start = time.monotonic()
 
     async with aiohttp.ClientSession() as session:
-        async def launch(user):
-            try:
-                launch_t, ttft, total, text, ptok, gtok = await stream_completion(
-                    session, base_url, model, workload.prompt(user),
-                    workload.answer_tokens, request_timeout)
+        async def user_loop(user):
+            next_at = start + user.user_id * join_gap
+            while user.rounds_done < workload.num_rounds:
+                delay = next_at - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if time.monotonic() - start >= duration:
+                    return
+                launched = time.monotonic()
+                try:
+                    launch_t, ttft, total, text, ptok, gtok = await stream_completion(
+                        session, base_url, model, workload.prompt(user),
+                        workload.answer_tokens, request_timeout)
+                except Exception as err:  # noqa: BLE001 - recorded, the run goes on
+                    errors.append(f"user {user.user_id} round {user.rounds_done}: "
+                                  f"{type(err).__name__}: {err}")
+                    on_result(None)
+                    return  # this user's later rounds will not run
                 r = Result(ptok, gtok, ttft, total - ttft, user.user_id, user.rounds_done,
                            launch_t, launch_t + total)
                 results.append(r)
                 workload.record_answer(user, text)
-                if user.rounds_done < workload.num_rounds:
-                    ready.append(user)
                 on_result(r)
-            except Exception as err:  # noqa: BLE001 - recorded, the run goes on
-                errors.append(f"user {user.user_id} round {user.rounds_done}: "
-                              f"{type(err).__name__}: {err}")
-                # this user's later rounds will not run
-                finished[0] += workload.num_rounds - user.rounds_done - 1
-                on_result(None)
-            finally:
-                finished[0] += 1
+                next_at = launched + round_gap
 
-        tasks = await _paced(lambda: ready.popleft() if ready else None, launch, qps,
-                             duration, lambda: finished[0] >= workload.total_requests)
-        if tasks:
-            await asyncio.wait(tasks, timeout=request_timeout + 30)
+        users = [asyncio.create_task(user_loop(u)) for u in workload.users]
+        await asyncio.wait(users, timeout=duration + request_timeout + 30)
+        for task in users:
+            task.cancel()
     results.sort(key=lambda r: r.launch_time)
     return RunOutput(results, errors)
 
@@ -186,10 +208,26 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def concurrency(results: list[Result]) -> tuple[int, float]:
+    """(most requests in flight at once, mean in flight over the run's span),
+    from launch and finish times."""
+    events = sorted([(r.launch_time, 1) for r in results]
+                    + [(r.finish_time, -1) for r in results])  # a finish before a launch
+    now = peak = 0
+    for _, step in events:
+        now += step
+        peak = max(peak, now)
+    span = (max(r.finish_time for r in results) - min(r.launch_time for r in results)
+            if results else 0.0)
+    busy = sum(r.finish_time - r.launch_time for r in results)
+    return peak, (busy / span if span > 0 else 0.0)
+
+
 def summarize(results: list[Result], errors: list[str] | None = None) -> dict:
     ttfts = [r.ttft for r in results]
     span = (max(r.finish_time for r in results) - min(r.launch_time for r in results)
             if results else math.nan)
+    peak, mean_in_flight = concurrency(results)
     per_round: dict[int, list[float]] = {}
     for r in results:
         per_round.setdefault(r.question_id, []).append(r.ttft)
@@ -204,6 +242,8 @@ def summarize(results: list[Result], errors: list[str] | None = None) -> dict:
         "input_tokens_per_s": sum(r.prompt_tokens for r in results) / span if results else 0.0,
         "output_tokens_per_s": (sum(r.generation_tokens for r in results) / span
                                 if results else 0.0),
+        "max_in_flight": peak,
+        "mean_in_flight": mean_in_flight,
         "ttft_mean_by_round_s": {str(k): sum(v) / len(v) for k, v in sorted(per_round.items())},
     }
 
@@ -229,7 +269,8 @@ def format_summary(s: dict) -> str:
             f"TTFT mean {s['ttft_mean_s']:.3f} s, p50 {s['ttft_p50_s']:.3f}, "
             f"p90 {s['ttft_p90_s']:.3f}, p99 {s['ttft_p99_s']:.3f}; "
             f"input {s['input_tokens_per_s']:.0f} tok/s, "
-            f"output {s['output_tokens_per_s']:.1f} tok/s")
+            f"output {s['output_tokens_per_s']:.1f} tok/s; "
+            f"in flight: max {s.get('max_in_flight', 0)}, mean {s.get('mean_in_flight', 0):.2f}")
 
 
 def load_tokenizer(name: str):
@@ -239,14 +280,16 @@ def load_tokenizer(name: str):
 
 
 def add_workload_args(p: argparse.ArgumentParser, workload: str) -> None:
-    p.add_argument("--qps", type=float, default=0.5)
+    p.add_argument("--qps", type=float, default=0.5,
+                   help="requests per second over all users (multi-round: LMBenchmark's "
+                   "pacing, a user's rounds num_users/qps seconds apart)")
     p.add_argument("--time", "--duration", dest="duration", type=float, default=600,
                    help="stop launching new requests after this many seconds")
     p.add_argument("--request-timeout", type=float, default=300)
     p.add_argument("--seed", type=int, default=0)
     if workload == "multi-round":
-        p.add_argument("--num-users", type=int, default=4)
-        p.add_argument("--num-rounds", type=int, default=3)
+        p.add_argument("--num-users", type=int, default=6)
+        p.add_argument("--num-rounds", type=int, default=4)
         p.add_argument("--shared-system-prompt", type=int, default=1536,
                        help="tokens of the system prompt shared by all users")
         p.add_argument("--user-history-prompt", type=int, default=512,

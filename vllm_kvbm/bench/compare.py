@@ -4,12 +4,17 @@
     python -m vllm_kvbm.bench.compare --model PATH --configs vllm kvbm-host
 
 For each configuration: start ``vllm serve`` (same model, same serve args, an
-engine KV cache too small for the working set), send a warm-up request, run
-the workload, read the server's counters, stop the server. A configuration
-that fails to start (LMCache's ``LMCacheConnectorV1`` on a CPU-only machine)
-is reported with the error from its server log instead of being left out.
-Writes, under ``--out-dir``: per-configuration CSV and summary JSON, server
-logs, ``report.md`` (one comparison table) and two PNG plots.
+engine KV cache too small for the working set, the same CPU binding
+environment), send a warm-up request, run the workload, read the server's
+counters, then, with ``--lmbenchmark-dir`` (or LMBENCHMARK_DIR), run the real
+LMBenchmark client (``synthetic-multi-round-qa/multi-round-qa.py``) against the
+same server with the same sizes, and stop the server. The cores each server's
+OpenMP threads ran on are read from its log (``cores.py``): a comparison whose
+configurations ran on different cores is marked as not comparable and exits 3.
+A configuration that fails to start (LMCache's ``LMCacheConnectorV1`` on a
+CPU-only machine) is reported with the error from its server log instead of
+being left out. Writes, under ``--out-dir``: per-configuration CSV and summary
+JSON, server logs, ``report.md`` (one comparison table) and two PNG plots.
 """
 
 from __future__ import annotations
@@ -17,14 +22,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvbm.bench.client import (add_workload_args, format_summary, run_workload,
-                                    summarize, workload_size, write_csv)
+from vllm_kvbm.bench.client import (add_workload_args, format_summary, read_csv,
+                                    run_workload, summarize, workload_size, write_csv)
+from vllm_kvbm.bench.cores import Binding, check_equal, fair_cpu_env, read_binding
 from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
 LMCACHE_CONFIG = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
@@ -54,6 +62,10 @@ class ConfigRun:
     counters: dict = field(default_factory=dict)
     results: list = field(default_factory=list)
     wall_s: float = 0.0
+    binding: Binding | None = None   # the cores its OpenMP threads ran on (server log)
+    lmb_summary: dict = field(default_factory=dict)  # the real LMBenchmark client's run
+    lmb_error: str = ""
+    load: tuple = ()                 # 1-minute load average at the workload's start and end
 
 
 def transfer_config(name: str, args, out_dir: Path) -> dict | None:
@@ -101,6 +113,62 @@ def log_errors(path: Path, limit: int = 6, fallback: bool = True) -> str:
     return "\n".join(seen[-limit:]) or ("\n".join(lines[-limit:]) if fallback else "")
 
 
+LMB_CLIENT = Path("synthetic-multi-round-qa") / "multi-round-qa.py"
+
+
+def lmbenchmark_time(args) -> int:
+    """Seconds LMBenchmark's client runs: long enough to send as many requests
+    at --qps as kvbm-bench's own run sends."""
+    return args.lmbenchmark_time or max(30, math.ceil(workload_size(args) / args.qps))
+
+
+def lmbenchmark_cmd(args, url: str, csv_path: Path) -> list[str]:
+    """LMBenchmark's client with kvbm-bench's sizes (its own flags, as its
+    long_input_short_output_run.sh passes them)."""
+    return [args.lmbenchmark_python, str(Path(args.lmbenchmark_dir) / LMB_CLIENT),
+            "--num-users", str(args.num_users), "--num-rounds", str(args.num_rounds),
+            "--qps", str(args.qps), "--shared-system-prompt", str(args.shared_system_prompt),
+            "--user-history-prompt", str(args.user_history_prompt),
+            "--answer-len", str(args.answer_len), "--model", args.model, "--base-url", url,
+            "--init-user-id", "1", "--output", str(csv_path.resolve()),
+            "--log-interval", "30", "--time", str(lmbenchmark_time(args))]
+
+
+def lmbenchmark_problem(args) -> str:
+    """Why LMBenchmark's client cannot run here, or ''."""
+    client = Path(args.lmbenchmark_dir) / LMB_CLIENT
+    if not client.is_file():
+        return f"{args.lmbenchmark_dir} is not an LMBenchmark checkout: {client} not found"
+    check = subprocess.run([args.lmbenchmark_python, client.name, "--help"], cwd=client.parent,
+                           capture_output=True, text=True, timeout=120)
+    if check.returncode != 0:
+        last = (check.stderr or check.stdout).strip().splitlines()[-1:] or ["no output"]
+        return (f"LMBenchmark's client does not start with {args.lmbenchmark_python} "
+                f"(it imports openai and pandas): {last[0]}")
+    return ""
+
+
+def run_lmbenchmark(args, url: str, name: str, out_dir: Path) -> tuple[dict, str]:
+    """(summary, error) of one run of the real LMBenchmark client."""
+    csv_path = out_dir / f"lmbenchmark-{name}.csv"
+    log_path = out_dir / f"lmbenchmark-{name}.log"
+    limit = lmbenchmark_time(args) + args.request_timeout + 120
+    try:
+        with open(log_path, "w") as log:
+            proc = subprocess.run(lmbenchmark_cmd(args, url, csv_path),
+                                  cwd=Path(args.lmbenchmark_dir) / LMB_CLIENT.parent,
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=limit)
+    except subprocess.TimeoutExpired:
+        return {}, f"LMBenchmark's client still running after {limit:.0f} s; log {log_path}"
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])
+    if proc.returncode != 0:
+        return {}, f"LMBenchmark's client exited {proc.returncode}:\n{tail}"
+    rows = read_csv(csv_path) if csv_path.exists() else []
+    if not rows:
+        return {}, f"LMBenchmark's client finished no request (log {log_path}):\n{tail}"
+    return summarize(rows), ""
+
+
 def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
     run = ConfigRun(name)
     log_path = out_dir / f"server-{name}.log"
@@ -115,14 +183,21 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
 
     try:
         with vllm_server(args.model, transfer_config(name, args, out_dir), serve_args(args),
-                         env={"VLLM_LOGGING_LEVEL": "INFO"}, log_path=log_path,
-                         startup_timeout=args.startup_timeout) as server:
+                         env={"VLLM_LOGGING_LEVEL": "INFO", **args.cpu_env},
+                         log_path=log_path, startup_timeout=args.startup_timeout) as server:
+            run.binding = read_binding(log_path)
             server.stream_completion("warm up", max_tokens=2, timeout=120)
             before = {k: server.metric(m) for k, m in METRICS.items()}
             bar.set_description(f"{name}: {args.workload}")
+            load_before = os.getloadavg()[0]
             out = run_workload(args, server.url, args.model, tokenizer, on_result)
+            run.load = (load_before, os.getloadavg()[0])
             after = {k: server.metric(m) for k, m in METRICS.items()}
             run.counters = {k: after[k] - before[k] for k in METRICS}
+            if args.lmbenchmark_dir:
+                bar.set_description(f"{name}: LMBenchmark {lmbenchmark_time(args)} s")
+                run.lmb_summary, run.lmb_error = run_lmbenchmark(args, server.url, name,
+                                                                 out_dir)
         run.results = out.results
         run.summary = summarize(out.results, out.errors)
         run.summary["error_messages"] = out.errors[:20]
@@ -147,11 +222,14 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
             run.counters["lmcache_hit_tokens"] = sum(int(h) for h in hits)
     bar.update(total - done[0])
     run.wall_s = time.monotonic() - start
+    run.binding = run.binding or read_binding(log_path)
     if run.results:
         write_csv(out_dir / f"{name}.csv", run.results)
     (out_dir / f"{name}.summary.json").write_text(json.dumps(
         {"status": run.status, "error": run.error, "wall_s": run.wall_s,
-         "counters": run.counters, **run.summary}, indent=2))
+         "cores": run.binding.describe() if run.binding else None,
+         "counters": run.counters, **run.summary,
+         "lmbenchmark": run.lmb_summary, "lmbenchmark_error": run.lmb_error}, indent=2))
     return run
 
 
@@ -159,15 +237,34 @@ def _ms(x: float) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 1000:.0f}"
 
 
+def unequal_cores(runs: list[ConfigRun]) -> str:
+    """Why the runs that started a server are not comparable, or ''."""
+    started = {r.name: r.binding for r in runs if r.binding or r.results}
+    return check_equal(started)
+
+
+def _gain(base: dict, s: dict) -> str:
+    b, x = base.get("ttft_mean_s"), s.get("ttft_mean_s")
+    return f"{b / x:.1f}x" if b and x and not math.isnan(b) and not math.isnan(x) else "-"
+
+
 def report(runs: list[ConfigRun], args, command: str) -> str:
-    lines = [f"# kvbm-bench compare: {args.workload}", "",
-             f"Command: `{command}`", "",
-             f"Model `{args.model}`; engine KV cache {args.engine_kv_blocks} blocks of "
-             f"{args.block_size} tokens; serve args `{' '.join(serve_args(args))}`.", ""]
-    lines += ["| configuration | status | requests | TTFT mean ms | p50 | p90 | p99 "
-              "| input tok/s | output tok/s | vLLM prefix hit rate | connector hit tokens |",
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    env = " ".join(f"{k}={v}" for k, v in args.cpu_env.items())
+    lines = [f"# kvbm-bench compare: {args.workload}", ""]
+    problem = unequal_cores(runs)
+    if problem:
+        lines += [f"**NOT COMPARABLE: {problem}.** Set the same VLLM_CPU_OMP_THREADS_BIND "
+                  "for every configuration and run again.", ""]
+    lines += [f"Command: `{command}`", "",
+              f"Model `{args.model}`; engine KV cache {args.engine_kv_blocks} blocks of "
+              f"{args.block_size} tokens; serve args `{' '.join(serve_args(args))}`; every "
+              f"server started with `{env}` on a {os.cpu_count()}-core machine.", ""]
+    lines += ["| configuration | status | cores (server log) | requests | max in flight "
+              "| TTFT mean ms | p50 | p90 | p99 | input tok/s | output tok/s "
+              "| vLLM prefix hit rate | connector hit tokens |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
+        cores = r.binding.describe() if r.binding else "-"
         s, c = r.summary, r.counters
         if r.status == "ok" or s:
             hit = (f"{c['prefix_hits'] / c['prefix_queries']:.0%}"
@@ -175,15 +272,15 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
             kvbm = (f"host {c['kvbm_host_tokens']:.0f}, disk {c['kvbm_disk_tokens']:.0f}"
                     if r.name.startswith("kvbm") else
                     f"{c['lmcache_hit_tokens']}" if "lmcache_hit_tokens" in c else "-")
-            lines.append(f"| {LABELS[r.name]} | {r.status} | {s['requests']}/"
-                         f"{workload_size(args)} | "
+            lines.append(f"| {LABELS[r.name]} | {r.status} | {cores} | {s['requests']}/"
+                         f"{workload_size(args)} | {s.get('max_in_flight', '-')} | "
                          f"{_ms(s['ttft_mean_s'])} | {_ms(s['ttft_p50_s'])} | "
                          f"{_ms(s['ttft_p90_s'])} | {_ms(s['ttft_p99_s'])} | "
                          f"{s['input_tokens_per_s']:.0f} | {s['output_tokens_per_s']:.1f} | "
                          f"{hit} | {kvbm} |")
         else:
-            lines.append(f"| {LABELS[r.name]} | failed: see below | 0/{workload_size(args)} "
-                         f"| - | - | - | - "
+            lines.append(f"| {LABELS[r.name]} | failed: see below | {cores} | "
+                         f"0/{workload_size(args)} | - | - | - | - | - "
                          f"| - | - | - | - |")
     rounds = sorted({q for r in runs for q in r.summary.get("ttft_mean_by_round_s", {})},
                     key=int)
@@ -196,6 +293,28 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
             if by:
                 lines.append(f"| {LABELS[r.name]} | "
                              + " | ".join(_ms(by.get(q, math.nan)) for q in rounds) + " |")
+    if args.lmbenchmark_dir:
+        base = next((r for r in runs if r.name == "vllm"), None)
+        lines += ["", f"Both clients against the same servers: kvbm-bench's run above, then "
+                  f"LMBenchmark's `{LMB_CLIENT}` (checkout `{args.lmbenchmark_dir}`) with the same "
+                  f"users, rounds, QPS and lengths for {lmbenchmark_time(args)} s (its own "
+                  "prompts, its own pacing: its first sessions start mid-conversation, and "
+                  "requests unfinished at the deadline are dropped). Gain: vLLM's mean TTFT "
+                  "over this configuration's, per client.", "",
+                  "| configuration | kvbm-bench mean TTFT ms | gain | max in flight "
+                  "| LMBenchmark mean TTFT ms | gain | requests | max in flight |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in runs:
+            s, m = r.summary, r.lmb_summary
+            lines.append(
+                f"| {LABELS[r.name]} | {_ms(s.get('ttft_mean_s'))} | "
+                f"{_gain(base.summary, s) if base else '-'} | {s.get('max_in_flight', '-')} | "
+                f"{_ms(m.get('ttft_mean_s'))} | {_gain(base.lmb_summary, m) if base else '-'} | "
+                f"{m.get('requests', '-')} | {m.get('max_in_flight', '-')} |")
+        for r in runs:
+            if r.lmb_error:
+                lines += ["", f"LMBenchmark against **{LABELS[r.name]}**:", "", "```",
+                          r.lmb_error.strip(), "```"]
     failed = [r for r in runs if r.error]
     for r in failed:
         lines += ["", f"**{LABELS[r.name]}** ({r.status}, after {r.wall_s:.0f} s):", "",
@@ -206,7 +325,11 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
                   "(the server ran; distinct lines, last ones):", "",
                   "```", r.log_errors.strip(), "```"]
     lines += ["", "Wall time per configuration (server start, warm-up, workload, stop): "
-              + ", ".join(f"{r.name} {r.wall_s:.0f} s" for r in runs) + "."]
+              + ", ".join(f"{r.name} {r.wall_s:.0f} s" for r in runs) + ". "
+              "1-minute load average at the start and end of kvbm-bench's workload (other "
+              "work on the machine shows here): "
+              + ", ".join(f"{r.name} {r.load[0]:.1f} / {r.load[1]:.1f}" for r in runs if r.load)
+              + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -271,11 +394,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=300)
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument for vllm serve (repeatable)")
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every configuration, unless "
+                   "VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU is set (then "
+                   "those, for every configuration); vLLM itself reserves one more core for "
+                   "an engine with a kv_transfer_config")
+    p.add_argument("--lmbenchmark-dir", default=os.environ.get("LMBENCHMARK_DIR") or None,
+                   help="a checkout of LMCache/LMBenchmark: also run its multi-round QA "
+                   "client against each configuration (default: $LMBENCHMARK_DIR)")
+    p.add_argument("--lmbenchmark-python",
+                   default=os.environ.get("LMBENCHMARK_PYTHON") or sys.executable,
+                   help="python for LMBenchmark's client, with openai and pandas "
+                   "(default: $LMBENCHMARK_PYTHON, else this python)")
+    p.add_argument("--lmbenchmark-time", type=int, default=0,
+                   help="seconds LMBenchmark's client runs (default: requests / qps)")
     # the multi-round and doc-qa options, both accepted; the chosen workload's are used
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--workload", choices=["multi-round", "doc-qa"], default="multi-round")
     add_workload_args(p, pre.parse_known_args(argv)[0].workload)
     args = p.parse_args(argv)
+    args.cpu_env = fair_cpu_env(reserved=args.reserved_cpus)
+    if args.lmbenchmark_dir:
+        if args.workload != "multi-round":
+            p.error("--lmbenchmark-dir runs LMBenchmark's multi-round QA: use --workload "
+                    "multi-round")
+        problem = lmbenchmark_problem(args)
+        if problem:
+            print(f"kvbm-bench compare: {problem}", file=sys.stderr)
+            return 2
     if args.model is None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
@@ -295,7 +441,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_config(name, args, tokenizer, out_dir, bar))
             r = runs[-1]
             msg = format_summary(r.summary) if r.summary else r.error.splitlines()[0]
-            bar.write(f"{name}: {r.status} in {r.wall_s:.0f} s; {msg}")
+            cores = r.binding.describe() if r.binding else "cores unknown"
+            bar.write(f"{name}: {r.status} in {r.wall_s:.0f} s on {cores}; {msg}")
+            if r.lmb_summary or r.lmb_error:
+                bar.write(f"{name}: LMBenchmark: " + (format_summary(r.lmb_summary)
+                                                      if r.lmb_summary else r.lmb_error))
     text = report(runs, args, command.strip())
     text += f"\nTotal wall time: {time.monotonic() - t0:.0f} s.\n"
     (out_dir / "report.md").write_text(text)
@@ -304,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "report.md").write_text(text)
     print(text)
     print(f"results in {out_dir}")
+    if unequal_cores(runs):
+        print(f"kvbm-bench compare: NOT COMPARABLE: {unequal_cores(runs)}", file=sys.stderr)
+        return 3
     return 0 if any(r.status == "ok" for r in runs) else 1  # a failed config is reported
 
 
