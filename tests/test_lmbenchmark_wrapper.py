@@ -1,9 +1,11 @@
 """examples/lmbenchmark/run.sh: what can be checked without an LMBenchmark checkout.
 
-LMBenchmark is not on PyPI and cannot be fetched here, so no test runs it; these
-run the real script up to the point where it would need the checkout or start a
-server, and check that it stops there loudly, with a message that says what to
-do, and that the sizes and server command it would use fit this machine.
+LMBenchmark is not on PyPI and no checkout is part of this repository, so no
+test runs it; these run the real script up to the point where it would need
+the checkout or start a server, and check that it stops there loudly, with a
+message that says what to do, that the sizes and server command it would use
+fit this machine, and that its core check refuses servers that ran on
+different cores (real `vllm serve` log lines in tests/data).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ SCRIPT = ROOT / "examples" / "lmbenchmark" / "run.sh"
 def run(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("LMBENCHMARK_DIR", "VLLM", "CLIENT_PYTHON", "OUT",
-                             "CHAT_HISTORY", "HOST_CACHE", "KV_CACHE_BYTES")}
+                             "CHAT_HISTORY", "HOST_CACHE", "KV_CACHE_BYTES",
+                             "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
     full_env.update(env)
     return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=120)
@@ -145,3 +148,32 @@ def test_sizes_follow_the_environment(tmp_path):
     # 1000 + 1234 + 5 * (100 + 40) + 256
     assert "--max-model-len 3190" in out.stdout
     assert f"results: {tmp_path}/rel/out" in out.stdout
+
+
+DATA = ROOT / "tests" / "data"
+
+
+def test_check_cores_refuses_servers_on_different_cores():
+    """Real logs: by default vLLM CPU ran the plain server on core 0 and the
+    KVBM server on cores 0 and 1."""
+    out = run("--check-cores", str(DATA / "vllm-serve-plain-auto.log"),
+              str(DATA / "vllm-serve-kvbm-auto.log"), cwd=ROOT)
+    assert out.returncode == 1
+    assert "vllm-serve-plain-auto.log: rank 0 cores [0]\n" in out.stdout
+    assert "vllm-serve-kvbm-auto.log: rank 0 cores [0, 1]\n" in out.stdout
+    assert "not run on the same cores" in out.stderr
+    fair = run("--check-cores", str(DATA / "vllm-serve-plain-auto.log"),
+               str(DATA / "vllm-serve-kvbm-reserved1.log"), cwd=ROOT)
+    assert fair.returncode == 0, fair.stderr
+    missing = run("--check-cores", str(DATA / "vllm-serve-plain-auto.log"),
+                  str(ROOT / "README.md"), cwd=ROOT)
+    assert missing.returncode == 1 and "README.md: unknown" in missing.stdout
+
+
+def test_both_servers_get_the_same_binding_env(tmp_path):
+    out = run("--sizes", "m", cwd=tmp_path)
+    assert "cpu binding (both servers): VLLM_CPU_OMP_THREADS_BIND=auto " \
+           "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in out.stdout
+    mine = run("--sizes", "m", cwd=tmp_path, VLLM_CPU_OMP_THREADS_BIND="0-1")
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=vLLM default" \
+        in mine.stdout

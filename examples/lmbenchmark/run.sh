@@ -6,6 +6,7 @@
 #
 #   LMBENCHMARK_DIR=~/LMBenchmark examples/lmbenchmark/run.sh MODEL [qps ...]
 #   examples/lmbenchmark/run.sh --sizes [MODEL]    # print what would run, start nothing
+#   examples/lmbenchmark/run.sh --check-cores LOG...  # the cores each server log ran on
 #
 # It runs LMBenchmark's client (synthetic-multi-round-qa/multi-round-qa.py) with the flags
 # of its long_input_short_output_run.sh: N users x N rounds, a shared system prompt, a
@@ -21,6 +22,12 @@
 # vllm serve args), STARTUP_TIMEOUT (s, 900), VLLM (default: this repo's .venv/bin/vllm),
 # CLIENT_PYTHON (default: this repo's .venv/bin/python; pandas and openai, what the client
 # imports, are pip-installed into it when missing, unless INSTALL_CLIENT_DEPS=0).
+# Both servers get the same CPU binding: vLLM CPU reserves one more core for an engine with
+# a kv_transfer_config, so by default a 2-core machine would run the baseline on one core
+# and KVBM on two. VLLM_CPU_NUM_OF_RESERVED_CPU=1 is exported for both unless
+# VLLM_CPU_OMP_THREADS_BIND or VLLM_CPU_NUM_OF_RESERVED_CPU is set; each server's cores are
+# read from its log ("core ids=") and printed, and a run whose servers used different cores
+# ends with an error (its CSVs are kept, and $OUT/CORES_DIFFER says why).
 # Anything missing or failing stops the run with a message: a server that exits, a client
 # that fails, a client that exits 0 without writing its CSV.
 # Servers listen on 127.0.0.1 only.
@@ -28,6 +35,25 @@ set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 fail() { echo "run.sh: error: $*" >&2; exit 1; }
+
+# The cores vLLM bound a server's OpenMP threads to, from its log ("local_rank=0, core
+# ids=[0]" under "OpenMP thread binding info"); "unknown" when the log has no such line.
+cores_of() {
+  local c
+  c=$(sed -n 's/.*local_rank=\([0-9]*\), core ids=\(\[[0-9, ]*\]\).*/rank \1 cores \2/p' "$1" 2>/dev/null | paste -sd';' -)
+  echo "${c:-unknown}"
+}
+if [ "${1:-}" = "--check-cores" ]; then
+  shift
+  [ $# -ge 1 ] || { echo "usage: $0 --check-cores LOG..." >&2; exit 2; }
+  first=$(cores_of "$1"); same=1
+  for log in "$@"; do
+    c=$(cores_of "$log"); echo "$log: $c"
+    if [ "$c" != "$first" ] || [ "$c" = unknown ]; then same=0; fi
+  done
+  [ $same = 1 ] || fail "the servers did not run on the same cores: not a fair comparison"
+  exit 0
+fi
 
 SIZES_ONLY=0
 if [ "${1:-}" = "--sizes" ]; then SIZES_ONLY=1; shift; fi
@@ -64,6 +90,10 @@ fi
 : "${SYSTEM_PROMPT:=1000}" "${ANSWER_LEN:=100}" "${DURATION:=100}"
 # Prompt of the last round: system prompt + history + every earlier question and answer.
 : "${MAX_MODEL_LEN:=$(( SYSTEM_PROMPT + CHAT_HISTORY + NUM_ROUNDS * (ANSWER_LEN + 40) + 256 ))}"
+if [ -z "${VLLM_CPU_OMP_THREADS_BIND:-}" ] && [ -z "${VLLM_CPU_NUM_OF_RESERVED_CPU:-}" ]; then
+  export VLLM_CPU_NUM_OF_RESERVED_CPU=1  # what vLLM gives the baseline; KVBM gets the same
+fi
+CPU_ENV="VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-auto} VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-vLLM default}"
 PORT=${PORT:-8000}
 STARTUP_TIMEOUT=${STARTUP_TIMEOUT:-900}
 VLLM=${VLLM:-$ROOT/.venv/bin/vllm}
@@ -80,6 +110,7 @@ if [ $SIZES_ONLY = 1 ]; then
   echo "workload: NUM_USERS=$NUM_USERS NUM_ROUNDS=$NUM_ROUNDS SYSTEM_PROMPT=$SYSTEM_PROMPT CHAT_HISTORY=$CHAT_HISTORY ANSWER_LEN=$ANSWER_LEN DURATION=$DURATION QPS=${QPS[*]}"
   echo "tiers: HOST_CACHE=$HOST_CACHE KV_CACHE_BYTES=${KV_CACHE_BYTES:-vLLM default}"
   echo "server: ${SERVE[*]} ${SERVE_ARGS:-}"
+  echo "cpu binding (both servers): $CPU_ENV"
   echo "results: $OUT"
   exit 0
 fi
@@ -132,6 +163,7 @@ run_one() {  # $1: name, rest: extra vllm serve args
     [ $SECONDS -lt $deadline ] || { stop_server; fail "$name: vllm serve not ready after ${STARTUP_TIMEOUT}s; see $OUT/server-$name.log"; }
     sleep 2
   done
+  echo "== $name: OpenMP threads on $(cores_of "$OUT/server-$name.log") ($CPU_ENV)"
   local user_id=1 qps csv
   for qps in "${QPS[@]}"; do
     csv=$OUT/${name}_output_${qps}.csv
@@ -151,9 +183,16 @@ run_one() {  # $1: name, rest: extra vllm serve args
   stop_server
 }
 
+rm -f "$OUT/CORES_DIFFER"
 echo "== sizes: $NUM_USERS users x $NUM_ROUNDS rounds, system prompt $SYSTEM_PROMPT, history $CHAT_HISTORY, answers $ANSWER_LEN tokens; host tier $HOST_CACHE; engine KV ${KV_CACHE_BYTES:-vLLM default} bytes; max_model_len $MAX_MODEL_LEN"
 run_one baseline
 run_one kvbm --kv-transfer-config "$KVBM_CONFIG"
 echo "results: $OUT/baseline_output_<qps>.csv and $OUT/kvbm_output_<qps>.csv"
+base_cores=$(cores_of "$OUT/server-baseline.log"); kvbm_cores=$(cores_of "$OUT/server-kvbm.log")
+if [ "$base_cores" != "$kvbm_cores" ] || [ "$base_cores" = unknown ]; then
+  echo "baseline: $base_cores; kvbm: $kvbm_cores" >"$OUT/CORES_DIFFER"
+  fail "NOT COMPARABLE: the servers ran on different cores (baseline: $base_cores; kvbm: $kvbm_cores); set the same VLLM_CPU_OMP_THREADS_BIND for both and run again"
+fi
+echo "both servers: OpenMP threads on $base_cores"
 # Same columns as kvbm-bench's CSV; summarize either with:
 echo "  $ROOT/.venv/bin/python -c 'import sys; from vllm_kvbm.bench.client import read_csv, summarize, format_summary; [print(f, format_summary(summarize(read_csv(f)))) for f in sys.argv[1:]]' $OUT/*_output_*.csv"
