@@ -2,7 +2,9 @@
 
 One engine with the host, disk and remote tiers (an LMCache server started
 here on 127.0.0.1); one prompt length; ratios printed from one run. Also the
-read bandwidth of each lower tier for one block-sized page.
+read bandwidth of each lower tier for one block-sized page. The engine gets
+the cores vLLM gives an engine without a connector (see bench_host_tier.py);
+they are read from its log and printed.
 
     .venv/bin/python benchmarks/bench_tiers.py [--tokens 8192] [--model PATH]
 """
@@ -58,13 +60,6 @@ def tier_bandwidth(store, block_bytes: int, pages: int = 32) -> float:
 
 
 def main() -> None:
-    from vllm import LLM
-
-    from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
-    from vllm_kvbm.tools.server import stop_process as stop
-    from vllm_kvbm.tiers.disk import DiskStore
-    from vllm_kvbm.tiers.remote import RemoteStore
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -73,6 +68,28 @@ def main() -> None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
+    from vllm_kvbm.bench.cores import fair_cpu_env, read_binding, teed_output
+
+    cpu_env = fair_cpu_env()
+    os.environ.update(cpu_env)
+    log = tempfile.NamedTemporaryFile(prefix="bench-tiers-", suffix=".log", delete=False)
+    with teed_output(log.name):
+        t, bw = measure(args)
+    binding = read_binding(log.name)
+    print()
+    print(f"engine: {binding.describe() if binding else 'cores unknown (no binding line)'}, "
+          f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
+          f"on {os.cpu_count()} cores; log {log.name}")
+    report(args, t, bw)
+
+
+def measure(args) -> tuple[dict, dict]:
+    from vllm import LLM
+
+    from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
+    from vllm_kvbm.tools.server import stop_process as stop
+    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.remote import RemoteStore
 
     port = free_port()
     server = start_lmcache_server(port)
@@ -112,7 +129,10 @@ def main() -> None:
         llm.llm_engine.engine_core.shutdown()
     finally:
         stop(server)
+    return t, bw
 
+
+def report(args, t: dict, bw: dict) -> None:
     print()
     print(f"prompt: {args.tokens} tokens, {args.tokens // BLOCK_SIZE} blocks of 2 MiB")
     print("| path | TTFT | miss / this |")
