@@ -1,7 +1,12 @@
 """TTFT of a miss, a vLLM prefix hit and a KVBM host-tier hit; onboard bandwidth.
 
 One run, one engine, ratios printed (these machines are noisy: compare the
-ratios, not absolute times across runs).
+ratios, not absolute times across runs). The engine gets the cores vLLM gives
+an engine without a connector (``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` unless the
+environment sets a binding: vLLM reserves one more core for an engine with a
+kv_transfer_config, and on 2 cores that would leave none reserved and run the
+KVBM engine on twice the cores of the plain one); the cores are read from the
+engine's log and printed.
 
     .venv/bin/python benchmarks/bench_host_tier.py [--lengths 2048 8192 16384] [--model PATH]
 """
@@ -9,7 +14,9 @@ ratios, not absolute times across runs).
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import tempfile
 import time
 
 BLOCK_SIZE = 128
@@ -102,7 +109,18 @@ def main() -> None:
     # Bandwidth first: after an engine ran in this process, torch's own copy
     # threads are configured for the engine and the comparison is skewed.
     nbytes, bw = bench_bandwidth()
-    rows = bench_ttft(args.model, args.lengths)
+    from vllm_kvbm.bench.cores import fair_cpu_env, read_binding, teed_output
+
+    cpu_env = fair_cpu_env()
+    os.environ.update(cpu_env)
+    log = tempfile.NamedTemporaryFile(prefix="bench-host-tier-", suffix=".log", delete=False)
+    with teed_output(log.name):
+        rows = bench_ttft(args.model, args.lengths)
+    binding = read_binding(log.name)
+    print()
+    print(f"engine: {binding.describe() if binding else 'cores unknown (no binding line)'}, "
+          f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
+          f"on {os.cpu_count()} cores; log {log.name}")
     print()
     print("| prompt tokens | miss (recompute) | vLLM prefix hit | KVBM host hit | miss / host hit | host hit / vLLM hit |")
     print("|---:|---:|---:|---:|---:|---:|")
