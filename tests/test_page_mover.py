@@ -106,13 +106,15 @@ def test_regions_reject_missing_block_dim(gen):
 
 # ---- PageMover round trips -------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["cpu", "flash", "flash_hnd"])
-def test_store_then_load_into_other_blocks(kind, gen, movers):
+@pytest.mark.parametrize("kind,loopback", [("cpu", "self"), ("flash", "self"),
+                                           ("flash_hnd", "self"), ("cpu", "default"),
+                                           ("flash_hnd", "default")])
+def test_store_then_load_into_other_blocks(kind, loopback, gen, movers):
     lay = make_layout(kind, gen)
     num_slots = 24
     pool = make_pool(num_slots, lay.block_bytes(), gen)
     pool_before = pool.clone()
-    mover = PageMover(lay.caches, NB, pool, name=agent_name())
+    mover = PageMover(lay.caches, NB, pool, name=agent_name(), loopback=loopback)
     movers.append(mover)
     assert mover.block_bytes == lay.block_bytes()
 
@@ -156,6 +158,33 @@ def test_concurrent_posts_and_slot_reuse(gen, movers):
     # overwrite slot 1 with another block: the newest store wins
     assert wait(mover, mover.post(True, [30], [1])) == "DONE"
     for b, s in [(1, 0), (30, 1), (3, 2), (10, 5), (11, 6)]:
+        assert torch.equal(pool[s], lay.slot_bytes(b))
+
+
+def test_user_ucx_tls_without_self_still_moves_the_right_bytes(gen, movers, monkeypatch):
+    # NIXL applies the host loopback's TLS=self only when UCX_TLS is unset: a
+    # user's choice without the self transport must still copy both ways.
+    monkeypatch.setenv("UCX_TLS", "cma,tcp")
+    lay = make_layout("cpu", gen)
+    pool = make_pool(8, lay.block_bytes(), gen)
+    mover = PageMover(lay.caches, NB, pool, name=agent_name())
+    movers.append(mover)
+    assert wait(mover, mover.post(True, [4, 9], [6, 2])) == "DONE"
+    assert torch.equal(pool[6], lay.slot_bytes(4)) and torch.equal(pool[2], lay.slot_bytes(9))
+    assert wait(mover, mover.post(False, [20], [2])) == "DONE"
+    assert torch.equal(lay.slot_bytes(20), lay.slot_bytes(9))
+
+
+def test_close_lets_queued_copies_finish(gen):
+    # The copy thread ends only after what was posted before close() ran:
+    # deregistering memory under a running copy would be undefined.
+    lay = make_layout("cpu", gen)
+    pool = make_pool(8, lay.block_bytes(), gen)
+    mover = PageMover(lay.caches, NB, pool, name=agent_name())
+    handles = [mover.post(True, [b], [s]) for b, s in [(3, 0), (4, 1), (5, 2), (6, 3)]]
+    mover.close()
+    assert [mover.poll(h) for h in handles] == ["DONE"] * 4
+    for b, s in [(3, 0), (4, 1), (5, 2), (6, 3)]:
         assert torch.equal(pool[s], lay.slot_bytes(b))
 
 

@@ -3,15 +3,29 @@
 Both memories are registered once with one NIXL agent, and a descriptor list
 covering every page is prepared once on each side; a transfer is then just a
 pair of index lists, posted asynchronously and polled later. The agent
-transfers to itself (loopback), which NIXL's UCX backend runs as a memcpy on
-CPU and as a DMA copy to or from GPU memory on CUDA.
+transfers to itself (loopback): a DMA copy to or from GPU memory on CUDA.
+
+KV cache in host memory (vLLM on CPU): left to choose, UCX moves a loopback
+RMA through the kernel's cross-memory attach (cma: process_vm_readv/writev,
+about 45% of a memcpy here: docs/benchmarks.md); its shared-memory transports
+(posix, sysv) only reach memory UCX allocated itself, and its ``self``
+transport, which copies a PUT with one plain memcpy straight into the target,
+has no GET (a READ falls back to active-message emulation, slower still) and
+refuses NIXL's default peer-failure error handling. So on CPU the agent's UCX
+context is limited to ``self`` with error handling off, and both directions
+are WRITEs: a load writes the host pool's pages into the KV cache. A ``self``
+PUT completes inside the call that posts it, so transfers are posted from a
+thread of the mover's own (NIXL releases the GIL while it copies); the engine
+thread only queues them and polls, as it would a DMA.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import queue
 import sys
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -169,10 +183,73 @@ def page_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
     return regions
 
 
+# UCX backend parameters for an agent that copies host memory to itself:
+# only the self transport (a PUT is one memcpy into the target), which does
+# not support peer-failure handling (there is no peer). UCX_TLS in the
+# environment still wins (NIXL applies engine_config only to unset keys).
+HOST_LOOPBACK_PARAMS = {"engine_config": "TLS=self", "ucx_error_handling_mode": "none"}
+
+
+class _HostCopy:
+    """A transfer handed to the copy thread; ``state`` is PROC until it ran."""
+
+    __slots__ = ("handle", "state")
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.state = "PROC"
+
+
+class _CopyThread:
+    """Posts host-memory transfers to NIXL one after another, off the engine thread.
+
+    The caller makes and releases the transfer handles; this thread only posts
+    them (and, were a post ever to return PROC, polls it): one NIXL call that
+    copies with the GIL released, so each transfer takes the GIL here twice
+    (waking up, and after the copy), not once per NIXL call. The agent is
+    created with NIXL's RW locking, under which making, posting and releasing
+    handles may run on different threads at once.
+    """
+
+    def __init__(self, agent, name: str):
+        self._agent = agent
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, handle) -> _HostCopy:
+        job = _HostCopy(handle)
+        self._queue.put(job)
+        return job
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                state = self._agent.transfer(job.handle)
+                while state == "PROC":
+                    state = self._agent.check_xfer_state(job.handle)
+            except Exception as err:  # a transfer error surfaces as an exception
+                logger.warning("KVBM: NIXL transfer failed: %s", err)
+                state = "ERR"
+            job.state = state
+
+    def stop(self) -> None:
+        """Returns once every transfer submitted before it has run."""
+        self._queue.put(None)
+        self._thread.join()
+
+
 class PageMover:
+    """``loopback``: for a KV cache in host memory, "self" (the default; see
+    the module docstring) or "default" (UCX's own transport choice, loads as
+    READs: what the mover did before; kept for benchmarks/bench_host_tier.py).
+    A KV cache in GPU memory always uses UCX's own choice."""
+
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                  host_pool: torch.Tensor, backend: str = "UCX", name: str = "kvbm",
-                 block_dims: dict[str, int] | None = None):
+                 block_dims: dict[str, int] | None = None, loopback: str = "self"):
+        if loopback not in ("self", "default"):
+            raise ValueError(f"loopback must be 'self' or 'default', not {loopback!r}")
         nixl_agent, nixl_agent_config, self.nixl_module = _nixl_api()
         self.regions = page_regions(kv_caches, num_blocks, block_dims)
         self.num_blocks = num_blocks
@@ -185,10 +262,18 @@ class PageMover:
         first = next(iter(kv_caches.values()))
         kv_mem = "VRAM" if first.is_cuda else "DRAM"
         kv_dev = first.device.index or 0 if first.is_cuda else 0
-        # One UCX worker thread: large posts return at once and the copy runs
-        # beside the engine. No progress thread: it spins a whole core idle.
-        self.agent = nixl_agent(name, nixl_agent_config(
-            backends=[backend], num_threads=1, enable_prog_thread=False))
+        host_only = kv_mem == "DRAM" and backend == "UCX" and loopback == "self"
+        if host_only:
+            sync = importlib.import_module(f"{self.nixl_module}._api").nixl_thread_sync_t
+            self.agent = nixl_agent(name, nixl_agent_config(
+                backends=[], enable_prog_thread=False,
+                sync_mode=sync.NIXL_THREAD_SYNC_RW))
+            self.agent.create_backend(backend, dict(HOST_LOOPBACK_PARAMS))
+        else:
+            # One UCX worker thread: large posts return at once and the copy
+            # runs beside the engine. No progress thread: it spins a whole core idle.
+            self.agent = nixl_agent(name, nixl_agent_config(
+                backends=[backend], num_threads=1, enable_prog_thread=False))
         self._registered = [
             self.agent.register_memory(self._kv_spans(kv_caches), mem_type=kv_mem),
             self.agent.register_memory(host_pool),
@@ -198,8 +283,8 @@ class PageMover:
                             for r in self.regions], dtype=np.uint64).ravel()
         kv_len = np.repeat(np.array([r.page_bytes for r in self.regions], dtype=np.uint64),
                            num_blocks)
-        self._kv_side = self.agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", self._dlist(kv_addr, kv_len, kv_dev), kv_mem)
+        kv_rows = self._dlist(kv_addr, kv_len, kv_dev)
+        self._kv_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", kv_rows, kv_mem)
         num_slots = host_pool.shape[0]
         self.num_slots = num_slots
         offsets = np.cumsum([0] + [r.page_bytes for r in self.regions[:-1]], dtype=np.uint64)
@@ -208,8 +293,17 @@ class PageMover:
                      + offsets[None, :]).ravel()
         host_len = np.tile(np.array([r.page_bytes for r in self.regions], dtype=np.uint64),
                            num_slots)
-        self._host_side = self.agent.prep_xfer_dlist(
-            self.agent.name, self._dlist(host_addr, host_len, 0), "DRAM")
+        host_rows = self._dlist(host_addr, host_len, 0)
+        self._host_side = self.agent.prep_xfer_dlist(self.agent.name, host_rows, "DRAM")
+        self._dlists = [self._kv_side, self._host_side]
+        self._copier: _CopyThread | None = None
+        if host_only:
+            # Loads are WRITEs too: the host pool as the local side, the KV
+            # cache as the target.
+            self._host_src = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", host_rows, "DRAM")
+            self._kv_dst = self.agent.prep_xfer_dlist(self.agent.name, kv_rows, kv_mem)
+            self._dlists += [self._host_src, self._kv_dst]
+            self._copier = _CopyThread(self.agent, name)
         self._nreg = nreg
         self._region_ids = np.arange(nreg, dtype=np.int64)
 
@@ -250,6 +344,14 @@ class PageMover:
     def post(self, to_host: bool, block_ids: list[int], slots: list[int]):
         """Starts copying pages; returns a handle for ``poll``. Raises on failure."""
         kv_idx, host_idx = self._indices(block_ids, slots)
+        if self._copier is not None:
+            if to_host:
+                handle = self.agent.make_prepped_xfer("WRITE", self._kv_side, kv_idx,
+                                                      self._host_side, host_idx)
+            else:
+                handle = self.agent.make_prepped_xfer("WRITE", self._host_src, host_idx,
+                                                      self._kv_dst, kv_idx)
+            return self._copier.submit(handle)
         # WRITE pushes local (KV) pages to the "remote" (host pool) side.
         op = "WRITE" if to_host else "READ"
         handle = self.agent.make_prepped_xfer(op, self._kv_side, kv_idx,
@@ -266,6 +368,11 @@ class PageMover:
 
     def poll(self, handle) -> str:
         """"DONE", "PROC" or "ERR"; a finished handle is released here."""
+        if isinstance(handle, _HostCopy):
+            state = handle.state
+            if state != "PROC":
+                handle.handle.release()
+            return state
         try:
             state = self.agent.check_xfer_state(handle)
         except Exception as err:  # a transfer error surfaces as an exception
@@ -276,7 +383,11 @@ class PageMover:
         return state
 
     def close(self) -> None:
-        for dlist in (self._kv_side, self._host_side):
+        """Only once no transfer is running (the copy thread ends after its queue)."""
+        if self._copier is not None:
+            self._copier.stop()
+            self._copier = None
+        for dlist in self._dlists:
             dlist.release()
         for reg in self._registered:
             self.agent.deregister_memory(reg)
