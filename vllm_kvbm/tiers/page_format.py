@@ -262,6 +262,11 @@ class PageCodec:
         hdr = self._header(key, _FLAG_TOMBSTONE, 0, _WRITE_ALG, buf[HEADER_BYTES:HEADER_BYTES])
         ctypes.memmove(buf.data_ptr(), hdr, HEADER_BYTES)
 
+    def header(self, key: bytes, payload: torch.Tensor) -> bytes:
+        """The header of a data page whose payload (1-D contiguous uint8 CPU,
+        block_bytes) lies elsewhere: the disk tier writes both with one writev."""
+        return self._header(key, 0, self.block_bytes, _WRITE_ALG, payload)
+
     def decode_into(self, buf: torch.Tensor, key: bytes, out: torch.Tensor) -> str:
         """Verifies buf (1-D uint8) against key; copies the payload into out on success.
 
@@ -271,7 +276,19 @@ class PageCodec:
         """
         if buf.numel() < HEADER_BYTES:
             return "corrupt"
-        hdr = buf[:HEADER_BYTES].numpy().tobytes()
+        payload = buf[HEADER_BYTES:]
+        status = self.verify(buf[:HEADER_BYTES].numpy().tobytes(), key, payload)
+        if status == "ok":
+            copy_bytes(out, payload)
+        return status
+
+    def verify(self, hdr: bytes, key: bytes, payload: torch.Tensor) -> str:
+        """decode_into's checks on a page read apart: ``hdr`` (HEADER_BYTES) and
+        ``payload`` (1-D contiguous uint8 CPU, already where it is wanted, e.g. a
+        host slot). Same results; "ok" means the payload may be used as it is.
+        """
+        if len(hdr) != HEADER_BYTES:
+            return "corrupt"
         if hdr[:4] != _MAGIC or int.from_bytes(hdr[4:6], "little") != _VERSION:
             return "corrupt"  # checked before the layout below is assumed
         magic, version, alg, flags, mac_alg, plen, ns8, k, mac, crc = _HDR.unpack(hdr)
@@ -285,16 +302,12 @@ class PageCodec:
         elif mac_alg != _MAC_NONE or mac != _NO_MAC:
             return "corrupt"
         want_len = 0 if flags & _FLAG_TOMBSTONE else self.block_bytes
-        if plen != want_len or buf.numel() != HEADER_BYTES + plen:
+        if plen != want_len or payload.numel() != plen:
             return "corrupt"
-        payload = buf[HEADER_BYTES:]
         if self._mac is not None and flags & _FLAG_MAC and hmac.compare_digest(
                 self._mac.digest(hdr[:_MAC_OFF], payload), mac):
             # Authentic, so intact: the CRC adds nothing (and costs as much as the MAC).
-            if flags & _FLAG_TOMBSTONE:
-                return "miss"
-            copy_bytes(out, payload)
-            return "ok"
+            return "miss" if flags & _FLAG_TOMBSTONE else "ok"
         got = _checksum(alg, hdr[:_CRC_OFF], payload)
         if got is None:
             # Written with an algorithm this process cannot compute: can't tell.
@@ -310,10 +323,7 @@ class PageCodec:
                 "it cannot verify where they came from and accepts any page with a valid "
                 "checksum; set the same page_secret_file (or KVBM_PAGE_SECRET) on every engine "
                 "sharing the tier")
-        if flags & _FLAG_TOMBSTONE:
-            return "miss"
-        copy_bytes(out, payload)
-        return "ok"
+        return "miss" if flags & _FLAG_TOMBSTONE else "ok"
 
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
