@@ -409,3 +409,27 @@ def test_evictions_reach_the_scheduler_through_the_worker_metadata(disk):
     io.poll(meta)
     assert ("disk", key(0)) in meta.removed_pages and not meta.is_empty()
     io.close()
+
+
+def test_pages_read_in_flight_land_in_their_own_slots(disk):
+    """get_many_into (TierIO's fetch) reads on the store's reader threads;
+    each result and page belongs to its own slot, and a bad page's bytes
+    never reach its slot."""
+    import threading
+
+    s = disk(block=BIG)
+    for i in range(6):
+        assert s.put(key(i), page(i, BIG))
+    with open(path_of(s, key(2)), "r+b") as f:  # damage
+        f.seek(HEADER_BYTES + BIG - 1)
+        f.write(b"\x00" if f.read(1) != b"\x00" else b"\x01")
+    os.remove(path_of(s, key(4)))
+    slots = torch.full((8, BIG), 0xAB, dtype=torch.uint8)
+    got = s.get_many_into([(key(i), slots[i]) for i in range(8)])
+    assert got == ["ok", "ok", "corrupt", "ok", "miss", "ok", "miss", "miss"]
+    for i in (0, 1, 3, 5):
+        assert torch.equal(slots[i], page(i, BIG))
+    for i in (2, 4, 6, 7):
+        assert bool((slots[i] == 0xAB).all()), f"slot {i} written"
+    assert any(t.name.startswith("kvbm-disk-read") for t in threading.enumerate())
+    assert not s.contains(key(2)) and not s.contains(key(4))

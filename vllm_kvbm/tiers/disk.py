@@ -1,14 +1,32 @@
-"""The disk tier: one file per page in a directory, LRU by bytes, on LMCache's LocalDiskBackend.
+"""The disk tier: one file per page in a directory, LRU by bytes, indexed by LMCache's LocalDiskBackend.
 
-Used from the worker process; the caller owns the threads. Every method may
-block, but for a bounded time, and none raises.
+Used from the worker process; the caller owns the threads (TierIO: a read
+thread and a write thread per tier). Every method may block, for as long as
+the filesystem takes to read or write one page, and none raises.
 
-LMCache behaviour worked around here (0.5.6), each next to its call:
-- LocalDiskBackend writes asynchronously and silently drops failed writes
-  (leaking their accounting); we wait for each write and undo a failed one.
-  It writes the final file name in place; we write ``<name>.tmp`` and rename.
-- Its reads ignore short and missing files (returning stale staging memory);
-  ours raise, so truncation is "corrupt" and a deleted file is "miss".
+What LMCache does here and what goes around it (LMCache 0.5.6). LMCache's
+LocalDiskBackend keeps the index: the key -> file table, the LRU order by
+bytes, admission and eviction (whose deletions we report, take_removed). The
+bytes go around it: put writes the page file itself, on the caller's thread
+(TierIO's write thread), header and payload with one writev straight from
+the caller's tensor; get_into reads it with one preadv into a buffer of the
+reading thread, verifies it there and copies it into the caller's slot (so a
+page that fails a check never touches the slot); get_many_into does that for
+several pages in flight. LMCache's byte path staged every page in its own
+CPU memory (a copy in and a copy out), sent each write through its asyncio
+loop to its disk worker threads, and allocated staging memory per read.
+LMCache's NixlStorageBackend (NIXL POSIX) stages the same way and keeps
+pages in a pool of preallocated files indexed in memory only, so nothing
+survives a restart. Figures for all of them against a plain read and write
+of the same bytes: benchmarks/bench_disk.py, docs/benchmarks.md.
+
+LMCache behaviour still worked around, each next to its code:
+- Its writes go to the final name in place and a failed one is dropped
+  silently, its bytes still counted; ours write ``<name>.tmp`` (0600,
+  O_EXCL|O_NOFOLLOW) and rename, and a failed one gives its bytes back
+  (admit/commit/abort around the write).
+- Its reads ignore short and missing files; ours see them: truncation is
+  "corrupt" and a deleted file is "miss".
 - Its explicit remove() does not give back the bytes to its capacity count.
 - Its index lives in memory only; we rebuild it from the directory.
 """
@@ -24,14 +42,15 @@ import stat
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 
 import torch
 
 from vllm_kvbm.config import KVBMConfigError, disk_tier_too_small
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
-from vllm_kvbm.tiers.page_format import (KEY_BYTES, flat_u8, retired_model_names, valid_key,
-                                         valid_page)
+from vllm_kvbm.tiers.page_format import (HEADER_BYTES, KEY_BYTES, copy_bytes, retired_model_names,
+                                         valid_key, valid_page)
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +59,78 @@ class _ShortFile(Exception):
     pass
 
 
-class _NoStaging(Exception):
-    pass
+def _write_page(path: str, header: bytes, payload: torch.Tensor) -> None:
+    """Writes ``header + payload`` to ``path`` atomically: ``<path>.tmp``, then a rename.
+
+    Owner-only, never through a symlink someone planted: the directory may
+    be shared (see DiskStore's directory lock). One writev from the caller's
+    tensor: no staging copy.
+    """
+    tmp = path + ".tmp"
+    try:
+        try:
+            os.unlink(tmp)  # a crash's leftover (removes a link, not its target)
+        except FileNotFoundError:
+            pass
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            parts = [memoryview(header), memoryview(payload.numpy())]
+            while parts:
+                n = os.writev(fd, parts)
+                while parts and n >= len(parts[0]):  # a short write: resume after it
+                    n -= len(parts[0])
+                    parts.pop(0)
+                if parts:
+                    parts[0] = parts[0][n:]
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _read_page(path: str, header: bytearray, out: torch.Tensor, touch: bool) -> None:
+    """Reads the page file at ``path``: its header into ``header`` and its
+    payload straight into ``out`` (one preadv, no staging copy).
+
+    A missing file raises FileNotFoundError; a symlink, or a file of any
+    other size than ``header + out``, raises _ShortFile. ``touch`` sets the
+    file's times to now (the LRU order a restart adopts).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise _ShortFile(f"{path}: a symlink, not a page file") from None
+    try:
+        want = len(header) + out.numel()
+        size = os.fstat(fd).st_size
+        if size != want:
+            raise _ShortFile(f"{path}: {size} of {want} bytes")
+        parts = [memoryview(header), memoryview(out.numpy())]
+        got = 0
+        while parts:
+            n = os.preadv(fd, parts, got)
+            if n <= 0:
+                raise _ShortFile(f"{path}: {got} of {want} bytes")
+            got += n
+            while parts and n >= len(parts[0]):
+                n -= len(parts[0])
+                parts.pop(0)
+            if parts:
+                parts[0] = parts[0][n:]
+        if touch:
+            try:
+                os.utime(fd)
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,48 +138,58 @@ def _disk_backend_class():
     from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
     class _KvbmDiskBackend(LocalDiskBackend):
-        """LocalDiskBackend whose I/O failures are reported instead of ignored."""
+        """LocalDiskBackend as the index of the files DiskStore writes and reads itself.
 
-        def write_file(self, buffer, path):
-            tmp = path + ".tmp"
-            try:
-                # Owner-only, never through a symlink someone planted: the
-                # directory may be shared (see DiskStore's directory lock).
-                try:
-                    os.unlink(tmp)  # a crash's leftover (removes a link, not its target)
-                except FileNotFoundError:
-                    pass
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                with os.fdopen(fd, "wb") as f:
-                    f.write(buffer)
-                os.replace(tmp, path)
-            except BaseException:
-                try:
-                    os.remove(tmp)
-                except OSError:
-                    pass
-                raise
+        admit/commit/abort are submit_put_task's admission (LRU eviction by
+        bytes) and async_save_bytes_to_disk's bookkeeping, with the write in
+        between done by the caller on its own thread.
+        """
 
-        def async_save_bytes_to_disk(self, key, memory_obj, on_complete_callback=None):
-            size = memory_obj.get_physical_size()
-            md = memory_obj.metadata
-            shape, dtype, fmt = md.shape, md.dtype, md.fmt
-            err = None
-            try:
-                self.write_file(memory_obj.byte_array, self._key_to_path(key))
-            except BaseException as e:  # noqa: BLE001 - ENOSPC, EIO, ...
-                err = e
-            finally:
-                memory_obj.ref_count_down()
-            if err is None:
-                self.insert_key(key, size, shape, dtype, fmt)
-                self.usage += size
-            else:
-                with self.disk_lock:
-                    self.current_cache_size -= size  # admitted in submit_put_task
+        def admit(self, key, size: int) -> str:
+            """-> "admitted" (bytes reserved, put task registered), "present",
+            "busy" (being written by another thread) or "full"."""
+            with self.disk_lock:
+                if key in self.dict:
+                    self.cache_policy.update_on_hit(key, self.dict)
+                    return "present"
+                if size > self.max_cache_size:
+                    return "full"
+                need = self.current_cache_size + size - self.max_cache_size
+                if need > 0 and sum(m.size for m in self.dict.values() if m.can_evict) < need:
+                    return "full"
+                if not self.disk_worker.try_insert_put_task(key):
+                    return "busy"
+                while self.current_cache_size + size > self.max_cache_size:
+                    evict = self.cache_policy.get_evict_candidates(self.dict, num_candidates=1)
+                    if not evict:
+                        self.disk_worker.remove_put_task(key)
+                        return "full"
+                    for k in evict:
+                        self.current_cache_size -= self.dict[k].size
+                    self.batched_remove(evict, force=False)
+                self.current_cache_size += size
+                self.cache_policy.update_on_put(key)
+                return "admitted"
+
+        def commit(self, key, size: int, shape, dtype, fmt) -> None:
+            self.insert_key(key, size, shape, dtype, fmt)
+            self.usage += size
             self.disk_worker.remove_put_task(key)
-            if on_complete_callback is not None:
-                on_complete_callback(key, err)
+
+        def abort(self, key, size: int) -> None:
+            with self.disk_lock:
+                self.current_cache_size -= size
+            self.disk_worker.remove_put_task(key)
+
+        def where(self, key) -> str | None:
+            with self.disk_lock:
+                meta = self.dict.get(key)
+                return None if meta is None else meta.path
+
+        def hit(self, key) -> None:
+            with self.disk_lock:
+                if key in self.dict:
+                    self.cache_policy.update_on_hit(key, self.dict)
 
         def remove(self, key, force=True):
             with self.disk_lock if force else nullcontext():
@@ -111,44 +210,7 @@ def _disk_backend_class():
                 self.removed.append(key.chunk_hash)  # reported to the scheduler
             return True
 
-        def load_bytes_from_disk(self, key, path, dtype, shape, fmt):
-            mo = self.local_cpu_backend.allocate(shape, dtype, fmt, busy_loop=False)
-            if mo is None:
-                raise _NoStaging()
-            try:
-                view = memoryview(mo.byte_array).cast("B")
-                try:  # FileNotFoundError propagates: a miss
-                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-                except OSError as e:
-                    if e.errno != errno.ELOOP:
-                        raise
-                    raise _ShortFile(f"{path}: a symlink, not a page file") from None
-                with os.fdopen(fd, "rb", buffering=0) as f:
-                    got = 0
-                    while got < len(view):
-                        n = f.readinto(view[got:])
-                        if not n:
-                            break
-                        got += n
-                    extra = f.read(1)
-                if got != len(view) or extra:
-                    raise _ShortFile(f"{path}: {got}{'+' if extra else ''} of {len(view)} bytes")
-            except BaseException:
-                mo.ref_count_down()
-                raise
-            return mo
-
     return _KvbmDiskBackend
-
-
-class _PutWaiter:
-    def __init__(self):
-        self.event = threading.Event()
-        self.error = None
-
-    def __call__(self, key, err=None):
-        self.error = err
-        self.event.set()
 
 
 def _prepare_dir(directory: str) -> str:
@@ -214,7 +276,7 @@ class DiskStore(LMCacheStore):
 
     def __init__(self, directory: str, capacity_bytes: int, block_bytes: int, namespace: str,
                  rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8,
-                 page_secret: bytes | None = None):
+                 read_inflight: int = 4, page_secret: bytes | None = None):
         super().__init__(block_bytes, namespace, rank, world_size, page_secret)
         self._retired = tuple(f"{m}@{world_size}@{rank}@"
                               for m in retired_model_names(namespace, block_bytes))
@@ -229,10 +291,16 @@ class DiskStore(LMCacheStore):
 
             cfg = self._Config.from_defaults(
                 chunk_size=1, local_cpu=False,
-                # staging only; slack in case the allocator aligns more coarsely
-                max_local_cpu_size=((max_inflight + 2) * self._phys + 8 * 1024**2) / GIB,
+                # One page: the probe below (pages never pass through LMCache
+                # memory); slack in case the allocator aligns more coarsely.
+                max_local_cpu_size=(self._phys + 8 * 1024**2) / GIB,
                 local_disk=self.directory, max_local_disk_size=self.capacity_bytes / GIB)
-            self._slots = threading.BoundedSemaphore(max_inflight)  # staging users (put + get)
+            self._slots = threading.BoundedSemaphore(max_inflight)  # pages in flight (put + get)
+            self._bounce = threading.local()  # each reading thread's page buffer
+            # get_many_into's readers: several reads in flight keep the device
+            # queue busy (cold) and verify on both cores (warm).
+            self._readers = (ThreadPoolExecutor(read_inflight, thread_name_prefix="kvbm-disk-read")
+                             if read_inflight > 1 else None)
             self._loop, self._thread = start_loop("kvbm-disk-io")
             self._staging = LocalCPUBackend(cfg, self._md)
             self._disk = _disk_backend_class()(cfg, self._loop, self._staging, dst_device="cpu",
@@ -244,7 +312,9 @@ class DiskStore(LMCacheStore):
             if probe is None:
                 self.close()
                 raise RuntimeError("disk tier: cannot allocate LMCache staging memory")
-            self._phys = probe.get_physical_size()  # what LMCache charges per page
+            # What LMCache charges per page: the disk accounting unit, checked
+            # against config's formula by a test.
+            self._phys = probe.get_physical_size()
             probe.ref_count_down()
             self._writes_failing = False
             self.adopted = self._adopt_existing()
@@ -324,29 +394,28 @@ class DiskStore(LMCacheStore):
             return False
         try:
             ck = self._ckey(key)
-            mo = self._staging.allocate(self._shape, torch.uint8, self._fmt, busy_loop=False)
-            if mo is None:
-                return False
-            waiter = _PutWaiter()
-            try:
-                self._codec.encode_into(flat_u8(mo.tensor), key, page)
-                self._disk.submit_put_task(ck, mo, on_complete_callback=waiter)
-            finally:
-                mo.ref_count_down()  # the write task holds its own reference
-            # Refused puts (full of pinned pages, already present, in flight
-            # elsewhere) never call back: judge them by the final state.
+            page = page.contiguous()
+            # CRC (and MAC) over the caller's page where it lies: no copy.
+            header = self._codec.header(key, page)
             while True:
-                if waiter.event.is_set():
-                    self._note_write(waiter.error)
-                    return waiter.error is None
-                if not self._disk.exists_in_put_tasks(ck):
-                    if waiter.event.is_set():
-                        continue
-                    return self._disk.contains(ck)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False  # still being written; it may appear later
-                waiter.event.wait(min(left, 0.005))
+                admitted = self._disk.admit(ck, self._phys)
+                if admitted != "busy":
+                    break
+                # Another thread is writing this key: its result is ours.
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+            if admitted != "admitted":
+                return admitted == "present"
+            try:
+                _write_page(self._disk._key_to_path(ck), header, page)
+            except BaseException as e:  # noqa: BLE001 - ENOSPC, EIO, a removed directory...
+                self._disk.abort(ck, self._phys)
+                self._note_write(e)
+                return False
+            self._disk.commit(ck, self._phys, self._shape, torch.uint8, self._fmt)
+            self._note_write(None)
+            return True
         finally:
             self._slots.release()
 
@@ -375,8 +444,18 @@ class DiskStore(LMCacheStore):
         if self._closed or not valid_key(key) or not valid_page(out, self.block_bytes):
             return "error"
         ck = self._ckey(key)
+        path = self._disk.where(ck)
+        if path is None:
+            return "miss"
+        # Into this thread's buffer, verified there, then copied into the slot:
+        # a page that fails a check never reaches the slot (test_page_auth).
+        # The buffer is reused, so it stays in cache for that copy.
+        dst = getattr(self._bounce, "page", None)
+        if dst is None:
+            dst = self._bounce.page = torch.empty(self.block_bytes, dtype=torch.uint8)
+        header = bytearray(HEADER_BYTES)
         try:
-            mo = self._disk.get_blocking(ck)
+            _read_page(path, header, dst, touch=True)
         except FileNotFoundError:
             self._disk.remove(ck)  # deleted behind our back: forget it
             return "miss"
@@ -384,27 +463,28 @@ class DiskStore(LMCacheStore):
             logger.warning("disk tier: truncated page removed: %s", e)
             self._disk.remove(ck)
             return "corrupt"
-        except _NoStaging:
-            return "error"
-        if mo is None:
-            return "miss"
-        try:
-            status = self._codec.decode_into(flat_u8(mo.tensor), key, out)
-        finally:
-            mo.ref_count_down()
+        status = self._codec.verify(bytes(header), key, dst)
         if status == "corrupt":
-            logger.warning("disk tier: corrupt page removed: %s", self._disk._key_to_path(ck))
+            logger.warning("disk tier: corrupt page removed: %s", path)
             self._disk.remove(ck)
         elif status == "unauthenticated":
             logger.warning("disk tier: page without a valid MAC (not written with this "
-                           "deployment's page secret) removed: %s", self._disk._key_to_path(ck))
+                           "deployment's page secret) removed: %s", path)
             self._disk.remove(ck)
         elif status == "ok":
-            try:  # persist recency for the LRU order after a restart
-                os.utime(self._disk._key_to_path(ck))
-            except OSError:
-                pass
+            self._disk.hit(ck)  # the LRU order (the file's time is the one a restart sees)
+            copy_bytes(out, dst)
         return status
+
+    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
+        """get_into for each ``(key, out)``, several in flight; the statuses in order."""
+        if self._readers is None or len(items) < 2 or self._closed:
+            return [self.get_into(key, out) for key, out in items]
+        try:
+            return list(self._readers.map(lambda item: self.get_into(*item), items))
+        except Exception as e:  # noqa: BLE001 - e.g. closed under us
+            logger.warning("disk tier: get failed: %s", e)
+            return ["error"] * len(items)
 
     def contains(self, key: bytes) -> bool:
         try:
@@ -431,6 +511,8 @@ class DiskStore(LMCacheStore):
         if self._closed:
             return
         self._closed = True
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
         try:
             self._disk.close()  # waits for queued writes
         except Exception as e:  # noqa: BLE001
