@@ -19,6 +19,17 @@ class TierStore:
         (no valid page MAC for this deployment's secret; entry removed) | "error"."""
         raise NotImplementedError
 
+    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
+        """get_into for each ``(key, out)``; the statuses in order. A store
+        that can read several pages at once in flight overrides this."""
+        statuses = []
+        for key, out in items:
+            try:
+                statuses.append(self.get_into(key, out))
+            except Exception:  # noqa: BLE001 - a store must not take the engine down
+                statuses.append("error")
+        return statuses
+
     def contains(self, key: bytes) -> bool:
         raise NotImplementedError
 

@@ -90,15 +90,14 @@ class TierIO:
             store = self.tiers.get(tier)
 
             def fetch(store=store, tier=tier, items=items):
-                results = []
-                for i, key in items:
-                    try:
-                        status = store.get_into(key, host_pool[job.slots[i]])
-                    except Exception as err:  # a store must not take the engine down
-                        logger.warning("KVBM: %s read failed: %s", tier, err)
-                        status = "error"
-                    results.append((tier, key, status))
-                return results
+                # All of the job's pages at once: the disk reads several in flight.
+                try:
+                    statuses = store.get_many_into(
+                        [(key, host_pool[job.slots[i]]) for i, key in items])
+                except Exception as err:  # a store must not take the engine down
+                    logger.warning("KVBM: %s read failed: %s", tier, err)
+                    statuses = ["error"] * len(items)
+                return [(tier, key, status) for (_, key), status in zip(items, statuses)]
             futures.append(self._reader[tier].submit(fetch) if store is not None
                            else _done([(tier, key, "error") for _, key in items]))
         self._fetching.append((job, _gather(futures)))
