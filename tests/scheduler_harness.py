@@ -121,6 +121,36 @@ def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed
     return out, out.kv_connector_metadata, engine_outputs
 
 
+def admit(scheduler: Scheduler, req: Request, timeout: float = 10.0, **report):
+    """Steps until vLLM admits ``req``: with a disk or remote tier its lookup
+    is answered by the connector's background thread, so vLLM asks again
+    each step until the answer is there. ``report`` goes to every step.
+    Returns the admitting step's (scheduler_output, metadata, engine outputs)."""
+    import time
+
+    from vllm.v1.request import RequestStatus
+
+    deadline = time.monotonic() + timeout
+    while True:
+        result = step(scheduler, **report)
+        if req.status != RequestStatus.WAITING:
+            return result
+        assert time.monotonic() < deadline, f"{req.request_id} was never admitted"
+        time.sleep(0.005)
+
+
+def lookup(connector_scheduler, req: Request, timeout: float = 10.0):
+    """``get_num_new_matched_tokens(req, 0)`` once it has an answer (the
+    lower tiers answer on a background thread; None means "ask again")."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (result := connector_scheduler.get_num_new_matched_tokens(req, 0))[0] is None:
+        assert time.monotonic() < deadline, f"no lookup answer for {req.request_id}"
+        time.sleep(0.005)
+    return result
+
+
 def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=(),
                   loads_failed=(), spills_done=(), slots_held=(), slots_released=(),
                   finished_recving=(), finished_sending=(), invalid_block_ids=(),

@@ -44,9 +44,16 @@ def _finish(sched, req) -> None:
 def _admit(sched, prompt):
     """Submits ``prompt``; returns the request and the connector prefix-cache
     stats vLLM reports for the step that admitted it."""
+    req, scheduler_stats = _admit_step(sched, prompt)
+    return req, scheduler_stats.connector_prefix_cache_stats
+
+
+def _admit_step(sched, prompt):
+    """Submits ``prompt``; returns the request and vLLM's scheduler stats of
+    the step that admitted it."""
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
-    # With a tier behind a server, the first lookup is answered in the
+    # With a lower tier, the first lookup is answered in the
     # background: vLLM asks again each step until the answer is there.
     deadline = time.monotonic() + 10
     while True:
@@ -55,8 +62,7 @@ def _admit(sched, prompt):
             break
         assert time.monotonic() < deadline, "the request was never admitted"
         time.sleep(0.01)
-    stats = engine_outputs[0].scheduler_stats.connector_prefix_cache_stats
-    return req, stats
+    return req, engine_outputs[0].scheduler_stats
 
 
 def test_host_hit_is_labelled_host():
@@ -156,11 +162,8 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
         return value
 
     before = {s: cached(s) for s in ("host", "disk", "external_unspecified")}
-    req = make_request(prompt, max_tokens=2)
-    sched.add_request(req)
-    _, _, engine_outputs = step(sched)
-    prom.record(scheduler_stats=engine_outputs[0].scheduler_stats, iteration_stats=None,
-                engine_idx=0)
+    req, scheduler_stats = _admit_step(sched, prompt)
+    prom.record(scheduler_stats=scheduler_stats, iteration_stats=None, engine_idx=0)
     assert cached("host") - before["host"] == BLOCK
     assert cached("disk") - before["disk"] == 2 * BLOCK
     assert cached("external_unspecified") == before["external_unspecified"]

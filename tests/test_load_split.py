@@ -12,7 +12,8 @@ from collections import Counter
 
 import pytest
 
-from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+from scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler
+from test_scheduler_unit import store_and_finish, tokens
 from vllm_kvbm.config import KVBMConfigError, load_config
 from vllm_kvbm.scheduler.load_split import PROBE_AFTER_S, LoadSplit, PrefillModel
 
@@ -123,18 +124,10 @@ def test_load_split_config():
 # ---- on vLLM's real Scheduler --------------------------------------------------
 
 
-def tokens(n: int, base: int) -> list[int]:
-    return [base * 1000 + i for i in range(n)]
-
-
-def run(sched, toks, max_tokens=2):
-    req = make_request(toks, max_tokens=max_tokens)
-    sched.add_request(req)
-    for _ in range(50):
-        if req.request_id not in sched.requests:
-            return req
-        step(sched, complete=True)
-    raise AssertionError("did not finish")
+def run(sched, toks):
+    """Runs a request to completion; its lookup may take a few steps (a
+    background thread asks the disk)."""
+    return store_and_finish(sched, toks)[0]
 
 
 def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path):
@@ -166,7 +159,7 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     before = Counter(k.stats.total)
     req = make_request(prompt, max_tokens=2)
     s.add_request(req)
-    _, meta, _ = step(s)
+    _, meta, _ = admit(s, req)
     (load,) = meta.loads
     assert len(load.block_ids) == 2 and not load.fetch  # the host blocks only
     total = k.stats.total
@@ -178,7 +171,7 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     k.split.enabled = False
     req2 = make_request(prompt, max_tokens=2)
     s.add_request(req2)
-    _, meta, _ = step(s)
+    _, meta, _ = admit(s, req2)
     assert any(len(job.fetch) == 4 for job in meta.loads)
 
 

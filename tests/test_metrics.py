@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+from scheduler_harness import admit as admit_request
 from tier_pages import put_where_the_scheduler_sees
 from vllm_kvbm import metrics
 from vllm_kvbm.keys import KeyChain
@@ -87,8 +88,9 @@ def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
         prompt = tokens(3 * BLOCK + 5, 22)
         keys = list(KeyChain(k._seed, BLOCK).extend(prompt))
         put_where_the_scheduler_sees(store, k, keys[:2])  # two of three full blocks on disk
-        sched.add_request(make_request(prompt, max_tokens=2))
-        step(sched)
+        req = make_request(prompt, max_tokens=2)
+        sched.add_request(req)
+        admit_request(sched, req)
         assert rates(k.stats) == (0.0, 2 * BLOCK / len(prompt), 0.0)
     finally:
         store.close()

@@ -377,7 +377,12 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
     try:
         req = make_request(prompt, max_tokens=2)
         sched.add_request(req)
-        out = sched.schedule()
+        deadline = time.monotonic() + 10
+        while not (out := sched.schedule()).kv_connector_metadata.loads:
+            # the disk is asked on the connector's background thread
+            sched.update_from_output(out, worker_output(sched, out))
+            assert time.monotonic() < deadline, "the disk pages were never found"
+            time.sleep(0.005)
         [load] = out.kv_connector_metadata.loads
         assert [tier for _, tier, _ in load.fetch] == ["disk", "disk"]
         pool = torch.zeros(8, bb, dtype=torch.uint8)

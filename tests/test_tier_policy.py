@@ -12,9 +12,11 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from tier_pages import put_where_the_scheduler_sees, tier_of
-from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
+from scheduler_harness import (BLOCK, admit, block_ids, kvbm, lookup, make_request,
+                               make_scheduler, step)
 from test_scheduler_unit import keys_of, run_until_done, tokens
 from vllm_kvbm.metrics import KVBMStats
+from vllm_kvbm.scheduler.lookups import BackgroundLookups
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 
 
@@ -84,7 +86,7 @@ def test_disk_pages_are_found_loaded_through_host_slots_and_promoted(disk_setup)
 
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
-    _, meta, _ = step(sched)
+    _, meta, _ = admit(sched, req)
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
     [load] = meta.loads
     assert load.block_ids == block_ids(sched, req.request_id)[:2]
@@ -109,7 +111,7 @@ def test_failed_disk_load_drops_promoted_slots(disk_setup):
     put_where_the_scheduler_sees(store, k, keys[:1])
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
-    _, meta, _ = step(sched)
+    _, meta, _ = admit(sched, req)
     [load] = meta.loads
     step(sched, finished_recving=[req.request_id], loads_failed=[req.request_id],
          invalid_block_ids=load.block_ids)
@@ -127,7 +129,7 @@ def test_stored_blocks_are_written_down_with_the_slot_pinned(disk_setup):
     prompt = tokens(2 * BLOCK + 3, 13)
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
-    _, meta, _ = step(sched)
+    _, meta, _ = admit(sched, req)
     [job] = meta.stores
     _, meta, _ = step(sched, stores_done=[job.job_id])
     keys = keys_of(sched, prompt)
@@ -150,7 +152,7 @@ def test_a_request_whose_prefix_is_being_promoted_waits_for_it(disk_setup):
     put_where_the_scheduler_sees(store, k, keys[:3])
     first = make_request(prompt, max_tokens=2)
     sched.add_request(first)
-    _, meta, _ = step(sched)
+    _, meta, _ = admit(sched, first)
     [load] = meta.loads
     assert [tier for _, tier, _ in load.fetch] == ["disk"] * 3
     second = make_request(prompt + [5, 6, 7], max_tokens=2)
@@ -159,7 +161,7 @@ def test_a_request_whose_prefix_is_being_promoted_waits_for_it(disk_setup):
     assert second.request_id not in out.num_scheduled_tokens and not meta.loads
     assert second.status == RequestStatus.WAITING
     step(sched, finished_recving=[first.request_id])  # promoted into the host tier
-    out, meta, _ = step(sched)
+    out, meta, _ = admit(sched, second)  # the disk is asked about the blocks after it
     # The loaded blocks are vLLM's own cached blocks now: the second request
     # computes only its tail, nothing of the shared prefix.
     assert out.num_scheduled_tokens[second.request_id] == len(second.prompt_token_ids) - 3 * BLOCK
@@ -194,8 +196,9 @@ def test_a_long_prefix_on_a_remote_tier_costs_a_few_round_trips():
     keys = keys_of(sched, prompt)
     remote = _Counted("remote", keys[:20])
     k.lower = LowerTiers([remote])
-    assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (20 * BLOCK, True)
+    k._background = BackgroundLookups(k.lower)
+    assert lookup(k, make_request(prompt)) == (20 * BLOCK, True)
     assert remote.calls == 5  # runs of 1, 2, 4, 8 and the last 5 blocks
     # A gap ends the hit where it is, whatever the batch.
     remote.keys.discard(keys[9])
-    assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (9 * BLOCK, True)
+    assert lookup(k, make_request(prompt)) == (9 * BLOCK, True)

@@ -14,7 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.request import RequestStatus
 
 from tier_pages import put_where_the_scheduler_sees, tier_of
-from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step, worker_output
+from scheduler_harness import (BLOCK, kvbm, lookup, make_request, make_scheduler, step,
+                               worker_output)
 from test_scheduler_unit import keys_of, store_and_finish, tokens
 
 
@@ -81,13 +82,13 @@ def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
         prompt = tokens(2 * BLOCK + 5, 62)
         old_keys = keys_of(s, prompt)[:2]
         put_where_the_scheduler_sees(store, k, old_keys)
-        assert k.get_num_new_matched_tokens(make_request(prompt), 0)[0] == 2 * BLOCK
+        assert lookup(k, make_request(prompt))[0] == 2 * BLOCK
 
         assert s.reset_prefix_cache(reset_connector=True)
         # The pages are still on disk (shared with other engines and restarts)...
         assert all(tier_of(k.lower, key) == "disk" for key in old_keys)
         # ...but this engine never looks them up again: its keys changed epoch.
-        assert k.get_num_new_matched_tokens(make_request(prompt), 0) == (0, False)
+        assert lookup(k, make_request(prompt)) == (0, False)
         new_keys = keys_of(s, prompt)[:2]
         assert not set(new_keys) & set(old_keys)
         # What is computed after the reset is cached under the new keys.

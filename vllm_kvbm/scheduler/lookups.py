@@ -59,7 +59,6 @@ class RemoteView:
     """
 
     name = "remote"
-    slow = True  # a network round trip: asked off the scheduler thread
 
     def __init__(self, url: str, namespace: str, block_bytes: int, world_size: int,
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0):
@@ -154,7 +153,6 @@ class RedisView:
     """
 
     name = "remote"
-    slow = True  # a network round trip: asked off the scheduler thread
 
     def __init__(self, url: str, password, namespace: str, block_bytes: int, world_size: int,
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0,

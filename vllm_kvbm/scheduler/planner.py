@@ -97,10 +97,9 @@ class KVBMScheduler:
         self.offload_decode_blocks = offload_decode_blocks
         # disk / remote tiers below the host tier (empty: host tier only)
         self.lower = lower or LowerTiers([])
-        # Tiers behind a server are asked on a thread of their own: a slow or
-        # frozen server costs hits, never the scheduler's time.
-        self._background = BackgroundLookups(self.lower) if self.lower.waits_on_a_server \
-            else None
+        # Lower tiers are asked on a thread of their own: a slow or frozen
+        # server or filesystem costs hits, never the scheduler's time.
+        self._background = BackgroundLookups(self.lower) if self.lower else None
         # what loading a block from each tier and recomputing it cost
         self.split = LoadSplit(info.block_size, enabled=load_split)
         # requests whose last prompt chunk was scheduled, awaiting their first token
@@ -182,22 +181,18 @@ class KVBMScheduler:
         held across all tiers; None when the next block is being stored or
         promoted into the host tier right now (by another request, or this
         one before a preemption): waiting a step for it beats computing it
-        again.
+        again; None too while the lower tiers have not answered yet.
 
         Keys are computed as the prefix goes (the chain up to ``start`` first,
         then doubling the hit so far), so a miss costs few hashes, not the
-        whole prompt's.
-        Blocks found below the host tier are loaded through a fresh host slot
-        each, so the prefix is cut where no slot would be free for them. They
-        are asked of the lower tiers in runs that double (1, 2, 4, ... blocks):
-        one batched question per tier and run, so a long prefix on a remote
-        server costs a few round trips, not one per block.
+        whole prompt's. From the first block the host tier lacks, the disk and
+        remote tiers are asked on a thread of their own (``BackgroundLookups``):
+        a server, or a disk on a network filesystem, costs hits, never the
+        scheduler's time.
         """
         chain, tokens = state.chain, state.request.all_token_ids
         keys = chain.keys  # grows in place
         sources: list[str] = []
-        room = None  # host slots left for promotions, computed when needed
-        batch = 1
         i = start
         while i < end:
             if i >= len(keys):
@@ -209,37 +204,18 @@ class KVBMScheduler:
                 continue
             if key in self.host:
                 return None  # being stored or promoted: ready within a few steps
-            if not self.lower:
-                break
-            if room is None:
-                # Pinning the host hits for the load makes them unevictable.
-                room = self.host.available() - sources.count("host")
             if self._background is not None:
+                # Pinning the host hits for the load makes them unevictable.
+                room = self.host.available() - len(sources)
                 return self._lookup_in_background(state, sources, i, end, room)
-            n = min(end - i, room, batch)
-            if n <= 0:
-                break
-            if len(keys) < i + n:
-                chain.extend_to(tokens, i + n)
-            run_keys = []  # up to the next block the host tier knows
-            for k in keys[i:i + n]:
-                if k in self.host:
-                    break
-                run_keys.append(k)
-            run = self.lower.find_run(run_keys)
-            sources += run
-            room -= len(run)
-            i += len(run)
-            if len(run) < len(run_keys):
-                break  # a block no tier has
-            batch *= 2
+            break
         return sources
 
     def _lookup_in_background(self, state: _ReqState, sources: list[str], i: int, end: int,
                               room: int) -> list[str] | None:
         """The rest of ``_lookup`` from block ``i`` (the first the host tier
-        lacks) when a tier sits behind a server: its answer comes from the
-        background thread, None until it has one."""
+        lacks): the lower tiers' answer comes from the background thread,
+        None until it has one."""
         if room <= 0:
             return sources  # no host slot to promote into: nothing to ask
         n = min(end - i, _BACKGROUND_RUN)
