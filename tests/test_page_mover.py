@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,6 +188,25 @@ def test_close_lets_queued_copies_finish(gen):
     assert [mover.poll(h) for h in handles] == ["DONE"] * 4
     for b, s in [(3, 0), (4, 1), (5, 2), (6, 3)]:
         assert torch.equal(pool[s], lay.slot_bytes(b))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_copy_thread_is_not_bound_to_the_engine_threads_core(gen, movers):
+    # vLLM binds its engine thread to its OpenMP cores; the copy thread it
+    # starts must not inherit that and queue behind the forward pass.
+    allowed = os.sched_getaffinity(0)
+    lay = make_layout("cpu", gen)
+    pool = make_pool(4, lay.block_bytes(), gen)
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        mover = PageMover(lay.caches, NB, pool, name=agent_name())
+        movers.append(mover)
+        assert wait(mover, mover.post(True, [1], [0])) == "DONE"  # the thread is running
+        copy = next(t for t in threading.enumerate() if t.name.endswith("-copy")
+                    and t.name.startswith(mover.agent.name))
+        assert os.sched_getaffinity(copy.native_id) == allowed
+    finally:
+        os.sched_setaffinity(0, allowed)
 
 
 def test_pool_slot_size_mismatch(gen, movers):

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -190,14 +192,33 @@ def page_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
 HOST_LOOPBACK_PARAMS = {"engine_config": "TLS=self", "ucx_error_handling_mode": "none"}
 
 
+# How long polling an unfinished load hands the GIL to the copy thread.
+_YIELD_S = 0.00005
+
+
 class _HostCopy:
     """A transfer handed to the copy thread; ``state`` is PROC until it ran."""
 
-    __slots__ = ("handle", "state")
+    __slots__ = ("handle", "is_load", "state")
 
-    def __init__(self, handle):
+    def __init__(self, handle, is_load: bool):
         self.handle = handle
+        self.is_load = is_load
         self.state = "PROC"
+
+
+def _any_core() -> None:
+    """Lets the calling thread run on every core the process may use.
+
+    vLLM on CPU binds the engine thread to its OpenMP cores, and a thread
+    inherits its creator's binding: the copies would take turns with the
+    forward pass on those cores while the cores vLLM reserved for everything
+    else idle. The kernel keeps the mask within the process's cpuset.
+    """
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError) as err:  # not Linux, or a cpuset that refuses
+        logger.debug("KVBM: copy thread keeps its CPU binding: %s", err)
 
 
 class _CopyThread:
@@ -217,12 +238,13 @@ class _CopyThread:
         self._thread = threading.Thread(target=self._run, name=f"{name}-copy", daemon=True)
         self._thread.start()
 
-    def submit(self, handle) -> _HostCopy:
-        job = _HostCopy(handle)
+    def submit(self, handle, is_load: bool) -> _HostCopy:
+        job = _HostCopy(handle, is_load)
         self._queue.put(job)
         return job
 
     def _run(self) -> None:
+        _any_core()
         while (job := self._queue.get()) is not None:
             try:
                 state = self._agent.transfer(job.handle)
@@ -351,7 +373,7 @@ class PageMover:
             else:
                 handle = self.agent.make_prepped_xfer("WRITE", self._host_src, host_idx,
                                                       self._kv_dst, kv_idx)
-            return self._copier.submit(handle)
+            return self._copier.submit(handle, not to_host)
         # WRITE pushes local (KV) pages to the "remote" (host pool) side.
         op = "WRITE" if to_host else "READ"
         handle = self.agent.make_prepped_xfer(op, self._kv_side, kv_idx,
@@ -372,6 +394,12 @@ class PageMover:
             state = handle.state
             if state != "PROC":
                 handle.handle.release()
+            elif handle.is_load:
+                # A request waits for this copy, and vLLM's engine loop, which
+                # polls it every step, runs Python almost without pause: left
+                # alone, the copy thread would get the GIL to start, and again
+                # to report, only when CPython forces a switch (every 5 ms).
+                time.sleep(_YIELD_S)
             return state
         try:
             state = self.agent.check_xfer_state(handle)
