@@ -384,8 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workload", choices=["multi-round", "doc-qa"], default="multi-round")
     p.add_argument("--configs", nargs="+", default=ALL_CONFIGS, choices=ALL_CONFIGS)
     p.add_argument("--out-dir", default=None, help="default: bench-results/compare-<time>")
-    p.add_argument("--engine-kv-blocks", type=int, default=28,
-                   help="engine KV cache in blocks (smaller than the working set)")
+    p.add_argument("--engine-kv-blocks", type=int, default=48,
+                   help="engine KV cache in blocks: room for about three requests of the "
+                   "default workload at once, not for every user's history")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--host-cache-size", default="1GiB", help="KVBM host tier (kvbm-host)")
     p.add_argument("--host-disk-host-blocks", type=int, default=24,
