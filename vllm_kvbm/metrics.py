@@ -85,9 +85,10 @@ GAUGES = {
     "host_cache_capacity_bytes": "Host-tier capacity in bytes (per worker)",
     **{f"{tier}_cache_hit_rate": _hit_rate_help(tier) for tier in _HIT_TIERS},
     **{f"load_seconds_per_block_{tier}": f"Learned time to load one block from the {tier} "
-       f"tier into the engine (admission to completion)" for tier in _HIT_TIERS},
+       f"tier into the engine (admission to completion); 0 until learned"
+       for tier in _HIT_TIERS},
     "recompute_seconds_per_block": "Learned time to recompute one block at the start of a "
-                                   "prompt (later blocks cost more: attention)",
+                                   "prompt (later blocks cost more: attention); 0 until learned",
 }
 
 
