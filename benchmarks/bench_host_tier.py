@@ -56,8 +56,17 @@ def bench_ttft(model: str, lengths: list[int]) -> list[tuple]:
     return rows
 
 
-def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 10):
-    """NIXL READ (host -> KV) versus torch copies of the same pages."""
+def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 10,
+                    rounds: int = 7) -> tuple[int, dict[str, dict[str, tuple[float, float]]]]:
+    """Host pool <-> KV cache layout (8 layers of one page per block), in
+    interleaved rounds so that other work on the machine hits every path
+    alike: a single-threaded memcpy of the same bytes (one contiguous run),
+    torch ``copy_`` per block, NIXL as the connector used it before
+    (``loopback="default"``: UCX picks cma, loads are READs) and as it does now
+    (``loopback="self"``). Returns bytes per transfer and, per path and
+    direction, (best, median) GB/s."""
+    import ctypes
+
     import torch
 
     from vllm_kvbm.worker.page_mover import PageMover
@@ -65,42 +74,87 @@ def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 1
     kv = torch.randint(-128, 127, (layers, num_blocks, page), dtype=torch.int8)
     caches = {f"layer{i}": kv[i].view(num_blocks, page) for i in range(layers)}
     pool = torch.randint(0, 255, (num_blocks, layers * page), dtype=torch.uint8)
-    mover = PageMover(caches, num_blocks, pool)
     blocks = list(range(num_blocks))
     slots = list(reversed(blocks))
     nbytes = num_blocks * layers * page
-
-    def nixl_load():
-        handle = mover.post(False, blocks, slots)
-        while mover.poll(handle) == "PROC":
-            pass
-
     pool_pages = pool.view(num_blocks, layers, page)
     kv_u8 = kv.view(torch.uint8)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
 
-    def torch_load():
+    def memcpy():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+
+    def torch_copy(to_host: bool):
         for b, s in zip(blocks, slots):
-            kv_u8[:, b].copy_(pool_pages[s])
+            if to_host:
+                pool_pages[s].copy_(kv_u8[:, b])
+            else:
+                kv_u8[:, b].copy_(pool_pages[s])
 
-    results = {}
-    for name, fn in (("nixl", nixl_load), ("torch", torch_load)):
-        fn()
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        results[name] = nbytes / sorted(times)[len(times) // 2] / 1e9
+    def nixl_copy(mover, to_host: bool):
+        handle = mover.post(to_host, blocks, slots)
+        # Polled as the worker polls (it never spins holding the GIL, which
+        # the copy thread needs between NIXL calls).
+        while mover.poll(handle) == "PROC":
+            time.sleep(0.0002)
+
+    movers = {"NIXL before (UCX default: cma, loads READ)":
+              PageMover(caches, num_blocks, pool, name="bench-default", loopback="default"),
+              "NIXL now (UCX self, loads WRITE, copy thread)":
+              PageMover(caches, num_blocks, pool, name="bench-self", loopback="self")}
+    paths = {"memcpy (one thread, same bytes, contiguous)": {"load": memcpy, "store": memcpy},
+             "torch copy_ per block": {"load": lambda: torch_copy(False),
+                                       "store": lambda: torch_copy(True)}}
+    for label, mover in movers.items():
+        paths[label] = {"load": lambda m=mover: nixl_copy(m, False),
+                        "store": lambda m=mover: nixl_copy(m, True)}
+    times: dict[tuple[str, str], list[float]] = {}
+    for label, fns in paths.items():
+        for direction, fn in fns.items():
+            fn()  # warm up: page faults, NIXL handles
+            times[label, direction] = []
+    for _ in range(rounds):
+        for label, fns in paths.items():
+            for direction, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                times[label, direction].append(time.perf_counter() - start)
+    # The last copy of every path leaves block 0 holding slot num_blocks - 1.
     assert torch.equal(kv_u8[:, 0], pool_pages[num_blocks - 1])
-    mover.close()
+    for mover in movers.values():
+        mover.close()
+    results: dict[str, dict[str, tuple[float, float]]] = {}
+    for (label, direction), ts in times.items():
+        ts.sort()
+        results.setdefault(label, {})[direction] = (nbytes / ts[0] / 1e9,
+                                                    nbytes / ts[len(ts) // 2] / 1e9)
     return nbytes, results
+
+
+def print_bandwidth(nbytes: int, results: dict[str, dict[str, tuple[float, float]]]) -> None:
+    base = results["memcpy (one thread, same bytes, contiguous)"]["load"]
+    print(f"host pool <-> KV cache, {nbytes / 2**20:.0f} MiB per transfer in {BLOCK_SIZE}-token "
+          f"blocks (8 layers x 256 KiB pages); GB/s best / median of interleaved rounds; "
+          f"ratios to memcpy's median")
+    print("| path | load (host -> KV) | store (KV -> host) | load / memcpy | store / memcpy |")
+    print("|---|---:|---:|---:|---:|")
+    for label, r in results.items():
+        (lb, lm), (sb, sm) = r["load"], r["store"]
+        print(f"| {label} | {lb:.2f} / {lm:.2f} | {sb:.2f} / {sm:.2f} "
+              f"| {lm / base[1]:.2f} | {sm / base[1]:.2f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--bandwidth-only", action="store_true",
+                        help="only the copy bandwidth table (no engine)")
     args = parser.parse_args()
+    if args.bandwidth_only:
+        print_bandwidth(*bench_bandwidth())
+        return
     if args.model is None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
@@ -128,9 +182,7 @@ def main() -> None:
         print(f"| {n} | {miss * 1000:.0f} ms | {local * 1000:.0f} ms | {host * 1000:.0f} ms "
               f"| {miss / host:.1f}x | {host / local:.2f}x |")
     print()
-    print(f"onboard bandwidth, {nbytes / 2**20:.0f} MiB in {BLOCK_SIZE}-token blocks: "
-          f"NIXL {bw['nixl']:.2f} GB/s, torch copy {bw['torch']:.2f} GB/s, "
-          f"NIXL / torch {bw['nixl'] / bw['torch']:.2f}")
+    print_bandwidth(nbytes, bw)
 
 
 if __name__ == "__main__":
