@@ -51,6 +51,23 @@ def _check(path, results, expected_rows, summary):
         assert summary[key] == pytest.approx(again[key], rel=1e-6)
 
 
+async def _frozen_remote_stream(server):
+    import importlib.util
+    import time
+
+    import aiohttp
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_frozen_remote.py"
+    spec = importlib.util.spec_from_file_location("kvbm_bench_frozen_remote", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = bench.Stream(time.perf_counter())
+    async with aiohttp.ClientSession() as session:
+        await bench.stream(session, server.url, server.model, list(range(100, 140)), 6, out, 60)
+    return out
+
+
 def test_bench_client_against_vllm_serve(model_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -67,6 +84,12 @@ def test_bench_client_against_vllm_serve(model_dir, tmp_path):
                            repeat_count=1, hit_ratio=0.5)
         doc_out = asyncio.run(run_doc_qa(server.url, server.model, docs, answer_tokens=3,
                                          qps=4, duration=60, request_timeout=60))
+        itl_stream = asyncio.run(_frozen_remote_stream(server))
+    # bench_frozen_remote's ITL reads the real stream: each generated token once,
+    # the final chunk (no new token), usage and [DONE] not counted as tokens
+    assert itl_stream.done and sum(itl_stream.tokens) == 6, itl_stream
+    assert len(itl_stream.stamps) == len(itl_stream.tokens)
+    assert itl_stream.stamps == sorted(itl_stream.stamps)
     assert not out.errors and not doc_out.errors, (out.errors, doc_out.errors)
     # a user's round r+1 prompt extends round r's prompt and its answer
     by_user = {}
