@@ -17,6 +17,7 @@ from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
 from vllm_kvbm.worker.jobs import KVBMWorker
+from vllm_kvbm.worker.streaming import staging_slots
 
 # Flash layout, 16 layers x K/V x 256 B pages: a block is 8 KiB and a
 # many-block job is thousands of NIXL descriptors, so it stays in flight for a
@@ -99,7 +100,11 @@ def split(gen, n_jobs: int, per_job: int):
 
 def test_register_allocates_pool_of_slots(harness):
     h = harness()
-    assert h.pool.shape == (SLOTS, h.lay.block_bytes()) and h.pool.dtype == torch.uint8
+    # the host tier's slots, then the staging slots of streamed loads
+    staging = h.worker._staging
+    assert (staging.first, staging.count) == (SLOTS, staging_slots(h.lay.block_bytes()))
+    assert h.pool.shape == (SLOTS + staging.count, h.lay.block_bytes())
+    assert h.pool.dtype == torch.uint8
     assert h.worker.build_worker_meta() is None  # nothing happened yet
     assert h.worker.get_finished(set()) == (set(), set())
 
@@ -188,7 +193,7 @@ def test_delayed_free_reported_only_after_its_stores(harness, gen):
 def test_delayed_free_after_failed_store(harness, gen):
     h = harness()
     (b, s), = split(gen, 1, 8)
-    bad = s[:-1] + [SLOTS]  # last slot out of range: the store cannot start
+    bad = s[:-1] + [h.pool.shape[0]]  # last slot out of range: the store cannot start
     h.worker.start_stores(KVBMConnectorMetadata(
         stores=[TransferJob(7, "F", b, bad)], delayed_free_req_ids=["F"]))
     sending, _ = h.step()
@@ -231,7 +236,7 @@ def test_failed_load_reports_recving_and_error_blocks(harness, gen):
     h.step_until(lambda: h.meta.stores_done[1] == 1)
     before = h.lay.clone_raw()
     h.worker.start_loads(KVBMConnectorMetadata(loads=[
-        TransferJob(2, "X", bbad, ss[:5] + [SLOTS + 3]),  # cannot start
+        TransferJob(2, "X", bbad, ss[:5] + [h.pool.shape[0] + 3]),  # cannot start
         TransferJob(3, "Y", bl, ss),                        # fine
     ]))
     h.step_until(lambda: {"X", "Y"} <= set(h.recving))
@@ -496,7 +501,8 @@ def test_shutdown_drops_transfers_still_behind_their_fence(harness, gen):
 def test_host_pool_is_exactly_its_slots(harness):
     h = harness()
     # no power-of-two rounding: the storage is exactly the slots' bytes
-    assert h.pool.untyped_storage().nbytes() == SLOTS * h.lay.block_bytes()
+    assert h.pool.untyped_storage().nbytes() == (
+        SLOTS + h.worker._staging.count) * h.lay.block_bytes()
     assert not h.worker._host.pinned  # CPU KV: nothing to pin for DMA
 
 

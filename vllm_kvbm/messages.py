@@ -23,6 +23,11 @@ except ImportError:  # no vLLM: the worker side on its own
         """Stands in for vLLM's base class of a worker's per-step metadata."""
 
 
+# The slot of a lower-tier page that no host slot was free for: the worker
+# streams it through staging slots of its own (worker/streaming.py).
+STREAM = -2
+
+
 @dataclass
 class TransferJob:
     """Copy whole pages between engine blocks and host-tier slots."""
@@ -31,8 +36,9 @@ class TransferJob:
     req_id: str
     block_ids: list[int]
     slots: list[int]
-    # Loads only: pages to fetch from a lower tier into their host slot first,
-    # as (index into block_ids/slots, tier name, block key).
+    # Loads only: pages to fetch from a lower tier into their host slot first
+    # (or, with slot STREAM, through the worker's staging slots), as (index
+    # into block_ids/slots, tier name, block key).
     fetch: list[tuple[int, str, bytes]] = field(default_factory=list)
 
 

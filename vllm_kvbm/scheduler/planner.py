@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_kvbm.engine_info import files_fingerprint, local_model_dir
 from vllm_kvbm.keys import BlockKey, KeyChain, LoRAIdentity, derive_seed, request_salt
-from vllm_kvbm.messages import (KVBMConnectorMetadata, KVBMWorkerMetadata, SpillJob,
-                                TransferJob)
+from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
+                                SpillJob, TransferJob)
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.load_split import LoadSplit
@@ -59,6 +59,9 @@ class _ReqState:
     # keys of the in-flight load fetched from a lower tier into fresh host
     # slots (promotion): committed to the host tier when the load succeeds
     promoted: list[tuple[BlockKey, str]] = field(default_factory=list)
+    # tiers of the in-flight load's pages streamed past the host tier (no
+    # host slot was free for them): counted when the load succeeds
+    streamed: list[str] = field(default_factory=list)
     finished: bool = False
     # a worker reported this request's in-flight load failed; kept until
     # vLLM reports the load finished on every rank (possibly steps later)
@@ -120,6 +123,9 @@ class KVBMScheduler:
         self._evictions_seen = 0
         self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots)
         self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.block_bytes)
+        for name in ("load_seconds_per_block_host", "load_seconds_per_block_disk",
+                     "load_seconds_per_block_remote", "recompute_seconds_per_block"):
+            self.stats.set_gauge(name, 0.0)  # not learned yet
         self._update_gauges()
         logger.info("KVBM scheduler: host tier of %d blocks (%d bytes each)",
                     num_host_slots, info.block_bytes)
@@ -205,19 +211,17 @@ class KVBMScheduler:
             if key in self.host:
                 return None  # being stored or promoted: ready within a few steps
             if self._background is not None:
-                # Pinning the host hits for the load makes them unevictable.
-                room = self.host.available() - len(sources)
-                return self._lookup_in_background(state, sources, i, end, room)
+                return self._lookup_in_background(state, sources, i, end)
             break
         return sources
 
-    def _lookup_in_background(self, state: _ReqState, sources: list[str], i: int, end: int,
-                              room: int) -> list[str] | None:
+    def _lookup_in_background(self, state: _ReqState, sources: list[str], i: int,
+                              end: int) -> list[str] | None:
         """The rest of ``_lookup`` from block ``i`` (the first the host tier
         lacks): the lower tiers' answer comes from the background thread,
-        None until it has one."""
-        if room <= 0:
-            return sources  # no host slot to promote into: nothing to ask
+        None until it has one. Their pages are promoted into free host slots,
+        or streamed past the host tier when none is free, so a hit is as
+        long as the tiers hold, whatever the host tier's size."""
         n = min(end - i, _BACKGROUND_RUN)
         keys = state.chain.keys
         if len(keys) < i + n:
@@ -232,10 +236,9 @@ class KVBMScheduler:
                 continue
             if key in self.host:
                 return None
-            if j - i >= len(lower) or room <= 0:
+            if j - i >= len(lower):
                 break
             sources.append(lower[j - i])
-            room -= 1
         return sources
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
@@ -264,9 +267,10 @@ class KVBMScheduler:
                 continue
             slot = self.host.allocate(key) if key not in self.host else None
             if slot is None:
-                # Lookup saw room, but another request's load took it this
-                # step: fail this load so vLLM recomputes (never waits).
-                slot = -1
+                # No host slot free (or another request promotes this block
+                # right now): the worker streams it past the host tier.
+                slot = STREAM
+                state.streamed.append(src)
             else:
                 state.promoted.append((key, src))
             job.slots.append(slot)
@@ -446,24 +450,27 @@ class KVBMScheduler:
                     state.load_failed = True
         for req_id in output.finished_recving or ():
             state = self._reqs.get(req_id)
-            if state is None or not (state.load_keys or state.promoted):
+            if state is None or not (state.load_keys or state.promoted or state.streamed):
                 continue
             keys, state.load_keys = state.load_keys, []
             promoted, state.promoted = state.promoted, []
+            streamed, state.streamed = state.streamed, []
             self.host.unpin(keys)
             failed, state.load_failed = state.load_failed, False
             if failed:
                 # The bytes may be bad: forget them rather than serve them again.
                 for key in keys + [k for k, _ in promoted]:
                     self.host.drop(key)
-                self.stats.add("load_error_blocks", len(keys) + len(promoted))
+                self.stats.add("load_error_blocks", len(keys) + len(promoted) + len(streamed))
                 # vLLM recomputes these blocks: store them again once it has.
                 state.store_cursor = min(state.store_cursor, state.local_hit_blocks)
             else:
                 self._learn_load(state)
-                self.stats.add("onboard_blocks_h2d", len(keys) + len(promoted))
+                self.stats.add("onboard_blocks_h2d", len(keys) + len(promoted) + len(streamed))
                 for key, tier in promoted:
                     self.host.commit(key)  # promoted into the host tier
+                    self.stats.add(self.lower.onboard_counter(tier))
+                for tier in streamed:
                     self.stats.add(self.lower.onboard_counter(tier))
                 for key in keys:
                     self._maybe_spill(key, reused=True)
@@ -534,7 +541,8 @@ class KVBMScheduler:
     def _maybe_forget(self, state: _ReqState) -> None:
         if self._background is not None and state.finished:
             self._background.forget(state.request.request_id)
-        if state.finished and not (state.store_jobs or state.load_keys or state.promoted):
+        if state.finished and not (state.store_jobs or state.load_keys or state.promoted
+                                   or state.streamed):
             self._reqs.pop(state.request.request_id, None)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
@@ -574,7 +582,8 @@ class KVBMScheduler:
         for state in self._reqs.values():
             # KV computed (or being loaded) before the reset never gets a
             # post-reset key; lookups from now on use the new epoch.
-            if state.request.num_computed_tokens > 0 or state.load_keys or state.promoted:
+            if (state.request.num_computed_tokens > 0 or state.load_keys or state.promoted
+                    or state.streamed):
                 state.pre_reset = True
             state.chain = KeyChain(self._seed, self.block_size, state.salt)
         self._epoch += 1

@@ -35,6 +35,7 @@ polled instead. What orders each kind of transfer:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -43,10 +44,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvbm.config import DEFAULT_TIER_WRITE_QUEUE_PAGES
-from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
+from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
+                                TransferJob)
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
 from vllm_kvbm.worker.page_mover import PageMover
+from vllm_kvbm.worker.streaming import (StagingSlots, StreamedLoad, needs_streaming, part,
+                                        staging_slots)
 from vllm_kvbm.worker.tier_io import TierIO
 
 if TYPE_CHECKING:
@@ -105,6 +109,12 @@ class KVBMWorker:
         self._finished_recving: set[str] = set()
         # Lower tiers (disk, remote), each on a read and a write thread of its own.
         self.tier_io = TierIO(tier_write_queue_pages)
+        # Loads streamed through staging slots (see streaming.py): each
+        # part's (negative) job id -> its load; loads waiting for staging.
+        self._staging: StagingSlots | None = None
+        self._parts: dict[int, StreamedLoad] = {}
+        self._streams_waiting: list[StreamedLoad] = []
+        self._part_ids = itertools.count(-1, -1)
 
     def add_tier(self, store: "TierStore") -> None:
         self.tier_io.add(store)
@@ -115,8 +125,12 @@ class KVBMWorker:
         KV layout (see vllm_kvbm.vllm_layout); None: found from the shapes
         where that is unambiguous."""
         first = next(iter(kv_caches.values()))
-        # Pinned host memory lets the GPU DMA into it.
-        self._host = HostPool(self.num_host_slots, self.info.block_bytes, pin=first.is_cuda)
+        # Pinned host memory lets the GPU DMA into it. The rows after the
+        # host tier's are the staging slots of streamed loads.
+        staging = staging_slots(self.info.block_bytes)
+        self._staging = StagingSlots(self.num_host_slots, staging)
+        self._host = HostPool(self.num_host_slots + staging, self.info.block_bytes,
+                              pin=first.is_cuda)
         self.host_pool = self._host.tensor
         try:
             self.mover = PageMover(kv_caches, num_blocks, self.host_pool,
@@ -176,19 +190,65 @@ class KVBMWorker:
     def start_loads(self, meta: KVBMConnectorMetadata) -> None:
         fence = self.make_fence() if meta.loads else DONE
         for job in meta.loads:
-            if not job.fetch:
-                self._queue(job, False, fence)
-            elif any(job.slots[i] < 0 for i, _, _ in job.fetch):
-                # The scheduler had no host slot for a promotion: recompute.
-                self._complete(job, False, ok=False, started=time.perf_counter())
+            if needs_streaming(job):
+                self._start_streamed(job, fence)
             else:
-                # Lower-tier pages go into their host slots first (on the
-                # tiers' I/O threads), then the whole job is one NIXL read,
-                # still behind this step's fence.
-                assert self.host_pool is not None
-                self._fetching[job.job_id] = (fence, time.perf_counter())
-                self.tier_io.fetch(job, self.host_pool)
+                self._start_load(job, fence)
         self._post_ready()
+
+    def _start_load(self, job: TransferJob, fence: StepFence) -> None:
+        if not job.fetch:
+            self._queue(job, False, fence)
+            return
+        # Lower-tier pages go into their host slots first (on the tiers' I/O
+        # threads), then the whole job is one NIXL read, still behind the
+        # step's fence.
+        assert self.host_pool is not None
+        self._fetching[job.job_id] = (fence, time.perf_counter())
+        self.tier_io.fetch(job, self.host_pool)
+
+    # ---- streamed loads (more lower-tier pages than free host slots) --------
+
+    def _start_streamed(self, job: TransferJob, fence: StepFence) -> None:
+        load = StreamedLoad(job, fence, time.perf_counter())
+        in_host = []
+        for i, slot in enumerate(job.slots):
+            (load.pending if slot == STREAM else in_host).append(i)
+        if in_host:  # host hits and promotions: as any load
+            self._start_part(load, part(job, next(self._part_ids), in_host))
+        self._feed(load)
+
+    def _start_part(self, load: StreamedLoad, sub: TransferJob) -> None:
+        self._parts[sub.job_id] = load
+        load.running += 1
+        self._start_load(sub, load.fence)
+
+    def _feed(self, load: StreamedLoad) -> None:
+        """Starts the next chunks of ``load`` that free staging slots allow
+        (half the staging slots each, so two chunks overlap)."""
+        assert self._staging is not None
+        chunk = max(1, self._staging.count // 2)
+        while load.ok and load.pending and self._staging.free:
+            slots = self._staging.take(min(chunk, len(load.pending)))
+            indexes, load.pending = load.pending[:len(slots)], load.pending[len(slots):]
+            self._start_part(load, part(load.job, next(self._part_ids), indexes, slots))
+        waiting = load.ok and load.pending
+        if waiting and load not in self._streams_waiting:
+            self._streams_waiting.append(load)
+        elif not waiting and load in self._streams_waiting:
+            self._streams_waiting.remove(load)
+
+    def _part_done(self, load: StreamedLoad, sub: TransferJob, ok: bool) -> None:
+        assert self._staging is not None
+        self._staging.give(sub.slots)
+        load.running -= 1
+        load.ok &= ok
+        if load.done:
+            if load in self._streams_waiting:
+                self._streams_waiting.remove(load)
+            self._complete(load.job, False, ok=load.ok, started=load.started)
+        for waiting in [load] + self._streams_waiting:
+            self._feed(waiting)
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for spill in meta.spills:
@@ -218,6 +278,10 @@ class KVBMWorker:
     # ---- completion -------------------------------------------------------
 
     def _complete(self, job: TransferJob, is_store: bool, ok: bool, started: float) -> None:
+        load = self._parts.pop(job.job_id, None)
+        if load is not None:  # one part of a streamed load
+            self._part_done(load, job, ok)
+            return
         elapsed = time.perf_counter() - started
         nbytes = len(job.block_ids) * self.info.block_bytes
         meta = self._meta

@@ -1,0 +1,162 @@
+"""Loads longer than the host tier: disk pages streamed through the worker's
+staging slots into the engine's blocks (real worker, real NIXL, real disk
+tier), and the scheduler side planning them on vLLM's real Scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from test_worker_unit import NB, SLOTS, gen, harness  # noqa: F401 (fixtures)
+from tier_pages import key
+from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
+from vllm_kvbm.tiers.disk import DiskStore
+
+
+def disk_with_pages(h, tmp_path, n: int, first: int = 0):
+    """A real disk tier on ``h``'s worker holding ``n`` distinct pages."""
+    bb = h.lay.block_bytes()
+    store = DiskStore(str(tmp_path), 64 << 20, bb, "ns", 0, 1)
+    h.worker.add_tier(store)
+    g = torch.Generator().manual_seed(7)
+    pages = {}
+    for i in range(first, first + n):
+        pages[key(i)] = torch.randint(0, 256, (bb,), dtype=torch.uint8, generator=g)
+        assert store.put(key(i), pages[key(i)])
+    return pages
+
+
+def test_a_load_longer_than_the_staging_slots_streams_every_page(harness, tmp_path):
+    h = harness()
+    staging = h.worker._staging
+    n = 3 * staging.count + 5  # several rounds through the staging slots
+    pages = disk_with_pages(h, tmp_path, n)
+    blocks = list(range(10, 10 + n))
+    # Two pages promoted into host slots, the rest streamed.
+    slots = [5, 6] + [STREAM] * (n - 2)
+    job = TransferJob(1, "R", blocks, slots, fetch=[(i, "disk", key(i)) for i in range(n)])
+    for b in blocks:
+        h.lay.zero_block(b)
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[job]))
+    h.step_until(lambda: "R" in h.recving, timeout=60)
+    assert h.recving == ["R"] and not h.meta.loads_failed
+    assert h.worker.get_block_ids_with_load_errors() == set()
+    for i, b in enumerate(blocks):
+        assert torch.equal(h.lay.slot_bytes(b), pages[key(i)]), i
+    assert h.meta.bytes_loaded == n * h.lay.block_bytes()  # reported once, as one load
+    assert h.meta.tier_events[("disk", "ok")] == n
+    # The promoted pages are in their host slots; staging is free again.
+    assert torch.equal(h.pool[5], pages[key(0)]) and torch.equal(h.pool[6], pages[key(1)])
+    assert staging.free == staging.count and not h.worker._parts
+    assert all(s >= SLOTS for s in range(staging.first, staging.first + staging.count))
+
+
+def test_a_missing_streamed_page_fails_the_whole_load_after_its_parts_end(harness, tmp_path):
+    h = harness()
+    staging = h.worker._staging
+    n = 2 * staging.count
+    pages = disk_with_pages(h, tmp_path, n)
+    missing = n // 2 + 1
+    h.worker.tier_io.tiers["disk"].remove(key(missing))
+    blocks = list(range(100, 100 + n))
+    job = TransferJob(2, "R", blocks, [STREAM] * n,
+                      fetch=[(i, "disk", key(i)) for i in range(n)])
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[job]))
+    h.step_until(lambda: "R" in h.recving, timeout=60)
+    h.step()
+    assert h.recving == ["R"]  # reported once
+    assert h.meta.loads_failed == {"R": 1}
+    # Every block of the load is recomputed, whatever part failed.
+    assert h.worker.get_block_ids_with_load_errors() == set(blocks)
+    assert ("disk", key(missing)) in h.meta.bad_pages
+    assert staging.free == staging.count and not h.worker._parts
+    assert len(pages) == n
+
+
+def test_two_streamed_loads_share_the_staging_slots(harness, tmp_path):
+    h = harness()
+    staging = h.worker._staging
+    n = 2 * staging.count
+    pages = disk_with_pages(h, tmp_path, 2 * n)
+    jobs = [TransferJob(3 + j, f"R{j}", list(range(j * n, (j + 1) * n)), [STREAM] * n,
+                        fetch=[(i, "disk", key(j * n + i)) for i in range(n)])
+            for j in range(2)]
+    h.worker.start_loads(KVBMConnectorMetadata(loads=jobs))
+    h.step_until(lambda: {"R0", "R1"} <= set(h.recving), timeout=60)
+    assert not h.meta.loads_failed
+    for j in range(2):
+        for i in range(n):
+            assert torch.equal(h.lay.slot_bytes(j * n + i), pages[key(j * n + i)])
+    assert staging.free == staging.count
+    assert 2 * n <= NB
+
+
+# ---- the scheduler side, on vLLM's real Scheduler ---------------------------------
+
+
+def test_scheduler_loads_a_prefix_longer_than_the_host_tier(tmp_path):
+    from scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler, step
+    from test_scheduler_unit import keys_of, run_until_done, tokens
+    from tier_pages import put_where_the_scheduler_sees
+
+    sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(sched)
+    prompt = tokens(10 * BLOCK + 3, 31)
+    keys = keys_of(sched, prompt)
+    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    try:
+        put_where_the_scheduler_sees(store, k, keys)
+    finally:
+        store.close()
+    req = make_request(prompt, max_tokens=2)
+    sched.add_request(req)
+    _, meta, _ = admit(sched, req)
+    [load] = meta.loads
+    assert len(load.block_ids) == 10  # all of it, with a 4-block host tier
+    promoted = [s for s in load.slots if s != STREAM]
+    assert len(promoted) == 4 and load.slots.count(STREAM) == 6
+    assert [key_ for _, _, key_ in load.fetch] == keys
+    assert k.stats.total["matched_tokens_disk"] == 10 * BLOCK
+    step(sched, finished_recving=[req.request_id])
+    assert k.stats.total["onboard_blocks_d2d"] == 10
+    assert k.stats.total["onboard_blocks_h2d"] == 10
+    assert sum(k.host.is_ready(key_) for key_ in keys) == 4  # the promoted ones
+    run_until_done(sched, req.request_id)
+
+
+# ---- real engines -------------------------------------------------------------------
+
+
+def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plain_llm, tmp_path):
+    """Engine A (a host tier big enough) writes a 5000-token prompt to disk;
+    engine B, on the same directory with an 8-block host tier, onboards all of
+    it and answers as a plain engine that recomputed it."""
+    from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+    from test_engine_e2e import expected_hit_tokens, generate, reference
+    from test_tiers_e2e import settle
+    from vllm_kvbm.tools.server import kvbm_transfer_config
+
+    prompt = random_prompt(5000, seed=9201)
+    want = reference(plain_llm, [prompt])
+
+    def engine(host_blocks: int):
+        return make_llm(kvbm_transfer_config(host_cache_blocks=host_blocks,
+                                             disk_cache_dir=str(tmp_path),
+                                             disk_cache_size="1GiB"))
+
+    a = engine(64)
+    try:
+        assert generate(a, [prompt])[0] == want
+        settle(a)
+    finally:
+        a.llm_engine.engine_core.shutdown()
+    assert len(list(tmp_path.glob("*.pt"))) == len(prompt) // BLOCK_SIZE
+
+    b = engine(8)
+    try:
+        before = kvbm_counter("onboard_blocks_d2d")
+        got, cached = generate(b, [prompt])
+        assert got == want
+        assert cached[0] == expected_hit_tokens(len(prompt))
+        assert kvbm_counter("onboard_blocks_d2d") - before == cached[0] // BLOCK_SIZE
+    finally:
+        b.llm_engine.engine_core.shutdown()
