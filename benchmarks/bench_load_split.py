@@ -8,13 +8,14 @@ tier and vLLM's cache, and sends it again:
 - fast link: the whole prefix is loaded from the server;
 - slow link, first return: the engine still believes the tier is fast (what
   a connector without the split pays on every return);
-- slow link, later returns: the learned costs say recompute, so it does;
+- slow link, later returns: once the learned costs say recompute (the
+  newest load weighs half), it does;
 - slow link, hot system prompt: its blocks are in the host tier, the rest
   only on the slow server: the host part is loaded, the rest recomputed.
 
 Ratios are printed against each prompt's own miss, from one run.
 
-    .venv/bin/python benchmarks/bench_load_split.py [--tokens 4096] [--slow-rate-mb 8]
+    .venv/bin/python benchmarks/bench_load_split.py [--tokens 2048] [--slow-rate-mb 4]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 BLOCK_SIZE = 128
 HOST_BLOCKS = 48
+FILLER_BLOCKS = HOST_BLOCKS // 2 + 2  # two fresh prompts push the host tier out
 
 
 def ttft(llm, prompt) -> float:
@@ -51,8 +53,8 @@ def counter(name: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--slow-rate-mb", type=float, default=8.0,
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--slow-rate-mb", type=float, default=4.0,
                         help="the slow link's pace of server replies, MB/s")
     args = parser.parse_args()
     if args.model is None:
@@ -89,11 +91,13 @@ def measure(args) -> list[tuple]:
 
     try:
         llm = LLM(model=args.model, dtype="bfloat16", block_size=BLOCK_SIZE, enforce_eager=True,
-                  max_model_len=args.tokens + BLOCK_SIZE, max_num_batched_tokens=8192,
+                  max_model_len=max(args.tokens, FILLER_BLOCKS * BLOCK_SIZE) + BLOCK_SIZE,
+                  max_num_batched_tokens=8192,
                   kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3,
                   disable_log_stats=False,
                   kv_transfer_config=kvbm_transfer_config(
-                      host_cache_blocks=HOST_BLOCKS, remote_url=f"lm://127.0.0.1:{port}",
+                      host_cache_blocks=HOST_BLOCKS,
+                      remote_url=f"lm://127.0.0.1:{proxy.port}",
                       remote_timeout_s=60))
 
         def evict() -> None:
@@ -101,7 +105,7 @@ def measure(args) -> list[tuple]:
             out of the host tier, then vLLM's own cache is cleared."""
             time.sleep(1.0)
             for _ in range(2):
-                ttft(llm, fresh((HOST_BLOCKS // 2 + 2) * BLOCK_SIZE))
+                ttft(llm, fresh(FILLER_BLOCKS * BLOCK_SIZE))
             time.sleep(1.0)
             llm.reset_prefix_cache()
 
@@ -119,11 +123,20 @@ def measure(args) -> list[tuple]:
         rows = [case("fast link", fresh(args.tokens))]
         proxy.rate = args.slow_rate_mb * 1e6
         rows.append(case("slow link, first return (believed fast)", fresh(args.tokens)))
-        rows.append(case("slow link, later return (learned slow)", fresh(args.tokens)))
+        rows.append(case("slow link, second return", fresh(args.tokens)))
+        rows.append(case("slow link, third return", fresh(args.tokens)))
         system = fresh(args.tokens // 4 // BLOCK_SIZE * BLOCK_SIZE)
         prompt = system + fresh(args.tokens - len(system))
+
+        def system_prompt_again() -> None:
+            """Another conversation with the system prompt: recomputed (its
+            blocks are only on the slow server) and so back in the host tier."""
+            ttft(llm, system + fresh(65))
+            time.sleep(1.0)
+            llm.reset_prefix_cache()  # vLLM's own copy would hide the host tier's
+
         rows.append(case("slow link, system prompt hot in host", prompt,
-                         before_return=lambda: ttft(llm, system + fresh(65))))
+                         before_return=system_prompt_again))
         llm.llm_engine.engine_core.shutdown()
         return rows
     finally:

@@ -15,7 +15,8 @@ import pytest
 from scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler
 from test_scheduler_unit import store_and_finish, tokens
 from vllm_kvbm.config import KVBMConfigError, load_config
-from vllm_kvbm.scheduler.load_split import PROBE_AFTER_S, LoadSplit, PrefillModel
+from vllm_kvbm.scheduler.load_split import (PROBE_AFTER_S, PROBE_BLOCKS, LoadSplit,
+                                             PrefillModel)
 
 
 class Clock:
@@ -92,9 +93,10 @@ def test_a_slow_remote_part_worth_it_behind_a_long_fast_part():
 def test_a_tier_found_slow_is_probed_again_later_by_one_request():
     clock = Clock()
     split = learned(LoadSplit(128, clock=clock), remote=1.0)
-    assert split.cut(["remote"] * 4, 0) == 0
+    assert split.cut(["remote"] * 8, 0) == 0
     clock.now += PROBE_AFTER_S + 1
-    assert split.cut(["remote"] * 4, 0) == 4  # stale: this request measures it again
+    # stale: this request measures it again, with its first few blocks only
+    assert split.cut(["remote"] * 8, 0) == PROBE_BLOCKS
     assert split.cut(["remote"] * 4, 0) == 0  # the next ones do not, meanwhile
     split.load_done(Counter({"remote": 4}), 4 * 0.01)  # it got fast
     split.load_done(Counter({"remote": 4}), 4 * 0.01)

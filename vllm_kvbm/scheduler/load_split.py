@@ -24,8 +24,10 @@ _NEW = 0.5
 # Decay of old prefill samples in the least-squares fit, per new sample.
 _KEEP = 0.9
 # A tier judged slower than recompute is tried again after this long, so a
-# tier that got fast again is noticed (one request pays for the probe).
+# tier that got fast again is noticed: one request loads its first
+# PROBE_BLOCKS blocks from it whatever they cost, and the load measures it.
 PROBE_AFTER_S = 30.0
+PROBE_BLOCKS = 4
 
 
 @dataclass
@@ -142,11 +144,16 @@ class LoadSplit:
             if est is not None and now - est.updated > PROBE_AFTER_S \
                     and now - self._probed.get(tier, -PROBE_AFTER_S) > PROBE_AFTER_S:
                 probes.add(tier)
-            # Unknown or stale: load it (the load measures the tier).
-            costs[tier] = 0.0 if est is None or tier in probes else est.seconds
+            # Unknown: load it (the load measures the tier).
+            costs[tier] = 0.0 if est is None else est.seconds
+        free = dict.fromkeys(probes, PROBE_BLOCKS)  # a probe's blocks count as free
         best, best_k, total = 0.0, 0, 0.0
         for i, tier in enumerate(sources):
-            total += costs[tier] - self.prefill.block_seconds(start + i, self.block_size)
+            cost = costs[tier]
+            if free.get(tier):
+                free[tier] -= 1
+                cost = 0.0
+            total += cost - self.prefill.block_seconds(start + i, self.block_size)
             if total <= best:
                 best, best_k = total, i + 1
         for tier in probes.intersection(sources[:best_k]):
