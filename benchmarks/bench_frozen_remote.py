@@ -172,23 +172,6 @@ async def phase(url: str, model: str, args, rng: random.Random, freeze=None, tha
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def wait_stopped(pid: int, timeout: float = 5.0) -> None:
-    """Until every thread of a SIGSTOPped process has stopped."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-        if states and all(st in "tT" for st in states):
-            return
-        time.sleep(0.01)
-    raise RuntimeError("the lmcache server did not stop")
-
-
 def row(name: str, gaps: list[float], ref: list[float] | None) -> str:
     mean = statistics.fmean(gaps)
     ratio = f"{mean / statistics.fmean(ref):.2f}x" if ref else "1.00x"
@@ -199,7 +182,7 @@ def row(name: str, gaps: list[float], ref: list[float] | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server
     from vllm_kvbm.bench.cores import read_binding
-    from vllm_kvbm.tools.server import start_lmcache_server, stop_process
+    from vllm_kvbm.tools.server import freeze_process, start_lmcache_server, stop_process
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None)
@@ -253,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             rng = random.Random(12)
 
             def freeze():
-                lm.send_signal(signal.SIGSTOP)
-                wait_stopped(lm.pid)
+                freeze_process(lm, "the lmcache server")
 
             def thaw():
                 lm.send_signal(signal.SIGCONT)

@@ -115,24 +115,9 @@ def mount_tmpfs(mnt, opts: str) -> None:
 def stop_every_thread(proc: subprocess.Popen, what: str, timeout: float = 5.0) -> None:
     """SIGSTOP a server (a frozen-server fault), and wait until every one of
     its threads has stopped."""
-    import glob
-    import signal
-    import time
+    from vllm_kvbm.tools.server import freeze_process
 
-    proc.send_signal(signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for stat in glob.glob(f"/proc/{proc.pid}/task/*/stat"):
-            try:
-                with open(stat) as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except OSError:
-                pass
-        if states and all(st in "tT" for st in states):
-            return
-        time.sleep(0.01)
-    raise RuntimeError(f"{what} did not stop")
+    freeze_process(proc, what, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +136,15 @@ def lm_server():
 
 def umount(mnt) -> None:
     subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=20)
+
+
+@pytest.fixture
+def relay(lm_server):
+    """A relay in front of the module's LMCache server whose connections can
+    be frozen one by one (tests/tcp_relay.py)."""
+    from tcp_relay import Relay
+
+    lm_server.wait_ready()
+    r = Relay(lm_server.port)
+    yield r
+    r.close()

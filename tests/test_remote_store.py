@@ -328,16 +328,6 @@ def test_a_frozen_remote_server_never_stalls_vllms_scheduler(lm_server):
         lm_server.thaw()
 
 
-@pytest.fixture
-def relay(lm_server):
-    from tcp_relay import Relay
-
-    lm_server.wait_ready()
-    r = Relay(lm_server.port)
-    yield r
-    r.close()
-
-
 def test_a_read_does_not_wait_for_a_write_stuck_on_the_network(remote, relay):
     """Reads and writes have a connection each: a put whose path stalled
     (its relay frozen, a real TCP stall) holds only the write connection,

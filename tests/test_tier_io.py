@@ -76,16 +76,6 @@ def test_a_disk_fetch_does_not_wait_for_the_disks_queued_writes(tmp_path):
         io.close()
 
 
-@pytest.fixture
-def relay(lm_server):
-    from tcp_relay import Relay
-
-    lm_server.wait_ready()
-    r = Relay(lm_server.port)
-    yield r
-    r.close()
-
-
 def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
     """The remote's write connection stalls (and so does any new one): its
     writer waits on the first spill, the queue holds 4, the other 6 spills

@@ -188,3 +188,22 @@ def stop_process(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         proc.wait(timeout=30)
+
+
+def freeze_process(proc: subprocess.Popen, what: str, timeout: float = 5.0) -> None:
+    """SIGSTOPs a server (a frozen-server fault) and waits until every one of
+    its threads has stopped; SIGCONT thaws it."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{proc.pid}/task"):
+            try:
+                with open(f"/proc/{proc.pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.01)
+    raise RuntimeError(f"{what} did not stop")
