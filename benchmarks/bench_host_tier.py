@@ -62,9 +62,9 @@ def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 1
     interleaved rounds so that other work on the machine hits every path
     alike: a single-threaded memcpy of the same bytes (one contiguous run),
     torch ``copy_`` per block, NIXL as the connector used it before
-    (``loopback="default"``: UCX picks cma, loads are READs) and as it does now
-    (``loopback="self"``). Returns bytes per transfer and, per path and
-    direction, (best, median) GB/s."""
+    (``loopback="default"``: UCX picks cma, loads are READs), as it does now
+    (``loopback="self"``), and the same posted from a copy thread. Returns
+    bytes per transfer and, per path and direction, (best, median) GB/s."""
     import ctypes
 
     import torch
@@ -101,8 +101,10 @@ def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 1
 
     movers = {"NIXL before (UCX default: cma, loads READ)":
               PageMover(caches, num_blocks, pool, name="bench-default", loopback="default"),
-              "NIXL now (UCX self, loads WRITE, copy thread)":
-              PageMover(caches, num_blocks, pool, name="bench-self", loopback="self")}
+              "NIXL now (UCX self, loads WRITE, in the posting thread)":
+              PageMover(caches, num_blocks, pool, name="bench-self", loopback="self"),
+              "NIXL self posted from a copy thread (copy_thread=True)":
+              PageMover(caches, num_blocks, pool, name="bench-thread", copy_thread=True)}
     paths = {"memcpy (one thread, same bytes, contiguous)": {"load": memcpy, "store": memcpy},
              "torch copy_ per block": {"load": lambda: torch_copy(False),
                                        "store": lambda: torch_copy(True)}}

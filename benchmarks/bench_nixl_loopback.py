@@ -11,8 +11,8 @@ rounds interleaved (other work on the machine hits every path alike).
    host pool, stores as WRITEs. A configuration UCX refuses is listed with
    its error.
 2. Descriptors: the same bytes as 64, 512 or 4096 descriptors.
-3. Threads: the self transport's copy inline in the post, or on PageMover's
-   copy thread while the posting thread sleeps, runs Python (holding the
+3. Threads: the self transport's copy inline in the post (the default), or
+   on PageMover's copy thread (``copy_thread=True``) while the posting thread sleeps, runs Python (holding the
    GIL), or burns CPU without the GIL.
 
     .venv/bin/python benchmarks/bench_nixl_loopback.py [--rounds 7] [--parts threads ...]
@@ -204,7 +204,7 @@ def descriptors(rounds: int) -> None:
 
 def threads(rounds: int) -> None:
     caches, pool = layout(8, 2 * BLOCKS)
-    m = PageMover(caches, 2 * BLOCKS, pool, name="bench-threads")
+    m = PageMover(caches, 2 * BLOCKS, pool, name="bench-threads", copy_thread=True)
     blocks = list(range(BLOCKS))
     slots = list(range(2 * BLOCKS - 1, BLOCKS - 1, -1))
     kv_idx, host_idx = m._indices(blocks, slots)

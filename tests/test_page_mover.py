@@ -163,6 +163,32 @@ def test_concurrent_posts_and_slot_reuse(gen, movers):
         assert torch.equal(pool[s], lay.slot_bytes(b))
 
 
+def test_host_copies_are_done_when_post_returns(gen, movers):
+    # On CPU a store posted after the forward pass is reported in the same
+    # step's get_finished, so a finished request's blocks are freed at once
+    # (a cache reset right after a request finds them free).
+    lay = make_layout("cpu", gen)
+    pool = make_pool(8, lay.block_bytes(), gen)
+    mover = PageMover(lay.caches, NB, pool, name=agent_name())
+    movers.append(mover)
+    assert mover.poll(mover.post(True, [11, 12], [4, 5])) == "DONE"
+    assert torch.equal(pool[4], lay.slot_bytes(11)) and torch.equal(pool[5], lay.slot_bytes(12))
+    assert mover.poll(mover.post(False, [30], [5])) == "DONE"
+    assert torch.equal(lay.slot_bytes(30), lay.slot_bytes(12))
+
+
+@pytest.mark.parametrize("copy_thread", [False, True])
+def test_store_then_load_with_and_without_copy_thread(copy_thread, gen, movers):
+    lay = make_layout("flash", gen)
+    pool = make_pool(8, lay.block_bytes(), gen)
+    mover = PageMover(lay.caches, NB, pool, name=agent_name(), copy_thread=copy_thread)
+    movers.append(mover)
+    assert wait(mover, mover.post(True, [1, 2, 3], [7, 0, 3])) == "DONE"
+    assert wait(mover, mover.post(False, [20, 21, 22], [7, 0, 3])) == "DONE"
+    for a, b in [(1, 20), (2, 21), (3, 22)]:
+        assert torch.equal(lay.slot_bytes(a), lay.slot_bytes(b))
+
+
 def test_user_ucx_tls_without_self_still_moves_the_right_bytes(gen, movers, monkeypatch):
     # NIXL applies the host loopback's TLS=self only when UCX_TLS is unset: a
     # user's choice without the self transport must still copy both ways.
@@ -182,7 +208,7 @@ def test_close_lets_queued_copies_finish(gen):
     # deregistering memory under a running copy would be undefined.
     lay = make_layout("cpu", gen)
     pool = make_pool(8, lay.block_bytes(), gen)
-    mover = PageMover(lay.caches, NB, pool, name=agent_name())
+    mover = PageMover(lay.caches, NB, pool, name=agent_name(), copy_thread=True)
     handles = [mover.post(True, [b], [s]) for b, s in [(3, 0), (4, 1), (5, 2), (6, 3)]]
     mover.close()
     assert [mover.poll(h) for h in handles] == ["DONE"] * 4
@@ -199,7 +225,7 @@ def test_copy_thread_is_not_bound_to_the_engine_threads_core(gen, movers):
     pool = make_pool(4, lay.block_bytes(), gen)
     os.sched_setaffinity(0, {min(allowed)})
     try:
-        mover = PageMover(lay.caches, NB, pool, name=agent_name())
+        mover = PageMover(lay.caches, NB, pool, name=agent_name(), copy_thread=True)
         movers.append(mover)
         assert wait(mover, mover.post(True, [1], [0])) == "DONE"  # the thread is running
         copy = next(t for t in threading.enumerate() if t.name.endswith("-copy")

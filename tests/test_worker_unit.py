@@ -153,7 +153,14 @@ def test_store_then_load(kind, harness, gen):
     assert h.recving == ["R"] and h.sending == []
 
 
-def test_delayed_free_reported_only_after_its_stores(harness, gen):
+def test_delayed_free_reported_only_after_its_stores(harness, gen, monkeypatch):
+    # On CPU a store is done when posted; the ordering needs stores that are
+    # still running across steps: post them from PageMover's copy thread.
+    import functools
+
+    import vllm_kvbm.worker.jobs as jobs
+
+    monkeypatch.setattr(jobs, "PageMover", functools.partial(jobs.PageMover, copy_thread=True))
     h = harness()
     saw_pending = False
     for attempt in range(5):

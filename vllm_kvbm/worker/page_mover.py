@@ -7,16 +7,19 @@ transfers to itself (loopback): a DMA copy to or from GPU memory on CUDA.
 
 KV cache in host memory (vLLM on CPU): left to choose, UCX moves a loopback
 RMA through the kernel's cross-memory attach (cma: process_vm_readv/writev,
-about 45% of a memcpy here: docs/benchmarks.md); its shared-memory transports
+about 0.4x of a memcpy here: docs/benchmarks.md); its shared-memory transports
 (posix, sysv) only reach memory UCX allocated itself, and its ``self``
 transport, which copies a PUT with one plain memcpy straight into the target,
-has no GET (a READ falls back to active-message emulation, slower still) and
-refuses NIXL's default peer-failure error handling. So on CPU the agent's UCX
-context is limited to ``self`` with error handling off, and both directions
-are WRITEs: a load writes the host pool's pages into the KV cache. A ``self``
-PUT completes inside the call that posts it, so transfers are posted from a
-thread of the mover's own (NIXL releases the GIL while it copies); the engine
-thread only queues them and polls, as it would a DMA.
+has no GET (a READ falls back to active-message emulation) and refuses NIXL's
+default peer-failure error handling. So on CPU the agent's UCX context is
+limited to ``self`` with error handling off, and both directions are WRITEs:
+a load writes the host pool's pages into the KV cache. A ``self`` PUT
+completes inside the call that posts it: by default on the engine thread,
+where the forward pass has already finished (CPU runs it synchronously), so a
+transfer is done when ``post`` returns and reported in the same step, as the
+cma copies were (they progressed inside the step's polls). ``copy_thread=True``
+posts from a thread of the mover's own instead; on the two cores measured it
+cost more than it hid (docs/benchmarks.md), so it is not the default.
 """
 
 from __future__ import annotations
@@ -265,11 +268,14 @@ class PageMover:
     """``loopback``: for a KV cache in host memory, "self" (the default; see
     the module docstring) or "default" (UCX's own transport choice, loads as
     READs: what the mover did before; kept for benchmarks/bench_host_tier.py).
-    A KV cache in GPU memory always uses UCX's own choice."""
+    ``copy_thread``: with "self", post from a thread of the mover's own
+    rather than copy inside ``post``. A KV cache in GPU memory always uses
+    UCX's own choice."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                  host_pool: torch.Tensor, backend: str = "UCX", name: str = "kvbm",
-                 block_dims: dict[str, int] | None = None, loopback: str = "self"):
+                 block_dims: dict[str, int] | None = None, loopback: str = "self",
+                 copy_thread: bool = False):
         if loopback not in ("self", "default"):
             raise ValueError(f"loopback must be 'self' or 'default', not {loopback!r}")
         nixl_agent, nixl_agent_config, self.nixl_module = _nixl_api()
@@ -289,7 +295,7 @@ class PageMover:
             sync = importlib.import_module(f"{self.nixl_module}._api").nixl_thread_sync_t
             self.agent = nixl_agent(name, nixl_agent_config(
                 backends=[], enable_prog_thread=False,
-                sync_mode=sync.NIXL_THREAD_SYNC_RW))
+                sync_mode=sync.NIXL_THREAD_SYNC_RW if copy_thread else None))
             self.agent.create_backend(backend, dict(HOST_LOOPBACK_PARAMS))
         else:
             # One UCX worker thread: large posts return at once and the copy
@@ -325,7 +331,9 @@ class PageMover:
             self._host_src = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", host_rows, "DRAM")
             self._kv_dst = self.agent.prep_xfer_dlist(self.agent.name, kv_rows, kv_mem)
             self._dlists += [self._host_src, self._kv_dst]
-            self._copier = _CopyThread(self.agent, name)
+            if copy_thread:
+                self._copier = _CopyThread(self.agent, name)
+        self._loads_as_writes = host_only
         self._nreg = nreg
         self._region_ids = np.arange(nreg, dtype=np.int64)
 
@@ -366,18 +374,18 @@ class PageMover:
     def post(self, to_host: bool, block_ids: list[int], slots: list[int]):
         """Starts copying pages; returns a handle for ``poll``. Raises on failure."""
         kv_idx, host_idx = self._indices(block_ids, slots)
+        if to_host:
+            # WRITE pushes local (KV) pages to the "remote" (host pool) side.
+            handle = self.agent.make_prepped_xfer("WRITE", self._kv_side, kv_idx,
+                                                  self._host_side, host_idx)
+        elif self._loads_as_writes:
+            handle = self.agent.make_prepped_xfer("WRITE", self._host_src, host_idx,
+                                                  self._kv_dst, kv_idx)
+        else:
+            handle = self.agent.make_prepped_xfer("READ", self._kv_side, kv_idx,
+                                                  self._host_side, host_idx)
         if self._copier is not None:
-            if to_host:
-                handle = self.agent.make_prepped_xfer("WRITE", self._kv_side, kv_idx,
-                                                      self._host_side, host_idx)
-            else:
-                handle = self.agent.make_prepped_xfer("WRITE", self._host_src, host_idx,
-                                                      self._kv_dst, kv_idx)
             return self._copier.submit(handle, not to_host)
-        # WRITE pushes local (KV) pages to the "remote" (host pool) side.
-        op = "WRITE" if to_host else "READ"
-        handle = self.agent.make_prepped_xfer(op, self._kv_side, kv_idx,
-                                              self._host_side, host_idx)
         try:
             state = self.agent.transfer(handle)
         except Exception:
