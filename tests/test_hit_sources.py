@@ -33,12 +33,12 @@ def _finish(sched, req) -> None:
     """Steps with a worker that completes every transfer until ``req`` is done
     (its load, planned in the step that admitted it, first)."""
     loading = [req.request_id] if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS else []
-    for _ in range(50):
-        if req.request_id not in sched.requests:
-            return
+    deadline = time.monotonic() + 30
+    while req.request_id in sched.requests:
+        assert time.monotonic() < deadline, f"{req.request_id} did not finish"
         step(sched, complete=True, finished_recving=loading)
         loading = []
-    raise AssertionError(f"{req.request_id} did not finish")
+        time.sleep(0.002)
 
 
 def _admit(sched, prompt):

@@ -14,6 +14,7 @@ import pytest
 
 from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
 from scheduler_harness import admit as admit_request
+from test_scheduler_unit import store_and_finish
 from tier_pages import put_where_the_scheduler_sees
 from vllm_kvbm import metrics
 from vllm_kvbm.keys import KeyChain
@@ -27,15 +28,6 @@ def tokens(n: int, base: int) -> list[int]:
     return [base * 1000 + i for i in range(n)]
 
 
-def store_and_finish(sched, toks: list[int]) -> None:
-    """One request run to completion by a worker that finishes every transfer."""
-    req = make_request(toks, max_tokens=2)
-    sched.add_request(req)
-    for _ in range(50):
-        if req.request_id not in sched.requests:
-            return
-        step(sched, complete=True)
-    raise AssertionError(f"{req.request_id} did not finish")
 
 
 def admit(stats: KVBMStats, lookup: int, **matched: int) -> None:
