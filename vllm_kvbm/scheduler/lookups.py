@@ -99,11 +99,15 @@ class RemoteView:
                     if not chunk:
                         raise ConnectionError("server closed the connection")
                     reply += chunk
-                return [exist_reply(bytes(reply[i:i + REPLY_BYTES]))
-                        for i in range(0, want, REPLY_BYTES)]
+                found = [exist_reply(bytes(reply[i:i + REPLY_BYTES]))
+                         for i in range(0, want, REPLY_BYTES)]
             except (OSError, ValueError) as err:
                 self._drop(err)
                 return [False] * len(keys)
+            if self._down:  # once it answers: a frozen server still accepts connections
+                logger.warning("KVBM: remote tier %s reachable again for lookups", self.url)
+                self._down = False
+            return found
 
     def _connection(self) -> socket.socket | None:
         if self._sock is not None:
@@ -117,9 +121,7 @@ class RemoteView:
         except OSError as err:
             self._drop(err)
             return None
-        if self._down:
-            logger.warning("KVBM: remote tier %s reachable again for lookups", self.url)
-        self._sock, self._down = sock, False
+        self._sock = sock
         return sock
 
     def _drop(self, why) -> None:

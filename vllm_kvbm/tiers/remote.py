@@ -188,7 +188,6 @@ class RemoteStore(LMCacheStore):
         except Exception as e:  # noqa: BLE001
             self._drop(link, conn, e)
             return None
-        self._set_state(link, "up")
         return conn
 
     def _drop(self, link: _Link, conn: _RemoteConn, why) -> None:
@@ -210,10 +209,14 @@ class RemoteStore(LMCacheStore):
             if conn is None:
                 return fail
             try:
-                return fn(conn, deadline)
+                result = fn(conn, deadline)
             except Exception as e:  # noqa: BLE001 - timeout, reset, desync, ...
                 self._drop(link, conn, e)
                 return fail
+            # Up once the server answered: a frozen server still accepts
+            # connections (the kernel completes them), so a connect is no sign.
+            self._set_state(link, "up")
+            return result
         finally:
             link.lock.release()
 
