@@ -29,16 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from bench_tiers import ttft  # noqa: E402 (this directory: the script's own)
+
 BLOCK_SIZE = 128
-
-
-def ttft(llm, prompt) -> float:
-    from vllm import SamplingParams
-
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=1),
-                 use_tqdm=False)
-    return time.perf_counter() - start
 
 
 def counter(name: str) -> float:
