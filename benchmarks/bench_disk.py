@@ -309,40 +309,57 @@ class Bench:
             self.tier_files = files
         self.paths.append(Path(label, put_all, get_all, files, close=close))
 
-    # -- LMCache LocalDiskBackend, as the tier used it ------------------------
-    def lmcache_local_disk(self) -> None:
-        import torch
+    # -- LMCache's own disk backends -------------------------------------------
+    @staticmethod
+    def lmcache_backend(d: str, md, thread_name: str, make):
+        """(open, state, close) for an LMCache backend writing to ``d``: open(cfg)
+        starts afresh (an empty ``d``, caches synced), starts its event loop and
+        staging, and makes the backend with make(cfg, loop, staging); state["b"]
+        holds (loop, thread, staging, backend) until close()."""
         from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
-        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
-        from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
-        from vllm_kvbm.tiers.page_format import flat_u8
+        from vllm_kvbm.tiers.lmcache_store import start_loop, stop_loop
 
-        base = LMCacheStore(self.block, "bench-lm", 0, 1, self.secret)
         state = {}
-        d = os.path.join(self.root, "lmdisk")
 
         def close():
             if "b" in state:
-                loop, thread, staging, disk = state.pop("b")
-                disk.close()
+                loop, thread, staging, backend = state.pop("b")
+                backend.close()
                 stop_loop(loop, thread, 5.0)
                 staging.close()
 
-        def write():
+        def open_(cfg):
             close()
             shutil.rmtree(d, ignore_errors=True)
             os.makedirs(d)
             os.sync()
+            loop, thread = start_loop(thread_name)
+            staging = LocalCPUBackend(cfg, md)
+            state["b"] = (loop, thread, staging, make(cfg, loop, staging))
+            return state["b"][2], state["b"][3]
+        return open_, state, close
+
+    # -- LMCache LocalDiskBackend, as the tier used it ------------------------
+    def lmcache_local_disk(self) -> None:
+        import torch
+        from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
+
+        from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore
+        from vllm_kvbm.tiers.page_format import flat_u8
+
+        base = LMCacheStore(self.block, "bench-lm", 0, 1, self.secret)
+        d = os.path.join(self.root, "lmdisk")
+        open_, state, close = self.lmcache_backend(
+            d, base._md, "bench-lmdisk", lambda cfg, loop, staging: LocalDiskBackend(
+                cfg, loop, staging, dst_device="cpu", metadata=base._md))
+
+        def write():
             # Staging as the tier had it: max_inflight (8) + 2 pages.
-            cfg = base._Config.from_defaults(
+            staging, disk = open_(base._Config.from_defaults(
                 chunk_size=1, local_cpu=False,
                 max_local_cpu_size=(10 * base._phys + 8 * MiB) / GIB,
-                local_disk=d, max_local_disk_size=2 * self.total / GIB)
-            loop, thread = start_loop("bench-lmdisk")
-            staging = LocalCPUBackend(cfg, base._md)
-            disk = LocalDiskBackend(cfg, loop, staging, dst_device="cpu", metadata=base._md)
-            state["b"] = (loop, thread, staging, disk)
+                local_disk=d, max_local_disk_size=2 * self.total / GIB))
             for k, p in zip(self.keys, self.pages):  # one at a time, as DiskStore.put waited
                 done = threading.Event()
                 mo = staging.allocate(base._shape, torch.uint8, base._fmt, busy_loop=True)
@@ -371,34 +388,24 @@ class Bench:
     def lmcache_nixl(self) -> None:
         import torch
 
-        from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
+        from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore
         from vllm_kvbm.tiers.page_format import flat_u8
 
         label = "LMCache NixlStorageBackend (POSIX)"
         path = Path(label)
         self.paths.append(path)
         try:
-            from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
             from lmcache.v1.storage_backend.nixl_storage_backend import NixlStorageBackend
         except Exception as e:  # noqa: BLE001
             path.note = f"cannot run: {e}"
             return
         base = LMCacheStore(self.block, "bench-nixl", 0, 1, self.secret)
-        state = {}
         d = os.path.join(self.root, "nixl")
-
-        def close():
-            if "b" in state:
-                loop, thread, staging, nixl = state.pop("b")
-                nixl.close()
-                stop_loop(loop, thread, 5.0)
-                staging.close()
+        open_, state, close = self.lmcache_backend(
+            d, base._md, "bench-nixl", lambda cfg, loop, staging:
+            NixlStorageBackend.CreateNixlStorageBackend(cfg, loop, base._md, staging))
 
         def write():
-            close()
-            shutil.rmtree(d, ignore_errors=True)
-            os.makedirs(d)
-            os.sync()
             # Staging for every page at once: its gets are batched, so every
             # page is in flight in one NIXL transfer.
             cfg = base._Config.from_defaults(
@@ -406,10 +413,7 @@ class Bench:
                 nixl_buffer_device="cpu",
                 extra_config={"enable_nixl_storage": True, "nixl_backend": "POSIX",
                               "nixl_pool_size": self.n, "nixl_path": d, "use_direct_io": False})
-            loop, thread = start_loop("bench-nixl")
-            staging = LocalCPUBackend(cfg, base._md)
-            nixl = NixlStorageBackend.CreateNixlStorageBackend(cfg, loop, base._md, staging)
-            state["b"] = (loop, thread, staging, nixl)
+            staging, nixl = open_(cfg)
             ckeys = [base._ckey(k) for k in self.keys]
             batch = []
             for k, p in zip(self.keys, self.pages):
