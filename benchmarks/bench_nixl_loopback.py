@@ -152,20 +152,25 @@ def transports(rounds: int) -> None:
         movers.append(m)
         paths[f"{label} | load"] = lambda m=m: m.copy(False)
         paths[f"{label} | store"] = lambda m=m: m.copy(True)
-    times = run_rounds(paths, rounds)
-    base = median(times["memcpy (one thread, same bytes)"])
-    print(f"\n### Transports: {BYTES >> 20} MiB per transfer, {BLOCKS} blocks x 8 layers x "
-          f"256 KiB, {rounds} interleaved rounds (load average {os.getloadavg()[0]:.1f})\n")
-    print("| configuration | direction | GB/s best | GB/s median | median / memcpy |")
-    print("|---|---|---:|---:|---:|")
-    for k, ts in times.items():
-        label, _, direction = k.partition(" | ")
-        print(f"| {label} | {direction or '-'} | {BYTES / min(ts) / 1e9:.2f} "
-              f"| {BYTES / median(ts) / 1e9:.2f} | {base / median(ts):.2f} |")
+    print_gbps(f"Transports: {BYTES >> 20} MiB per transfer, {BLOCKS} blocks x 8 layers x "
+               f"256 KiB", ("configuration", "direction"), run_rounds(paths, rounds), rounds)
     for label, err in refused.items():
         print(f"| {label} | refused: {err} | | | |")
     for m in movers:
         m.close()
+
+
+def print_gbps(title: str, columns: tuple[str, str], times: dict, rounds: int) -> None:
+    """A table of each path's GB/s (keys "label | second column") against the memcpy."""
+    base = median(times["memcpy (one thread, same bytes)"])
+    print(f"\n### {title}, {rounds} interleaved rounds (load average "
+          f"{os.getloadavg()[0]:.1f})\n")
+    print(f"| {columns[0]} | {columns[1]} | GB/s best | GB/s median | median / memcpy |")
+    print("|---|---|---:|---:|---:|")
+    for k, ts in times.items():
+        label, _, second = k.partition(" | ")
+        print(f"| {label} | {second or '-'} | {BYTES / min(ts) / 1e9:.2f} "
+              f"| {BYTES / median(ts) / 1e9:.2f} | {base / median(ts):.2f} |")
 
 
 def descriptors(rounds: int) -> None:
@@ -188,16 +193,8 @@ def descriptors(rounds: int) -> None:
                     time.sleep(0.0002)
 
             paths[f"{loopback} | {layers * BLOCKS} x {page_kib} KiB"] = load
-    times = run_rounds(paths, rounds)
-    base = median(times["memcpy (one thread, same bytes)"])
-    print(f"\n### Descriptors per transfer: loads of {BYTES >> 20} MiB, {rounds} interleaved "
-          f"rounds (load average {os.getloadavg()[0]:.1f})\n")
-    print("| PageMover loopback | descriptors | GB/s best | GB/s median | median / memcpy |")
-    print("|---|---|---:|---:|---:|")
-    for k, ts in times.items():
-        label, _, count = k.partition(" | ")
-        print(f"| {label} | {count or '-'} | {BYTES / min(ts) / 1e9:.2f} "
-              f"| {BYTES / median(ts) / 1e9:.2f} | {base / median(ts):.2f} |")
+    print_gbps(f"Descriptors per transfer: loads of {BYTES >> 20} MiB",
+               ("PageMover loopback", "descriptors"), run_rounds(paths, rounds), rounds)
     for m in movers:
         m.close()
 
