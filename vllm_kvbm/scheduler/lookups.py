@@ -14,6 +14,7 @@ import queue
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_kvbm.config import parse_lm_url, parse_remote_url
@@ -193,51 +194,62 @@ class BackgroundLookups:
     """Lower-tier lookups that may wait on a server, run on a thread of their
     own so that vLLM's scheduler thread never does.
 
-    ``ask`` returns the answer for exactly these keys when it is known, else
-    None after queueing the question (the planner then answers vLLM "ask
-    again next step"). Answers are kept per request and first key until the
-    request is admitted or finished (``forget``).
+    One question per request at a time: ``ask`` returns the answer once it is
+    known, else None after queueing the question (the planner then answers
+    vLLM "ask again next step"). An answer keeps serving the request while
+    its lookup starts inside the run asked about (blocks before it meanwhile
+    stored to the host tier by others, say), so a moving start never asks
+    again; answers are dropped when the request is admitted or finished
+    (``forget``). Nothing is copied per step: the keys of a question are
+    copied once, when it is queued.
     """
 
     def __init__(self, lower: LowerTiers):
         self._lower = lower
         self._lock = threading.Lock()
-        self._answers: dict[tuple[str, BlockKey], tuple[tuple[BlockKey, ...], list[str]]] = {}
-        self._asked: set[tuple[str, BlockKey]] = set()
+        self._entries: dict[str, _Question] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
-    def ask(self, req_id: str, keys: tuple[BlockKey, ...]) -> list[str] | None:
-        slot = (req_id, keys[0])
+    def ask(self, req_id: str, keys: list[BlockKey], start: int,
+            end: int) -> tuple[list[str], int] | None:
+        """The lower tiers of the longest run held of ``keys[start:end]``, as
+        (run, offset): block ``start + k`` is in tier ``run[offset + k]`` for
+        ``offset + k < len(run)``. None: asked, not answered yet."""
         with self._lock:
-            answer = self._answers.get(slot)
-            if answer is not None and answer[0] == keys:
-                return answer[1]
-            if slot in self._asked:
-                return None
-            self._asked.add(slot)
-        self._queue.put((slot, keys))
+            q = self._entries.get(req_id)
+            if (q is not None and q.start <= start < q.start + q.count
+                    and keys[q.start] == q.first):  # same chain: same blocks
+                return None if q.run is None else (q.run, start - q.start)
+            q = self._entries[req_id] = _Question(start, keys[start], end - start)
+        self._queue.put((req_id, q, keys[start:end]))
         return None
 
     def forget(self, req_id: str) -> None:
         with self._lock:
-            for slot in [s for s in self._answers if s[0] == req_id]:
-                del self._answers[slot]
-            self._asked = {s for s in self._asked if s[0] != req_id}
+            self._entries.pop(req_id, None)
 
     def _serve(self) -> None:
         while True:
-            slot, keys = self._queue.get()
+            req_id, q, keys = self._queue.get()
+            with self._lock:
+                if self._entries.get(req_id) is not q:
+                    continue  # forgotten or asked again meanwhile
             try:
-                run = self._lower.find_run_doubling(list(keys))
+                run = self._lower.find_run_doubling(keys)
             except Exception as err:  # a view must not kill the thread: a miss
                 logger.warning("KVBM: lower-tier lookup failed: %s", err)
                 run = []
-            with self._lock:
-                if slot in self._asked:  # else forgotten meanwhile
-                    self._asked.discard(slot)
-                    self._answers[slot] = (keys, run)
+            q.run = run  # read under the lock by ask; a list is set whole
+
+
+@dataclass
+class _Question:
+    start: int
+    first: BlockKey
+    count: int
+    run: list[str] | None = None  # None: not answered yet
 
 
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:

@@ -226,9 +226,10 @@ class KVBMScheduler:
         keys = state.chain.keys
         if len(keys) < i + n:
             state.chain.extend_to(state.request.all_token_ids, i + n)
-        lower = self._background.ask(state.request.request_id, tuple(keys[i:i + n]))
-        if lower is None:
+        answer = self._background.ask(state.request.request_id, keys, i, i + n)
+        if answer is None:
             return None  # asked: vLLM asks again next step
+        lower, offset = answer
         for j in range(i, i + n):
             key = keys[j]
             if self.host.is_ready(key):
@@ -236,9 +237,9 @@ class KVBMScheduler:
                 continue
             if key in self.host:
                 return None
-            if j - i >= len(lower):
+            if offset + j - i >= len(lower):
                 break
-            sources.append(lower[j - i])
+            sources.append(lower[offset + j - i])
         return sources
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
