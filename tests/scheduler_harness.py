@@ -71,8 +71,11 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm.connector",
             kv_role="kv_both", kv_load_failure_policy=load_failure_policy,
+            # No model runs here, so step times say nothing of what a load
+            # or a recompute costs: the load/recompute split is off unless
+            # a test turns it on.
             kv_connector_extra_config={"host_cache_blocks": host_blocks,
-                                       **extra_config}),
+                                       "load_split": False, **extra_config}),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )

@@ -139,7 +139,8 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     from tier_pages import put_where_the_scheduler_sees
     from vllm_kvbm.tiers.disk import DiskStore
 
-    s = make_scheduler(host_blocks=64, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    s = make_scheduler(host_blocks=64, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB",
+                       load_split=True)
     k = kvbm(s)
     # Prefill costs come from the scheduler's own timing of real steps.
     run(s, tokens(4 * BLOCK + 3, 2))
