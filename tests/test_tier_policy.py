@@ -205,3 +205,46 @@ def test_a_long_prefix_on_a_remote_tier_costs_a_few_round_trips():
     # A gap ends the hit where it is, whatever the batch.
     remote.keys.discard(keys[9])
     assert lookup(k, make_request(prompt)) == (9 * BLOCK, True)
+
+
+def test_background_answers_serve_a_moving_start_and_are_refreshed(tmp_path, monkeypatch):
+    """A real DiskView behind the lookup thread: one question per request, its
+    answer serving while the lookup's start moves inside the run asked about;
+    an old answer still serves while it is asked again, and the new one sees
+    pages written since."""
+    from vllm_kvbm.scheduler import lookups
+    from vllm_kvbm.scheduler.lookups import BackgroundLookups, DiskView
+    from vllm_kvbm.tiers.page_format import disk_page_path
+
+    monkeypatch.setattr(lookups, "REFRESH_S", 0.2)
+    keys = [bytes([i]) * 32 for i in range(8)]
+
+    def write(key):
+        open(disk_page_path(str(tmp_path), "ns", 4096, 0, 1, key), "wb").close()
+
+    for key in keys[:3]:
+        write(key)
+    bg = BackgroundLookups(LowerTiers([DiskView(str(tmp_path), "ns", 4096, 1)]))
+
+    def answer(start, timeout=5.0):
+        deadline = time.monotonic() + timeout
+        while (got := bg.ask("r", keys, start, len(keys))) is None:
+            assert time.monotonic() < deadline, "never answered"
+            time.sleep(0.01)
+        run, offset = got
+        return run[offset:]
+
+    assert answer(0) == ["disk"] * 3
+    assert bg._queue.qsize() == 0
+    assert answer(1) == ["disk"] * 2  # the start moved: the same answer serves
+    for key in keys[3:6]:
+        write(key)
+    assert answer(0) == ["disk"] * 3  # still fresh: not asked again
+    time.sleep(0.3)
+    assert answer(0) == ["disk"] * 3  # old: it serves while it is asked again...
+    deadline = time.monotonic() + 5
+    while answer(0) != ["disk"] * 6:  # ...and the new answer sees the new pages
+        assert time.monotonic() < deadline, "the answer was never refreshed"
+        time.sleep(0.05)
+    bg.forget("r")
+    assert bg.ask("r", keys, 0, len(keys)) is None  # forgotten: a new question

@@ -200,8 +200,10 @@ class BackgroundLookups:
     its lookup starts inside the run asked about (blocks before it meanwhile
     stored to the host tier by others, say), so a moving start never asks
     again; answers are dropped when the request is admitted or finished
-    (``forget``). Nothing is copied per step: the keys of a question are
-    copied once, when it is queued.
+    (``forget``). An answer older than ``REFRESH_S`` still serves (the
+    request is never held back for it) while it is asked again, so a request
+    that waits long for room sees pages written since (or gone). Nothing is
+    copied per step: a question's keys are copied when it is queued.
     """
 
     def __init__(self, lower: LowerTiers):
@@ -221,7 +223,12 @@ class BackgroundLookups:
             q = self._entries.get(req_id)
             if (q is not None and q.start <= start < q.start + q.count
                     and keys[q.start] == q.first):  # same chain: same blocks
-                return None if q.run is None else (q.run, start - q.start)
+                if q.run is None:
+                    return None
+                if not q.asking and time.monotonic() - q.answered_at > REFRESH_S:
+                    q.asking = True
+                    self._queue.put((req_id, q, keys[q.start:q.start + q.count]))
+                return q.run, start - q.start
             q = self._entries[req_id] = _Question(start, keys[start], end - start)
         self._queue.put((req_id, q, keys[start:end]))
         return None
@@ -241,7 +248,12 @@ class BackgroundLookups:
             except Exception as err:  # a view must not kill the thread: a miss
                 logger.warning("KVBM: lower-tier lookup failed: %s", err)
                 run = []
-            q.run = run  # read under the lock by ask; a list is set whole
+            with self._lock:
+                q.run, q.answered_at, q.asking = run, time.monotonic(), False
+
+
+# An answer this old is asked again (and serves until the new one is in).
+REFRESH_S = 0.5
 
 
 @dataclass
@@ -250,6 +262,8 @@ class _Question:
     first: BlockKey
     count: int
     run: list[str] | None = None  # None: not answered yet
+    answered_at: float = 0.0
+    asking: bool = True  # queued or being answered
 
 
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
