@@ -210,12 +210,13 @@ class KVBMWorker:
     # ---- streamed loads (more lower-tier pages than free host slots) --------
 
     def _start_streamed(self, job: TransferJob, fence: StepFence) -> None:
-        load = StreamedLoad(job, fence, time.perf_counter())
+        load = StreamedLoad(job, fence, time.perf_counter(),
+                            fetch={i: (tier, key) for i, tier, key in job.fetch})
         in_host = []
         for i, slot in enumerate(job.slots):
             (load.pending if slot == STREAM else in_host).append(i)
         if in_host:  # host hits and promotions: as any load
-            self._start_part(load, part(job, next(self._part_ids), in_host))
+            self._start_part(load, part(load, next(self._part_ids), in_host))
         self._feed(load)
 
     def _start_part(self, load: StreamedLoad, sub: TransferJob) -> None:
@@ -231,7 +232,7 @@ class KVBMWorker:
         while load.ok and load.pending and self._staging.free:
             slots = self._staging.take(min(chunk, len(load.pending)))
             indexes, load.pending = load.pending[:len(slots)], load.pending[len(slots):]
-            self._start_part(load, part(load.job, next(self._part_ids), indexes, slots))
+            self._start_part(load, part(load, next(self._part_ids), indexes, slots))
         waiting = load.ok and load.pending
         if waiting and load not in self._streams_waiting:
             self._streams_waiting.append(load)
@@ -244,9 +245,9 @@ class KVBMWorker:
         load.running -= 1
         load.ok &= ok
         if load.done:
-            if load in self._streams_waiting:
-                self._streams_waiting.remove(load)
             self._complete(load.job, False, ok=load.ok, started=load.started)
+        # Staging slots came free: this load's next chunks, then the waiting
+        # ones' (a done load leaves the waiting list here).
         for waiting in [load] + self._streams_waiting:
             self._feed(waiting)
 

@@ -57,6 +57,8 @@ class StreamedLoad:
     fence: "StepFence"
     started: float
     pending: list[int] = field(default_factory=list)  # indexes of pages to stream
+    # the job's fetches by index, read once for all its parts
+    fetch: dict[int, tuple[str, bytes]] = field(default_factory=dict)
     running: int = 0
     ok: bool = True
 
@@ -69,10 +71,11 @@ def needs_streaming(job: TransferJob) -> bool:
     return any(job.slots[i] == STREAM for i, _, _ in job.fetch)
 
 
-def part(job: TransferJob, part_id: int, indexes: list[int],
+def part(load: StreamedLoad, part_id: int, indexes: list[int],
          slots: list[int] | None = None) -> TransferJob:
-    """The sub-job of ``job`` for pages ``indexes``, in ``slots`` (default: theirs)."""
-    fetch = {i: (tier, key) for i, tier, key in job.fetch}
+    """The sub-job of ``load``'s job for pages ``indexes``, in ``slots``
+    (default: theirs)."""
+    job, fetch = load.job, load.fetch
     sub = TransferJob(part_id, job.req_id, [job.block_ids[i] for i in indexes],
                       slots if slots is not None else [job.slots[i] for i in indexes])
     sub.fetch = [(p, *fetch[i]) for p, i in enumerate(indexes) if i in fetch]
