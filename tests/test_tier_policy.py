@@ -38,22 +38,36 @@ def test_lookup_order_is_disk_then_remote():
     assert tier_of(tiers, b"c") is None
 
 
+def admitted(tiers: LowerTiers, key: bytes, reused: bool) -> list[str]:
+    """The tiers ``tiers.admit`` writes one key to."""
+    runs = tiers.admit([key], reused)
+    return runs[0][0] if runs else []
+
+
+def test_admit_keeps_key_order_in_runs_of_the_same_tiers():
+    tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "frequency", disk_min_uses=2)
+    tiers.admit([b"b"], reused=False)  # on the remote; the disk takes it next time
+    assert tiers.admit([b"a", b"b", b"c", b"d", b"a"], reused=True) == [
+        (["remote"], [b"a"]), (["disk"], [b"b"]), (["remote"], [b"c", b"d"]),
+        (["disk"], [b"a"])]
+
+
 def test_admission_always_writes_each_tier_once():
     disk, remote = _Listed("disk"), _Listed("remote")
     tiers = LowerTiers([disk, remote], "always")
-    assert tiers.admit(b"k", reused=False) == ["disk", "remote"]
+    assert admitted(tiers, b"k", reused=False) == ["disk", "remote"]
     disk.keys.add(b"k")
     remote.keys.add(b"k")  # the worker's writes landed
-    assert tiers.admit(b"k", reused=True) == []  # written already
+    assert admitted(tiers, b"k", reused=True) == []  # written already
     disk.keys.discard(b"k")  # found corrupt: the worker removed it...
     tiers.forget("disk", b"k")  # ...and says so: it may be written again
-    assert tiers.admit(b"k", reused=True) == ["disk"]
+    assert admitted(tiers, b"k", reused=True) == ["disk"]
 
 
 def test_frequency_admission_waits_for_the_second_use():
     tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "frequency", disk_min_uses=2)
-    assert tiers.admit(b"k", reused=False) == ["remote"]  # first use: no disk write
-    assert tiers.admit(b"k", reused=True) == ["disk"]     # used again: now the disk
+    assert admitted(tiers, b"k", reused=False) == ["remote"]  # first use: no disk write
+    assert admitted(tiers, b"k", reused=True) == ["disk"]     # used again: now the disk
 
 
 def test_worker_events_become_counters():

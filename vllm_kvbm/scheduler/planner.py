@@ -473,8 +473,7 @@ class KVBMScheduler:
                     self.stats.add(self.lower.onboard_counter(tier))
                 for tier in streamed:
                     self.stats.add(self.lower.onboard_counter(tier))
-                for key in keys:
-                    self._maybe_spill(key, reused=True)
+                self._spill(keys, reused=True)
             self._maybe_forget(state)
         self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
         self._evictions_seen = self.host.evictions
@@ -504,12 +503,13 @@ class KVBMScheduler:
             if job.pending_workers > 0:
                 continue  # other TP ranks still copying their shard
             del self._store_jobs[job_id]
-            for key in job.keys:
-                if job.failed or job.stale:
+            if job.failed or job.stale:
+                for key in job.keys:
                     self.host.drop(key)
-                else:
+            else:
+                for key in job.keys:
                     self.host.commit(key)
-                    self._maybe_spill(key, reused=False)
+                self._spill(job.keys, reused=False)
             if job.failed:
                 self.stats.add("store_errors")
             else:
@@ -519,15 +519,16 @@ class KVBMScheduler:
                 state.store_jobs.discard(job_id)
                 self._maybe_forget(state)
 
-    def _maybe_spill(self, key: BlockKey, reused: bool) -> None:
-        """Write-through of a ready host block to the lower tiers that admit it."""
-        tiers = self.lower.admit(key, reused)
-        if not tiers or not self.host.is_ready(key):
-            return
-        slot = self.host.pin([key])[0]  # held until every worker copied it
-        job = SpillJob(next(self._job_ids), key, slot, tiers)
-        self._pending_spills[job.job_id] = [key, self.info.num_workers]
-        self._spills.append(job)
+    def _spill(self, keys: list[BlockKey], reused: bool) -> None:
+        """Write-through of ready host blocks to the lower tiers that admit them."""
+        for tiers, run in self.lower.admit(keys, reused):
+            for key in run:
+                if not self.host.is_ready(key):
+                    continue
+                slot = self.host.pin([key])[0]  # held until every worker copied it
+                job = SpillJob(next(self._job_ids), key, slot, tiers)
+                self._pending_spills[job.job_id] = [key, self.info.num_workers]
+                self._spills.append(job)
 
     def _finish_spills(self, counts: Counter) -> None:
         for job_id, n in counts.items():

@@ -16,13 +16,10 @@ from typing import Protocol
 from vllm_kvbm.keys import BlockKey
 
 # Bound on the per-key bookkeeping below (use counts, recent writes): entries
-# are keyed by the first 8 bytes of a block key (a collision only changes an
+# are keyed by the block key's hash (64 bits; computed once per bytes object
+# and cached in it, so asking again is free; a collision only changes an
 # admission decision, never what is loaded), about 10 MiB per table at most.
 _MEMORY = 1 << 16
-
-
-def _short(key: BlockKey) -> int:
-    return int.from_bytes(key[:8], "little")
 
 
 class TierView(Protocol):
@@ -34,10 +31,9 @@ class TierView(Protocol):
 
 
 class _BoundedCounter(OrderedDict):
-    """Counts per block key for the most recently seen ``_MEMORY`` keys."""
+    """Counts per key hash for the most recently seen ``_MEMORY`` keys."""
 
-    def bump(self, key: BlockKey) -> int:
-        short = _short(key)
+    def bump(self, short: int) -> int:
         value = self.get(short, 0) + 1
         self[short] = value
         self.move_to_end(short)
@@ -45,11 +41,11 @@ class _BoundedCounter(OrderedDict):
             self.popitem(last=False)
         return value
 
-    def has(self, key: BlockKey) -> bool:
-        return _short(key) in self
-
-    def drop(self, key: BlockKey) -> None:
-        self.pop(_short(key), None)
+    def add(self, short: int) -> None:
+        """``bump`` for a hash not in the table (no reordering to do)."""
+        self[short] = 1
+        if len(self) > _MEMORY:
+            self.popitem(last=False)
 
 
 class LowerTiers:
@@ -105,34 +101,48 @@ class LowerTiers:
             run.append(tier)
         return run
 
-    def admit(self, key: BlockKey, reused: bool) -> list[str]:
-        """Tiers a ready host block should now be written to."""
+    def admit(self, keys: list[BlockKey],
+              reused: bool) -> list[tuple[list[str], list[BlockKey]]]:
+        """The tiers ready host blocks ``keys`` should now be written to, as
+        runs of consecutive keys going to the same tiers (keys no tier admits
+        left out, order kept)."""
+        runs: list[tuple[list[str], list[BlockKey]]] = []
         if not self.views:
-            return []
-        uses = self._uses.bump(key)
-        tiers = []
-        for view in self.views:
-            written = self._written[view.name]
-            if written.has(key):
-                continue  # until the worker reports the page gone (forget)
-            if reused and view.name == "disk" and view.contains(key):
-                # Reused and on disk, though the bounded table forgot it (or
-                # another engine or an earlier run wrote it): a stat is
-                # cheaper than a write. Fresh blocks are not asked about.
-                written.bump(key)
+            return runs
+        # Use counts matter only to the frequency filter: not kept otherwise.
+        counting = self.disk_admission == "frequency"
+        tables = [(view, view.name, self._written[view.name], view.name == "disk")
+                  for view in self.views]
+        for key in keys:
+            short = hash(key)
+            uses = self._uses.bump(short) if counting else 0
+            tiers = []
+            for view, name, written, disk in tables:
+                if short in written:
+                    continue  # until the worker reports the page gone (forget)
+                if reused and disk and view.contains(key):
+                    # Reused and on disk, though the bounded table forgot it (or
+                    # another engine or an earlier run wrote it): a stat is
+                    # cheaper than a write. Fresh blocks are not asked about.
+                    written.add(short)
+                    continue
+                if disk and counting and uses < self.disk_min_uses:
+                    continue  # seen once so far: not worth a disk write yet
+                written.add(short)
+                tiers.append(name)
+            if not tiers:
                 continue
-            if (view.name == "disk" and self.disk_admission == "frequency"
-                    and uses < self.disk_min_uses):
-                continue  # seen once so far: not worth a disk write yet
-            written.bump(key)
-            tiers.append(view.name)
-        return tiers
+            if runs and runs[-1][0] == tiers:
+                runs[-1][1].append(key)
+            else:
+                runs.append((tiers, [key]))
+        return runs
 
     def forget(self, tier: str, key: BlockKey) -> None:
         """A page was found gone, corrupt or unauthenticated, or its write was
         dropped (the tier's write queue was full): allow writing it again."""
         if tier in self._written:
-            self._written[tier].drop(key)
+            self._written[tier].pop(hash(key), None)
 
     @staticmethod
     def onboard_counter(tier: str) -> str:
