@@ -16,7 +16,11 @@ class TierStore:
 
     def get_into(self, key: bytes, out: torch.Tensor) -> str:
         """Fills out -> "ok" | "miss" | "corrupt" (entry removed) | "unauthenticated"
-        (no valid page MAC for this deployment's secret; entry removed) | "error"."""
+        (no valid page MAC for this deployment's secret; entry removed) | "error".
+
+        Only "ok" makes ``out`` usable: on anything else its content is
+        undefined (a store may check a page where it lands), and the caller
+        never serves it."""
         raise NotImplementedError
 
     def get_many_into(self, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:

@@ -9,10 +9,10 @@ LocalDiskBackend keeps the index: the key -> file table, the LRU order by
 bytes, admission and eviction (whose deletions we report, take_removed). The
 bytes go around it: put writes the page file itself, on the caller's thread
 (TierIO's write thread), header and payload with one writev straight from
-the caller's tensor; get_into reads it with one preadv into a buffer of the
-reading thread, verifies it there and copies it into the caller's slot (so a
-page that fails a check never touches the slot); get_many_into does that for
-several pages in flight. LMCache's byte path staged every page in its own
+the caller's tensor; get_into reads it straight into the caller's slot, a
+chunk at a time, each chunk checksummed (or MAC'd) right after it is read
+while it is still in the CPU's cache; get_many_into does that for several
+pages in flight. LMCache's byte path staged every page in its own
 CPU memory (a copy in and a copy out), sent each write through its asyncio
 loop to its disk worker threads, and allocated staging memory per read.
 LMCache's NixlStorageBackend (NIXL POSIX) stages the same way and keeps
@@ -49,7 +49,7 @@ import torch
 
 from vllm_kvbm.config import KVBMConfigError, disk_tier_too_small
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
-from vllm_kvbm.tiers.page_format import (HEADER_BYTES, KEY_BYTES, copy_bytes, retired_model_names,
+from vllm_kvbm.tiers.page_format import (HEADER_BYTES, KEY_BYTES, retired_model_names,
                                          valid_key, valid_page)
 
 logger = logging.getLogger(__name__)
@@ -93,10 +93,18 @@ def _write_page(path: str, header: bytes, payload: torch.Tensor) -> None:
         raise
 
 
-def _read_page(path: str, header: bytearray, out: torch.Tensor, touch: bool) -> None:
-    """Reads the page file at ``path``: its header into ``header`` and its
-    payload straight into ``out`` (one preadv, no staging copy).
+# Read and checked in pieces of this size: each is checksummed right after it
+# is read, while it is still in the CPU's cache (a whole 2 MiB page is not).
+_READ_CHUNK = 512 * 1024
 
+
+def _read_page(path: str, codec, key: bytes, out: torch.Tensor, touch: bool) -> str:
+    """Reads and checks the page file at ``path`` into ``out`` -> the codec's
+    status ("ok", "corrupt", "unauthenticated", "miss" for a tombstone, "error").
+
+    The payload goes straight into ``out`` (no staging copy), a chunk at a
+    time, each checked while still in cache; a page that fails leaves ``out``
+    partly written (the caller never uses a slot whose read was not "ok").
     A missing file raises FileNotFoundError; a symlink, or a file of any
     other size than ``header + out``, raises _ShortFile. ``touch`` sets the
     file's times to now (the LRU order a restart adopts).
@@ -108,29 +116,45 @@ def _read_page(path: str, header: bytearray, out: torch.Tensor, touch: bool) -> 
             raise
         raise _ShortFile(f"{path}: a symlink, not a page file") from None
     try:
-        want = len(header) + out.numel()
+        want = HEADER_BYTES + out.numel()
         size = os.fstat(fd).st_size
         if size != want:
             raise _ShortFile(f"{path}: {size} of {want} bytes")
-        parts = [memoryview(header), memoryview(out.numpy())]
-        got = 0
-        while parts:
-            n = os.preadv(fd, parts, got)
-            if n <= 0:
-                raise _ShortFile(f"{path}: {got} of {want} bytes")
-            got += n
-            while parts and n >= len(parts[0]):
-                n -= len(parts[0])
-                parts.pop(0)
-            if parts:
-                parts[0] = parts[0][n:]
-        if touch:
+        header = bytearray(HEADER_BYTES)
+        view = memoryview(out.numpy())
+        first = view[:_READ_CHUNK]
+        _pread_into(fd, [memoryview(header), first], 0, path)
+        check = codec.start_verify(bytes(header), key)
+        if isinstance(check, str):
+            return check
+        check.update(first)
+        for off in range(len(first), len(view), _READ_CHUNK):
+            part = view[off:off + _READ_CHUNK]
+            _pread_into(fd, [part], HEADER_BYTES + off, path)
+            check.update(part)
+        status = check.finish(out)
+        if touch and status == "ok":
             try:
                 os.utime(fd)
             except OSError:
                 pass
+        return status
     finally:
         os.close(fd)
+
+
+def _pread_into(fd: int, parts: list[memoryview], offset: int, path: str) -> None:
+    """Fills ``parts`` from ``offset`` (short reads resumed); _ShortFile at EOF."""
+    while parts:
+        n = os.preadv(fd, parts, offset)
+        if n <= 0:
+            raise _ShortFile(f"{path}: ends at {offset}")
+        offset += n
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if parts:
+            parts[0] = parts[0][n:]
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,7 +320,6 @@ class DiskStore(LMCacheStore):
                 max_local_cpu_size=(self._phys + 8 * 1024**2) / GIB,
                 local_disk=self.directory, max_local_disk_size=self.capacity_bytes / GIB)
             self._slots = threading.BoundedSemaphore(max_inflight)  # pages in flight (put + get)
-            self._bounce = threading.local()  # each reading thread's page buffer
             # get_many_into's readers: several reads in flight keep the device
             # queue busy (cold) and verify on both cores (warm).
             self._readers = (ThreadPoolExecutor(read_inflight, thread_name_prefix="kvbm-disk-read")
@@ -447,15 +470,11 @@ class DiskStore(LMCacheStore):
         path = self._disk.where(ck)
         if path is None:
             return "miss"
-        # Into this thread's buffer, verified there, then copied into the slot:
-        # a page that fails a check never reaches the slot (test_page_auth).
-        # The buffer is reused, so it stays in cache for that copy.
-        dst = getattr(self._bounce, "page", None)
-        if dst is None:
-            dst = self._bounce.page = torch.empty(self.block_bytes, dtype=torch.uint8)
-        header = bytearray(HEADER_BYTES)
+        # Straight into the slot, checked chunk by chunk as it arrives: a page
+        # that fails leaves the slot written but unused (the load fails and
+        # the scheduler drops the slot; test_page_auth, test_worker_tiers).
         try:
-            _read_page(path, header, dst, touch=True)
+            status = _read_page(path, self._codec, key, out, touch=True)
         except FileNotFoundError:
             self._disk.remove(ck)  # deleted behind our back: forget it
             return "miss"
@@ -463,7 +482,6 @@ class DiskStore(LMCacheStore):
             logger.warning("disk tier: truncated page removed: %s", e)
             self._disk.remove(ck)
             return "corrupt"
-        status = self._codec.verify(bytes(header), key, dst)
         if status == "corrupt":
             logger.warning("disk tier: corrupt page removed: %s", path)
             self._disk.remove(ck)
@@ -473,7 +491,6 @@ class DiskStore(LMCacheStore):
             self._disk.remove(ck)
         elif status == "ok":
             self._disk.hit(ck)  # the LRU order (the file's time is the one a restart sees)
-            copy_bytes(out, dst)
         return status
 
     def get_many_into(self, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
