@@ -148,3 +148,48 @@ def relay(lm_server):
     r = Relay(lm_server.port)
     yield r
     r.close()
+
+
+class Ext4:
+    """A real ext4 filesystem (a loop-mounted image) a test can freeze:
+    ``fsfreeze`` blocks every write and metadata update on it (a read's
+    atime/utime touch included) until thawed, as a filesystem snapshot or
+    a hung device does."""
+
+    def __init__(self, mnt: Path):
+        self.path = mnt
+        self.frozen = False
+
+    def freeze(self) -> None:
+        subprocess.run(["fsfreeze", "-f", str(self.path)], check=True, timeout=20)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        if self.frozen:
+            subprocess.run(["fsfreeze", "-u", str(self.path)], check=True, timeout=20)
+            self.frozen = False
+
+
+@pytest.fixture
+def ext4(tmp_path):
+    """An Ext4 under tmp_path; skips where loop mounts are refused. Always
+    thawed and unmounted afterwards (a frozen filesystem left behind would
+    hang every later writer)."""
+    img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
+    mnt.mkdir()
+    steps = [["truncate", "-s", "256M", str(img)], ["mkfs.ext4", "-q", "-F", str(img)],
+             ["mount", "-o", "loop", str(img), str(mnt)]]
+    for cmd in steps:
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot make a loop-mounted ext4 here ({e}); fault not produced")
+        if r.returncode != 0:
+            pytest.skip(f"cannot make a loop-mounted ext4 here ({cmd[0]}: "
+                        f"{r.stderr.strip()}); fault not produced")
+    fs = Ext4(mnt)
+    try:
+        yield fs
+    finally:
+        fs.thaw()
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=60)

@@ -48,7 +48,7 @@ def test_defaults():
                              "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",
                              "offload_decode_blocks", "page_secret_file", "remote_password_file",
                              "remote_timeout_s", "remote_tls_ca_file", "remote_url",
-                             "tier_write_queue_pages"]
+                             "tier_read_timeout_s", "tier_write_queue_pages"]
 
 
 def _err(extra, **env) -> str:
@@ -342,6 +342,7 @@ BAD_INPUT = {
     "remote_password_file": [5, "", "/nonexistent/kvbm-redis-password"],
     "remote_tls_ca_file": [5, "/nonexistent/ca.pem"],
     "remote_url": [5, "http://127.0.0.1:1234", "lm://h:0", "redis://h:0", "redis+cluster://h:1/2"],
+    "tier_read_timeout_s": ["soon", True, 0, -1, float("nan")],
     "tier_write_queue_pages": [0, "lots", 2.5, True],
 }
 

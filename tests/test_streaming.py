@@ -4,6 +4,7 @@ tier), and the scheduler side planning them on vLLM's real Scheduler."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from test_worker_unit import NB, SLOTS, gen, harness  # noqa: F401 (fixtures)
@@ -160,3 +161,49 @@ def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plai
         assert kvbm_counter("onboard_blocks_d2d") - before == cached[0] // BLOCK_SIZE
     finally:
         b.llm_engine.engine_core.shutdown()
+
+
+# ---- a frozen filesystem: the read deadline ---------------------------------------
+
+
+@pytest.mark.parametrize("into", ["host slots", "staging slots"])
+def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(
+        harness, ext4, into):
+    """The disk's filesystem is frozen (fsfreeze) under a load of promoted
+    pages (read into host slots) or streamed ones (read into staging slots):
+    the read blocks in the kernel (its LRU touch), the load is reported
+    failed after tier_read_timeout_s (vLLM recomputes), and the slots the
+    blocked read writes into are held (host slots from the host tier, via
+    the worker metadata) or kept back (staging slots) until it ends; reads
+    queued behind it are cancelled. After the thaw the slots are released."""
+    import time
+
+    h = harness()
+    staging = h.worker._staging
+    n = staging.count
+    disk_with_pages(h, ext4.path, n)
+    h.worker.tier_io.read_timeout_s = 1.0
+    blocks = list(range(10, 10 + n))
+    slots = list(range(n)) if into == "host slots" else [STREAM] * n
+    job = TransferJob(1, "R", blocks, slots, fetch=[(i, "disk", key(i)) for i in range(n)])
+    ext4.freeze()
+    started = time.monotonic()
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[job]))
+    h.step_until(lambda: "R" in h.recving, timeout=20)
+    took = time.monotonic() - started
+    print(f"load reported failed after {took:.2f} s (deadline 1 s)")
+    assert 1.0 <= took < 5.0
+    assert h.meta.loads_failed == {"R": 1}
+    assert h.worker.get_block_ids_with_load_errors() == set(blocks)
+    assert h.meta.tier_events[("disk", "error")] >= 1
+    assert not h.meta.slots_released
+    if into == "host slots":
+        # The read group that blocked (the first 8 pages) and what it may write.
+        assert set(h.meta.slots_held) == set(range(n)) and staging.free == staging.count
+    else:
+        # The first chunk blocked (held); the second never started (given back).
+        assert not h.meta.slots_held and staging.free == staging.count // 2
+    ext4.thaw()
+    h.step_until(lambda: staging.free == staging.count
+                 and set(h.meta.slots_released) == set(h.meta.slots_held), timeout=20)
+    assert not h.worker._parts and not h.worker._staging_reading

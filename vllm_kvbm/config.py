@@ -508,6 +508,7 @@ def _page_secret_env(environ: Mapping[str, str], kwargs: dict, sources: dict) ->
 
 
 DEFAULT_TIER_WRITE_QUEUE_PAGES = 64
+DEFAULT_TIER_READ_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -540,6 +541,10 @@ class KVBMConfig:
     # in RAM until written: this bounds that memory when a tier is slower
     # than the offload rate.
     tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES
+    # A lower-tier fetch that reads none of its pages for this long fails
+    # (vLLM recomputes them): a frozen filesystem or a hung read costs a
+    # hit, never a request that waits forever.
+    tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S
     # Password of a redis:// / valkey:// remote tier (requirepass or the ACL
     # user's), from remote_password_file or KVBM_REMOTE_PASSWORD. Never logged.
     remote_password: RemotePassword | None = field(default=None, repr=False)
@@ -610,6 +615,7 @@ _KEYS = {
     "remote_url": ("remote_url", lambda k, v: _parse_remote_url(k, v)),
     "remote_timeout_s": ("remote_timeout_s", lambda k, v: _parse_seconds(k, v)),
     "tier_write_queue_pages": ("tier_write_queue_pages", lambda k, v: _parse_int(k, v, 1)),
+    "tier_read_timeout_s": ("tier_read_timeout_s", lambda k, v: _parse_seconds(k, v)),
     "remote_password_file": ("remote_password", _parse_password_file),
     "remote_tls_ca_file": ("remote_tls_ca_file", lambda k, v: _parse_ca_file(k, v)),
     "metrics_port": ("metrics_port", lambda k, v: _parse_port(k, v)),
@@ -638,6 +644,7 @@ _ENV = {
     "KVBM_REMOTE_URL": ("remote_url", str),
     "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
     "KVBM_TIER_WRITE_QUEUE_PAGES": ("tier_write_queue_pages", str),
+    "KVBM_TIER_READ_TIMEOUT_S": ("tier_read_timeout_s", str),
     "KVBM_REMOTE_PASSWORD_FILE": ("remote_password_file", str),
     "KVBM_REMOTE_TLS_CA_FILE": ("remote_tls_ca_file", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),

@@ -120,7 +120,8 @@ class KVBMConnector(KVConnectorBase_V1):
             self.worker = KVBMWorker(
                 self.info, num_slots, self.config.nixl_backend,
                 agent_name=f"kvbm-{os.getpid()}",
-                tier_write_queue_pages=self.config.tier_write_queue_pages)
+                tier_write_queue_pages=self.config.tier_write_queue_pages,
+                tier_read_timeout_s=self.config.tier_read_timeout_s)
 
     def _standalone_metrics(self) -> StandaloneMetrics | None:
         port = self.config.metrics_port

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm.config import DEFAULT_TIER_WRITE_QUEUE_PAGES
+from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
 from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 TransferJob)
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
@@ -88,7 +88,8 @@ class _Pending:
 class KVBMWorker:
     def __init__(self, info: "EngineInfo", num_host_slots: int, nixl_backend: str,
                  agent_name: str, transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
-                 tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES):
+                 tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
+                 tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S):
         self.info = info
         self.transfer_timeout_s = transfer_timeout_s
         self.num_host_slots = num_host_slots
@@ -108,7 +109,9 @@ class KVBMWorker:
         self._meta = KVBMWorkerMetadata()
         self._finished_recving: set[str] = set()
         # Lower tiers (disk, remote), each on a read and a write thread of its own.
-        self.tier_io = TierIO(tier_write_queue_pages)
+        self.tier_io = TierIO(tier_write_queue_pages, tier_read_timeout_s)
+        # Staging slots an overdue fetch may still write (not given back yet).
+        self._staging_reading: set[int] = set()
         # Loads streamed through staging slots (see streaming.py): each
         # part's (negative) job id -> its load; loads waiting for staging.
         self._staging: StagingSlots | None = None
@@ -239,9 +242,29 @@ class KVBMWorker:
         elif not waiting and load in self._streams_waiting:
             self._streams_waiting.remove(load)
 
+    def _hold_read_slots(self, job: TransferJob, hold: bool) -> None:
+        """An overdue fetch failed, but its reads may still write the slots
+        it fetches into: host slots are held from the host tier (as an
+        overdue store's), staging slots kept from the next chunk, until the
+        reads end (``hold`` False: they did)."""
+        slots = {job.slots[i] for i, _, _ in job.fetch}
+        host = [s for s in slots if s < self.num_host_slots]
+        staging = slots - set(host)
+        if hold:
+            self._meta.slots_held.update(host)
+            self._staging_reading |= staging
+            return
+        self._meta.slots_released.update(host)
+        if staging:
+            assert self._staging is not None
+            self._staging_reading -= staging
+            self._staging.give(sorted(staging))
+            for waiting in list(self._streams_waiting):
+                self._feed(waiting)
+
     def _part_done(self, load: StreamedLoad, sub: TransferJob, ok: bool) -> None:
         assert self._staging is not None
-        self._staging.give(sub.slots)
+        self._staging.give([s for s in sub.slots if s not in self._staging_reading])
         load.running -= 1
         load.ok &= ok
         if load.done:
@@ -370,12 +393,16 @@ class KVBMWorker:
         return not any(match(f.job, f.is_store) for f in self._inflight)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        for job, ok in self.tier_io.poll(self._meta):
+        for job, ok, reading in self.tier_io.poll(self._meta):
             fence, queued = self._fetching.pop(job.job_id, (DONE, time.perf_counter()))
             if ok:
                 self._queue(job, False, fence, queued)
-            else:
-                self._complete(job, False, ok=False, started=queued)
+                continue
+            if reading:
+                self._hold_read_slots(job, True)
+            self._complete(job, False, ok=False, started=queued)
+        for job in self.tier_io.take_ended():
+            self._hold_read_slots(job, False)
         self._post_ready()
         if self.mover is not None and self._inflight:
             self._poll()

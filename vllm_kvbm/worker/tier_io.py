@@ -12,6 +12,13 @@ its tier's queue full is dropped before its page is copied, counted
 ("dropped"), and reported like a page the tier does not have, so the
 scheduler writes it again when it is next admitted. A tier slower than the
 offload rate so costs write-throughs, never memory or reads.
+
+Each fetch has a deadline: one that makes no progress (no group of its
+pages read) for ``read_timeout_s`` is reported failed, so its request
+recomputes instead of waiting on a frozen filesystem or a hung read. A read
+cannot be cancelled once in a syscall, so the fetch stays tracked as
+"reading" until it ends: its slots are not reused before that (see
+KVBMWorker), and reads of it not started yet are cancelled.
 """
 
 from __future__ import annotations
@@ -20,11 +27,13 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm.config import DEFAULT_TIER_WRITE_QUEUE_PAGES, parse_remote_url
+from vllm_kvbm.config import (DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES,
+                              parse_remote_url)
 from vllm_kvbm.tiers.page_format import copy_bytes
 
 if TYPE_CHECKING:
@@ -58,16 +67,33 @@ class _WriteQueue:
             self.queued -= 1
 
 
+# Pages read per call to a store: a fetch's progress (its deadline) is
+# noted after each group; the disk reads a group several pages in flight.
+_READ_GROUP = 8
+
+
+@dataclass
+class _Fetch:
+    job: "TransferJob"
+    futures: list[Future] = field(default_factory=list)  # one per tier
+    progress: float = field(default_factory=time.monotonic)  # last group read
+    overdue: bool = False  # reported failed; polled until its reads end
+
+
 class TierIO:
-    def __init__(self, write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES) -> None:
+    def __init__(self, write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
+                 read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S) -> None:
         if write_queue_pages < 1:
             raise ValueError(f"write_queue_pages must be >= 1, got {write_queue_pages}")
         self.write_queue_pages = write_queue_pages
+        self.read_timeout_s = read_timeout_s
         self.tiers: dict[str, TierStore] = {}
         self._reader: dict[str, ThreadPoolExecutor] = {}
         self._writer: dict[str, ThreadPoolExecutor] = {}
         self.queues: dict[str, _WriteQueue] = {}
-        self._fetching: list[tuple[TransferJob, Future]] = []
+        self._fetching: list[_Fetch] = []
+        # Overdue fetches whose reads have ended since last asked (take_ended).
+        self._ended: list[TransferJob] = []
         self._writing: list[tuple[str, bytes, Future]] = []
         self._dropped: list[tuple[str, bytes]] = []
         self._unreported, self._warned_at = 0, -1e9
@@ -84,23 +110,29 @@ class TierIO:
         by_tier: dict[str, list[tuple[int, bytes]]] = {}
         for i, tier, key in job.fetch:
             by_tier.setdefault(tier, []).append((i, key))
-        # One future per tier, combined: the job is ready when all are.
-        futures = []
+        # One future per tier: the job is ready when all are.
+        fetch = _Fetch(job)
         for tier, items in by_tier.items():
             store = self.tiers.get(tier)
 
-            def fetch(store=store, tier=tier, items=items):
-                # All of the job's pages at once: the disk reads several in flight.
-                try:
-                    statuses = store.get_many_into(
-                        [(key, host_pool[job.slots[i]]) for i, key in items])
-                except Exception as err:  # a store must not take the engine down
-                    logger.warning("KVBM: %s read failed: %s", tier, err)
-                    statuses = ["error"] * len(items)
-                return [(tier, key, status) for (_, key), status in zip(items, statuses)]
-            futures.append(self._reader[tier].submit(fetch) if store is not None
-                           else _done([(tier, key, "error") for _, key in items]))
-        self._fetching.append((job, _gather(futures)))
+            def read(store=store, tier=tier, items=items):
+                # A group of pages per call (the disk reads several in flight),
+                # the fetch's progress noted after each.
+                results = []
+                for start in range(0, len(items), _READ_GROUP):
+                    group = items[start:start + _READ_GROUP]
+                    try:
+                        statuses = store.get_many_into(
+                            [(key, host_pool[job.slots[i]]) for i, key in group])
+                    except Exception as err:  # a store must not take the engine down
+                        logger.warning("KVBM: %s read failed: %s", tier, err)
+                        statuses = ["error"] * len(group)
+                    results += [(tier, key, status) for (_, key), status in zip(group, statuses)]
+                    fetch.progress = time.monotonic()
+                return results
+            fetch.futures.append(self._reader[tier].submit(read) if store is not None
+                                 else _done([(tier, key, "error") for _, key in items]))
+        self._fetching.append(fetch)
 
     def spill(self, spill: "SpillJob", slot_page: torch.Tensor) -> None:
         """Copies a host slot now (so it can be reused at once) and writes it
@@ -125,15 +157,30 @@ class TierIO:
             self._writing.append((tier, spill.key, self._writer[tier].submit(
                 _write, self.tiers[tier], self.queues[tier], spill.key, page)))
 
-    def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool]]:
+    def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool, bool]]:
         """Records finished fetches and writes in ``meta``; returns the fetched
-        load jobs, each with whether every page arrived intact."""
+        load jobs, each with whether every page arrived intact and whether
+        its reads are still running (an overdue fetch, failed: the slots it
+        reads into must not be reused before take_ended() names it)."""
         ready, still = [], []
-        for job, future in self._fetching:
-            if not future.done():
-                still.append((job, future))
+        now = time.monotonic()
+        for fetch in self._fetching:
+            job = fetch.job
+            if all(f.done() for f in fetch.futures):
+                if fetch.overdue:
+                    self._ended.append(job)  # already reported failed
+                    continue
+            elif not fetch.overdue and now - fetch.progress > self.read_timeout_s:
+                self._overdue(fetch, meta)
+                reading = not all(f.done() for f in fetch.futures)
+                ready.append((job, False, reading))
+                if reading:
+                    still.append(fetch)
                 continue
-            results = future.result()
+            else:
+                still.append(fetch)
+                continue
+            results = [r for f in fetch.futures for r in f.result()]
             bad = [(tier, key, status) for tier, key, status in results if status != "ok"]
             for tier, _, status in results:
                 meta.tier_events[(tier, status)] += 1
@@ -142,7 +189,7 @@ class TierIO:
                                "vLLM recomputes them", len(bad), len(results), job.req_id,
                                ", ".join(sorted({f"{t}:{s}" for t, _, s in bad})))
                 meta.bad_pages.extend((tier, key) for tier, key, _ in bad)
-            ready.append((job, not bad))
+            ready.append((job, not bad, False))
         self._fetching = still
         writing = []
         for tier, key, future in self._writing:
@@ -160,6 +207,23 @@ class TierIO:
         for name, store in self.tiers.items():
             meta.removed_pages.extend((name, key) for key in store.take_removed())
         return ready
+
+    def _overdue(self, fetch: _Fetch, meta: "KVBMWorkerMetadata") -> None:
+        fetch.overdue = True
+        for f in fetch.futures:
+            f.cancel()  # its reads not started yet never will be
+        tiers = sorted({tier for _, tier, _ in fetch.job.fetch})
+        for _, tier, _ in fetch.job.fetch:
+            meta.tier_events[(tier, "error")] += 1
+        logger.error("KVBM: reading %d pages from %s for %s made no progress for %g s "
+                     "(tier_read_timeout_s); vLLM recomputes them", len(fetch.job.fetch),
+                     "/".join(tiers), fetch.job.req_id, self.read_timeout_s)
+
+    def take_ended(self) -> list["TransferJob"]:
+        """Overdue fetches whose reads have ended since last asked: their
+        slots may be reused now."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def _warn_drops(self) -> None:
         """Says so at most once a minute: under a sustained overload every step drops."""
@@ -198,25 +262,6 @@ def _done(value) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future
-
-
-def _gather(futures: list[Future]) -> Future:
-    """A future of the concatenated results of ``futures``."""
-    if len(futures) == 1:
-        return futures[0]
-    combined: Future = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_):
-        with lock:  # callbacks run on the tiers' I/O threads
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            combined.set_result([r for f in futures for r in f.result()])
-    for future in futures:
-        future.add_done_callback(one_done)
-    return combined
 
 
 def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["TierStore"]:
