@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_kvbm.config import parse_lm_url, parse_remote_url
+from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.keys import BlockKey
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 from vllm_kvbm.tiers.lm_protocol import REPLY_BYTES, exist_reply, exist_request
@@ -238,6 +239,7 @@ class BackgroundLookups:
             self._entries.pop(req_id, None)
 
     def _serve(self) -> None:
+        widen_thread_affinity()  # not the engine thread's one core (cpus.py)
         while True:
             req_id, q, keys = self._queue.get()
             with self._lock:

@@ -48,6 +48,7 @@ from contextlib import nullcontext
 import torch
 
 from vllm_kvbm.config import KVBMConfigError, disk_tier_too_small
+from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
 from vllm_kvbm.tiers.page_format import (HEADER_BYTES, KEY_BYTES, retired_model_names,
                                          valid_key, valid_page)
@@ -322,7 +323,8 @@ class DiskStore(LMCacheStore):
             self._slots = threading.BoundedSemaphore(max_inflight)  # pages in flight (put + get)
             # get_many_into's readers: several reads in flight keep the device
             # queue busy (cold) and verify on both cores (warm).
-            self._readers = (ThreadPoolExecutor(read_inflight, thread_name_prefix="kvbm-disk-read")
+            self._readers = (ThreadPoolExecutor(read_inflight, thread_name_prefix="kvbm-disk-read",
+                                                initializer=widen_thread_affinity)
                              if read_inflight > 1 else None)
             self._loop, self._thread = start_loop("kvbm-disk-io")
             self._staging = LocalCPUBackend(cfg, self._md)

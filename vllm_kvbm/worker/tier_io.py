@@ -34,6 +34,7 @@ import torch
 
 from vllm_kvbm.config import (DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES,
                               parse_remote_url)
+from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.tiers.page_format import copy_bytes
 
 if TYPE_CHECKING:
@@ -101,8 +102,10 @@ class TierIO:
     def add(self, store: "TierStore") -> None:
         name = store.name
         self.tiers[name] = store
-        self._reader[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-read")
-        self._writer[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-write")
+        self._reader[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-read",
+                                                initializer=widen_thread_affinity)
+        self._writer[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-write",
+                                                initializer=widen_thread_affinity)
         self.queues[name] = _WriteQueue(self.write_queue_pages)
 
     def fetch(self, job: "TransferJob", host_pool: torch.Tensor) -> None:

@@ -1,0 +1,54 @@
+"""Which CPUs KVBM's own threads (tier I/O, lookups) run on.
+
+vLLM's CPU backend binds each OpenMP thread to one core, the engine thread
+included (``VLLM_CPU_OMP_THREADS_BIND``, or the automatic binding that
+leaves a core in reserve). A thread inherits the affinity of the thread that
+starts it, so KVBM's I/O threads, started from the engine thread, shared its
+one core with the forward pass while the reserved core sat idle. Each of
+them widens itself, first thing, to every CPU any thread of the process may
+run on: the process's own placement (``taskset``, ``numactl``, a cpuset) is
+kept, vLLM's per-thread pinning is not inherited.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+
+def process_cpus() -> set[int]:
+    """The union of the CPUs every thread of this process may run on."""
+    cpus: set[int] = set()
+    for status in glob.glob(f"/proc/{os.getpid()}/task/*/status"):
+        try:
+            with open(status) as f:
+                line = next((x for x in f if x.startswith("Cpus_allowed_list:")), "")
+        except OSError:
+            continue  # the thread ended meanwhile
+        cpus |= _parse_list(line.partition(":")[2])
+    return cpus
+
+
+def _parse_list(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def widen_thread_affinity() -> None:
+    """Lets the calling thread run on every CPU of the process (see above);
+    a ThreadPoolExecutor initializer or a thread's first call."""
+    try:
+        cpus = process_cpus()
+        if cpus and cpus != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError, AttributeError) as e:  # not Linux, or refused: keep as is
+        logger.debug("KVBM: thread affinity left as it is: %s", e)
