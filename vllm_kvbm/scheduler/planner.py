@@ -296,8 +296,9 @@ class KVBMScheduler:
         self.stats.add("lookup_tokens", lookup)
         self.stats.add("matched_tokens", hit_blocks * self.block_size)
         self.stats.add("recompute_chosen_tokens", state.split_dropped * self.block_size)
-        for source in state.hit_sources[:hit_blocks]:
-            self.stats.add(f"matched_tokens_{source}", self.block_size)
+        # Once per tier, not per block: a 32k-token hit is 2048 blocks.
+        for source, blocks in Counter(state.hit_sources[:hit_blocks]).items():
+            self.stats.add(f"matched_tokens_{source}", blocks * self.block_size)
 
     def hit_sources(self, request: "Request", num_tokens: int) -> dict[str, int]:
         """The admitted hit's tokens per tier ("host", "disk", "remote"), for
