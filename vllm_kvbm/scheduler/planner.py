@@ -523,15 +523,15 @@ class KVBMScheduler:
     def _spill(self, keys: list[BlockKey], reused: bool) -> None:
         """Write-through of ready host blocks to the lower tiers that admit them."""
         for tiers, run in self.lower.admit(keys, reused):
-            for key in run:
-                if not self.host.is_ready(key):
-                    continue
-                slot = self.host.pin([key])[0]  # held until every worker copied it
+            run = [key for key in run if self.host.is_ready(key)]
+            # held until every worker copied them
+            for key, slot in zip(run, self.host.pin(run)):
                 job = SpillJob(next(self._job_ids), key, slot, tiers)
                 self._pending_spills[job.job_id] = [key, self.info.num_workers]
                 self._spills.append(job)
 
     def _finish_spills(self, counts: Counter) -> None:
+        copied = []
         for job_id, n in counts.items():
             pending = self._pending_spills.get(job_id)
             if pending is None:
@@ -539,7 +539,8 @@ class KVBMScheduler:
             pending[1] -= n
             if pending[1] <= 0:
                 del self._pending_spills[job_id]
-                self.host.unpin([pending[0]])
+                copied.append(pending[0])
+        self.host.unpin(copied)
 
     def _maybe_forget(self, state: _ReqState) -> None:
         if self._background is not None and state.finished:
