@@ -86,12 +86,7 @@ def test_pin_requires_ready():
 
 def count_ready(idx: SlotIndex, keys) -> int:
     """Length of the leading run of ``keys`` that can be loaded now."""
-    n = 0
-    for key in keys:
-        if not idx.is_ready(key):
-            break
-        n += 1
-    return n
+    return idx.ready_run(keys, 0, len(keys))
 
 
 def test_count_ready_leading_run():
@@ -101,6 +96,9 @@ def test_count_ready_leading_run():
     assert count_ready(idx, [k(0), k(1), k(2), k(3)]) == 2
     assert count_ready(idx, [k(9), k(0)]) == 0
     assert count_ready(idx, []) == 0
+    keys = [k(i) for i in range(4)]
+    assert idx.ready_run(keys, 3, 4) == 1 and idx.ready_run(keys, 1, 1) == 0
+    assert idx.ready_run(keys, 0, 1) == 1  # stops at ``end``
 
 
 def test_drop():

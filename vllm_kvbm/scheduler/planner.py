@@ -198,22 +198,19 @@ class KVBMScheduler:
         """
         chain, tokens = state.chain, state.request.all_token_ids
         keys = chain.keys  # grows in place
-        sources: list[str] = []
         i = start
         while i < end:
             if i >= len(keys):
                 chain.extend_to(tokens, min(end, i + max(1, i - start)))
-            key = keys[i]
-            if self.host.is_ready(key):
-                sources.append("host")
-                i += 1
-                continue
-            if key in self.host:
+            i += self.host.ready_run(keys, i, min(end, len(keys)))
+            if i == end or i == len(keys):
+                continue  # all ready so far: hash further
+            if keys[i] in self.host:
                 return None  # being stored or promoted: ready within a few steps
             if self._background is not None:
-                return self._lookup_in_background(state, sources, i, end)
+                return self._lookup_in_background(state, ["host"] * (i - start), i, end)
             break
-        return sources
+        return ["host"] * (i - start)
 
     def _lookup_in_background(self, state: _ReqState, sources: list[str], i: int,
                               end: int) -> list[str] | None:

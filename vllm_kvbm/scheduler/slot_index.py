@@ -62,6 +62,17 @@ class SlotIndex:
         entry = self._entries.get(key)
         return entry is not None and entry.ready
 
+    def ready_run(self, keys: list[BlockKey], start: int, end: int) -> int:
+        """How many of ``keys[start:end]``, from ``start`` on, are ready in a row."""
+        get = self._entries.get
+        i = start
+        while i < end:
+            entry = get(keys[i])
+            if entry is None or not entry.ready:
+                break
+            i += 1
+        return i - start
+
     def pin(self, keys: list[BlockKey]) -> list[int]:
         """Protects ready slots from eviction while they are read; returns them."""
         slots = []
