@@ -198,7 +198,7 @@ def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(
     assert h.meta.tier_events[("disk", "error")] >= 1
     assert not h.meta.slots_released
     if into == "host slots":
-        # The read group that blocked (the first 8 pages) and what it may write.
+        # The fetch whose read blocked: every slot it may still write.
         assert set(h.meta.slots_held) == set(range(n)) and staging.free == staging.count
     else:
         # The first chunk blocked (held); the second never started (given back).

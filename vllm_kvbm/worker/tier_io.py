@@ -70,7 +70,7 @@ class _WriteQueue:
 
 # Pages read per call to a store: a fetch's progress (its deadline) is
 # noted after each group; the disk reads a group several pages in flight.
-_READ_GROUP = 8
+_READ_GROUP = 32
 
 
 @dataclass
