@@ -227,8 +227,9 @@ def run(args) -> list[Phase]:
             meta = out.kv_connector_metadata
             for spill in meta.spills:  # the fake worker writes the disk pages
                 if "disk" in spill.tiers:
-                    open(disk_page_path(disk_dir, namespace, info.block_bytes,
-                                        0, 1, spill.key), "wb").close()
+                    for key in spill.keys:
+                        open(disk_page_path(disk_dir, namespace, info.block_bytes,
+                                            0, 1, key), "wb").close()
             return worker_output(scheduler, out, complete=True,
                                  spills_done=[s.job_id for s in meta.spills])
 
@@ -306,7 +307,7 @@ def run(args) -> list[Phase]:
                 ph.running += len(scheduler.running)
                 ph.waiting += scheduler.get_num_unfinished_requests() - len(scheduler.running)
                 ph.stored += sum(len(job.slots) for job in meta.stores)
-                ph.spilled += len(meta.spills)
+                ph.spilled += sum(len(s.keys) for s in meta.spills)
                 for job in meta.loads:
                     ph.loaded += len(job.slots)
                     fetched = {i: src for i, src, _ in job.fetch}

@@ -403,14 +403,14 @@ def test_pages_the_lru_or_a_check_deleted_are_reported_once(disk):
 def test_evictions_reach_the_scheduler_through_the_worker_metadata(disk):
     import time as _time
 
-    from vllm_kvbm.messages import KVBMWorkerMetadata, SpillJob
+    from vllm_kvbm.messages import KVBMWorkerMetadata
     from vllm_kvbm.worker.tier_io import TierIO
 
     io = TierIO()
     io.add(disk(capacity=2 * phys(SMALL)))
     meta = KVBMWorkerMetadata()
     for i in range(3):
-        io.spill(SpillJob(i, key(i), 0, ["disk"]), page(i, SMALL))
+        io.spill(["disk"], key(i), page(i, SMALL))
     deadline = _time.monotonic() + 10
     while meta.tier_events[("disk", "stored")] < 3:
         assert _time.monotonic() < deadline, "spills never finished"

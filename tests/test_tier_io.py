@@ -19,7 +19,7 @@ import torch
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from tier_pages import MiB, SMALL, key, page  # noqa: E402
-from vllm_kvbm.messages import KVBMWorkerMetadata, SpillJob, TransferJob  # noqa: E402
+from vllm_kvbm.messages import KVBMWorkerMetadata, TransferJob  # noqa: E402
 from vllm_kvbm.worker.tier_io import TierIO  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_a_disk_fetch_does_not_wait_for_the_disks_queued_writes(tmp_path):
         assert store.put(key(1000), page(1000, SMALL))
         slot = page(1, SMALL)
         for i in range(n):
-            io.spill(SpillJob(i, key(i), 0, ["disk"]), slot)
+            io.spill(["disk"], key(i), slot)
         queued = io.queues["disk"].queued
         meta = KVBMWorkerMetadata()
         pool = torch.zeros(1, SMALL, dtype=torch.uint8)
@@ -93,7 +93,7 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
         relay.freeze(store._writes.conn.sock)
         relay.freeze_new_connections()
         for i in range(10):
-            io.spill(SpillJob(i, key(i), 0, ["remote"]), page(i, SMALL))
+            io.spill(["remote"], key(i), page(i, SMALL))
         assert io.queues["remote"].queued == 4  # the writer is stuck on the first
         meta = KVBMWorkerMetadata()
         pool = torch.zeros(2, SMALL, dtype=torch.uint8)
@@ -149,7 +149,8 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
             _, meta, _ = step(sched, complete=True)
             spills += meta.spills
             time.sleep(0.01)
-        assert [s.key for s in spills] == keys[:3] and all(s.tiers == ["remote"] for s in spills)
+        assert [key for s in spills for key in s.keys] == keys[:3]
+        assert all(s.tiers == ["remote"] for s in spills)
         assert all(k.host._entries[key].pins == 1 for key in keys[:3])
 
         relay.freeze(store._writes.conn.sock)
@@ -179,7 +180,7 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
             respilled += meta.spills
             time.sleep(0.01)
         assert k.stats.total["onboard_blocks_h2d"] >= 3  # it was a host hit
-        assert sorted(s.key for s in respilled) == sorted(keys[1:3])
+        assert sorted(key for s in respilled for key in s.keys) == sorted(keys[1:3])
         assert all(s.tiers == ["remote"] for s in respilled)
     finally:
         relay.thaw()

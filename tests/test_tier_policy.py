@@ -151,10 +151,11 @@ def test_stored_blocks_are_written_down_with_the_slot_pinned(disk_setup):
     _, meta, _ = step(sched, stores_done=[job.job_id])
     keys = keys_of(sched, prompt)
     _, meta, _ = step(sched)
-    assert [s.key for s in meta.spills] == keys
-    assert all(s.tiers == ["disk"] for s in meta.spills)
+    [spill] = meta.spills  # one job for the store's blocks
+    assert spill.keys == keys and spill.tiers == ["disk"]
+    assert spill.slots == [k.host._entries[key].slot for key in keys]
     assert all(k.host._entries[key].pins == 1 for key in keys)  # copy not done yet
-    step(sched, spills_done=[s.job_id for s in meta.spills])  # the worker copied them
+    step(sched, spills_done=[spill.job_id])  # the worker copied them
     assert all(k.host._entries[key].pins == 0 for key in keys)
     run_until_done(sched, req.request_id)
 

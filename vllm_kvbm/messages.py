@@ -44,11 +44,13 @@ class TransferJob:
 
 @dataclass
 class SpillJob:
-    """Write-through of a ready host slot to lower tiers (disk, remote)."""
+    """Write-through of ready host slots to lower tiers (disk, remote): the
+    pages of one store or load that go to the same tiers, in one job (a job
+    per page cost the scheduler more than the rest of its bookkeeping)."""
 
     job_id: int
-    key: bytes
-    slot: int
+    keys: list[bytes]
+    slots: list[int]
     tiers: list[str]
 
 

@@ -108,7 +108,7 @@ class KVBMScheduler:
         # requests whose last prompt chunk was scheduled, awaiting their first token
         self._prefills_ending: list[_ReqState] = []
         self._spills: list[SpillJob] = []
-        self._pending_spills: dict[int, list] = {}  # job id -> [key, workers left]
+        self._pending_spills: dict[int, list] = {}  # job id -> [keys, workers left]
         self.block_size = info.block_size
         self.host = SlotIndex(num_host_slots)
         self.stats = KVBMStats(metrics_sink)
@@ -518,14 +518,16 @@ class KVBMScheduler:
                 self._maybe_forget(state)
 
     def _spill(self, keys: list[BlockKey], reused: bool) -> None:
-        """Write-through of ready host blocks to the lower tiers that admit them."""
+        """Write-through of ready host blocks to the lower tiers that admit
+        them: one spill job per run of blocks going to the same tiers."""
         for tiers, run in self.lower.admit(keys, reused):
             run = [key for key in run if self.host.is_ready(key)]
-            # held until every worker copied them
-            for key, slot in zip(run, self.host.pin(run)):
-                job = SpillJob(next(self._job_ids), key, slot, tiers)
-                self._pending_spills[job.job_id] = [key, self.info.num_workers]
-                self._spills.append(job)
+            if not run:
+                continue
+            slots = self.host.pin(run)  # held until every worker copied them
+            job = SpillJob(next(self._job_ids), run, slots, tiers)
+            self._pending_spills[job.job_id] = [run, self.info.num_workers]
+            self._spills.append(job)
 
     def _finish_spills(self, counts: Counter) -> None:
         copied = []
@@ -536,7 +538,7 @@ class KVBMScheduler:
             pending[1] -= n
             if pending[1] <= 0:
                 del self._pending_spills[job_id]
-                copied.append(pending[0])
+                copied += pending[0]
         self.host.unpin(copied)
 
     def _maybe_forget(self, state: _ReqState) -> None:

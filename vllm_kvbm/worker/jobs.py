@@ -276,12 +276,13 @@ class KVBMWorker:
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for spill in meta.spills:
-            # A ready slot (its store completed), pinned by the scheduler
-            # until this copy of it is reported; reported even when every
+            # Ready slots (their store completed), pinned by the scheduler
+            # until this copy of them is reported; reported even when every
             # tier's write queue was full and no copy was made.
             assert self.host_pool is not None
-            self.tier_io.spill(spill, self.host_pool[spill.slot])
-            self._meta.spills_done[spill.job_id] += 1  # the slot may be reused now
+            for key, slot in zip(spill.keys, spill.slots):
+                self.tier_io.spill(spill.tiers, key, self.host_pool[slot])
+            self._meta.spills_done[spill.job_id] += 1  # the slots may be reused now
         if meta.stores:
             # The forward pass that writes these blocks is only launched:
             # the copies wait for it.

@@ -40,7 +40,7 @@ from vllm_kvbm.tiers.page_format import copy_bytes
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
     from vllm_kvbm.engine_info import EngineInfo
-    from vllm_kvbm.messages import KVBMWorkerMetadata, SpillJob, TransferJob
+    from vllm_kvbm.messages import KVBMWorkerMetadata, TransferJob
     from vllm_kvbm.tiers.base import TierStore
 
 logger = logging.getLogger(__name__)
@@ -137,18 +137,18 @@ class TierIO:
                                  else _done([(tier, key, "error") for _, key in items]))
         self._fetching.append(fetch)
 
-    def spill(self, spill: "SpillJob", slot_page: torch.Tensor) -> None:
-        """Copies a host slot now (so it can be reused at once) and writes it
-        to ``spill.tiers`` in the background; a tier whose write queue is
-        full drops it instead."""
+    def spill(self, to: list[str], key: bytes, slot_page: torch.Tensor) -> None:
+        """Copies the host slot of ``key`` now (so it can be reused at once)
+        and writes it to the tiers ``to`` in the background; a tier whose
+        write queue is full drops it instead."""
         tiers = []
-        for tier in spill.tiers:
+        for tier in to:
             if tier not in self.tiers:
                 continue
             if self.queues[tier].enter():
                 tiers.append(tier)
             else:
-                self._dropped.append((tier, spill.key))
+                self._dropped.append((tier, key))
         if not tiers:
             return  # no copy made
         # Stream order: host memory only. The slot is spilled after every
@@ -157,8 +157,8 @@ class TierIO:
         page = torch.empty_like(slot_page)
         copy_bytes(page, slot_page)
         for tier in tiers:
-            self._writing.append((tier, spill.key, self._writer[tier].submit(
-                _write, self.tiers[tier], self.queues[tier], spill.key, page)))
+            self._writing.append((tier, key, self._writer[tier].submit(
+                _write, self.tiers[tier], self.queues[tier], key, page)))
 
     def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool, bool]]:
         """Records finished fetches and writes in ``meta``; returns the fetched
