@@ -185,3 +185,36 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
     finally:
         relay.thaw()
         worker.shutdown()
+
+
+def test_a_refused_write_is_reported_as_a_page_the_tier_lacks(tmp_path):
+    """A disk whose filesystem is full refuses writes: each refused page is
+    counted and reported like a page the tier does not have, so the
+    scheduler's write-through bookkeeping forgets it and writes it again
+    when the block is next reused (it stayed marked written before)."""
+    from conftest import mount_tmpfs
+    from vllm_kvbm.tiers.disk import DiskStore
+
+    mnt = tmp_path / "small"
+    mount_tmpfs(mnt, "size=4m")
+    try:
+        store = DiskStore(str(mnt), 64 * MiB, MiB, "ns-io", 0, 1)
+        io = TierIO()
+        io.add(store)
+        try:
+            meta = KVBMWorkerMetadata()
+            for i in range(6):
+                io.spill(["disk"], key(i), page(i, MiB))
+            wait_writes(io, meta, "disk", 6)
+            stored = meta.tier_events[("disk", "stored")]
+            refused = meta.tier_events[("disk", "refused")]
+            assert stored >= 1 and refused >= 1 and stored + refused == 6
+            gone = {k for tier, k in meta.removed_pages if tier == "disk"}
+            assert gone == {key(i) for i in range(6) if not store.contains(key(i))}
+            assert len(gone) == refused
+        finally:
+            io.close()
+    finally:
+        import subprocess
+
+        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)

@@ -199,6 +199,8 @@ class TierIO:
             if future.done():
                 ok = future.result()
                 meta.tier_events[(tier, "stored" if ok else "refused")] += 1
+                if not ok:  # not there (disk full, server down): written again when reused
+                    meta.removed_pages.append((tier, key))
             else:
                 writing.append((tier, key, future))
         self._writing = writing
