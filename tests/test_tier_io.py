@@ -192,7 +192,7 @@ def test_a_refused_write_is_reported_as_a_page_the_tier_lacks(tmp_path):
     counted and reported like a page the tier does not have, so the
     scheduler's write-through bookkeeping forgets it and writes it again
     when the block is next reused (it stayed marked written before)."""
-    from conftest import mount_tmpfs
+    from conftest import mount_tmpfs, umount
     from vllm_kvbm.tiers.disk import DiskStore
 
     mnt = tmp_path / "small"
@@ -215,6 +215,4 @@ def test_a_refused_write_is_reported_as_a_page_the_tier_lacks(tmp_path):
         finally:
             io.close()
     finally:
-        import subprocess
-
-        subprocess.run(["umount", str(mnt)], capture_output=True, timeout=30)
+        umount(mnt)

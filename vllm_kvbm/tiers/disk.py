@@ -9,10 +9,12 @@ LocalDiskBackend keeps the index: the key -> file table, the LRU order by
 bytes, admission and eviction (whose deletions we report, take_removed). The
 bytes go around it: put writes the page file itself, on the caller's thread
 (TierIO's write thread), header and payload straight from the caller's
-tensor, 1 MiB per call; get_into reads it straight into the caller's slot, a
-chunk at a time, each chunk checksummed (or MAC'd) right after it is read
-while it is still in the CPU's cache; get_many_into does that for several
-pages in flight. LMCache's byte path staged every page in its own
+tensor, 1 MiB per call; get_into reads a page in the page cache straight
+into the caller's slot, a chunk at a time, each chunk checksummed (or MAC'd)
+right after it is read while it is still in the CPU's cache, and a page
+that is not with O_DIRECT (the device DMAs it into an aligned buffer, where
+it is checked, then copied); get_many_into does that for several pages in
+flight. LMCache's byte path staged every page in its own
 CPU memory (a copy in and a copy out), sent each write through its asyncio
 loop to its disk worker threads, and allocated staging memory per read.
 LMCache's NixlStorageBackend (NIXL POSIX) stages the same way and keeps
@@ -37,6 +39,7 @@ import errno
 import fcntl
 import functools
 import logging
+import mmap
 import os
 import stat
 import tempfile
@@ -50,7 +53,7 @@ import torch
 from vllm_kvbm.config import KVBMConfigError, disk_tier_too_small
 from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
-from vllm_kvbm.tiers.page_format import (HEADER_BYTES, KEY_BYTES, retired_model_names,
+from vllm_kvbm.tiers.page_format import (HEADER_BYTES, KEY_BYTES, copy_bytes, retired_model_names,
                                          valid_key, valid_page)
 
 logger = logging.getLogger(__name__)
@@ -100,29 +103,32 @@ def _write_page(path: str, header: bytes, payload: torch.Tensor) -> None:
 def _write_all(fd: int, parts: list[memoryview]) -> None:
     """One writev of ``parts``, short writes resumed."""
     while parts:
-        n = os.writev(fd, parts)
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts.pop(0)
-        if parts:
-            parts[0] = parts[0][n:]
+        _advance(parts, os.writev(fd, parts))
 
 
 # Read and checked in pieces of this size: each is checksummed right after it
 # is read, while it is still in the CPU's cache (a whole 2 MiB page is not).
 _READ_CHUNK = 512 * 1024
+_ALIGN = 4096  # O_DIRECT's buffer, offset and length alignment
 
 
-def _read_page(path: str, codec, key: bytes, out: torch.Tensor, touch: bool) -> str:
+def _read_page(path: str, codec, key: bytes, out: torch.Tensor, touch: bool,
+               bounce: "_Bounce | None" = None) -> str:
     """Reads and checks the page file at ``path`` into ``out`` -> the codec's
     status ("ok", "corrupt", "unauthenticated", "miss" for a tombstone, "error").
 
-    The payload goes straight into ``out`` (no staging copy), a chunk at a
-    time, each checked while still in cache; a page that fails leaves ``out``
-    partly written (the caller never uses a slot whose read was not "ok").
-    A missing file raises FileNotFoundError; a symlink, or a file of any
-    other size than ``header + out``, raises _ShortFile. ``touch`` sets the
-    file's times to now (the LRU order a restart adopts).
+    A page in the page cache goes straight into ``out`` (no staging copy), a
+    chunk at a time, each checked while still in the CPU's cache. A page not
+    in it (its first chunk would block) is read with O_DIRECT into
+    ``bounce`` when given (the device DMAs it, no kernel copy; the 96-byte
+    header puts the payload off the 4 KiB alignment O_DIRECT needs, so each
+    chunk is checked there and then copied into ``out``): several of those
+    in flight read faster than buffered reads (benchmarks/bench_disk.py).
+    A page that fails leaves ``out`` partly written (the caller never uses a
+    slot whose read was not "ok"). A missing file raises FileNotFoundError;
+    a symlink, or a file of any other size than ``header + out``, raises
+    _ShortFile. ``touch`` sets the file's times to now (the LRU order a
+    restart adopts).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -138,16 +144,17 @@ def _read_page(path: str, codec, key: bytes, out: torch.Tensor, touch: bool) -> 
         header = bytearray(HEADER_BYTES)
         view = memoryview(out.numpy())
         first = view[:_READ_CHUNK]
-        _pread_into(fd, [memoryview(header), first], 0, path)
-        check = codec.start_verify(bytes(header), key)
-        if isinstance(check, str):
-            return check
-        check.update(first)
-        for off in range(len(first), len(view), _READ_CHUNK):
-            part = view[off:off + _READ_CHUNK]
-            _pread_into(fd, [part], HEADER_BYTES + off, path)
-            check.update(part)
-        status = check.finish(out)
+        got = _pread_cached(fd, [memoryview(header), first]) if bounce is not None else 0
+        status = None
+        if got == 0 and bounce is not None:
+            try:
+                status = bounce.read(path, codec, key, out)
+            except OSError as e:  # an alignment this device refuses: read it buffered
+                if e.errno != errno.EINVAL:
+                    raise
+        if status is None:
+            _pread_into(fd, [memoryview(header), first], 0, path, got)
+            status = _check_in_place(fd, codec, key, header, view, out, path)
         if touch and status == "ok":
             try:
                 os.utime(fd)
@@ -158,18 +165,88 @@ def _read_page(path: str, codec, key: bytes, out: torch.Tensor, touch: bool) -> 
         os.close(fd)
 
 
-def _pread_into(fd: int, parts: list[memoryview], offset: int, path: str) -> None:
-    """Fills ``parts`` from ``offset`` (short reads resumed); _ShortFile at EOF."""
+def _check_in_place(fd: int, codec, key: bytes, header: bytearray, view: memoryview,
+                    out: torch.Tensor, path: str) -> str:
+    """The buffered read's rest: its first chunk is in ``view`` already."""
+    check = codec.start_verify(bytes(header), key)
+    if isinstance(check, str):
+        return check
+    check.update(view[:_READ_CHUNK])
+    for off in range(_READ_CHUNK, len(view), _READ_CHUNK):
+        part = view[off:off + _READ_CHUNK]
+        _pread_into(fd, [part], HEADER_BYTES + off, path)
+        check.update(part)
+    return check.finish(out)
+
+
+def _pread_cached(fd: int, parts: list[memoryview]) -> int:
+    """Bytes of ``parts`` read from the page cache alone (RWF_NOWAIT): 0
+    where the start is not cached; a filesystem without RWF_NOWAIT reads
+    normally."""
+    try:
+        return os.preadv(fd, parts, 0, os.RWF_NOWAIT)
+    except BlockingIOError:
+        return 0
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        return os.preadv(fd, parts, 0)
+
+
+class _Bounce:
+    """One reading thread's 4 KiB-aligned buffer for O_DIRECT page reads."""
+
+    def __init__(self, page_bytes: int):
+        self._span = -(-page_bytes // _ALIGN) * _ALIGN
+        self._map = mmap.mmap(-1, self._span)  # page-aligned
+        self._view = memoryview(self._map)
+        self._buf = torch.frombuffer(self._map, dtype=torch.uint8)
+        self.reads = 0  # pages read this way (tests)
+
+    def read(self, path: str, codec, key: bytes, out: torch.Tensor) -> str:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_NOFOLLOW)
+        try:
+            got, want = 0, HEADER_BYTES + out.numel()
+            while got < want:  # the last 4 KiB block is short: EOF ends it
+                n = os.preadv(fd, [self._view[got:self._span]], got)
+                if n <= 0:
+                    raise _ShortFile(f"{path}: ends at {got}")
+                got += n
+        finally:
+            os.close(fd)
+        self.reads += 1
+        check = codec.start_verify(bytes(self._view[:HEADER_BYTES]), key)
+        if isinstance(check, str):
+            return check
+        payload, view = self._buf[HEADER_BYTES:want], self._view[HEADER_BYTES:want]
+        for off in range(0, out.numel(), _READ_CHUNK):
+            part = view[off:off + _READ_CHUNK]
+            check.update(part)  # then copied while still in cache
+            copy_bytes(out[off:off + len(part)], payload[off:off + len(part)])
+        return check.finish(out)
+
+
+def _pread_into(fd: int, parts: list[memoryview], offset: int, path: str,
+                done: int = 0) -> None:
+    """Fills ``parts`` from ``offset`` (short reads resumed, ``done`` bytes of
+    them already read); _ShortFile at EOF."""
+    _advance(parts, done)
+    offset += done
     while parts:
         n = os.preadv(fd, parts, offset)
         if n <= 0:
             raise _ShortFile(f"{path}: ends at {offset}")
         offset += n
-        while parts and n >= len(parts[0]):
-            n -= len(parts[0])
-            parts.pop(0)
-        if parts:
-            parts[0] = parts[0][n:]
+        _advance(parts, n)
+
+
+def _advance(parts: list[memoryview], n: int) -> None:
+    """Drops the first ``n`` bytes of ``parts`` (after a short read or write)."""
+    while parts and n >= len(parts[0]):
+        n -= len(parts[0])
+        parts.pop(0)
+    if parts:
+        parts[0] = parts[0][n:]
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,6 +329,22 @@ def _disk_backend_class():
     return _KvbmDiskBackend
 
 
+def _allows_o_direct(directory: str) -> bool:
+    """Whether files in ``directory`` can be opened with O_DIRECT (tmpfs, for
+    one, refuses it)."""
+    fd = -1
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".kvbm-direct-probe-", dir=directory)
+        os.unlink(probe)
+        os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 def _prepare_dir(directory: str) -> str:
     d = os.path.abspath(os.path.expanduser(directory))
     fix = "set disk_cache_dir to a writable local directory (or fix its permissions)"
@@ -315,7 +408,8 @@ class DiskStore(LMCacheStore):
 
     def __init__(self, directory: str, capacity_bytes: int, block_bytes: int, namespace: str,
                  rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8,
-                 read_inflight: int = 4, page_secret: bytes | None = None):
+                 read_inflight: int = 4, page_secret: bytes | None = None,
+                 direct_reads: bool = True):
         super().__init__(block_bytes, namespace, rank, world_size, page_secret)
         self._retired = tuple(f"{m}@{world_size}@{rank}@"
                               for m in retired_model_names(namespace, block_bytes))
@@ -335,6 +429,9 @@ class DiskStore(LMCacheStore):
                 max_local_cpu_size=(self._phys + 8 * 1024**2) / GIB,
                 local_disk=self.directory, max_local_disk_size=self.capacity_bytes / GIB)
             self._slots = threading.BoundedSemaphore(max_inflight)  # pages in flight (put + get)
+            # Pages not in the page cache are read with O_DIRECT where allowed.
+            self._direct = direct_reads and _allows_o_direct(self.directory)
+            self._bounces = threading.local()
             # get_many_into's readers: several reads in flight keep the device
             # queue busy (cold) and verify on both cores (warm).
             self._readers = (ThreadPoolExecutor(read_inflight, thread_name_prefix="kvbm-disk-read",
@@ -490,7 +587,8 @@ class DiskStore(LMCacheStore):
         # that fails leaves the slot written but unused (the load fails and
         # the scheduler drops the slot; test_page_auth, test_worker_tiers).
         try:
-            status = _read_page(path, self._codec, key, out, touch=True)
+            status = _read_page(path, self._codec, key, out, touch=True,
+                                bounce=self._bounce())
         except FileNotFoundError:
             self._disk.remove(ck)  # deleted behind our back: forget it
             return "miss"
@@ -508,6 +606,15 @@ class DiskStore(LMCacheStore):
         elif status == "ok":
             self._disk.hit(ck)  # the LRU order (the file's time is the one a restart sees)
         return status
+
+    def _bounce(self) -> "_Bounce | None":
+        """This thread's O_DIRECT buffer; None where the filesystem refuses O_DIRECT."""
+        if not self._direct:
+            return None
+        bounce = getattr(self._bounces, "buf", None)
+        if bounce is None:
+            bounce = self._bounces.buf = _Bounce(self._codec.stored_bytes)
+        return bounce
 
     def get_many_into(self, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
         """get_into for each ``(key, out)``, several in flight; the statuses in order."""
