@@ -29,6 +29,19 @@ def test_allocate_gives_distinct_slots_in_range():
     assert idx.used_slots == 5 and len(idx) == 5
 
 
+def test_allocate_missing_skips_known_keys_and_stops_when_every_slot_is_busy():
+    idx = SlotIndex(3)
+    stored(idx, 1)
+    idx.allocate(k(9))  # storing: never evicted
+    keys = [k(i) for i in range(5)]
+    # k(1) is known; k(0) gets the last free slot, k(2) evicts k(1), k(3) finds none
+    positions, slots, stopped = idx.allocate_missing(keys, 0, 5)
+    assert positions == [0, 2] and stopped == 3
+    assert [idx._entries[keys[i]].slot for i in positions] == slots
+    assert k(1) not in idx and idx.evictions == 1
+    assert idx.allocate_missing(keys, 2, 3) == ([], [], 3)  # known: nothing to do
+
+
 def test_storing_slots_are_invisible_and_never_evicted():
     idx = SlotIndex(2)
     s0 = idx.allocate(k(0))

@@ -397,23 +397,19 @@ class KVBMScheduler:
         state.chain.extend_to(request.all_token_ids, full)
         keys = state.chain.keys
         assert self._kv_cache_manager is not None
-        blocks = self._kv_cache_manager.get_blocks(request.request_id).blocks[0]
-        job_keys, job_blocks, job_slots = [], [], []
-        for i in range(state.store_cursor, full):
-            key = keys[i]
-            if key in self.host:
-                continue  # stored already, or being stored by another request
-            slot = self.host.allocate(key)
-            if slot is None:
-                # Every slot is pinned or being written: skip, never wait.
-                self.stats.add("store_skipped_blocks", full - i)
-                break
-            job_keys.append(key)
-            job_blocks.append(blocks[i].block_id)
-            job_slots.append(slot)
+        # Blocks the host has (stored, or being stored by another request)
+        # are left out.
+        positions, job_slots, stopped = self.host.allocate_missing(
+            keys, state.store_cursor, full)
+        if stopped < full:
+            # Every slot is pinned or being written: skip, never wait.
+            self.stats.add("store_skipped_blocks", full - stopped)
         state.store_cursor = full
-        if not job_keys:
+        if not positions:
             return None
+        blocks = self._kv_cache_manager.get_blocks(request.request_id).blocks[0]
+        job_keys = [keys[i] for i in positions]
+        job_blocks = [blocks[i].block_id for i in positions]
         job_id = next(self._job_ids)
         self._store_jobs[job_id] = _StoreJob(request.request_id, job_keys,
                                              self.info.num_workers)

@@ -100,13 +100,31 @@ class SlotIndex:
     def allocate(self, key: BlockKey) -> int | None:
         """Reserves a slot for a store of ``key``; None if every slot is busy."""
         assert key not in self._entries
-        while not self._free:
-            # An evicted entry whose slot is held frees nothing: evict on.
-            if not self._evict_one():
-                return None
-        slot = self._free.pop()
-        self._entries[key] = _Entry(slot)
-        return slot
+        _, slots, _ = self.allocate_missing([key], 0, 1)
+        return slots[0] if slots else None
+
+    def allocate_missing(self, keys: list[BlockKey], start: int,
+                         end: int) -> tuple[list[int], list[int], int]:
+        """Reserves slots, in order, for the keys of ``keys[start:end]`` the
+        index lacks, until every slot is busy. Returns the positions given a
+        slot, their slots, and the position it stopped at (``end`` when no
+        slot ran short). One call per store: a prompt chunk is hundreds of
+        blocks."""
+        entries, free = self._entries, self._free
+        positions, slots = [], []
+        for i in range(start, end):
+            key = keys[i]
+            if key in entries:
+                continue
+            while not free:
+                # An evicted entry whose slot is held frees nothing: evict on.
+                if not self._evict_one():
+                    return positions, slots, i
+            slot = free.pop()
+            entries[key] = _Entry(slot)
+            positions.append(i)
+            slots.append(slot)
+        return positions, slots, end
 
     def commit(self, key: BlockKey) -> None:
         """The store of ``key`` finished: its slot may now be loaded."""
