@@ -41,12 +41,6 @@ class _BoundedCounter(OrderedDict):
             self.popitem(last=False)
         return value
 
-    def add(self, short: int) -> None:
-        """``bump`` for a hash not in the table (no reordering to do)."""
-        self[short] = 1
-        if len(self) > _MEMORY:
-            self.popitem(last=False)
-
 
 class LowerTiers:
     def __init__(self, views: list[TierView], disk_admission: str = "always",
@@ -109,34 +103,49 @@ class LowerTiers:
         runs: list[tuple[list[str], list[BlockKey]]] = []
         if not self.views:
             return runs
+        shorts = [hash(key) for key in keys]
         # Use counts matter only to the frequency filter: not kept otherwise.
-        counting = self.disk_admission == "frequency"
-        tables = [(view, view.name, self._written[view.name], view.name == "disk")
-                  for view in self.views]
-        for key in keys:
-            short = hash(key)
-            uses = self._uses.bump(short) if counting else 0
-            tiers = []
-            for view, name, written, disk in tables:
-                if short in written:
-                    continue  # until the worker reports the page gone (forget)
-                if reused and disk and view.contains(key):
-                    # Reused and on disk, though the bounded table forgot it (or
-                    # another engine or an earlier run wrote it): a stat is
-                    # cheaper than a write. Fresh blocks are not asked about.
-                    written.add(short)
+        uses = ([self._uses.bump(short) for short in shorts]
+                if self.disk_admission == "frequency" else None)
+        # Tier by tier (their tables are independent), then key by key.
+        takes = [self._admit_to(view, keys, shorts, reused, uses) for view in self.views]
+        names = [view.name for view in self.views]
+        last = None
+        for key, flags in zip(keys, zip(*takes)):
+            if flags != last:
+                if not any(flags):
                     continue
-                if disk and counting and uses < self.disk_min_uses:
-                    continue  # seen once so far: not worth a disk write yet
-                written.add(short)
-                tiers.append(name)
-            if not tiers:
-                continue
-            if runs and runs[-1][0] == tiers:
-                runs[-1][1].append(key)
-            else:
-                runs.append((tiers, [key]))
+                last = flags
+                runs.append(([name for name, take in zip(names, flags) if take], []))
+            runs[-1][1].append(key)
         return runs
+
+    def _admit_to(self, view: TierView, keys: list[BlockKey], shorts: list[int],
+                  reused: bool, uses: list[int] | None) -> list[bool]:
+        """Whether ``view``'s tier takes each of ``keys`` (noted as written)."""
+        written = self._written[view.name]
+        disk = view.name == "disk"
+        ask, filtered = reused and disk, disk and uses is not None
+        takes = []
+        for i, short in enumerate(shorts):
+            if short in written:
+                takes.append(False)  # until the worker reports the page gone (forget)
+                continue
+            if ask and view.contains(keys[i]):
+                # Reused and on disk, though the bounded table forgot it (or
+                # another engine or an earlier run wrote it): a stat is
+                # cheaper than a write. Fresh blocks are not asked about.
+                take = False
+            elif filtered and uses[i] < self.disk_min_uses:
+                takes.append(False)  # seen once so far: not worth a disk write yet
+                continue
+            else:
+                take = True
+            written[short] = 1
+            if len(written) > _MEMORY:
+                written.popitem(last=False)
+            takes.append(take)
+        return takes
 
     def forget(self, tier: str, key: BlockKey) -> None:
         """A page was found gone, corrupt or unauthenticated, or its write was
