@@ -168,7 +168,7 @@ def test_slot_index_available_count_follows_every_operation():
         if op == "alloc" and key not in idx:
             idx.allocate(key)
         elif op == "commit":
-            idx.commit(key)
+            idx.commit([key])
         elif op == "pin" and idx.is_ready(key):
             idx.pin([key])
             pinned.append(key)

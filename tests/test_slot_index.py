@@ -17,7 +17,7 @@ def stored(index: SlotIndex, *ids: int) -> dict[int, int]:
     for i in ids:
         slot = index.allocate(k(i))
         assert slot is not None
-        index.commit(k(i))
+        index.commit([k(i)])
         slots[i] = slot
     return slots
 
@@ -52,7 +52,7 @@ def test_storing_slots_are_invisible_and_never_evicted():
     assert k(0) in idx and k(1) in idx and idx.evictions == 0
     assert idx.clear() == 0  # clear keeps storing entries
     assert len(idx) == 2
-    idx.commit(k(1))
+    idx.commit([k(1)])
     assert idx.is_ready(k(1)) and not idx.is_ready(k(0))
     s2 = idx.allocate(k(2))  # evicts the only ready entry, k(1)
     assert s2 == s1 and k(1) not in idx and idx.evictions == 1
@@ -63,7 +63,7 @@ def test_lru_order_eviction():
     idx = SlotIndex(3)
     slots = stored(idx, 0, 1, 2)
     assert idx.allocate(k(3)) == slots[0]  # oldest goes first
-    idx.commit(k(3))
+    idx.commit([k(3)])
     assert k(0) not in idx
     assert idx.allocate(k(4)) == slots[1]
     assert [i for i in range(5) if k(i) in idx] == [2, 3, 4]
@@ -77,7 +77,7 @@ def test_pin_touches_lru_and_protects():
     idx.unpin([k(0)])
     # k(0) was touched: k(1) is now the LRU
     assert idx.allocate(k(3)) == slots[1]
-    idx.commit(k(3))
+    idx.commit([k(3)])
     idx.pin([k(2), k(0)])
     idx.pin([k(2)])  # pinned twice
     # only k(3) is evictable
@@ -146,7 +146,7 @@ def test_clear_frees_idle_ready_and_hides_pinned():
 
 def test_commit_unknown_and_unpin_unknown_are_noops():
     idx = SlotIndex(1)
-    idx.commit(k(0))
+    idx.commit([k(0)])
     idx.unpin([k(0)])
     assert len(idx) == 0 and idx.allocate(k(0)) == 0
 
@@ -161,7 +161,7 @@ def test_allocate_existing_key_asserts():
 def test_clear_hides_pages_being_read_and_drops_them_after():
     idx = SlotIndex(2)
     idx.allocate(b"a")
-    idx.commit(b"a")
+    idx.commit([b"a"])
     idx.pin([b"a"])  # a load is reading it
     assert idx.clear() == 1
     assert not idx.is_ready(b"a")  # never served again after the reset
@@ -182,10 +182,10 @@ def test_held_slots_are_never_reused_until_released():
     assert idx.available() == 2  # the two ready, evictable entries only
     for i in range(3, 8):  # churn: every allocation evicts, never gets s
         assert idx.allocate(k(i)) in others.values()
-        idx.commit(k(i))
+        idx.commit([k(i)])
     idx.release([s])
     assert idx.allocate(k(9)) != s  # one writer still holds it
-    idx.commit(k(9))
+    idx.commit([k(9)])
     idx.release([s])
     assert len(idx._held) == 0
     assert idx.allocate(k(10)) == s  # free again, taken before any eviction
@@ -200,7 +200,7 @@ def test_held_slot_of_a_live_entry_frees_when_both_let_go():
     idx.release([s])
     assert k(0) in idx and idx.used_slots == 1  # the entry still owns it
     idx.hold([s])
-    idx.commit(k(0))
+    idx.commit([k(0)])
     assert idx.clear() == 1  # dropped, but held: not free yet
     assert idx.used_slots == 1
     idx.release([s])

@@ -462,11 +462,11 @@ class KVBMScheduler:
             else:
                 self._learn_load(state)
                 self.stats.add("onboard_blocks_h2d", len(keys) + len(promoted) + len(streamed))
-                for key, tier in promoted:
-                    self.host.commit(key)  # promoted into the host tier
-                    self.stats.add(self.lower.onboard_counter(tier))
-                for tier in streamed:
-                    self.stats.add(self.lower.onboard_counter(tier))
+                self.host.commit([key for key, _ in promoted])  # now in the host tier
+                fetched = Counter(streamed)
+                fetched.update(tier for _, tier in promoted)
+                for tier, blocks in fetched.items():
+                    self.stats.add(self.lower.onboard_counter(tier), blocks)
                 self._spill(keys, reused=True)
             self._maybe_forget(state)
         self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
@@ -501,8 +501,7 @@ class KVBMScheduler:
                 for key in job.keys:
                     self.host.drop(key)
             else:
-                for key in job.keys:
-                    self.host.commit(key)
+                self.host.commit(job.keys)
                 self._spill(job.keys, reused=False)
             if job.failed:
                 self.stats.add("store_errors")

@@ -126,13 +126,15 @@ class SlotIndex:
             slots.append(slot)
         return positions, slots, end
 
-    def commit(self, key: BlockKey) -> None:
-        """The store of ``key`` finished: its slot may now be loaded."""
-        entry = self._entries.get(key)
-        if entry is not None and not entry.ready:
-            entry.ready = True
-            if not entry.pins:
-                self._evictable += 1
+    def commit(self, keys: list[BlockKey]) -> None:
+        """The stores of ``keys`` finished: their slots may now be loaded."""
+        get = self._entries.get
+        for key in keys:
+            entry = get(key)
+            if entry is not None and not entry.ready:
+                entry.ready = True
+                if not entry.pins:
+                    self._evictable += 1
 
     def drop(self, key: BlockKey) -> bool:
         """Forgets ``key`` (failed store, bad data). Pinned entries are kept."""
