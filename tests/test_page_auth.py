@@ -97,6 +97,13 @@ def test_keyed_pages_round_trip_and_every_forgery_is_unauthenticated():
         # a made-up MAC, flagged as present
         "random MAC": restamp(encoded(plain, k, q), flags=pf._FLAG_MAC,
                               mac_alg=pf._MAC_BLAKE3, mac=os.urandom(32)),
+        # a made-up GMAC field: random nonce and tag
+        "random GMAC": restamp(encoded(plain, k, q), flags=pf._FLAG_MAC,
+                               mac_alg=pf._MAC_GMAC, mac=os.urandom(28) + bytes(4)),
+        # the genuine GMAC field relabelled as a BLAKE3 digest
+        "MAC relabelled": restamp(genuine, mac_alg=pf._MAC_BLAKE3),
+        # the genuine GMAC with its (unused) padding set: no key made that field
+        "GMAC padding": restamp(genuine, mac=genuine[pf._MAC_OFF:pf._MAC_OFF + 28] + b"\x01" * 4),
         # the genuine page's MAC over other KV
         "MAC transplanted": restamp(genuine, payload=q.numpy().tobytes()),
         # the genuine page with its MAC flag cleared
@@ -115,6 +122,26 @@ def test_keyed_pages_round_trip_and_every_forgery_is_unauthenticated():
         assert torch.equal(out, sentinel), what
     # The genuine page filed under another key is caught by the header, as before.
     assert decode(keyed, genuine, key(2), out) == "corrupt"
+
+
+def test_pages_are_written_with_gmac_and_blake3_pages_still_verify():
+    """GMAC (random nonce per page) is what pages carry now; pages written
+    with keyed BLAKE3 before still verify, with the same secret only."""
+    keyed = PageCodec(NS, SMALL, SECRET)
+    k, p = key(5), page(5, SMALL)
+    out = torch.empty(SMALL, dtype=torch.uint8)
+    a, b = encoded(keyed, k, p), encoded(keyed, k, p)
+    assert _header_fields(a)[4] == pf._MAC_GMAC
+    assert a[pf._MAC_OFF:pf._MAC_OFF + 12] != b[pf._MAC_OFF:pf._MAC_OFF + 12]  # nonces differ
+    assert decode(keyed, a, k, out) == "ok" and decode(keyed, b, k, out) == "ok"
+    old_writer = PageCodec(NS, SMALL, SECRET)
+    old_writer._macs.sign = old_writer._macs.by_alg[pf._MAC_BLAKE3]
+    old = encoded(old_writer, k, p)
+    assert _header_fields(old)[4] == pf._MAC_BLAKE3
+    out.zero_()
+    assert decode(keyed, old, k, out) == "ok" and torch.equal(out, p)
+    assert decode(PageCodec(NS, SMALL, OTHER), old, k, out) == "unauthenticated"
+    assert decode(PageCodec(NS, SMALL), old, k, out) == "ok"
 
 
 def test_damage_is_corrupt_not_unauthenticated_and_the_header_stays_strict():
@@ -518,4 +545,4 @@ def test_bench_page_mac_runs_and_reports_the_ratio():
     for name in ("warm (page cache)", "cold (page cache dropped)"):
         ratio = float(rows[name].split("|")[5])
         assert ratio > 0, rows[name]
-    assert "keyed BLAKE3 (chosen)" in rows and "HMAC-SHA256" in rows
+    assert "AES-256-GMAC (chosen)" in rows and "HMAC-SHA256" in rows
