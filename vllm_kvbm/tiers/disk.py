@@ -70,25 +70,27 @@ class _ShortFile(Exception):
 _WRITE_CHUNK = 1024 * 1024
 
 
-def _write_page(path: str, header: bytes, payload: torch.Tensor) -> None:
-    """Writes ``header + payload`` to ``path`` atomically: ``<path>.tmp``, then a rename.
+def _write_page(path: str, codec, key: bytes, payload: torch.Tensor) -> None:
+    """Writes ``key``'s page (header + payload) to ``path`` atomically:
+    ``<path>.tmp``, then a rename.
 
     Owner-only, never through a symlink someone planted: the directory may
     be shared (see DiskStore's directory lock). Written from the caller's
-    tensor (no staging copy), at most _WRITE_CHUNK per call.
+    tensor (no staging copy), at most _WRITE_CHUNK per call, each chunk
+    checksummed (or MAC'd) right after its write, while it is in cache; the
+    header, which holds the checksum, goes last.
     """
     tmp = path + ".tmp"
     try:
-        try:
-            os.unlink(tmp)  # a crash's leftover (removes a link, not its target)
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = _create(tmp)
         try:
             view = memoryview(payload.numpy())
-            _write_all(fd, [memoryview(header), view[:_WRITE_CHUNK]])
-            for off in range(_WRITE_CHUNK, len(view), _WRITE_CHUNK):
-                _write_all(fd, [view[off:off + _WRITE_CHUNK]])
+            signer = codec.signer(key)
+            for off in range(0, len(view), _WRITE_CHUNK):
+                part = view[off:off + _WRITE_CHUNK]
+                _pwrite_all(fd, [part], HEADER_BYTES + off)
+                signer.update(part)
+            _pwrite_all(fd, [memoryview(signer.header(payload))], 0)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -100,10 +102,23 @@ def _write_page(path: str, header: bytes, payload: torch.Tensor) -> None:
         raise
 
 
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    """One writev of ``parts``, short writes resumed."""
+def _create(path: str) -> int:
+    """A new owner-only file at ``path``, never through a symlink; a crash's
+    leftover there is removed first (a link, not its target)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        os.unlink(path)
+        return os.open(path, flags, 0o600)
+
+
+def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
+    """One pwritev of ``parts`` at ``offset``, short writes resumed."""
     while parts:
-        _advance(parts, os.writev(fd, parts))
+        n = os.pwritev(fd, parts, offset)
+        offset += n
+        _advance(parts, n)
 
 
 # Read and checked in pieces of this size: each is checksummed right after it
@@ -531,8 +546,6 @@ class DiskStore(LMCacheStore):
         try:
             ck = self._ckey(key)
             page = page.contiguous()
-            # CRC (and MAC) over the caller's page where it lies: no copy.
-            header = self._codec.header(key, page)
             while True:
                 admitted = self._disk.admit(ck, self._phys)
                 if admitted != "busy":
@@ -544,7 +557,8 @@ class DiskStore(LMCacheStore):
             if admitted != "admitted":
                 return admitted == "present"
             try:
-                _write_page(self._disk._key_to_path(ck), header, page)
+                # From the caller's page where it lies, CRC (and MAC) as it goes.
+                _write_page(self._disk._key_to_path(ck), self._codec, key, page)
             except BaseException as e:  # noqa: BLE001 - ENOSPC, EIO, a removed directory...
                 self._disk.abort(ck, self._phys)
                 self._note_write(e)

@@ -433,8 +433,15 @@ class PageCodec:
 
     def header(self, key: bytes, payload: torch.Tensor) -> bytes:
         """The header of a data page whose payload (1-D contiguous uint8 CPU,
-        block_bytes) lies elsewhere: the disk tier writes both with one writev."""
+        block_bytes) lies elsewhere."""
         return self._header(key, 0, self.block_bytes, _WRITE_ALG, payload)
+
+    def signer(self, key: bytes) -> "PageSigner":
+        """The header of a data page computed as its payload goes by, a chunk
+        at a time (the disk tier checksums each chunk right after writing it,
+        while it is in cache), then finished with ``header(payload)``."""
+        return PageSigner(self, key)
+
 
     def decode_into(self, buf: torch.Tensor, key: bytes, out: torch.Tensor) -> str:
         """Verifies buf (1-D uint8) against key; copies the payload into out on success.
@@ -499,6 +506,35 @@ class PageCodec:
                 "it cannot verify where they came from and accepts any page with a valid "
                 "checksum; set the same page_secret_file (or KVBM_PAGE_SECRET) on every engine "
                 "sharing the tier")
+
+
+class PageSigner:
+    """Without a secret the CRC follows the chunks; with one the MAC does
+    (the CRC covers the MAC, so it needs a pass of its own at the end)."""
+
+    def __init__(self, codec: PageCodec, key: bytes):
+        self._codec, self._seen = codec, 0
+        flags, mac_alg = 0, _MAC_NONE
+        if codec._macs is not None:
+            flags, mac_alg = _FLAG_MAC, codec._macs.sign.alg
+        self._prefix = _HDR.pack(_MAGIC, _VERSION, _WRITE_ALG, flags, mac_alg, codec.block_bytes,
+                                 codec.ns8, key, _NO_MAC, 0)[:_MAC_OFF]
+        if codec._macs is not None:
+            self._h = codec._macs.sign.signer(self._prefix)
+        else:
+            self._h = _Crc(_WRITE_ALG, self._prefix + _NO_MAC)
+
+    def update(self, chunk: memoryview) -> None:
+        self._seen += len(chunk)
+        self._h.update(chunk)
+
+    def header(self, payload: torch.Tensor) -> bytes:
+        """The header, once every byte of ``payload`` went through update."""
+        assert self._seen == payload.numel() == self._codec.block_bytes
+        if self._codec._macs is None:
+            return self._prefix + _NO_MAC + struct.pack("<I", self._h.value)
+        prefix = self._prefix + self._h.field()
+        return prefix + struct.pack("<I", _checksum(_WRITE_ALG, prefix, payload))
 
 
 class PageCheck:
