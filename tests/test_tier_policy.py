@@ -141,6 +141,33 @@ def test_failed_disk_load_drops_promoted_slots(disk_setup):
         time.sleep(0.002)
 
 
+def test_a_request_whose_disk_load_failed_recomputes_instead_of_loading_again(disk_setup):
+    """The page stays on disk (an I/O error, not damage), and the failed block
+    was the request's first, so vLLM looks the request up again: it must
+    recompute, not load the same page again (a tier that keeps failing sent
+    a request round load, fail, look up thousands of times)."""
+    sched, k, store = disk_setup
+    prompt = tokens(2 * BLOCK + 1, 14)
+    keys = keys_of(sched, prompt)
+    put_where_the_scheduler_sees(store, k, keys[:2])
+    req = make_request(prompt, max_tokens=2)
+    sched.add_request(req)
+    _, meta, _ = admit(sched, req)
+    [load] = meta.loads
+    step(sched, finished_recving=[req.request_id], loads_failed=[req.request_id],
+         invalid_block_ids=load.block_ids)
+    assert all(store.contains(key) for key in keys[:2])  # still listed by the tier
+    computed = 0
+    deadline = time.monotonic() + 30
+    while req.request_id in sched.requests:
+        assert time.monotonic() < deadline, f"{req.request_id} never finished"
+        out, meta, _ = step(sched, complete=True)
+        assert not [j for j in meta.loads if j.req_id == req.request_id], "loaded again"
+        computed += out.num_scheduled_tokens.get(req.request_id, 0)
+        time.sleep(0.002)
+    assert computed >= len(prompt)  # the whole prompt computed, then a token
+
+
 def test_stored_blocks_are_written_down_with_the_slot_pinned(disk_setup):
     sched, k, _ = disk_setup
     prompt = tokens(2 * BLOCK + 3, 13)

@@ -68,6 +68,10 @@ class _ReqState:
     load_failed: bool = False
     # holds KV computed before a cache reset: never stored again
     pre_reset: bool = False
+    # a load of it failed: it recomputes from then on (vLLM looks it up again
+    # when the failed block was its first, and a tier that keeps failing on
+    # a page it still lists would send it round load, fail, look up forever)
+    recompute_only: bool = False
     # tokens asked about by the last lookup; counted when vLLM admits the
     # request (None: nothing to count), as vLLM counts its own cache queries
     lookup_tokens: int | None = None
@@ -167,7 +171,7 @@ class KVBMScheduler:
         state.lookup_tokens = request.num_tokens - num_computed_tokens
         state.hit_sources = []
         state.split_dropped = 0
-        if start >= max_blocks:
+        if start >= max_blocks or state.recompute_only:
             return 0, False
         sources = self._lookup(state, start, max_blocks)
         if sources is None:
@@ -459,6 +463,7 @@ class KVBMScheduler:
                 self.stats.add("load_error_blocks", len(keys) + len(promoted) + len(streamed))
                 # vLLM recomputes these blocks: store them again once it has.
                 state.store_cursor = min(state.store_cursor, state.local_hit_blocks)
+                state.recompute_only = True
             else:
                 self._learn_load(state)
                 self.stats.add("onboard_blocks_h2d", len(keys) + len(promoted) + len(streamed))
