@@ -35,6 +35,7 @@ LMCache behaviour still worked around, each next to its code:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import functools
@@ -133,8 +134,8 @@ def _read_page(path: str, codec, key: bytes, out: torch.Tensor, touch: bool,
     status ("ok", "corrupt", "unauthenticated", "miss" for a tombstone, "error").
 
     A page in the page cache goes straight into ``out`` (no staging copy), a
-    chunk at a time, each checked while still in the CPU's cache. A page not
-    in it (its first chunk would block) is read with O_DIRECT into
+    chunk at a time, each checked while still in the CPU's cache. A page none
+    of which is cached (cachestat) is read with O_DIRECT into
     ``bounce`` when given (the device DMAs it, no kernel copy; the 96-byte
     header puts the payload off the 4 KiB alignment O_DIRECT needs, so each
     chunk is checked there and then copied into ``out``): several of those
@@ -159,16 +160,15 @@ def _read_page(path: str, codec, key: bytes, out: torch.Tensor, touch: bool,
         header = bytearray(HEADER_BYTES)
         view = memoryview(out.numpy())
         first = view[:_READ_CHUNK]
-        got = _pread_cached(fd, [memoryview(header), first]) if bounce is not None else 0
         status = None
-        if got == 0 and bounce is not None:
+        if bounce is not None and _cached_pages(fd, want) == 0:
             try:
                 status = bounce.read(path, codec, key, out)
             except OSError as e:  # an alignment this device refuses: read it buffered
                 if e.errno != errno.EINVAL:
                     raise
         if status is None:
-            _pread_into(fd, [memoryview(header), first], 0, path, got)
+            _pread_into(fd, [memoryview(header), first], 0, path)
             status = _check_in_place(fd, codec, key, header, view, out, path)
         if touch and status == "ok":
             try:
@@ -194,18 +194,30 @@ def _check_in_place(fd: int, codec, key: bytes, header: bytearray, view: memoryv
     return check.finish(out)
 
 
-def _pread_cached(fd: int, parts: list[memoryview]) -> int:
-    """Bytes of ``parts`` read from the page cache alone (RWF_NOWAIT): 0
-    where the start is not cached; a filesystem without RWF_NOWAIT reads
-    normally."""
-    try:
-        return os.preadv(fd, parts, 0, os.RWF_NOWAIT)
-    except BlockingIOError:
-        return 0
-    except OSError as e:
-        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        return os.preadv(fd, parts, 0)
+class _CacheRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(os.uname().machine)
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _cached_pages(fd: int, length: int) -> int | None:
+    """Pages of the first ``length`` bytes of ``fd`` in the page cache
+    (cachestat, Linux 6.5+, no I/O); None where that cannot be asked. A
+    probing read (RWF_NOWAIT) would start readahead of a cold page, which
+    then competes with its O_DIRECT read."""
+    if _SYS_CACHESTAT is None:
+        return None
+    rng, st = _CacheRange(0, length), _CacheStat()
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
+        return None
+    return st.nr_cache
 
 
 class _Bounce:
@@ -241,12 +253,8 @@ class _Bounce:
         return check.finish(out)
 
 
-def _pread_into(fd: int, parts: list[memoryview], offset: int, path: str,
-                done: int = 0) -> None:
-    """Fills ``parts`` from ``offset`` (short reads resumed, ``done`` bytes of
-    them already read); _ShortFile at EOF."""
-    _advance(parts, done)
-    offset += done
+def _pread_into(fd: int, parts: list[memoryview], offset: int, path: str) -> None:
+    """Fills ``parts`` from ``offset`` (short reads resumed); _ShortFile at EOF."""
     while parts:
         n = os.preadv(fd, parts, offset)
         if n <= 0:
@@ -445,7 +453,8 @@ class DiskStore(LMCacheStore):
                 local_disk=self.directory, max_local_disk_size=self.capacity_bytes / GIB)
             self._slots = threading.BoundedSemaphore(max_inflight)  # pages in flight (put + get)
             # Pages not in the page cache are read with O_DIRECT where allowed.
-            self._direct = direct_reads and _allows_o_direct(self.directory)
+            self._direct = (direct_reads and _SYS_CACHESTAT is not None
+                            and _allows_o_direct(self.directory))
             self._bounces = threading.local()
             # get_many_into's readers: several reads in flight keep the device
             # queue busy (cold) and verify on both cores (warm).
