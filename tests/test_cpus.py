@@ -79,3 +79,16 @@ def test_the_lookup_thread_runs_on_every_cpu_of_the_process():
     deadline = __import__("time").monotonic() + 5
     while os.sched_getaffinity(tid) != process_cpus():
         assert __import__("time").monotonic() < deadline, os.sched_getaffinity(tid)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_process_whose_threads_are_all_pinned_sees_its_parents_cpus():
+    # A vLLM CPU worker: OpenMP pins its first thread before any other starts.
+    import subprocess
+    import sys
+
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+            "from vllm_kvbm.cpus import process_cpus; print(sorted(process_cpus()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert set(eval(out)) >= os.sched_getaffinity(0)

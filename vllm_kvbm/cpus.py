@@ -5,9 +5,14 @@ included (``VLLM_CPU_OMP_THREADS_BIND``, or the automatic binding that
 leaves a core in reserve). A thread inherits the affinity of the thread that
 starts it, so KVBM's I/O threads, started from the engine thread, shared its
 one core with the forward pass while the reserved core sat idle. Each of
-them widens itself, first thing, to every CPU any thread of the process may
-run on: the process's own placement (``taskset``, ``numactl``, a cpuset) is
-kept, vLLM's per-thread pinning is not inherited.
+them widens itself, first thing, to every CPU any thread of the process, or
+of its parent, may run on: the process's own placement (``taskset``,
+``numactl``, a cpuset) is kept, vLLM's per-thread pinning is not inherited.
+The parent counts because in a worker process every thread may be pinned
+(OpenMP binds the first thread before any other starts): its engine-core
+parent, which vLLM does not pin, still has the process's placement. Only a
+parent running the same executable (the Python that started this one):
+a shell's placement is not this process's.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ logger = logging.getLogger(__name__)
 
 
 def process_cpus() -> set[int]:
-    """The union of the CPUs every thread of this process may run on."""
+    """The union of the CPUs every thread of this process and of its parent
+    may run on."""
+    pids = [os.getpid()]
+    if _same_executable(os.getppid()):
+        pids.append(os.getppid())
     cpus: set[int] = set()
-    for status in glob.glob(f"/proc/{os.getpid()}/task/*/status"):
+    for status in [path for pid in pids for path in glob.glob(f"/proc/{pid}/task/*/status")]:
         try:
             with open(status) as f:
                 line = next((x for x in f if x.startswith("Cpus_allowed_list:")), "")
@@ -30,6 +39,13 @@ def process_cpus() -> set[int]:
             continue  # the thread ended meanwhile
         cpus |= _parse_list(line.partition(":")[2])
     return cpus
+
+
+def _same_executable(pid: int) -> bool:
+    try:
+        return os.readlink(f"/proc/{pid}/exe") == os.readlink("/proc/self/exe")
+    except OSError:  # gone, not ours to read, or no /proc
+        return False
 
 
 def _parse_list(text: str) -> set[int]:
