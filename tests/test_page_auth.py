@@ -320,7 +320,8 @@ def test_disk_refuses_planted_and_forged_pages_and_removes_them(tmp_path):
             assert os.path.exists(path)
             # Read into the slot and checked there: the status says never use it
             # (a failed load's slots are dropped: test_tier_policy's
-            # test_failed_disk_load_drops_promoted_slots, test_tiers_e2e's corrupt page).
+            # test_a_failed_disk_load_drops_its_slots_and_the_request_recomputes,
+            # test_tiers_e2e's corrupt page).
             assert s.get_into(k, out) == "unauthenticated", k
             assert not os.path.exists(path) and not s.contains(k)
             assert s.get_into(k, out) == "miss"

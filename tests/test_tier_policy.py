@@ -119,35 +119,14 @@ def test_disk_pages_are_found_loaded_through_host_slots_and_promoted(disk_setup)
     run_until_done(sched, req.request_id)
 
 
-def test_failed_disk_load_drops_promoted_slots(disk_setup):
+def test_a_failed_disk_load_drops_its_slots_and_the_request_recomputes(disk_setup):
+    """The promoted slots of a failed load are freed. The pages stay on disk
+    (an I/O error, not damage) and the failed block was the request's first,
+    so vLLM looks the request up again: it must recompute, not load the same
+    pages again (a tier that keeps failing sent a request round load, fail,
+    look up thousands of times)."""
     sched, k, store = disk_setup
     prompt = tokens(2 * BLOCK + 1, 12)
-    keys = keys_of(sched, prompt)
-    put_where_the_scheduler_sees(store, k, keys[:1])
-    req = make_request(prompt, max_tokens=2)
-    sched.add_request(req)
-    _, meta, _ = admit(sched, req)
-    [load] = meta.loads
-    step(sched, finished_recving=[req.request_id], loads_failed=[req.request_id],
-         invalid_block_ids=load.block_ids)
-    assert keys[0] not in k.host  # the reserved slot is free again
-    assert k.stats.total["load_error_blocks"] == 1
-    # vLLM recomputes (its lookup asked again, in the background); a worker
-    # that completes everything
-    deadline = time.monotonic() + 30
-    while req.request_id in sched.requests:
-        assert time.monotonic() < deadline, f"{req.request_id} never finished"
-        step(sched, complete=True)
-        time.sleep(0.002)
-
-
-def test_a_request_whose_disk_load_failed_recomputes_instead_of_loading_again(disk_setup):
-    """The page stays on disk (an I/O error, not damage), and the failed block
-    was the request's first, so vLLM looks the request up again: it must
-    recompute, not load the same page again (a tier that keeps failing sent
-    a request round load, fail, look up thousands of times)."""
-    sched, k, store = disk_setup
-    prompt = tokens(2 * BLOCK + 1, 14)
     keys = keys_of(sched, prompt)
     put_where_the_scheduler_sees(store, k, keys[:2])
     req = make_request(prompt, max_tokens=2)
@@ -156,10 +135,12 @@ def test_a_request_whose_disk_load_failed_recomputes_instead_of_loading_again(di
     [load] = meta.loads
     step(sched, finished_recving=[req.request_id], loads_failed=[req.request_id],
          invalid_block_ids=load.block_ids)
+    assert not any(key in k.host for key in keys[:2])  # the reserved slots are free again
+    assert k.stats.total["load_error_blocks"] == 2
     assert all(store.contains(key) for key in keys[:2])  # still listed by the tier
     computed = 0
     deadline = time.monotonic() + 30
-    while req.request_id in sched.requests:
+    while req.request_id in sched.requests:  # a worker that completes everything
         assert time.monotonic() < deadline, f"{req.request_id} never finished"
         out, meta, _ = step(sched, complete=True)
         assert not [j for j in meta.loads if j.req_id == req.request_id], "loaded again"

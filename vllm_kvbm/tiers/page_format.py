@@ -243,7 +243,19 @@ def _scope(namespace: str, block_bytes: int) -> bytes:
     return struct.pack("<Q", len(ns)) + ns + struct.pack("<Q", block_bytes)
 
 
-class _Blake3Mac:
+class _PageMac:
+    """A MAC algorithm: signer(fields) and verifier(fields, mac) streams that
+    take the payload a chunk at a time."""
+
+    def digest(self, fields: bytes, payload: torch.Tensor) -> bytes:
+        """The MAC field of a page (benchmarks: the whole computation at once)."""
+        stream = self.signer(fields)
+        if payload.numel():
+            stream.update(memoryview(payload.numpy()))
+        return stream.field()
+
+
+class _Blake3Mac(_PageMac):
     """Keyed BLAKE3 over (namespace, block size, header fields, payload): the
     MAC field is the 32-byte digest."""
 
@@ -268,13 +280,6 @@ class _Blake3Mac:
         stream.want = mac
         return stream
 
-    def digest(self, fields: bytes, payload: torch.Tensor) -> bytes:
-        """The MAC field of a page (benchmarks: the whole computation at once)."""
-        stream = self.signer(fields)
-        if payload.numel():
-            stream.update(memoryview(payload.numpy()))
-        return stream.field()
-
 
 class _Blake3Stream:
     want = b""
@@ -292,7 +297,7 @@ class _Blake3Stream:
         return hmac.compare_digest(self._h.digest(), self.want)
 
 
-class _GmacMac:
+class _GmacMac(_PageMac):
     """AES-256-GMAC (GCM authenticating, encrypting nothing) over (namespace,
     block size, header fields, payload): the MAC field is a random 96-bit
     nonce, the 128-bit tag and 4 zero bytes. About 3.5x keyed BLAKE3's speed
@@ -333,13 +338,6 @@ class _GmacMac:
         if any(pad):
             return _Refused()
         return self._stream(modes.GCM(nonce, tag), fields, nonce, verify=True)
-
-    def digest(self, fields: bytes, payload: torch.Tensor) -> bytes:
-        """The MAC field of a page (benchmarks: the whole computation at once)."""
-        stream = self.signer(fields)
-        if payload.numel():
-            stream.update(memoryview(payload.numpy()))
-        return stream.field()
 
 
 class _GmacStream:
