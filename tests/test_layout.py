@@ -12,7 +12,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "vllm_kvbm"
 SHARED = {"vllm_kvbm.config", "vllm_kvbm.keys", "vllm_kvbm.messages", "vllm_kvbm.engine_info",
           "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.tiers.lm_protocol",
-          "vllm_kvbm.tiers.redis_conn"}
+          "vllm_kvbm.tiers.redis_conn", "vllm_kvbm.cpus"}
 
 
 def imports(path: Path) -> set[str]:
