@@ -101,7 +101,8 @@ def test_bench_client_against_vllm_serve(model_dir, tmp_path):
         assert rs[1].prompt_tokens > rs[0].prompt_tokens + 4
         assert rs[1].launch_time >= rs[0].finish_time
         assert rs[1].launch_time >= rs[0].launch_time + 0.05
-    assert by_user[1][0].launch_time >= by_user[0][0].launch_time + 0.02
+    # user 1 joined later, not at once (25 ms planned; user 0's launch may itself run late)
+    assert by_user[1][0].launch_time >= by_user[0][0].launch_time + 0.01
     assert summarize(out.results)["max_in_flight"] == 2
     for name, res, n in (("mr", out, 4), ("doc", doc_out, 4)):
         path = tmp_path / f"{name}.csv"

@@ -111,7 +111,8 @@ def test_corrupt_disk_page_is_recomputed_and_removed(engine1, plain_llm, disk_di
     got, _ = generate(engine1, [PROMPT_FLIP])
     assert got == want
     assert kvbm_counter("checksum_failures") - failures >= 1
-    assert not victim.exists()
+    # Removed; the recomputed block may already have been written through again.
+    assert not victim.exists() or victim.read_bytes() != bytes(data)
 
 
 def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir, remote,
