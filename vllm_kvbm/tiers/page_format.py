@@ -405,40 +405,28 @@ class PageCodec:
         """True if this codec writes and requires page MACs."""
         return self._macs is not None
 
-    def _header(self, key: bytes, flags: int, plen: int, alg: int, payload: torch.Tensor) -> bytes:
-        mac_alg, mac = _MAC_NONE, _NO_MAC
-        if self._macs is not None:
-            flags |= _FLAG_MAC
-            mac_alg = self._macs.sign.alg
-        prefix = _HDR.pack(_MAGIC, _VERSION, alg, flags, mac_alg, plen, self.ns8, key, _NO_MAC,
-                           0)[:_MAC_OFF]
-        if self._macs is not None:
-            mac = self._macs.sign.digest(prefix, payload)
-        prefix += mac
-        crc = _checksum(alg, prefix, payload)
-        return prefix + struct.pack("<I", crc)
+    def _header(self, key: bytes, flags: int, payload: torch.Tensor) -> bytes:
+        signer = PageSigner(self, key, flags, payload.numel())
+        if payload.numel():
+            signer.update(memoryview(payload.numpy()))
+        return signer.header(payload)
 
     def encode_into(self, buf: torch.Tensor, key: bytes, page: torch.Tensor) -> None:
         """buf: 1-D uint8 of stored_bytes. Copies page, then checksums the copy."""
         payload = buf[HEADER_BYTES:]
         copy_bytes(payload, page)
-        hdr = self._header(key, 0, self.block_bytes, _WRITE_ALG, payload)
+        hdr = self._header(key, 0, payload)
         ctypes.memmove(buf.data_ptr(), hdr, HEADER_BYTES)
 
     def encode_tombstone(self, buf: torch.Tensor, key: bytes) -> None:
-        hdr = self._header(key, _FLAG_TOMBSTONE, 0, _WRITE_ALG, buf[HEADER_BYTES:HEADER_BYTES])
+        hdr = self._header(key, _FLAG_TOMBSTONE, buf[HEADER_BYTES:HEADER_BYTES])
         ctypes.memmove(buf.data_ptr(), hdr, HEADER_BYTES)
-
-    def header(self, key: bytes, payload: torch.Tensor) -> bytes:
-        """The header of a data page whose payload (1-D contiguous uint8 CPU,
-        block_bytes) lies elsewhere."""
-        return self._header(key, 0, self.block_bytes, _WRITE_ALG, payload)
 
     def signer(self, key: bytes) -> "PageSigner":
         """The header of a data page computed as its payload goes by, a chunk
         at a time (the disk tier checksums each chunk right after writing it,
         while it is in cache), then finished with ``header(payload)``."""
-        return PageSigner(self, key)
+        return PageSigner(self, key, 0, self.block_bytes)
 
 
     def decode_into(self, buf: torch.Tensor, key: bytes, out: torch.Tensor) -> str:
@@ -510,12 +498,12 @@ class PageSigner:
     """Without a secret the CRC follows the chunks; with one the MAC does
     (the CRC covers the MAC, so it needs a pass of its own at the end)."""
 
-    def __init__(self, codec: PageCodec, key: bytes):
-        self._codec, self._seen = codec, 0
-        flags, mac_alg = 0, _MAC_NONE
+    def __init__(self, codec: PageCodec, key: bytes, flags: int, plen: int):
+        self._codec, self._seen, self._plen = codec, 0, plen
+        mac_alg = _MAC_NONE
         if codec._macs is not None:
-            flags, mac_alg = _FLAG_MAC, codec._macs.sign.alg
-        self._prefix = _HDR.pack(_MAGIC, _VERSION, _WRITE_ALG, flags, mac_alg, codec.block_bytes,
+            flags, mac_alg = flags | _FLAG_MAC, codec._macs.sign.alg
+        self._prefix = _HDR.pack(_MAGIC, _VERSION, _WRITE_ALG, flags, mac_alg, plen,
                                  codec.ns8, key, _NO_MAC, 0)[:_MAC_OFF]
         if codec._macs is not None:
             self._h = codec._macs.sign.signer(self._prefix)
@@ -528,7 +516,7 @@ class PageSigner:
 
     def header(self, payload: torch.Tensor) -> bytes:
         """The header, once every byte of ``payload`` went through update."""
-        assert self._seen == payload.numel() == self._codec.block_bytes
+        assert self._seen == payload.numel() == self._plen
         if self._codec._macs is None:
             return self._prefix + _NO_MAC + struct.pack("<I", self._h.value)
         prefix = self._prefix + self._h.field()
