@@ -259,8 +259,7 @@ class KVBMWorker:
             assert self._staging is not None
             self._staging_reading -= staging
             self._staging.give(sorted(staging))
-            for waiting in list(self._streams_waiting):
-                self._feed(waiting)
+            self._feed_streams()
 
     def _part_done(self, load: StreamedLoad, sub: TransferJob, ok: bool) -> None:
         assert self._staging is not None
@@ -269,10 +268,13 @@ class KVBMWorker:
         load.ok &= ok
         if load.done:
             self._complete(load.job, False, ok=load.ok, started=load.started)
-        # Staging slots came free: this load's next chunks, then the waiting
-        # ones' (a done load leaves the waiting list here).
-        for waiting in [load] + self._streams_waiting:
-            self._feed(waiting)
+        self._feed_streams(load)
+
+    def _feed_streams(self, *first: StreamedLoad) -> None:
+        """Staging slots came free: ``first``'s next chunks, then the waiting
+        loads' (a done load leaves the waiting list in _feed)."""
+        for load in [*first, *self._streams_waiting]:
+            self._feed(load)
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for spill in meta.spills:

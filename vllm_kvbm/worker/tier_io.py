@@ -80,6 +80,9 @@ class _Fetch:
     progress: float = field(default_factory=time.monotonic)  # last group read
     overdue: bool = False  # reported failed; polled until its reads end
 
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
 
 class TierIO:
     def __init__(self, write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
@@ -169,19 +172,19 @@ class TierIO:
         now = time.monotonic()
         for fetch in self._fetching:
             job = fetch.job
-            if all(f.done() for f in fetch.futures):
-                if fetch.overdue:
-                    self._ended.append(job)  # already reported failed
-                    continue
-            elif not fetch.overdue and now - fetch.progress > self.read_timeout_s:
-                self._overdue(fetch, meta)
-                reading = not all(f.done() for f in fetch.futures)
-                ready.append((job, False, reading))
-                if reading:
-                    still.append(fetch)
+            done = fetch.done()
+            if not done and not fetch.overdue and now - fetch.progress > self.read_timeout_s:
+                self._overdue(fetch, meta)  # cancels its reads not started yet
+                done = fetch.done()
+                ready.append((job, False, not done))
+                if not done:
+                    still.append(fetch)  # until its reads end (take_ended)
                 continue
-            else:
+            if not done:
                 still.append(fetch)
+                continue
+            if fetch.overdue:
+                self._ended.append(job)  # reported failed already
                 continue
             results = [r for f in fetch.futures for r in f.result()]
             bad = [(tier, key, status) for tier, key, status in results if status != "ok"]
