@@ -76,6 +76,34 @@ def test_a_disk_fetch_does_not_wait_for_the_disks_queued_writes(tmp_path):
         io.close()
 
 
+def test_disk_spills_are_written_several_at_once_and_all_land(tmp_path):
+    """The disk gets store.write_inflight writer threads (puts of different
+    keys in parallel: 0.89x a sequential write against 0.59x one at a time,
+    benchmarks/bench_disk.py); every spilled page reads back as spilled."""
+    import threading
+
+    from vllm_kvbm.tiers.disk import DiskStore
+
+    n = 64
+    store = DiskStore(str(tmp_path), 1 << 30, SMALL, "ns-io", 0, 1)
+    assert store.write_inflight == 4
+    io = TierIO(write_queue_pages=n)
+    io.add(store)
+    try:
+        meta = KVBMWorkerMetadata()
+        for i in range(n):
+            io.spill(["disk"], key(i), page(i, SMALL))
+        writers = {t.name for t in threading.enumerate() if t.name.startswith("kvbm-disk-write")}
+        wait_writes(io, meta, "disk", n)
+        assert meta.tier_events[("disk", "stored")] == n
+        assert len(writers) == store.write_inflight, writers
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        for i in range(n):
+            assert store.get_into(key(i), out) == "ok" and torch.equal(out, page(i, SMALL)), i
+    finally:
+        io.close()
+
+
 def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
     """The remote's write connection stalls (and so does any new one): its
     writer waits on the first spill, the queue holds 4, the other 6 spills

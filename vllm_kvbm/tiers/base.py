@@ -9,6 +9,9 @@ class TierStore:
     """What the connector needs from a lower tier."""
 
     name: str = ""
+    # Pages its put may write at once (TierIO's writer threads for it): one
+    # unless the store is safe and faster with several in flight.
+    write_inflight: int = 1
 
     def put(self, key: bytes, page: torch.Tensor) -> bool:
         """Copies page (1-D uint8 CPU, block_bytes) before returning; False if refused/failed."""

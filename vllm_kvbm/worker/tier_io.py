@@ -1,6 +1,7 @@
 """The lower tiers' I/O, off the engine thread: fetches into host slots and spills.
 
-Each tier (disk, remote) gets a read thread and a write thread of its own, so
+Each tier (disk, remote) gets a read thread and write threads of its own
+(``store.write_inflight``: the disk writes several pages at once), so
 a fetch (a waiting request's onboarding) never queues behind the tier's
 spills, a slow remote never delays a disk read, and the engine thread never
 blocks on a tier. A load whose pages live below the host tier is fetched
@@ -107,7 +108,8 @@ class TierIO:
         self.tiers[name] = store
         self._reader[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-read",
                                                 initializer=widen_thread_affinity)
-        self._writer[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-write",
+        self._writer[name] = ThreadPoolExecutor(max(1, store.write_inflight),
+                                                thread_name_prefix=f"kvbm-{name}-write",
                                                 initializer=widen_thread_affinity)
         self.queues[name] = _WriteQueue(self.write_queue_pages)
 
