@@ -484,6 +484,40 @@ def test_failed_load_drops_keys_and_recomputes():
     assert [j.block_ids for j in meta.stores] == [block_ids(s, r2.request_id)[:2]]
 
 
+def test_a_failed_load_recomputes_until_the_request_is_preempted_then_loads_again():
+    # After a failed load the request recomputes (a tier that keeps failing
+    # on a page it lists would otherwise send it round load, fail, look up
+    # forever); once preempted, its KV is gone and it may load again.
+    s = make_scheduler(num_blocks=8)  # 7 usable blocks of 16 tokens
+    k = kvbm(s)
+    prompt = tokens(48, 71)
+    store_and_finish(s, prompt)
+    assert s.reset_prefix_cache()
+    r1 = make_request(tokens(48, 72), max_tokens=20)
+    s.add_request(r1)
+    step(s, complete=True)
+    r2 = make_request(prompt, max_tokens=20)
+    s.add_request(r2)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    step(s, finished_recving=[r2.request_id], loads_failed=[r2.request_id],
+         invalid_block_ids=load.block_ids)
+    assert k.get_num_new_matched_tokens(r2, 0) == (0, False)  # recomputes
+    preempted = set()
+    for _ in range(20):  # both decode until one needs a block none has
+        out, _, _ = step(s, complete=True)
+        preempted |= out.preempted_req_ids
+        if preempted:
+            break
+    assert preempted == {r2.request_id}
+    # Its recomputed blocks were stored again: it loads them now.
+    s.finish_requests(r1.request_id, RequestStatus.FINISHED_ABORTED)
+    assert s.reset_prefix_cache()
+    _, meta, _ = step(s)
+    assert [j.req_id for j in meta.loads] == [r2.request_id]
+    assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
 def test_overdue_store_slots_are_not_reused_until_released():
     # The worker reports a store past its timeout as failed, with its slots
     # held: a late NIXL write may still land there, so no block may get them.
