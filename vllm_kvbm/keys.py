@@ -1,20 +1,48 @@
 """Block keys: what a stored KV block is called in every tier.
 
-vLLM's own block hashes are not used as keys: with the default hash they are
-seeded from PYTHONHASHSEED (random per process when unset), so they change
-across engine restarts, and the disk and remote tiers must find blocks again
-after a restart. Our key is a SHA-256 chain over the token ids of each full
-block, seeded with a namespace that pins down everything the KV bytes depend
-on: the model (name, revision and a fingerprint of its config and weights),
-the KV cache dtype (the torch dtype *and* vLLM's ``--kv-cache-dtype``, since
-every fp8 format is ``torch.uint8``), the weights' quantization, KV layout,
-block size, TP rank and world size, and our format version; per request, the
-LoRA adapter (name, id, path and a fingerprint of its files) and the cache
-salt. Two engines agree on a key only if their KV bytes for that prefix would
-be the same. Every field is encoded as JSON, so no value can be confused with
-another's boundary.
-"""
+A key names a block's KV: the block's full token prefix plus everything else
+the KV bytes depend on. The namespace (``KeyNamespace.seed``) pins down the
+model (name, revision and a fingerprint of its config and weights), the KV
+cache dtype (the torch dtype *and* vLLM's ``--kv-cache-dtype``, since every
+fp8 format is ``torch.uint8``), the weights' quantization, KV layout, block
+size, TP rank and world size, and our format version; per request, ``request_salt``
+adds the LoRA adapter (name, id, path and a fingerprint of its files) and the
+cache salt. Two engines agree on a key only if their KV bytes for that prefix
+would be the same. Every field is encoded as JSON, so no value can be
+confused with another's boundary. Keys must be the same across processes and
+restarts: the disk and remote tiers find blocks again after a restart and
+across engines.
 
+Keys come from one of two sources, chosen in the scheduler process
+(``scheduler/key_source.py``):
+
+- ``VllmHashKeys``: vLLM's own block hashes (``request.block_hashes``, which
+  vLLM computes when a request arrives, outside ``schedule()``), when they are
+  reproducible and collision resistant: a SHA-256 algorithm (vLLM >= 0.32
+  then derives its root hash, NONE_HASH, from a fixed seed or PYTHONHASHSEED,
+  not from random bytes), 32-byte hashes at our block size, chained over the
+  whole prefix. Key ``i`` is ``block_hashes[i] XOR D``, with ``D`` a SHA-256
+  of the namespace seed, the request salt, the vLLM hash algorithm and a tag
+  of its own. XOR with a constant is a bijection, so two prefixes share a key
+  within a namespace only if vLLM's SHA-256 hashes collide; across
+  namespaces (or against a ``KeyChain`` key) a clash needs two SHA-256
+  outputs with a given XOR difference, as hard as a collision. vLLM's hash
+  covers the tokens, the LoRA name and path and the cache salt (besides
+  multimodal inputs and prompt embeddings, whose requests we do not cache);
+  ``D`` adds everything ours covers on top, so a key never names less than
+  the chain's would. XORing is one numpy operation over the joined hashes
+  (about 0.03-0.2 us a block against 0.7-0.9 us for a SHA-256 per block).
+- ``KeyChain``: our own SHA-256 chain over the token ids of each full block,
+  seeded with the namespace seed and the salt. Used whenever vLLM's hashes do
+  not qualify (``--prefix-caching-hash-algo xxhash``, whose root is random per
+  process unless PYTHONHASHSEED is set; a vLLM whose hashing differs from
+  what is checked), and per request when its hashes do not cover exactly its
+  full blocks.
+
+The two kinds of key never name each other's pages (different derivations;
+a clash is a SHA-256 collision), so switching source costs misses, never
+wrong KV. A cache reset moves the seed to a new epoch: both kinds change.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -22,12 +50,21 @@ import json
 import struct
 from dataclasses import astuple, dataclass
 
+import numpy as np
+
 # Bump when the stored page format or the key derivation changes, so old
 # pages never match. v2: JSON encoding, KV cache dtype, quantization, model
 # fingerprint, LoRA identity.
 FORMAT_VERSION = 2
 
 BlockKey = bytes  # 32 bytes
+
+# Tag of the keys derived from vLLM's block hashes (VllmHashKeys): part of D,
+# so they are apart from every other derivation's.
+VLLM_HASH_KEYS_TAG = f"kvbm-v{FORMAT_VERSION}-vllm-block-hash-keys"
+# Below this many blocks, XORing each hash as a Python int beats numpy's
+# fixed cost (measured: equal at about 12 blocks).
+_NUMPY_XOR_MIN = 12
 
 
 def _digest(*fields) -> bytes:
@@ -92,6 +129,14 @@ class KeyChain:
         self._block_size = block_size
         self.keys: list[BlockKey] = []
 
+    @classmethod
+    def continuing(cls, keys: list[BlockKey], parent: bytes, block_size: int) -> "KeyChain":
+        """A chain that appends to ``keys`` (the keys of the blocks before),
+        key ``len(keys)`` being SHA-256(``parent`` + that block's token ids)."""
+        chain = cls.__new__(cls)
+        chain._parent, chain._block_size, chain.keys = parent, block_size, keys
+        return chain
+
     def extend(self, token_ids) -> list[BlockKey]:
         """Keys of every full block of ``token_ids`` (and any computed before)."""
         self.extend_to(token_ids, len(token_ids) // self._block_size)
@@ -114,3 +159,67 @@ class KeyChain:
             parent = sha256(parent + data[off:off + step]).digest()
             append(parent)
         self._parent = parent
+
+
+def vllm_key_mask(seed: bytes, salt: bytes, algo: str) -> bytes:
+    """D: what VllmHashKeys XORs into each of vLLM's block hashes."""
+    return _digest(VLLM_HASH_KEYS_TAG, seed.hex(), salt.hex(), algo)
+
+
+def xor_keys(hashes, start: int, end: int, mask: bytes) -> list[BlockKey]:
+    """``hashes[i] XOR mask`` for i in [start, end): 32-byte hashes and mask."""
+    if end - start < _NUMPY_XOR_MIN:
+        m, from_bytes = int.from_bytes(mask, "little"), int.from_bytes
+        return [(from_bytes(h, "little") ^ m).to_bytes(32, "little")
+                for h in hashes[start:end]]
+    data = b"".join(hashes[start:end])
+    if len(data) != 32 * (end - start):
+        raise ValueError("block hashes must be 32 bytes each")
+    out = (np.frombuffer(data, dtype=np.uint64).reshape(-1, 4)
+           ^ np.frombuffer(mask, dtype=np.uint64))
+    # A 32-byte void per row: tolist() gives one bytes object each (unlike
+    # "S32", which would strip trailing zero bytes).
+    return out.view("V32").ravel().tolist()
+
+
+class VllmHashKeys:
+    """A request's keys from vLLM's block hashes: key ``i`` is
+    ``block_hashes[i] XOR vllm_key_mask(seed, salt, algo)``.
+
+    Same interface as ``KeyChain``. ``block_hashes`` is the request's own
+    list, which vLLM extends as tokens arrive. Keys are computed on demand and
+    kept. Should vLLM not have hashed a block asked for (the scheduler only
+    asks for blocks whose tokens exist, which vLLM hashes as they come), the
+    keys go on as a ``KeyChain`` from the last key: still one name per
+    prefix, never another's.
+    """
+
+    def __init__(self, seed: bytes, block_size: int, salt: bytes, block_hashes: list,
+                 algo: str):
+        self._mask = vllm_key_mask(seed, salt, algo)
+        self._hashes = block_hashes
+        self._block_size = block_size
+        self._rest: KeyChain | None = None
+        self.keys: list[BlockKey] = []
+
+    def extend(self, token_ids) -> list[BlockKey]:
+        """Keys of every full block of ``token_ids`` (and any computed before)."""
+        self.extend_to(token_ids, len(token_ids) // self._block_size)
+        return self.keys
+
+    def extend_to(self, token_ids, num_blocks: int) -> None:
+        """Computes keys up to block ``num_blocks`` (exclusive); ``token_ids``
+        (read only past vLLM's hashes) needs at least ``num_blocks`` full blocks."""
+        done = len(self.keys)
+        if num_blocks <= done:
+            return
+        if self._rest is None:
+            have = min(num_blocks, len(self._hashes))
+            if have > done:
+                self.keys += xor_keys(self._hashes, done, have, self._mask)
+            if have >= num_blocks:
+                return
+            parent = (self.keys[-1] if self.keys else
+                      hashlib.sha256(b"kvbm-vllm-hash-keys-rest" + self._mask).digest())
+            self._rest = KeyChain.continuing(self.keys, parent, self._block_size)
+        self._rest.extend_to(token_ids, num_blocks)
