@@ -58,8 +58,12 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
                    num_layers: int = 2,
                    load_failure_policy: str = "recompute", *, max_model_len: int = 4096,
                    max_num_seqs: int = 16, tensor_parallel_size: int = 1,
+                   hash_algo: str = "sha256", model: str | None = None,
                    **extra_config) -> Scheduler:
-    model_config = ModelConfig(model=_model_dir(max(4096, max_model_len)), dtype="float16",
+    """``model``: a model directory (default: a config-only Llama in a fresh
+    temporary directory, which is part of the keys' namespace)."""
+    model_config = ModelConfig(model=model or _model_dir(max(4096, max_model_len)),
+                               dtype="float16",
                                seed=0, max_model_len=max_model_len, skip_tokenizer_init=True)
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -67,7 +71,8 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
             max_model_len=max_model_len, enable_chunked_prefill=True,
             is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True,
+                                 prefix_caching_hash_algo=hash_algo),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm.connector",
             kv_role="kv_both", kv_load_failure_policy=load_failure_policy,
@@ -91,12 +96,19 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
                      block_size=BLOCK, log_stats=True)
 
 
-def make_request(tokens: list[int], max_tokens: int = 4) -> Request:
+_SHA256_HASHER = get_request_block_hasher(BLOCK, sha256)
+
+
+def make_request(tokens: list[int], max_tokens: int = 4, *, block_hasher=_SHA256_HASHER,
+                 **fields) -> Request:
+    """A request as vLLM's engine core makes one: its block hashes computed
+    by ``block_hasher`` (vLLM's default sha256 at BLOCK tokens; None: none).
+    ``fields`` go to Request (lora_request, cache_salt, ...)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     params.update_from_generation_config({}, EOS)
     return Request(request_id=f"r{next(_ids)}", prompt_token_ids=list(tokens),
                    sampling_params=params, pooling_params=None, mm_features=None,
-                   block_hasher=get_request_block_hasher(BLOCK, sha256))
+                   block_hasher=block_hasher, **fields)
 
 
 def kvbm(scheduler: Scheduler):

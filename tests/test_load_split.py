@@ -179,6 +179,4 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
 
 
 def _keys(k, toks):
-    from vllm_kvbm.keys import KeyChain
-
-    return list(KeyChain(k._seed, BLOCK).extend(toks))
+    return list(k.key_chain(make_request(toks)).extend(toks))

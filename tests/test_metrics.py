@@ -14,10 +14,9 @@ import pytest
 
 from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
 from scheduler_harness import admit as admit_request
-from test_scheduler_unit import store_and_finish
+from test_scheduler_unit import keys_of, store_and_finish
 from tier_pages import put_where_the_scheduler_sees
 from vllm_kvbm import metrics
-from vllm_kvbm.keys import KeyChain
 from vllm_kvbm.metrics import GAUGES, KVBMStats, StandaloneMetrics
 from vllm_kvbm.tools.server import free_port
 
@@ -78,7 +77,7 @@ def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
     store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
     try:
         prompt = tokens(3 * BLOCK + 5, 22)
-        keys = list(KeyChain(k._seed, BLOCK).extend(prompt))
+        keys = keys_of(sched, prompt)
         put_where_the_scheduler_sees(store, k, keys[:2])  # two of three full blocks on disk
         req = make_request(prompt, max_tokens=2)
         sched.add_request(req)

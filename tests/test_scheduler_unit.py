@@ -26,8 +26,10 @@ def tokens(n: int, base: int) -> list[int]:
 
 
 def keys_of(sched, toks: list[int]) -> list[bytes]:
-    chain = KeyChain(kvbm(sched)._seed, BLOCK)
-    return list(chain.extend(toks))
+    """The keys the connector files ``toks``' full blocks under (a request
+    without LoRA or cache salt; from vLLM's block hashes, as the harness
+    hashes with sha256)."""
+    return list(kvbm(sched).key_chain(make_request(toks)).extend(toks))
 
 
 def store_job_ids(meta) -> list[int]:

@@ -106,14 +106,19 @@ class KVBMConnector(KVConnectorBase_V1):
         # Each process imports only its own side: the scheduler process never
         # loads NIXL or LMCache, a worker never the scheduler's bookkeeping.
         if role == KVConnectorRole.SCHEDULER:
+            from vllm_kvbm.scheduler.key_source import vllm_block_hashes
             from vllm_kvbm.scheduler.lookups import lower_tiers
             from vllm_kvbm.scheduler.planner import KVBMScheduler
 
+            hashes, key_source = vllm_block_hashes(vllm_config, kv_cache_config,
+                                                   self.info.block_size)
+            logger.info("KVBM: %s", key_source)
             self.sched = KVBMScheduler(self.info, num_slots,
                                        self.config.offload_decode_blocks,
                                        metrics_sink=self._standalone_metrics(),
                                        lower=lower_tiers(self.config, self.info),
-                                       load_split=self.config.load_split)
+                                       load_split=self.config.load_split,
+                                       vllm_hashes=hashes)
         else:
             from vllm_kvbm.worker.jobs import KVBMWorker
 

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvbm.engine_info import files_fingerprint, local_model_dir
-from vllm_kvbm.keys import BlockKey, KeyChain, LoRAIdentity, derive_seed, request_salt
+from vllm_kvbm.keys import (BlockKey, KeyChain, LoRAIdentity, VllmHashKeys, derive_seed,
+                            request_salt)
 from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 SpillJob, TransferJob)
+from vllm_kvbm.scheduler.key_source import VllmBlockHashes
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.load_split import LoadSplit
@@ -44,7 +46,7 @@ _BACKGROUND_RUN = 4096
 @dataclass
 class _ReqState:
     request: "Request"
-    chain: KeyChain
+    chain: KeyChain | VllmHashKeys
     # what besides tokens changes this request's KV (LoRA, cache salt)
     salt: bytes = b""
     # blocks [0, store_cursor) have been considered for storing
@@ -101,8 +103,11 @@ class _StoreJob:
 class KVBMScheduler:
     def __init__(self, info: "EngineInfo", num_host_slots: int,
                  offload_decode_blocks: bool = False, metrics_sink=None,
-                 lower: LowerTiers | None = None, load_split: bool = True):
+                 lower: LowerTiers | None = None, load_split: bool = True,
+                 vllm_hashes: VllmBlockHashes | None = None):
         self.info = info
+        # vLLM's block hashes, when keys may come from them (key_source.py)
+        self._vllm_hashes = vllm_hashes
         self.offload_decode_blocks = offload_decode_blocks
         # disk / remote tiers below the host tier (empty: host tier only)
         self.lower = lower or LowerTiers([])
@@ -147,9 +152,24 @@ class KVBMScheduler:
             if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
                 return None  # KV depends on inputs that token ids don't capture
             salt = request_salt(_lora_identity(request.lora_request), request.cache_salt)
-            state = _ReqState(request, KeyChain(self._seed, self.block_size, salt), salt)
+            state = _ReqState(request, self._key_chain(request, salt), salt)
             self._reqs[request.request_id] = state
         return state
+
+    def _key_chain(self, request: "Request", salt: bytes) -> KeyChain | VllmHashKeys:
+        """The request's keys under the current epoch: from vLLM's block
+        hashes when they qualify for it, else our own chain (keys.py)."""
+        hashes = self._vllm_hashes
+        if hashes is not None and hashes.covers(request):
+            return VllmHashKeys(self._seed, self.block_size, salt, request.block_hashes,
+                                hashes.algo)
+        return KeyChain(self._seed, self.block_size, salt)
+
+    def key_chain(self, request: "Request") -> KeyChain | VllmHashKeys:
+        """A fresh copy of the keys lookups and stores use for ``request``
+        (computed on demand: ``extend``), e.g. to see what a prompt is stored as."""
+        salt = request_salt(_lora_identity(request.lora_request), request.cache_salt)
+        return self._key_chain(request, salt)
 
     def _keys(self, state: _ReqState, num_tokens: int) -> list[BlockKey]:
         """Keys of the first ``num_tokens // block_size`` blocks. Copies only
@@ -593,7 +613,7 @@ class KVBMScheduler:
             if (state.request.num_computed_tokens > 0 or state.load_keys or state.promoted
                     or state.streamed):
                 state.pre_reset = True
-            state.chain = KeyChain(self._seed, self.block_size, state.salt)
+            state.chain = self._key_chain(state.request, state.salt)
         self._epoch += 1
         logger.info("KVBM: cache reset dropped %d host blocks; disk and remote pages from "
                     "before it are no longer looked up (key epoch %d)", dropped, self._epoch)
