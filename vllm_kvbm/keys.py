@@ -45,6 +45,7 @@ wrong KV. A cache reset moves the seed to a new epoch: both kinds change.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -161,6 +162,7 @@ class KeyChain:
         self._parent = parent
 
 
+@functools.lru_cache(maxsize=4096)  # most requests share a seed and salt
 def vllm_key_mask(seed: bytes, salt: bytes, algo: str) -> bytes:
     """D: what VllmHashKeys XORs into each of vLLM's block hashes."""
     return _digest(VLLM_HASH_KEYS_TAG, seed.hex(), salt.hex(), algo)
