@@ -4,6 +4,9 @@ tier), and the scheduler side planning them on vLLM's real Scheduler."""
 
 from __future__ import annotations
 
+import glob
+import os
+
 import pytest
 import torch
 
@@ -171,7 +174,8 @@ def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(
         harness, ext4, into):
     """The disk's filesystem is frozen (fsfreeze) under a load of promoted
     pages (read into host slots) or streamed ones (read into staging slots):
-    the read blocks in the kernel (its LRU touch), the load is reported
+    the read blocks in the kernel (its LRU touch: the pages were last read
+    over a minute ago, so it updates their inode), the load is reported
     failed after tier_read_timeout_s (vLLM recomputes), and the slots the
     blocked read writes into are held (host slots from the host tier, via
     the worker metadata) or kept back (staging slots) until it ends; reads
@@ -182,6 +186,9 @@ def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(
     staging = h.worker._staging
     n = staging.count
     disk_with_pages(h, ext4.path, n)
+    old = time.time() - 3600
+    for page_file in glob.glob(os.path.join(ext4.path, "*.pt")):
+        os.utime(page_file, (old, old))
     h.worker.tier_io.read_timeout_s = 1.0
     blocks = list(range(10, 10 + n))
     slots = list(range(n)) if into == "host slots" else [STREAM] * n
