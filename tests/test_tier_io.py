@@ -2,7 +2,7 @@
 behind writes, and each tier's write queue is bounded (a full queue drops the
 write, counts it, and the scheduler writes the page again when next reused).
 
-Slowness is real: many large pages written to a real disk directory, and a
+Slowness is real: a real ext4 frozen with fsfreeze under the disk's writes, and a
 real LMCache server whose write connection stalls (a relay process in front
 of it, SIGSTOPped for that connection only: tests/tcp_relay.py).
 """
@@ -45,62 +45,49 @@ def wait_writes(io: TierIO, meta, tier: str, n: int, timeout: float = 60.0) -> N
         time.sleep(0.01)
 
 
-def test_a_disk_fetch_does_not_wait_for_the_disks_queued_writes(tmp_path):
-    """512 spills queue on the disk's writer (each write a file created,
-    written and renamed: far slower than the spill's copy); a fetch asked
-    after them completes while most of them are still waiting. With one I/O
-    thread per tier it came after all of them."""
-    from vllm_kvbm.tiers.disk import DiskStore
-
-    n = 512
-    store = DiskStore(str(tmp_path), 1 << 30, SMALL, "ns-io", 0, 1)
-    io = TierIO(write_queue_pages=n)
-    io.add(store)
-    try:
-        assert store.put(key(1000), page(1000, SMALL))
-        slot = page(1, SMALL)
-        for i in range(n):
-            io.spill(["disk"], key(i), slot)
-        queued = io.queues["disk"].queued
-        meta = KVBMWorkerMetadata()
-        pool = torch.zeros(1, SMALL, dtype=torch.uint8)
-        assert fetch_one(io, "disk", key(1000), pool, 0, meta)
-        left = io.queues["disk"].queued
-        print(f"writes queued when the fetch was asked: {queued}, when it completed: {left}")
-        assert left > 0, "the fetch waited for every write queued before it"
-        assert torch.equal(pool[0], page(1000, SMALL))
-        wait_writes(io, meta, "disk", n)
-        assert meta.tier_events[("disk", "stored")] == n
-        assert io.queues["disk"].queued == 0 and not meta.tier_events[("disk", "dropped")]
-    finally:
-        io.close()
-
-
-def test_disk_spills_are_written_several_at_once_and_all_land(tmp_path):
-    """The disk gets store.write_inflight writer threads (puts of different
-    keys in parallel: 0.89x a sequential write against 0.59x one at a time,
-    benchmarks/bench_disk.py); every spilled page reads back as spilled."""
+def test_a_disk_fetch_does_not_wait_for_the_disks_writes_which_run_several_at_once(ext4):
+    """The disk's filesystem is frozen (fsfreeze: every write blocks in the
+    kernel) under 64 spills: its store.write_inflight writer threads all
+    block, one page each, the rest stay queued; a fetch of a page in the
+    page cache, asked after them, completes while none has been written. After
+    the thaw every spilled page lands and reads back as spilled."""
     import threading
 
     from vllm_kvbm.tiers.disk import DiskStore
 
     n = 64
-    store = DiskStore(str(tmp_path), 1 << 30, SMALL, "ns-io", 0, 1)
+    store = DiskStore(str(ext4.path), 128 * MiB, SMALL, "ns-io", 0, 1)
     assert store.write_inflight == 4
     io = TierIO(write_queue_pages=n)
     io.add(store)
+    meta = KVBMWorkerMetadata()
+
+    def writers() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("kvbm-disk-write")}
+
     try:
-        meta = KVBMWorkerMetadata()
+        assert store.put(key(1000), page(1000, SMALL))
+        ext4.freeze()
         for i in range(n):
             io.spill(["disk"], key(i), page(i, SMALL))
-        writers = {t.name for t in threading.enumerate() if t.name.startswith("kvbm-disk-write")}
+        deadline = time.monotonic() + 10
+        while len(writers()) < store.write_inflight:  # each blocked on its own page
+            assert time.monotonic() < deadline, f"writers: {writers()}"
+            time.sleep(0.01)
+        pool = torch.zeros(1, SMALL, dtype=torch.uint8)
+        assert fetch_one(io, "disk", key(1000), pool, 0, meta)
+        assert torch.equal(pool[0], page(1000, SMALL))
+        assert io.queues["disk"].queued == n and not meta.tier_events[("disk", "stored")]
+        assert len(writers()) == store.write_inflight
+        ext4.thaw()
         wait_writes(io, meta, "disk", n)
         assert meta.tier_events[("disk", "stored")] == n
-        assert len(writers) == store.write_inflight, writers
+        assert io.queues["disk"].queued == 0 and not meta.tier_events[("disk", "dropped")]
         out = torch.empty(SMALL, dtype=torch.uint8)
         for i in range(n):
             assert store.get_into(key(i), out) == "ok" and torch.equal(out, page(i, SMALL)), i
     finally:
+        ext4.thaw()
         io.close()
 
 
