@@ -8,9 +8,9 @@ What LMCache does here and what goes around it (LMCache 0.5.6). LMCache's
 LocalDiskBackend keeps the index: the key -> file table, the LRU order by
 bytes, admission and eviction (whose deletions we report, take_removed). The
 bytes go around it: put writes the page file itself, on the caller's thread
-(TierIO's write thread), header and payload straight from the caller's
+(one of TierIO's writer threads), header and payload straight from the caller's
 tensor, 1 MiB per call; get_into reads a page in the page cache straight
-into the caller's slot, a chunk at a time, each chunk checksummed (or MAC'd)
+into the caller's slot, 1 MiB at a time, each chunk checksummed (or MAC'd)
 right after it is read while it is still in the CPU's cache, and a page
 that is not with O_DIRECT (the device DMAs it into an aligned buffer, where
 it is checked, then copied); get_many_into does that for several pages in
@@ -123,8 +123,10 @@ def _pwrite_all(fd: int, parts: list[memoryview], offset: int) -> None:
 
 
 # Read and checked in pieces of this size: each is checksummed right after it
-# is read, while it is still in the CPU's cache (a whole 2 MiB page is not).
-_READ_CHUNK = 512 * 1024
+# is read, while it is still in the CPU's cache. 1 MiB rather than 512 KiB:
+# each piece is a GIL round trip, and with reads in flight 4 of them per page
+# cost ~10% against 2 (256 KiB: ~15% more).
+_READ_CHUNK = 1024 * 1024
 _ALIGN = 4096  # O_DIRECT's buffer, offset and length alignment
 # A page read is touched (its mtime set: the LRU order a restart adopts) only
 # when its time is older than this: a restart's order needs no finer grain,
@@ -483,6 +485,7 @@ class DiskStore(LMCacheStore):
             self._bounces = threading.local()
             # get_many_into's readers: several reads in flight keep the device
             # queue busy (cold) and verify on both cores (warm).
+            self._read_inflight = read_inflight
             self._readers = (ThreadPoolExecutor(read_inflight, thread_name_prefix="kvbm-disk-read",
                                                 initializer=widen_thread_affinity)
                              if read_inflight > 1 else None)
@@ -682,8 +685,16 @@ class DiskStore(LMCacheStore):
         targets = [self._target(key, out) for key, out in items]  # torch here, not there
         if self._readers is None or len(items) < 2 or self._closed:
             return [self._get(t) for t in targets]
+        # One task per reader, each a stride of the pages: a future per page
+        # cost warm reads 4 in flight ~13% here (GIL round trips).
+        k = min(self._read_inflight, len(targets))
         try:
-            return list(self._readers.map(self._get, targets))
+            tasks = [self._readers.submit(lambda part: [self._get(t) for t in part],
+                                          targets[j::k]) for j in range(k)]
+            statuses: list[str] = [""] * len(targets)
+            for j, task in enumerate(tasks):
+                statuses[j::k] = task.result()
+            return statuses
         except Exception as e:  # noqa: BLE001 - e.g. closed under us
             logger.warning("disk tier: get failed: %s", e)
             return ["error"] * len(items)
