@@ -334,7 +334,8 @@ def _disk_backend_class():
 
         def commit(self, key, size: int, shape, dtype, fmt) -> None:
             self.insert_key(key, size, shape, dtype, fmt)
-            self.usage += size
+            with self.disk_lock:  # several writer threads commit at once
+                self.usage += size
             self.disk_worker.remove_put_task(key)
 
         def abort(self, key, size: int) -> None:
