@@ -48,10 +48,10 @@ def test_tier_io_and_disk_reader_threads_run_on_every_cpu_of_the_process(tmp_pat
     try:
         seen = {}
 
-        def spy(key_, out):
+        def spy(target):
             seen[threading.current_thread().name] = os.sched_getaffinity(0)
             return "miss"
-        store.get_into = spy  # records where the reader threads run
+        store._get = spy  # records where the reader threads run (each page's read)
         pool = torch.zeros(2, SMALL, dtype=torch.uint8)
         job = TransferJob(1, "R", [0, 1], [0, 1], fetch=[(0, "disk", key(1)),
                                                          (1, "disk", key(2))])
