@@ -42,6 +42,22 @@ def test_allocate_missing_skips_known_keys_and_stops_when_every_slot_is_busy():
     assert idx.allocate_missing(keys, 2, 3) == ([], [], 3)  # known: nothing to do
 
 
+def test_allocate_missing_evicts_the_least_recent_for_all_missing_keys_at_once():
+    # Evicted in one walk of the LRU for every missing key: pinned entries
+    # are skipped, and a held slot's entry is evicted without freeing its
+    # slot, so one more is evicted in its place; no more than needed.
+    idx = SlotIndex(6)
+    slots = stored(idx, 0, 1, 2, 3, 4, 5)
+    idx.pin([k(0)])
+    idx.hold([slots[1]])
+    positions, got, stopped = idx.allocate_missing([k(10), k(11), k(12)], 0, 3)
+    assert positions == [0, 1, 2] and stopped == 3
+    assert sorted(got) == sorted([slots[2], slots[3], slots[4]])
+    assert idx.evictions == 4
+    assert [i for i in range(6) if k(i) in idx] == [0, 5]
+    assert idx.available() == 1  # k(5); k(0) is pinned, the new ones are storing
+
+
 def test_storing_slots_are_invisible_and_never_evicted():
     idx = SlotIndex(2)
     s0 = idx.allocate(k(0))
