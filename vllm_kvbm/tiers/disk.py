@@ -478,7 +478,8 @@ class DiskStore(LMCacheStore):
             self._slots = threading.BoundedSemaphore(max_inflight)  # pages in flight (put + get)
             # TierIO's writer threads for this store: puts of different keys
             # run in parallel (one key's second put waits for its first, see
-            # admit), 0.89x against 0.59x of a sequential write one at a time.
+            # admit): 0.76-0.78x of a sequential write against 0.57-0.61x one at a time
+            # (benchmarks/bench_disk.py).
             self.write_inflight = max(1, min(write_inflight, max_inflight - read_inflight))
             # Pages not in the page cache are read with O_DIRECT where allowed.
             self._direct = (direct_reads and _SYS_CACHESTAT is not None

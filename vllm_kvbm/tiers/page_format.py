@@ -158,31 +158,16 @@ def checksum_name() -> str:
     return "CRC-32 (ISA-L)" if _FAST_CRC32 else "CRC-32 (zlib)"
 
 
-_EMPTY = torch.empty(0, dtype=torch.uint8)
-
-
 def _checksum(alg: int, prefix: bytes, payload: "torch.Tensor | memoryview") -> int | None:
     """CRC over the header prefix, then the payload (1-D contiguous uint8 CPU
-    tensor, or a byte memoryview)."""
-    if alg == _ALG_CRC32C:
-        if _crc32c_extend is None:
-            return None
-        crc = _crc32c_extend(0, prefix, len(prefix))
-        if isinstance(payload, torch.Tensor):
-            if payload.numel():
-                crc = _crc32c_extend(crc, payload.data_ptr(), payload.numel())
-        elif len(payload):
-            crc = _crc32c_extend(crc, np.frombuffer(payload, dtype=np.uint8).ctypes.data,
-                                 len(payload))
-        return crc
-    if alg == _ALG_CRC32:
-        crc = _crc32(prefix)
-        if isinstance(payload, torch.Tensor):
-            payload = memoryview(payload.numpy()) if payload.numel() else b""
-        if len(payload):
-            crc = _crc32(payload, crc)
-        return crc
-    return None
+    tensor, or a byte memoryview); None for an algorithm not available here."""
+    if alg not in (_ALG_CRC32, _ALG_CRC32C) or (alg == _ALG_CRC32C and _crc32c_extend is None):
+        return None
+    crc = _Crc(alg, prefix)
+    if isinstance(payload, torch.Tensor):
+        payload = memoryview(payload.numpy()) if payload.numel() else b""
+    crc.update(payload)
+    return crc.value
 
 
 def _nbytes(payload: "torch.Tensor | memoryview") -> int:
@@ -587,7 +572,8 @@ class _Crc:
 
     def __init__(self, alg: int, prefix: bytes):
         self._alg = alg
-        self.value = _checksum(alg, prefix, _EMPTY)
+        self.value = (_crc32c_extend(0, prefix, len(prefix)) if alg == _ALG_CRC32C
+                      else _crc32(prefix))
 
     def update(self, chunk: memoryview) -> None:
         if not len(chunk):
