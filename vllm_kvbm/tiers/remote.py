@@ -267,6 +267,10 @@ class RemoteStore(LMCacheStore):
         if not valid_key(key) or not valid_page(out, self.block_bytes):
             return "error"
         key = bytes(key)
+        if key in self._removed:
+            # Tombstoned by us: its tombstone went out on the write connection
+            # and may not have reached the server before this read does.
+            return "miss"
 
         def op(conn, deadline):
             try:
