@@ -116,7 +116,23 @@ def request_salt(lora: LoRAIdentity | None, cache_salt: str | None) -> bytes:
     return _digest("request", None if lora is None else astuple(lora), cache_salt or "")
 
 
-class KeyChain:
+class _BlockKeys:
+    """A request's block keys, computed on demand (``extend_to``) and kept in
+    ``keys``, which only ever grows."""
+
+    _block_size: int
+    keys: list[BlockKey]
+
+    def extend(self, token_ids) -> list[BlockKey]:
+        """Keys of every full block of ``token_ids`` (and any computed before)."""
+        self.extend_to(token_ids, len(token_ids) // self._block_size)
+        return self.keys
+
+    def extend_to(self, token_ids, num_blocks: int) -> None:
+        raise NotImplementedError
+
+
+class KeyChain(_BlockKeys):
     """Incrementally computed keys of a request's full blocks.
 
     Key ``i`` is SHA-256(key ``i-1`` + block ``i``'s token ids as little-endian
@@ -137,11 +153,6 @@ class KeyChain:
         chain = cls.__new__(cls)
         chain._parent, chain._block_size, chain.keys = parent, block_size, keys
         return chain
-
-    def extend(self, token_ids) -> list[BlockKey]:
-        """Keys of every full block of ``token_ids`` (and any computed before)."""
-        self.extend_to(token_ids, len(token_ids) // self._block_size)
-        return self.keys
 
     def extend_to(self, token_ids, num_blocks: int) -> None:
         """Computes keys up to block ``num_blocks`` (exclusive), reading only
@@ -184,7 +195,7 @@ def xor_keys(hashes, start: int, end: int, mask: bytes) -> list[BlockKey]:
     return out.view("V32").ravel().tolist()
 
 
-class VllmHashKeys:
+class VllmHashKeys(_BlockKeys):
     """A request's keys from vLLM's block hashes: key ``i`` is
     ``block_hashes[i] XOR vllm_key_mask(seed, salt, algo)``.
 
@@ -203,11 +214,6 @@ class VllmHashKeys:
         self._block_size = block_size
         self._rest: KeyChain | None = None
         self.keys: list[BlockKey] = []
-
-    def extend(self, token_ids) -> list[BlockKey]:
-        """Keys of every full block of ``token_ids`` (and any computed before)."""
-        self.extend_to(token_ids, len(token_ids) // self._block_size)
-        return self.keys
 
     def extend_to(self, token_ids, num_blocks: int) -> None:
         """Computes keys up to block ``num_blocks`` (exclusive); ``token_ids``

@@ -151,7 +151,7 @@ class KVBMScheduler:
         if state is None:
             if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
                 return None  # KV depends on inputs that token ids don't capture
-            salt = request_salt(_lora_identity(request.lora_request), request.cache_salt)
+            salt = _salt(request)
             state = _ReqState(request, self._key_chain(request, salt), salt)
             self._reqs[request.request_id] = state
         return state
@@ -168,8 +168,7 @@ class KVBMScheduler:
     def key_chain(self, request: "Request") -> KeyChain | VllmHashKeys:
         """A fresh copy of the keys lookups and stores use for ``request``
         (computed on demand: ``extend``), e.g. to see what a prompt is stored as."""
-        salt = request_salt(_lora_identity(request.lora_request), request.cache_salt)
-        return self._key_chain(request, salt)
+        return self._key_chain(request, _salt(request))
 
     def _keys(self, state: _ReqState, num_tokens: int) -> list[BlockKey]:
         """Keys of the first ``num_tokens // block_size`` blocks. Copies only
@@ -633,6 +632,11 @@ def _lora_identity(lora) -> LoRAIdentity | None:
 def _adapter_fingerprint(path: str) -> str:
     directory = local_model_dir(path, "") if path else None
     return files_fingerprint(os.path.realpath(directory)) if directory else ""
+
+
+def _salt(request: "Request") -> bytes:
+    """What besides its tokens changes the request's KV (LoRA, cache salt)."""
+    return request_salt(_lora_identity(request.lora_request), request.cache_salt)
 
 
 def _preemptions(request: "Request") -> int:
