@@ -178,6 +178,8 @@ def parse_args(argv=None):
     p.add_argument("--min-decode", type=int, default=512)
     p.add_argument("--max-decode", type=int, default=2048)
     p.add_argument("--host-blocks", type=int, default=100_000)
+    p.add_argument("--page-tokens", type=int, default=256,
+                   help="the connector's page_tokens (16: a page per block, its default)")
     p.add_argument("--max-batched", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="engine KV blocks (default: the running set's, unshared, +5%%)")
@@ -222,10 +224,12 @@ def run(args) -> list[Phase]:
             host_blocks=args.host_blocks, num_blocks=args.num_blocks,
             max_batched=args.max_batched, num_layers=2,
             max_model_len=args.prompt_tokens + args.max_decode + BLOCK,
-            max_num_seqs=args.running, disk_cache_dir=disk_dir, disk_cache_size="64GiB")
+            max_num_seqs=args.running, disk_cache_dir=disk_dir, disk_cache_size="64GiB",
+            page_tokens=args.page_tokens)
         sched = kvbm(scheduler)
         assert sched.lower, "no disk tier"
         info = sched.info
+        g = info.page_blocks
         namespace = info.tier_namespace
         gc_clock = GCClock()
         clock = ConnectorClock(scheduler.connector, gc_clock)
@@ -244,7 +248,7 @@ def run(args) -> list[Phase]:
             for spill in meta.spills:  # the fake worker writes the disk pages
                 if "disk" in spill.tiers:
                     for key in spill.keys:
-                        open(disk_page_path(disk_dir, namespace, info.block_bytes,
+                        open(disk_page_path(disk_dir, namespace, info.page_bytes,
                                             0, 1, key), "wb").close()
             return worker_output(scheduler, out, complete=True,
                                  spills_done=[s.job_id for s in meta.spills])
@@ -329,13 +333,13 @@ def run(args) -> list[Phase]:
                     ph.by_method[name] += total - before[1].get(name, 0.0)
                 ph.running += len(scheduler.running)
                 ph.waiting += scheduler.get_num_unfinished_requests() - len(scheduler.running)
-                ph.stored += sum(len(job.slots) for job in meta.stores)
-                ph.spilled += sum(len(s.keys) for s in meta.spills)
+                ph.stored += sum(len(job.block_ids) for job in meta.stores)
+                ph.spilled += g * sum(len(s.keys) for s in meta.spills)
                 for job in meta.loads:
-                    ph.loaded += len(job.slots)
+                    ph.loaded += job.num_blocks
                     fetched = {i: src for i, src, _ in job.fetch}
                     for i in range(len(job.slots)):
-                        ph.hits[fetched.get(i, "host")] += 1
+                        ph.hits[fetched.get(i, "host")] += g
             finished = 0
             for eco in engine_outputs.values():
                 for o in eco.outputs:
@@ -362,7 +366,8 @@ def report(args, phases: list[Phase]) -> None:
           f"{args.running}, {args.waiting} waiting, prompts of {args.prompt_tokens} tokens "
           f"({args.shared_tokens} shared in {args.groups} groups), max_num_batched_tokens "
           f"{args.max_batched}, engine {args.num_blocks} blocks, host tier "
-          f"{args.host_blocks} slots, disk tier (DiskView over a tmp dir); "
+          f"{args.host_blocks} blocks in pages of {args.page_tokens} tokens (page_tokens), "
+          f"disk tier (DiskView over a tmp dir); "
           f"{args.history} prompts stored first ({args.history_steps} steps, not "
           f"measured), {100 * args.returning:.0f}% of requests return to one")
     print()

@@ -46,7 +46,7 @@ def test_defaults():
     assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",
-                             "offload_decode_blocks", "page_secret_file", "remote_password_file",
+                             "offload_decode_blocks", "page_secret_file", "page_tokens", "remote_password_file",
                              "remote_timeout_s", "remote_tls_ca_file", "remote_url",
                              "tier_read_timeout_s", "tier_write_queue_pages"]
 
@@ -192,6 +192,23 @@ def test_host_slots():
     assert KVBMConfig(host_cache_bytes=10 * MiB).host_slots(MiB) == 10
     assert KVBMConfig(host_cache_bytes=10 * MiB + MiB - 1).host_slots(MiB) == 10
     assert KVBMConfig(host_cache_bytes=1, host_cache_blocks=3).host_slots(MiB) == 3
+    # pages of several blocks: host_cache_blocks counts blocks, slots are pages
+    assert KVBMConfig(host_cache_bytes=1, host_cache_blocks=9).host_slots(4 * MiB, 4) == 2
+    assert KVBMConfig(host_cache_bytes=10 * MiB).host_slots(4 * MiB, 4) == 2
+
+
+def test_host_cache_blocks_under_one_page_names_both_fields():
+    with pytest.raises(KVBMConfigError) as info:
+        load({"host_cache_blocks": 3}).host_slots(MiB, 4)
+    msg = str(info.value)
+    assert msg.startswith("host_cache_blocks:") and "page_tokens" in msg
+
+
+def test_page_tokens_parses_and_refuses_zero():
+    assert load({"page_tokens": "256"}).page_tokens == 256
+    assert load({}).page_tokens is None
+    with pytest.raises(KVBMConfigError, match="page_tokens"):
+        load({"page_tokens": 0})
 
 
 def test_host_slots_too_small_names_key_and_fix():
@@ -200,9 +217,9 @@ def test_host_slots_too_small_names_key_and_fix():
         load({"host_cache_size": "2MiB"}).host_slots(block)
     msg = str(info.value)
     assert msg.startswith("host_cache_size:")
-    assert f"{2 * MiB} bytes cannot hold one KV block" in msg
+    assert f"{2 * MiB} bytes cannot hold one KV page" in msg
     assert f"set host_cache_size to at least {block} bytes" in msg
-    assert "\"192MiB\" for 64 blocks" in msg
+    assert "\"192MiB\" for 64 pages" in msg
     with pytest.raises(KVBMConfigError, match="host_cache_size"):
         load({"host_cache_size": 0}).host_slots(1)
 
@@ -338,6 +355,7 @@ BAD_INPUT = {
     "nixl_backend": [3, "rdma"],
     "offload_decode_blocks": [[1], "sometimes"],
     "page_secret_file": [5, "/nonexistent/kvbm-page-secret"],  # more: test_page_auth.py
+    "page_tokens": [0, "many", 2.5, True],  # not a multiple of --block-size: test_pages.py
     "remote_timeout_s": ["soon", True, 0, float("inf")],
     "remote_password_file": [5, "", "/nonexistent/kvbm-redis-password"],
     "remote_tls_ca_file": [5, "/nonexistent/ca.pem"],

@@ -517,6 +517,13 @@ class KVBMConfig:
     host_cache_bytes: int = 4 * 1024**3
     # Exact number of host blocks; overrides host_cache_bytes when set.
     host_cache_blocks: int | None = None
+    # Tokens per page, the unit the host, disk and remote tiers store and
+    # the scheduler keeps books on: a multiple of vLLM's block size (None:
+    # one block, vLLM's own offloading default). With small blocks (16 on
+    # GPUs) pages of 128-256 tokens cut the scheduler's per-block work by as
+    # much (LMCache's chunks are 256 tokens); a prompt's last partial page is
+    # not stored, and a hit is whole pages.
+    page_tokens: int | None = None
     # Also offload blocks completed during decode. Off by default: the next
     # turn's prefill offloads them anyway, and decode-computed KV may round
     # differently from a prefill of the same tokens.
@@ -579,18 +586,23 @@ class KVBMConfig:
             raise disk_tier_too_small(self.disk_cache_bytes, per_block)
         return blocks
 
-    def host_slots(self, block_bytes: int) -> int:
-        """Number of whole blocks the host tier holds; at least one or an error."""
+    def host_slots(self, page_bytes: int, page_blocks: int = 1) -> int:
+        """Number of whole pages the host tier holds; at least one or an error."""
         if self.host_cache_blocks is not None:
-            slots = self.host_cache_blocks
-        else:
-            slots = self.host_cache_bytes // block_bytes
+            slots = self.host_cache_blocks // page_blocks
+            if slots < 1:
+                raise KVBMConfigError(
+                    f"host_cache_blocks: {self.host_cache_blocks} blocks cannot hold one page "
+                    f"of {page_blocks} blocks (page_tokens); set host_cache_blocks to at "
+                    f"least {page_blocks}, or a smaller page_tokens")
+            return slots
+        slots = self.host_cache_bytes // page_bytes
         if slots < 1:
             raise KVBMConfigError(
-                f"host_cache_size: {self.host_cache_bytes} bytes cannot hold one KV block "
-                f"of this model ({block_bytes} bytes = all layers of one "
-                f"{'block'}); set host_cache_size to at least {block_bytes} bytes "
-                f"(e.g. \"{max(1, -(-block_bytes * 64 // 1024**2))}MiB\" for 64 blocks)")
+                f"host_cache_size: {self.host_cache_bytes} bytes cannot hold one KV page "
+                f"of this model ({page_bytes} bytes = all layers of {page_blocks} "
+                f"block(s)); set host_cache_size to at least {page_bytes} bytes "
+                f"(e.g. \"{max(1, -(-page_bytes * 64 // 1024**2))}MiB\" for 64 pages)")
         return slots
 
 
@@ -606,6 +618,7 @@ def disk_tier_too_small(capacity_bytes: int, page_bytes: int) -> KVBMConfigError
 _KEYS = {
     "host_cache_size": ("host_cache_bytes", parse_size),
     "host_cache_blocks": ("host_cache_blocks", lambda k, v: _parse_int(k, v, 1)),
+    "page_tokens": ("page_tokens", lambda k, v: _parse_int(k, v, 1)),
     "offload_decode_blocks": ("offload_decode_blocks", _parse_bool),
     "disk_cache_dir": ("disk_cache_dir", lambda k, v: _parse_dir(k, v)),
     "disk_cache_size": ("disk_cache_bytes", parse_size),
@@ -634,6 +647,7 @@ _ENV = {
     "KVBM_HOST_CACHE_BLOCKS": ("host_cache_blocks", str),
     "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": ("host_cache_blocks", str),
     "KVBM_OFFLOAD_DECODE_BLOCKS": ("offload_decode_blocks", str),
+    "KVBM_PAGE_TOKENS": ("page_tokens", str),
     "KVBM_DISK_CACHE_DIR": ("disk_cache_dir", str),
     "DYN_KVBM_DISK_CACHE_DIR": ("disk_cache_dir", str),
     "KVBM_DISK_CACHE_SIZE": ("disk_cache_size", str),

@@ -98,8 +98,9 @@ class KVBMConnector(KVConnectorBase_V1):
             if role == KVConnectorRole.SCHEDULER:
                 logger.info("KVBM: kv_load_failure_policy set to 'recompute': blocks "
                             "that fail to onboard are recomputed, never an error")
-        self.info = engine_info(vllm_config, kv_cache_config, self.config.namespace)
-        num_slots = self.config.host_slots(self.info.block_bytes)
+        self.info = engine_info(vllm_config, kv_cache_config, self.config.namespace,
+                                self.config.page_tokens)
+        num_slots = self.config.host_slots(self.info.page_bytes, self.info.page_blocks)
         self._num_blocks = kv_cache_config.num_blocks
         self.sched: KVBMScheduler | None = None
         self.worker: KVBMWorker | None = None

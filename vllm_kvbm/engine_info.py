@@ -33,6 +33,17 @@ class EngineInfo:
     num_layers: int
     num_workers: int
     key_namespace: KeyNamespace
+    # Blocks per page: the unit the tiers store and the scheduler keys
+    # (config page_tokens / block_size).
+    page_blocks: int = 1
+
+    @property
+    def page_tokens(self) -> int:
+        return self.block_size * self.page_blocks
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_bytes * self.page_blocks
 
     @property
     def tier_namespace(self) -> str:
@@ -41,7 +52,7 @@ class EngineInfo:
 
 
 def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
-                namespace: str = "") -> EngineInfo:
+                namespace: str = "", page_tokens: int | None = None) -> EngineInfo:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     groups = kv_cache_config.kv_cache_groups
@@ -59,6 +70,7 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     parallel = vllm_config.parallel_config
     _refuse_unsupported_parallelism(parallel)
     num_layers = len(groups[0].layer_names)
+    page_blocks = _page_blocks(page_tokens, spec.block_size)
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     revision = getattr(model, "revision", None) or ""
@@ -66,8 +78,9 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         model=f"{model.model}@{revision}",
         dtype=str(spec.dtype),
         kv_layout=str(kv_cache_config.kv_cache_layout or ""),
-        block_size=spec.block_size,
-        block_bytes=spec.page_size_bytes * num_layers,
+        # A page's size and layout: pages of other sizes never share keys.
+        block_size=spec.block_size * page_blocks,
+        block_bytes=spec.page_size_bytes * num_layers * page_blocks,
         # Scheduler-side keys name a block for every TP rank at once; the
         # disk and remote stores add the rank to their own page names.
         tp_rank=0,
@@ -84,7 +97,20 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         num_layers=num_layers,
         num_workers=parallel.world_size,
         key_namespace=namespace_key,
+        page_blocks=page_blocks,
     )
+
+
+def _page_blocks(page_tokens: int | None, block_size: int) -> int:
+    """Blocks per page; a page must be whole blocks."""
+    if page_tokens is None:
+        return 1
+    if page_tokens % block_size:
+        raise KVBMConfigError(
+            f"page_tokens: {page_tokens} is not a multiple of vLLM's block size "
+            f"({block_size} tokens, --block-size); set page_tokens to a multiple of it, "
+            f"e.g. {max(1, round(page_tokens / block_size)) * block_size}")
+    return page_tokens // block_size
 
 
 def _refuse_unsupported_parallelism(parallel) -> None:

@@ -179,13 +179,14 @@ def vllm_key_mask(seed: bytes, salt: bytes, algo: str) -> bytes:
     return _digest(VLLM_HASH_KEYS_TAG, seed.hex(), salt.hex(), algo)
 
 
-def xor_keys(hashes, start: int, end: int, mask: bytes) -> list[BlockKey]:
-    """``hashes[i] XOR mask`` for i in [start, end): 32-byte hashes and mask."""
+def xor_keys(hashes, start: int, end: int, mask: bytes, stride: int = 1) -> list[BlockKey]:
+    """``hashes[i*stride + stride-1] XOR mask`` for i in [start, end) (the
+    last block of each page of ``stride`` blocks): 32-byte hashes and mask."""
+    picked = hashes[start * stride + stride - 1:end * stride:stride]
     if end - start < _NUMPY_XOR_MIN:
         m, from_bytes = int.from_bytes(mask, "little"), int.from_bytes
-        return [(from_bytes(h, "little") ^ m).to_bytes(32, "little")
-                for h in hashes[start:end]]
-    data = b"".join(hashes[start:end])
+        return [(from_bytes(h, "little") ^ m).to_bytes(32, "little") for h in picked]
+    data = b"".join(picked)
     if len(data) != 32 * (end - start):
         raise ValueError("block hashes must be 32 bytes each")
     out = (np.frombuffer(data, dtype=np.uint64).reshape(-1, 4)
@@ -197,7 +198,9 @@ def xor_keys(hashes, start: int, end: int, mask: bytes) -> list[BlockKey]:
 
 class VllmHashKeys(_BlockKeys):
     """A request's keys from vLLM's block hashes: key ``i`` is
-    ``block_hashes[i] XOR vllm_key_mask(seed, salt, algo)``.
+    ``block_hashes[i] XOR vllm_key_mask(seed, salt, algo)``; with pages of
+    ``stride`` blocks (``block_size`` is then the page's tokens), page ``i``'s
+    key comes from its last block's hash, which covers the whole prefix.
 
     Same interface as ``KeyChain``. ``block_hashes`` is the request's own
     list, which vLLM extends as tokens arrive. Keys are computed on demand and
@@ -208,10 +211,11 @@ class VllmHashKeys(_BlockKeys):
     """
 
     def __init__(self, seed: bytes, block_size: int, salt: bytes, block_hashes: list,
-                 algo: str):
+                 algo: str, stride: int = 1):
         self._mask = vllm_key_mask(seed, salt, algo)
         self._hashes = block_hashes
         self._block_size = block_size
+        self._stride = stride
         self._rest: KeyChain | None = None
         self.keys: list[BlockKey] = []
 
@@ -222,9 +226,9 @@ class VllmHashKeys(_BlockKeys):
         if num_blocks <= done:
             return
         if self._rest is None:
-            have = min(num_blocks, len(self._hashes))
+            have = min(num_blocks, len(self._hashes) // self._stride)
             if have > done:
-                self.keys += xor_keys(self._hashes, done, have, self._mask)
+                self.keys += xor_keys(self._hashes, done, have, self._mask, self._stride)
             if have >= num_blocks:
                 return
             parent = (self.keys[-1] if self.keys else

@@ -26,11 +26,16 @@ except ImportError:  # no vLLM: the worker side on its own
 # The slot of a lower-tier page that no host slot was free for: the worker
 # streams it through staging slots of its own (worker/streaming.py).
 STREAM = -2
+# The engine block of a page's block that is not copied: a load's first page
+# may begin with blocks vLLM's own prefix cache already holds.
+SKIP = -1
 
 
 @dataclass
 class TransferJob:
-    """Copy whole pages between engine blocks and host-tier slots."""
+    """Copy pages between engine blocks and host-tier slots: page ``i`` is
+    slot ``slots[i]`` and engine blocks ``block_ids[i*G:(i+1)*G]``, G blocks
+    per page (SKIP: that block is not copied)."""
 
     job_id: int
     req_id: str
@@ -38,8 +43,32 @@ class TransferJob:
     slots: list[int]
     # Loads only: pages to fetch from a lower tier into their host slot first
     # (or, with slot STREAM, through the worker's staging slots), as (index
-    # into block_ids/slots, tier name, block key).
+    # into slots, tier name, page key).
     fetch: list[tuple[int, str, bytes]] = field(default_factory=list)
+
+    @property
+    def page_blocks(self) -> int:
+        return len(self.block_ids) // len(self.slots) if self.slots else 1
+
+    @property
+    def num_blocks(self) -> int:
+        """Engine blocks the job copies."""
+        return len(self.block_ids) - self.block_ids.count(SKIP)
+
+
+def block_rows(job: TransferJob) -> tuple[list[int], list[int]]:
+    """The job's copies as (engine block, host-pool row of one block) pairs,
+    a page's G blocks being rows slot*G .. slot*G+G-1."""
+    g = job.page_blocks
+    if g == 1:
+        return job.block_ids, job.slots
+    blocks, rows = [], []
+    for i, slot in enumerate(job.slots):
+        for j, block in enumerate(job.block_ids[i * g:(i + 1) * g]):
+            if block != SKIP:
+                blocks.append(block)
+                rows.append(slot * g + j)
+    return blocks, rows
 
 
 @dataclass

@@ -273,13 +273,13 @@ def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
     views: list = []
     namespace, world = info.tier_namespace, info.key_namespace.tp_size
     if config.disk_cache_dir is not None:
-        config.disk_blocks(info.block_bytes)  # fails early if too small
-        views.append(DiskView(config.disk_cache_dir, namespace, info.block_bytes, world))
+        config.disk_blocks(info.page_bytes)  # fails early if too small
+        views.append(DiskView(config.disk_cache_dir, namespace, info.page_bytes, world))
     if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
         views.append(RedisView(config.remote_url, config.remote_password, namespace,
-                               info.block_bytes, world, config.remote_timeout_s,
+                               info.page_bytes, world, config.remote_timeout_s,
                                tls_ca_file=config.remote_tls_ca_file))
     elif config.remote_url is not None:
-        views.append(RemoteView(config.remote_url, namespace, info.block_bytes, world,
+        views.append(RemoteView(config.remote_url, namespace, info.page_bytes, world,
                                 config.remote_timeout_s))
     return LowerTiers(views, config.disk_admission, config.disk_admission_min_uses)

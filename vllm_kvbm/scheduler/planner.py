@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvbm.engine_info import files_fingerprint, local_model_dir
 from vllm_kvbm.keys import (BlockKey, KeyChain, LoRAIdentity, VllmHashKeys, derive_seed,
                             request_salt)
-from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
+from vllm_kvbm.messages import (SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 SpillJob, TransferJob)
 from vllm_kvbm.scheduler.key_source import VllmBlockHashes
 from vllm_kvbm.scheduler.slot_index import SlotIndex
@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Blocks one background lookup asks about at most (64k tokens at block size
-# 16): a hit from the tiers behind a server is at most this long.
+# Pages one background lookup asks about at most (64k tokens at 16 tokens a
+# page): a hit from the tiers behind a server is at most this long.
 _BACKGROUND_RUN = 4096
 
 
@@ -49,12 +49,14 @@ class _ReqState:
     chain: KeyChain | VllmHashKeys
     # what besides tokens changes this request's KV (LoRA, cache salt)
     salt: bytes = b""
-    # blocks [0, store_cursor) have been considered for storing
+    # pages [0, store_cursor) have been considered for storing
     store_cursor: int = 0
     store_jobs: set[int] = field(default_factory=set)
-    # set between get_num_new_matched_tokens and update_state_after_alloc
+    # set between get_num_new_matched_tokens and update_state_after_alloc:
+    # the engine blocks vLLM's own prefix cache had
     local_hit_blocks: int = 0
-    # where each block of the last lookup's hit lives ("host", "disk", ...)
+    # where each page of the last lookup's hit lives ("host", "disk", ...),
+    # from the page holding block local_hit_blocks on
     hit_sources: list[str] = field(default_factory=list)
     # keys pinned by the in-flight load, unpinned when it finishes
     load_keys: list[BlockKey] = field(default_factory=list)
@@ -81,9 +83,10 @@ class _ReqState:
     lookup_tokens: int | None = None
     # blocks the last lookup found but left to recompute (cheaper than loading)
     split_dropped: int = 0
-    # the in-flight load: when it was planned and its blocks per tier
+    # the in-flight load: when it was planned, its pages per tier, its blocks
     load_started: float = 0.0
     load_blocks: Counter | None = None
+    load_block_count: int = 0
     # (time, cached tokens) when its prompt's first chunk was scheduled
     prefill_start: tuple[float, int] | None = None
     # its last prompt chunk is scheduled: timed at its first token
@@ -114,32 +117,38 @@ class KVBMScheduler:
         # Lower tiers are asked on a thread of their own: a slow or frozen
         # server or filesystem costs hits, never the scheduler's time.
         self._background = BackgroundLookups(self.lower) if self.lower else None
-        # what loading a block from each tier and recomputing it cost
-        self.split = LoadSplit(info.block_size, enabled=load_split)
+        # what loading a page from each tier and recomputing it cost
+        self.split = LoadSplit(info.page_tokens, enabled=load_split)
         # requests whose last prompt chunk was scheduled, awaiting their first token
         self._prefills_ending: list[_ReqState] = []
         self._spills: list[SpillJob] = []
         self._pending_spills: dict[int, list] = {}  # job id -> [keys, workers left]
+        # Keys, slots and lookups are per page of page_blocks engine blocks.
         self.block_size = info.block_size
+        self.page_blocks = info.page_blocks
+        self.page_tokens = info.page_tokens
         self.host = SlotIndex(num_host_slots)
         self.stats = KVBMStats(metrics_sink)
         self._seed = info.key_namespace.seed()
         self._epoch = 0  # cache resets so far (each gives new keys)
         self._reqs: dict[str, _ReqState] = {}
+        # Requests a step may still concern (prompt not computed or not
+        # stored): the others (decoding, prompt stored) cost a step nothing.
+        self._watched: dict[str, _ReqState] = {}
         self._store_jobs: dict[int, _StoreJob] = {}
         self._job_ids = itertools.count()
         self._loads: list[TransferJob] = []
         self._delayed_free: list[str] = []
         self._kv_cache_manager: KVCacheManager | None = None
         self._evictions_seen = 0
-        self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots)
-        self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.block_bytes)
+        self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots * info.page_blocks)
+        self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.page_bytes)
         for name in ("load_seconds_per_block_host", "load_seconds_per_block_disk",
                      "load_seconds_per_block_remote", "recompute_seconds_per_block"):
             self.stats.set_gauge(name, 0.0)  # not learned yet
         self._update_gauges()
-        logger.info("KVBM scheduler: host tier of %d blocks (%d bytes each)",
-                    num_host_slots, info.block_bytes)
+        logger.info("KVBM scheduler: host tier of %d pages of %d tokens (%d bytes each)",
+                    num_host_slots, info.page_tokens, info.page_bytes)
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         self._kv_cache_manager = manager
@@ -154,6 +163,7 @@ class KVBMScheduler:
             salt = _salt(request)
             state = _ReqState(request, self._key_chain(request, salt), salt)
             self._reqs[request.request_id] = state
+            self._watched[request.request_id] = state
         return state
 
     def _key_chain(self, request: "Request", salt: bytes) -> KeyChain | VllmHashKeys:
@@ -161,9 +171,9 @@ class KVBMScheduler:
         hashes when they qualify for it, else our own chain (keys.py)."""
         hashes = self._vllm_hashes
         if hashes is not None and hashes.covers(request):
-            return VllmHashKeys(self._seed, self.block_size, salt, request.block_hashes,
-                                hashes.algo)
-        return KeyChain(self._seed, self.block_size, salt)
+            return VllmHashKeys(self._seed, self.page_tokens, salt, request.block_hashes,
+                                hashes.algo, stride=self.page_blocks)
+        return KeyChain(self._seed, self.page_tokens, salt)
 
     def key_chain(self, request: "Request") -> KeyChain | VllmHashKeys:
         """A fresh copy of the keys lookups and stores use for ``request``
@@ -171,9 +181,9 @@ class KVBMScheduler:
         return self._key_chain(request, _salt(request))
 
     def _keys(self, state: _ReqState, num_tokens: int) -> list[BlockKey]:
-        """Keys of the first ``num_tokens // block_size`` blocks. Copies only
+        """Keys of the first ``num_tokens // page_tokens`` pages. Copies only
         when more are computed (hot paths index ``state.chain.keys`` instead)."""
-        full = num_tokens // self.block_size
+        full = num_tokens // self.page_tokens
         state.chain.extend_to(state.request.all_token_ids, full)
         keys = state.chain.keys
         return keys if len(keys) == full else keys[:full]
@@ -186,17 +196,20 @@ class KVBMScheduler:
         if state is None:
             return 0, False
         # vLLM must compute at least one token itself to produce logits.
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        start = num_computed_tokens // self.block_size
-        state.local_hit_blocks = start
+        max_pages = (request.num_tokens - 1) // self.page_tokens
+        local = num_computed_tokens // self.block_size
+        # The page holding vLLM's first missing block: its blocks vLLM has
+        # are not loaded again (SKIP), the rest are.
+        start = local // self.page_blocks
+        state.local_hit_blocks = local
         state.lookup_tokens = request.num_tokens - num_computed_tokens
         state.hit_sources = []
         state.split_dropped = 0
         if state.recompute_only and _preemptions(request) > state.failed_at_preemption:
             state.recompute_only = False
-        if start >= max_blocks or state.recompute_only:
+        if start >= max_pages or state.recompute_only:
             return 0, False
-        sources = self._lookup(state, start, max_blocks)
+        sources = self._lookup(state, start, max_pages)
         if sources is None:
             return None, False  # vLLM asks again next step
         # Only the part whose load beats recomputing it (learned costs).
@@ -207,10 +220,10 @@ class KVBMScheduler:
         hit = len(sources)
         if hit == 0:
             return 0, False
-        return hit * self.block_size, True
+        return (start + hit) * self.page_tokens - local * self.block_size, True
 
     def _lookup(self, state: _ReqState, start: int, end: int) -> list[str] | None:
-        """Tier of each block of the longest prefix of blocks [start, end)
+        """Tier of each page of the longest prefix of pages [start, end)
         held across all tiers; None when the next block is being stored or
         promoted into the host tier right now (by another request, or this
         one before a preemption): waiting a step for it beats computing it
@@ -273,15 +286,18 @@ class KVBMScheduler:
             return
         if self._background is not None:
             self._background.forget(request.request_id)  # admitted: the answer is used
-        count = num_external_tokens // self.block_size
-        self._count_lookup(state, count)
+        g, local = self.page_blocks, state.local_hit_blocks
+        start, skip = local // g, local % g
+        count = (skip * self.block_size + num_external_tokens) // self.page_tokens  # pages
+        self._count_lookup(state, num_external_tokens)
         if num_external_tokens == 0:
             return
-        start = state.local_hit_blocks
         keys = state.chain.keys[start:start + count]
-        block_ids = blocks.get_block_ids()[0][start:start + count]
+        block_ids = blocks.get_block_ids()[0][start * g:(start + count) * g]
+        if skip:  # vLLM's own cache has the first page's first blocks
+            block_ids[:skip] = [SKIP] * skip
         sources = state.hit_sources[:count]
-        assert len(keys) == len(block_ids) == len(sources) == count
+        assert len(keys) == len(sources) == count and len(block_ids) == count * g
         # Pin the host hits first, so promotions below cannot evict them.
         host_keys = [k for k, src in zip(keys, sources) if src == "host"]
         host_slots = iter(self.host.pin(host_keys))
@@ -302,11 +318,12 @@ class KVBMScheduler:
             job.fetch.append((i, src, key))
         state.load_keys = host_keys
         state.load_started, state.load_blocks = self.split.clock(), Counter(sources)
-        # The loaded blocks are in the host tier now: never store them again.
+        state.load_block_count = count * g - skip
+        # The loaded pages are in the host tier now: never store them again.
         state.store_cursor = max(state.store_cursor, start + count)
         self._loads.append(job)
 
-    def _count_lookup(self, state: _ReqState, hit_blocks: int) -> None:
+    def _count_lookup(self, state: _ReqState, hit_tokens: int) -> None:
         """Counts a lookup once, when vLLM admits the request with its result.
 
         vLLM may look a waiting request up many times before it fits, and a
@@ -318,11 +335,25 @@ class KVBMScheduler:
         if lookup is None or state.request.num_preemptions > 0:
             return
         self.stats.add("lookup_tokens", lookup)
-        self.stats.add("matched_tokens", hit_blocks * self.block_size)
-        self.stats.add("recompute_chosen_tokens", state.split_dropped * self.block_size)
-        # Once per tier, not per block: a 32k-token hit is 2048 blocks.
-        for source, blocks in Counter(state.hit_sources[:hit_blocks]).items():
-            self.stats.add(f"matched_tokens_{source}", blocks * self.block_size)
+        self.stats.add("matched_tokens", hit_tokens)
+        self.stats.add("recompute_chosen_tokens", state.split_dropped * self.page_tokens)
+        # Once per tier, not per page: a 32k-token hit is 2048 blocks.
+        for source, tokens in self._tokens_by_source(state, hit_tokens).items():
+            self.stats.add(f"matched_tokens_{source}", tokens)
+
+    def _tokens_by_source(self, state: _ReqState, num_tokens: int) -> dict[str, int]:
+        """The first ``num_tokens`` tokens of the last lookup's hit, per tier;
+        fewer when the hit placed fewer (the first page's blocks vLLM had
+        are not the hit's)."""
+        sources, page = state.hit_sources, self.page_tokens
+        skip = (state.local_hit_blocks % self.page_blocks) * self.block_size
+        n = min(len(sources), -(-(num_tokens + skip) // page))
+        if n == 0:
+            return {}
+        split = {tier: k * page for tier, k in Counter(sources[:n]).items()}
+        split[sources[0]] -= skip
+        split[sources[n - 1]] -= max(0, n * page - skip - num_tokens)
+        return {tier: tokens for tier, tokens in split.items() if tokens > 0}
 
     def hit_sources(self, request: "Request", num_tokens: int) -> dict[str, int]:
         """The admitted hit's tokens per tier ("host", "disk", "remote"), for
@@ -331,9 +362,8 @@ class KVBMScheduler:
         lookup did not place (none, unless vLLM admitted more than it found)
         are under "unknown"."""
         state = self._reqs.get(request.request_id)
-        sources = state.hit_sources[:num_tokens // self.block_size] if state else []
-        split = {tier: n * self.block_size for tier, n in Counter(sources).items()}
-        rest = num_tokens - len(sources) * self.block_size
+        split = self._tokens_by_source(state, num_tokens) if state else {}
+        rest = num_tokens - sum(split.values())
         if rest:
             split["unknown"] = rest
         return split
@@ -344,9 +374,9 @@ class KVBMScheduler:
         the host tier or its page is on disk. The remote tier is not asked (a
         network round trip); a remote-only hit still loads, just not early."""
         state = self._state(request)
-        if state is None or (request.num_tokens - 1) // self.block_size < 1:
+        if state is None or (request.num_tokens - 1) // self.page_tokens < 1:
             return False
-        key = self._keys(state, self.block_size)[0]
+        key = self._keys(state, self.page_tokens)[0]
         return self.host.is_ready(key) or any(
             view.contains(key) for view in self.lower.views if view.name == "disk")
 
@@ -359,18 +389,32 @@ class KVBMScheduler:
         self._loads, self._delayed_free, self._spills = [], [], []
         now = self.split.clock()
         self._time_prefills(now)
+        watched = self._watched
         for req_id in out.preempted_req_ids or ():
             state = self._reqs.get(req_id)
-            if state is not None and state.store_jobs:
-                meta.flush_req_ids.append(req_id)
+            if state is not None:
+                watched[req_id] = state  # computes its prompt again
+                if state.store_jobs:
+                    meta.flush_req_ids.append(req_id)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
-            state = self._reqs.get(req_id)
+            state = watched.get(req_id)
             if state is not None and num_scheduled > 0:
                 self._watch_prefill(state, num_scheduled, now)
                 job = self._plan_store(state, num_scheduled)
                 if job is not None:
                     meta.stores.append(job)
+                if self._settled(state, num_scheduled):
+                    del watched[req_id]
         return meta
+
+    def _settled(self, state: _ReqState, num_scheduled: int) -> bool:
+        """After this step, nothing in its steps concerns the connector until
+        a preemption or a failed load (which watch it again)."""
+        request = state.request
+        return (not self.offload_decode_blocks
+                and request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens
+                and (state.pre_reset or state.store_cursor
+                     >= request.num_prompt_tokens // self.page_tokens))
 
     def _watch_prefill(self, state: _ReqState, num_scheduled: int, now: float) -> None:
         """Notes when a request's prompt starts and ends computing (the
@@ -407,18 +451,18 @@ class KVBMScheduler:
                              self.split.prefill.block_seconds(0, self.block_size))
 
     def _plan_store(self, state: _ReqState, num_scheduled: int) -> TransferJob | None:
-        """Stores every full block this step completes that the host lacks."""
+        """Stores every full page this step completes that the host lacks."""
         request = state.request
         if state.pre_reset or (not self.offload_decode_blocks and state.store_cursor
-                               >= request.num_prompt_tokens // self.block_size):
+                               >= request.num_prompt_tokens // self.page_tokens):
             return None  # e.g. decoding, prompt stored: the common case, kept cheap
         # Tokens whose KV exists after this step and whose ids are known.
         end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
         if not self.offload_decode_blocks:
             end = min(end, request.num_prompt_tokens)
-        full = end // self.block_size
+        full = end // self.page_tokens
         if state.store_cursor >= full:
-            return None  # no new full block: O(1), whatever the prompt's length
+            return None  # no new full page: O(1), whatever the prompt's length
         # Only the new blocks are hashed and looked at (no copies of the
         # request's keys or block ids).
         state.chain.extend_to(request.all_token_ids, full)
@@ -430,13 +474,17 @@ class KVBMScheduler:
             keys, state.store_cursor, full)
         if stopped < full:
             # Every slot is pinned or being written: skip, never wait.
-            self.stats.add("store_skipped_blocks", full - stopped)
+            self.stats.add("store_skipped_blocks", (full - stopped) * self.page_blocks)
         state.store_cursor = full
         if not positions:
             return None
         blocks = self._kv_cache_manager.get_blocks(request.request_id).blocks[0]
         job_keys = [keys[i] for i in positions]
-        job_blocks = [blocks[i].block_id for i in positions]
+        g = self.page_blocks
+        if g == 1:
+            job_blocks = [blocks[i].block_id for i in positions]
+        else:
+            job_blocks = [b.block_id for i in positions for b in blocks[i * g:(i + 1) * g]]
         job_id = next(self._job_ids)
         self._store_jobs[job_id] = _StoreJob(request.request_id, job_keys,
                                              self.info.num_workers)
@@ -483,19 +531,21 @@ class KVBMScheduler:
                 # The bytes may be bad: forget them rather than serve them again.
                 for key in keys + [k for k, _ in promoted]:
                     self.host.drop(key)
-                self.stats.add("load_error_blocks", len(keys) + len(promoted) + len(streamed))
+                self.stats.add("load_error_blocks", state.load_block_count)
                 # vLLM recomputes these blocks: store them again once it has.
-                state.store_cursor = min(state.store_cursor, state.local_hit_blocks)
+                state.store_cursor = min(state.store_cursor,
+                                         state.local_hit_blocks // self.page_blocks)
+                self._watched[req_id] = state
                 state.recompute_only = True
                 state.failed_at_preemption = _preemptions(state.request)
             else:
                 self._learn_load(state)
-                self.stats.add("onboard_blocks_h2d", len(keys) + len(promoted) + len(streamed))
+                self.stats.add("onboard_blocks_h2d", state.load_block_count)
                 self.host.commit([key for key, _ in promoted])  # now in the host tier
                 fetched = Counter(streamed)
                 fetched.update(tier for _, tier in promoted)
-                for tier, blocks in fetched.items():
-                    self.stats.add(self.lower.onboard_counter(tier), blocks)
+                for tier, pages in fetched.items():
+                    self.stats.add(self.lower.onboard_counter(tier), pages * self.page_blocks)
                 self._spill(keys, reused=True)
             self._maybe_forget(state)
         self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
@@ -509,12 +559,12 @@ class KVBMScheduler:
         self.split.load_done(blocks, self.split.clock() - state.load_started)
         for tier in blocks:
             self.stats.set_gauge(f"load_seconds_per_block_{tier}",
-                                 self.split.seconds_per_block(tier))
+                                 self.split.seconds_per_block(tier) / self.page_blocks)
 
     def _update_gauges(self) -> None:
         used = self.host.used_slots
-        self.stats.set_gauge("host_cache_used_blocks", used)
-        self.stats.set_gauge("host_cache_used_bytes", used * self.info.block_bytes)
+        self.stats.set_gauge("host_cache_used_blocks", used * self.page_blocks)
+        self.stats.set_gauge("host_cache_used_bytes", used * self.info.page_bytes)
 
     def _finish_stores(self, counts: Counter, ok: bool) -> None:
         for job_id, n in counts.items():
@@ -535,7 +585,7 @@ class KVBMScheduler:
             if job.failed:
                 self.stats.add("store_errors")
             else:
-                self.stats.add("offload_blocks_d2h", len(job.keys))
+                self.stats.add("offload_blocks_d2h", len(job.keys) * self.page_blocks)
             state = self._reqs.get(job.req_id)
             if state is not None:
                 state.store_jobs.discard(job_id)
@@ -571,6 +621,7 @@ class KVBMScheduler:
         if state.finished and not (state.store_jobs or state.load_keys or state.promoted
                                    or state.streamed):
             self._reqs.pop(state.request.request_id, None)
+            self._watched.pop(state.request.request_id, None)
 
     def request_finished(self, request: "Request") -> tuple[bool, dict[str, Any] | None]:
         state = self._reqs.get(request.request_id)

@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
-from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
-                                TransferJob)
+from vllm_kvbm.messages import (SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
+                                TransferJob, block_rows)
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
 from vllm_kvbm.worker.page_mover import PageMover
@@ -130,13 +130,15 @@ class KVBMWorker:
         first = next(iter(kv_caches.values()))
         # Pinned host memory lets the GPU DMA into it. The rows after the
         # host tier's are the staging slots of streamed loads.
-        staging = staging_slots(self.info.block_bytes)
+        staging = staging_slots(self.info.page_bytes)
         self._staging = StagingSlots(self.num_host_slots, staging)
-        self._host = HostPool(self.num_host_slots + staging, self.info.block_bytes,
+        self._host = HostPool(self.num_host_slots + staging, self.info.page_bytes,
                               pin=first.is_cuda)
-        self.host_pool = self._host.tensor
+        self.host_pool = self._host.tensor  # a row per page (slot)
         try:
-            self.mover = PageMover(kv_caches, num_blocks, self.host_pool,
+            # NIXL moves blocks: it sees the same memory as a row per block.
+            self.mover = PageMover(kv_caches, num_blocks,
+                                   self.host_pool.view(-1, self.info.block_bytes),
                                    backend=self.nixl_backend, name=self.agent_name,
                                    block_dims=block_dims)
         except Exception:
@@ -153,7 +155,7 @@ class KVBMWorker:
     def _post(self, job: TransferJob, is_store: bool, started: float) -> None:
         assert self.mover is not None
         try:
-            handle = self.mover.post(is_store, job.block_ids, job.slots)
+            handle = self.mover.post(is_store, *block_rows(job))
         except Exception as err:
             logger.warning("KVBM: could not start %s of %d blocks for %s: %s",
                            "store" if is_store else "load", len(job.block_ids),
@@ -310,7 +312,7 @@ class KVBMWorker:
             self._part_done(load, job, ok)
             return
         elapsed = time.perf_counter() - started
-        nbytes = len(job.block_ids) * self.info.block_bytes
+        nbytes = job.num_blocks * self.info.block_bytes
         meta = self._meta
         if is_store:
             (meta.stores_done if ok else meta.stores_failed)[job.job_id] += 1
@@ -323,7 +325,7 @@ class KVBMWorker:
                 meta.load_latencies.append(elapsed)
             else:
                 meta.loads_failed[job.req_id] += 1
-                self._load_error_blocks.update(job.block_ids)
+                self._load_error_blocks.update(b for b in job.block_ids if b != SKIP)
             # Reported even when failed: vLLM recomputes the failed blocks.
             self._finished_recving.add(job.req_id)
 

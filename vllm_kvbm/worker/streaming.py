@@ -25,8 +25,8 @@ STAGING_BYTES = 128 << 20
 _MAX_STAGING_SLOTS = 32
 
 
-def staging_slots(block_bytes: int) -> int:
-    return max(2, min(_MAX_STAGING_SLOTS, STAGING_BYTES // max(block_bytes, 1)))
+def staging_slots(page_bytes: int) -> int:
+    return max(2, min(_MAX_STAGING_SLOTS, STAGING_BYTES // max(page_bytes, 1)))
 
 
 class StagingSlots:
@@ -76,7 +76,9 @@ def part(load: StreamedLoad, part_id: int, indexes: list[int],
     """The sub-job of ``load``'s job for pages ``indexes``, in ``slots``
     (default: theirs)."""
     job, fetch = load.job, load.fetch
-    sub = TransferJob(part_id, job.req_id, [job.block_ids[i] for i in indexes],
+    g = job.page_blocks
+    sub = TransferJob(part_id, job.req_id,
+                      [b for i in indexes for b in job.block_ids[i * g:(i + 1) * g]],
                       slots if slots is not None else [job.slots[i] for i in indexes])
     sub.fetch = [(p, *fetch[i]) for p, i in enumerate(indexes) if i in fetch]
     return sub

@@ -283,17 +283,17 @@ def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["Tie
         from vllm_kvbm.tiers.disk import DiskStore
 
         stores.append(DiskStore(config.disk_cache_dir, config.disk_cache_bytes,
-                                info.block_bytes, namespace, rank, world, page_secret=secret))
+                                info.page_bytes, namespace, rank, world, page_secret=secret))
     if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
         from vllm_kvbm.tiers.redis_store import RedisStore
 
         stores.append(RedisStore(parse_remote_url("remote_url", config.remote_url),
-                                 config.remote_password, info.block_bytes, namespace, rank,
+                                 config.remote_password, info.page_bytes, namespace, rank,
                                  world, config.remote_timeout_s, page_secret=secret,
                                  tls_ca_file=config.remote_tls_ca_file))
     elif config.remote_url is not None:
         from vllm_kvbm.tiers.remote import RemoteStore
 
-        stores.append(RemoteStore(config.remote_url, info.block_bytes, namespace, rank, world,
+        stores.append(RemoteStore(config.remote_url, info.page_bytes, namespace, rank, world,
                                   config.remote_timeout_s, page_secret=secret))
     return stores
