@@ -178,8 +178,9 @@ def parse_args(argv=None):
     p.add_argument("--min-decode", type=int, default=512)
     p.add_argument("--max-decode", type=int, default=2048)
     p.add_argument("--host-blocks", type=int, default=100_000)
-    p.add_argument("--page-tokens", type=int, default=256,
-                   help="the connector's page_tokens (16: a page per block, its default)")
+    p.add_argument("--page-tokens", type=int, default=None,
+                   help="the connector's page_tokens (default: its own, 256 at block size "
+                        "16; 16: a page per block)")
     p.add_argument("--max-batched", type=int, default=8192, help="max_num_batched_tokens")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="engine KV blocks (default: the running set's, unshared, +5%%)")
@@ -225,7 +226,8 @@ def run(args) -> list[Phase]:
             max_batched=args.max_batched, num_layers=2,
             max_model_len=args.prompt_tokens + args.max_decode + BLOCK,
             max_num_seqs=args.running, disk_cache_dir=disk_dir, disk_cache_size="64GiB",
-            page_tokens=args.page_tokens)
+            page_tokens=args.page_tokens)  # None: the connector's default
+        args.page_tokens = kvbm(scheduler).info.page_tokens
         sched = kvbm(scheduler)
         assert sched.lower, "no disk tier"
         info = sched.info

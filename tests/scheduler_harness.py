@@ -79,8 +79,12 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
             # No model runs here, so step times say nothing of what a load
             # or a recompute costs: the load/recompute split is off unless
             # a test turns it on.
-            kv_connector_extra_config={"host_cache_blocks": host_blocks,
-                                       "load_split": False, **extra_config}),
+            # A page per block unless a test asks for pages (test_pages.py;
+            # page_tokens=None: the connector's default): the unit tests
+            # count blocks.
+            kv_connector_extra_config={k: v for k, v in {
+                "host_cache_blocks": host_blocks, "load_split": False,
+                "page_tokens": BLOCK, **extra_config}.items() if v is not None}),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
     )

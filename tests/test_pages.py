@@ -180,3 +180,11 @@ def test_a_streamed_part_takes_each_pages_blocks():
     sub = part(load, -1, [0, 2], [30, 31])
     assert sub.block_ids == [SKIP, 1, 4, 5] and sub.slots == [30, 31]
     assert sub.fetch == [(0, "disk", b"a"), (1, "disk", b"c")]
+
+
+def test_the_default_page_is_256_tokens_for_small_blocks_and_one_block_from_128():
+    from vllm_kvbm.engine_info import _page_blocks
+
+    assert kvbm(make_scheduler(page_tokens=None)).info.page_tokens == 256  # BLOCK 16
+    assert [_page_blocks(None, b) for b in (16, 32, 48, 64, 128, 256)] == [16, 8, 6, 4, 1, 1]
+    assert _page_blocks(96, 32) == 3

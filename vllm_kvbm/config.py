@@ -518,11 +518,10 @@ class KVBMConfig:
     # Exact number of host blocks; overrides host_cache_bytes when set.
     host_cache_blocks: int | None = None
     # Tokens per page, the unit the host, disk and remote tiers store and
-    # the scheduler keeps books on: a multiple of vLLM's block size (None:
-    # one block, vLLM's own offloading default). With small blocks (16 on
-    # GPUs) pages of 128-256 tokens cut the scheduler's per-block work by as
-    # much (LMCache's chunks are 256 tokens); a prompt's last partial page is
-    # not stored, and a hit is whole pages.
+    # the scheduler keeps books on: a multiple of vLLM's block size. None:
+    # 256 tokens when vLLM's blocks are under 128 tokens (GPUs' 16), else
+    # one block (engine_info.AUTO_PAGE_TOKENS). A prompt's last partial page
+    # is not stored, and a hit is whole pages (from vLLM's own hit on).
     page_tokens: int | None = None
     # Also offload blocks completed during decode. Off by default: the next
     # turn's prefill offloads them anyway, and decode-computed KV may round

@@ -101,10 +101,18 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     )
 
 
+# Default page when vLLM's blocks are small (GPUs' 16 tokens): the
+# scheduler keeps books per page, and at 256 tokens a page (LMCache's chunk)
+# its work per step stays a few percent of vLLM's (docs/benchmarks.md).
+# Blocks of 128 tokens and more (vLLM CPU's default) are a page each.
+AUTO_PAGE_TOKENS = 256
+_AUTO_MIN_BLOCK = 128
+
+
 def _page_blocks(page_tokens: int | None, block_size: int) -> int:
     """Blocks per page; a page must be whole blocks."""
     if page_tokens is None:
-        return 1
+        return 1 if block_size >= _AUTO_MIN_BLOCK else -(-AUTO_PAGE_TOKENS // block_size)
     if page_tokens % block_size:
         raise KVBMConfigError(
             f"page_tokens: {page_tokens} is not a multiple of vLLM's block size "
