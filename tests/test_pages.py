@@ -163,7 +163,8 @@ def test_worker_stores_a_page_in_one_slot_and_loads_it_skipping_vllms_blocks(wor
     assert torch.equal(w.host_pool[2], torch.cat([lay.slot_bytes(20), lay.slot_bytes(21)]))
 
     dst = [SKIP, 40, 41, 42]
-    keep = lay.slot_bytes(39).clone()
+    # a SKIP taken for a block id would be block -1: the last one
+    keep = lay.slot_bytes(NB - 1).clone()
     for b in (40, 41, 42):
         lay.zero_block(b)
     meta = _run(w, KVBMConnectorMetadata(loads=[TransferJob(2, "R", dst, [5, 2])]), True)
@@ -171,7 +172,7 @@ def test_worker_stores_a_page_in_one_slot_and_loads_it_skipping_vllms_blocks(wor
     assert torch.equal(lay.slot_bytes(40), lay.slot_bytes(9))
     assert torch.equal(lay.slot_bytes(41), lay.slot_bytes(20))
     assert torch.equal(lay.slot_bytes(42), lay.slot_bytes(21))
-    assert torch.equal(lay.slot_bytes(39), keep)
+    assert torch.equal(lay.slot_bytes(NB - 1), keep)
 
 
 def test_a_streamed_part_takes_each_pages_blocks():
