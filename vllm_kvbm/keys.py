@@ -122,6 +122,10 @@ class _BlockKeys:
 
     _block_size: int
     keys: list[BlockKey]
+    # Keys a lookup computes at least per call: a SHA-256 chain hashes as
+    # the hit grows from one; an XOR of vLLM's hashes costs a numpy call
+    # more than its keys, so it starts wider.
+    min_extend = 1
 
     def extend(self, token_ids) -> list[BlockKey]:
         """Keys of every full block of ``token_ids`` (and any computed before)."""
@@ -209,6 +213,8 @@ class VllmHashKeys(_BlockKeys):
     keys go on as a ``KeyChain`` from the last key: still one name per
     prefix, never another's.
     """
+
+    min_extend = 16
 
     def __init__(self, seed: bytes, block_size: int, salt: bytes, block_hashes: list,
                  algo: str, stride: int = 1):

@@ -241,7 +241,7 @@ class KVBMScheduler:
         i = start
         while i < end:
             if i >= len(keys):
-                chain.extend_to(tokens, min(end, i + max(1, i - start)))
+                chain.extend_to(tokens, min(end, i + max(chain.min_extend, i - start)))
             i += self.host.ready_run(keys, i, min(end, len(keys)))
             if i == end or i == len(keys):
                 continue  # all ready so far: hash further
