@@ -257,7 +257,7 @@ def test_disk_cache_dir_must_exist_and_be_writable(tmp_path):
 
 def test_disk_tier_too_small_for_one_block(tmp_path):
     cfg = load_config({"disk_cache_dir": str(tmp_path), "disk_cache_size": "1MiB"})
-    with pytest.raises(KVBMConfigError, match="disk_cache_size: .* cannot hold one KV block"):
+    with pytest.raises(KVBMConfigError, match="disk_cache_size: .* cannot hold one KV page"):
         cfg.disk_blocks(2 << 20)
     assert load_config({"disk_cache_dir": str(tmp_path),
                         "disk_cache_size": "1GiB"}).disk_blocks(2 << 20) > 400

@@ -31,7 +31,8 @@ def test_new_weights_at_the_same_path_change_the_fingerprint(tmp_path):
 def _seed_with(scheduler, change) -> bytes:
     cfg = copy.deepcopy(scheduler.vllm_config)
     change(cfg)
-    return engine_info(cfg, scheduler.kv_cache_config).key_namespace.seed()
+    page = kvbm(scheduler).info.page_tokens  # the harness's, not the default
+    return engine_info(cfg, scheduler.kv_cache_config, page_tokens=page).key_namespace.seed()
 
 
 def test_kv_cache_dtype_and_quantization_are_in_the_keys():

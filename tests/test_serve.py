@@ -37,7 +37,7 @@ def assert_names(log: str, expected: list[str]) -> None:
     ({"host_cache_sise": "1GiB"},
      ["unknown key 'host_cache_sise'", "did you mean 'host_cache_size'"]),
     ({"host_cache_size": "1KiB"},
-     ["host_cache_size: 1024 bytes cannot hold one KV block", "set host_cache_size to at least"]),
+     ["host_cache_size: 1024 bytes cannot hold one KV page", "set host_cache_size to at least"]),
     ({"disk_cache_dir": "/nonexistent/kvbm-disk"},
      ["disk_cache_dir: directory '/nonexistent/kvbm-disk' does not exist",
       "mkdir -p /nonexistent/kvbm-disk"]),
@@ -60,7 +60,7 @@ def test_unwritable_disk_dir_and_a_disk_tier_under_one_block_stop_startup(
                  [f"disk_cache_dir: directory '{read_only_dir}' is not writable",
                   "set disk_cache_dir to a writable directory"])
     assert_names(startup_error({"disk_cache_dir": str(tmp_path), "disk_cache_size": "64KiB"}),
-                 ["disk_cache_size: 65536 bytes cannot hold one KV block",
+                 ["disk_cache_size: 65536 bytes cannot hold one KV page",
                   "set disk_cache_size to at least"])
 
 

@@ -599,8 +599,9 @@ class KVBMConfig:
         if slots < 1:
             raise KVBMConfigError(
                 f"host_cache_size: {self.host_cache_bytes} bytes cannot hold one KV page "
-                f"of this model ({page_bytes} bytes = all layers of {page_blocks} "
-                f"block(s)); set host_cache_size to at least {page_bytes} bytes "
+                f"of this model ({page_bytes} bytes = all layers of "
+                f"{'one block' if page_blocks == 1 else f'{page_blocks} blocks (page_tokens)'}"
+                f"); set host_cache_size to at least {page_bytes} bytes "
                 f"(e.g. \"{max(1, -(-page_bytes * 64 // 1024**2))}MiB\" for 64 pages)")
         return slots
 
@@ -608,7 +609,7 @@ class KVBMConfig:
 def disk_tier_too_small(capacity_bytes: int, page_bytes: int) -> KVBMConfigError:
     """The one message for a disk tier that cannot hold a page (scheduler and worker)."""
     return KVBMConfigError(
-        f"disk_cache_size: {capacity_bytes} bytes cannot hold one KV block of this model "
+        f"disk_cache_size: {capacity_bytes} bytes cannot hold one KV page of this model "
         f"({page_bytes} bytes with its header); set disk_cache_size to at least "
         f"{page_bytes} bytes")
 
