@@ -95,8 +95,9 @@ def test_keychain_reads_only_the_tokens_it_has_not_hashed():
 def test_lookup_miss_hashes_no_further_than_the_step_computes():
     """A prompt nothing holds: the lookup hashes its first block only, and the
     first prefill chunk's stores hash that chunk; later blocks are hashed as
-    their chunks are computed, not at the first lookup."""
-    s = make_scheduler(max_batched=256)
+    their chunks are computed, not at the first lookup. (Our SHA-256 chain:
+    keys from vLLM's hashes are an XOR each, derived for the whole lookup.)"""
+    s = make_scheduler(max_batched=256, hash_algo="xxhash")
     k = kvbm(s)
     prompt = list(range(1000, 1000 + 4000))  # 250 blocks, chunks of 16 blocks
     req = make_request(prompt, max_tokens=1)
@@ -108,13 +109,15 @@ def test_lookup_miss_hashes_no_further_than_the_step_computes():
     assert store.block_ids == block_ids(s, req.request_id)[:16]
     _, meta, _ = step(s)
     assert len(chain.keys) == 2 * 256 // BLOCK
-    assert chain.keys == reference_vllm_keys(k._seed, b"", req)[:32]
+    assert chain.keys == reference_keys(k._seed, BLOCK, b"", prompt)[:32]
 
 
 def test_lookup_hit_stops_hashing_near_its_first_miss():
     """The stored prefix is found whole; hashing stops within twice the hit
-    (and at least the hit) instead of running over the whole prompt."""
-    s = make_scheduler(max_batched=4096, num_blocks=2000, host_blocks=400)
+    (and at least the hit) instead of running over the whole prompt (our
+    SHA-256 chain)."""
+    s = make_scheduler(max_batched=4096, num_blocks=2000, host_blocks=400,
+                       hash_algo="xxhash")
     k = kvbm(s)
     shared = list(range(5000, 5000 + 20 * BLOCK))
     first = make_request(shared + [1] * 8, max_tokens=1)
@@ -129,12 +132,25 @@ def test_lookup_hit_stops_hashing_near_its_first_miss():
     assert (matched, is_async) == (20 * BLOCK, True)
     chain = k._reqs[req.request_id].chain
     assert 21 <= len(chain.keys) <= 41
-    assert chain.keys == reference_vllm_keys(k._seed, b"", req)[:len(chain.keys)]
+    assert chain.keys == reference_keys(k._seed, BLOCK, b"", prompt)[:len(chain.keys)]
     # vLLM's own step gets the same answer and loads the 20 blocks.
     _, meta, _ = step(s)
     (load,) = meta.loads
     assert len(load.slots) == 20 and not load.fetch
     assert s.requests[req.request_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def test_keys_from_vllms_hashes_are_derived_for_the_whole_lookup_in_one_call():
+    """An XOR per key: one numpy call over the lookup's range beats doubling
+    calls as the hit grows."""
+    s = make_scheduler()
+    k = kvbm(s)
+    prompt = list(range(3000, 3000 + 100 * BLOCK + 5))
+    req = make_request(prompt, max_tokens=1)
+    matched, _ = k.get_num_new_matched_tokens(req, 0)
+    chain = k._reqs[req.request_id].chain
+    assert matched == 0 and chain.cheap
+    assert chain.keys == reference_vllm_keys(k._seed, b"", req)[:100]
 
 
 def test_decode_steps_plan_no_store_work():

@@ -122,10 +122,10 @@ class _BlockKeys:
 
     _block_size: int
     keys: list[BlockKey]
-    # Keys a lookup computes at least per call: a SHA-256 chain hashes as
-    # the hit grows from one; an XOR of vLLM's hashes costs a numpy call
-    # more than its keys, so it starts wider.
-    min_extend = 1
+    # Whether a key costs next to nothing: a lookup then derives every key
+    # it may need in one call (an XOR of vLLM's hashes: the numpy call costs
+    # more than its keys), where a SHA-256 chain hashes as the hit grows.
+    cheap = False
 
     def extend(self, token_ids) -> list[BlockKey]:
         """Keys of every full block of ``token_ids`` (and any computed before)."""
@@ -214,7 +214,7 @@ class VllmHashKeys(_BlockKeys):
     prefix, never another's.
     """
 
-    min_extend = 16
+    cheap = True
 
     def __init__(self, seed: bytes, block_size: int, salt: bytes, block_hashes: list,
                  algo: str, stride: int = 1):

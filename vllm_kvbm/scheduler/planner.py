@@ -229,9 +229,10 @@ class KVBMScheduler:
         one before a preemption): waiting a step for it beats computing it
         again; None too while the lower tiers have not answered yet.
 
-        Keys are computed as the prefix goes (the chain up to ``start`` first,
-        then doubling the hit so far), so a miss costs few hashes, not the
-        whole prompt's. From the first block the host tier lacks, the disk and
+        Keys of our SHA-256 chain are computed as the prefix goes (the chain
+        up to ``start`` first, then doubling the hit so far), so a miss costs
+        few hashes, not the whole prompt's; keys from vLLM's hashes (an XOR
+        each) are derived for the whole range at once. From the first block the host tier lacks, the disk and
         remote tiers are asked on a thread of their own (``BackgroundLookups``):
         a server, or a disk on a network filesystem, costs hits, never the
         scheduler's time.
@@ -241,7 +242,7 @@ class KVBMScheduler:
         i = start
         while i < end:
             if i >= len(keys):
-                chain.extend_to(tokens, min(end, i + max(chain.min_extend, i - start)))
+                chain.extend_to(tokens, end if chain.cheap else min(end, i + max(1, i - start)))
             i += self.host.ready_run(keys, i, min(end, len(keys)))
             if i == end or i == len(keys):
                 continue  # all ready so far: hash further
