@@ -44,14 +44,21 @@ def test_a_page_is_stored_whole_and_the_partial_page_is_not():
     assert k.stats.gauges["host_cache_used_blocks"] == 4
 
 
-def test_pages_load_whole_and_count_blocks():
+def stored_pages(base: int):
+    """A scheduler with two-block pages that stored a 5-block prompt (2
+    pages) and forgot it in vLLM's own cache: (scheduler, its KVBMScheduler,
+    the prompt, the pages' slots)."""
     s = make_scheduler(page_tokens=PAGE)
-    k = kvbm(s)
-    prompt = tokens(5 * BLOCK + 8, 2)
+    prompt = tokens(5 * BLOCK + 8, base)
     _, metas = store_and_finish(s, prompt)
     stored = [slot for m in metas for j in m.stores for slot in j.slots]
     assert len(stored) == 2
     assert s.reset_prefix_cache()
+    return s, kvbm(s), prompt, stored
+
+
+def test_pages_load_whole_and_count_blocks():
+    s, k, prompt, stored = stored_pages(2)
     r2 = make_request(prompt, max_tokens=1)
     s.add_request(r2)
     _, meta, _ = step(s)
@@ -68,12 +75,7 @@ def test_pages_load_whole_and_count_blocks():
 
 
 def test_a_page_that_begins_in_vllms_own_cache_loads_only_its_other_blocks():
-    s = make_scheduler(page_tokens=PAGE)
-    k = kvbm(s)
-    prompt = tokens(5 * BLOCK + 8, 3)
-    _, metas = store_and_finish(s, prompt)
-    stored = [slot for m in metas for j in m.stores for slot in j.slots]
-    assert s.reset_prefix_cache()
+    s, k, prompt, stored = stored_pages(3)
     # vLLM caches block 0 alone (a prompt shorter than a page: no KVBM hit).
     store_and_finish(s, prompt[:BLOCK] + tokens(10, 4), max_tokens=1)
     matched = k.stats.total["matched_tokens"]
