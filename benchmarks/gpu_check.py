@@ -24,6 +24,11 @@ smaller kernel blocks), with the real KVBMWorker, PageMover and NIXL:
    same blocks through the worker, against PyTorch's pinned ``copy_`` of the
    same number of bytes in one piece.
 
+Then "pages": pages of several blocks (page_tokens; 16 blocks, the default
+at block size 16), stored whole into one host slot each and loaded into
+other blocks with the first one skipped (a page that begins inside vLLM's
+own hit): every copied block byte-equal, the skipped one untouched.
+
 Everything is printed as one table; the exit status is 0 only if every check
 passed.
 """
@@ -46,7 +51,7 @@ import torch  # noqa: E402
 from kv_layouts import KVLayout, agent_name, vllm_layout  # noqa: E402
 from vllm_kvbm.engine_info import EngineInfo  # noqa: E402
 from vllm_kvbm.keys import KeyNamespace  # noqa: E402
-from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob  # noqa: E402
+from vllm_kvbm.messages import SKIP, KVBMConnectorMetadata, TransferJob  # noqa: E402
 from vllm_kvbm.worker.fence import DONE, fence_maker  # noqa: E402
 from vllm_kvbm.worker.jobs import KVBMWorker  # noqa: E402
 
@@ -90,12 +95,14 @@ class Report:
 class Worker:
     """A KVBMWorker driven as vLLM drives it, with its metadata summed."""
 
-    def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float):
+    def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float,
+                 page_blocks: int = 1):
         bb = lay.block_bytes()
         ns = KeyNamespace(model="gpu-check@", dtype="torch.bfloat16", kv_layout="check",
-                          block_size=block_size, block_bytes=bb, tp_rank=0, tp_size=1)
-        self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns), num_slots,
-                            "UCX", agent_name("kvbm-gpu-check"))
+                          block_size=block_size * page_blocks, block_bytes=bb * page_blocks,
+                          tp_rank=0, tp_size=1)
+        self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns, page_blocks),
+                            num_slots, "UCX", agent_name("kvbm-gpu-check"))
         self.w.register_kv_caches(lay.caches, lay.num_blocks, lay.block_dims)
         self.done: Counter = Counter()
         self.failed: Counter = Counter()
@@ -272,6 +279,60 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
         del lay
 
 
+def run_pages(args, device: torch.device, report: Report) -> None:
+    """Pages of ``args.page_blocks`` blocks: stored whole, loaded skipping a block."""
+    name, g = "pages", args.page_blocks
+    lay = vllm_layout("LBNHC", args.layers, args.blocks, heads=args.heads,
+                      block_size=args.block_size, head_size=args.head_size, gen=None,
+                      dtype=torch.bfloat16, device=device, pad=4096)
+    lay.raw[0].view(torch.uint8).random_(0, 256)
+    sync(device)
+    n = max(1, args.blocks // (2 * g))  # pages; each loaded back into other blocks
+    src, dst = list(range(n * g)), list(range(n * g, 2 * n * g))
+    slots = list(range(n))[::-1]
+    report.info(name, "pages", f"{n} pages of {g} blocks ({g * lay.block_bytes() / 1024**2:.1f} "
+                f"MiB each)")
+    wk = Worker(lay, n, args.block_size, args.timeout, page_blocks=g)
+    try:
+        pool = wk.w.host_pool
+        delay(device, args.kernel_delay)
+        rewrite_kv(lay, 1)
+        job = wk.store(src, slots)
+        wk.until(lambda: wk.done[job] or wk.failed[job])
+        sync(device)
+        kv_cpu = [lay.raw[0].cpu()]
+        bad = sum(not torch.equal(pool[s], torch.cat([lay.slot_bytes(b, kv_cpu)
+                                                      for b in src[i * g:(i + 1) * g]]))
+                  for i, s in enumerate(slots))
+        report.check(name, "pages stored whole, one slot each", not bad and wk.done[job],
+                     f"{n - bad}/{n} host pages byte-equal")
+
+        kv_before = lay.raw[0].clone()
+        delay(device, args.kernel_delay)
+        for b in dst:
+            lay.zero_block(b)
+        req = wk.load([SKIP] + dst[1:], slots)  # the first block is vLLM's own
+        wk.until(lambda: req in wk.recving)
+        sync(device)
+        kv_cpu = [lay.raw[0].cpu()]
+        expected = [kv_before.cpu()]
+        for b in dst[:1]:
+            for page in lay.pages(expected, b):
+                page.zero_()
+        for b, a in zip(dst[1:], src[1:]):
+            want = lay.slot_bytes(a, [kv_before.cpu()])
+            off = 0
+            for page in lay.pages(expected, b):
+                page.copy_(want[off:off + page.numel()])
+                off += page.numel()
+        report.check(name, "pages loaded, the skipped block untouched",
+                     torch.equal(kv_cpu[0], expected[0]) and not wk.failed,
+                     f"{len(dst) - 1} blocks loaded, 1 skipped; failed: {dict(wk.failed)}")
+    finally:
+        wk.w.shutdown()
+        del lay
+
+
 def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple[float, float]:
     """Best seconds of one pinned copy_ of ``nbytes`` device -> host and back."""
     pin = device.type == "cuda"
@@ -294,7 +355,9 @@ def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--cases", nargs="+", default=[*CASES, "pages"], choices=[*CASES, "pages"])
+    p.add_argument("--page-blocks", type=int, default=16,
+                   help="blocks per page of the pages case (16: the default at block size 16)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--blocks", type=int, default=None, help="engine KV blocks")
     p.add_argument("--slots", type=int, default=None, help="host tier slots")
@@ -323,7 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     report = Report()
     for name in args.cases:
         try:
-            run_case(name, args, device, report)
+            if name == "pages":
+                run_pages(args, device, report)
+            else:
+                run_case(name, args, device, report)
         except Exception as err:  # a crash is a failed check, not a lost table
             report.check(name, "ran", False, f"{type(err).__name__}: {err}")
         if cuda:

@@ -16,7 +16,7 @@ def test_gpu_check_passes_on_cpu():
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--layers", "3", "--blocks", "24",
          "--heads", "2", "--block-size", "4", "--head-size", "16", "--mla-head-size", "24",
-         "--repeats", "1"],
+         "--repeats", "1", "--page-blocks", "4"],
         capture_output=True, text=True, timeout=600, cwd="/")  # imports from the repo
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     lines = out.stdout.splitlines()
@@ -31,6 +31,9 @@ def test_gpu_check_passes_on_cpu():
             assert f"{check}" in text and "PASS" in text.split(check)[1].split("\n")[0], \
                 (case, check, text)
         assert "offload d2h GB/s" in text and "onboard h2d GB/s" in text
+    pages = "\n".join(line for line in lines if line.startswith("pages "))
+    for check in ("pages stored whole, one slot each", "pages loaded, the skipped block untouched"):
+        assert check in pages and "PASS" in pages.split(check)[1].split("\n")[0], (check, pages)
 
 
 def test_gpu_check_reports_a_stale_page_as_failed(monkeypatch, capsys):
