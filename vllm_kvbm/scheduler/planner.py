@@ -81,7 +81,7 @@ class _ReqState:
     # tokens asked about by the last lookup; counted when vLLM admits the
     # request (None: nothing to count), as vLLM counts its own cache queries
     lookup_tokens: int | None = None
-    # blocks the last lookup found but left to recompute (cheaper than loading)
+    # pages the last lookup found but left to recompute (cheaper than loading)
     split_dropped: int = 0
     # the in-flight load: when it was planned, its pages per tier, its blocks
     load_started: float = 0.0
