@@ -5,12 +5,11 @@ engine's recompute."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import generate, reference
+from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -64,13 +63,7 @@ def test_disk_pages_onboard_and_equal_recompute(pages_llm, plain_llm):
     prompt = random_prompt(10 * BLOCK_SIZE + 40, seed=34)  # 5 pages
     want = reference(plain_llm, [prompt])
     generate(pages_llm, [prompt])
-    time.sleep(1.0)  # the write-through to disk lands
-    # Fresh prompts push it out of the 20-page host tier; then vLLM forgets too.
-    for seed in (35, 36):
-        generate(pages_llm, [random_prompt(24 * BLOCK_SIZE, seed=seed)], max_tokens=1)
-    time.sleep(1.0)
-    generate(pages_llm, [[7] * 8], max_tokens=1)  # a step collects the writes
-    assert pages_llm.reset_prefix_cache()
+    clear_engine_and_host(pages_llm, HOST_BLOCKS)  # only the disk keeps it
     before = kvbm_counter("onboard_blocks_d2d")
     got, cached = generate(pages_llm, [prompt])
     assert got == want
