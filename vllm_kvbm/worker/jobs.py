@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
-from vllm_kvbm.messages import (SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
+from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 TransferJob, block_rows)
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
@@ -325,7 +325,7 @@ class KVBMWorker:
                 meta.load_latencies.append(elapsed)
             else:
                 meta.loads_failed[job.req_id] += 1
-                self._load_error_blocks.update(b for b in job.block_ids if b != SKIP)
+                self._load_error_blocks.update(block_rows(job)[0])
             # Reported even when failed: vLLM recomputes the failed blocks.
             self._finished_recving.add(job.req_id)
 
