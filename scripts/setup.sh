@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-STAMP="$VENV/.kvbm-setup-v5"
+STAMP="$VENV/.kvbm-setup-v6"
 # prometheus and docker compose for the dashboard tests (no-op when present)
 PYTHON="$PY" bash scripts/setup_tools.sh
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm, matplotlib, isal, xxhash" 2>/dev/null; then

@@ -1,0 +1,27 @@
+"""`vllm serve` with the connector named by the plugin alone: no
+kv_connector_module_path, as vLLM's own connectors are named."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_kvbm.tools.server import vllm_server
+
+pytestmark = pytest.mark.timeout(900)
+
+SERVE_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--num-gpu-blocks-override", "32"]
+
+
+def test_serve_with_only_the_connector_name(model_dir):
+    config = {"kv_connector": "KVBMConnector", "kv_role": "kv_both"}
+    # The host tier's size from the environment keeps the config to the two keys
+    # and the pinned memory small.
+    with vllm_server(str(model_dir), config, SERVE_ARGS, startup_timeout=600,
+                     env={"KVBM_HOST_CACHE_SIZE": "64MiB"}) as server:
+        prompt = " ".join(f"word{i % 97}" for i in range(700))  # several 128-token blocks
+        _, _, text = server.stream_completion(prompt, max_tokens=4)
+        assert text
+        metrics = server.metrics()
+        offloaded = server.metric("kvbm_offload_blocks_d2h_total")
+    assert "kvbm_offload_blocks_d2h_total" in metrics
+    assert offloaded >= 1, metrics[:2000]

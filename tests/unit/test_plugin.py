@@ -1,0 +1,36 @@
+"""The vllm.general_plugins entry point that registers the name KVBMConnector."""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from vllm.config.kv_transfer import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+from vllm_kvbm.connector import KVBMConnector
+
+
+def test_entry_point_is_declared_and_loads_register():
+    [ep] = [e for e in entry_points(group="vllm.general_plugins")
+            if e.value.startswith("vllm_kvbm.")]
+    assert ep.value == "vllm_kvbm.plugin:register"
+    from vllm_kvbm.plugin import register
+
+    assert ep.load() is register
+
+
+def test_register_is_idempotent_and_the_name_resolves():
+    from vllm_kvbm.plugin import register
+
+    register()
+    register()  # vLLM's register_connector raises on a second call: guarded
+    config = KVTransferConfig(kv_connector="KVBMConnector", kv_role="kv_both")
+    assert config.kv_connector_module_path is None
+    assert KVConnectorFactory.get_connector_class(config) is KVBMConnector
+
+
+def test_vllm_loads_it_as_a_general_plugin():
+    import vllm.plugins as plugins
+
+    loaded = plugins.load_plugins_by_group(plugins.DEFAULT_PLUGINS_GROUP)
+    assert loaded["kvbm"].__module__ == "vllm_kvbm.plugin"
