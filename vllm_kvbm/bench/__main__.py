@@ -2,30 +2,90 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import sys
+
+USAGE = ("usage: kvbm-bench [--version] {multi-round,doc-qa,compare} [options]\n"
+         "  multi-round  synthetic multi-round QA against --base-url\n"
+         "  doc-qa       long document QA against --base-url\n"
+         "  compare      start each server configuration in turn and compare them\n"
+         "each subcommand takes --help")
+
+# Modules of the [bench] extra each subcommand imports (tqdm comes with vLLM,
+# but a plain install of the package need not have it).
+NEEDS = {
+    "multi-round": ("aiohttp", "tqdm"),
+    "doc-qa": ("aiohttp", "tqdm"),
+    "compare": ("aiohttp", "tqdm", "matplotlib"),
+}
+
+
+def _no_default(action) -> bool:
+    # `is`, not `in`: a default of 0 equals False
+    return action.default is None or action.default is False or \
+        action.default is argparse.SUPPRESS
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where its help already says it."""
+
+    def _format_action(self, action):
+        # argparse prints nothing after an option without help, not even its default
+        if action.help is None and action.option_strings and not _no_default(action):
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or _no_default(action):
+            return text
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as dist_version
+
+    try:
+        return dist_version("vllm-kvbm")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def missing_extra(cmd: str) -> str | None:
+    """The error for a subcommand whose [bench] modules are not importable."""
+    missing = [m for m in NEEDS[cmd] if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"kvbm-bench {cmd} needs {', '.join(missing)} (the [bench] extra): "
+            f'pip install "vllm-kvbm[bench]"')
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: kvbm-bench {multi-round,doc-qa,compare} [options]\n"
-             "  multi-round  synthetic multi-round QA against --base-url\n"
-             "  doc-qa       long document QA against --base-url\n"
-             "  compare      start each server configuration in turn and compare them\n"
-             "each subcommand takes --help")
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
+        print(USAGE)
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"kvbm-bench {version()}")
         return 0
     cmd, rest = argv[0], argv[1:]
-    if cmd in ("multi-round", "doc-qa"):
-        from vllm_kvbm.bench.client import main as client_main
-
-        return client_main(rest, cmd)
+    if cmd not in NEEDS:
+        print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    # Checked before anything starts: compare would otherwise run every
+    # configuration and fail only when it draws the plots.
+    problem = missing_extra(cmd)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     if cmd == "compare":
         from vllm_kvbm.bench.compare import main as compare_main
 
         return compare_main(rest)
-    print(f"unknown command {cmd!r}\n{usage}", file=sys.stderr)
-    return 2
+    from vllm_kvbm.bench.client import main as client_main
+
+    return client_main(rest, cmd)
 
 
 if __name__ == "__main__":

@@ -326,9 +326,11 @@ def workload_size(args) -> int:
 
 
 def main(argv: list[str] | None = None, workload: str = "multi-round") -> int:
+    from vllm_kvbm.bench.__main__ import HelpFormatter
+
     p = argparse.ArgumentParser(prog=f"kvbm-bench {workload}",
                                 description=f"{workload} workload against an "
-                                "OpenAI-compatible endpoint")
+                                "OpenAI-compatible endpoint", formatter_class=HelpFormatter)
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="model name the server serves")
     p.add_argument("--tokenizer", default=None, help="tokenizer to build prompts (default: model)")

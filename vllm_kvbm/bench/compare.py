@@ -379,7 +379,10 @@ def plots(runs: list[ConfigRun], out_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="kvbm-bench compare", description=__doc__.splitlines()[0])
+    from vllm_kvbm.bench.__main__ import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="kvbm-bench compare", description=__doc__.splitlines()[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the local model)")
     p.add_argument("--workload", choices=["multi-round", "doc-qa"], default="multi-round")
     p.add_argument("--configs", nargs="+", default=ALL_CONFIGS, choices=ALL_CONFIGS)
