@@ -8,7 +8,6 @@ the worker side in the connector metadata.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import os
@@ -16,7 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvbm.engine_info import files_fingerprint, local_model_dir
+from vllm_kvbm.fingerprints import adapter_fingerprint
 from vllm_kvbm.keys import (BlockKey, KeyChain, LoRAIdentity, VllmHashKeys, derive_seed,
                             request_salt)
 from vllm_kvbm.messages import (SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
@@ -680,10 +679,10 @@ def _lora_identity(lora) -> LoRAIdentity | None:
     return LoRAIdentity(lora.lora_name, lora.lora_int_id, path, _adapter_fingerprint(path))
 
 
-@functools.lru_cache(maxsize=256)
 def _adapter_fingerprint(path: str) -> str:
-    directory = local_model_dir(path, "") if path else None
-    return files_fingerprint(os.path.realpath(directory)) if directory else ""
+    # Stat-keyed: an adapter rewritten in place gets new keys from its next
+    # request on (fingerprints.adapter_fingerprint).
+    return adapter_fingerprint(path)
 
 
 def _salt(request: "Request") -> bytes:

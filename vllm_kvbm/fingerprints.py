@@ -1,0 +1,272 @@
+"""Identity of a model's or a LoRA adapter's files, from every byte of them.
+
+Keys must change when any weight byte changes (a fine-tune, a merged adapter
+or an RL update saved at the same path) and must not change between two
+copies of the same files (replicas, restarts, another host), so a
+fingerprint is a BLAKE3 hash of the names and full contents of a directory's
+config, index and weight files.
+
+Reading a 140 GB checkpoint takes minutes, so each large file's digest is
+cached on disk (``$KVBM_CACHE_DIR/fingerprints/``, default
+``~/.cache/vllm_kvbm/fingerprints/``) under what changes whenever the file
+does: (realpath, size, mtime, ctime, inode, device). ctime moves on every
+write and cannot be set back by a user, so a rewrite that restores the size
+and mtime is still seen. Restarts, replicas on one host and the worker
+processes (which start while the scheduler hashes) read the cache; a per-entry
+file lock makes the second process wait for the first one's digest instead of
+reading the weights again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import logging
+import os
+import tempfile
+import time
+
+import blake3
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "kvbm-files-v2"
+# Files whose bytes decide the KV a model computes for given token ids.
+CONFIG_FILES = ("config.json", "adapter_config.json", "params.json")
+INDEX_SUFFIX = ".index.json"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Smaller files are hashed at once: reading them costs less than a cache entry.
+CACHE_MIN_BYTES = 1 << 20
+# A file written this recently may be written again within the same
+# timestamp tick (coarse kernel clocks, network file systems), leaving its
+# stat unchanged: its digest is used but not cached.
+RACY_NS = 2_000_000_000
+
+# Digests by stat key, so the scheduler and a worker in one process (and
+# every adapter request) hash or read the cache once.
+_memo: dict[tuple, str] = {}
+_MEMO_MAX = 4096
+_warned_uncached = False
+
+
+def cache_dir() -> str | None:
+    """Where file digests are cached; None when there is no usable home."""
+    root = os.environ.get("KVBM_CACHE_DIR")
+    if not root:
+        home = os.path.expanduser("~")
+        if home.startswith("~"):
+            return None
+        root = os.path.join(home, ".cache", "vllm_kvbm")
+    return os.path.join(root, "fingerprints")
+
+
+def counts(name: str) -> bool:
+    """Whether a file of this name is part of a model's identity."""
+    return name in CONFIG_FILES or name.endswith(INDEX_SUFFIX) or name.endswith(WEIGHT_SUFFIXES)
+
+
+def stat_key(real: str, st: os.stat_result) -> tuple:
+    return (real, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
+def hash_file(path: str) -> str:
+    """BLAKE3 of a file's bytes: memory-mapped and hashed on every core."""
+    return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+
+
+def file_digest(path: str) -> str:
+    """The digest of one file, from the cache when its stat is unchanged."""
+    real = os.path.realpath(path)
+    key = stat_key(real, os.stat(real))
+    digest = _memo.get(key)
+    if digest is not None:
+        return digest
+    if key[1] < CACHE_MIN_BYTES:
+        return _hash_checked(real, key)[0]
+    entry = _entry_path(key)
+    digest = _read_entry(entry, key) if entry else None
+    if digest is None and entry:
+        try:
+            with _locked(entry):
+                # Another process may have hashed it while this one waited.
+                digest = _read_entry(entry, key)
+                if digest is None:
+                    digest, cacheable = _hash_checked(real, key)
+                    if cacheable:
+                        _write_entry(entry, key, digest)
+        except OSError as err:  # read-only or missing cache: still correct, uncached
+            _warn_uncached(entry, err)
+    if digest is None:
+        digest, _ = _hash_checked(real, key)
+    return digest
+
+
+def _hash_checked(real: str, key: tuple) -> tuple[str, bool]:
+    """Hash a file; the digest may be cached only if the file kept its stat
+    while it was read and was not written just before."""
+    digest = hash_file(real)
+    after = stat_key(real, os.stat(real))
+    newest = max(key[2], key[3])
+    cacheable = after == key and time.time_ns() - newest > RACY_NS
+    if cacheable:
+        if len(_memo) >= _MEMO_MAX:
+            _memo.clear()
+        _memo[key] = digest
+    return digest, cacheable
+
+
+def _entry_path(key: tuple) -> str | None:
+    directory = cache_dir()
+    if directory is None:
+        return None
+    name = blake3.blake3(json.dumps(key).encode()).hexdigest()[:40]
+    return os.path.join(directory, name + ".json")
+
+
+def _read_entry(entry: str, key: tuple) -> str | None:
+    """The cached digest, or None when absent, unreadable, corrupt or for
+    another stat (the entry names its key in full)."""
+    try:
+        with open(entry, "rb") as f:
+            data = json.loads(f.read())
+        digest = data["digest"]
+        if data["format"] != FORMAT or tuple(data["key"]) != key:
+            return None
+        if not (isinstance(digest, str) and len(digest) == 64):
+            return None
+        int(digest, 16)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if len(_memo) >= _MEMO_MAX:
+        _memo.clear()
+    _memo[key] = digest
+    return digest
+
+
+def _write_entry(entry: str, key: tuple, digest: str) -> None:
+    """Write then rename: a reader sees a whole entry or none."""
+    directory = os.path.dirname(entry)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": FORMAT, "key": list(key), "digest": digest}, f)
+        os.replace(tmp, entry)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+class _locked:
+    """An exclusive flock on ``entry + '.lock'``; released when the process
+    dies, so a crashed hasher never blocks the next start."""
+
+    def __init__(self, entry: str):
+        self._path = entry[:-len(".json")] + ".lock"
+
+    def __enter__(self):
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self._fd)  # closing releases the lock
+        return False
+
+
+def _warn_uncached(entry: str | None, err: OSError) -> None:
+    global _warned_uncached
+    if not _warned_uncached:
+        _warned_uncached = True
+        logger.warning("KVBM: cannot cache weight fingerprints under %s (%s); weights are "
+                       "hashed in full at every start. Set KVBM_CACHE_DIR to a writable "
+                       "directory to cache them.", os.path.dirname(entry or "") or "~", err)
+
+
+def files_fingerprint(directory: str) -> str:
+    """A hash of the names and every byte of a directory's config, index and
+    weight files (not its subdirectories); the same for any copy of them."""
+    h = blake3.blake3(FORMAT.encode())
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if counts(name) and os.path.isfile(path):
+            h.update(json.dumps([name, file_digest(path)]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def local_model_dir(model: str, revision: str) -> str | None:
+    """The local directory of a model path or an already downloaded HF model."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model, revision=revision or None, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the local HF cache
+        return None
+
+
+def model_fingerprint(model: str, revision: str = "") -> str:
+    """The fingerprint of a model's local files; "" when it has none (both
+    connector sides see the same files, so this never splits them)."""
+    directory = local_model_dir(model, revision)
+    if directory is None:
+        logger.warning("KVBM: model %s has no local files to fingerprint; block keys name "
+                       "it by id and revision only", model)
+        return ""
+    return files_fingerprint(os.path.realpath(directory))
+
+
+def adapter_fingerprint(path: str) -> str:
+    """The fingerprint of a LoRA adapter's files, re-read when they change.
+
+    Called for every new request with an adapter: it stats the adapter's
+    files (a few microseconds) and rehashes only when a stat changed, so an
+    adapter rewritten in place gets new keys from its next request on.
+    """
+    if not path:
+        return ""
+    directory = path if os.path.isdir(path) else _resolved_adapter_dir(path)
+    if directory is None:
+        return ""
+    directory = os.path.realpath(directory)
+    try:
+        stats = _dir_stat(directory)
+        newest = max((max(s[2], s[3]) for s in stats), default=0)
+        if time.time_ns() - newest <= RACY_NS:
+            return files_fingerprint(directory)  # may change again unseen: not kept
+        return _adapter_by_stat(directory, stats)
+    except OSError:
+        return ""  # removed or unreadable: vLLM cannot load it either
+
+
+@functools.lru_cache(maxsize=256)
+def _resolved_adapter_dir(path: str) -> str | None:
+    """An HF id's snapshot directory (its files are content addressed)."""
+    return local_model_dir(path, "")
+
+
+def _dir_stat(directory: str) -> tuple:
+    with os.scandir(directory) as entries:
+        return tuple(sorted((e.name,) + stat_key(e.path, e.stat())[1:]
+                            for e in entries if counts(e.name) and e.is_file()))
+
+
+@functools.lru_cache(maxsize=256)
+def _adapter_by_stat(directory: str, stats: tuple) -> str:
+    return files_fingerprint(directory)
+
+
+def clear_memory_cache() -> None:
+    """Forget in-process digests (as a restarted process would)."""
+    _memo.clear()
+    _adapter_by_stat.cache_clear()
+    _resolved_adapter_dir.cache_clear()
