@@ -229,23 +229,30 @@ def adapter_fingerprint(path: str) -> str:
     """The fingerprint of a LoRA adapter's files, re-read when they change.
 
     Called for every new request with an adapter: it stats the adapter's
-    files (a few microseconds) and rehashes only when a stat changed, so an
-    adapter rewritten in place gets new keys from its next request on.
+    files (tens of microseconds, docs/benchmarks.md) and rehashes only when
+    a stat changed, so an adapter rewritten in place gets new keys from its
+    next request on.
     """
     if not path:
         return ""
-    directory = path if os.path.isdir(path) else _resolved_adapter_dir(path)
-    if directory is None:
-        return ""
-    directory = os.path.realpath(directory)
     try:
-        stats = _dir_stat(directory)
-        newest = max((max(s[2], s[3]) for s in stats), default=0)
-        if time.time_ns() - newest <= RACY_NS:
-            return files_fingerprint(directory)  # may change again unseen: not kept
-        return _adapter_by_stat(directory, stats)
+        try:
+            return _adapter_from(path)
+        except (FileNotFoundError, NotADirectoryError):
+            directory = _resolved_adapter_dir(path)  # an HF id, not a directory
+            return _adapter_from(directory) if directory else ""
     except OSError:
         return ""  # removed or unreadable: vLLM cannot load it either
+
+
+def _adapter_from(directory: str) -> str:
+    # No realpath: a link moved to other files changes their stat (inode,
+    # device), and that alone keys the cache.
+    stats = _dir_stat(directory)
+    newest = max((max(s[2], s[3]) for s in stats), default=0)
+    if time.time_ns() - newest <= RACY_NS:
+        return files_fingerprint(directory)  # may change again unseen: not kept
+    return _adapter_by_stat(directory, stats)
 
 
 @functools.lru_cache(maxsize=256)
@@ -256,7 +263,7 @@ def _resolved_adapter_dir(path: str) -> str | None:
 
 def _dir_stat(directory: str) -> tuple:
     with os.scandir(directory) as entries:
-        return tuple(sorted((e.name,) + stat_key(e.path, e.stat())[1:]
+        return tuple(sorted((e.name,) + stat_key("", e.stat())[1:]
                             for e in entries if counts(e.name) and e.is_file()))
 
 
