@@ -1,7 +1,7 @@
 """Never slower than recompute: TTFT of returning prompts with a fast and a slow remote tier.
 
 One engine with a small host tier and an LMCache server (127.0.0.1) behind a
-proxy that paces the server's replies (tests/throttled_proxy.py). Each case
+proxy that paces the server's replies (tests/helpers/throttled_proxy.py). Each case
 computes a prompt, pushes it out of the host tier and vLLM's cache, times a
 fresh prompt as long (the miss: recompute), and sends the first again:
 
@@ -68,7 +68,7 @@ def main() -> None:
 def measure(args) -> list[tuple]:
     from vllm import LLM
 
-    from throttled_proxy import ThrottledProxy
+    from helpers.throttled_proxy import ThrottledProxy
     from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
     from vllm_kvbm.tools.server import stop_process as stop
 

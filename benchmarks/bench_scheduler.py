@@ -1,7 +1,7 @@
 """Scheduler-side cost of the connector against vLLM's own scheduling, per step.
 
 vLLM's real ``Scheduler`` with KVBMConnector and no model (the fake worker of
-tests/scheduler_harness.py), in a GPU-like configuration: block size 16,
+tests/helpers/scheduler_harness.py), in a GPU-like configuration: block size 16,
 ``--running`` running and ``--waiting`` waiting requests of ``--prompt-tokens``
 tokens whose first ``--shared-tokens`` are one of ``--groups`` shared prefixes,
 a host tier of ``--host-blocks`` slots and a disk tier (a real DiskView over a
@@ -213,7 +213,7 @@ def parse_args(argv=None):
 
 
 def run(args) -> list[Phase]:
-    from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
+    from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
     from vllm.v1.request import RequestStatus
 
     from vllm_kvbm.tiers.page_format import disk_page_path

@@ -7,7 +7,7 @@ the repository there and run
     python benchmarks/gpu_check.py --device cpu    # the same logic on CPU tensors
 
 For each KV layout of vLLM 0.32's CUDA attention backends (laid out exactly
-as vLLM's create_kv_cache_views does, see tests/kv_layouts.py: FlashAttention
+as vLLM's create_kv_cache_views does, see tests/helpers/kv_layouts.py: FlashAttention
 LBNHC, FlashInfer LBHNC (HND), a packed BLHNC, MLA, and blocks split into
 smaller kernel blocks), with the real KVBMWorker, PageMover and NIXL:
 
@@ -48,7 +48,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from kv_layouts import KVLayout, agent_name, vllm_layout  # noqa: E402
+from helpers.kv_layouts import KVLayout, agent_name, vllm_layout  # noqa: E402
 from vllm_kvbm.engine_info import EngineInfo  # noqa: E402
 from vllm_kvbm.keys import KeyNamespace  # noqa: E402
 from vllm_kvbm.messages import SKIP, KVBMConnectorMetadata, TransferJob  # noqa: E402

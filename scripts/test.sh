@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # The test suite: set everything up if needed, then run every test against
 # real vLLM engines, real NIXL agents and real LMCache backends.
+#   scripts/test.sh          every test (tests/unit and tests/e2e; what CI runs)
+#   scripts/test.sh --fast   tests/unit only: no engine, no server process
+# Other arguments pass through to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+paths=()
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    paths=(tests/unit)
+fi
 bash scripts/setup.sh
 .venv/bin/python -m vllm_kvbm.tools.local_model >/dev/null
-exec .venv/bin/python -m pytest -p no:cacheprovider -q -rfEs --durations=10 "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -rfEs --durations=10 "${paths[@]}" "$@"

@@ -14,7 +14,7 @@ import pytest
 
 import urllib.request
 
-from conftest import BLOCK_SIZE, HOST_BLOCKS, KVBM_METRICS_PORT, kvbm_counter, random_prompt
+from helpers.engines import BLOCK_SIZE, HOST_BLOCKS, KVBM_METRICS_PORT, kvbm_counter, random_prompt
 
 pytestmark = pytest.mark.timeout(900)
 

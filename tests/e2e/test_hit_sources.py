@@ -17,9 +17,9 @@ import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from tier_pages import tier_of
-from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
-from test_scheduler_unit import keys_of, store_and_finish, tokens
+from helpers.tier_pages import tier_of
+from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+from helpers.scheduler_harness import keys_of, store_and_finish, tokens
 
 
 def _wait_until(predicate, what: str, timeout: float = 10.0) -> None:

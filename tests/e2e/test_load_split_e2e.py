@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host, settle
-from throttled_proxy import ThrottledProxy
+from helpers.throttled_proxy import ThrottledProxy
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
 from vllm_kvbm.tools.server import stop_process as stop
 

@@ -19,9 +19,9 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
 from test_remote_store import raw_get, raw_put  # noqa: E402
-from tier_pages import SMALL, key, page, tier_of  # noqa: E402
+from helpers.tier_pages import SMALL, key, page, tier_of  # noqa: E402
 from vllm_kvbm.config import (MIN_PAGE_SECRET_BYTES, KVBMConfigError, PageSecret,  # noqa: E402
                               load_config)
 from vllm_kvbm.tiers import page_format as pf  # noqa: E402
@@ -371,8 +371,8 @@ def test_remote_refuses_pages_without_a_valid_mac_and_overwrites_them(lm_server)
 # ---- the counter reaches the scheduler through the worker metadata -------------------
 
 def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp_path):
-    from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
-    from test_scheduler_unit import keys_of, tokens
+    from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
+    from helpers.scheduler_harness import keys_of, tokens
     from vllm_kvbm.messages import KVBMWorkerMetadata
     from vllm_kvbm.tiers.disk import DiskStore
     from vllm_kvbm.worker.tier_io import TierIO
@@ -535,7 +535,7 @@ def test_bench_page_mac_runs_and_reports_the_ratio():
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_page_mac.py"),
                         "--pages", "3", "--rounds", "1", "--block-mib", "0.25"],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config

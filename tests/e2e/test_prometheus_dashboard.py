@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MODEL_DIR, ROOT
+from helpers import ROOT
+from helpers.engines import MODEL_DIR
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server, wait_for_http
 
 pytestmark = pytest.mark.timeout(600)

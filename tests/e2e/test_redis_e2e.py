@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from test_redis_store import PASSWORD, RedisServer
 from test_tiers_e2e import HOST_BLOCKS, clear_engine_and_host, settle

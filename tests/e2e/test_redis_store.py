@@ -19,8 +19,8 @@ import pytest
 import redis
 import torch
 
-from conftest import stop_every_thread
-from tier_pages import SMALL, key, page
+from helpers.system import stop_every_thread
+from helpers.tier_pages import SMALL, key, page
 from vllm_kvbm.config import (KVBMConfig, KVBMConfigError, RemotePassword, load_config,
                               parse_remote_url)
 from vllm_kvbm.scheduler.lookups import RedisView
@@ -546,8 +546,8 @@ def test_scheduler_process_with_a_redis_tier_loads_neither_lmcache_nor_nixl(serv
     wrong_file.write_text(WRONG)
     code = f"""
 import sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from scheduler_harness import make_scheduler
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from helpers.scheduler_harness import make_scheduler
 s = make_scheduler(remote_url={server.url!r}, remote_password_file={str(pw_file)!r})
 assert s.connector.sched is not None
 from vllm_kvbm.config import KVBMConfigError

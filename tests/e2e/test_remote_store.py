@@ -13,7 +13,7 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from tier_pages import BIG, MiB, SMALL, key, page  # noqa: E402
+from helpers.tier_pages import BIG, MiB, SMALL, key, page  # noqa: E402
 from vllm_kvbm.tools.server import free_port as _free_port  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError  # noqa: E402
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, flat_u8  # noqa: E402
@@ -295,8 +295,8 @@ def test_a_frozen_remote_server_never_stalls_vllms_scheduler(lm_server):
     import sys as _sys
     from pathlib import Path
 
-    _sys.path.insert(0, str(Path(__file__).parent))
-    from scheduler_harness import BLOCK, make_request, make_scheduler, step
+    _sys.path.insert(0, str(Path(__file__).parents[1]))
+    from helpers.scheduler_harness import BLOCK, make_request, make_scheduler, step
     from vllm.v1.request import RequestStatus
 
     sched = make_scheduler(host_blocks=16, remote_url=lm_server.url, remote_timeout_s=1.5)

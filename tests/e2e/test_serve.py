@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from conftest import MODEL_DIR, mount_tmpfs, random_prompt, umount
+from helpers.engines import MODEL_DIR, random_prompt
+from helpers.system import mount_tmpfs, umount
 from vllm_kvbm.tools.server import (free_port, kvbm_transfer_config, start_lmcache_server,
                               stop_process, vllm_server)
 

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from conftest import MODEL_DIR, ROOT
+from helpers import ROOT
+from helpers.engines import MODEL_DIR
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -18,7 +18,7 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from tier_pages import MiB, SMALL, key, page  # noqa: E402
+from helpers.tier_pages import MiB, SMALL, key, page  # noqa: E402
 from vllm_kvbm.messages import KVBMWorkerMetadata, TransferJob  # noqa: E402
 from vllm_kvbm.worker.tier_io import TierIO  # noqa: E402
 
@@ -135,8 +135,8 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
     are unpinned), the scheduler counts two drops, and when the prompt is
     reused from the host tier exactly the two dropped blocks are spilled
     again."""
-    from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
-    from test_scheduler_unit import keys_of, tokens
+    from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+    from helpers.scheduler_harness import keys_of, tokens
     from vllm.v1.outputs import KVConnectorOutput
 
     from vllm_kvbm.messages import KVBMConnectorMetadata
@@ -207,7 +207,7 @@ def test_a_refused_write_is_reported_as_a_page_the_tier_lacks(tmp_path):
     counted and reported like a page the tier does not have, so the
     scheduler's write-through bookkeeping forgets it and writes it again
     when the block is next reused (it stayed marked written before)."""
-    from conftest import mount_tmpfs, umount
+    from helpers.system import mount_tmpfs, umount
     from vllm_kvbm.tiers.disk import DiskStore
 
     mnt = tmp_path / "small"

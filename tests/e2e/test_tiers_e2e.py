@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
 from vllm_kvbm.tools.server import stop_process as stop

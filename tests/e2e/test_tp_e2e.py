@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.server import kvbm_transfer_config

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import stop_every_thread
+from helpers.system import stop_every_thread
 from vllm_kvbm.tools.server import free_port
 
 # LMCache's server binds without SO_REUSEADDR, so once it is killed with

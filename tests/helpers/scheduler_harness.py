@@ -18,6 +18,7 @@ import itertools
 import json
 import shutil
 import tempfile
+import time
 
 import torch
 from vllm import SamplingParams
@@ -215,3 +216,57 @@ def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=()
 
 def block_ids(scheduler: Scheduler, req_id: str) -> list[int]:
     return list(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+
+# ---- driving requests through the scheduler ------------------------------------
+
+def tokens(n: int, base: int) -> list[int]:
+    """n distinct-looking token ids; different bases never share a block."""
+    return [base * 1000 + i for i in range(n)]
+
+
+def keys_of(sched, toks: list[int]) -> list[bytes]:
+    """The keys the connector files ``toks``' full blocks under (a request
+    without LoRA or cache salt; from vLLM's block hashes, as the harness
+    hashes with sha256)."""
+    return list(kvbm(sched).key_chain(make_request(toks)).extend(toks))
+
+
+def run_until_done(sched, req_id: str, max_steps: int = 50) -> None:
+    for _ in range(max_steps):
+        if req_id not in sched.requests or sched.requests[req_id].is_finished():
+            return
+        step(sched)
+    raise AssertionError(f"{req_id} did not finish")
+
+
+def store_and_finish(sched, toks: list[int], max_tokens: int = 2):
+    """Runs a request to completion with a worker that finishes every transfer
+    within the step; returns the request and each step's metadata."""
+    req = make_request(toks, max_tokens=max_tokens)
+    sched.add_request(req)
+    metas = []
+    steps, deadline = 0, time.monotonic() + 30
+    while steps < 50 and time.monotonic() < deadline:
+        if req.request_id not in sched.requests:
+            return req, metas
+        out, meta, _ = step(sched, complete=True)
+        metas.append(meta)
+        if out.num_scheduled_tokens:
+            steps += 1
+        else:  # its lookup is answered in the background (a tier behind a server)
+            time.sleep(0.005)
+    raise AssertionError(f"{req.request_id} did not finish")
+
+
+def load_again(sched, toks: list[int], max_tokens: int = 2):
+    """Stores ``toks`` through a finished request, clears vLLM's prefix cache
+    and submits the same prompt: its first step plans one host-tier load.
+    Returns (request, load job)."""
+    store_and_finish(sched, toks)
+    assert sched.reset_prefix_cache()
+    req = make_request(toks, max_tokens=max_tokens)
+    sched.add_request(req)
+    _, meta, _ = step(sched)
+    (load,) = meta.loads
+    return req, load

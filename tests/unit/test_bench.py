@@ -1,118 +1,24 @@
-"""kvbm-bench's client against a real `vllm serve` with the plugin: CSV and summary."""
+"""kvbm-bench's parts that need no server: the core checks on real `vllm serve`
+logs, the comparison report, arrival pacing (tests/e2e/test_bench_e2e.py runs
+the client against a real server)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import csv
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import MODEL_DIR
-from vllm_kvbm.bench.client import (COLUMNS, Result, arrival_gaps, concurrency, read_csv,
-                                    run_doc_qa, run_multi_round, summarize, write_csv)
+from vllm_kvbm.bench.client import Result, arrival_gaps, concurrency, summarize
 from vllm_kvbm.bench.compare import ConfigRun, lmbenchmark_problem, report, unequal_cores
 from vllm_kvbm.bench.cores import check_equal, fair_cpu_env, parse_binding, read_binding
-from vllm_kvbm.bench.workloads import MultiRoundQA, TextSource, long_doc_qa
-from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
 pytestmark = pytest.mark.timeout(300)
 
-SERVE_ARGS = ["--enforce-eager", "--block-size", "128", "--max-model-len", "2048",
-              "--gpu-memory-utilization", "0.25", "--num-gpu-blocks-override", "32"]
-
-
-def _check(path, results, expected_rows, summary):
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        assert reader.fieldnames == COLUMNS
-        rows = list(reader)
-    assert len(rows) == expected_rows == len(results)
-    for r in read_csv(path):
-        total = r.finish_time - r.launch_time
-        assert 0 < r.ttft < total, r
-        assert r.generation_time == pytest.approx(total - r.ttft, abs=1e-3)
-        assert r.prompt_tokens > 0 and r.generation_tokens > 0
-    rows = read_csv(path)
-    ttfts = sorted(r.ttft for r in rows)
-    span = max(r.finish_time for r in rows) - min(r.launch_time for r in rows)
-    again = summarize(rows)
-    assert summary["requests"] == len(rows)
-    assert summary["ttft_mean_s"] == pytest.approx(sum(ttfts) / len(ttfts), rel=1e-6)
-    assert ttfts[0] <= summary["ttft_p50_s"] <= summary["ttft_p90_s"] \
-        <= summary["ttft_p99_s"] <= ttfts[-1]
-    assert summary["input_tokens_per_s"] == pytest.approx(
-        sum(r.prompt_tokens for r in rows) / span, rel=1e-6)
-    assert summary["output_tokens_per_s"] == pytest.approx(
-        sum(r.generation_tokens for r in rows) / span, rel=1e-6)
-    for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "duration_s"):
-        assert summary[key] == pytest.approx(again[key], rel=1e-6)
-
-
-async def _frozen_remote_stream(server):
-    import importlib.util
-    import time
-
-    import aiohttp
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_frozen_remote.py"
-    spec = importlib.util.spec_from_file_location("kvbm_bench_frozen_remote", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses look their module up
-    spec.loader.exec_module(bench)
-    out = bench.Stream(time.perf_counter())
-    async with aiohttp.ClientSession() as session:
-        await bench.stream(session, server.url, server.model, list(range(100, 140)), 6, out, 60)
-    return out
-
-
-def test_bench_client_against_vllm_serve(model_dir, tmp_path):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    with vllm_server(str(MODEL_DIR), kvbm_transfer_config(host_cache_size="256MiB"),
-                     SERVE_ARGS, startup_timeout=240) as server:
-        wl = MultiRoundQA(TextSource(tok), num_users=2, num_rounds=2, system_prompt_tokens=300,
-                          user_history_tokens=100, answer_tokens=4)
-        # LMBenchmark's pacing at 40 QPS: rounds 50 ms apart, user 1 joins 25 ms after
-        # user 0, while user 0's first prefill is still running
-        out = asyncio.run(run_multi_round(server.url, server.model, wl, qps=40, duration=60,
-                                          request_timeout=60))
-        docs = long_doc_qa(TextSource(tok, seed=1), num_documents=2, document_tokens=300,
-                           repeat_count=1, hit_ratio=0.5)
-        doc_out = asyncio.run(run_doc_qa(server.url, server.model, docs, answer_tokens=3,
-                                         qps=4, duration=60, request_timeout=60))
-        itl_stream = asyncio.run(_frozen_remote_stream(server))
-    # bench_frozen_remote's ITL reads the real stream: each generated token once,
-    # the final chunk (no new token), usage and [DONE] not counted as tokens
-    assert itl_stream.done and sum(itl_stream.tokens) == 6, itl_stream
-    assert len(itl_stream.stamps) == len(itl_stream.tokens)
-    assert itl_stream.stamps == sorted(itl_stream.stamps)
-    assert not out.errors and not doc_out.errors, (out.errors, doc_out.errors)
-    # a user's round r+1 prompt extends round r's prompt and its answer
-    by_user = {}
-    for r in out.results:
-        by_user.setdefault(r.user_id, []).append(r)
-    assert sorted(by_user) == [0, 1]
-    for rs in by_user.values():
-        assert [r.question_id for r in rs] == [0, 1]
-        assert rs[1].prompt_tokens > rs[0].prompt_tokens + 4
-        assert rs[1].launch_time >= rs[0].finish_time
-        assert rs[1].launch_time >= rs[0].launch_time + 0.05
-    # user 1 joined later, not at once (25 ms planned; user 0's launch may itself run late)
-    assert by_user[1][0].launch_time >= by_user[0][0].launch_time + 0.01
-    assert summarize(out.results)["max_in_flight"] == 2
-    for name, res, n in (("mr", out, 4), ("doc", doc_out, 4)):
-        path = tmp_path / f"{name}.csv"
-        write_csv(path, res.results)
-        _check(path, res.results, n, summarize(res.results, res.errors))
-
-
 # ---- fair comparisons: the cores each configuration ran on ------------------------------
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 def test_core_check_catches_unequal_cores_in_real_server_logs():

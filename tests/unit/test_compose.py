@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -410,7 +410,7 @@ def test_each_dynamo_variable_sets_its_key(env, tmp_path):
 def test_readme_lists_every_dynamo_variable_read():
     import re
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("Dynamo's variables"):]

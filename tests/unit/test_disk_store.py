@@ -14,8 +14,8 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from conftest import mount_tmpfs, umount  # noqa: E402
-from tier_pages import BIG, MiB, SMALL, key, page, phys  # noqa: E402
+from helpers.system import mount_tmpfs, umount  # noqa: E402
+from helpers.tier_pages import BIG, MiB, SMALL, key, page, phys  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError  # noqa: E402
 from vllm_kvbm.tiers import page_format  # noqa: E402
 from vllm_kvbm.tiers.disk import DiskStore  # noqa: E402
@@ -384,9 +384,9 @@ def test_lmcache_leaves_the_prometheus_multiprocess_dir_unset(tmp_path):
 
     code = f"""
 import os, sys
-sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+sys.path.insert(0, {str(os.path.dirname(os.path.dirname(__file__)))!r})
 import torch
-from tier_pages import SMALL, key, page
+from helpers.tier_pages import SMALL, key, page
 from vllm_kvbm.tiers.disk import DiskStore
 s = DiskStore({str(tmp_path / "cache")!r}, 1 << 24, SMALL, "ns", 0, 1)
 assert s.put(key(1), page(1, SMALL))

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 CASES = ["flash-attn", "flashinfer-hnd", "packed-blhnc", "mla", "kernel-split"]
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parent.parent / "vllm_kvbm"
+PKG = Path(__file__).resolve().parents[2] / "vllm_kvbm"
 SHARED = {"vllm_kvbm.config", "vllm_kvbm.keys", "vllm_kvbm.messages", "vllm_kvbm.engine_info",
           "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.tiers.lm_protocol",
           "vllm_kvbm.tiers.redis_conn", "vllm_kvbm.cpus"}
@@ -51,8 +51,8 @@ def test_scheduler_process_loads_neither_lmcache_nor_nixl(tmp_path):
     Scheduler, in a fresh interpreter."""
     code = f"""
 import sys
-sys.path.insert(0, {str(Path(__file__).parent)!r})
-from scheduler_harness import make_scheduler
+sys.path.insert(0, {str(Path(__file__).parents[1])!r})
+from helpers.scheduler_harness import make_scheduler
 s = make_scheduler(disk_cache_dir={str(tmp_path)!r}, disk_cache_size="64MiB",
                    remote_url="lm://127.0.0.1:9")
 assert s.connector.sched is not None

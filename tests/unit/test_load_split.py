@@ -12,8 +12,8 @@ from collections import Counter
 
 import pytest
 
-from scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler
-from test_scheduler_unit import store_and_finish, tokens
+from helpers.scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler
+from helpers.scheduler_harness import store_and_finish, tokens
 from vllm_kvbm.config import KVBMConfigError, load_config
 from vllm_kvbm.scheduler.load_split import (PROBE_AFTER_S, PROBE_BLOCKS, LoadSplit,
                                              PrefillModel)
@@ -136,7 +136,7 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     """Blocks 0-1 in the host tier, 2-5 only on disk; disk learned slower than
     recompute: vLLM is told of 2 blocks, computes the rest, and the counters
     say which tokens were recomputed on purpose."""
-    from tier_pages import put_where_the_scheduler_sees
+    from helpers.tier_pages import put_where_the_scheduler_sees
     from vllm_kvbm.tiers.disk import DiskStore
 
     s = make_scheduler(host_blocks=64, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB",

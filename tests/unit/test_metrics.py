@@ -12,10 +12,10 @@ import urllib.request
 
 import pytest
 
-from scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
-from scheduler_harness import admit as admit_request
-from test_scheduler_unit import keys_of, store_and_finish
-from tier_pages import put_where_the_scheduler_sees
+from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
+from helpers.scheduler_harness import admit as admit_request
+from helpers.scheduler_harness import keys_of, store_and_finish
+from helpers.tier_pages import put_where_the_scheduler_sees
 from vllm_kvbm import metrics
 from vllm_kvbm.metrics import GAUGES, KVBMStats, StandaloneMetrics
 from vllm_kvbm.tools.server import free_port

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from scheduler_harness import kvbm, make_scheduler
+from helpers.scheduler_harness import kvbm, make_scheduler
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.engine_info import engine_info, files_fingerprint
 

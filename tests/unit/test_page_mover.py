@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_layouts import (VLLM_LAYOUTS, KVLayout, agent_name, cpu_layout, flash_layout,
+from helpers.kv_layouts import (VLLM_LAYOUTS, KVLayout, agent_name, cpu_layout, flash_layout,
                         layer_name, random_fill, vllm_layout)
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.worker.page_mover import (NixlBuildError, PageMover, load_nixl,
@@ -456,7 +456,7 @@ else:
     print("loaded")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parent.parent)
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-2000:]
     msg = out.stdout.strip().splitlines()[-1]
     want = "nixl-cu12" if missing == "both" else missing.replace("_", "-")

@@ -11,9 +11,9 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
-from kv_layouts import agent_name, cpu_layout
-from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
-from test_scheduler_unit import keys_of, store_and_finish, tokens
+from helpers.kv_layouts import agent_name, cpu_layout
+from helpers.scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
+from helpers.scheduler_harness import keys_of, store_and_finish, tokens
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
@@ -126,7 +126,7 @@ def worker():
     lay = cpu_layout(3, NB, heads=2, block_size=4, head_size=16, gen=gen)
     bb = lay.block_bytes()
     ns = KeyNamespace(model="pages@", dtype="torch.bfloat16", kv_layout="NHD",
-                      block_size=4 * G, block_bytes=bb * G, tp_rank=0, tp_size=1)
+                      block_size=4, page_blocks=G, page_bytes=bb * G, tp_size=1)
     info = EngineInfo(block_size=4, block_bytes=bb, num_layers=3, num_workers=1,
                       key_namespace=ns, page_blocks=G)
     w = KVBMWorker(info, SLOTS, "UCX", agent_name("kvbm-pages"))

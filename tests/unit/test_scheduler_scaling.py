@@ -18,11 +18,11 @@ from pathlib import Path
 
 from vllm.v1.request import RequestStatus
 
-from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
+from helpers.scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
 from vllm_kvbm.keys import KeyChain, vllm_key_mask
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def reference_keys(seed: bytes, block_size: int, salt: bytes, toks: list[int]) -> list[bytes]:

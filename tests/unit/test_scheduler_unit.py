@@ -10,70 +10,19 @@ from __future__ import annotations
 import dataclasses
 import os
 import subprocess
-import time
 import sys
 
 import pytest
 from vllm.v1.request import RequestStatus
 
-from scheduler_harness import BLOCK, block_ids, kvbm, make_request, make_scheduler, step
+from helpers.scheduler_harness import (BLOCK, block_ids, keys_of, kvbm, load_again, make_request,
+                                       make_scheduler, run_until_done, step, store_and_finish,
+                                       tokens)
 from vllm_kvbm.keys import KeyChain, KeyNamespace, LoRAIdentity, request_salt
-
-
-def tokens(n: int, base: int) -> list[int]:
-    """n distinct-looking token ids; different bases never share a block."""
-    return [base * 1000 + i for i in range(n)]
-
-
-def keys_of(sched, toks: list[int]) -> list[bytes]:
-    """The keys the connector files ``toks``' full blocks under (a request
-    without LoRA or cache salt; from vLLM's block hashes, as the harness
-    hashes with sha256)."""
-    return list(kvbm(sched).key_chain(make_request(toks)).extend(toks))
 
 
 def store_job_ids(meta) -> list[int]:
     return [job.job_id for job in meta.stores]
-
-
-def run_until_done(sched, req_id: str, max_steps: int = 50) -> None:
-    for _ in range(max_steps):
-        if req_id not in sched.requests or sched.requests[req_id].is_finished():
-            return
-        step(sched)
-    raise AssertionError(f"{req_id} did not finish")
-
-
-def store_and_finish(sched, toks: list[int], max_tokens: int = 2):
-    """Runs a request to completion with a worker that finishes every transfer
-    within the step; returns the request and each step's metadata."""
-    req = make_request(toks, max_tokens=max_tokens)
-    sched.add_request(req)
-    metas = []
-    steps, deadline = 0, time.monotonic() + 30
-    while steps < 50 and time.monotonic() < deadline:
-        if req.request_id not in sched.requests:
-            return req, metas
-        out, meta, _ = step(sched, complete=True)
-        metas.append(meta)
-        if out.num_scheduled_tokens:
-            steps += 1
-        else:  # its lookup is answered in the background (a tier behind a server)
-            time.sleep(0.005)
-    raise AssertionError(f"{req.request_id} did not finish")
-
-
-def load_again(sched, toks: list[int], max_tokens: int = 2):
-    """Stores ``toks`` through a finished request, clears vLLM's prefix cache
-    and submits the same prompt: its first step plans one host-tier load.
-    Returns (request, load job)."""
-    store_and_finish(sched, toks)
-    assert sched.reset_prefix_cache()
-    req = make_request(toks, max_tokens=max_tokens)
-    sched.add_request(req)
-    _, meta, _ = step(sched)
-    (load,) = meta.loads
-    return req, load
 
 
 # ---- 1. store, then load the same prefix --------------------------------------
@@ -764,7 +713,7 @@ def test_metrics_port_already_taken_is_a_warning_not_a_failure(caplog):
 # ---- 9. keys --------------------------------------------------------------------
 
 _NS = dict(model="m@", dtype="torch.float16", kv_layout="NHD", block_size=16,
-           block_bytes=4096, tp_rank=0, tp_size=1, extra="")
+           page_bytes=4096, tp_size=1, extra="")
 _TOKENS = list(range(100, 164))
 
 
@@ -782,6 +731,9 @@ _LORA = LoRAIdentity("lora-a", 1, "/adapters/a", "f1")
     # every fp8 KV cache has torch dtype uint8: vLLM's kv-cache-dtype tells them apart
     dict(kv_cache_dtype='["fp8_e5m2", []]'), dict(quantization="fp8"),
     dict(model_fingerprint="new-weights-same-path"),
+    # the same page of 256 tokens laid out in blocks of 32 or of 64 tokens
+    dict(block_size=32, page_blocks=8), dict(page_blocks=2),
+    dict(kv_spec='{"groups": []}'), dict(config="another-vllm-setting"),
     dict(salt=request_salt(_LORA, None)), dict(salt=request_salt(None, "salt")),
 ])
 def test_keys_differ_when_kv_would(change):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_worker_unit import NB, SLOTS, gen, harness  # noqa: F401 (fixtures)
-from tier_pages import key
+from helpers.tier_pages import key
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.tiers.disk import DiskStore
 
@@ -98,9 +98,9 @@ def test_two_streamed_loads_share_the_staging_slots(harness, tmp_path):
 
 
 def test_scheduler_loads_a_prefix_longer_than_the_host_tier(tmp_path):
-    from scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler, step
-    from test_scheduler_unit import keys_of, run_until_done, tokens
-    from tier_pages import put_where_the_scheduler_sees
+    from helpers.scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler, step
+    from helpers.scheduler_harness import keys_of, run_until_done, tokens
+    from helpers.tier_pages import put_where_the_scheduler_sees
 
     sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
@@ -125,45 +125,6 @@ def test_scheduler_loads_a_prefix_longer_than_the_host_tier(tmp_path):
     assert k.stats.total["onboard_blocks_h2d"] == 10
     assert sum(k.host.is_ready(key_) for key_ in keys) == 4  # the promoted ones
     run_until_done(sched, req.request_id)
-
-
-# ---- real engines -------------------------------------------------------------------
-
-
-def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plain_llm, tmp_path):
-    """Engine A (a host tier big enough) writes a 5000-token prompt to disk;
-    engine B, on the same directory with an 8-block host tier, onboards all of
-    it and answers as a plain engine that recomputed it."""
-    from conftest import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
-    from test_engine_e2e import expected_hit_tokens, generate, reference
-    from test_tiers_e2e import settle
-    from vllm_kvbm.tools.server import kvbm_transfer_config
-
-    prompt = random_prompt(5000, seed=9201)
-    want = reference(plain_llm, [prompt])
-
-    def engine(host_blocks: int):
-        return make_llm(kvbm_transfer_config(host_cache_blocks=host_blocks,
-                                             disk_cache_dir=str(tmp_path),
-                                             disk_cache_size="1GiB"))
-
-    a = engine(64)
-    try:
-        assert generate(a, [prompt])[0] == want
-        settle(a)
-    finally:
-        a.llm_engine.engine_core.shutdown()
-    assert len(list(tmp_path.glob("*.pt"))) == len(prompt) // BLOCK_SIZE
-
-    b = engine(8)
-    try:
-        before = kvbm_counter("onboard_blocks_d2d")
-        got, cached = generate(b, [prompt])
-        assert got == want
-        assert cached[0] == expected_hit_tokens(len(prompt))
-        assert kvbm_counter("onboard_blocks_d2d") - before == cached[0] // BLOCK_SIZE
-    finally:
-        b.llm_engine.engine_core.shutdown()
 
 
 # ---- a frozen filesystem: the read deadline ---------------------------------------

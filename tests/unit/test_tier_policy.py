@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 from vllm.v1.request import RequestStatus
 
-from tier_pages import put_where_the_scheduler_sees, tier_of
-from scheduler_harness import (BLOCK, admit, block_ids, kvbm, lookup, make_request,
+from helpers.tier_pages import put_where_the_scheduler_sees, tier_of
+from helpers.scheduler_harness import (BLOCK, admit, block_ids, kvbm, lookup, make_request,
                                make_scheduler, step)
-from test_scheduler_unit import keys_of, run_until_done, tokens
+from helpers.scheduler_harness import keys_of, run_until_done, tokens
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.lookups import BackgroundLookups
 from vllm_kvbm.scheduler.tier_policy import LowerTiers

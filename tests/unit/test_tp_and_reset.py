@@ -13,10 +13,9 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.request import RequestStatus
 
-from tier_pages import put_where_the_scheduler_sees, tier_of
-from scheduler_harness import (BLOCK, kvbm, lookup, make_request, make_scheduler, step,
-                               worker_output)
-from test_scheduler_unit import keys_of, store_and_finish, tokens
+from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, lookup, make_request, make_scheduler,
+                                       step, store_and_finish, tokens, worker_output)
+from helpers.tier_pages import put_where_the_scheduler_sees, tier_of
 
 
 def tp_step(sched, aggregator, *ranks: dict):

@@ -33,7 +33,7 @@ from vllm_kvbm.config import (SUPPORTED_VLLM, KVBMConfigError, check_vllm_versio
                               vllm_release)
 from vllm_kvbm.tools import vllm_compat as vc
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- the supported range ------------------------------------------------------
@@ -81,7 +81,7 @@ def test_connector_refuses_an_unsupported_vllm_at_startup(monkeypatch):
     reports is what is faked, the connector and vLLM's Scheduler are real."""
     import vllm
 
-    from scheduler_harness import make_scheduler
+    from helpers.scheduler_harness import make_scheduler
 
     monkeypatch.setattr(vllm, "__version__", "0.35.1")
     with pytest.raises(KVBMConfigError, match=r"vLLM 0\.35\.1 is not supported.*>=0\.32,<0\.35"):
@@ -93,7 +93,7 @@ def test_connector_refuses_sleep_mode_on_vllm_032():
     connector refuses it itself."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from scheduler_harness import make_scheduler
+    from helpers.scheduler_harness import make_scheduler
     from vllm_kvbm.connector import KVBMConnector
 
     sched = make_scheduler()
@@ -108,7 +108,7 @@ def test_connector_refuses_to_release_the_kv_cache_memory():
     """vLLM >= 0.33 calls unregister_kv_caches before it frees the KV cache
     (0.34: release_kv_cache_memory, weight updates with the extensible KV
     cache); the NIXL registration cannot follow, so it is refused first."""
-    from scheduler_harness import make_scheduler
+    from helpers.scheduler_harness import make_scheduler
 
     sched = make_scheduler()
     with pytest.raises(RuntimeError, match="--no-enable-extensible-kv-cache"):
@@ -141,8 +141,8 @@ def test_connector_matches_every_supported_release():
 
 # The connector's scheduler-side tests, which need vLLM's Scheduler but no
 # compiled vLLM code: they also run on the other supported releases.
-SCHEDULER_TESTS = ["tests/test_hit_sources.py", "tests/test_scheduler_unit.py",
-                   "tests/test_tier_policy.py"]
+SCHEDULER_TESTS = ["tests/e2e/test_hit_sources.py", "tests/unit/test_scheduler_unit.py",
+                   "tests/unit/test_tier_policy.py"]
 
 
 @pytest.mark.parametrize("series", SUPPORTED_VLLM.series())

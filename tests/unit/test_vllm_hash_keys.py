@@ -21,11 +21,11 @@ from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256, sha256_cbor, xxhash
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
-from scheduler_harness import BLOCK, _model_dir, kvbm, make_request, make_scheduler
-from test_scheduler_unit import keys_of, load_again, tokens
+from helpers.scheduler_harness import (BLOCK, _model_dir, keys_of, kvbm, load_again, make_request,
+                                       make_scheduler, tokens)
 from vllm_kvbm.keys import KeyChain, VllmHashKeys, vllm_key_mask, xor_keys
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def xor(a: bytes, b: bytes) -> bytes:
@@ -97,8 +97,7 @@ def test_keys_differ_across_namespaces_salts_and_epochs(tmp_path):
 _PRINT_KEYS = """
 import json, sys
 sys.path.insert(0, "tests")
-from scheduler_harness import kvbm, make_request, make_scheduler
-from test_scheduler_unit import tokens
+from helpers.scheduler_harness import kvbm, make_request, make_scheduler, tokens
 k = kvbm(make_scheduler(model=sys.argv[1]))
 prompt = tokens(20 * 16 + 7, 5)
 req = make_request(prompt)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_layouts import KVLayout, agent_name, cpu_layout, flash_layout
+from helpers.kv_layouts import KVLayout, agent_name, cpu_layout, flash_layout
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
@@ -28,7 +28,7 @@ NB, SLOTS, LAYERS, BS = 256, 128, 16, 4
 def engine_info(lay: KVLayout, block_size: int = BS) -> EngineInfo:
     bb = lay.block_bytes()
     ns = KeyNamespace(model="test-model@", dtype="torch.bfloat16", kv_layout="NHD",
-                      block_size=block_size, block_bytes=bb, tp_rank=0, tp_size=1)
+                      block_size=block_size, page_bytes=bb, tp_size=1)
     return EngineInfo(block_size=block_size, block_bytes=bb, num_layers=lay.num_layers,
                       num_workers=1, key_namespace=ns)
 
@@ -565,7 +565,7 @@ def test_host_pool_pins_in_slot_aligned_chunks_and_unpins(monkeypatch):
 def test_worker_side_imports_and_moves_pages_without_vllm():
     """The GPU machine may have only PyTorch and NIXL: import every worker-side
     module with vLLM unimportable, then store and load pages for real."""
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1]
     code = f"""
 import importlib.abc, sys
 class NoVllm(importlib.abc.MetaPathFinder):
@@ -578,7 +578,7 @@ import time, torch
 import vllm_kvbm.config, vllm_kvbm.keys, vllm_kvbm.engine_info, vllm_kvbm.messages
 import vllm_kvbm.tiers.page_format, vllm_kvbm.worker.tier_io, vllm_kvbm.worker.fence
 import vllm_kvbm.worker.host_pool, vllm_kvbm.worker.page_mover, vllm_kvbm.worker.vllm_layout
-from kv_layouts import agent_name, vllm_layout
+from helpers.kv_layouts import agent_name, vllm_layout
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
@@ -589,7 +589,7 @@ lay = vllm_layout("LBNHC", 4, 40, heads=2, block_size=4, head_size=8,
                   gen=torch.Generator().manual_seed(0))
 bb = lay.block_bytes()
 ns = KeyNamespace(model="m@", dtype="torch.bfloat16", kv_layout="LBNHC", block_size=4,
-                  block_bytes=bb, tp_rank=0, tp_size=1)
+                  page_bytes=bb, tp_size=1)
 w = KVBMWorker(EngineInfo(4, bb, 4, 1, ns), 16, "UCX", agent_name())
 w.register_kv_caches(lay.caches, 40, lay.block_dims)
 w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "A", [3, 7, 9], [0, 5, 2])]))

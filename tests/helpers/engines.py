@@ -1,0 +1,68 @@
+"""Real vLLM engines for the e2e tests: the local model, one way to start an
+engine, prompts and the counters tests read deltas of."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+from helpers import ROOT
+from vllm_kvbm.tools.server import free_port
+
+MODEL_DIR = Path(os.environ.get("KVBM_TEST_MODEL", ROOT / "models" / "kvbm-llama-8l"))
+BLOCK_SIZE = 128
+# Enough host slots for the correctness tests; the capacity test overfills it.
+HOST_BLOCKS = 96
+# The kvbm engine also serves its metrics on a standalone port.
+KVBM_METRICS_PORT = free_port()
+
+
+def make_llm(kv_transfer_config: dict | None = None, **overrides):
+    from vllm import LLM
+
+    args = dict(
+        model=str(MODEL_DIR),
+        # float32: in bfloat16, vLLM's own prefix-cache hits already change
+        # near-tie greedy tokens against a full recompute (the attention over
+        # cached KV rounds differently), which would hide what is under test.
+        dtype="float32",
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        # Eager on both engines: the compiled and eager paths round differently,
+        # and the comparison must differ only in where the KV came from.
+        enforce_eager=True,
+        gpu_memory_utilization=0.25,
+        kv_cache_memory_bytes=1 << 30,
+        seed=0,
+        disable_log_stats=False,
+        kv_transfer_config=kv_transfer_config,
+    )
+    args.update(overrides)
+    return LLM(**args)
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 7000) for _ in range(n)]
+
+
+def kvbm_counter(name: str) -> float:
+    """Sum of a kvbm_ counter over engines, from this process's registry."""
+    from prometheus_client import REGISTRY
+
+    total = 0.0
+    for metric in REGISTRY.collect():
+        for sample in metric.samples:
+            if sample.name == f"kvbm_{name}_total":
+                total += sample.value
+    return total
+
+
+def vllm_counter(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples
+               if s.name == f"{name}_total")
