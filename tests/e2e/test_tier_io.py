@@ -4,7 +4,7 @@ write, counts it, and the scheduler writes the page again when next reused).
 
 Slowness is real: a real ext4 frozen with fsfreeze under the disk's writes, and a
 real LMCache server whose write connection stalls (a relay process in front
-of it, SIGSTOPped for that connection only: tests/tcp_relay.py).
+of it, SIGSTOPped for that connection only: tests/helpers/tcp_relay.py).
 """
 
 from __future__ import annotations

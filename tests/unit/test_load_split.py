@@ -3,7 +3,7 @@
 The cost model is checked on its own (fits, cuts, probes); the scheduler
 side on vLLM's real Scheduler with costs it learned from observations fed
 through the same calls the planner makes; real engines in
-tests/test_load_split_e2e.py.
+tests/e2e/test_load_split_e2e.py.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ checks the releases of the last index it fetched, from the cache, and says so;
 with nothing cached it raises ``Offline``. Any other failure (an HTTP error, a
 server ignoring ranges, a wheel without the member, a corrupt member) raises
 ``FetchError``. The script exits 0 (compatible), 1 (problems) or 2 (no sources).
-tests/test_vllm_compat.py fails on FetchError, and on Offline under CI.
+tests/unit/test_vllm_compat.py fails on FetchError, and on Offline under CI.
 """
 
 from __future__ import annotations
