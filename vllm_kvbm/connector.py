@@ -147,13 +147,16 @@ class KVBMConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self.worker is not None
-        from vllm_kvbm.worker.tier_io import open_tiers
+        from vllm_kvbm.worker.tier_io import layout_fingerprint, open_tiers
         from vllm_kvbm.worker.vllm_layout import declared_block_dims
 
         # Each layer's block dim from vLLM's declared KV layout, not guessed.
-        self.worker.register_kv_caches(kv_caches, self._num_blocks,
-                                       declared_block_dims(self._kv_cache_config, kv_caches))
-        for store in open_tiers(self.config, self.info, _tp_rank()):
+        dims = declared_block_dims(self._kv_cache_config, kv_caches)
+        self.worker.register_kv_caches(kv_caches, self._num_blocks, dims)
+        # Bound into every page this worker stores: read back only by a
+        # worker whose KV cache lays out the bytes alike.
+        layout = layout_fingerprint(kv_caches, self._num_blocks, dims)
+        for store in open_tiers(self.config, self.info, _tp_rank(), layout):
             self.worker.add_tier(store)
 
     def unregister_kv_caches(self) -> None:

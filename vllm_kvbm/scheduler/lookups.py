@@ -42,9 +42,11 @@ class DiskView:
 
     name = "disk"
 
-    def __init__(self, directory: str, namespace: str, block_bytes: int, world_size: int):
+    def __init__(self, directory: str, namespace: str, block_bytes: int, world_size: int,
+                 secret: bytes | None = None):
+        # ``secret``: the page secret, which keys the pages' names (page_format).
         self._paths = [
-            disk_page_namer(directory, namespace, block_bytes, rank, world_size)
+            disk_page_namer(directory, namespace, block_bytes, rank, world_size, secret)
             for rank in range(world_size)]
 
     def contains(self, key: BlockKey) -> bool:
@@ -63,10 +65,11 @@ class RemoteView:
     name = "remote"
 
     def __init__(self, url: str, namespace: str, block_bytes: int, world_size: int,
-                 timeout_s: float = 2.0, retry_interval_s: float = 2.0):
+                 timeout_s: float = 2.0, retry_interval_s: float = 2.0,
+                 secret: bytes | None = None):
         self.url = url
         self._addr = parse_lm_url("remote_url", url)
-        self._name = page_namer(namespace, block_bytes, 0, world_size)
+        self._name = page_namer(namespace, block_bytes, 0, world_size, secret)
         self._timeout_s = timeout_s
         self._retry_s = retry_interval_s
         self._lock = threading.Lock()
@@ -160,10 +163,10 @@ class RedisView:
 
     def __init__(self, url: str, password, namespace: str, block_bytes: int, world_size: int,
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0,
-                 tls_ca_file: str | None = None):
+                 tls_ca_file: str | None = None, secret: bytes | None = None):
         self.url = url
         self._names = [
-            page_namer(namespace, block_bytes, rank, world_size)
+            page_namer(namespace, block_bytes, rank, world_size, secret)
             for rank in range(world_size)]
         self._link = RedisLink(parse_remote_url("remote_url", url), password, timeout_s,
                                retry_interval_s, "remote tier (lookups)", tls_ca_file)
@@ -272,14 +275,17 @@ def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
     """The scheduler's views of the configured disk and remote tiers."""
     views: list = []
     namespace, world = info.tier_namespace, info.key_namespace.tp_size
+    # The workers' stores name pages with the same secret (worker/tier_io.py).
+    secret = config.page_secret.reveal() if config.page_secret is not None else None
     if config.disk_cache_dir is not None:
         config.disk_blocks(info.page_bytes)  # fails early if too small
-        views.append(DiskView(config.disk_cache_dir, namespace, info.page_bytes, world))
+        views.append(DiskView(config.disk_cache_dir, namespace, info.page_bytes, world,
+                              secret))
     if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
         views.append(RedisView(config.remote_url, config.remote_password, namespace,
                                info.page_bytes, world, config.remote_timeout_s,
-                               tls_ca_file=config.remote_tls_ca_file))
+                               tls_ca_file=config.remote_tls_ca_file, secret=secret))
     elif config.remote_url is not None:
         views.append(RemoteView(config.remote_url, namespace, info.page_bytes, world,
-                                config.remote_timeout_s))
+                                config.remote_timeout_s, secret=secret))
     return LowerTiers(views, config.disk_admission, config.disk_admission_min_uses)

@@ -9,14 +9,16 @@ LocalDiskBackend keeps the index: the key -> file table, the LRU order by
 bytes, admission and eviction (whose deletions we report, take_removed). The
 bytes go around it: put writes the page file itself, on the caller's thread
 (one of TierIO's writer threads), header and payload straight from the caller's
-tensor, 1 MiB per call; get_into reads a page in the page cache straight
-into the caller's slot, 1 MiB at a time, each chunk checksummed (or MAC'd)
-right after it is read while it is still in the CPU's cache, and a page
-that is not with O_DIRECT (the device DMAs it into an aligned buffer, where
-it is checked, then copied); get_many_into does that for several pages in
-flight. LMCache's byte path staged every page in its own
-CPU memory (a copy in and a copy out), sent each write through its asyncio
-loop to its disk worker threads, and allocated staging memory per read.
+tensor (encrypted through a scratch buffer under a page secret), 1 MiB per
+call; get_into reads a page in the page cache straight into the caller's
+slot, 1 MiB at a time, each chunk checksummed (or decrypted in place under a
+page secret) right after it is read while it is still in the CPU's cache,
+and a page that is not with O_DIRECT (the device DMAs it into an aligned
+buffer, where it is checked, then copied or decrypted into the slot);
+get_many_into does that for several pages in flight. LMCache's byte path
+staged every page in its own CPU memory (a copy in and a copy out), sent each
+write through its asyncio loop to its disk worker threads, and allocated
+staging memory per read.
 LMCache's NixlStorageBackend (NIXL POSIX) stages the same way and keeps
 pages in a pool of preallocated files indexed in memory only, so nothing
 survives a restart. Figures for all of them against a plain read and write
@@ -71,15 +73,29 @@ class _ShortFile(Exception):
 _WRITE_CHUNK = 1024 * 1024
 
 
+_scratch = threading.local()
+
+
+def _write_scratch() -> memoryview:
+    """This writer thread's buffer for a sealed chunk (the host slot a page
+    is written from stays plaintext)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = memoryview(bytearray(_WRITE_CHUNK))
+    return buf
+
+
 def _write_page(path: str, codec, key: bytes, payload: torch.Tensor) -> None:
     """Writes ``key``'s page (header + payload) to ``path`` atomically:
     ``<path>.tmp``, then a rename.
 
     Owner-only, never through a symlink someone planted: the directory may
     be shared (see DiskStore's directory lock). Written from the caller's
-    tensor (no staging copy), at most _WRITE_CHUNK per call, each chunk
-    checksummed (or MAC'd) right after its write, while it is in cache; the
-    header, which holds the checksum, goes last.
+    tensor, at most _WRITE_CHUNK per call: without a page secret straight
+    from it (no staging copy), each chunk checksummed right before its
+    write, while it is in cache; with one each chunk is encrypted into this
+    thread's scratch buffer and checksummed there first. The header, which
+    holds the checksum, goes last.
     """
     tmp = path + ".tmp"
     try:
@@ -87,11 +103,11 @@ def _write_page(path: str, codec, key: bytes, payload: torch.Tensor) -> None:
         try:
             view = memoryview(payload.numpy())
             signer = codec.signer(key)
+            scratch = _write_scratch() if codec.keyed else None
             for off in range(0, len(view), _WRITE_CHUNK):
-                part = view[off:off + _WRITE_CHUNK]
-                _pwrite_all(fd, [part], HEADER_BYTES + off)
-                signer.update(part)
-            _pwrite_all(fd, [memoryview(signer.header(payload))], 0)
+                stored = signer.seal(view[off:off + _WRITE_CHUNK], scratch)
+                _pwrite_all(fd, [stored], HEADER_BYTES + off)
+            _pwrite_all(fd, [memoryview(signer.header())], 0)
         finally:
             os.close(fd)
         os.replace(tmp, path)
@@ -270,6 +286,9 @@ class _Bounce:
         view, src = self._view[HEADER_BYTES:want], self._addr + HEADER_BYTES
         for off in range(0, size, _READ_CHUNK):
             part = view[off:off + _READ_CHUNK]
+            if check.opens:  # a sealed page: decrypted from here into the slot
+                check.update_into(part, out.view[off:off + _READ_CHUNK])
+                continue
             check.update(part)  # then copied while still in cache (GIL released)
             ctypes.memmove(out.addr + off, src + off, len(part))
         return check.finish(out.view)
@@ -439,8 +458,9 @@ class DiskStore(LMCacheStore):
     A new instance on the same directory adopts the pages left there by an
     earlier one (same namespace, rank and world size), newest first up to the
     capacity; older surplus files are deleted, and so are this namespace's
-    files of an older page format version. With ``page_secret`` pages carry
-    a MAC and a page without a valid one reads as "unauthenticated" (removed).
+    files of an older page format version. With ``page_secret`` pages are
+    sealed (encrypted and authenticated) and named by keyed hashes, and a
+    page that does not open reads as "unauthenticated" (removed).
 
     A directory may be shared by engines of different models (or block
     sizes, dtypes, ...): each store counts, evicts and adopts only its own
@@ -456,8 +476,15 @@ class DiskStore(LMCacheStore):
     def __init__(self, directory: str, capacity_bytes: int, block_bytes: int, namespace: str,
                  rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8,
                  read_inflight: int = 4, write_inflight: int = 4,
-                 page_secret: bytes | None = None, direct_reads: bool = True):
-        super().__init__(block_bytes, namespace, rank, world_size, page_secret)
+                 page_secret: bytes | None = None, direct_reads: bool = True,
+                 layout: str = ""):
+        super().__init__(block_bytes, namespace, rank, world_size, page_secret, layout)
+        # Keys of the pages this store put or read, by their names' chunk
+        # hash: under a page secret names are keyed hashes, so take_removed
+        # cannot turn a removed page's name back into its key otherwise
+        # (pages adopted at startup and never touched are not reported: this
+        # scheduler never wrote them).
+        self._keys: dict[int, bytes] = {}
         self._retired = tuple(f"{m}@{world_size}@{rank}@"
                               for m in retired_model_names(namespace, block_bytes))
         if capacity_bytes < self._phys:
@@ -533,8 +560,7 @@ class DiskStore(LMCacheStore):
                 h = int(k.chunk_hash)
                 if not (0 <= h < 1 << 256) or k.dtype != torch.uint8:
                     continue
-                key = h.to_bytes(KEY_BYTES, "big")
-                if self._disk._key_to_path(self._ckey(key)) != path:
+                if self._disk._key_to_path(self._ckey_of(h)) != path:
                     continue
                 st = os.lstat(path)
             except Exception:  # noqa: BLE001 - not a name we wrote
@@ -542,7 +568,7 @@ class DiskStore(LMCacheStore):
             if not stat.S_ISREG(st.st_mode) or st.st_size != self._codec.stored_bytes:
                 self._unlink(path)  # ours but truncated/garbled
                 continue
-            found.append((st.st_mtime_ns, fn, key, path))
+            found.append((st.st_mtime_ns, fn, h, path))
         found.sort()
         keep, total = [], 0
         for entry in reversed(found):  # newest first
@@ -551,8 +577,8 @@ class DiskStore(LMCacheStore):
                 total += self._phys
             else:
                 self._unlink(entry[3])
-        for _, _, key, _ in reversed(keep):  # oldest first = front of the LRU
-            self._disk.insert_key(self._ckey(key), self._phys, self._shape, torch.uint8, self._fmt)
+        for _, _, h, _ in reversed(keep):  # oldest first = front of the LRU
+            self._disk.insert_key(self._ckey_of(h), self._phys, self._shape, torch.uint8, self._fmt)
             with self._disk.disk_lock:
                 self._disk.current_cache_size += self._phys
             self._disk.usage += self._phys
@@ -584,6 +610,7 @@ class DiskStore(LMCacheStore):
             return False
         try:
             ck = self._ckey(key)
+            self._note_key(ck, key)
             page = page.contiguous()
             while True:
                 admitted = self._disk.admit(ck, self._phys)
@@ -651,6 +678,7 @@ class DiskStore(LMCacheStore):
         path = self._disk.where(ck, hit=True)
         if path is None:
             return "miss"
+        self._note_key(ck, key)
         # Straight into the slot, checked chunk by chunk as it arrives: a page
         # that fails leaves the slot written but unused (the load fails and
         # the scheduler drops the slot; test_page_auth, test_worker_tiers).
@@ -708,12 +736,26 @@ class DiskStore(LMCacheStore):
         except Exception:  # noqa: BLE001
             return False
 
+    def _note_key(self, ck, key: bytes) -> None:
+        if self._codec.keyed:
+            self._keys[int(ck.chunk_hash)] = key
+
     def take_removed(self) -> list[bytes]:
         # Under the lock its appends hold: the reader and the writer thread
         # (and LMCache's eviction) delete pages while the worker polls.
         with self._disk.disk_lock:
             removed, self._disk.removed = self._disk.removed, []
-        return [int(h).to_bytes(KEY_BYTES, "big") for h in removed]
+        if not self._codec.keyed:
+            return [int(h).to_bytes(KEY_BYTES, "big") for h in removed]
+        keys = []
+        for h in removed:
+            key = self._keys.get(int(h))
+            if key is None:
+                continue
+            keys.append(key)
+            if not self._disk.contains(self._ckey_of(int(h))):  # not put again since
+                self._keys.pop(int(h), None)
+        return keys
 
     def remove(self, key: bytes) -> None:
         try:

@@ -92,7 +92,7 @@ class LMCacheStore(TierStore):
     """A store whose pages live in an LMCache backend under our page format."""
 
     def __init__(self, block_bytes: int, namespace: str, rank: int, world_size: int,
-                 page_secret: bytes | None = None):
+                 page_secret: bytes | None = None, layout: str = ""):
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if not (0 <= rank < world_size):
@@ -100,7 +100,8 @@ class LMCacheStore(TierStore):
         (self._CacheEngineKey, self._parse_cache_key, self._Config, MemoryFormat,
          LMCacheMetadata) = lmcache_api()
         self._fmt = MemoryFormat.KV_2LTD  # any non-binary format; arena-backed
-        self._codec = PageCodec(namespace, block_bytes, page_secret)
+        self._codec = PageCodec(namespace, block_bytes, page_secret, rank=rank,
+                                world_size=world_size, layout=layout)
         self.block_bytes = block_bytes
         self._rank, self._world_size = rank, world_size
         self._model = self._codec.model_name
@@ -114,6 +115,11 @@ class LMCacheStore(TierStore):
             kv_shape=(1, 1, 1, 1, n), chunk_size=1)
 
     def _ckey(self, key: bytes):
-        return self._CacheEngineKey(self._model, self._world_size, self._rank,
-                                    int.from_bytes(key, "big"), torch.uint8)
+        return self._ckey_of(self._codec.chunk_hash(key))
+
+    def _ckey_of(self, chunk_hash: int):
+        """LMCache's key of the page named by ``chunk_hash`` (the page key
+        itself, or its keyed hash under a page secret: page_format._Names)."""
+        return self._CacheEngineKey(self._model, self._world_size, self._rank, chunk_hash,
+                                    torch.uint8)
 

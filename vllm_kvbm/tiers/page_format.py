@@ -1,38 +1,48 @@
-"""The page format every lower tier stores, and where the disk tier files a page.
+"""The page format every lower tier stores, and what the tiers name a page.
 
-A KV block is stored as one page, ``HEADER (96 B) + payload``. The header
-holds a magic, a format version, the checksum algorithm, flags, the MAC
-algorithm, the payload length, a hash of the namespace, the full 32-byte key
-and a 32-byte MAC; its last field is a CRC over the rest of the header and the
-payload. ``decode_into`` checks all of them, so a flipped byte, a truncated
-page, or a page filed under another key or namespace is "corrupt", never "ok".
+A page is stored as ``HEADER (96 B) + payload``. The header holds a magic, a
+format version, the checksum algorithm, flags, the seal algorithm, the
+payload length, an 8-byte hash of what the page belongs to, the 32-byte key
+(zeros on a sealed page), a 32-byte seal field and, last, a CRC over the
+header before the seal field, the stored payload and the seal field (in that
+order, so a writer and a reader compute it in one pass as the bytes go by).
+``decode_into`` checks all of them, so a flipped byte, a truncated page, or a
+page filed under another key, namespace or TP rank is "corrupt", never "ok".
 
-Page MAC (format version 2): with a deployment secret (``page_secret_file`` /
-``KVBM_PAGE_SECRET``) every page carries a MAC over the full namespace, the
-block size, the header fields (key included) and the payload. A CRC proves
-no origin: anyone who can write the disk directory or reach the remote
-server can plant a page for a well-known prompt with a valid CRC. An engine
-with a secret reads a page only if its MAC verifies; a page without one
-(written by an engine without the secret, or planted) or with a wrong one
-(another secret, forged) is "unauthenticated": removed and counted like a
-corrupt page, never loaded. A damaged page still reads as "corrupt" (with a
-secret the MAC is checked first, and the CRC only when it fails, to tell
-damage from forgery: a verified MAC already proves the bytes intact). An
-engine without a secret verifies the CRC only and accepts MAC'd pages (it
-cannot check them; it trusts any valid page anyway), warning once that pages
-carry a MAC it cannot verify.
+What a page belongs to (format version 3): the header's 8-byte field hashes
+the namespace, the page's size, the TP rank and world size, and the worker's
+KV cache layout (``layout``: a fingerprint of the registered KV tensors, see
+worker/tier_io.py). A rank's page moved to another rank's name, or read by an
+engine whose KV cache is laid out otherwise, is "corrupt". A page's NAME
+depends on the namespace, the page size, the rank and world size only, so
+the scheduler process (which has no KV cache) names pages too.
 
-Which MAC: pages are written with AES-256-GMAC (GCM authenticating only,
-through the ``cryptography`` package's OpenSSL: AES-NI and carry-less
-multiply), a random 96-bit nonce per page stored beside the tag; about
-0.1 ms on a 2 MiB page here. Keyed BLAKE3 (a PRF, no nonce; about 0.35 ms
-here, 0.27 ms on a quiet machine), what pages were written with before, is
-still verified, as the header names the algorithm. Both beat HMAC-SHA256
-(1.2 ms, SHA-NI) and keyed BLAKE2b (2.2 ms): benchmarks/bench_page_mac.py,
-docs/benchmarks.md. blake3 and cryptography are dependencies of vLLM and
-LMCache. Each algorithm's key is derived from the secret with BLAKE3's key
-derivation mode (its own context), so any secret length works and the secret
-itself never keys anything.
+Sealed pages: with a deployment secret (``page_secret_file`` /
+``KVBM_PAGE_SECRET``) every payload is encrypted and authenticated in one
+pass with AES-256-GCM (``cryptography``'s OpenSSL: AES-NI and carry-less
+multiply), a random 96-bit nonce per page stored beside the 128-bit tag in
+the seal field. The authenticated data is everything the header check covers
+(namespace, page size, rank, world size, layout, header fields) and the page
+key, which the header does not carry in the clear. Each page is encrypted
+under its own AES key, derived from the secret and the page key: a page key
+includes the request's ``cache_salt``, so a tenant's pages open only under
+its own salt. Page names are keyed too (keyed BLAKE3 of the namespace and
+the page key, under a key derived from the secret), so a reader of the disk
+directory or the remote server who holds no secret learns neither the KV
+bytes nor whether a prompt it knows was served (it cannot compute the name
+to look for). An engine with a secret reads a page only if it opens:
+a page that is not sealed (written without the secret, or planted) or
+sealed under another secret, salt, rank or layout (forged or moved) is
+"unauthenticated": removed and counted like a corrupt page, never loaded. A
+damaged page still reads as "corrupt": when the tag fails, the stored bytes
+are recovered (encrypted again with the same keystream) and checksummed, to
+tell damage from forgery; an opened page needs no checksum. An engine
+without a secret cannot open sealed pages ("unauthenticated", warned once).
+Costs against a page read: benchmarks/bench_page_mac.py, docs/benchmarks.md.
+Keys are derived from the secret with BLAKE3's key derivation mode (a
+context each), so any secret length works and the secret itself never keys
+anything. Pages of format version 2 (GMAC or BLAKE3 MACs, payload in the
+clear) are "corrupt", and are named differently (the version is in the name).
 
 Checksum: CRC-32 (zlib's polynomial) through ISA-L's AVX-512/PCLMUL kernel
 (the ``isal`` package), about 45 GB/s on a 2 MiB page here, GIL released:
@@ -46,7 +56,7 @@ CRC-32 pages with isal or zlib, CRC-32C pages with libcrc32c.
 The namespace (model, dtype, layout, ... as given by the caller) and the
 block size are hashed into the LMCache model name ``kvbm_<16 hex>`` (LMCache
 keys are limited to 150 characters), so another namespace never matches a
-key; the same hash is also checked in the header.
+key.
 
 This module does not import LMCache: the scheduler process uses it too (the
 disk tier's page names are its index of the disk).
@@ -58,7 +68,6 @@ import ctypes
 import ctypes.util
 import glob
 import hashlib
-import hmac
 import logging
 import os
 import struct
@@ -71,32 +80,35 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"KVBT"
-# 2: the MAC field and its algorithm. A page of another version is "corrupt"
-# (and under another name: the version is part of the namespace hash).
-_VERSION = 2
+# 3: sealed payloads (AES-256-GCM), keyed names, the rank and the KV layout
+# in the header check. A page of another version is "corrupt" (and under
+# another name: the version is part of the namespace hash).
+_VERSION = 3
 _ALG_CRC32 = 1     # zlib.crc32 (computed with ISA-L where installed)
 _ALG_CRC32C = 2    # Castagnoli, hardware accelerated
 _FLAG_TOMBSTONE = 1
-_FLAG_MAC = 2      # the mac field holds a MAC made with the deployment secret
-_FLAGS = _FLAG_TOMBSTONE | _FLAG_MAC
+_FLAG_SEALED = 2   # payload encrypted and authenticated with the deployment secret
+_FLAG_MAC = _FLAG_SEALED
+_FLAGS = _FLAG_TOMBSTONE | _FLAG_SEALED
 _MAC_NONE = 0
-_MAC_BLAKE3 = 1    # keyed BLAKE3, 32 bytes
-_MAC_GMAC = 2      # AES-256-GMAC: 12-byte nonce, 16-byte tag, 4 zero bytes
-_MAC_ALGS = (_MAC_BLAKE3, _MAC_GMAC)
-_GMAC_NONCE, _GMAC_TAG = 12, 16
+_MAC_BLAKE3 = 1    # version 2 only (keyed BLAKE3): never read
+_MAC_GMAC = 2      # version 2 only (AES-256-GMAC): never read
+_MAC_AES_GCM = 3   # AES-256-GCM: 12-byte nonce, 16-byte tag, 4 zero bytes
+_GCM_NONCE, _GCM_TAG = 12, 16
 MAC_BYTES = 32
 _NO_MAC = bytes(MAC_BYTES)
-# magic, version, crc algorithm, flags, mac algorithm, payload length,
-# namespace hash, key, mac, crc
+KEY_BYTES = 32
+_NO_KEY = bytes(KEY_BYTES)
+# magic, version, crc algorithm, flags, seal algorithm, payload length,
+# namespace hash, key, seal (nonce + tag), crc
 _HDR = struct.Struct("<4sHHHHQ8s32s32sI")
 HEADER_BYTES = _HDR.size  # 96
 _CRC_OFF = HEADER_BYTES - 4
-_MAC_OFF = _CRC_OFF - MAC_BYTES  # the MAC covers the header before this
-KEY_BYTES = 32
+_MAC_OFF = _CRC_OFF - MAC_BYTES  # the authenticated header fields end here
 # A secret shorter than this is refused at startup (config.py).
 MIN_SECRET_BYTES = 16
-_MAC_CONTEXT = "vllm_kvbm page MAC v2 (keyed BLAKE3 over namespace, header, payload)"
-_GMAC_CONTEXT = "vllm_kvbm page MAC v2 (AES-256-GMAC over namespace, header, payload)"
+_SEAL_CONTEXT = "vllm_kvbm page v3: AES-256-GCM page keys"
+_NAME_CONTEXT = "vllm_kvbm page v3: page names"
 # Disk space one page takes: the file is header + payload, and LMCache's
 # allocator and disk accounting charge it in whole 4 KiB pages.
 _DISK_UNIT = 4096
@@ -174,6 +186,12 @@ def _nbytes(payload: "torch.Tensor | memoryview") -> int:
     return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
 
 
+def _bytes_view(payload: "torch.Tensor | memoryview") -> memoryview:
+    if isinstance(payload, torch.Tensor):
+        return memoryview(payload.numpy()) if payload.numel() else memoryview(bytearray())
+    return payload
+
+
 def _namespace_hash(namespace: str, block_bytes: int, version: int = _VERSION) -> bytes:
     return hashlib.sha256(f"kvbm-tier|v{version}|{block_bytes}|{namespace}".encode()).digest()[:8]
 
@@ -184,47 +202,9 @@ def retired_model_names(namespace: str, block_bytes: int) -> list[str]:
     return ["kvbm_" + _namespace_hash(namespace, block_bytes, v).hex() for v in range(1, _VERSION)]
 
 
-
-def page_namer(namespace: str, block_bytes: int, rank: int,
-               world_size: int) -> Callable[[bytes], str]:
-    """``key -> name`` a tier stores ``key``'s page under for one TP rank.
-
-    It is LMCache's ``CacheEngineKey.to_string()`` of the key the stores use
-    (model ``kvbm_<namespace hash>``, dtype uint8), written out here so the
-    scheduler process can name pages without importing LMCache; a test checks
-    that the two agree. The namespace part is computed once: lookups name
-    pages on the scheduler's hot path.
-    """
-    prefix = f"kvbm_{_namespace_hash(namespace, block_bytes).hex()}@{world_size}@{rank}@"
-    return lambda key: f"{prefix}{int.from_bytes(key, 'big'):x}@uint8"
-
-
-def page_name(namespace: str, block_bytes: int, rank: int, world_size: int,
-              key: bytes) -> str:
-    return page_namer(namespace, block_bytes, rank, world_size)(key)
-
-
-def disk_page_namer(directory: str, namespace: str, block_bytes: int, rank: int,
-                    world_size: int) -> Callable[[bytes], str]:
-    """``key -> path`` of the file the disk store keeps ``key``'s page in.
-
-    Files appear only complete (written as ``.tmp`` and renamed) and vanish
-    on eviction, so a reader in another process may treat existence as "on
-    disk" (the content is still verified when read).
-    """
-    name = page_namer(namespace, block_bytes, rank, world_size)
-    base = os.path.join(os.path.abspath(os.path.expanduser(directory)), "")
-    return lambda key: f"{base}{name(key)}.pt"
-
-
-def disk_page_path(directory: str, namespace: str, block_bytes: int, rank: int,
-                   world_size: int, key: bytes) -> str:
-    return disk_page_namer(directory, namespace, block_bytes, rank, world_size)(key)
-
-
-def _mac_key(secret: bytes, context: str) -> bytes:
-    """A 32-byte key for one MAC algorithm, derived from the deployment secret
-    (any length works, and the secret itself never keys anything)."""
+def _derived_key(secret: bytes, context: str) -> bytes:
+    """A 32-byte key for one use, derived from the deployment secret (any
+    length works, and the secret itself never keys anything)."""
     import blake3  # a dependency of vLLM and LMCache
 
     if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
@@ -232,210 +212,226 @@ def _mac_key(secret: bytes, context: str) -> bytes:
     return blake3.blake3(bytes(secret), derive_key_context=context).digest()
 
 
-def _scope(namespace: str, block_bytes: int) -> bytes:
-    """What every MAC covers first: length-prefixed, so no two (namespace,
-    block size) pairs feed the same bytes."""
-    ns = namespace.encode()
-    return struct.pack("<Q", len(ns)) + ns + struct.pack("<Q", block_bytes)
+def _lp(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
 
 
-class _PageMac:
-    """A MAC algorithm: signer(fields) and verifier(fields, mac) streams that
-    take the payload a chunk at a time."""
-
-    def digest(self, fields: bytes, payload: torch.Tensor) -> bytes:
-        """The MAC field of a page (benchmarks: the whole computation at once)."""
-        stream = self.signer(fields)
-        if payload.numel():
-            stream.update(memoryview(payload.numpy()))
-        return stream.field()
+def _name_scope(namespace: str, block_bytes: int) -> bytes:
+    """What names depend on: length-prefixed, so no two pairs feed the same bytes."""
+    return _lp(namespace.encode()) + struct.pack("<QQ", block_bytes, _VERSION)
 
 
-class _Blake3Mac(_PageMac):
-    """Keyed BLAKE3 over (namespace, block size, header fields, payload): the
-    MAC field is the 32-byte digest."""
+def _page_scope(namespace: str, block_bytes: int, rank: int, world_size: int,
+                layout: str) -> bytes:
+    """What a page's header check and seal cover besides its own fields."""
+    return (_name_scope(namespace, block_bytes) + struct.pack("<QQ", rank, world_size)
+            + _lp(layout.encode()))
 
-    alg = _MAC_BLAKE3
 
-    def __init__(self, secret: bytes, namespace: str, block_bytes: int):
+class _Names:
+    """What the tiers name one namespace's pages: the LMCache model name and
+    each key's chunk hash (the key itself without a secret; keyed BLAKE3 of
+    the namespace and the key with one, so names cannot be computed without
+    the secret)."""
+
+    def __init__(self, namespace: str, block_bytes: int, secret: bytes | None):
+        self.keyed = secret is not None
+        if secret is None:
+            self.model = "kvbm_" + _namespace_hash(namespace, block_bytes).hex()
+            self._base = None
+            return
         import blake3
 
-        self._base = blake3.blake3(key=_mac_key(secret, _MAC_CONTEXT))
-        self._base.update(_scope(namespace, block_bytes))
+        scope = _name_scope(namespace, block_bytes)
+        self._root = blake3.blake3(key=_derived_key(secret, _NAME_CONTEXT))
+        self.model = "kvbm_" + self.tag(b"model", scope)[:8].hex()
+        self._base = self._root.copy()
+        self._base.update(_lp(b"page") + scope)
 
     def __repr__(self) -> str:
-        return "_Blake3Mac(<keyed>)"
+        return f"_Names(keyed={self.keyed})"
 
-    def signer(self, fields: bytes) -> "_Blake3Stream":
+    def tag(self, label: bytes, data: bytes) -> bytes:
+        h = self._root.copy()
+        h.update(_lp(label) + data)
+        return h.digest()
+
+    def chunk_hash(self, key: bytes) -> int:
+        """The number LMCache's key (and so the page's name) carries for ``key``."""
+        if self._base is None:
+            return int.from_bytes(key, "big")
         h = self._base.copy()
-        h.update(fields)
-        return _Blake3Stream(h)
-
-    def verifier(self, fields: bytes, mac: bytes) -> "_Blake3Stream":
-        stream = self.signer(fields)
-        stream.want = mac
-        return stream
+        h.update(key)
+        return int.from_bytes(h.digest(), "big")
 
 
-class _Blake3Stream:
-    want = b""
+def page_namer(namespace: str, block_bytes: int, rank: int, world_size: int,
+               secret: bytes | None = None) -> Callable[[bytes], str]:
+    """``key -> name`` a tier stores ``key``'s page under for one TP rank.
 
-    def __init__(self, h):
-        self._h = h
-
-    def update(self, chunk: memoryview) -> None:
-        self._h.update(chunk)
-
-    def field(self) -> bytes:
-        return self._h.digest()
-
-    def ok(self) -> bool:
-        return hmac.compare_digest(self._h.digest(), self.want)
-
-
-class _GmacMac(_PageMac):
-    """AES-256-GMAC (GCM authenticating, encrypting nothing) over (namespace,
-    block size, header fields, payload): the MAC field is a random 96-bit
-    nonce, the 128-bit tag and 4 zero bytes. About 3.5x keyed BLAKE3's speed
-    here (AES-NI and carry-less multiply through OpenSSL): what pages are
-    written with. A random nonce per page keeps the GCM bound (2^32 pages per
-    key) far beyond any cache's lifetime."""
-
-    alg = _MAC_GMAC
-
-    def __init__(self, secret: bytes, namespace: str, block_bytes: int):
-        from cryptography.hazmat.primitives.ciphers import algorithms  # an LMCache dependency
-
-        self._aes = algorithms.AES(_mac_key(secret, _GMAC_CONTEXT))
-        self._scope = _scope(namespace, block_bytes)
-
-    def __repr__(self) -> str:
-        return "_GmacMac(<keyed>)"
-
-    def _stream(self, mode, fields: bytes, nonce: bytes, verify: bool) -> "_GmacStream":
-        from cryptography.hazmat.primitives.ciphers import Cipher
-
-        cipher = Cipher(self._aes, mode)
-        ctx = cipher.decryptor() if verify else cipher.encryptor()
-        ctx.authenticate_additional_data(self._scope + fields)
-        return _GmacStream(ctx, nonce)
-
-    def signer(self, fields: bytes) -> "_GmacStream":
-        from cryptography.hazmat.primitives.ciphers import modes
-
-        nonce = os.urandom(_GMAC_NONCE)
-        return self._stream(modes.GCM(nonce), fields, nonce, verify=False)
-
-    def verifier(self, fields: bytes, mac: bytes) -> "_GmacStream | _Refused":
-        from cryptography.hazmat.primitives.ciphers import modes
-
-        nonce, tag, pad = (mac[:_GMAC_NONCE], mac[_GMAC_NONCE:_GMAC_NONCE + _GMAC_TAG],
-                           mac[_GMAC_NONCE + _GMAC_TAG:])
-        if any(pad):
-            return _Refused()
-        return self._stream(modes.GCM(nonce, tag), fields, nonce, verify=True)
+    It is LMCache's ``CacheEngineKey.to_string()`` of the key the stores use
+    (model ``kvbm_<namespace hash>``, dtype uint8), written out here so the
+    scheduler process can name pages without importing LMCache; a test checks
+    that the two agree. With ``secret`` (the page secret) the model part and
+    the key part are keyed hashes. The namespace part is computed once:
+    lookups name pages on the scheduler's hot path.
+    """
+    names = _Names(namespace, block_bytes, secret)
+    prefix = f"{names.model}@{world_size}@{rank}@"
+    return lambda key: f"{prefix}{names.chunk_hash(key):x}@uint8"
 
 
-class _GmacStream:
-    def __init__(self, ctx, nonce: bytes):
-        self._ctx, self._nonce = ctx, nonce
-
-    def update(self, chunk: memoryview) -> None:
-        self._ctx.authenticate_additional_data(chunk)
-
-    def field(self) -> bytes:
-        self._ctx.finalize()
-        return self._nonce + self._ctx.tag + bytes(MAC_BYTES - _GMAC_NONCE - _GMAC_TAG)
-
-    def ok(self) -> bool:
-        from cryptography.exceptions import InvalidTag
-
-        try:
-            self._ctx.finalize()
-            return True
-        except InvalidTag:
-            return False
+def page_name(namespace: str, block_bytes: int, rank: int, world_size: int,
+              key: bytes, secret: bytes | None = None) -> str:
+    return page_namer(namespace, block_bytes, rank, world_size, secret)(key)
 
 
-class _Refused:
-    """A MAC field no key could have made: fails without computing anything."""
+def disk_page_namer(directory: str, namespace: str, block_bytes: int, rank: int,
+                    world_size: int, secret: bytes | None = None) -> Callable[[bytes], str]:
+    """``key -> path`` of the file the disk store keeps ``key``'s page in.
 
-    def update(self, chunk: memoryview) -> None:
-        pass
+    Files appear only complete (written as ``.tmp`` and renamed) and vanish
+    on eviction, so a reader in another process may treat existence as "on
+    disk" (the content is still verified when read).
+    """
+    name = page_namer(namespace, block_bytes, rank, world_size, secret)
+    base = os.path.join(os.path.abspath(os.path.expanduser(directory)), "")
+    return lambda key: f"{base}{name(key)}.pt"
 
-    def ok(self) -> bool:
-        return False
+
+def disk_page_path(directory: str, namespace: str, block_bytes: int, rank: int,
+                   world_size: int, key: bytes, secret: bytes | None = None) -> str:
+    return disk_page_namer(directory, namespace, block_bytes, rank, world_size, secret)(key)
 
 
-class _Macs:
-    """The deployment's page MACs: pages are written with GMAC; both GMAC
-    and BLAKE3 pages (written before GMAC) are verified."""
+class _Seal:
+    """AES-256-GCM for one namespace, rank and layout: each page under a key
+    derived from the secret, the page scope and the page key (a keyed BLAKE3
+    of about 100 bytes, about 2 us a page here against 0.2 ms to encrypt a
+    2 MiB page); the authenticated data is the scope, the header fields and
+    the page key. A random 96-bit nonce per page: the same key is used again
+    when a page is written again, and 2^32 writes of one key stay far beyond
+    a cache's lifetime."""
 
-    def __init__(self, secret: bytes, namespace: str, block_bytes: int):
-        self.sign = _GmacMac(secret, namespace, block_bytes)
-        self.by_alg = {_MAC_GMAC: self.sign,
-                       _MAC_BLAKE3: _Blake3Mac(secret, namespace, block_bytes)}
+    alg = _MAC_AES_GCM
+
+    def __init__(self, secret: bytes, scope: bytes):
+        import blake3
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+        self._cipher, self._aes, self._gcm = Cipher, algorithms.AES, modes.GCM
+        self._base = blake3.blake3(key=_derived_key(secret, _SEAL_CONTEXT))
+        self._base.update(_lp(scope))
+        self._scope = scope
 
     def __repr__(self) -> str:
-        return "_Macs(<keyed>)"
+        return "_Seal(<keyed>)"
+
+    def _page_key(self, key: bytes):
+        h = self._base.copy()
+        h.update(key)
+        return self._aes(h.digest())
+
+    def encryptor(self, key: bytes, fields: bytes):
+        """-> (encryption context with the associated data fed, nonce)."""
+        nonce = os.urandom(_GCM_NONCE)
+        ctx = self._cipher(self._page_key(key), self._gcm(nonce)).encryptor()
+        ctx.authenticate_additional_data(self._scope + fields + key)
+        return ctx, nonce
+
+    def decryptor(self, key: bytes, fields: bytes, mac: bytes):
+        nonce, tag = mac[:_GCM_NONCE], mac[_GCM_NONCE:_GCM_NONCE + _GCM_TAG]
+        ctx = self._cipher(self._page_key(key), self._gcm(nonce, tag)).decryptor()
+        ctx.authenticate_additional_data(self._scope + fields + key)
+        return ctx
+
+    def keystream(self, key: bytes, mac: bytes):
+        """A context that turns what a decryptor wrote back into the stored
+        bytes (GCM's CTR keystream, the same both ways)."""
+        return self._cipher(self._page_key(key), self._gcm(mac[:_GCM_NONCE])).encryptor()
 
 
 class PageCodec:
-    """Encodes/verifies ``header + payload`` pages for one namespace.
+    """Encodes/verifies ``header + payload`` pages for one namespace, TP rank
+    and KV cache layout.
 
-    ``secret`` (bytes, at least MIN_SECRET_BYTES; None: no MAC) is the
-    deployment's page secret: pages are written with a MAC, and only pages
-    whose MAC verifies are read ("unauthenticated" otherwise).
+    ``secret`` (bytes, at least MIN_SECRET_BYTES; None: pages in the clear,
+    CRC only) is the deployment's page secret: pages are written sealed, and
+    only pages that open are read ("unauthenticated" otherwise). ``rank`` and
+    ``world_size`` are the writer's TP rank and size; ``layout`` a fingerprint
+    of its KV cache layout (any string; "" where unknown): a page verifies
+    only where all of them are the writer's.
     """
 
-    def __init__(self, namespace: str, block_bytes: int, secret: bytes | None = None):
-        self.ns8 = _namespace_hash(namespace, block_bytes)
-        self.model_name = "kvbm_" + self.ns8.hex()
+    def __init__(self, namespace: str, block_bytes: int, secret: bytes | None = None, *,
+                 rank: int = 0, world_size: int = 1, layout: str = ""):
+        self.names = _Names(namespace, block_bytes, secret)
+        self.model_name = self.names.model
         self.block_bytes = block_bytes
         self.stored_bytes = HEADER_BYTES + block_bytes
-        self._macs = None if secret is None else _Macs(secret, namespace, block_bytes)
-        self._warned_unverified = False
+        scope = _page_scope(namespace, block_bytes, rank, world_size, layout)
+        if secret is None:
+            self.ns8 = hashlib.sha256(b"kvbm-page|" + scope).digest()[:8]
+            self._seal = None
+        else:
+            self.ns8 = self.names.tag(b"header", scope)[:8]
+            self._seal = _Seal(secret, scope)
+        self._warned_sealed = False
 
     @property
     def keyed(self) -> bool:
-        """True if this codec writes and requires page MACs."""
-        return self._macs is not None
+        """True if this codec writes and requires sealed pages."""
+        return self._seal is not None
 
-    def _header(self, key: bytes, flags: int, payload: torch.Tensor) -> bytes:
-        signer = PageSigner(self, key, flags, payload.numel())
-        if payload.numel():
-            signer.update(memoryview(payload.numpy()))
-        return signer.header(payload)
+    def chunk_hash(self, key: bytes) -> int:
+        return self.names.chunk_hash(key)
 
     def encode_into(self, buf: torch.Tensor, key: bytes, page: torch.Tensor) -> None:
-        """buf: 1-D uint8 of stored_bytes. Copies page, then checksums the copy."""
+        """buf: 1-D uint8 of stored_bytes. Writes the page (encrypted from
+        ``page`` straight into ``buf`` with a secret), then its header."""
         payload = buf[HEADER_BYTES:]
-        copy_bytes(payload, page)
-        hdr = self._header(key, 0, payload)
-        ctypes.memmove(buf.data_ptr(), hdr, HEADER_BYTES)
+        signer = PageSigner(self, key, 0, self.block_bytes)
+        out = _bytes_view(payload)
+        if self._seal is not None:
+            signer.seal(_bytes_view(page), out)
+        else:
+            copy_bytes(payload, page)
+            signer.seal(out, out)
+        ctypes.memmove(buf.data_ptr(), signer.header(), HEADER_BYTES)
 
     def encode_tombstone(self, buf: torch.Tensor, key: bytes) -> None:
-        hdr = self._header(key, _FLAG_TOMBSTONE, buf[HEADER_BYTES:HEADER_BYTES])
+        hdr = PageSigner(self, key, _FLAG_TOMBSTONE, 0).header()
         ctypes.memmove(buf.data_ptr(), hdr, HEADER_BYTES)
 
     def signer(self, key: bytes) -> "PageSigner":
         """The header of a data page computed as its payload goes by, a chunk
-        at a time (the disk tier checksums each chunk right after writing it,
-        while it is in cache), then finished with ``header(payload)``."""
+        at a time (``seal``: the disk tier encrypts and checksums each chunk
+        right before writing it), then finished with ``header()``."""
         return PageSigner(self, key, 0, self.block_bytes)
 
-
     def decode_into(self, buf: torch.Tensor, key: bytes, out: torch.Tensor) -> str:
-        """Verifies buf (1-D uint8) against key; copies the payload into out on success.
+        """Verifies buf (1-D uint8) against key; the payload goes into out.
 
         -> "ok" | "miss" (a tombstone) | "corrupt" (damaged, another version,
-        key or namespace) | "unauthenticated" (intact, but this codec has a
-        secret and the page has no MAC or a wrong one) | "error".
+        key, namespace, rank or layout) | "unauthenticated" (intact, but not
+        sealed with this codec's secret, or sealed while this codec has
+        none) | "error". A sealed page is decrypted straight into ``out``,
+        so on anything but "ok" ``out`` may hold anything.
         """
         if buf.numel() < HEADER_BYTES:
             return "corrupt"
         payload = buf[HEADER_BYTES:]
-        status = self.verify(buf[:HEADER_BYTES].numpy().tobytes(), key, payload)
+        check = self.start_verify(buf[:HEADER_BYTES].numpy().tobytes(), key)
+        if isinstance(check, str):
+            return check
+        if check.opens and payload.numel():  # a sealed data page
+            if payload.numel() != out.numel():
+                return "corrupt"
+            check.update_into(_bytes_view(payload), _bytes_view(out))
+            return check.finish(out)
+        if payload.numel():
+            check.update(_bytes_view(payload))
+        status = check.finish(payload)
         if status == "ok":
             copy_bytes(out, payload)
         return status
@@ -443,13 +439,14 @@ class PageCodec:
     def verify(self, hdr: bytes, key: bytes, payload: torch.Tensor) -> str:
         """decode_into's checks on a page read apart: ``hdr`` (HEADER_BYTES) and
         ``payload`` (1-D contiguous uint8 CPU, already where it is wanted, e.g. a
-        host slot). Same results; "ok" means the payload may be used as it is.
+        host slot; a sealed one is decrypted in place). Same results; "ok"
+        means the payload may be used as it is.
         """
         check = self.start_verify(hdr, key)
         if isinstance(check, str):
             return check
         if payload.numel():
-            check.update(memoryview(payload.numpy()))
+            check.update(_bytes_view(payload))
         return check.finish(payload)
 
     def start_verify(self, hdr: bytes, key: bytes) -> "str | PageCheck":
@@ -462,14 +459,21 @@ class PageCodec:
         if hdr[:4] != _MAGIC or int.from_bytes(hdr[4:6], "little") != _VERSION:
             return "corrupt"  # checked before the layout below is assumed
         magic, version, alg, flags, mac_alg, plen, ns8, k, mac, crc = _HDR.unpack(hdr)
-        if ns8 != self.ns8 or k != key:
-            return "corrupt"
         if flags & ~_FLAGS:
             return "corrupt"
-        if flags & _FLAG_MAC:
-            if mac_alg not in _MAC_ALGS:
+        # Under a secret the field is a keyed hash, like a tag: an intact page
+        # whose field is not this codec's was not sealed for this namespace,
+        # rank and layout under this secret ("unauthenticated", as the
+        # checksum then tells). Without one on either side, a mismatch is a
+        # page of another namespace, rank or layout.
+        foreign = ns8 != self.ns8
+        if foreign and self._seal is None and not flags & _FLAG_SEALED:
+            return "corrupt"
+        if flags & _FLAG_SEALED:
+            # Sealed pages do not carry their key: it is authenticated instead.
+            if mac_alg != _MAC_AES_GCM or k != _NO_KEY or any(mac[_GCM_NONCE + _GCM_TAG:]):
                 return "corrupt"
-        elif mac_alg != _MAC_NONE or mac != _NO_MAC:
+        elif mac_alg != _MAC_NONE or mac != _NO_MAC or k != key:
             return "corrupt"
         want_len = 0 if flags & _FLAG_TOMBSTONE else self.block_bytes
         if plen != want_len:
@@ -478,93 +482,141 @@ class PageCodec:
             return "corrupt"  # not an algorithm any version writes
         if alg == _ALG_CRC32C and _crc32c_extend is None:
             return "error"  # written with an algorithm this process cannot compute
-        return PageCheck(self, hdr, alg, flags, mac_alg, plen, mac, crc)
+        return PageCheck(self, hdr, key, alg, flags, plen, mac, crc, foreign)
 
-    def _warn_unverified(self) -> None:
-        if not self._warned_unverified:
-            self._warned_unverified = True
+    def _warn_sealed(self) -> None:
+        if not self._warned_sealed:
+            self._warned_sealed = True
             logger.warning(
-                "KVBM: pages in this tier carry a MAC, but this engine has no page secret, so "
-                "it cannot verify where they came from and accepts any page with a valid "
-                "checksum; set the same page_secret_file (or KVBM_PAGE_SECRET) on every engine "
-                "sharing the tier")
+                "KVBM: pages in this tier are sealed with a page secret this engine does not "
+                "have, so it cannot read them; set the same page_secret_file (or "
+                "KVBM_PAGE_SECRET) on every engine sharing the tier")
 
 
 class PageSigner:
-    """Without a secret the CRC follows the chunks; with one the MAC does
-    (the CRC covers the MAC, so it needs a pass of its own at the end)."""
+    """A page's header, computed as its payload goes by: encrypted with a
+    secret (into the caller's buffer), then checksummed as stored."""
 
     def __init__(self, codec: PageCodec, key: bytes, flags: int, plen: int):
-        self._codec, self._seen, self._plen = codec, 0, plen
-        mac_alg = _MAC_NONE
-        if codec._macs is not None:
-            flags, mac_alg = flags | _FLAG_MAC, codec._macs.sign.alg
+        self._seen, self._plen = 0, plen
+        mac_alg, key_field = _MAC_NONE, key
+        if codec._seal is not None:
+            flags, mac_alg, key_field = flags | _FLAG_SEALED, _MAC_AES_GCM, _NO_KEY
         self._prefix = _HDR.pack(_MAGIC, _VERSION, _WRITE_ALG, flags, mac_alg, plen,
-                                 codec.ns8, key, _NO_MAC, 0)[:_MAC_OFF]
-        if codec._macs is not None:
-            self._h = codec._macs.sign.signer(self._prefix)
-        else:
-            self._h = _Crc(_WRITE_ALG, self._prefix + _NO_MAC)
+                                 codec.ns8, key_field, _NO_MAC, 0)[:_MAC_OFF]
+        self._crc = _Crc(_WRITE_ALG, self._prefix)
+        self._ctx = None
+        if codec._seal is not None:
+            self._ctx, self._nonce = codec._seal.encryptor(key, self._prefix)
 
-    def update(self, chunk: memoryview) -> None:
-        self._seen += len(chunk)
-        self._h.update(chunk)
+    def seal(self, chunk: memoryview, out: memoryview) -> memoryview:
+        """The stored bytes of the payload's next ``chunk``: encrypted into
+        ``out`` (at least as long; may be ``chunk`` itself) with a secret,
+        ``chunk`` itself without one. Checksummed either way."""
+        n = len(chunk)
+        self._seen += n
+        if self._ctx is None or not n:
+            self._crc.update(chunk)
+            return chunk
+        dst = out[:n]
+        self._ctx.update_into(chunk, dst)
+        self._crc.update(dst)
+        return dst
 
-    def header(self, payload: torch.Tensor) -> bytes:
-        """The header, once every byte of ``payload`` went through update."""
-        assert self._seen == payload.numel() == self._plen
-        if self._codec._macs is None:
-            return self._prefix + _NO_MAC + struct.pack("<I", self._h.value)
-        prefix = self._prefix + self._h.field()
-        return prefix + struct.pack("<I", _checksum(_WRITE_ALG, prefix, payload))
+    def header(self, payload: "torch.Tensor | None" = None) -> bytes:
+        """The header, once every byte of the payload went through seal."""
+        assert self._seen == self._plen
+        mac = _NO_MAC
+        if self._ctx is not None:
+            self._ctx.finalize()
+            mac = self._nonce + self._ctx.tag + bytes(MAC_BYTES - _GCM_NONCE - _GCM_TAG)
+        self._crc.update(mac)
+        return self._prefix + mac + struct.pack("<I", self._crc.value)
 
 
 class PageCheck:
     """A page's payload checks, fed in order as the bytes arrive.
 
-    With a secret and a MAC'd page, the MAC alone is computed (a verified
-    MAC already proves the bytes intact); only when it fails is the CRC
-    computed too, over the whole payload, to tell damage ("corrupt") from
-    forgery ("unauthenticated"). Otherwise the CRC alone.
+    A sealed page read with the secret (``opens``) is decrypted as it goes
+    and its tag checked at the end; the checksum is computed only when the
+    tag fails, to tell damage ("corrupt") from forgery ("unauthenticated").
+    Otherwise the checksum alone.
     """
 
-    def __init__(self, codec: PageCodec, hdr: bytes, alg: int, flags: int, mac_alg: int,
-                 plen: int, mac: bytes, crc: int):
-        self._codec, self._hdr, self._alg, self._flags = codec, hdr, alg, flags
-        self._plen, self._crc, self._seen = plen, crc, 0
-        self._by_mac = codec._macs is not None and bool(flags & _FLAG_MAC)
-        if self._by_mac:
-            self._h = codec._macs.by_alg[mac_alg].verifier(hdr[:_MAC_OFF], mac)
+    def __init__(self, codec: PageCodec, hdr: bytes, key: bytes, alg: int, flags: int,
+                 plen: int, mac: bytes, crc: int, foreign: bool = False):
+        self._codec, self._hdr, self._key, self._alg = codec, hdr, key, alg
+        self._flags, self._plen, self._mac, self._crc_field = flags, plen, mac, crc
+        self._seen, self._foreign = 0, foreign
+        self.opens = codec._seal is not None and bool(flags & _FLAG_SEALED) and not foreign
+        if self.opens:
+            self._ctx = codec._seal.decryptor(key, hdr[:_MAC_OFF], mac)
         else:
-            self._h = _Crc(alg, hdr[:_CRC_OFF])
+            self._crc = _Crc(alg, hdr[:_MAC_OFF])
 
     def update(self, chunk: memoryview) -> None:
-        """The next bytes of the payload (a memoryview: slicing one costs
-        nothing, where a tensor slice costs microseconds per chunk)."""
+        """The next stored bytes of the payload, where the payload is wanted
+        (a memoryview: slicing one costs nothing, where a tensor slice costs
+        microseconds per chunk); a sealed page is decrypted in place."""
         self._seen += len(chunk)
-        self._h.update(chunk)
+        if self.opens:
+            if len(chunk):
+                self._ctx.update_into(chunk, chunk)
+        else:
+            self._crc.update(chunk)
+
+    def update_into(self, chunk: memoryview, out: memoryview) -> None:
+        """update, for stored bytes read elsewhere: decrypted into ``out``
+        (only when ``opens``; otherwise the caller copies)."""
+        assert self.opens
+        self._seen += len(chunk)
+        if len(chunk):
+            self._ctx.update_into(chunk, out[:len(chunk)])
 
     def finish(self, payload: "torch.Tensor | memoryview") -> str:
         """The status, once every byte went through update; ``payload`` is the
-        whole payload (read again only when a MAC fails): a tensor or a byte
-        memoryview (the disk's reader threads keep torch out of their loop:
-        tensor calls there cost warm reads in flight 10-20%)."""
+        whole payload as it lies now (decrypted where the page opens; read
+        again only when its tag fails): a tensor or a byte memoryview (the
+        disk's reader threads keep torch out of their loop)."""
         codec = self._codec
         if self._seen != self._plen or _nbytes(payload) != self._plen:
             return "corrupt"
-        if self._by_mac:
-            if self._h.ok():
+        if self.opens:
+            from cryptography.exceptions import InvalidTag
+
+            try:
+                self._ctx.finalize()
                 return "miss" if self._flags & _FLAG_TOMBSTONE else "ok"
-            crc = _checksum(self._alg, self._hdr[:_CRC_OFF], payload)
+            except InvalidTag:
+                pass
+            crc = self._stored_crc(_bytes_view(payload))
         else:
-            crc = self._h.value
-        if crc != self._crc:
+            self._crc.update(self._mac)
+            crc = self._crc.value
+        if crc != self._crc_field:
             return "corrupt"  # damaged (whether or not it was authentic)
-        if codec._macs is not None:
-            return "unauthenticated"  # intact, but no MAC or a wrong one
-        if self._flags & _FLAG_MAC:
-            codec._warn_unverified()
+        if codec._seal is not None or self._foreign:
+            if self._flags & _FLAG_SEALED and codec._seal is None:
+                codec._warn_sealed()
+            return "unauthenticated"  # intact, but not sealed under this secret and scope
+        if self._flags & _FLAG_SEALED:
+            codec._warn_sealed()
+            return "unauthenticated"  # sealed; this engine has no secret to open it
         return "miss" if self._flags & _FLAG_TOMBSTONE else "ok"
+
+    def _stored_crc(self, plain: memoryview) -> int:
+        """The checksum of the bytes as stored, from what the decryptor wrote."""
+        crc = _Crc(self._alg, self._hdr[:_MAC_OFF])
+        if len(plain):
+            ctx = self._codec._seal.keystream(self._key, self._mac)
+            scratch = memoryview(bytearray(min(len(plain), 1 << 20)))
+            for off in range(0, len(plain), len(scratch)):
+                part = plain[off:off + len(scratch)]
+                stored = scratch[:len(part)]
+                ctx.update_into(part, stored)
+                crc.update(stored)
+        crc.update(self._mac)
+        return crc.value
 
 
 class _Crc:

@@ -16,9 +16,10 @@ So this store uses redis-py's synchronous client directly
 Redis/Valkey Cluster, a password kept out of every message, and a refused
 password at startup as a ``KVBMConfigError``.
 
-A page is one key: the name ``page_name()`` gives (per TP rank), holding the
-page (``PageCodec``: header + payload + checksum, and a MAC with a page
-secret). One key per page means an LRU server (``maxmemory-policy
+A page is one key: the name ``page_name()`` gives (per TP rank; keyed by the
+page secret where there is one), holding the page (``PageCodec``: header +
+payload + checksum; with a page secret the payload is encrypted and
+authenticated). One key per page means an LRU server (``maxmemory-policy
 allkeys-lru``) drops whole pages only; a page that fails verification (a
 flipped byte, a foreign value) is "corrupt" (or "unauthenticated") and
 deleted. Used from the worker's remote I/O thread; no call raises.
@@ -55,15 +56,16 @@ class RedisStore(TierStore):
     def __init__(self, target: RemoteTarget, password: RemotePassword | None, block_bytes: int,
                  namespace: str, rank: int, world_size: int, timeout_s: float = 2.0, *,
                  retry_interval_s: float = 2.0, page_secret: bytes | None = None,
-                 tls_ca_file: str | None = None):
+                 tls_ca_file: str | None = None, layout: str = ""):
         if not isinstance(block_bytes, int) or block_bytes <= 0:
             raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
         if not (0 <= rank < world_size):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.block_bytes = block_bytes
         self.url = str(target)
-        self._codec = PageCodec(namespace, block_bytes, page_secret)
-        self._page_name = page_namer(namespace, block_bytes, rank, world_size)
+        self._codec = PageCodec(namespace, block_bytes, page_secret, rank=rank,
+                                world_size=world_size, layout=layout)
+        self._page_name = page_namer(namespace, block_bytes, rank, world_size, page_secret)
         self._link = RedisLink(target, password, timeout_s, retry_interval_s, "remote tier",
                                tls_ca_file)
         if rank == 0:

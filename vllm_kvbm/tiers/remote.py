@@ -127,17 +127,18 @@ class RemoteStore(LMCacheStore):
     one call at a time uses (the lm:// stream has no request ids): one reader
     and one writer thread never wait for each other.
     The server never evicts; ``remove`` writes a tombstone (a header-only
-    page that reads back as "miss"). With ``page_secret`` pages (tombstones
-    too) carry a MAC; a page without a valid one reads as "unauthenticated"
-    and is overwritten with a tombstone.
+    page that reads back as "miss"). With ``page_secret`` pages are sealed
+    (encrypted and authenticated, tombstones too) and named by keyed hashes;
+    a page that does not open reads as "unauthenticated" and is overwritten
+    with a tombstone.
     """
 
     name = "remote"
 
     def __init__(self, url: str, block_bytes: int, namespace: str, rank: int, world_size: int,
                  timeout_s: float = 2.0, *, retry_interval_s: float = 2.0,
-                 page_secret: bytes | None = None):
-        super().__init__(block_bytes, namespace, rank, world_size, page_secret)
+                 page_secret: bytes | None = None, layout: str = ""):
+        super().__init__(block_bytes, namespace, rank, world_size, page_secret, layout)
         self._host, self._port = parse_lm_url("remote_url", url)
         if not timeout_s > 0:
             raise KVBMConfigError(f"remote_timeout_s: must be positive, got {timeout_s!r}")

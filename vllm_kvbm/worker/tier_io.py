@@ -274,8 +274,38 @@ def _done(value) -> Future:
     return future
 
 
-def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["TierStore"]:
-    """This worker's stores of the configured disk and remote tiers."""
+def layout_fingerprint(kv_caches: "dict[str, torch.Tensor]", num_blocks: int,
+                       block_dims: "dict[str, int] | None" = None) -> str:
+    """A fingerprint of how this worker's KV cache lays out a page's bytes:
+    per layer (in the order pages are cut) its name, dtype, the block dim and
+    kernel blocks per block (page_mover.block_dim_of), and every other dim's
+    size and stride, where a stride reaching past one block (it scales with
+    num_blocks, which differs between engines sharing pages) counts only as
+    "outside". Bound into every page (page_format: the header check and the
+    seal), so a page is read only by a worker that lays out its bytes alike."""
+    import hashlib
+    import json
+
+    from vllm_kvbm.worker.page_mover import block_dim_of
+
+    layers = []
+    for name, t in kv_caches.items():
+        declared = None if block_dims is None else block_dims.get(name)
+        d, ratio = block_dim_of(name, t, num_blocks, declared)
+        if ratio > 1:
+            t = t.unflatten(d, (num_blocks, ratio))
+        block_stride = t.stride()[d]
+        dims = [[t.shape[i], t.stride()[i] if t.stride()[i] < block_stride else -1]
+                for i in range(t.dim()) if i != d]
+        layers.append([name, str(t.dtype), d, ratio, dims])
+    text = json.dumps(layers, separators=(",", ":"))
+    return "kv-layout:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int,
+               layout: str = "") -> list["TierStore"]:
+    """This worker's stores of the configured disk and remote tiers.
+    ``layout``: layout_fingerprint of this worker's KV cache ("" where unknown)."""
     stores: list[TierStore] = []
     namespace, world = info.tier_namespace, info.key_namespace.tp_size
     secret = config.page_secret.reveal() if config.page_secret is not None else None
@@ -283,17 +313,18 @@ def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int) -> list["Tie
         from vllm_kvbm.tiers.disk import DiskStore
 
         stores.append(DiskStore(config.disk_cache_dir, config.disk_cache_bytes,
-                                info.page_bytes, namespace, rank, world, page_secret=secret))
+                                info.page_bytes, namespace, rank, world, page_secret=secret,
+                                layout=layout))
     if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
         from vllm_kvbm.tiers.redis_store import RedisStore
 
         stores.append(RedisStore(parse_remote_url("remote_url", config.remote_url),
                                  config.remote_password, info.page_bytes, namespace, rank,
                                  world, config.remote_timeout_s, page_secret=secret,
-                                 tls_ca_file=config.remote_tls_ca_file))
+                                 tls_ca_file=config.remote_tls_ca_file, layout=layout))
     elif config.remote_url is not None:
         from vllm_kvbm.tiers.remote import RemoteStore
 
         stores.append(RemoteStore(config.remote_url, info.page_bytes, namespace, rank, world,
-                                  config.remote_timeout_s, page_secret=secret))
+                                  config.remote_timeout_s, page_secret=secret, layout=layout))
     return stores
