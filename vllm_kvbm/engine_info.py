@@ -137,58 +137,7 @@ def _refuse_unsupported_parallelism(parallel) -> None:
                 f"--kv-transfer-config. Tensor parallelism is supported.")
 
 
-# Files whose bytes decide the KV a model computes for given token ids.
-_CONFIG_FILES = ("config.json", "adapter_config.json", "params.json")
-_INDEX_SUFFIX = ".index.json"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-_SAMPLES, _SAMPLE_BYTES = 16, 4096
-
-
-@functools.lru_cache(maxsize=64)
-def files_fingerprint(directory: str) -> str:
-    """A hash of a model or adapter directory's config and weights.
-
-    Config and weight-index files are hashed whole; each weight file by name,
-    size and 16 samples of 4 KiB spread over it: new weights saved at the same
-    path (a fine-tune, an RL update) change it, yet it reads 64 KiB per file,
-    and a copy of the same files on another machine gives the same value, so
-    engines on different hosts still share a remote store.
-    """
-    h = hashlib.sha256(b"kvbm-files-v1")
-    for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            continue
-        if name in _CONFIG_FILES or name.endswith(_INDEX_SUFFIX):
-            with open(path, "rb") as f:
-                h.update(json.dumps([name, "whole"]).encode() + f.read())
-        elif name.endswith(_WEIGHT_SUFFIXES):
-            size = os.path.getsize(path)
-            h.update(json.dumps([name, size]).encode())
-            with open(path, "rb") as f:
-                for i in range(_SAMPLES):
-                    f.seek(max(0, size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
-                    h.update(f.read(_SAMPLE_BYTES))
-    return h.hexdigest()
-
-
-def local_model_dir(model: str, revision: str) -> str | None:
-    """The local directory of a model path or an already downloaded HF model."""
-    if os.path.isdir(model):
-        return model
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(model, revision=revision or None, local_files_only=True)
-    except Exception:  # noqa: BLE001 - not in the local HF cache
-        return None
-
-
-def model_fingerprint(model: str, revision: str = "") -> str:
-    directory = local_model_dir(model, revision)
-    if directory is None:
-        # Both connector sides see the same files, so this never splits them.
-        logger.warning("KVBM: model %s has no local files to fingerprint; block keys name "
-                       "it by id and revision only", model)
-        return ""
-    return files_fingerprint(os.path.realpath(directory))
+# The model's identity from every byte of its config and weights, each file's
+# digest cached by its stat (fingerprints.py); imported from here by callers.
+from vllm_kvbm.fingerprints import (files_fingerprint, local_model_dir,  # noqa: E402,F401
+                                    model_fingerprint)

@@ -23,7 +23,6 @@ def test_new_weights_at_the_same_path_change_the_fingerprint(tmp_path):
     shutil.copytree(path, copy_dir)
     # Same files elsewhere (another host, another mount): same keys, so engines share.
     assert files_fingerprint(str(copy_dir)) == first
-    files_fingerprint.cache_clear()
     build(path, layers=2, hidden=64, heads=2, kv_heads=2, vocab_size=300, seed=1, force=True)
     assert files_fingerprint(str(path)) != first  # a fine-tune / RL update in place
 
