@@ -605,6 +605,24 @@ class KVBMConfig:
                 f"(e.g. \"{max(1, -(-page_bytes * 64 // 1024**2))}MiB\" for 64 pages)")
         return slots
 
+    def engine_totals(self, host_slots: int, page_bytes: int, workers: int) -> str:
+        """What the whole engine takes: each worker (TP rank) has its own host
+        pool and disk capacity, so the sizes configured count once per worker."""
+        host = host_slots * page_bytes
+        text = (f"host tier {_gib(host)} per worker x {workers} worker(s) = "
+                f"{_gib(host * workers)} of host RAM")
+        if self.disk_cache_dir is not None:
+            text += (f"; disk tier {_gib(self.disk_cache_bytes)} per worker x {workers} = "
+                     f"up to {_gib(self.disk_cache_bytes * workers)} in {self.disk_cache_dir}")
+        # The workers' staging rows for streamed loads come on top of the host
+        # tier; their size is the worker's (its startup line gives its pool).
+        return text + (" (host_cache_size and disk_cache_size are per worker; each worker "
+                       "also holds a few pages of staging for streamed loads)")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
 
 def disk_tier_too_small(capacity_bytes: int, page_bytes: int) -> KVBMConfigError:
     """The one message for a disk tier that cannot hold a page (scheduler and worker)."""

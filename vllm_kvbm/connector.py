@@ -114,6 +114,9 @@ class KVBMConnector(KVConnectorBase_V1):
             hashes, key_source = vllm_block_hashes(vllm_config, kv_cache_config,
                                                    self.info.block_size)
             logger.info("KVBM: %s", key_source)
+            # once per engine: the scheduler process, not each worker
+            logger.info("KVBM: this engine takes %s", self.config.engine_totals(
+                num_slots, self.info.page_bytes, self.info.num_workers))
             self.sched = KVBMScheduler(self.info, num_slots,
                                        self.config.offload_decode_blocks,
                                        metrics_sink=self._standalone_metrics(),

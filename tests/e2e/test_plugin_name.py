@@ -9,7 +9,8 @@ from vllm_kvbm.tools.server import vllm_server
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVE_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--num-gpu-blocks-override", "32"]
+SERVE_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--gpu-memory-utilization", "0.25",
+              "--num-gpu-blocks-override", "32"]
 
 
 def test_serve_with_only_the_connector_name(model_dir):
@@ -17,7 +18,7 @@ def test_serve_with_only_the_connector_name(model_dir):
     # The host tier's size from the environment keeps the config to the two keys
     # and the pinned memory small.
     with vllm_server(str(model_dir), config, SERVE_ARGS, startup_timeout=600,
-                     env={"KVBM_HOST_CACHE_SIZE": "64MiB"}) as server:
+                     env={"KVBM_HOST_CACHE_SIZE": "64MiB", "VLLM_LOGGING_LEVEL": "INFO"}) as server:
         prompt = " ".join(f"word{i % 97}" for i in range(700))  # several 128-token blocks
         _, _, text = server.stream_completion(prompt, max_tokens=4)
         assert text
@@ -25,3 +26,8 @@ def test_serve_with_only_the_connector_name(model_dir):
         offloaded = server.metric("kvbm_offload_blocks_d2h_total")
     assert "kvbm_offload_blocks_d2h_total" in metrics
     assert offloaded >= 1, metrics[:2000]
+    # the engine's totals, logged once (by the scheduler, not by each worker)
+    totals = [line for line in server.log_path.read_text().splitlines()
+              if "KVBM: this engine takes host tier" in line]
+    assert len(totals) == 1, totals
+    assert "per worker x 1 worker(s)" in totals[0] and "are per worker" in totals[0]

@@ -34,3 +34,28 @@ def test_vllm_loads_it_as_a_general_plugin():
 
     loaded = plugins.load_plugins_by_group(plugins.DEFAULT_PLUGINS_GROUP)
     assert loaded["kvbm"].__module__ == "vllm_kvbm.plugin"
+
+
+def test_connector_logs_go_where_vllms_go(monkeypatch):
+    """vLLM configures only its "vllm" logger: the plugin hands vllm_kvbm's
+    records to it, so the connector's INFO lines show up under vllm serve."""
+    import logging
+
+    from vllm_kvbm.plugin import register
+
+    monkeypatch.setattr(logging.getLogger("vllm_kvbm"), "handlers", [])
+    register()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    vllm_logger = logging.getLogger("vllm")
+    keep = Keep()
+    vllm_logger.addHandler(keep)
+    try:
+        logging.getLogger("vllm_kvbm.connector").warning("KVBM: seen by vLLM's handlers")
+    finally:
+        vllm_logger.removeHandler(keep)
+    assert seen == ["KVBM: seen by vLLM's handlers"]
