@@ -257,8 +257,14 @@ def test_every_dashboard_query_returns_data(scraped):
             not_finite.append((title, expr, [r["value"][1] for r in result]))
     assert not empty, f"queries with no data: {empty}"
     assert not not_finite, f"queries without a number: {not_finite}"
-    # the model_name variable's query
-    for variable in dashboard["templating"]["list"]:
+    # the model_name variable's query (the datasource variable picks which
+    # Prometheus every query goes to: this one)
+    variables = dashboard["templating"]["list"]
+    assert [v["type"] for v in variables if v["name"] == "datasource"] == ["datasource"]
+    for variable in variables:
+        if variable["type"] == "datasource":
+            continue
+        assert variable["datasource"]["uid"] == "${datasource}", variable["name"]
         query = variable["query"]["query"]
         metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", query).groups()
         url = (f"{prometheus.url}/api/v1/label/{label}/values?"
