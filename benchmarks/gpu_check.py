@@ -99,8 +99,8 @@ class Worker:
                  page_blocks: int = 1):
         bb = lay.block_bytes()
         ns = KeyNamespace(model="gpu-check@", dtype="torch.bfloat16", kv_layout="check",
-                          block_size=block_size * page_blocks, block_bytes=bb * page_blocks,
-                          tp_rank=0, tp_size=1)
+                          block_size=block_size, page_blocks=page_blocks,
+                          page_bytes=bb * page_blocks, tp_size=1)
         self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns, page_blocks),
                             num_slots, "UCX", agent_name("kvbm-gpu-check"))
         self.w.register_kv_caches(lay.caches, lay.num_blocks, lay.block_dims)

@@ -267,8 +267,7 @@ class KVBMConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         assert self.sched is not None
-        self.sched.reset_cache()
-        return True
+        return self.sched.reset_cache()
 
     def get_kv_connector_stats(self) -> KVBMConnectorStats | None:
         if self.sched is None:

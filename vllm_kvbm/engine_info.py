@@ -7,15 +7,12 @@ vLLM config, so they agree on slot counts and keys without a handshake.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
 import logging
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_kvbm.config import KVBMConfigError
+from vllm_kvbm.identity import key_namespace
 from vllm_kvbm.keys import KeyNamespace
 
 logger = logging.getLogger(__name__)
@@ -71,26 +68,7 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     _refuse_unsupported_parallelism(parallel)
     num_layers = len(groups[0].layer_names)
     page_blocks = _page_blocks(page_tokens, spec.block_size)
-    model = vllm_config.model_config
-    cache = vllm_config.cache_config
-    revision = getattr(model, "revision", None) or ""
-    namespace_key = KeyNamespace(
-        model=f"{model.model}@{revision}",
-        dtype=str(spec.dtype),
-        kv_layout=str(kv_cache_config.kv_cache_layout or ""),
-        # A page's size and layout: pages of other sizes never share keys.
-        block_size=spec.block_size * page_blocks,
-        block_bytes=spec.page_size_bytes * num_layers * page_blocks,
-        # Scheduler-side keys name a block for every TP rank at once; the
-        # disk and remote stores add the rank to their own page names.
-        tp_rank=0,
-        tp_size=parallel.tensor_parallel_size,
-        extra=namespace,
-        kv_cache_dtype=json.dumps([str(cache.cache_dtype),
-                                   sorted(getattr(cache, "kv_cache_dtype_skip_layers", ()))]),
-        quantization=str(model.quantization or ""),
-        model_fingerprint=model_fingerprint(model.model, revision),
-    )
+    namespace_key = key_namespace(vllm_config, kv_cache_config, page_blocks, namespace)
     return EngineInfo(
         block_size=spec.block_size,
         block_bytes=spec.page_size_bytes * num_layers,
@@ -135,9 +113,3 @@ def _refuse_unsupported_parallelism(parallel) -> None:
                 f"{field}={size}: KVBMConnector does not support {what} yet (each rank "
                 f"holds a different part of a block's KV); run with {flag} 1, or remove "
                 f"--kv-transfer-config. Tensor parallelism is supported.")
-
-
-# The model's identity from every byte of its config and weights, each file's
-# digest cached by its stat (fingerprints.py); imported from here by callers.
-from vllm_kvbm.fingerprints import (files_fingerprint, local_model_dir,  # noqa: E402,F401
-                                    model_fingerprint)

@@ -1,17 +1,15 @@
 """Block keys: what a stored KV block is called in every tier.
 
-A key names a block's KV: the block's full token prefix plus everything else
-the KV bytes depend on. The namespace (``KeyNamespace.seed``) pins down the
-model (name, revision and a fingerprint of its config and weights), the KV
-cache dtype (the torch dtype *and* vLLM's ``--kv-cache-dtype``, since every
-fp8 format is ``torch.uint8``), the weights' quantization, KV layout, block
-size, TP rank and world size, and our format version; per request, ``request_salt``
-adds the LoRA adapter (name, id, path and a fingerprint of its files) and the
-cache salt. Two engines agree on a key only if their KV bytes for that prefix
-would be the same. Every field is encoded as JSON, so no value can be
-confused with another's boundary. Keys must be the same across processes and
-restarts: the disk and remote tiers find blocks again after a restart and
-across engines.
+A key names a page's KV: its full token prefix plus everything else the KV
+bytes depend on. The namespace (``KeyNamespace.seed``, derived in one place:
+identity.py) covers the model and its weights, vLLM's KV cache spec and
+every vLLM setting not reviewed as harmless, the page geometry and the
+tensor-parallel size; per request, ``request_salt`` adds the LoRA adapter
+(name, id, path and a hash of its files) and the cache salt. Two engines
+agree on a key only if their KV bytes for that prefix would be the same.
+Every field is encoded as JSON, so no value can be confused with another's
+boundary. Keys are the same across processes and restarts: the disk and
+remote tiers find pages again after a restart and across engines.
 
 Keys come from one of two sources, chosen in the scheduler process
 (``scheduler/key_source.py``):
@@ -53,10 +51,9 @@ from dataclasses import astuple, dataclass
 
 import numpy as np
 
-# Bump when the stored page format or the key derivation changes, so old
-# pages never match. v2: JSON encoding, KV cache dtype, quantization, model
-# fingerprint, LoRA identity.
-FORMAT_VERSION = 2
+# Bump when the key derivation changes, so pages stored under the old one
+# are never looked up again.
+FORMAT_VERSION = 3
 
 BlockKey = bytes  # 32 bytes
 
@@ -79,22 +76,30 @@ def derive_seed(seed: bytes, *fields: str) -> bytes:
 
 @dataclass(frozen=True)
 class KeyNamespace:
-    model: str
-    dtype: str
+    """Everything besides a page's tokens that its KV bytes depend on, as
+    derived once by ``identity.key_namespace``; its ``seed`` starts every key."""
+
+    model: str  # model id @ revision
+    dtype: str  # the KV cache's torch dtype
     kv_layout: str
-    block_size: int
-    block_bytes: int
-    tp_rank: int
+    block_size: int  # tokens of one vLLM block
+    page_bytes: int  # bytes of one page on one worker, every layer's K and V
     tp_size: int
-    extra: str = ""
-    # vLLM's --kv-cache-dtype ("auto", "fp8_e4m3", "fp8_e5m2", ...) and the
-    # layers it skips: fp8 formats all have the torch dtype uint8.
+    extra: str = ""  # the operator's namespace (config "namespace")
+    page_blocks: int = 1  # vLLM blocks per page
+    # vLLM's --kv-cache-dtype ("auto", "fp8_e4m3", ...) and the layers it
+    # skips: fp8 formats all have the torch dtype uint8.
     kv_cache_dtype: str = "auto"
-    # Quantization scheme of the weights ("" when none).
-    quantization: str = ""
-    # Hash of the model's config and weights (engine_info.files_fingerprint):
-    # new weights at the same path give new keys.
+    quantization: str = ""  # of the weights ("" when none)
+    # A hash of every byte of the model's config and weight files
+    # (fingerprints.py): new weights at the same path give new keys.
     model_fingerprint: str = ""
+    kv_spec: str = ""  # vLLM's KV cache groups and specs (identity.kv_spec_identity)
+    config: str = ""  # digest of every vLLM setting not reviewed as harmless
+
+    @property
+    def page_tokens(self) -> int:
+        return self.block_size * self.page_blocks
 
     def seed(self) -> bytes:
         return _digest(f"kvbm-v{FORMAT_VERSION}", *astuple(self))

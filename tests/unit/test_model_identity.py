@@ -10,7 +10,8 @@ import pytest
 
 from helpers.scheduler_harness import kvbm, make_scheduler
 from vllm_kvbm.config import KVBMConfigError
-from vllm_kvbm.engine_info import engine_info, files_fingerprint
+from vllm_kvbm.engine_info import engine_info
+from vllm_kvbm.fingerprints import files_fingerprint
 
 
 def test_new_weights_at_the_same_path_change_the_fingerprint(tmp_path):
@@ -63,3 +64,32 @@ def test_pipeline_and_context_parallelism_are_refused_at_startup(field, flag):
     with pytest.raises(KVBMConfigError) as err:
         engine_info(cfg, s.kv_cache_config)
     assert field in str(err.value) and flag in str(err.value)
+
+
+def _seed_with_spec(scheduler, page_tokens: int, **spec_changes) -> bytes:
+    """The namespace seed of the harness engine with its KV cache spec changed."""
+    import dataclasses
+
+    kv = copy.deepcopy(scheduler.kv_cache_config)
+    group = kv.kv_cache_groups[0]
+    group.kv_cache_spec = dataclasses.replace(group.kv_cache_spec, **spec_changes)
+    return engine_info(scheduler.vllm_config, kv, page_tokens=page_tokens).key_namespace.seed()
+
+
+def test_the_same_page_in_other_vllm_blocks_has_other_keys():
+    """256-token pages of 32-token and of 64-token blocks hold the same bytes
+    in another order: a page's keys name its vLLM block size, not only its tokens."""
+    s = make_scheduler()
+    assert _seed_with_spec(s, 256, block_size=32) != _seed_with_spec(s, 256, block_size=64)
+    assert _seed_with_spec(s, 256, block_size=32) == _seed_with_spec(s, 256, block_size=32)
+
+
+def test_every_field_of_vllms_kv_cache_spec_is_in_the_keys():
+    import torch
+
+    s = make_scheduler()
+    base = _seed_with_spec(s, 16)
+    for change in (dict(head_size=16), dict(num_kv_heads=1), dict(dtype=torch.bfloat16),
+                   dict(sliding_window=64), dict(page_size_padded=4096),
+                   dict(head_size_v=16)):
+        assert _seed_with_spec(s, 16, **change) != base, change

@@ -97,26 +97,63 @@ def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
         store.close()
 
 
-def test_a_request_alive_at_the_reset_never_stores_its_pre_reset_kv():
-    """A prefill running across the reset: its later blocks attend to KV
-    computed before it, so none of them may be stored under the new keys."""
+def test_a_reset_vllm_refused_is_refused_by_kvbm_too():
+    """vLLM calls the connector's reset even when its own failed (a running
+    request holds blocks): its cached blocks keep serving pre-reset KV, so
+    pages computed on top of them must never get post-reset keys. KVBM then
+    refuses the reset as a whole: the keys, the host tier and every store
+    stay as they were, until a reset vLLM grants."""
     s = make_scheduler(max_batched=BLOCK)  # one block of prefill per step
     k = kvbm(s)
     prompt = tokens(3 * BLOCK + 1, 63)
     r1 = make_request(prompt, max_tokens=2)
     s.add_request(r1)
     _, meta, _ = step(s, complete=True)
-    assert r1.num_computed_tokens == BLOCK and meta.stores  # block 0 stored pre-reset
-    # vLLM keeps its own blocks (in use), the connector resets.
-    assert not s.reset_prefix_cache(reset_connector=True)
-    stored = []
-    for _ in range(20):
-        if r1.request_id not in s.requests:
+    assert r1.num_computed_tokens == BLOCK and meta.stores  # block 0 stored
+    keys = keys_of(s, prompt)
+    assert k.host.is_ready(keys[0])
+
+    assert not s.reset_prefix_cache(reset_connector=True)  # r1 holds blocks
+    assert keys_of(s, prompt) == keys  # no new epoch
+    assert k.host.is_ready(keys[0])  # nothing forgotten
+    # A newcomer sharing the prefix hits vLLM's stale block 0 and stores what
+    # it computes on top of it: under the keys that KV was computed for.
+    r2 = make_request(prompt[:2 * BLOCK + 1] + tokens(BLOCK, 64), max_tokens=1)
+    s.add_request(r2)
+    stores = 0
+    for _ in range(30):
+        if r1.request_id not in s.requests and r2.request_id not in s.requests:
             break
         _, meta, _ = step(s, complete=True)
-        stored += meta.stores
-    assert not stored
-    assert not any(k.host.is_ready(key) for key in keys_of(s, prompt))
-    # A request arriving after the reset computes and stores afresh.
-    store_and_finish(s, prompt)
-    assert all(k.host.is_ready(key) for key in keys_of(s, prompt)[:3])
+        stores += len(meta.stores)
+    assert stores and keys_of(s, prompt) == keys
+    r2_keys = keys_of(s, r2.prompt_token_ids)
+    assert r2_keys[0] == keys[0] and all(k.host.is_ready(key) for key in r2_keys)
+
+    # With every request done, vLLM's reset succeeds and so does KVBM's.
+    assert s.reset_prefix_cache(reset_connector=True)
+    assert keys_of(s, prompt) != keys
+    assert not any(k.host.is_ready(key) for key in keys)
+
+
+def test_a_request_preempted_by_a_reset_stores_only_recomputed_kv():
+    """reset_running_requests: vLLM preempts every running request, resets,
+    and they recompute from scratch; what they store then is post-reset KV
+    under post-reset keys, and nothing stored before is found."""
+    s = make_scheduler(max_batched=BLOCK)
+    k = kvbm(s)
+    prompt = tokens(3 * BLOCK + 1, 65)
+    r1 = make_request(prompt, max_tokens=2)
+    s.add_request(r1)
+    _, meta, _ = step(s, complete=True)
+    old = keys_of(s, prompt)
+    assert meta.stores and k.host.is_ready(old[0])
+    assert s.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+    assert not k.host.is_ready(old[0])
+    for _ in range(30):
+        if r1.request_id not in s.requests:
+            break
+        step(s, complete=True)
+    new = keys_of(s, prompt)
+    assert new != old
+    assert all(k.host.is_ready(key) for key in new[:3])

@@ -1,0 +1,118 @@
+"""The one derivation of what a page's key names besides its tokens.
+
+Two engines may share a page only if the KV bytes they would compute for
+its prefix are the same. ``key_namespace`` gathers everything those bytes
+depend on that both connector sides (the scheduler process and each worker)
+can see in vLLM's configuration, identically:
+
+- the KV cache as vLLM reports it: every group's layer names and spec
+  (block size, KV heads, head size, dtype, quantization mode, padding, MLA
+  and sliding-window fields: the whole spec dataclass), the resolved layout,
+  the hash block size and TP replicas (``kv_spec_identity``);
+- the page geometry: vLLM block tokens, blocks per page, bytes per page;
+- the model as vLLM runs it and every vLLM setting not reviewed as harmless
+  (``identity_fields.config_identity``: the effective HF config after
+  ``--hf-overrides``, dtype, quantization, revision, parallel layout,
+  attention backend, ...);
+- the weights' full contents (``fingerprints.model_fingerprint``).
+
+What only a worker knows (the kernel block size vLLM split blocks into, each
+layer's tensor shape and strides) and the TP rank are bound into every page's
+header and MAC instead (tiers/page_format.py): a page names its layout, and
+a reader whose layout differs refuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any
+
+from vllm_kvbm.keys import KeyNamespace
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# KVCacheConfig fields that size the cache, not the bytes of a block: two
+# engines with different memory budgets compute the same KV.
+_KV_CONFIG_SIZING = {"num_blocks", "kv_cache_tensors", "kv_cache_groups",
+                     "prefix_cache_retention_interval"}
+
+
+def canonical(value: Any) -> Any:
+    """A JSON-able form that is the same in every process for equal values:
+    dataclasses field by field, enums by value, dtypes and other objects by
+    ``str``; never a repr with an address in it."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {"__class__": type(value).__name__,
+                **{f.name: canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, enum.Enum):
+        return canonical(value.value)
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, Fraction):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (list, tuple)):
+        return [canonical(v) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((canonical(v) for v in value), key=json.dumps)
+    text = str(value)
+    if " at 0x" in text:  # an object without a meaningful str: its type only
+        return type(value).__qualname__
+    return text
+
+
+def digest_json(value: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(canonical(value), sort_keys=True).encode()).hexdigest()
+
+
+def kv_spec_identity(kv_cache_config: "KVCacheConfig") -> str:
+    """Canonical JSON of the KV cache's shape as vLLM reports it, sizing left out."""
+    groups = [{"layers": list(g.layer_names),
+               "spec": canonical(g.kv_cache_spec),
+               **{f.name: canonical(getattr(g, f.name)) for f in dataclasses.fields(g)
+                  if f.name not in ("layer_names", "kv_cache_spec")}}
+              for g in kv_cache_config.kv_cache_groups]
+    rest = {f.name: canonical(getattr(kv_cache_config, f.name))
+            for f in dataclasses.fields(kv_cache_config) if f.name not in _KV_CONFIG_SIZING}
+    return json.dumps({"groups": groups, **rest}, sort_keys=True)
+
+
+def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
+                  page_blocks: int, extra: str = "") -> KeyNamespace:
+    """The namespace every key of this engine is derived in (keys.py)."""
+    from vllm_kvbm.fingerprints import model_fingerprint
+
+    def config_identity(_):  # placeholder until identity_fields lands
+        return {}
+
+    def identity_env():
+        return {}
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    revision = getattr(model, "revision", None) or ""
+    return KeyNamespace(
+        model=f"{model.model}@{revision}",
+        dtype=str(spec.dtype),
+        kv_layout=str(kv_cache_config.kv_cache_layout or ""),
+        block_size=spec.block_size,
+        page_blocks=page_blocks,
+        page_bytes=spec.page_size_bytes * num_layers * page_blocks,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        extra=extra,
+        kv_cache_dtype=json.dumps([str(cache.cache_dtype),
+                                   sorted(getattr(cache, "kv_cache_dtype_skip_layers", ()))]),
+        quantization=str(model.quantization or ""),
+        model_fingerprint=model_fingerprint(model.model, revision),
+        kv_spec=kv_spec_identity(kv_cache_config),
+        config=digest_json([config_identity(vllm_config), identity_env()]),
+    )
