@@ -1,12 +1,14 @@
-"""What the page MAC costs, against the disk tier's page read, from one run.
+"""What sealing pages costs, against the disk tier's page read, from one run.
 
 Two real DiskStores (LMCache's disk backend, files in a temporary directory)
 with 2 MiB pages, one without a page secret and one with; the same pages
 are read back through ``get_into`` (read into the slot a chunk at a time,
-each chunk checked as it arrives: the checksum without a secret, the MAC
-with one), warm (page cache) and
-cold (each file's cached pages dropped with posix_fadvise first). Also the
-MAC alone on one page, and the constructions it was chosen over.
+each chunk checked as it arrives: the checksum without a secret, decrypted
+and authenticated with one, AES-256-GCM), warm (page cache) and cold (each
+file's cached pages dropped with posix_fadvise first), next to a plain read
+of the same file (preadv into a buffer, nothing checked). Also the seal
+alone on one page (with and without its per-page key derivation), and the
+constructions it was chosen over (v2's authenticate-only GMAC among them).
 
     .venv/bin/python benchmarks/bench_page_mac.py [--pages 32] [--rounds 5] [--dir DIR]
 
@@ -81,20 +83,40 @@ def main() -> None:
     keys = [i.to_bytes(32, "big") for i in range(args.pages)]
     out = torch.empty(block, dtype=torch.uint8)
 
-    # The MAC alone, as the codec computes it (namespace-keyed state copied, header + payload).
-    macs = PageCodec("bench", block, secret)._macs
-    mac = macs.sign
-    fields = bytes(page_format._MAC_OFF)
+    # The seal alone, as the codec computes it on a write: per-page key,
+    # encrypt into a scratch buffer, checksum, tag.
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+    codec = PageCodec("bench", block, secret)
     payload = pages[0]
     view = memoryview(payload.numpy())
-    t_mac = per_call(lambda: mac.digest(fields, payload), 50)
+    scratch = memoryview(bytearray(block))
+
+    def seal():
+        signer = codec.signer(keys[0])
+        signer.seal(view, scratch)
+        signer.header()
+
+    aes = algorithms.AES(secret)
+
+    def gmac():  # v2's MAC: authenticate only, the payload stays in the clear
+        ctx = Cipher(aes, modes.GCM(os.urandom(12))).encryptor()
+        ctx.authenticate_additional_data(view)
+        ctx.finalize()
+
+    def blake3_mac():  # v1/v2's keyed BLAKE3
+        blake3.blake3(view, key=secret).digest()
+
+    t_mac = per_call(seal, 50)
+    t_derive = per_call(lambda: codec._seal._page_key(keys[0]), 2000)
     alternatives = {
         "HMAC-SHA256": per_call(lambda: hmac.new(secret, view, "sha256").digest(), 20),
         "keyed BLAKE2b-256": per_call(
             lambda: hashlib.blake2b(view, key=secret, digest_size=32).digest(), 20),
-        "keyed BLAKE3 (chosen until 2026-12-03; still verified)": per_call(
-            lambda: macs.by_alg[page_format._MAC_BLAKE3].digest(fields, payload), 50),
-        "AES-256-GMAC (chosen)": per_call(lambda: mac.digest(fields, payload), 50),
+        "keyed BLAKE3 (v2, authenticate only)": per_call(blake3_mac, 50),
+        "AES-256-GMAC (v2, authenticate only)": per_call(gmac, 50),
+        "AES-256-GCM, encrypt + authenticate (chosen)": per_call(seal, 50),
+        "its per-page key derivation alone (keyed BLAKE3 + AES key schedule)": t_derive,
         f"{page_format.checksum_name()} (the checksum written, not a MAC)": per_call(
             lambda: page_format._checksum(page_format._WRITE_ALG, b"", payload), 50),
         "CRC-32C (libcrc32c, written before isal)": per_call(
@@ -111,27 +133,40 @@ def main() -> None:
                 for k, p in zip(keys, pages):
                     assert store.put(k, p)
 
-            def read_all(store, cold: bool) -> float:
+            raw_buf = memoryview(bytearray(page_format.HEADER_BYTES + block))
+
+            def read_all(store, cold: bool, raw: bool = False) -> float:
                 total = 0.0
                 for k in keys:
                     path = store._disk._key_to_path(store._ckey(k))
                     (drop_cached if cold else read_cached)(path)
                     start = time.perf_counter()
-                    status = store.get_into(k, out)
+                    if raw:  # the bytes alone: one buffered preadv, nothing checked
+                        fd = os.open(path, os.O_RDONLY)
+                        try:
+                            os.preadv(fd, [raw_buf], 0)
+                        finally:
+                            os.close(fd)
+                        status = "ok"
+                    else:
+                        status = store.get_into(k, out)
                     total += time.perf_counter() - start
                     assert status == "ok", status
                 return total / len(keys)
 
             def mac_all() -> float:
                 start = time.perf_counter()
-                for p in pages:
-                    mac.digest(fields, p)
+                for k, p in zip(keys, pages):
+                    signer = codec.signer(k)
+                    signer.seal(memoryview(p.numpy()), scratch)
+                    signer.header()
                 return (time.perf_counter() - start) / len(pages)
 
-            reads = {(n, c): [] for n in ("plain", "keyed") for c in (False, True)}
+            reads = {(n, c): [] for n in ("raw", "plain", "keyed") for c in (False, True)}
             macs = []
             for _ in range(args.rounds):  # interleaved, so load drift hits all alike
                 for cold in (False, True):
+                    reads[("raw", cold)].append(read_all(plain, cold, raw=True))
                     for name, store in (("plain", plain), ("keyed", keyed)):
                         reads[(name, cold)].append(read_all(store, cold))
                 macs.append(mac_all())
@@ -151,20 +186,20 @@ def main() -> None:
     print()
     print("| | per page | GB/s |")
     print("|---|---|---|")
-    print(f"| page MAC (AES-256-GMAC, as the codec computes it) | {t_mac * ms:.3f} ms | "
+    print(f"| page seal (AES-256-GCM, as a sealed write computes it) | {t_mac * ms:.3f} ms | "
           f"{block / t_mac / 1e9:.1f} |")
     print(f"| the same, over the {args.pages} pages, between the reads below | "
           f"{t_mac_rounds * ms:.3f} ms | {block / t_mac_rounds / 1e9:.1f} |")
     for name, t in alternatives.items():
         print(f"| {name} | {t * ms:.3f} ms | {block / t / 1e9:.1f} |")
     print()
-    print("| disk tier, get_into | no secret | with secret | difference | "
-          "MAC / read (no secret), per round |")
-    print("|---|---|---|---|---|")
+    print("| disk tier, get_into | plain read (preadv) | no secret | with secret (sealed) "
+          "| difference | seal / read (no secret), per round |")
+    print("|---|---|---|---|---|---|")
     for cold in (False, True):
-        a, b = read[("plain", cold)], read[("keyed", cold)]
+        r, a, b = read[("raw", cold)], read[("plain", cold)], read[("keyed", cold)]
         print(f"| {'cold (page cache dropped)' if cold else 'warm (page cache)'} | "
-              f"{a * ms:.3f} ms | {b * ms:.3f} ms | {(b - a) * ms:+.3f} ms | "
+              f"{r * ms:.3f} ms | {a * ms:.3f} ms | {b * ms:.3f} ms | {(b - a) * ms:+.3f} ms | "
               f"{ratio[cold]:.2f} |")
 
 

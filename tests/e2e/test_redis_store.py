@@ -323,8 +323,14 @@ def test_pages_of_another_page_secret_are_unauthenticated_and_removed(server, st
     out = torch.empty(SMALL, dtype=torch.uint8)
     assert a.put(key(1), page(1, SMALL)) and a.put(key(2), page(2, SMALL))
     assert b.get_into(key(1), out) == "ok" and torch.equal(out, page(1, SMALL))
+    # Names are keyed by the secret: another secret does not even find the page...
+    assert not other.contains(key(2)) and other.get_into(key(2), out) == "miss"
+    # ...and copied under its name, the page does not open there.
+    with server.admin() as c:
+        c.set(other._page_name(key(2)), c.get(a._page_name(key(2))))
     assert other.get_into(key(2), out) == "unauthenticated"
-    assert not other.contains(key(2)) and b.get_into(key(2), out) == "miss"  # deleted
+    assert not other.contains(key(2))  # deleted
+    assert b.get_into(key(2), out) == "ok" and torch.equal(out, page(2, SMALL))
 
 
 def _tls_files(d) -> tuple[str, str, str]:
