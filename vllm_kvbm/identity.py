@@ -89,12 +89,7 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                   page_blocks: int, extra: str = "") -> KeyNamespace:
     """The namespace every key of this engine is derived in (keys.py)."""
     from vllm_kvbm.fingerprints import model_fingerprint
-
-    def config_identity(_):  # placeholder until identity_fields lands
-        return {}
-
-    def identity_env():
-        return {}
+    from vllm_kvbm.identity_fields import config_identity, identity_env
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)

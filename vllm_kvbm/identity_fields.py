@@ -764,10 +764,10 @@ def config_identity(vllm_config: Any) -> dict:
     Nested config dataclasses are reduced by their own rows of ``FIELDS``;
     fields the table does not know are included (logged once at INFO). Two
     configs built the same way give equal dicts in any process; hash
-    ``json.dumps(config_identity(c), sort_keys=True)``.
+    ``json.dumps(config_identity(c), sort_keys=True)`` together with
+    ``identity_env()``.
     """
-    return {"vllm_config": _identity_of(vllm_config, ROOT_CLASS, "vllm_config"),
-            "env": identity_env()}
+    return _identity_of(vllm_config, ROOT_CLASS, "vllm_config")
 
 
 # ---- environment -----------------------------------------------------------------
@@ -815,5 +815,6 @@ def identity_env(environ: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def identity_json(vllm_config: Any) -> str:
-    """``config_identity`` as the canonical JSON text a namespace hashes."""
-    return json.dumps(config_identity(vllm_config), sort_keys=True, separators=(",", ":"))
+    """``config_identity`` and ``identity_env`` as canonical JSON text."""
+    return json.dumps([config_identity(vllm_config), identity_env()], sort_keys=True,
+                      separators=(",", ":"))
