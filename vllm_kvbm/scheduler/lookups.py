@@ -208,6 +208,10 @@ class BackgroundLookups:
     request is never held back for it) while it is asked again, so a request
     that waits long for room sees pages written since (or gone). Nothing is
     copied per step: a question's keys are copied when it is queued.
+
+    The same thread answers the write-through's question which reused pages
+    the disk has already (``check_disk``, answers taken by ``take_checked``):
+    a stat on a hung network filesystem blocks this thread, not vLLM's.
     """
 
     def __init__(self, lower: LowerTiers):
@@ -215,6 +219,8 @@ class BackgroundLookups:
         self._lock = threading.Lock()
         self._entries: dict[str, _Question] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._checked: list[tuple[list[BlockKey], set[BlockKey]]] = []
+        self.checks_pending = 0  # disk checks queued or being answered
         self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
@@ -226,7 +232,9 @@ class BackgroundLookups:
         with self._lock:
             q = self._entries.get(req_id)
             if (q is not None and q.start <= start < q.start + q.count
-                    and keys[q.start] == q.first):  # same chain: same blocks
+                    and keys[q.start] == q.first  # same chain: same blocks
+                    # an answer whose run ends before ``start`` says nothing of it
+                    and (q.run is None or start - q.start <= len(q.run))):
                 if q.run is None:
                     return None
                 if not q.asking and time.monotonic() - q.answered_at > REFRESH_S:
@@ -241,10 +249,35 @@ class BackgroundLookups:
         with self._lock:
             self._entries.pop(req_id, None)
 
+    def check_disk(self, ask: list[BlockKey], keys: list[BlockKey]) -> None:
+        """Asks which of ``ask`` the disk holds; ``take_checked`` then returns
+        ``keys`` with that set."""
+        with self._lock:
+            self.checks_pending += 1
+        self._queue.put((None, list(ask), list(keys)))
+
+    def take_checked(self) -> list[tuple[list[BlockKey], set[BlockKey]]]:
+        with self._lock:
+            done, self._checked = self._checked, []
+        return done
+
+    def _check(self, ask: list[BlockKey], keys: list[BlockKey]) -> None:
+        try:
+            on_disk = self._lower.on_disk(ask)
+        except Exception as err:  # a view must not kill the thread: written again
+            logger.warning("KVBM: disk check failed: %s", err)
+            on_disk = set()
+        with self._lock:
+            self._checked.append((keys, on_disk))
+            self.checks_pending -= 1
+
     def _serve(self) -> None:
         widen_thread_affinity()  # not the engine thread's one core (cpus.py)
         while True:
             req_id, q, keys = self._queue.get()
+            if req_id is None:
+                self._check(q, keys)
+                continue
             with self._lock:
                 if self._entries.get(req_id) is not q:
                     continue  # forgotten or asked again meanwhile

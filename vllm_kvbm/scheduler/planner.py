@@ -370,19 +370,22 @@ class KVBMScheduler:
 
     def may_load_async(self, request: "Request") -> bool:
         """A cheap guess (vLLM >= 0.34 asks when a request is queued) whether its
-        lookup will return an asynchronous load: its first block is ready in
-        the host tier or its page is on disk. The remote tier is not asked (a
-        network round trip); a remote-only hit still loads, just not early."""
+        lookup will return an asynchronous load: its first page is ready in
+        the host tier, or the lower tiers' answer says they hold it. That
+        answer comes from the lookup thread (no stat or round trip here):
+        until it is in, False; it then serves the request's lookups too."""
         state = self._state(request)
-        if state is None or (request.num_tokens - 1) // self.page_tokens < 1:
+        max_pages = (request.num_tokens - 1) // self.page_tokens
+        if state is None or max_pages < 1:
             return False
-        key = self._keys(state, self.page_tokens)[0]
-        return self.host.is_ready(key) or any(
-            view.contains(key) for view in self.lower.views if view.name == "disk")
+        if self.host.is_ready(self._keys(state, self.page_tokens)[0]):
+            return True
+        return bool(self._lookup(state, 0, max_pages))
 
     # ---- per-step metadata ------------------------------------------------
 
     def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
+        self._spill_checked()
         meta = KVBMConnectorMetadata(loads=self._loads,
                                      delayed_free_req_ids=self._delayed_free,
                                      spills=self._spills)
@@ -593,8 +596,24 @@ class KVBMScheduler:
 
     def _spill(self, keys: list[BlockKey], reused: bool) -> None:
         """Write-through of ready host blocks to the lower tiers that admit
-        them: one spill job per run of blocks going to the same tiers."""
-        for tiers, run in self.lower.admit(keys, reused):
+        them: one spill job per run of blocks going to the same tiers.
+        Reused blocks the disk may hold already are first asked about on the
+        lookup thread (a stat on a hung filesystem never blocks this one):
+        spilled when it answers (``_spill_checked``)."""
+        ask = self.lower.disk_unknown(keys) if reused else []
+        if ask and self._background is not None:
+            self._background.check_disk(ask, keys)
+            return
+        self._spill_now(keys, reused)
+
+    def _spill_checked(self) -> None:
+        if self._background is not None:
+            for keys, on_disk in self._background.take_checked():
+                self._spill_now(keys, True, on_disk)
+
+    def _spill_now(self, keys: list[BlockKey], reused: bool,
+                   on_disk: set[BlockKey] | frozenset = frozenset()) -> None:
+        for tiers, run in self.lower.admit(keys, reused, on_disk):
             run = [key for key in run if self.host.is_ready(key)]
             if not run:
                 continue
@@ -640,7 +659,8 @@ class KVBMScheduler:
 
     def has_pending_work(self) -> bool:
         return bool(self._store_jobs or self._loads or self._delayed_free
-                    or self._spills or self._pending_spills)
+                    or self._spills or self._pending_spills
+                    or (self._background is not None and self._background.checks_pending))
 
     def reset_cache(self) -> bool:
         """Forgets every cached page, in every tier, for this engine; False

@@ -95,11 +95,31 @@ class LowerTiers:
             run.append(tier)
         return run
 
-    def admit(self, keys: list[BlockKey],
-              reused: bool) -> list[tuple[list[str], list[BlockKey]]]:
+    def disk_unknown(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """Of reused ``keys``, those to ask the disk about (``on_disk``) before
+        ``admit``: the disk tier takes them unless it has them, and its
+        bounded table of writes does not say."""
+        if not any(view.name == "disk" for view in self.views):
+            return []
+        written = self._written["disk"]
+        return [key for key in keys if hash(key) not in written]
+
+    def on_disk(self, keys: list[BlockKey]) -> set[BlockKey]:
+        """Which of ``keys`` the disk holds: a stat each, so never on vLLM's
+        threads (a hung network filesystem blocks it)."""
+        found: set[BlockKey] = set()
+        for view in self.views:
+            if view.name == "disk":
+                found.update(key for key in keys if view.contains(key))
+        return found
+
+    def admit(self, keys: list[BlockKey], reused: bool,
+              on_disk: set[BlockKey] | frozenset = frozenset()
+              ) -> list[tuple[list[str], list[BlockKey]]]:
         """The tiers ready host blocks ``keys`` should now be written to, as
         runs of consecutive keys going to the same tiers (keys no tier admits
-        left out, order kept)."""
+        left out, order kept). ``on_disk``: reused keys the disk is known to
+        hold (``on_disk``, asked off the scheduler thread); never asked here."""
         runs: list[tuple[list[str], list[BlockKey]]] = []
         if not self.views:
             return runs
@@ -108,7 +128,8 @@ class LowerTiers:
         uses = ([self._uses.bump(short) for short in shorts]
                 if self.disk_admission == "frequency" else None)
         # Tier by tier (their tables are independent), then key by key.
-        takes = [self._admit_to(view, keys, shorts, reused, uses) for view in self.views]
+        takes = [self._admit_to(view, keys, shorts, reused, uses, on_disk)
+                 for view in self.views]
         names = [view.name for view in self.views]
         last = None
         for key, flags in zip(keys, zip(*takes)):
@@ -121,7 +142,7 @@ class LowerTiers:
         return runs
 
     def _admit_to(self, view: TierView, keys: list[BlockKey], shorts: list[int],
-                  reused: bool, uses: list[int] | None) -> list[bool]:
+                  reused: bool, uses: list[int] | None, on_disk) -> list[bool]:
         """Whether ``view``'s tier takes each of ``keys`` (noted as written)."""
         written = self._written[view.name]
         disk = view.name == "disk"
@@ -131,7 +152,7 @@ class LowerTiers:
             if short in written:
                 takes.append(False)  # until the worker reports the page gone (forget)
                 continue
-            if ask and view.contains(keys[i]):
+            if ask and keys[i] in on_disk:
                 # Reused and on disk, though the bounded table forgot it (or
                 # another engine or an earlier run wrote it): a stat is
                 # cheaper than a write. Fresh blocks are not asked about.

@@ -238,11 +238,35 @@ class KVBMWorker:
             slots = self._staging.take(min(chunk, len(load.pending)))
             indexes, load.pending = load.pending[:len(slots)], load.pending[len(slots):]
             self._start_part(load, part(load, next(self._part_ids), indexes, slots))
+            load.waiting_since = None  # got slots: its deadline starts again
         waiting = load.ok and load.pending
-        if waiting and load not in self._streams_waiting:
-            self._streams_waiting.append(load)
-        elif not waiting and load in self._streams_waiting:
+        if waiting:
+            if load.waiting_since is None:
+                load.waiting_since = time.perf_counter()
+            if load not in self._streams_waiting:
+                self._streams_waiting.append(load)
+        elif load in self._streams_waiting:
             self._streams_waiting.remove(load)
+
+    def _expire_waiting_streams(self) -> None:
+        """A streamed load that got no staging slot for tier_read_timeout_s
+        fails (vLLM recomputes it): the slots may be held by reads stuck on a
+        frozen filesystem, and its pages need not be on that tier at all."""
+        if not self._streams_waiting:
+            return
+        limit = self.tier_io.read_timeout_s
+        now = time.perf_counter()
+        for load in list(self._streams_waiting):
+            if load.waiting_since is None or now - load.waiting_since <= limit:
+                continue
+            logger.error("KVBM: streamed load of %d pages for %s got no staging slot for "
+                         "%g s (tier_read_timeout_s); vLLM recomputes it",
+                         len(load.pending), load.job.req_id, limit)
+            self._meta.transfers_overdue += 1
+            load.ok, load.pending = False, []
+            self._streams_waiting.remove(load)
+            if load.done:
+                self._complete(load.job, False, ok=False, started=load.started)
 
     def _hold_read_slots(self, job: TransferJob, hold: bool) -> None:
         """An overdue fetch failed, but its reads may still write the slots
@@ -408,6 +432,7 @@ class KVBMWorker:
             self._complete(job, False, ok=False, started=queued)
         for job in self.tier_io.take_ended():
             self._hold_read_slots(job, False)
+        self._expire_waiting_streams()
         self._post_ready()
         if self.mover is not None and self._inflight:
             self._poll()

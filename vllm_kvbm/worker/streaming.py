@@ -61,6 +61,9 @@ class StreamedLoad:
     fetch: dict[int, tuple[str, bytes]] = field(default_factory=dict)
     running: int = 0
     ok: bool = True
+    # when it last waited for staging slots without getting any (None: not
+    # waiting): past tier_read_timeout_s it fails, so vLLM recomputes
+    waiting_since: float | None = None
 
     @property
     def done(self) -> bool:
