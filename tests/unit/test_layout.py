@@ -12,7 +12,8 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "vllm_kvbm"
 SHARED = {"vllm_kvbm.config", "vllm_kvbm.keys", "vllm_kvbm.messages", "vllm_kvbm.engine_info",
           "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.tiers.lm_protocol",
-          "vllm_kvbm.tiers.redis_conn", "vllm_kvbm.cpus"}
+          "vllm_kvbm.tiers.redis_conn", "vllm_kvbm.cpus", "vllm_kvbm.identity",
+          "vllm_kvbm.identity_fields", "vllm_kvbm.fingerprints"}
 
 
 def imports(path: Path) -> set[str]:
