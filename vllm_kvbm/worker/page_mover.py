@@ -98,7 +98,8 @@ def load_nixl(cuda_version: str | None, hip_version: str | None = None):
         return api.nixl_agent, api.nixl_agent_config, name
     raise NixlBuildError(
         f"KVBM: {runtime} needs NIXL's {' or '.join(wanted)} build, which is not "
-        f"installed; install it: pip install {_pip_name(wanted[0])}")
+        f"installed; install it: pip install nixl (the meta package: every CUDA "
+        f"major's build), or pip install {_pip_name(wanted[0])}")
 
 
 @dataclass(frozen=True)
