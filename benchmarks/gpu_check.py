@@ -27,7 +27,18 @@ smaller kernel blocks), with the real KVBMWorker, PageMover and NIXL:
 Then "pages": pages of several blocks (page_tokens; 16 blocks, the default
 at block size 16), stored whole into one host slot each and loaded into
 other blocks with the first one skipped (a page that begins inside vLLM's
-own hit): every copied block byte-equal, the skipped one untouched.
+own hit): every copied block byte-equal, the skipped one untouched; and
+offload/onboard bandwidth of whole pages against ``copy_``. "70b-pages" is
+the same at a 70B model's page size (Llama-3-70B: 80 layers, 8 KV heads,
+head size 128, bf16, 16-token blocks, 256-token pages: 5 MiB blocks, 80 MiB
+pages; GEOMETRY_70B), a few pages (``--pages-70b``).
+
+"gds": NIXL reading a file straight into GPU memory through cuFile (the
+GDS and GDS_MT plugins) against a plain read into pinned host memory plus
+``copy_`` to the GPU, both from a cold page cache, bytes checked. Where
+there is no cuFile (libcufile) or no CUDA device the GDS rows say why they
+were skipped; NIXL's POSIX plugin reading the same file into host memory is
+checked everywhere (it is what runs on CPU).
 
 Everything is printed as one table; the exit status is 0 only if every check
 passed.
@@ -36,8 +47,12 @@ passed.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import glob
+import json
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -63,6 +78,40 @@ CASES = {
     "mla": ("LBNHC", True, 1),
     "kernel-split": ("LBNHC", False, 2),
 }
+EXTRA_CASES = ["pages", "70b-pages", "gds"]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A KV cache's page geometry (K and V, every layer, one page)."""
+
+    layers: int
+    kv_heads: int
+    head_size: int
+    block_size: int  # tokens per vLLM block
+    page_blocks: int  # blocks per page
+    dtype_bytes: int = 2  # bf16
+
+    @property
+    def block_bytes(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_size * self.block_size * self.dtype_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        return self.block_bytes * self.page_blocks
+
+    @property
+    def page_tokens(self) -> int:
+        return self.block_size * self.page_blocks
+
+    def gpu_bytes(self, pages: int) -> int:
+        """KV the pages case allocates: the stored pages and as many to load into."""
+        return 2 * pages * self.page_bytes
+
+
+# Llama-3-70B (and 3.1/3.3): 80 layers, 8 KV heads of 128, bf16; vLLM's
+# CUDA block size 16; 256-token pages.
+GEOMETRY_70B = Geometry(layers=80, kv_heads=8, head_size=128, block_size=16, page_blocks=16)
 
 
 @dataclass
@@ -279,20 +328,28 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
         del lay
 
 
-def run_pages(args, device: torch.device, report: Report) -> None:
-    """Pages of ``args.page_blocks`` blocks: stored whole, loaded skipping a block."""
-    name, g = "pages", args.page_blocks
-    lay = vllm_layout("LBNHC", args.layers, args.blocks, heads=args.heads,
-                      block_size=args.block_size, head_size=args.head_size, gen=None,
-                      dtype=torch.bfloat16, device=device, pad=4096)
+def run_pages(args, device: torch.device, report: Report, name: str = "pages",
+              geo: Geometry | None = None, pages: int | None = None) -> None:
+    """Pages of ``geo.page_blocks`` blocks: stored whole, loaded skipping a block,
+    then offload/onboard bandwidth of whole pages against ``copy_``."""
+    geo = geo or Geometry(args.layers, args.heads, args.head_size, args.block_size,
+                          args.page_blocks)
+    g = geo.page_blocks
+    n = pages or max(1, args.blocks // (2 * g))  # pages; each loaded back into other blocks
+    lay = vllm_layout("LBNHC", geo.layers, max(args.blocks if pages is None else 0, 2 * n * g),
+                      heads=geo.kv_heads, block_size=geo.block_size, head_size=geo.head_size,
+                      gen=None, dtype=torch.bfloat16, device=device, pad=4096)
     lay.raw[0].view(torch.uint8).random_(0, 256)
     sync(device)
-    n = max(1, args.blocks // (2 * g))  # pages; each loaded back into other blocks
     src, dst = list(range(n * g)), list(range(n * g, 2 * n * g))
     slots = list(range(n))[::-1]
-    report.info(name, "pages", f"{n} pages of {g} blocks ({g * lay.block_bytes() / 1024**2:.1f} "
-                f"MiB each)")
-    wk = Worker(lay, n, args.block_size, args.timeout, page_blocks=g)
+    report.info(name, "pages", f"{n} pages of {g} blocks x {geo.block_size} tokens, "
+                f"{geo.layers} layers, {geo.kv_heads} KV heads of {geo.head_size}: "
+                f"{geo.page_bytes / 1024**2:.1f} MiB each, {n * geo.page_bytes / 1024**3:.2f} "
+                f"GiB per transfer")
+    report.check(name, "block size as computed", lay.block_bytes() == geo.block_bytes,
+                 f"{lay.block_bytes()} bytes laid out, {geo.block_bytes} computed")
+    wk = Worker(lay, n, geo.block_size, args.timeout, page_blocks=g)
     try:
         pool = wk.w.host_pool
         delay(device, args.kernel_delay)
@@ -304,10 +361,11 @@ def run_pages(args, device: torch.device, report: Report) -> None:
         bad = sum(not torch.equal(pool[s], torch.cat([lay.slot_bytes(b, kv_cpu)
                                                       for b in src[i * g:(i + 1) * g]]))
                   for i, s in enumerate(slots))
+        del kv_cpu
         report.check(name, "pages stored whole, one slot each", not bad and wk.done[job],
                      f"{n - bad}/{n} host pages byte-equal")
 
-        kv_before = lay.raw[0].clone()
+        kv_before = lay.raw[0].to("cpu", copy=True)
         delay(device, args.kernel_delay)
         for b in dst:
             lay.zero_block(b)
@@ -315,12 +373,12 @@ def run_pages(args, device: torch.device, report: Report) -> None:
         wk.until(lambda: req in wk.recving)
         sync(device)
         kv_cpu = [lay.raw[0].cpu()]
-        expected = [kv_before.cpu()]
+        expected = [kv_before.clone()]
         for b in dst[:1]:
             for page in lay.pages(expected, b):
                 page.zero_()
         for b, a in zip(dst[1:], src[1:]):
-            want = lay.slot_bytes(a, [kv_before.cpu()])
+            want = lay.slot_bytes(a, [kv_before])
             off = 0
             for page in lay.pages(expected, b):
                 page.copy_(want[off:off + page.numel()])
@@ -328,9 +386,220 @@ def run_pages(args, device: torch.device, report: Report) -> None:
         report.check(name, "pages loaded, the skipped block untouched",
                      torch.equal(kv_cpu[0], expected[0]) and not wk.failed,
                      f"{len(dst) - 1} blocks loaded, 1 skipped; failed: {dict(wk.failed)}")
+        del kv_cpu, expected, kv_before
+
+        off_s = on_s = float("inf")
+        for _ in range(args.repeats):
+            sync(device)
+            t = time.perf_counter()
+            job = wk.store(src, slots)
+            wk.until(lambda: wk.done[job] or wk.failed[job])
+            off_s = min(off_s, time.perf_counter() - t)
+            t = time.perf_counter()
+            req = wk.load(dst, slots)
+            wk.until(lambda: req in wk.recving)
+            on_s = min(on_s, time.perf_counter() - t)
+        nbytes = n * geo.page_bytes
+        ref_off, ref_on = torch_copy_seconds(nbytes, device, args.repeats)
+        report.info(name, "offload d2h GB/s (KVBM / torch copy_)",
+                    f"{nbytes / off_s / 1e9:.1f} / {nbytes / ref_off / 1e9:.1f} "
+                    f"({ref_off / off_s:.0%} of torch)")
+        report.info(name, "onboard h2d GB/s (KVBM / torch copy_)",
+                    f"{nbytes / on_s / 1e9:.1f} / {nbytes / ref_on / 1e9:.1f} "
+                    f"({ref_on / on_s:.0%} of torch)")
+        report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()
         del lay
+
+
+def find_cufile() -> str | None:
+    """Path of cuFile's library (libcufile.so.0): the system's, or the one the
+    nvidia-cufile wheel beside PyTorch carries; None where there is none."""
+    import ctypes.util
+
+    found = ctypes.util.find_library("cufile")
+    candidates = [found] if found else []
+    for base in sys.path:
+        candidates += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcufile.so*")))
+        candidates += sorted(glob.glob(os.path.join(base, "nvidia", "cufile", "lib",
+                                                    "libcufile.so*")))
+    candidates += sorted(glob.glob("/usr/local/cuda*/lib64/libcufile.so*"))
+    for path in candidates:
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # NIXL's GDS plugin then finds it
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def drop_cache(fd: int) -> None:
+    """Evicts the file's pages from the page cache, so the next read is cold."""
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def open_direct(path: str) -> tuple[int, bool]:
+    """The file opened for reading, with O_DIRECT where its filesystem allows."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_DIRECT), True
+    except OSError:
+        return os.open(path, os.O_RDWR), False
+
+
+def aligned_empty(n: int, pin: bool) -> torch.Tensor:
+    """n bytes of host memory starting on a 4 KiB boundary (O_DIRECT reads need it)."""
+    raw = torch.empty(n + 4096, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % 4096
+    return raw[skip:skip + n]
+
+
+def nixl_file_read(agent, backend: str, fd: int, dst: torch.Tensor, name: str,
+                   timeout_s: float) -> tuple[str, float]:
+    """NIXL reads the file (from offset 0) into ``dst`` with ``backend``:
+    (state, seconds from posting to done)."""
+    n = dst.numel()
+    file_reg = agent.register_memory([(0, n, fd, "")], "FILE", backends=[backend])
+    mem_reg = agent.register_memory(dst, backends=[backend])
+    try:
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(dst),
+                                       agent.get_xfer_descs([(0, n, fd)], "FILE"), name,
+                                       backends=[backend])
+        try:
+            t = time.perf_counter()
+            try:
+                state = agent.transfer(handle)
+                while state == "PROC":
+                    if time.perf_counter() - t > timeout_s:
+                        return "TIMEOUT", float("inf")
+                    state = agent.check_xfer_state(handle)
+            except Exception as err:  # noqa: BLE001 - NIXL raises on a failed transfer
+                return f"ERR ({type(err).__name__}: {err})", float("inf")
+            return state, time.perf_counter() - t
+        finally:
+            agent.release_xfer_handle(handle)
+    finally:
+        agent.deregister_memory(mem_reg, backends=[backend])
+        agent.deregister_memory(file_reg, backends=[backend])
+
+
+def plain_read_seconds(fd: int, dst: torch.Tensor, chunk: int) -> float:
+    """A plain read of the file into pinned host memory, ``copy_`` to ``dst``
+    chunk by chunk (two host buffers: a chunk's copy overlaps the next read)."""
+    cuda = dst.device.type == "cuda"
+    bufs = [aligned_empty(chunk, cuda) for _ in range(2)]
+    events = [None, None]
+    t = time.perf_counter()
+    off, i = 0, 0
+    while off < dst.numel():
+        buf = bufs[i % 2]
+        if events[i % 2] is not None:
+            events[i % 2].synchronize()
+        want = min(chunk, dst.numel() - off)
+        got = os.preadv(fd, [memoryview(buf.numpy())[:want]], off)
+        if got != want:
+            raise OSError(f"short read: {got} of {want} bytes at {off}")
+        dst[off:off + want].copy_(buf[:want], non_blocking=cuda)
+        if cuda:
+            events[i % 2] = torch.cuda.Event()
+            events[i % 2].record()
+        off, i = off + want, i + 1
+    sync(dst.device)
+    return time.perf_counter() - t
+
+
+def run_gds(args, device: torch.device, report: Report) -> None:
+    """A file read into GPU memory by NIXL's GDS plugins (cuFile) against a
+    plain read plus copy_; NIXL's POSIX plugin into host memory everywhere."""
+    name, n = "gds", args.gds_mib << 20
+    cuda = device.type == "cuda"
+    cufile = find_cufile() if cuda else None
+    nvfs = sorted(glob.glob("/dev/nvidia-fs*")) or os.path.exists("/proc/driver/nvidia-fs")
+    work = tempfile.mkdtemp(prefix="kvbm-gds-", dir=args.gds_dir)
+    path = os.path.join(work, "pages.bin")
+    if cufile and "CUFILE_ENV_PATH_JSON" not in os.environ:
+        # cuFile reads through the host where the kernel has no GDS driver
+        # (nvidia-fs): "compat mode". Its log goes beside the file, not the cwd.
+        conf = os.path.join(work, "cufile.json")
+        with open(conf, "w") as f:
+            json.dump({"logging": {"dir": work, "level": "ERROR"},
+                       "properties": {"allow_compat_mode": True}}, f)
+        os.environ["CUFILE_ENV_PATH_JSON"] = conf
+    from vllm_kvbm.worker.page_mover import _nixl_api
+
+    nixl_agent, nixl_agent_config, module = _nixl_api()
+    agent_id = agent_name("kvbm-gds-check")
+    agent = nixl_agent(agent_id, nixl_agent_config(backends=[]))
+    plugins = agent.get_plugin_list()
+    fd = -1
+    try:
+        want = torch.randint(0, 256, (n,), dtype=torch.uint8, device=device)
+        with open(path, "wb") as f:
+            f.write(memoryview(want.cpu().numpy()))
+        fd, direct = open_direct(path)
+        report.info(name, "file", f"{n / 2**20:.0f} MiB at {path} (O_DIRECT: {direct}); "
+                    f"{module} plugins {', '.join(plugins)}")
+
+        # NIXL's POSIX plugin into host memory: the file path the GDS rows share
+        host = aligned_empty(n, cuda).zero_()
+        agent.create_backend("POSIX")
+        drop_cache(fd)
+        state, secs = nixl_file_read(agent, "POSIX", fd, host, agent_id, args.timeout)
+        ok = state == "DONE" and torch.equal(host, want.cpu())
+        report.check(name, "NIXL POSIX file -> host, bytes equal", ok,
+                     f"{state}; {n / secs / 1e9:.2f} GB/s cold" if state == "DONE" else state)
+        del host
+
+        dst = torch.zeros(n, dtype=torch.uint8, device=device)
+        best_plain = float("inf")
+        for _ in range(args.repeats):
+            dst.zero_()
+            drop_cache(fd)
+            best_plain = min(best_plain, plain_read_seconds(fd, dst, 64 << 20))
+        report.check(name, f"plain read + copy_ -> {'GPU' if cuda else 'CPU'}, bytes equal",
+                     torch.equal(dst, want),
+                     f"{n / best_plain / 1e9:.2f} GB/s cold (best of {args.repeats})")
+        if not cuda:
+            report.info(name, "GDS disk -> GPU", "skipped: no CUDA device (CPU run)")
+            return
+        if cufile is None:
+            report.info(name, "GDS disk -> GPU", "skipped: no libcufile (cuFile) found on this "
+                        "machine (nvidia-cufile wheel or CUDA toolkit)")
+            return
+        report.info(name, "cuFile", f"{cufile}; nvidia-fs driver: "
+                    f"{'present' if nvfs else 'absent (cuFile compat mode: through host memory)'}")
+        for backend in ("GDS", "GDS_MT"):
+            what = f"NIXL {backend} file -> GPU"
+            if backend not in plugins:
+                report.info(name, what, f"skipped: {module} has no {backend} plugin")
+                continue
+            try:
+                agent.create_backend(backend)
+            except Exception as err:  # noqa: BLE001 - cuFile refused: say why, go on
+                report.info(name, what, f"skipped: {backend} backend did not start: "
+                            f"{type(err).__name__}: {err}")
+                continue
+            best, state = float("inf"), "DONE"
+            for _ in range(args.repeats):
+                dst.zero_()
+                sync(device)
+                drop_cache(fd)
+                state, secs = nixl_file_read(agent, backend, fd, dst, agent_id, args.timeout)
+                if state != "DONE":
+                    break
+                best = min(best, secs)
+            sync(device)
+            ok = state == "DONE" and torch.equal(dst, want)
+            report.check(name, f"{what}, bytes equal", ok,
+                         f"{n / best / 1e9:.2f} GB/s cold ({best_plain / best:.2f}x the plain "
+                         f"read + copy_)" if state == "DONE" else state)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        for f in glob.glob(os.path.join(work, "*")):
+            os.unlink(f)
+        os.rmdir(work)
 
 
 def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple[float, float]:
@@ -355,9 +624,19 @@ def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--cases", nargs="+", default=[*CASES, "pages"], choices=[*CASES, "pages"])
+    p.add_argument("--cases", nargs="+", default=[*CASES, *EXTRA_CASES],
+                   choices=[*CASES, *EXTRA_CASES])
     p.add_argument("--page-blocks", type=int, default=16,
                    help="blocks per page of the pages case (16: the default at block size 16)")
+    p.add_argument("--pages-70b", type=int, default=None,
+                   help="pages of the 70b-pages case (default 8 on CUDA: 640 MiB per "
+                        "transfer, 1.25 GiB of KV; 1 on CPU)")
+    p.add_argument("--layers-70b", type=int, default=GEOMETRY_70B.layers,
+                   help="layers of the 70b-pages case (fewer only to try it on a small machine)")
+    p.add_argument("--gds-mib", type=int, default=None,
+                   help="file size of the gds case (default 2048 on CUDA, 16 on CPU)")
+    p.add_argument("--gds-dir", default=None,
+                   help="directory of the gds case's file (default: the system's temp dir)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--blocks", type=int, default=None, help="engine KV blocks")
     p.add_argument("--slots", type=int, default=None, help="host tier slots")
@@ -379,6 +658,8 @@ def main(argv: list[str] | None = None) -> int:
     args.layers = args.layers or (32 if cuda else 4)
     args.blocks = args.blocks or (1024 if cuda else 64)
     args.slots = args.slots or args.blocks // 2
+    args.pages_70b = args.pages_70b or (8 if cuda else 1)
+    args.gds_mib = args.gds_mib or (2048 if cuda else 16)
     start = time.perf_counter()
     print(f"gpu_check: torch {torch.__version__} (CUDA {torch.version.cuda}), device "
           f"{torch.cuda.get_device_name(device) if cuda else 'cpu'}, "
@@ -388,6 +669,12 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if name == "pages":
                 run_pages(args, device, report)
+            elif name == "70b-pages":
+                geo = Geometry(args.layers_70b, GEOMETRY_70B.kv_heads, GEOMETRY_70B.head_size,
+                               GEOMETRY_70B.block_size, GEOMETRY_70B.page_blocks)
+                run_pages(args, device, report, name, geo, args.pages_70b)
+            elif name == "gds":
+                run_gds(args, device, report)
             else:
                 run_case(name, args, device, report)
         except Exception as err:  # a crash is a failed check, not a lost table

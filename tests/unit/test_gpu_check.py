@@ -3,20 +3,33 @@ GPU machine runs (real KVBMWorker, PageMover and NIXL; vLLM 0.32's layouts)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 CASES = ["flash-attn", "flashinfer-hnd", "packed-blhnc", "mla", "kernel-split"]
+MIB = 1 << 20
+
+
+def _import(name: str, folder: Path):
+    sys.path.insert(0, str(folder))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(folder))
 
 
 def test_gpu_check_passes_on_cpu():
     out = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--layers", "3", "--blocks", "24",
          "--heads", "2", "--block-size", "4", "--head-size", "16", "--mla-head-size", "24",
-         "--repeats", "1", "--page-blocks", "4"],
+         "--repeats", "1", "--page-blocks", "4", "--layers-70b", "2"],
         capture_output=True, text=True, timeout=600, cwd="/")  # imports from the repo
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     lines = out.stdout.splitlines()
@@ -31,20 +44,117 @@ def test_gpu_check_passes_on_cpu():
             assert f"{check}" in text and "PASS" in text.split(check)[1].split("\n")[0], \
                 (case, check, text)
         assert "offload d2h GB/s" in text and "onboard h2d GB/s" in text
-    pages = "\n".join(line for line in lines if line.startswith("pages "))
-    for check in ("pages stored whole, one slot each", "pages loaded, the skipped block untouched"):
-        assert check in pages and "PASS" in pages.split(check)[1].split("\n")[0], (check, pages)
+    for case in ("pages", "70b-pages"):
+        pages = "\n".join(line for line in lines if line.startswith(case + " "))
+        for check in ("block size as computed", "pages stored whole, one slot each",
+                      "pages loaded, the skipped block untouched", "no transfer failed"):
+            assert check in pages and "PASS" in pages.split(check)[1].split("\n")[0], \
+                (case, check, pages)
+        assert "offload d2h GB/s" in pages and "onboard h2d GB/s" in pages
+    # the 70B geometry with 2 of its 80 layers: 16 blocks of 16 tokens, 8 KV heads of 128
+    assert "1 pages of 16 blocks x 16 tokens, 2 layers, 8 KV heads of 128: 2.0 MiB" in stdout(lines)
+    gds = "\n".join(line for line in lines if line.startswith("gds "))
+    for check in ("NIXL POSIX file -> host, bytes equal", "plain read + copy_ -> CPU, bytes equal"):
+        assert check in gds and "PASS" in gds.split(check)[1].split("\n")[0], (check, gds)
+    assert "GDS disk -> GPU" in gds and "skipped: no CUDA device" in gds, gds
+
+
+def stdout(lines: list[str]) -> str:
+    return "\n".join(lines)
+
+
+def test_70b_page_geometry():
+    """80 layers x K,V x 8 heads x 128 x bf16 = 320 KiB a token: 5 MiB blocks of
+    16 tokens, 80 MiB pages of 256; the default 8 pages fit any CUDA GPU."""
+    gpu_check = _import("gpu_check", SCRIPT.parent)
+    g = gpu_check.GEOMETRY_70B
+    assert g.block_bytes == 2 * 80 * 8 * 128 * 2 * 16 == 5 * MIB
+    assert g.page_tokens == 256 and g.page_bytes == 80 * MIB
+    assert g.gpu_bytes(8) == 1280 * MIB  # stored pages and as many to load into
+    small = gpu_check.Geometry(2, 8, 128, 16, 16)
+    assert small.page_bytes * 40 == g.page_bytes  # the CPU run keeps everything but layers
+
+
+PREP_DIR = REPO / "scripts"
+
+
+def test_elf_needed_matches_readelf():
+    prep = _import("gpu_check_prep", PREP_DIR)
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf not installed")
+    lib = Path(sys.executable).resolve()
+    candidates = sorted(Path(os.path.dirname(os.__file__), "lib-dynload").glob("*.so"))
+    lib = candidates[0] if candidates else lib
+    out = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True).stdout
+    want = [line.split("[")[1].rstrip("]") for line in out.splitlines() if "(NEEDED)" in line]
+    assert prep.elf_needed(lib.read_bytes()) == want
+    assert prep.elf_needed(b"not an elf file") == []
+
+
+def _git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    """A git checkout with gpu_check.sh and its helper, a tracked, an untracked and
+    an ignored file, and a stripped-wheel stand-in in .whl/."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    for f in ("gpu_check.sh", "gpu_check_prep.py"):
+        shutil.copy(PREP_DIR / f, repo / "scripts" / f)
+    (repo / "tracked.bin").write_bytes(b"t" * (2 * MIB))
+    (repo / ".gitignore").write_text("ignored.bin\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "t")
+    (repo / "untracked.bin").write_bytes(b"u" * MIB)
+    (repo / "ignored.bin").write_bytes(b"i" * (8 * MIB))
+    (repo / ".whl").mkdir()
+    return repo
+
+
+def _wheel(repo: Path) -> Path:
+    return repo / ".whl" / "nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl"
+
+
+def test_carried_bytes_counts_what_a_device_run_sends(tree):
+    prep = _import("gpu_check_prep", PREP_DIR)
+    _wheel(tree).write_bytes(b"w" * (3 * MIB))
+    sizes = prep.carried_bytes(tree, [".whl"])
+    tracked = sum(f.stat().st_size for f in (tree / "scripts").iterdir()) + 2 * MIB + \
+        (tree / ".gitignore").stat().st_size
+    assert sizes["tracked"] == tracked
+    assert sizes["untracked"] == MIB  # ignored.bin does not travel
+    assert sizes[".whl"] == 3 * MIB
+    assert sizes["total"] == tracked + 4 * MIB
+
+
+def test_gpu_check_sh_dry_run_prints_size_and_the_device_call(tree):
+    sh = tree / "scripts" / "gpu_check.sh"
+    missing = subprocess.run(["bash", str(sh), "--dry-run"], capture_output=True, text=True)
+    assert missing.returncode == 1 and "is missing" in missing.stderr, missing
+    assert "/.whl/" in (tree / ".git" / "info" / "exclude").read_text().split()
+    _wheel(tree).write_bytes(b"w" * (3 * MIB))
+    ok = subprocess.run(["bash", str(sh), "--dry-run"], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    size_line = next(line for line in ok.stdout.splitlines() if line.startswith("carried tree:"))
+    total = sum(os.lstat(tree / f).st_size for f in
+                ("scripts/gpu_check.sh", "scripts/gpu_check_prep.py", "tracked.bin",
+                 ".gitignore", "untracked.bin")) + 3 * MIB
+    assert size_line.startswith(f"carried tree: {total / MIB:.1f} MiB of 64 MiB"), size_line
+    assert 'run(command="bash scripts/gpu_check.sh --on-device", carry=[".whl"]' in ok.stdout
+    with open(_wheel(tree), "r+b") as f:  # sparse: 65 MiB counted, nothing written
+        f.truncate(65 * MIB)
+    over = subprocess.run(["bash", str(sh), "--dry-run"], capture_output=True, text=True)
+    assert over.returncode == 1 and "OVER THE LIMIT" in over.stdout, over.stdout
 
 
 def test_gpu_check_reports_a_stale_page_as_failed(monkeypatch, capsys):
     """A host page that differs from the KV must fail the run (exit status 1).
     A stale page cannot be produced on CPU (the forward pass is synchronous),
     so one byte of a stored page is flipped before the script compares."""
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    gpu_check = _import("gpu_check", SCRIPT.parent)
     real = gpu_check.slot_pages_equal
 
     def stale(pool, lay, kv_cpu, blocks, slots):
