@@ -115,6 +115,11 @@ _SPEC_DRAFT = ("drafts are verified by the target model, whose KV is the prefix'
 _MM_IO = "how multimodal inputs are fetched, cached or shipped, not what they encode to"
 _SHAPES = ("which batch shapes get kernels of their own: one engine already computes a "
            "prefix's KV at any batch shape")
+_GRAPHS = ("CUDA graphs replay the kernels a batch would run eagerly, and one engine "
+           "already runs a prefix with or without them (batches over the largest "
+           "capture size run eager)")
+_AUTOTUNE = ("autotuning picks among implementations of one op per machine and shape; "
+             "the flag does not say which (the elastic EP path toggles it in workers)")
 _EXPERT_PLACEMENT = ("which rank holds which expert: every token reaches the same "
                      "experts with the same weights")
 
@@ -165,8 +170,8 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "model": H("where the model is (a hub id or a local path that differs between "
                    "replicas); what it computes is its effective hf_config (identity) "
                    "and its weights' hash"),
-        "model_weights": I("the original weights URI when `model` is a local staging "
-                           "copy: unsure, identity"),
+        "model_weights": H("where the weights came from (a URI when `model` is a local "
+                           "staging copy); their content is hashed (fingerprints.py)"),
         "runner": I("generate vs pooling runners build different models"),
         "convert": I("adapters convert the model (e.g. to pooling)"),
         "tokenizer": H("token ids are already in the key"),
@@ -224,7 +229,9 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "checkpoint_prepare_on_startup": H("when the checkpoint is prepared"),
     },
     "CacheConfig": {
-        "block_size": I("tokens per block: a page's layout"),
+        "block_size": H("the engine core resets it from the KV cache groups in its own "
+                        "process only; the block size the KV is laid out in is the KV "
+                        "cache spec's, which the namespace hashes (identity.py)"),
         "user_specified_block_size": H("whether block_size was given; block_size is "
                                        "identity"),
         "kv_cache_layout": H(_RESOLVED),
@@ -265,7 +272,9 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "_block_size_resolved": H("whether block_size was resolved; block_size is "
                                   "identity"),
         "simple_cpu_offload_num_blocks": H("vLLM's own offloading capacity"),
-        "enable_extensible_kv_cache": I("an extensible KV cache layout: unsure, identity"),
+        "enable_extensible_kv_cache": H("how the cache grows, resolved by the executor in "
+                                        "the engine core only; its layout is the KV cache "
+                                        "spec's"),
         "_extensible_kv_cache_resolved": H("whether the option was resolved"),
     },
     "ParallelConfig": {
@@ -294,7 +303,9 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "expert_placement_strategy": H(_EXPERT_PLACEMENT),
         "all2all_backend": I("all-to-all kernels (and their quantization)"),
         "max_parallel_loading_workers": H("how weights are loaded, not which"),
-        "disable_custom_all_reduce": I("all-reduce kernel: other rounding"),
+        "disable_custom_all_reduce": H("one engine already reduces small tensors with the "
+                                       "custom kernel and large ones with NCCL; the CPU "
+                                       "worker sets it in its own process"),
         "enable_shm_tensor_arena": H("how inputs reach the workers"),
         "enable_elastic_ep": H(_EXPERT_PLACEMENT),
         "elastic_ep_max_dp_size": H(_DP),
@@ -446,8 +457,8 @@ FIELDS: dict[str, dict[str, Rule]] = {
     },
     "KernelConfig": {
         "ir_op_priority": I("which implementation of norms and activations"),
-        "enable_flashinfer_autotune": I("autotuning picks kernels per machine"),
-        "enable_rocm_segmented_attn_autotune": I("autotuning picks kernels per machine"),
+        "enable_flashinfer_autotune": H(_AUTOTUNE),
+        "enable_rocm_segmented_attn_autotune": H(_AUTOTUNE),
         "enable_cutedsl_warmup": H("warms kernels up before serving"),
         "enable_jit_warmup": H("warms kernels up before serving"),
         "moe_backend": I("MoE kernels"),
@@ -544,18 +555,18 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "encoder_cudagraph_max_vision_items_per_batch": H("graph capture sizes"),
         "encoder_cudagraph_max_frames_per_batch": H("graph capture sizes"),
         "encoder_cudagraph_max_token_budget": H("graph capture sizes"),
-        "cudagraph_decoder_replay": I("decoder replay path: unsure, identity"),
+        "cudagraph_decoder_replay": H(_GRAPHS),
         "decoder_replay_cudagraph_capture_sizes": H("graph capture sizes"),
         "decoder_replay_trim_threshold": H("graph capture sizes"),
         "compile_sizes": H(_SHAPES),
         "compile_ranges_endpoints": H(_SHAPES + " (follows max_num_batched_tokens)"),
         "inductor_compile_config": I("inductor options change kernels"),
         "inductor_passes": I("extra compiler passes"),
-        "cudagraph_mode": I("graph mode: unsure, identity"),
+        "cudagraph_mode": H(_GRAPHS + "; the GPU worker resolves it in its own process"),
         "cudagraph_num_of_warmups": H("warm-up runs before capture"),
         "cudagraph_capture_sizes": H("graph capture sizes: padding, same kernels"),
         "cudagraph_copy_inputs": H("copies inputs into graph buffers"),
-        "cudagraph_specialize_lora": I("LoRA graphs: unsure, identity"),
+        "cudagraph_specialize_lora": H(_GRAPHS),
         "use_inductor_graph_partition": I("graph partitioning changes fusions"),
         "pass_config": I("fusion passes (quantization points, RoPE+KV write)"),
         "max_cudagraph_capture_size": H("graph capture sizes"),
@@ -569,7 +580,7 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "encoder_compilation_time": H(_RUNTIME),
         "static_forward_context": H(_RUNTIME + " (layer objects)"),
         "static_all_moe_layers": H(_RUNTIME),
-        "use_breakable_cudagraph": I("graph mode: unsure, identity"),
+        "use_breakable_cudagraph": H(_GRAPHS),
         "prefill_cudagraph_capture_token_sizes": H("graph capture sizes"),
         "max_prefill_cudagraph_capture_tokens": H("graph capture sizes"),
         "decode_cudagraph_capture_request_sizes": H("graph capture sizes"),

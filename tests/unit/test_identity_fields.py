@@ -328,7 +328,6 @@ def test_same_build_same_identity(base_config, model_dir, tmp_path):
      "model_config"),
     (dict(dtype="bfloat16"), "model_config"),
     (dict(kv_cache_dtype="fp8"), "cache_config"),
-    (dict(block_size=256), "cache_config"),
     (dict(enforce_eager=True), "model_config"),
     (dict(max_model_len=2048), "model_config"),
 ])
@@ -339,6 +338,16 @@ def test_a_setting_that_changes_kv_changes_the_identity(base_config, model_dir, 
     b = idf.config_identity(other)
     assert a[where] != b[where]
     assert {k for k in a if a[k] != b[k]} <= {where, "compilation_config"}
+
+
+def test_block_size_is_left_to_the_kv_cache_spec(base_config, model_dir):
+    """vLLM's engine core resets cache_config.block_size from the KV cache
+    groups in its own process (v1/engine/core.py), not in the workers': the
+    namespace takes the block size from the KV cache spec (identity.py), so
+    config_identity must not carry the scheduler's copy."""
+    other = _build(model_dir, block_size=256)
+    assert other.cache_config.block_size == 256
+    assert idf.identity_json(other) == idf.identity_json(base_config)
 
 
 def test_rope_override_reaches_the_effective_hf_config(model_dir):

@@ -1,0 +1,85 @@
+"""config_identity (vllm_kvbm/identity_fields.py) on real engines.
+
+On a TP=2 engine the scheduler process and both worker processes compute the
+same identity, after the workers loaded (and compiled) the model: values vLLM
+resolves in one process only are harmless, or the two sides would name every
+page differently. An engine with --hf-overrides on a plain engine's disk
+directory loads none of its pages."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from test_engine_e2e import generate
+from test_tiers_e2e import settle
+from vllm_kvbm.tools.server import kvbm_transfer_config
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_scheduler_and_workers_agree(model_dir, tmp_path, monkeypatch, eager):
+    """Compiled, the workers fill compilation_config's runtime fields (custom
+    ops seen, traced files, forward context) that the scheduler's copy lacks."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("KVBM_IDENTITY_PROBE_DIR", str(tmp_path))
+    kv = kvbm_transfer_config(host_cache_size="64MiB")
+    kv.update(kv_connector="IdentityProbeConnector", kv_connector_module_path="identity_probe")
+    llm = make_llm(kv, tensor_parallel_size=2, kv_cache_memory_bytes=256 << 20,
+                   max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=eager)
+    try:
+        generate(llm, [random_prompt(300, seed=11)])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    seen = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert sorted(name.split("-")[0] for name in seen) == ["scheduler", "worker", "worker"]
+    scheduler = next(v for k, v in seen.items() if k.startswith("scheduler"))
+    for name, identity in seen.items():
+        differs = {k for k in scheduler["config"]
+                   if scheduler["config"][k] != identity["config"].get(k)}
+        assert identity == scheduler, (name, differs)
+    assert scheduler["config"]["parallel_config"]["tensor_parallel_size"] == 2
+
+
+# The test model's RoPE base is 500000; another base changes every K.
+ROPE = {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
+
+
+def _disk_engine(disk, **overrides):
+    kv = kvbm_transfer_config(host_cache_size="256MiB", disk_cache_dir=str(disk),
+                              disk_cache_size="1GiB")
+    return make_llm(kv, **overrides)
+
+
+def _run(llm, prompt):
+    try:
+        return generate(llm, [prompt])
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def test_hf_overrides_on_one_disk_directory_misses(model_dir, tmp_path):
+    """An engine with --hf-overrides (another RoPE base: same files, same
+    config.json, other K) finds none of a plain engine's pages on a shared
+    disk directory, and answers like a plain engine with that override."""
+    prompt = random_prompt(8 * BLOCK_SIZE + 40, seed=2030)
+    first = _disk_engine(tmp_path)
+    try:
+        base, _ = generate(first, [prompt])
+        settle(first)
+    finally:
+        first.llm_engine.engine_core.shutdown()
+    assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) >= 8  # the pages are there
+
+    before = kvbm_counter("onboard_blocks_d2d")
+    got, cached = _run(_disk_engine(tmp_path, hf_overrides=ROPE), prompt)
+    loaded = kvbm_counter("onboard_blocks_d2d") - before
+    assert loaded == 0 and cached[0] == 0
+
+    want, _ = _run(make_llm(None, hf_overrides=ROPE), prompt)
+    assert got == want
+    assert want != base  # the override changes the model's answer: sharing would show
