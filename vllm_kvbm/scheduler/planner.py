@@ -41,6 +41,13 @@ logger = logging.getLogger(__name__)
 # page): a hit from the tiers behind a server is at most this long.
 _BACKGROUND_RUN = 4096
 
+# A store backlog that gets no host slot for this long and this many steps
+# is dropped (counted in store_skipped_blocks): a finished request's engine
+# blocks are held for it. Steps too, as a long prefill step alone can take
+# longer than the slots' round trip (store, spill, copied) of a few steps.
+BACKLOG_TIMEOUT_S = 5.0
+BACKLOG_TIMEOUT_STEPS = 20
+
 
 @dataclass
 class _ReqState:
@@ -51,6 +58,13 @@ class _ReqState:
     # pages [0, store_cursor) have been considered for storing
     store_cursor: int = 0
     store_jobs: set[int] = field(default_factory=set)
+    # pages [backlog, store_cursor) are computed but found no free host slot
+    # yet (None: none): stored as slots free up, so they reach the lower tiers
+    backlog: int | None = None
+    backlog_since: float = 0.0  # when the backlog last got a slot
+    backlog_idle: int = 0  # steps since
+    # finished while its backlog waited: vLLM keeps its blocks until it drains
+    free_pending: bool = False
     # set between get_num_new_matched_tokens and update_state_after_alloc:
     # the engine blocks vLLM's own prefix cache had
     local_hit_blocks: int = 0
@@ -138,6 +152,8 @@ class KVBMScheduler:
         self._job_ids = itertools.count()
         self._loads: list[TransferJob] = []
         self._delayed_free: list[str] = []
+        # requests with a store backlog (their pages wait for host slots)
+        self._backlogged: dict[str, _ReqState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
         self._evictions_seen = 0
         self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots * info.page_blocks)
@@ -386,9 +402,11 @@ class KVBMScheduler:
 
     def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
         self._spill_checked()
+        backlog_stores = self._drain_backlogs()
         meta = KVBMConnectorMetadata(loads=self._loads,
                                      delayed_free_req_ids=self._delayed_free,
                                      spills=self._spills)
+        meta.stores += backlog_stores
         self._loads, self._delayed_free, self._spills = [], [], []
         now = self.split.clock()
         self._time_prefills(now)
@@ -399,6 +417,8 @@ class KVBMScheduler:
                 watched[req_id] = state  # computes its prompt again
                 if state.store_jobs:
                     meta.flush_req_ids.append(req_id)
+                if state.backlog is not None:  # its blocks are freed
+                    self._drop_backlog(state)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             state = watched.get(req_id)
             if state is not None and num_scheduled > 0:
@@ -454,7 +474,8 @@ class KVBMScheduler:
                              self.split.prefill.block_seconds(0, self.block_size))
 
     def _plan_store(self, state: _ReqState, num_scheduled: int) -> TransferJob | None:
-        """Stores every full page this step completes that the host lacks."""
+        """Stores every full page this step completes that the host lacks
+        (after the request's backlog)."""
         request = state.request
         if state.pre_reset or (not self.offload_decode_blocks and state.store_cursor
                                >= request.num_prompt_tokens // self.page_tokens):
@@ -469,16 +490,35 @@ class KVBMScheduler:
         # Only the new blocks are hashed and looked at (no copies of the
         # request's keys or block ids).
         state.chain.extend_to(request.all_token_ids, full)
-        keys = state.chain.keys
         assert self._kv_cache_manager is not None
+        start = state.store_cursor if state.backlog is None else state.backlog
+        state.store_cursor = full
+        return self._store_pages(state, start, full)
+
+    def _drain_backlogs(self) -> list[TransferJob]:
+        """Stores of backlogged pages, into the host slots freed since
+        (spilled pages unpinned, so evictable): a prompt longer than the
+        host tier reaches the lower tiers a host tier's worth at a time."""
+        jobs = []
+        for state in list(self._backlogged.values()):
+            if state.pre_reset:  # its pages would get post-reset keys
+                self._drop_backlog(state)
+                continue
+            job = self._store_pages(state, state.backlog, state.store_cursor)
+            if job is not None:
+                jobs.append(job)
+        return jobs
+
+    def _store_pages(self, state: _ReqState, start: int, full: int) -> TransferJob | None:
+        """A store of pages [start, full) the host lacks, into the host slots
+        free or evictable now. Pages that find none wait as the request's
+        backlog when lower tiers exist (stored as slots come free, vLLM
+        keeping a finished request's blocks meanwhile), else are skipped."""
+        request, keys = state.request, state.chain.keys
         # Blocks the host has (stored, or being stored by another request)
         # are left out.
-        positions, job_slots, stopped = self.host.allocate_missing(
-            keys, state.store_cursor, full)
-        if stopped < full:
-            # Every slot is pinned or being written: skip, never wait.
-            self.stats.add("store_skipped_blocks", (full - stopped) * self.page_blocks)
-        state.store_cursor = full
+        positions, job_slots, stopped = self.host.allocate_missing(keys, start, full)
+        self._note_backlog(state, stopped, progressed=bool(positions))
         if not positions:
             return None
         blocks = self._kv_cache_manager.get_blocks(request.request_id).blocks[0]
@@ -634,11 +674,49 @@ class KVBMScheduler:
                 copied += pending[0]
         self.host.unpin(copied)
 
+    def _note_backlog(self, state: _ReqState, stopped: int, progressed: bool) -> None:
+        if stopped >= state.store_cursor:
+            if state.backlog is not None:
+                state.backlog = None
+                self._backlog_done(state)
+            return
+        if not (self.lower and self.lower.writes_fresh_pages()):
+            # No lower tier takes them now: a later store would only evict
+            # this prompt's own pages from the host tier.
+            self.stats.add("store_skipped_blocks",
+                           (state.store_cursor - stopped) * self.page_blocks)
+            return
+        now = self.split.clock()
+        if state.backlog is None or progressed:
+            state.backlog_since, state.backlog_idle = now, 0
+        else:
+            state.backlog_idle += 1
+        state.backlog = stopped
+        self._backlogged[state.request.request_id] = state
+        if (now - state.backlog_since > BACKLOG_TIMEOUT_S
+                and state.backlog_idle > BACKLOG_TIMEOUT_STEPS):
+            self._drop_backlog(state)
+
+    def _drop_backlog(self, state: _ReqState) -> None:
+        """Its blocks are gone or it waited too long: those pages are not stored."""
+        self.stats.add("store_skipped_blocks",
+                       (state.store_cursor - state.backlog) * self.page_blocks)
+        state.backlog = None
+        self._backlog_done(state)
+
+    def _backlog_done(self, state: _ReqState) -> None:
+        self._backlogged.pop(state.request.request_id, None)
+        if state.free_pending:  # vLLM may free its blocks once its stores land
+            state.free_pending = False
+            self._delayed_free.append(state.request.request_id)
+        self._maybe_forget(state)
+
     def _maybe_forget(self, state: _ReqState) -> None:
         if self._background is not None and state.finished:
             self._background.forget(state.request.request_id)
         if state.finished and not (state.store_jobs or state.load_keys or state.promoted
-                                   or state.streamed):
+                                   or state.streamed or state.backlog is not None
+                                   or state.free_pending):
             self._reqs.pop(state.request.request_id, None)
             self._watched.pop(state.request.request_id, None)
 
@@ -650,6 +728,10 @@ class KVBMScheduler:
         if state.prefill_ending:  # finished at its first token
             self._prefills_ending = [s for s in self._prefills_ending if s is not state]
             self._prefill_sample(state, self.split.clock())
+        if state.backlog is not None:
+            # Pages still to store from these blocks: kept until they are.
+            state.free_pending = True
+            return True, None
         if state.store_jobs:
             # Stores still read these blocks: keep them until the worker says so.
             self._delayed_free.append(request.request_id)
@@ -659,7 +741,7 @@ class KVBMScheduler:
 
     def has_pending_work(self) -> bool:
         return bool(self._store_jobs or self._loads or self._delayed_free
-                    or self._spills or self._pending_spills
+                    or self._spills or self._pending_spills or self._backlogged
                     or (self._background is not None and self._background.checks_pending))
 
     def reset_cache(self) -> bool:

@@ -95,6 +95,12 @@ class LowerTiers:
             run.append(tier)
         return run
 
+    def writes_fresh_pages(self) -> bool:
+        """Whether a page stored for the first time is written to some tier
+        (not so when only a frequency-filtered disk is configured)."""
+        return any(view.name != "disk" or self.disk_admission != "frequency"
+                   for view in self.views)
+
     def disk_unknown(self, keys: list[BlockKey]) -> list[BlockKey]:
         """Of reused ``keys``, those to ask the disk about (``on_disk``) before
         ``admit``: the disk tier takes them unless it has them, and its
