@@ -1,12 +1,21 @@
-"""TTFT of a hit from each tier next to recompute and vLLM's own prefix hit.
+"""TTFT of a hit from each tier next to recompute and vLLM's own prefix hit,
+and each lower tier's bandwidth.
 
 One engine with the host, disk and remote tiers (an LMCache server started
-here on 127.0.0.1); one prompt length; ratios printed from one run. Also the
-read bandwidth of each lower tier for one block-sized page. The engine gets
-the cores vLLM gives an engine without a connector (see bench_host_tier.py);
-they are read from its log and printed.
+here on 127.0.0.1); one prompt length; ratios printed from one run. The
+engine gets the cores vLLM gives an engine without a connector (see
+bench_host_tier.py); they are read from its log and printed.
+
+Bandwidth, before the engine starts: reads (``get_into``: read, checksum
+verified, copied into a host slot) of the disk tier and of the remote tier on
+an LMCache server (``lm://``), and on a Redis server (``redis-server`` on
+127.0.0.1, as scripts/setup_tools.sh installs it): KVBM's RedisStore put and
+get of pages against redis-py's plain SET and GET of the same bytes (the
+stored pages) on the same server through the store's own client, the two
+interleaved round by round, best round of each, ratios printed.
 
     .venv/bin/python benchmarks/bench_tiers.py [--tokens 8192] [--model PATH]
+    .venv/bin/python benchmarks/bench_tiers.py --bandwidth-only [--page-mib 2 16]
 """
 
 from __future__ import annotations
@@ -14,6 +23,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -44,26 +55,155 @@ def settle(llm, host_blocks: int, rng: random.Random) -> None:
     llm.reset_prefix_cache()
 
 
-def tier_bandwidth(store, block_bytes: int, pages: int = 32) -> float:
+def tier_bandwidth(store, block_bytes: int, pages: int = 32, rounds: int = 3) -> float:
+    """GB/s of get_into over ``pages`` stored pages, best of ``rounds``."""
     import torch
 
     keys = [os.urandom(32) for _ in range(pages)]
     page = torch.randint(0, 255, (block_bytes,), dtype=torch.uint8)
     for key in keys:
         store.put(key, page)
-    time.sleep(1.0)
+    time.sleep(1.0)  # writes behind the put (the lm:// store) land
     out = torch.empty(block_bytes, dtype=torch.uint8)
-    start = time.perf_counter()
-    ok = sum(store.get_into(key, out) == "ok" for key in keys)
-    elapsed = time.perf_counter() - start
-    return ok * block_bytes / elapsed / 1e9
+    best = 0.0
+    for _ in range(rounds):
+        start = time.perf_counter()
+        ok = sum(store.get_into(key, out) == "ok" for key in keys)
+        best = max(best, ok * block_bytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
+def start_redis(port: int, workdir: str, timeout: float = 20.0) -> subprocess.Popen:
+    """A redis-server on 127.0.0.1 (no persistence, LRU), answering when this returns."""
+    import redis
+
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server not found: scripts/setup_tools.sh installs it")
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru",
+         "--dir", workdir, "--daemonize", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        try:
+            with redis.Redis("127.0.0.1", port, socket_timeout=2) as c:
+                if c.ping():
+                    return proc
+        except redis.RedisError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"redis-server not answering after {timeout}s")
+
+
+def redis_bandwidth(url: str, page_bytes: int, total_bytes: int = 64 << 20,
+                    rounds: int = 9) -> dict[str, float]:
+    """GB/s of RedisStore.put/get_into and of redis-py's SET/GET of the same
+    stored bytes through the store's own redis-py client, on one server;
+    rounds interleaved, best of each."""
+    import torch
+
+    from vllm_kvbm.config import parse_remote_url
+    from vllm_kvbm.tiers.redis_store import RedisStore
+
+    n = max(4, total_bytes // page_bytes)
+    store = RedisStore(parse_remote_url("remote_url", url), None, page_bytes, "bench", 0, 1)
+    raw = store._link._client  # the store's own client: same connections, same settings
+    try:
+        keys = [os.urandom(32) for _ in range(n)]
+        names = [store._page_name(k) for k in keys]
+        page = torch.randint(0, 256, (page_bytes,), dtype=torch.uint8)
+        out = torch.empty(page_bytes, dtype=torch.uint8)
+        best = dict.fromkeys(("kvbm put", "raw set", "kvbm get", "raw get"), float("inf"))
+
+        def timed(what: str, fn) -> None:
+            start = time.perf_counter()
+            fn()
+            best[what] = min(best[what], time.perf_counter() - start)
+
+        for _ in range(rounds):
+            timed("kvbm put", lambda: all(store.put(k, page) for k in keys) or _fail("put"))
+            stored = [raw.get(name) for name in names]  # the exact bytes KVBM stored
+            timed("raw set", lambda: [raw.set(b"raw:" + name.encode(), v)
+                                      for name, v in zip(names, stored)])
+            del stored
+            timed("kvbm get", lambda: all(store.get_into(k, out) == "ok" for k in keys)
+                  or _fail("get"))
+            timed("raw get", lambda: all(raw.get(name) is not None for name in names))
+        # each reply is dropped as it comes, as get_into drops its own
+        return {what: n * page_bytes / secs / 1e9 for what, secs in best.items()}
+    finally:
+        raw.flushdb()
+        store.close()
+
+
+def _fail(what: str) -> None:
+    raise RuntimeError(f"a RedisStore {what} failed during the benchmark")
+
+
+def bandwidth(page_mib: list[int]) -> dict:
+    """Every lower tier's bandwidth (see the module's docstring)."""
+    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.tools.server import free_port, start_lmcache_server
+    from vllm_kvbm.tools.server import stop_process as stop
+
+    work = tempfile.mkdtemp(prefix="kvbm-bench-bw-")
+    bw: dict = {"disk": {}, "lm": {}, "redis": {}}
+    lm_port, redis_port = free_port(), free_port()
+    lm_server = start_lmcache_server(lm_port)
+    redis_server = start_redis(redis_port, work)
+    try:
+        for mib in page_mib:
+            page = mib << 20
+            disk_store = DiskStore(os.path.join(work, f"disk-{mib}"), 1 << 30, page, "bench",
+                                   0, 1)
+            bw["disk"][mib] = tier_bandwidth(disk_store, page, max(4, 64 // mib))
+            disk_store.close()
+            shutil.rmtree(os.path.join(work, f"disk-{mib}"), ignore_errors=True)
+            remote_store = RemoteStore(f"lm://127.0.0.1:{lm_port}", page, "bench", 0, 1)
+            bw["lm"][mib] = tier_bandwidth(remote_store, page, max(4, 64 // mib))
+            remote_store.close()
+            bw["redis"][mib] = redis_bandwidth(f"redis://127.0.0.1:{redis_port}", page)
+    finally:
+        stop(lm_server)
+        stop(redis_server)
+        shutil.rmtree(work, ignore_errors=True)
+    return bw
+
+
+def report_bandwidth(bw: dict) -> None:
+    print()
+    print("| tier | page | KVBM read | plain client read | read ratio | KVBM write "
+          "| plain client write | write ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for mib, gbs in bw["disk"].items():
+        print(f"| disk | {mib} MiB | {gbs:.2f} GB/s | | | | | |")
+    for mib, gbs in bw["lm"].items():
+        print(f"| remote, lm:// (LMCache server) | {mib} MiB | {gbs:.2f} GB/s | | | | | |")
+    for mib, r in bw["redis"].items():
+        print(f"| remote, redis:// (redis-server) | {mib} MiB | {r['kvbm get']:.2f} GB/s | "
+              f"{r['raw get']:.2f} GB/s | {r['kvbm get'] / r['raw get']:.2f}x | "
+              f"{r['kvbm put']:.2f} GB/s | {r['raw set']:.2f} GB/s | "
+              f"{r['kvbm put'] / r['raw set']:.2f}x |")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--bandwidth-only", action="store_true",
+                        help="only the lower tiers' bandwidth (no engine)")
+    parser.add_argument("--page-mib", type=int, nargs="+", default=[2, 16],
+                        help="page sizes of the bandwidth table (2 MiB: one block of the "
+                             "local model)")
     args = parser.parse_args()
+    bw = bandwidth(args.page_mib)
+    report_bandwidth(bw)
+    if args.bandwidth_only:
+        return
     if args.model is None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
@@ -74,36 +214,25 @@ def main() -> None:
     os.environ.update(cpu_env)
     log = tempfile.NamedTemporaryFile(prefix="bench-tiers-", suffix=".log", delete=False)
     with teed_output(log.name):
-        t, bw = measure(args)
+        t = measure(args)
     binding = read_binding(log.name)
     print()
     print(f"engine: {binding.describe() if binding else 'cores unknown (no binding line)'}, "
           f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
           f"on {os.cpu_count()} cores; log {log.name}")
-    report(args, t, bw)
+    report(args, t)
 
 
-def measure(args) -> tuple[dict, dict]:
+def measure(args) -> dict:
     from vllm import LLM
 
     from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
     from vllm_kvbm.tools.server import stop_process as stop
-    from vllm_kvbm.tiers.disk import DiskStore
-    from vllm_kvbm.tiers.remote import RemoteStore
 
     port = free_port()
     server = start_lmcache_server(port)
     disk = Path(tempfile.mkdtemp(prefix="kvbm-bench-disk-"))
     try:
-        # Read bandwidth of one block-sized page (2 MiB on the local model).
-        block_bytes = 2 << 20
-        disk_store = DiskStore(str(disk / "bw"), 1 << 30, block_bytes, "bench", 0, 1)
-        remote_store = RemoteStore(f"lm://127.0.0.1:{port}", block_bytes, "bench", 0, 1)
-        bw = {"disk": tier_bandwidth(disk_store, block_bytes),
-              "remote": tier_bandwidth(remote_store, block_bytes)}
-        disk_store.close()
-        remote_store.close()
-
         host_blocks = args.tokens // BLOCK_SIZE + 8  # the prompt, and fresh prompts push it out
         llm = LLM(model=args.model, dtype="bfloat16", block_size=BLOCK_SIZE, enforce_eager=True,
                   max_model_len=args.tokens + BLOCK_SIZE, max_num_batched_tokens=8192,
@@ -129,19 +258,16 @@ def measure(args) -> tuple[dict, dict]:
         llm.llm_engine.engine_core.shutdown()
     finally:
         stop(server)
-    return t, bw
+    return t
 
 
-def report(args, t: dict, bw: dict) -> None:
+def report(args, t: dict) -> None:
     print()
     print(f"prompt: {args.tokens} tokens, {args.tokens // BLOCK_SIZE} blocks of 2 MiB")
     print("| path | TTFT | miss / this |")
     print("|---|---:|---:|")
     for name, seconds in t.items():
         print(f"| {name} | {seconds * 1000:.0f} ms | {t['miss'] / seconds:.1f}x |")
-    print()
-    print(f"lower-tier read bandwidth, 2 MiB pages: disk {bw['disk']:.2f} GB/s, "
-          f"remote (lm:// on loopback) {bw['remote']:.2f} GB/s")
 
 
 if __name__ == "__main__":

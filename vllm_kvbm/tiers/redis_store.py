@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 
+import numpy as np
 import torch
 
 from vllm_kvbm.config import RemotePassword, RemoteTarget
 from vllm_kvbm.tiers.base import TierStore
-from vllm_kvbm.tiers.page_format import PageCodec, page_namer, valid_key, valid_page
+from vllm_kvbm.tiers.page_format import (HEADER_BYTES, PageCodec, page_namer, valid_key,
+                                         valid_page)
 from vllm_kvbm.tiers.redis_conn import RedisLink
 
 logger = logging.getLogger(__name__)
@@ -68,6 +71,10 @@ class RedisStore(TierStore):
         self._page_name = page_namer(namespace, block_bytes, rank, world_size, page_secret)
         self._link = RedisLink(target, password, timeout_s, retry_interval_s, "remote tier",
                                tls_ca_file)
+        # Each writing thread encodes into its own buffer, reused for every put:
+        # a fresh one per page costs its page faults (SET has sent it all
+        # before put returns).
+        self._scratch = threading.local()
         if rank == 0:
             self._check_eviction_policy()
 
@@ -95,7 +102,10 @@ class RedisStore(TierStore):
             return False
         key = bytes(key)
         try:
-            buf = torch.empty(self._codec.stored_bytes, dtype=torch.uint8)
+            buf = getattr(self._scratch, "buf", None)
+            if buf is None:
+                buf = self._scratch.buf = torch.empty(self._codec.stored_bytes,
+                                                      dtype=torch.uint8)
             self._codec.encode_into(buf, key, page)
             data = memoryview(buf.numpy())  # sent without another copy
             name = self._page_name(key)
@@ -115,10 +125,7 @@ class RedisStore(TierStore):
                 return "error"
             if data is None:
                 return "miss"
-            buf = torch.empty(len(data), dtype=torch.uint8)
-            if len(data):
-                ctypes.memmove(buf.data_ptr(), data, len(data))
-            status = self._codec.decode_into(buf, key, out)
+            status = _decode_into(self._codec, data, key, out)
             if status in ("corrupt", "unauthenticated"):  # the latter: a page MAC failed
                 logger.warning("KVBM: remote tier: %s page %s deleted", status, name)
                 self._link.call(lambda c: c.delete(name), 0, "delete")
@@ -159,3 +166,28 @@ class RedisStore(TierStore):
 
     def close(self) -> None:
         self._link.close()
+
+
+def _decode_into(codec: PageCodec, data: bytes, key: bytes, out: torch.Tensor) -> str:
+    """PageCodec.decode_into, reading the reply where it lies: the payload is
+    checked (or decrypted) straight from the reply's bytes into ``out``, with
+    no copy of the reply into a tensor first."""
+    view = memoryview(data)
+    if len(view) < HEADER_BYTES:
+        return "corrupt"
+    check = codec.start_verify(bytes(view[:HEADER_BYTES]), key)
+    if isinstance(check, str):
+        return check
+    payload, dst = view[HEADER_BYTES:], memoryview(out.numpy())
+    if check.opens and len(payload):  # a sealed page, decrypted into out
+        if len(payload) != len(dst):
+            return "corrupt"
+        check.update_into(payload, dst)
+        return check.finish(out)
+    if len(payload):
+        check.update(payload)
+    status = check.finish(payload)
+    if status == "ok":  # finish checked the length; memmove copies without the GIL
+        ctypes.memmove(out.data_ptr(), np.frombuffer(data, np.uint8).ctypes.data + HEADER_BYTES,
+                       len(payload))
+    return status
