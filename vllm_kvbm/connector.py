@@ -108,6 +108,7 @@ class KVBMConnector(KVConnectorBase_V1):
         # loads NIXL or LMCache, a worker never the scheduler's bookkeeping.
         if role == KVConnectorRole.SCHEDULER:
             from vllm_kvbm.scheduler.key_source import vllm_block_hashes
+            from vllm_kvbm.scheduler.kv_events import kv_events
             from vllm_kvbm.scheduler.lookups import lower_tiers
             from vllm_kvbm.scheduler.planner import KVBMScheduler
 
@@ -122,7 +123,9 @@ class KVBMConnector(KVConnectorBase_V1):
                                        metrics_sink=self._standalone_metrics(),
                                        lower=lower_tiers(self.config, self.info),
                                        load_split=self.config.load_split,
-                                       vllm_hashes=hashes)
+                                       vllm_hashes=hashes,
+                                       kv_events=kv_events(vllm_config, kv_cache_config,
+                                                           self.info))
         else:
             from vllm_kvbm.worker.jobs import KVBMWorker
 
@@ -268,6 +271,11 @@ class KVBMConnector(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         assert self.sched is not None
         return self.sched.reset_cache()
+
+    def take_events(self):
+        # Pages stored to and removed from the host, disk and remote tiers:
+        # vLLM's scheduler publishes them with its own (--kv-events-config).
+        return self.sched.events.take() if self.sched is not None else ()
 
     def get_kv_connector_stats(self) -> KVBMConnectorStats | None:
         if self.sched is None:

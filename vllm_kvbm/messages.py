@@ -116,6 +116,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # "unauthenticated", "error") and spill outcomes ("stored", "refused",
     # "dropped": the tier's write queue was full)
     tier_events: Counter = field(default_factory=Counter)
+    # (tier, key) of pages a tier took (its write-through done), for KV events
+    tier_stored: list[tuple[str, bytes]] = field(default_factory=list)
     # (tier, key) of pages found missing, corrupt or unauthenticated (removed)
     bad_pages: list[tuple[str, bytes]] = field(default_factory=list)
     # (tier, key) of pages a tier deleted on its own (its LRU), or whose write
@@ -138,6 +140,7 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             loads_failed=self.loads_failed + other.loads_failed,
             spills_done=self.spills_done + other.spills_done,
             tier_events=self.tier_events + other.tier_events,
+            tier_stored=self.tier_stored + other.tier_stored,
             bad_pages=self.bad_pages + other.bad_pages,
             removed_pages=self.removed_pages + other.removed_pages,
             bytes_stored=self.bytes_stored + other.bytes_stored,

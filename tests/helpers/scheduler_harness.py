@@ -22,8 +22,8 @@ import time
 
 import torch
 from vllm import SamplingParams
-from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig,
-                         ParallelConfig, SchedulerConfig, VllmConfig)
+from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig,
+                         ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -60,9 +60,10 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
                    load_failure_policy: str = "recompute", *, max_model_len: int = 4096,
                    max_num_seqs: int = 16, tensor_parallel_size: int = 1,
                    hash_algo: str = "sha256", model: str | None = None,
-                   **extra_config) -> Scheduler:
+                   kv_events: dict | None = None, **extra_config) -> Scheduler:
     """``model``: a model directory (default: a config-only Llama in a fresh
-    temporary directory, which is part of the keys' namespace)."""
+    temporary directory, which is part of the keys' namespace). ``kv_events``:
+    vLLM's --kv-events-config (the scheduler then publishes KV events)."""
     model_config = ModelConfig(model=model or _model_dir(max(4096, max_model_len)),
                                dtype="float16",
                                seed=0, max_model_len=max_model_len, skip_tokenizer_init=True)
@@ -88,6 +89,7 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
                 "page_tokens": BLOCK, **extra_config}.items() if v is not None}),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
+        kv_events_config=KVEventsConfig(**kv_events) if kv_events else None,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(

@@ -21,6 +21,7 @@ from vllm_kvbm.keys import (BlockKey, KeyChain, LoRAIdentity, VllmHashKeys, deri
 from vllm_kvbm.messages import (SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 SpillJob, TransferJob)
 from vllm_kvbm.scheduler.key_source import VllmBlockHashes
+from vllm_kvbm.scheduler.kv_events import NoKVEvents
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.load_split import LoadSplit
@@ -120,7 +121,7 @@ class KVBMScheduler:
     def __init__(self, info: "EngineInfo", num_host_slots: int,
                  offload_decode_blocks: bool = False, metrics_sink=None,
                  lower: LowerTiers | None = None, load_split: bool = True,
-                 vllm_hashes: VllmBlockHashes | None = None):
+                 vllm_hashes: VllmBlockHashes | None = None, kv_events: NoKVEvents | None = None):
         self.info = info
         # vLLM's block hashes, when keys may come from them (key_source.py)
         self._vllm_hashes = vllm_hashes
@@ -141,6 +142,9 @@ class KVBMScheduler:
         self.page_blocks = info.page_blocks
         self.page_tokens = info.page_tokens
         self.host = SlotIndex(num_host_slots)
+        # what KV-aware routers are told each tier holds (kv_events.py)
+        self.events = kv_events or NoKVEvents()
+        self.events.watch(self.host)
         self.stats = KVBMStats(metrics_sink)
         self._seed = info.key_namespace.seed()
         self._epoch = 0  # cache resets so far (each gives new keys)
@@ -330,6 +334,7 @@ class KVBMScheduler:
                 state.streamed.append(src)
             else:
                 state.promoted.append((key, src))
+                self.events.describe(request, state.chain.keys, [start + i])
             job.slots.append(slot)
             job.fetch.append((i, src, key))
         state.load_keys = host_keys
@@ -523,6 +528,7 @@ class KVBMScheduler:
             return None
         blocks = self._kv_cache_manager.get_blocks(request.request_id).blocks[0]
         job_keys = [keys[i] for i in positions]
+        self.events.describe(request, keys, positions)
         g = self.page_blocks
         if g == 1:
             job_blocks = [blocks[i].block_id for i in positions]
@@ -552,8 +558,10 @@ class KVBMScheduler:
             self.host.release(meta.slots_released.elements())
             self._finish_spills(meta.spills_done)
             self.lower.record(meta.tier_events, self.stats)
+            self.events.lower_stored(meta.tier_stored)
             for tier, key in meta.bad_pages + meta.removed_pages:
                 self.lower.forget(tier, key)
+                self.events.lower_removed(tier, key)
             # With tensor parallelism one rank's failure can arrive steps
             # before vLLM reports the load finished (on the last rank): keep
             # it on the request until then.
@@ -657,6 +665,7 @@ class KVBMScheduler:
             run = [key for key in run if self.host.is_ready(key)]
             if not run:
                 continue
+            self.events.spilling(tiers, run)
             slots = self.host.pin(run)  # held until every worker copied them
             job = SpillJob(next(self._job_ids), run, slots, tiers)
             self._pending_spills[job.job_id] = [run, self.info.num_workers]
@@ -767,6 +776,7 @@ class KVBMScheduler:
                            "reset_running_requests=True")
             return False
         dropped = self.host.clear()
+        self.events.reset()
         # Stores still being written are not cleared; drop them when they land.
         for job in self._store_jobs.values():
             job.stale = True

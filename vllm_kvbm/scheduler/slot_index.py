@@ -43,6 +43,10 @@ class SlotIndex:
         self.evictions = 0
         # entries that are ready and unpinned: what an allocation may evict
         self._evictable = 0
+        # told of keys that became ready, and of each key whose entry went
+        # (evicted or dropped): the KV events (kv_events.py); None: off
+        self.on_ready = None
+        self.on_removed = None
 
     def __contains__(self, key: BlockKey) -> bool:
         return key in self._entries
@@ -129,12 +133,16 @@ class SlotIndex:
     def commit(self, keys: list[BlockKey]) -> None:
         """The stores of ``keys`` finished: their slots may now be loaded."""
         get = self._entries.get
+        ready = []
         for key in keys:
             entry = get(key)
             if entry is not None and not entry.ready:
                 entry.ready = True
+                ready.append(key)
                 if not entry.pins:
                     self._evictable += 1
+        if self.on_ready is not None and ready:
+            self.on_ready(ready)
 
     def drop(self, key: BlockKey) -> bool:
         """Forgets ``key`` (failed store, bad data). Pinned entries are kept."""
@@ -145,6 +153,8 @@ class SlotIndex:
         if entry.ready:
             self._evictable -= 1
         self._give_back(entry.slot)
+        if self.on_removed is not None:
+            self.on_removed(key)
         return True
 
     def hold(self, slots) -> None:
@@ -191,5 +201,7 @@ class SlotIndex:
                 self._evictable -= 1
                 self._give_back(entry.slot)
                 self.evictions += 1
+                if self.on_removed is not None:
+                    self.on_removed(key)
                 return True
         raise AssertionError("evictable count out of step with the entries")

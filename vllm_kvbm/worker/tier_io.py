@@ -204,7 +204,9 @@ class TierIO:
             if future.done():
                 ok = future.result()
                 meta.tier_events[(tier, "stored" if ok else "refused")] += 1
-                if not ok:  # not there (disk full, server down): written again when reused
+                if ok:
+                    meta.tier_stored.append((tier, key))
+                else:  # not there (disk full, server down): written again when reused
                     meta.removed_pages.append((tier, key))
             else:
                 writing.append((tier, key, future))
