@@ -32,6 +32,7 @@ import logging
 import threading
 
 import numpy as np
+import redis
 import torch
 
 from vllm_kvbm.config import RemotePassword, RemoteTarget
@@ -120,12 +121,16 @@ class RedisStore(TierStore):
         key = bytes(key)
         try:
             name = self._page_name(key)
-            data = self._link.call(lambda c: c.get(name), _FAILED, "get")
-            if data is _FAILED:
-                return "error"
-            if data is None:
-                return "miss"
-            status = _decode_into(self._codec, data, key, out)
+            if self._link.target.cluster:
+                data = self._link.call(lambda c: c.get(name), _FAILED, "get")
+                if data is _FAILED:
+                    return "error"
+                if data is None:
+                    return "miss"
+                status = _decode_into(self._codec, data, key, out)
+            else:
+                status = self._link.call(
+                    lambda c: _get_into_slot(c, name, self._codec, key, out), "error", "get")
             if status in ("corrupt", "unauthenticated"):  # the latter: a page MAC failed
                 logger.warning("KVBM: remote tier: %s page %s deleted", status, name)
                 self._link.call(lambda c: c.delete(name), 0, "delete")
@@ -191,3 +196,96 @@ def _decode_into(codec: PageCodec, data: bytes, key: bytes, out: torch.Tensor) -
         ctypes.memmove(out.data_ptr(), np.frombuffer(data, np.uint8).ctypes.data + HEADER_BYTES,
                        len(payload))
     return status
+
+
+# Bytes a page is received and checked in: checked (or decrypted) right after
+# it arrives, while it is still in the CPU's cache.
+_CHUNK = 1 << 20
+
+
+class _Reply:
+    """Reads one RESP reply straight off a socket: a line, then bytes into
+    the caller's buffers (a bulk string lands where it is wanted, without
+    redis-py's parser copying it through its own buffers)."""
+
+    def __init__(self, sock):
+        self._sock = sock
+        self._buf = bytearray(64 << 10)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+
+    def _recv(self, into: memoryview) -> int:
+        n = self._sock.recv_into(into)
+        if not n:
+            raise redis.ConnectionError("the server closed the connection")
+        return n
+
+    def line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n", self._start, self._end)
+            if i >= 0:
+                text, self._start = bytes(self._buf[self._start:i]), i + 2
+                return text
+            if self._end == len(self._buf):
+                raise redis.ConnectionError("a reply line longer than 64 KiB")
+            self._end += self._recv(self._view[self._end:])
+
+    def read_into(self, dst: memoryview) -> None:
+        have = min(self._end - self._start, len(dst))
+        if have:
+            dst[:have] = self._view[self._start:self._start + have]
+            self._start += have
+        while have < len(dst):
+            have += self._recv(dst[have:])
+
+
+def _get_into_slot(client, name: str, codec: PageCodec, key: bytes, out: torch.Tensor) -> str:
+    """GET ``name`` on one connection of the client's pool, the page received
+    straight into ``out`` and checked (or decrypted) chunk by chunk as it
+    arrives. -> get_into's status. A connection left mid-reply (a value of
+    another size, a header that decides the page, a socket error) is closed,
+    so the pool never hands out a connection with bytes still to read."""
+    pool = client.connection_pool
+    try:
+        conn = pool.get_connection()
+    except TypeError:  # redis-py before 5.3 wants the command's name
+        conn = pool.get_connection("GET")
+    clean = False
+    try:
+        conn.send_command("GET", name)
+        reply = _Reply(conn._sock)
+        line = reply.line()
+        if line[:1] == b"-":  # an error the server answered (e.g. WRONGTYPE)
+            clean = True
+            raise redis.ResponseError(line[1:].decode(errors="replace"))
+        if line == b"_":  # RESP3's null (redis-py 8 speaks RESP3)
+            clean = True
+            return "miss"
+        if line[:1] != b"$":
+            raise redis.ConnectionError(f"unexpected reply to GET: {line[:16]!r}")
+        length = int(line[1:])
+        if length < 0:  # RESP2's null
+            clean = True
+            return "miss"
+        if length != codec.stored_bytes:
+            return "corrupt"  # another page size, or not a page
+        hdr = bytearray(HEADER_BYTES)
+        reply.read_into(memoryview(hdr))
+        check = codec.start_verify(bytes(hdr), key)
+        if isinstance(check, str):
+            return check
+        dst = memoryview(out.numpy())
+        for off in range(0, len(dst), _CHUNK):
+            part = dst[off:off + _CHUNK]
+            reply.read_into(part)
+            check.update(part)  # checksummed, or decrypted in place
+        end = bytearray(2)
+        reply.read_into(memoryview(end))
+        if end != b"\r\n":
+            raise redis.ConnectionError("a bulk reply not ended by CRLF")
+        clean = True
+        return check.finish(out)
+    finally:
+        if not clean:
+            conn.disconnect()
+        pool.release(conn)
