@@ -68,7 +68,7 @@ from vllm_kvbm.engine_info import EngineInfo  # noqa: E402
 from vllm_kvbm.keys import KeyNamespace  # noqa: E402
 from vllm_kvbm.messages import SKIP, KVBMConnectorMetadata, TransferJob  # noqa: E402
 from vllm_kvbm.worker.fence import DONE, fence_maker  # noqa: E402
-from vllm_kvbm.worker.jobs import KVBMWorker  # noqa: E402
+from vllm_kvbm.worker.worker import KVBMWorker  # noqa: E402
 
 # name -> (vLLM KVCacheLayout, MLA, kernel blocks per block)
 CASES = {

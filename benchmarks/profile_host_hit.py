@@ -72,7 +72,7 @@ def instrument() -> None:
 def make_loads_synchronous() -> None:
     """The ``--sync-loads`` experiment (see the module docstring)."""
     from vllm_kvbm.scheduler.planner import KVBMScheduler
-    from vllm_kvbm.worker.jobs import KVBMWorker
+    from vllm_kvbm.worker.worker import KVBMWorker
 
     lookup = KVBMScheduler.get_num_new_matched_tokens
 

@@ -127,7 +127,7 @@ class KVBMConnector(KVConnectorBase_V1):
                                        kv_events=kv_events(vllm_config, kv_cache_config,
                                                            self.info))
         else:
-            from vllm_kvbm.worker.jobs import KVBMWorker
+            from vllm_kvbm.worker.worker import KVBMWorker
 
             self.worker = KVBMWorker(
                 self.info, num_slots, self.config.nixl_backend,

@@ -141,7 +141,7 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
 
     from vllm_kvbm.messages import KVBMConnectorMetadata
     from vllm_kvbm.tiers.remote import RemoteStore
-    from vllm_kvbm.worker.jobs import KVBMWorker
+    from vllm_kvbm.worker.worker import KVBMWorker
 
     sched = make_scheduler(host_blocks=16, remote_url=relay.url, remote_timeout_s=3.0)
     k = kvbm(sched)

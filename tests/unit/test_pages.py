@@ -19,7 +19,7 @@ from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
 from vllm_kvbm.messages import SKIP, KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob, \
     block_rows
-from vllm_kvbm.worker.jobs import KVBMWorker
+from vllm_kvbm.worker.worker import KVBMWorker
 from vllm_kvbm.worker.streaming import StreamedLoad, part
 
 PAGE = 2 * BLOCK  # two blocks a page

@@ -16,7 +16,7 @@ from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
-from vllm_kvbm.worker.jobs import KVBMWorker
+from vllm_kvbm.worker.worker import KVBMWorker
 from vllm_kvbm.worker.streaming import staging_slots
 
 # Flash layout, 16 layers x K/V x 256 B pages: a block is 8 KiB and a
@@ -158,9 +158,10 @@ def test_delayed_free_reported_only_after_its_stores(harness, gen, monkeypatch):
     # still running across steps: post them from PageMover's copy thread.
     import functools
 
-    import vllm_kvbm.worker.jobs as jobs
+    import vllm_kvbm.worker.worker as worker_module
 
-    monkeypatch.setattr(jobs, "PageMover", functools.partial(jobs.PageMover, copy_thread=True))
+    monkeypatch.setattr(worker_module, "PageMover",
+                        functools.partial(worker_module.PageMover, copy_thread=True))
     h = harness()
     saw_pending = False
     for attempt in range(5):
@@ -582,7 +583,7 @@ from helpers.kv_layouts import agent_name, vllm_layout
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
-from vllm_kvbm.worker.jobs import KVBMWorker
+from vllm_kvbm.worker.worker import KVBMWorker
 from vllm_kvbm.worker.vllm_layout import declared_block_dims
 assert declared_block_dims(None, {{}}) is None  # no vLLM: the shapes decide
 lay = vllm_layout("LBNHC", 4, 40, heads=2, block_size=4, head_size=8,

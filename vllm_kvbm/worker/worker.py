@@ -1,4 +1,5 @@
-"""Worker side of the connector: host memory, NIXL transfers, completions.
+"""KVBMWorker, the worker side of the connector: host memory, NIXL transfers,
+completions.
 
 Runs in each vLLM worker process. It owns the host tier's memory and runs the
 jobs the scheduler side planned, asynchronously; each step's ``get_finished``
