@@ -23,6 +23,13 @@ authenticated). One key per page means an LRU server (``maxmemory-policy
 allkeys-lru``) drops whole pages only; a page that fails verification (a
 flipped byte, a foreign value) is "corrupt" (or "unauthenticated") and
 deleted. Used from the worker's remote I/O thread; no call raises.
+
+Reads: on a server (not a cluster) ``get_into`` sends GET on a connection of
+redis-py's pool and receives the reply itself, the page straight into the
+host slot, checked (or decrypted) a MiB at a time as it arrives: redis-py's
+pure-Python reply parser copies a page through its buffers several times
+(about 0.2-0.4 GB/s for 16 MiB pages here, against over 1 GB/s received
+directly: docs/benchmarks.md, benchmarks/bench_tiers.py --bandwidth-only).
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import numpy as np
 import redis
 import torch
 
-from vllm_kvbm.config import RemotePassword, RemoteTarget
+from vllm_kvbm.config.secrets import Secret
+from vllm_kvbm.config.urls import RemoteTarget
 from vllm_kvbm.tiers.base import TierStore
 from vllm_kvbm.tiers.page_format import (HEADER_BYTES, PageCodec, page_namer, valid_key,
                                          valid_page)
@@ -57,7 +65,7 @@ class RedisStore(TierStore):
 
     name = "remote"
 
-    def __init__(self, target: RemoteTarget, password: RemotePassword | None, block_bytes: int,
+    def __init__(self, target: RemoteTarget, password: Secret | None, block_bytes: int,
                  namespace: str, rank: int, world_size: int, timeout_s: float = 2.0, *,
                  retry_interval_s: float = 2.0, page_secret: bytes | None = None,
                  tls_ca_file: str | None = None, layout: str = ""):
