@@ -39,7 +39,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +48,7 @@ from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadat
                                 TransferJob, block_rows)
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
+from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
 from vllm_kvbm.worker.page_mover import PageMover
 from vllm_kvbm.worker.streaming import (StagingSlots, StreamedLoad, needs_streaming, part,
                                         staging_slots)
@@ -59,31 +59,6 @@ if TYPE_CHECKING:
     from vllm_kvbm.tiers.base import TierStore
 
 logger = logging.getLogger(__name__)
-
-# A transfer still running this long after it was posted is overdue (see
-# KVBMWorker._overdue): a stuck copy degrades to a cache miss, never to a
-# wrong page or an engine that waits forever for a preempted request's store.
-TRANSFER_TIMEOUT_S = 30.0
-
-
-@dataclass
-class _InFlight:
-    job: TransferJob
-    is_store: bool
-    handle: object
-    started: float
-    # past the timeout and already dealt with; still polled until NIXL ends it
-    overdue: bool = False
-
-
-@dataclass
-class _Pending:
-    """A transfer not posted yet: its step's fence is not done."""
-
-    job: TransferJob
-    is_store: bool
-    fence: StepFence
-    queued: float
 
 
 class KVBMWorker:
@@ -101,10 +76,10 @@ class KVBMWorker:
         self._host: HostPool | None = None
         # Records the fence of a step's transfers (CUDA event, or always done).
         self.make_fence = lambda: DONE
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         # Loads whose pages are being fetched from a lower tier: their fence.
         self._fetching: dict[int, tuple[StepFence, float]] = {}
-        self._inflight: list[_InFlight] = []
+        self._inflight: list[InFlight] = []
         self._awaiting_free: set[str] = set()
         self._load_error_blocks: set[int] = set()
         self._meta = KVBMWorkerMetadata()
@@ -163,13 +138,13 @@ class KVBMWorker:
                            job.req_id, err)
             self._complete(job, is_store, ok=False, started=started)
             return
-        self._inflight.append(_InFlight(job, is_store, handle, started))
+        self._inflight.append(InFlight(job, is_store, handle, started))
 
     def _queue(self, job: TransferJob, is_store: bool, fence: StepFence,
                queued: float | None = None) -> None:
         """Posts ``job`` once ``fence`` is done (see the module docstring)."""
-        self._pending.append(_Pending(job, is_store, fence,
-                                      time.perf_counter() if queued is None else queued))
+        self._pending.append(Pending(job, is_store, fence,
+                                     time.perf_counter() if queued is None else queued))
 
     def _post_ready(self) -> None:
         """Posts the queued transfers whose fence is done. Never blocks."""
@@ -377,7 +352,7 @@ class KVBMWorker:
             still.append(f)
         self._inflight = still
 
-    def _overdue(self, f: _InFlight) -> None:
+    def _overdue(self, f: InFlight) -> None:
         """A transfer still running after the timeout.
 
         NIXL cannot be trusted to cancel it: releasing a running UCX transfer
