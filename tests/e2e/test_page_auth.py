@@ -25,8 +25,8 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
 from test_remote_store import raw_get, raw_put  # noqa: E402
 from helpers.tier_pages import SMALL, key, page, tier_of  # noqa: E402
-from vllm_kvbm.config import (MIN_PAGE_SECRET_BYTES, KVBMConfigError, PageSecret,  # noqa: E402
-                              load_config)
+from vllm_kvbm.config import KVBMConfigError, load_config  # noqa: E402
+from vllm_kvbm.config.secrets import MIN_PAGE_SECRET_BYTES, Secret  # noqa: E402
 from vllm_kvbm.tiers import page_format as pf  # noqa: E402
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, disk_page_path  # noqa: E402
 
@@ -372,7 +372,7 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
                            page_secret_file=str(secret_file))
     k = kvbm(sched)
     secret = sched.connector.config.page_secret  # parsed from the file by the connector
-    assert secret == PageSecret(SECRET, "test")
+    assert secret == Secret(SECRET, "test")
     prompt = tokens(3 * BLOCK + 5, 21)
     keys = keys_of(sched, prompt)
     bb, ns = k.info.block_bytes, k.info.tier_namespace

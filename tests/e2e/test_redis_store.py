@@ -21,8 +21,8 @@ import torch
 
 from helpers.system import stop_every_thread
 from helpers.tier_pages import SMALL, key, page
-from vllm_kvbm.config import (KVBMConfig, KVBMConfigError, RemotePassword, load_config,
-                              parse_remote_url)
+from vllm_kvbm.config import KVBMConfig, KVBMConfigError, load_config, parse_remote_url
+from vllm_kvbm.config.secrets import Secret
 from vllm_kvbm.scheduler.lookups import RedisView
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, page_name
 from vllm_kvbm.tiers.redis_store import RedisStore
@@ -128,7 +128,7 @@ def stores():
     def make(srv=None, *, url=None, password=PASSWORD, ns=NS, block=SMALL, rank=0, world=1,
              timeout_s=1.0, retry=0.3, view=False, ca=None, secret=None):
         target = url or srv.url
-        pw = None if password is None else RemotePassword(password, "remote_password_file f")
+        pw = None if password is None else Secret(password, "remote_password_file f")
         if view:
             s = RedisView(target, pw, ns, block, world, timeout_s, retry, tls_ca_file=ca)
         else:

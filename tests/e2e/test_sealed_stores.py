@@ -18,7 +18,8 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 from helpers.tier_pages import SMALL, page  # noqa: E402
 from test_redis_store import PASSWORD, RedisServer  # noqa: E402
 from test_remote_store import raw_get, raw_put  # noqa: E402
-from vllm_kvbm.config import RemotePassword, parse_remote_url  # noqa: E402
+from vllm_kvbm.config import parse_remote_url  # noqa: E402
+from vllm_kvbm.config.secrets import Secret  # noqa: E402
 from vllm_kvbm.tiers.page_format import page_name  # noqa: E402
 
 SECRET = b"kvbm-test-deployment-secret-0001"
@@ -50,7 +51,7 @@ def _redis_store(srv, rank, world, secret):
     from vllm_kvbm.tiers.redis_store import RedisStore
 
     return RedisStore(parse_remote_url("remote_url", srv.url),
-                      RemotePassword(PASSWORD, "remote_password_file f"), SMALL, NS, rank, world,
+                      Secret(PASSWORD, "remote_password_file f"), SMALL, NS, rank, world,
                       2.0, retry_interval_s=0.3, page_secret=secret, layout="L")
 
 

@@ -105,7 +105,7 @@ _HDR = struct.Struct("<4sHHHHQ8s32s32sI")
 HEADER_BYTES = _HDR.size  # 96
 _CRC_OFF = HEADER_BYTES - 4
 _MAC_OFF = _CRC_OFF - MAC_BYTES  # the authenticated header fields end here
-# A secret shorter than this is refused at startup (config.py).
+# A secret shorter than this is refused at startup (config/secrets.py).
 MIN_SECRET_BYTES = 16
 _SEAL_CONTEXT = "vllm_kvbm page v3: AES-256-GCM page keys"
 _NAME_CONTEXT = "vllm_kvbm page v3: page names"

@@ -2,7 +2,7 @@
 
     python -m vllm_kvbm.tools.vllm_compat          # prints one row per release
 
-For each final vLLM release in ``SUPPORTED_VLLM`` (config.py): the installed
+For each final vLLM release in ``SUPPORTED_VLLM`` (config/versions.py): the installed
 vLLM is read from disk; every other release's ``KVConnectorBase_V1`` source is
 read out of its wheel on PyPI *without downloading or installing the wheel*
 (the CUDA wheels pin a torch this environment cannot hold): HTTP range requests
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from vllm_kvbm.config import SUPPORTED_VLLM, vllm_release
+from vllm_kvbm.config.versions import SUPPORTED_VLLM, vllm_release
 
 BASE_MEMBER = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
 # What a compatibility review reads, besides the base class.

@@ -31,7 +31,9 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
-from vllm_kvbm.config import KVBMConfigError, RemotePassword, RemoteTarget
+from vllm_kvbm.config import KVBMConfigError
+from vllm_kvbm.config.secrets import Secret
+from vllm_kvbm.config.urls import RemoteTarget
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -45,7 +47,7 @@ class RedisLink:
     """One redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``),
     replaced whole after a failure. ``call(fn, fail)`` runs ``fn(client)``."""
 
-    def __init__(self, target: RemoteTarget, password: RemotePassword | None, timeout_s: float,
+    def __init__(self, target: RemoteTarget, password: Secret | None, timeout_s: float,
                  retry_interval_s: float = 2.0, what: str = "remote tier",
                  tls_ca_file: str | None = None):
         if not target.resp:
