@@ -25,9 +25,41 @@ def _import(name: str, folder: Path):
         sys.path.remove(str(folder))
 
 
-def test_gpu_check_passes_on_cpu():
+# Import names of what the CUDA device machine holds besides the standard library
+# (/work/.library/device/KINDS.md's package list, those a worker could import) and
+# the NIXL wheel scripts/gpu_check.sh carries. gpu_check must run with nothing else.
+DEVICE_IMPORTS = (
+    "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check "
+    "msgpack xxhash psutil prometheus_client yaml packaging typing_extensions filelock sympy "
+    "mpmath networkx jinja2 markupsafe fsspec triton setuptools pkg_resources cuda nvidia "
+    "functorch torchgen requests urllib3 certifi idna charset_normalizer tqdm safetensors "
+    "regex tokenizers huggingface_hub transformers attr attrs cloudpickle click rich pygments "
+    "aiohttp yarl multidict frozenlist aiosignal propcache anyio h11 httpx httpcore uvloop "
+    "tiktoken sentencepiece pytest pluggy iniconfig six dateutil pandas scipy").split()
+
+# Runs gpu_check.main with every other import failing as on that machine (torch
+# and numpy imported first: their optional imports are theirs, not ours).
+RUNNER = """
+import importlib.abc, sys
+import numpy, torch
+allowed = set(sys.argv[1].split(","))
+class NotOnTheGpuMachine(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        top = name.split(".")[0]
+        if top in sys.stdlib_module_names or top in allowed or top.startswith("_"):
+            return None
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NotOnTheGpuMachine())
+sys.path.insert(0, sys.argv[2])
+import gpu_check
+sys.exit(gpu_check.main(sys.argv[3:]))
+"""
+
+
+def test_gpu_check_passes_on_cpu_with_only_the_gpu_machines_packages():
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--layers", "3", "--blocks", "24",
+        [sys.executable, "-c", RUNNER, ",".join(DEVICE_IMPORTS), str(SCRIPT.parent),
+         "--device", "cpu", "--layers", "3", "--blocks", "24",
          "--heads", "2", "--block-size", "4", "--head-size", "16", "--mla-head-size", "24",
          "--repeats", "1", "--page-blocks", "4", "--layers-70b", "2"],
         capture_output=True, text=True, timeout=600, cwd="/")  # imports from the repo
