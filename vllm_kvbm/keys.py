@@ -1,4 +1,4 @@
-"""Block keys: what a stored KV block is called in every tier.
+"""Page keys: what a stored page of KV is called in every tier.
 
 A key names a page's KV: its full token prefix plus everything else the KV
 bytes depend on. The namespace (``KeyNamespace.seed``, derived in one place:
@@ -18,8 +18,9 @@ Keys come from one of two sources, chosen in the scheduler process
   vLLM computes when a request arrives, outside ``schedule()``), when they are
   reproducible and collision resistant: a SHA-256 algorithm (vLLM >= 0.32
   then derives its root hash, NONE_HASH, from a fixed seed or PYTHONHASHSEED,
-  not from random bytes), 32-byte hashes at our block size, chained over the
-  whole prefix. Key ``i`` is ``block_hashes[i] XOR D``, with ``D`` a SHA-256
+  not from random bytes), 32-byte hashes at vLLM's block size, chained over
+  the whole prefix. Page ``i``'s key is the hash of its last block XOR ``D``
+  (with one-block pages, ``block_hashes[i] XOR D``), ``D`` being a SHA-256
   of the namespace seed, the request salt, the vLLM hash algorithm and a tag
   of its own. XOR with a constant is a bijection, so two prefixes share a key
   within a namespace only if vLLM's SHA-256 hashes collide; across
@@ -28,9 +29,9 @@ Keys come from one of two sources, chosen in the scheduler process
   covers the tokens, the LoRA name and path and the cache salt (besides
   multimodal inputs and prompt embeddings, whose requests we do not cache);
   ``D`` adds everything ours covers on top, so a key never names less than
-  the chain's would. XORing is one numpy operation over the joined hashes
-  (about 0.03-0.2 us a block against 0.7-0.9 us for a SHA-256 per block).
-- ``KeyChain``: our own SHA-256 chain over the token ids of each full block,
+  the chain's would. XORing is one numpy operation over the joined hashes,
+  where a chain computes a SHA-256 per page: the scheduler's keys cost least.
+- ``KeyChain``: our own SHA-256 chain over the token ids of each full page,
   seeded with the namespace seed and the salt. Used whenever vLLM's hashes do
   not qualify (``--prefix-caching-hash-algo xxhash``, whose root is random per
   process unless PYTHONHASHSEED is set; a vLLM whose hashing differs from
@@ -55,7 +56,10 @@ import numpy as np
 # are never looked up again.
 FORMAT_VERSION = 3
 
-BlockKey = bytes  # 32 bytes
+PageKey = bytes  # 32 bytes: a page's name (README "Words")
+# The former name, still imported by scheduler/lookups.py and tier_policy.py
+# (moving with the tiers); new code uses PageKey.
+BlockKey = PageKey
 
 # Tag of the keys derived from vLLM's block hashes (VllmHashKeys): part of D,
 # so they are apart from every other derivation's.
@@ -121,60 +125,60 @@ def request_salt(lora: LoRAIdentity | None, cache_salt: str | None) -> bytes:
     return _digest("request", None if lora is None else astuple(lora), cache_salt or "")
 
 
-class _BlockKeys:
-    """A request's block keys, computed on demand (``extend_to``) and kept in
+class _PageKeys:
+    """A request's page keys, computed on demand (``extend_to``) and kept in
     ``keys``, which only ever grows."""
 
-    _block_size: int
-    keys: list[BlockKey]
+    _page_tokens: int
+    keys: list[PageKey]
     # Whether a key costs next to nothing: a lookup then derives every key
     # it may need in one call (an XOR of vLLM's hashes: the numpy call costs
     # more than its keys), where a SHA-256 chain hashes as the hit grows.
     cheap = False
 
-    def extend(self, token_ids) -> list[BlockKey]:
-        """Keys of every full block of ``token_ids`` (and any computed before)."""
-        self.extend_to(token_ids, len(token_ids) // self._block_size)
+    def extend(self, token_ids) -> list[PageKey]:
+        """Keys of every full page of ``token_ids`` (and any computed before)."""
+        self.extend_to(token_ids, len(token_ids) // self._page_tokens)
         return self.keys
 
-    def extend_to(self, token_ids, num_blocks: int) -> None:
+    def extend_to(self, token_ids, num_pages: int) -> None:
         raise NotImplementedError
 
 
-class KeyChain(_BlockKeys):
-    """Incrementally computed keys of a request's full blocks.
+class KeyChain(_PageKeys):
+    """Incrementally computed keys of a request's full pages.
 
-    Key ``i`` is SHA-256(key ``i-1`` + block ``i``'s token ids as little-endian
+    Key ``i`` is SHA-256(key ``i-1`` + page ``i``'s token ids as little-endian
     int64), key ``-1`` being SHA-256(seed + salt). Keys are computed on demand
     (``extend_to``: only as far as asked, from the token ids not yet hashed)
     and kept; ``keys`` only ever grows.
     """
 
-    def __init__(self, seed: bytes, block_size: int, salt: bytes = b""):
+    def __init__(self, seed: bytes, page_tokens: int, salt: bytes = b""):
         self._parent = hashlib.sha256(seed + salt).digest()
-        self._block_size = block_size
-        self.keys: list[BlockKey] = []
+        self._page_tokens = page_tokens
+        self.keys: list[PageKey] = []
 
     @classmethod
-    def continuing(cls, keys: list[BlockKey], parent: bytes, block_size: int) -> "KeyChain":
-        """A chain that appends to ``keys`` (the keys of the blocks before),
-        key ``len(keys)`` being SHA-256(``parent`` + that block's token ids)."""
+    def continuing(cls, keys: list[PageKey], parent: bytes, page_tokens: int) -> "KeyChain":
+        """A chain that appends to ``keys`` (the keys of the pages before),
+        key ``len(keys)`` being SHA-256(``parent`` + that page's token ids)."""
         chain = cls.__new__(cls)
-        chain._parent, chain._block_size, chain.keys = parent, block_size, keys
+        chain._parent, chain._page_tokens, chain.keys = parent, page_tokens, keys
         return chain
 
-    def extend_to(self, token_ids, num_blocks: int) -> None:
-        """Computes keys up to block ``num_blocks`` (exclusive), reading only
-        the token ids of the blocks not hashed yet; ``token_ids`` needs at
-        least ``num_blocks`` full blocks."""
+    def extend_to(self, token_ids, num_pages: int) -> None:
+        """Computes keys up to page ``num_pages`` (exclusive), reading only
+        the token ids of the pages not hashed yet; ``token_ids`` needs at
+        least ``num_pages`` full pages."""
         done = len(self.keys)
-        if num_blocks <= done:
+        if num_pages <= done:
             return
-        bs = self._block_size
-        step = 8 * bs  # bytes per block
-        # One pack for all new blocks; then one hash call per block.
-        data = struct.pack(f"<{(num_blocks - done) * bs}q",
-                           *token_ids[done * bs:num_blocks * bs])
+        pt = self._page_tokens
+        step = 8 * pt  # bytes per page
+        # One pack for all new pages; then one hash call per page.
+        data = struct.pack(f"<{(num_pages - done) * pt}q",
+                           *token_ids[done * pt:num_pages * pt])
         sha256, parent, append = hashlib.sha256, self._parent, self.keys.append
         for off in range(0, len(data), step):
             parent = sha256(parent + data[off:off + step]).digest()
@@ -188,7 +192,7 @@ def vllm_key_mask(seed: bytes, salt: bytes, algo: str) -> bytes:
     return _digest(VLLM_HASH_KEYS_TAG, seed.hex(), salt.hex(), algo)
 
 
-def xor_keys(hashes, start: int, end: int, mask: bytes, stride: int = 1) -> list[BlockKey]:
+def xor_keys(hashes, start: int, end: int, mask: bytes, stride: int = 1) -> list[PageKey]:
     """``hashes[i*stride + stride-1] XOR mask`` for i in [start, end) (the
     last block of each page of ``stride`` blocks): 32-byte hashes and mask."""
     picked = hashes[start * stride + stride - 1:end * stride:stride]
@@ -205,44 +209,44 @@ def xor_keys(hashes, start: int, end: int, mask: bytes, stride: int = 1) -> list
     return out.view("V32").ravel().tolist()
 
 
-class VllmHashKeys(_BlockKeys):
+class VllmHashKeys(_PageKeys):
     """A request's keys from vLLM's block hashes: key ``i`` is
     ``block_hashes[i] XOR vllm_key_mask(seed, salt, algo)``; with pages of
-    ``stride`` blocks (``block_size`` is then the page's tokens), page ``i``'s
+    ``stride`` blocks (``page_tokens`` tokens), page ``i``'s
     key comes from its last block's hash, which covers the whole prefix.
 
     Same interface as ``KeyChain``. ``block_hashes`` is the request's own
     list, which vLLM extends as tokens arrive. Keys are computed on demand and
-    kept. Should vLLM not have hashed a block asked for (the scheduler only
-    asks for blocks whose tokens exist, which vLLM hashes as they come), the
+    kept. Should vLLM not have hashed a page asked for (the scheduler only
+    asks for pages whose tokens exist, which vLLM hashes as they come), the
     keys go on as a ``KeyChain`` from the last key: still one name per
     prefix, never another's.
     """
 
     cheap = True
 
-    def __init__(self, seed: bytes, block_size: int, salt: bytes, block_hashes: list,
+    def __init__(self, seed: bytes, page_tokens: int, salt: bytes, block_hashes: list,
                  algo: str, stride: int = 1):
         self._mask = vllm_key_mask(seed, salt, algo)
         self._hashes = block_hashes
-        self._block_size = block_size
+        self._page_tokens = page_tokens
         self._stride = stride
         self._rest: KeyChain | None = None
-        self.keys: list[BlockKey] = []
+        self.keys: list[PageKey] = []
 
-    def extend_to(self, token_ids, num_blocks: int) -> None:
-        """Computes keys up to block ``num_blocks`` (exclusive); ``token_ids``
-        (read only past vLLM's hashes) needs at least ``num_blocks`` full blocks."""
+    def extend_to(self, token_ids, num_pages: int) -> None:
+        """Computes keys up to page ``num_pages`` (exclusive); ``token_ids``
+        (read only past vLLM's hashes) needs at least ``num_pages`` full pages."""
         done = len(self.keys)
-        if num_blocks <= done:
+        if num_pages <= done:
             return
         if self._rest is None:
-            have = min(num_blocks, len(self._hashes) // self._stride)
+            have = min(num_pages, len(self._hashes) // self._stride)
             if have > done:
                 self.keys += xor_keys(self._hashes, done, have, self._mask, self._stride)
-            if have >= num_blocks:
+            if have >= num_pages:
                 return
             parent = (self.keys[-1] if self.keys else
                       hashlib.sha256(b"kvbm-vllm-hash-keys-rest" + self._mask).digest())
-            self._rest = KeyChain.continuing(self.keys, parent, self._block_size)
-        self._rest.extend_to(token_ids, num_blocks)
+            self._rest = KeyChain.continuing(self.keys, parent, self._page_tokens)
+        self._rest.extend_to(token_ids, num_pages)

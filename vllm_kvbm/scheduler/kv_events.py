@@ -42,7 +42,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.keys import PageKey
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,16 +82,16 @@ class NoKVEvents:
     def watch(self, host: "SlotIndex") -> None:
         pass
 
-    def describe(self, request: "Request", keys: list[BlockKey], pages) -> None:
+    def describe(self, request: "Request", keys: list[PageKey], pages) -> None:
         pass
 
-    def spilling(self, tiers: list[str], keys: list[BlockKey]) -> None:
+    def spilling(self, tiers: list[str], keys: list[PageKey]) -> None:
         pass
 
-    def lower_stored(self, stored: list[tuple[str, BlockKey]]) -> None:
+    def lower_stored(self, stored: list[tuple[str, PageKey]]) -> None:
         pass
 
-    def lower_removed(self, tier: str, key: BlockKey) -> None:
+    def lower_removed(self, tier: str, key: PageKey) -> None:
         pass
 
     def reset(self) -> None:
@@ -117,10 +117,10 @@ class KVEvents(NoKVEvents):
         self._stored_fields = set(ev.BlockStored.__struct_fields__)
         self._removed_fields = set(ev.BlockRemoved.__struct_fields__)
         # key -> (request, page index): stores and promotions not landed yet
-        self._pending: dict[BlockKey, tuple[Request, int]] = {}
-        self._host: dict[BlockKey, _Page] = {}  # announced in the host tier
+        self._pending: dict[PageKey, tuple[Request, int]] = {}
+        self._host: dict[PageKey, _Page] = {}  # announced in the host tier
         # (tier, key) -> [page, workers that confirmed]: writes in flight
-        self._writing: dict[tuple[str, BlockKey], list] = {}
+        self._writing: dict[tuple[str, PageKey], list] = {}
         # tier -> key -> hashes: announced in that tier (oldest first)
         self._lower: dict[str, OrderedDict] = {}
         self._events: list = []
@@ -131,7 +131,7 @@ class KVEvents(NoKVEvents):
         host.on_ready = self._host_ready
         host.on_removed = self._host_removed
 
-    def describe(self, request: "Request", keys: list[BlockKey], pages) -> None:
+    def describe(self, request: "Request", keys: list[PageKey], pages) -> None:
         """Pages ``pages`` of ``request`` (keys ``keys[p]``) are being stored
         or promoted into the host tier: announced when they land."""
         covered = len(request.block_hashes) // self.page_blocks
@@ -139,7 +139,7 @@ class KVEvents(NoKVEvents):
             if p < covered:
                 self._pending[keys[p]] = (request, p)
 
-    def spilling(self, tiers: list[str], keys: list[BlockKey]) -> None:
+    def spilling(self, tiers: list[str], keys: list[PageKey]) -> None:
         """Host pages ``keys`` are being written to ``tiers``."""
         for key in keys:
             page = self._host.get(key)
@@ -147,7 +147,7 @@ class KVEvents(NoKVEvents):
                 for tier in tiers:
                     self._writing[(tier, key)] = [page, 0]
 
-    def lower_stored(self, stored: list[tuple[str, BlockKey]]) -> None:
+    def lower_stored(self, stored: list[tuple[str, PageKey]]) -> None:
         """Workers confirmed these writes (one entry per worker)."""
         for tier, key in stored:
             writing = self._writing.get((tier, key))
@@ -168,7 +168,7 @@ class KVEvents(NoKVEvents):
                 _, hashes = pages.popitem(last=False)
                 self._removed(hashes, tier)
 
-    def lower_removed(self, tier: str, key: BlockKey) -> None:
+    def lower_removed(self, tier: str, key: PageKey) -> None:
         """A lower tier lost the page, or its write failed or was dropped."""
         self._writing.pop((tier, key), None)
         hashes = self._lower.get(tier, {}).pop(key, None)
@@ -194,7 +194,7 @@ class KVEvents(NoKVEvents):
 
     # ---- host tier (SlotIndex callbacks) --------------------------------------
 
-    def _host_ready(self, keys: list[BlockKey]) -> None:
+    def _host_ready(self, keys: list[PageKey]) -> None:
         for key in keys:
             described = self._pending.pop(key, None)
             if described is None:
@@ -204,7 +204,7 @@ class KVEvents(NoKVEvents):
                 self._host[key] = page
                 self._stored(page, "host")
 
-    def _host_removed(self, key: BlockKey) -> None:
+    def _host_removed(self, key: PageKey) -> None:
         self._pending.pop(key, None)
         page = self._host.pop(key, None)
         if page is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvbm.fingerprints import adapter_fingerprint
-from vllm_kvbm.keys import (BlockKey, KeyChain, LoRAIdentity, VllmHashKeys, derive_seed,
+from vllm_kvbm.keys import (KeyChain, LoRAIdentity, PageKey, VllmHashKeys, derive_seed,
                             request_salt)
 from vllm_kvbm.messages import (SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 SpillJob, TransferJob)
@@ -73,10 +73,10 @@ class _ReqState:
     # from the page holding block local_hit_blocks on
     hit_sources: list[str] = field(default_factory=list)
     # keys pinned by the in-flight load, unpinned when it finishes
-    load_keys: list[BlockKey] = field(default_factory=list)
+    load_keys: list[PageKey] = field(default_factory=list)
     # keys of the in-flight load fetched from a lower tier into fresh host
     # slots (promotion): committed to the host tier when the load succeeds
-    promoted: list[tuple[BlockKey, str]] = field(default_factory=list)
+    promoted: list[tuple[PageKey, str]] = field(default_factory=list)
     # tiers of the in-flight load's pages streamed past the host tier (no
     # host slot was free for them): counted when the load succeeds
     streamed: list[str] = field(default_factory=list)
@@ -110,7 +110,7 @@ class _ReqState:
 @dataclass
 class _StoreJob:
     req_id: str
-    keys: list[BlockKey]
+    keys: list[PageKey]
     pending_workers: int
     failed: bool = False
     # posted before a cache reset: its pages hold pre-reset KV, never serve them
@@ -199,7 +199,7 @@ class KVBMScheduler:
         (computed on demand: ``extend``), e.g. to see what a prompt is stored as."""
         return self._key_chain(request, _salt(request))
 
-    def _keys(self, state: _ReqState, num_tokens: int) -> list[BlockKey]:
+    def _keys(self, state: _ReqState, num_tokens: int) -> list[PageKey]:
         """Keys of the first ``num_tokens // page_tokens`` pages. Copies only
         when more are computed (hot paths index ``state.chain.keys`` instead)."""
         full = num_tokens // self.page_tokens
@@ -642,7 +642,7 @@ class KVBMScheduler:
                 state.store_jobs.discard(job_id)
                 self._maybe_forget(state)
 
-    def _spill(self, keys: list[BlockKey], reused: bool) -> None:
+    def _spill(self, keys: list[PageKey], reused: bool) -> None:
         """Write-through of ready host blocks to the lower tiers that admit
         them: one spill job per run of blocks going to the same tiers.
         Reused blocks the disk may hold already are first asked about on the
@@ -659,8 +659,8 @@ class KVBMScheduler:
             for keys, on_disk in self._background.take_checked():
                 self._spill_now(keys, True, on_disk)
 
-    def _spill_now(self, keys: list[BlockKey], reused: bool,
-                   on_disk: set[BlockKey] | frozenset = frozenset()) -> None:
+    def _spill_now(self, keys: list[PageKey], reused: bool,
+                   on_disk: set[PageKey] | frozenset = frozenset()) -> None:
         for tiers, run in self.lower.admit(keys, reused, on_disk):
             run = [key for key in run if self.host.is_ready(key)]
             if not run:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.keys import PageKey
 
 
 @dataclass(slots=True)
@@ -36,7 +36,7 @@ class _Entry:
 class SlotIndex:
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
-        self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[PageKey, _Entry] = OrderedDict()  # LRU first
         self._free = list(range(num_slots - 1, -1, -1))
         # slot -> overdue transfers (one per worker) that may still write it
         self._held: Counter = Counter()
@@ -48,7 +48,7 @@ class SlotIndex:
         self.on_ready = None
         self.on_removed = None
 
-    def __contains__(self, key: BlockKey) -> bool:
+    def __contains__(self, key: PageKey) -> bool:
         return key in self._entries
 
     def __len__(self) -> int:
@@ -62,11 +62,11 @@ class SlotIndex:
         """Slots a store or promotion could get now: free or evictable."""
         return len(self._free) + self._evictable
 
-    def is_ready(self, key: BlockKey) -> bool:
+    def is_ready(self, key: PageKey) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.ready
 
-    def ready_run(self, keys: list[BlockKey], start: int, end: int) -> int:
+    def ready_run(self, keys: list[PageKey], start: int, end: int) -> int:
         """How many of ``keys[start:end]``, from ``start`` on, are ready in a row."""
         get = self._entries.get
         i = start
@@ -77,7 +77,7 @@ class SlotIndex:
             i += 1
         return i - start
 
-    def pin(self, keys: list[BlockKey]) -> list[int]:
+    def pin(self, keys: list[PageKey]) -> list[int]:
         """Protects ready slots from eviction while they are read; returns them."""
         slots = []
         for key in keys:
@@ -90,7 +90,7 @@ class SlotIndex:
             slots.append(entry.slot)
         return slots
 
-    def unpin(self, keys: list[BlockKey]) -> None:
+    def unpin(self, keys: list[PageKey]) -> None:
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None and entry.pins > 0:
@@ -101,13 +101,13 @@ class SlotIndex:
                     elif entry.ready:
                         self._evictable += 1
 
-    def allocate(self, key: BlockKey) -> int | None:
+    def allocate(self, key: PageKey) -> int | None:
         """Reserves a slot for a store of ``key``; None if every slot is busy."""
         assert key not in self._entries
         _, slots, _ = self.allocate_missing([key], 0, 1)
         return slots[0] if slots else None
 
-    def allocate_missing(self, keys: list[BlockKey], start: int,
+    def allocate_missing(self, keys: list[PageKey], start: int,
                          end: int) -> tuple[list[int], list[int], int]:
         """Reserves slots, in order, for the keys of ``keys[start:end]`` the
         index lacks, until every slot is busy. Returns the positions given a
@@ -130,7 +130,7 @@ class SlotIndex:
             slots.append(slot)
         return positions, slots, end
 
-    def commit(self, keys: list[BlockKey]) -> None:
+    def commit(self, keys: list[PageKey]) -> None:
         """The stores of ``keys`` finished: their slots may now be loaded."""
         get = self._entries.get
         ready = []
@@ -144,7 +144,7 @@ class SlotIndex:
         if self.on_ready is not None and ready:
             self.on_ready(ready)
 
-    def drop(self, key: BlockKey) -> bool:
+    def drop(self, key: PageKey) -> bool:
         """Forgets ``key`` (failed store, bad data). Pinned entries are kept."""
         entry = self._entries.get(key)
         if entry is None or entry.pins:
