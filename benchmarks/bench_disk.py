@@ -6,7 +6,7 @@ test, by each path in turn:
 
 - raw 1 file:   plain os.write / readinto of one big file (the bar's reference)
 - raw per page: plain open/write/close and open/readinto/close, one file per page
-- DiskStore:    the disk tier itself (vllm_kvbm.tiers.disk), one page at a time
+- DiskStore:    the disk tier itself (vllm_kvbm.tiers.disk.store), one page at a time
                 on one thread; and with --inflight pages in flight on a small
                 thread pool, as TierIO's disk writers and readers call it
 - LMCache LocalDiskBackend: LMCache's disk backend as the tier used it up to
@@ -316,7 +316,7 @@ class Bench:
 
     # -- the tier ------------------------------------------------------------
     def disk_store(self, inflight: bool) -> None:
-        from vllm_kvbm.tiers.disk import DiskStore
+        from vllm_kvbm.tiers.disk.store import DiskStore
 
         k = self.args.inflight
         label = f"DiskStore, {k} in flight" if inflight else "DiskStore, 1 at a time"

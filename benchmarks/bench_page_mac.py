@@ -72,7 +72,7 @@ def main() -> None:
     import torch
 
     from vllm_kvbm.tiers import page_format
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
     from vllm_kvbm.tiers.page_format import PageCodec
 
     block = int(args.block_mib * MiB)

@@ -106,7 +106,7 @@ def redis_bandwidth(url: str, page_bytes: int, total_bytes: int = 64 << 20,
     import torch
 
     from vllm_kvbm.config import parse_remote_url
-    from vllm_kvbm.tiers.redis_store import RedisStore
+    from vllm_kvbm.tiers.redis.store import RedisStore
 
     n = max(4, total_bytes // page_bytes)
     store = RedisStore(parse_remote_url("remote_url", url), None, page_bytes, "bench", 0, 1)
@@ -145,8 +145,8 @@ def _fail(what: str) -> None:
 
 def bandwidth(page_mib: list[int]) -> dict:
     """Every lower tier's bandwidth (see the module's docstring)."""
-    from vllm_kvbm.tiers.disk import DiskStore
-    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
+    from vllm_kvbm.tiers.lm.store import RemoteStore
     from vllm_kvbm.tools.server import free_port, start_lmcache_server
     from vllm_kvbm.tools.server import stop_process as stop
 

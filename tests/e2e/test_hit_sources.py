@@ -87,8 +87,8 @@ def test_miss_reports_no_source():
 
 
 def test_host_disk_and_remote_hits_split_in_vllm_stats(tmp_path, lm_server):
-    from vllm_kvbm.tiers.disk import DiskStore
-    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
+    from vllm_kvbm.tiers.lm.store import RemoteStore
 
     sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
                            disk_cache_size="64MiB", remote_url=lm_server.url)
@@ -135,7 +135,7 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
                            disk_cache_size="64MiB")
@@ -173,7 +173,7 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
 def test_may_load_async_guesses_from_the_first_block(tmp_path):
     """vLLM 0.34 asks this when a request is queued; on 0.32 it is called here
     directly, on the real connector."""
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
                            disk_cache_size="64MiB")

@@ -265,7 +265,7 @@ def test_secret_env_errors_never_show_the_secret(tmp_path):
 # ---- the disk tier ----------------------------------------------------------------
 
 def _disk(d, secret=None, **kw):
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     return DiskStore(str(d), 64 << 20, SMALL, NS, 0, 1, page_secret=secret, **kw)
 
@@ -326,7 +326,7 @@ def test_disk_refuses_planted_and_forged_pages_and_removes_them(tmp_path):
 # ---- the remote tier (a real LMCache server) ---------------------------------------
 
 def test_remote_refuses_pages_without_a_valid_mac_and_overwrites_them(lm_server):
-    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.tiers.lm.store import RemoteStore
 
     def store(secret):
         return RemoteStore(lm_server.url, SMALL, NS, 0, 1, timeout_s=3.0, page_secret=secret)
@@ -361,7 +361,7 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
     from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
     from helpers.scheduler_harness import keys_of, tokens
     from vllm_kvbm.messages import KVBMWorkerMetadata
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
     from vllm_kvbm.worker.tier_io import TierIO
 
     secret_file = tmp_path / "page.secret"

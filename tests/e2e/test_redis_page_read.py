@@ -20,7 +20,7 @@ import torch
 from helpers.tier_pages import key, page
 from vllm_kvbm.config import parse_remote_url
 from vllm_kvbm.tiers.page_format import HEADER_BYTES
-from vllm_kvbm.tiers.redis_store import RedisStore
+from vllm_kvbm.tiers.redis.store import RedisStore
 
 pytestmark = [
     pytest.mark.timeout(120),

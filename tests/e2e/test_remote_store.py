@@ -17,7 +17,7 @@ from helpers.tier_pages import BIG, MiB, SMALL, key, page  # noqa: E402
 from vllm_kvbm.tools.server import free_port as _free_port  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError  # noqa: E402
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, flat_u8  # noqa: E402
-from vllm_kvbm.tiers.remote import RemoteStore  # noqa: E402
+from vllm_kvbm.tiers.lm.store import RemoteStore  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -240,7 +240,7 @@ def test_exist_request_is_lmcaches_own_message(remote):
     from lmcache.v1.memory_management import MemoryFormat
     from lmcache.v1.protocol import ClientCommand, ClientMetaMessage
 
-    from vllm_kvbm.tiers.lm_protocol import exist_request
+    from vllm_kvbm.tiers.lm.protocol import exist_request
     from vllm_kvbm.tiers.page_format import page_name
 
     s = remote(ns="ns-exist", block=SMALL)
@@ -252,7 +252,7 @@ def test_exist_request_is_lmcaches_own_message(remote):
 
 
 def test_scheduler_remote_view_sees_what_the_store_wrote(remote, lm_server):
-    from vllm_kvbm.scheduler.lookups import RemoteView
+    from vllm_kvbm.tiers.lm.view import RemoteView
 
     s = remote(ns="ns-view", block=SMALL)
     assert s.put(key(4), page(4, SMALL))
@@ -271,7 +271,7 @@ def test_scheduler_remote_view_sees_what_the_store_wrote(remote, lm_server):
 
 
 def test_scheduler_remote_view_asks_many_keys_in_one_round_trip(remote, lm_server):
-    from vllm_kvbm.scheduler.lookups import RemoteView
+    from vllm_kvbm.tiers.lm.view import RemoteView
 
     s = remote(ns="ns-many", block=SMALL)
     for i in (1, 2, 4):

@@ -48,7 +48,7 @@ def redis_server(tmp_path):
 
 
 def _redis_store(srv, rank, world, secret):
-    from vllm_kvbm.tiers.redis_store import RedisStore
+    from vllm_kvbm.tiers.redis.store import RedisStore
 
     return RedisStore(parse_remote_url("remote_url", srv.url),
                       Secret(PASSWORD, "remote_password_file f"), SMALL, NS, rank, world,
@@ -100,7 +100,7 @@ def test_redis_rank_pages_swapped_are_refused_by_both_ranks(redis_server, secret
 
 
 def _lm_store(lm_server, rank, world, secret):
-    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.tiers.lm.store import RemoteStore
 
     return RemoteStore(lm_server.url, SMALL, NS, rank, world, timeout_s=3.0,
                        page_secret=secret, layout="L")

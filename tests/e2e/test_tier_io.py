@@ -53,7 +53,7 @@ def test_a_disk_fetch_does_not_wait_for_the_disks_writes_which_run_several_at_on
     the thaw every spilled page lands and reads back as spilled."""
     import threading
 
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     n = 64
     store = DiskStore(str(ext4.path), 128 * MiB, SMALL, "ns-io", 0, 1)
@@ -96,7 +96,7 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
     writer waits on the first spill, the queue holds 4, the other 6 spills
     are dropped (no copy), counted and reported as pages the tier lacks; a
     fetch from the same tier answers meanwhile on its read connection."""
-    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.tiers.lm.store import RemoteStore
 
     timeout = 3.0
     store = RemoteStore(relay.url, SMALL, "ns-io", 0, 1, timeout_s=timeout,
@@ -140,7 +140,7 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
     from vllm.v1.outputs import KVConnectorOutput
 
     from vllm_kvbm.messages import KVBMConnectorMetadata
-    from vllm_kvbm.tiers.remote import RemoteStore
+    from vllm_kvbm.tiers.lm.store import RemoteStore
     from vllm_kvbm.worker.worker import KVBMWorker
 
     sched = make_scheduler(host_blocks=16, remote_url=relay.url, remote_timeout_s=3.0)
@@ -208,7 +208,7 @@ def test_a_refused_write_is_reported_as_a_page_the_tier_lacks(tmp_path):
     scheduler's write-through bookkeeping forgets it and writes it again
     when the block is next reused (it stayed marked written before)."""
     from helpers.system import mount_tmpfs, umount
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     mnt = tmp_path / "small"
     mount_tmpfs(mnt, "size=4m")

@@ -34,7 +34,7 @@ def _started_from_a_pinned_thread(start):
 def test_tier_io_and_disk_reader_threads_run_on_every_cpu_of_the_process(tmp_path):
     from helpers.tier_pages import SMALL, key
     from vllm_kvbm.messages import KVBMWorkerMetadata, TransferJob
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
     from vllm_kvbm.worker.tier_io import TierIO
 
     import torch

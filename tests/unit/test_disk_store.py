@@ -18,7 +18,7 @@ from helpers.system import mount_tmpfs, umount  # noqa: E402
 from helpers.tier_pages import BIG, MiB, SMALL, key, page, phys  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError  # noqa: E402
 from vllm_kvbm.tiers import page_format  # noqa: E402
-from vllm_kvbm.tiers.disk import DiskStore  # noqa: E402
+from vllm_kvbm.tiers.disk.store import DiskStore  # noqa: E402
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_path  # noqa: E402
 
 
@@ -387,7 +387,7 @@ import os, sys
 sys.path.insert(0, {str(os.path.dirname(os.path.dirname(__file__)))!r})
 import torch
 from helpers.tier_pages import SMALL, key, page
-from vllm_kvbm.tiers.disk import DiskStore
+from vllm_kvbm.tiers.disk.store import DiskStore
 s = DiskStore({str(tmp_path / "cache")!r}, 1 << 24, SMALL, "ns", 0, 1)
 assert s.put(key(1), page(1, SMALL))
 out = torch.empty(SMALL, dtype=torch.uint8)

@@ -11,9 +11,17 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "vllm_kvbm"
 SHARED = {"vllm_kvbm.config", "vllm_kvbm.keys", "vllm_kvbm.messages", "vllm_kvbm.engine_info",
-          "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.tiers.lm_protocol",
-          "vllm_kvbm.tiers.redis_conn", "vllm_kvbm.cpus", "vllm_kvbm.identity",
-          "vllm_kvbm.identity_fields", "vllm_kvbm.fingerprints"}
+          "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.cpus",
+          "vllm_kvbm.identity", "vllm_kvbm.identity_fields", "vllm_kvbm.fingerprints"}
+# The tier modules the scheduler process loads: the interfaces, the registry
+# (which imports stores and views by name, when a tier is opened), the
+# reconnect policy, and each medium's view with what it needs. Every other
+# module under tiers/ (the stores and what they use) is worker side.
+SCHEDULER_TIERS = {"vllm_kvbm.tiers", "vllm_kvbm.tiers.base", "vllm_kvbm.tiers.registry",
+                   "vllm_kvbm.tiers.reconnect", "vllm_kvbm.tiers.disk", "vllm_kvbm.tiers.disk.view",
+                   "vllm_kvbm.tiers.lm", "vllm_kvbm.tiers.lm.view", "vllm_kvbm.tiers.lm.protocol",
+                   "vllm_kvbm.tiers.redis", "vllm_kvbm.tiers.redis.view",
+                   "vllm_kvbm.tiers.redis.connection"}
 
 
 def imports(path: Path) -> set[str]:
@@ -27,13 +35,49 @@ def imports(path: Path) -> set[str]:
 
 
 def side_imports(side: str) -> dict[str, set[str]]:
-    return {str(p.relative_to(PKG)): imports(p) for p in (PKG / side).glob("*.py")}
+    return {str(p.relative_to(PKG)): imports(p) for p in (PKG / side).rglob("*.py")}
+
+
+def foreign(names: set[str], own: str) -> set[str]:
+    """``names`` outside ``own``, the shared modules (config is a package of
+    them) and the scheduler-side tier modules."""
+    return {n for n in names if not n.startswith((own, "vllm_kvbm.config."))} - SHARED \
+        - SCHEDULER_TIERS
+
+
+def module_name(path: str) -> str:
+    name = "vllm_kvbm." + path.removesuffix(".py").replace("/", ".")
+    return name.removesuffix(".__init__")
 
 
 def test_scheduler_side_imports_only_itself_and_the_shared_modules():
     for module, names in side_imports("scheduler").items():
-        foreign = {n for n in names if not n.startswith("vllm_kvbm.scheduler")} - SHARED
-        assert not foreign, f"scheduler/{module} imports {foreign}"
+        other = foreign(names, "vllm_kvbm.scheduler")
+        assert not other, f"scheduler/{module} imports {other}"
+
+
+def test_scheduler_side_tier_modules_import_no_store():
+    """A medium's view, the registry and the interfaces import only each other
+    and the shared modules: importing a view never imports its store."""
+    modules = {module_name(m): names for m, names in side_imports("tiers").items()}
+    assert SCHEDULER_TIERS <= set(modules), SCHEDULER_TIERS - set(modules)
+    for module in SCHEDULER_TIERS:
+        other = foreign(modules[module], module)
+        assert not other, f"{module} imports {other}"
+
+
+def test_each_medium_folder_has_a_view_and_a_store_in_the_registry():
+    from vllm_kvbm.tiers import registry
+
+    media = [registry.DISK, *registry.REMOTE.values()]
+    folders = {p.parent.name for p in (PKG / "tiers").glob("*/__init__.py")}
+    assert folders == {"disk", "lm", "redis"}
+    for folder in folders:
+        view = f"vllm_kvbm.tiers.{folder}.view"
+        store = f"vllm_kvbm.tiers.{folder}.store"
+        assert view in SCHEDULER_TIERS and store not in SCHEDULER_TIERS
+        assert any(m.view.startswith(view + ":") and m.store.startswith(store + ":")
+                   for m in media), folder
 
 
 def test_worker_side_imports_no_scheduler_module():
@@ -65,6 +109,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "n
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = eval(out.stdout.strip().splitlines()[-1])
     assert "vllm_kvbm.scheduler.planner" in loaded
-    assert not [m for m in loaded if m.startswith(("lmcache", "nixl", "vllm_kvbm.worker",
-                                                   "vllm_kvbm.tiers.disk",
-                                                   "vllm_kvbm.tiers.remote"))], loaded
+    assert not [m for m in loaded if m.startswith(("lmcache", "nixl", "vllm_kvbm.worker"))], loaded
+    assert "vllm_kvbm.tiers.lm.view" in loaded and "vllm_kvbm.tiers.disk.view" in loaded
+    tiers = {m for m in loaded if m.startswith("vllm_kvbm.tiers")}
+    assert tiers <= SCHEDULER_TIERS | SHARED, tiers - SCHEDULER_TIERS - SHARED

@@ -137,7 +137,7 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     recompute: vLLM is told of 2 blocks, computes the rest, and the counters
     say which tokens were recomputed on purpose."""
     from helpers.tier_pages import put_where_the_scheduler_sees
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     s = make_scheduler(host_blocks=64, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB",
                        load_split=True)

@@ -70,7 +70,7 @@ def test_host_hit_rate_through_vllms_scheduler():
 
 
 def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     sched = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)

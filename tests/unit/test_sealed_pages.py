@@ -175,7 +175,7 @@ def test_names_are_keyed_by_the_secret():
 # ---- the disk tier ----------------------------------------------------------------------
 
 def _disk(d, secret=None, rank=0, world=1, **kw):
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     return DiskStore(str(d), 64 << 20, SMALL, NS, rank, world, page_secret=secret, **kw)
 
@@ -186,7 +186,7 @@ def _stored_files(d) -> dict[str, bytes]:
 
 
 def test_a_disk_reader_without_the_secret_learns_no_kv_and_no_membership(tmp_path):
-    from vllm_kvbm.scheduler.lookups import DiskView
+    from vllm_kvbm.tiers.disk.view import DiskView
 
     d = tmp_path / "disk"
     keys = [os.urandom(32) for _ in range(4)]  # no run of zeros a header also has

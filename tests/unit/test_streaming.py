@@ -13,7 +13,7 @@ import torch
 from test_worker_unit import NB, SLOTS, gen, harness  # noqa: F401 (fixtures)
 from helpers.tier_pages import key
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
-from vllm_kvbm.tiers.disk import DiskStore
+from vllm_kvbm.tiers.disk.store import DiskStore
 
 
 def disk_with_pages(h, tmp_path, n: int, first: int = 0):

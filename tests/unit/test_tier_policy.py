@@ -19,9 +19,10 @@ from helpers.scheduler_harness import keys_of, run_until_done, tokens
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.lookups import BackgroundLookups
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
+from vllm_kvbm.tiers.base import TierView
 
 
-class _Listed:
+class _Listed(TierView):
     """A tier view over an explicit key set (the policy, not a store, is tested)."""
 
     def __init__(self, name, keys=()):
@@ -83,7 +84,7 @@ def test_worker_events_become_counters():
 
 @pytest.fixture
 def disk_setup(tmp_path):
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     sched = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
@@ -236,7 +237,8 @@ def test_background_answers_serve_a_moving_start_and_are_refreshed(tmp_path, mon
     an old answer still serves while it is asked again, and the new one sees
     pages written since."""
     from vllm_kvbm.scheduler import lookups
-    from vllm_kvbm.scheduler.lookups import BackgroundLookups, DiskView
+    from vllm_kvbm.scheduler.lookups import BackgroundLookups
+    from vllm_kvbm.tiers.disk.view import DiskView
     from vllm_kvbm.tiers.page_format import disk_page_path
 
     monkeypatch.setattr(lookups, "REFRESH_S", 0.2)

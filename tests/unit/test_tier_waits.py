@@ -22,7 +22,7 @@ from helpers.scheduler_harness import (BLOCK, admit, keys_of, kvbm, make_request
 from helpers.tier_pages import key, put_where_the_scheduler_sees
 from test_worker_unit import gen, harness  # noqa: F401 (fixtures)
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
-from vllm_kvbm.tiers.disk import DiskStore
+from vllm_kvbm.tiers.disk.store import DiskStore
 
 # What a step may take while the mount is blocked: a blocked stat takes 30 s.
 HANG_BOUND_S = 2.0

@@ -72,7 +72,7 @@ def test_a_rank_that_fails_its_load_steps_before_the_other_finishes_commits_noth
 
 
 def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
-    from vllm_kvbm.tiers.disk import DiskStore
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     s = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(s)

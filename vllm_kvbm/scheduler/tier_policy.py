@@ -4,30 +4,22 @@ Where a block is looked for (host first, then disk, then remote), which
 host blocks are written down to which tier (write-through, with an
 admission filter for the disk), and how the worker's reports turn into
 counters. The stores themselves run in the workers (``vllm_kvbm.tiers``); the
-scheduler sees each tier through a small read-only view with ``contains``
-(``lookups.py``).
+scheduler sees each tier through a small read-only view
+(``tiers/base.py`` TierView, one per medium in ``tiers/<medium>/view.py``).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Protocol
 
 from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.tiers.base import TierView
 
 # Bound on the per-key bookkeeping below (use counts, recent writes): entries
 # are keyed by the block key's hash (64 bits; computed once per bytes object
 # and cached in it, so asking again is free; a collision only changes an
 # admission decision, never what is loaded), about 10 MiB per table at most.
 _MEMORY = 1 << 16
-
-
-class TierView(Protocol):
-    name: str
-
-    # and, where one round trip can answer many keys:
-    # contains_many(keys) -> list[bool]
-    def contains(self, key: BlockKey) -> bool: ...
 
 
 class _BoundedCounter(OrderedDict):
@@ -76,15 +68,14 @@ class LowerTiers:
         """The tier of each key of the longest leading run of ``keys`` held
         below the host tier (the first tier, in lookup order, that has it).
         Each tier is asked once for all the keys the tiers before it lack
-        (a batch where it has ``contains_many``: one round trip to a server)."""
+        (``contains_many``: one round trip to a server)."""
         found: list[str | None] = [None] * len(keys)
         for view in self.views:
             todo = [i for i, tier in enumerate(found) if tier is None]
             if not todo:
                 break
             batch = [keys[i] for i in todo]
-            many = getattr(view, "contains_many", None)
-            hits = many(batch) if many is not None else [view.contains(k) for k in batch]
+            hits = view.contains_many(batch)
             for i, hit in zip(todo, hits):
                 if hit:
                     found[i] = view.name

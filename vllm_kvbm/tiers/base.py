@@ -1,32 +1,46 @@
-"""The interface of a tier below host RAM, as the worker side uses it."""
+"""The interfaces of a tier below host RAM: its store (worker side) and its view (scheduler side).
+
+One medium (disk, an LMCache server, Redis/Valkey) is one folder under
+tiers/ with a ``store.py`` (a TierStore: what TierIO calls in the workers)
+and a ``view.py`` (a TierView: what LowerTiers and BackgroundLookups call in
+the scheduler), both found through ``tiers/registry.py``. This module
+imports neither torch nor LMCache nor NIXL: the scheduler process loads it.
+"""
 
 from __future__ import annotations
 
-import torch
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from vllm_kvbm.keys import BlockKey
 
 
-class TierStore:
-    """What the connector needs from a lower tier."""
+class TierStore(ABC):
+    """A tier's pages, read and written by a worker (TierIO's threads). No
+    method raises into the engine; each is bounded by the medium's timeout."""
 
     name: str = ""
     # Pages its put may write at once (TierIO's writer threads for it): one
     # unless the store is safe and faster with several in flight.
     write_inflight: int = 1
 
-    def put(self, key: bytes, page: torch.Tensor) -> bool:
-        """Copies page (1-D uint8 CPU, block_bytes) before returning; False if refused/failed."""
-        raise NotImplementedError
+    @abstractmethod
+    def put(self, key: bytes, page: "torch.Tensor") -> bool:
+        """Copies page (1-D uint8 CPU, page bytes) before returning; False if refused/failed."""
 
-    def get_into(self, key: bytes, out: torch.Tensor) -> str:
+    @abstractmethod
+    def get_into(self, key: bytes, out: "torch.Tensor") -> str:
         """Fills out -> "ok" | "miss" | "corrupt" (entry removed) | "unauthenticated"
         (no valid page MAC for this deployment's secret; entry removed) | "error".
 
         Only "ok" makes ``out`` usable: on anything else its content is
         undefined (a store may check a page where it lands), and the caller
         never serves it."""
-        raise NotImplementedError
 
-    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
+    def get_many_into(self, items: list[tuple[bytes, "torch.Tensor"]]) -> list[str]:
         """get_into for each ``(key, out)``; the statuses in order. A store
         that can read several pages at once in flight overrides this."""
         statuses = []
@@ -37,17 +51,39 @@ class TierStore:
                 statuses.append("error")
         return statuses
 
+    @abstractmethod
     def contains(self, key: bytes) -> bool:
-        raise NotImplementedError
+        """Whether this rank's page for ``key`` is stored."""
 
+    @abstractmethod
     def remove(self, key: bytes) -> None:
-        raise NotImplementedError
+        """Deletes the page (a miss from then on); never raises."""
 
     def take_removed(self) -> list[bytes]:
         """Keys of pages this store deleted on its own (eviction, damage) since
         last asked, so the scheduler may write them again when they are hot."""
         return []
 
+    @abstractmethod
     def close(self) -> None:
-        raise NotImplementedError
+        """Releases files, connections and threads; later calls fail or miss."""
 
+
+class TierView(ABC):
+    """A tier as the scheduler sees it: read-only, by page name, without
+    LMCache or NIXL. ``name`` is the tier's name in TransferJobs and metrics
+    ("disk", "remote"), the same as its store's."""
+
+    name: str = ""
+
+    @abstractmethod
+    def contains(self, key: "BlockKey") -> bool:
+        """Whether every rank's page for ``key`` is there; a failure is a miss."""
+
+    def contains_many(self, keys: list["BlockKey"]) -> list[bool]:
+        """contains for each of ``keys``, in order. A view that answers many
+        keys in one round trip (a server) overrides this."""
+        return [self.contains(key) for key in keys]
+
+    def close(self) -> None:
+        """Releases its connection, if any."""

@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm.config import (DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES,
-                              parse_remote_url)
+from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
 from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.tiers.page_format import copy_bytes
+from vllm_kvbm.tiers.registry import open_stores
 
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
@@ -306,27 +306,6 @@ def layout_fingerprint(kv_caches: "dict[str, torch.Tensor]", num_blocks: int,
 
 def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int,
                layout: str = "") -> list["TierStore"]:
-    """This worker's stores of the configured disk and remote tiers.
+    """This worker's stores of the configured disk and remote tiers (tiers/registry.py).
     ``layout``: layout_fingerprint of this worker's KV cache ("" where unknown)."""
-    stores: list[TierStore] = []
-    namespace, world = info.tier_namespace, info.key_namespace.tp_size
-    secret = config.page_secret.reveal() if config.page_secret is not None else None
-    if config.disk_cache_dir is not None:
-        from vllm_kvbm.tiers.disk import DiskStore
-
-        stores.append(DiskStore(config.disk_cache_dir, config.disk_cache_bytes,
-                                info.page_bytes, namespace, rank, world, page_secret=secret,
-                                layout=layout))
-    if config.remote_url is not None and parse_remote_url("remote_url", config.remote_url).resp:
-        from vllm_kvbm.tiers.redis_store import RedisStore
-
-        stores.append(RedisStore(parse_remote_url("remote_url", config.remote_url),
-                                 config.remote_password, info.page_bytes, namespace, rank,
-                                 world, config.remote_timeout_s, page_secret=secret,
-                                 tls_ca_file=config.remote_tls_ca_file, layout=layout))
-    elif config.remote_url is not None:
-        from vllm_kvbm.tiers.remote import RemoteStore
-
-        stores.append(RemoteStore(config.remote_url, info.page_bytes, namespace, rank, world,
-                                  config.remote_timeout_s, page_secret=secret, layout=layout))
-    return stores
+    return open_stores(config, info, rank, layout)

@@ -28,12 +28,18 @@ import socket
 import threading
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_kvbm.config import KVBMConfigError, parse_lm_url
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
 from vllm_kvbm.tiers.page_format import flat_u8, valid_key, valid_page
+from vllm_kvbm.tiers.reconnect import Reconnect
+
+if TYPE_CHECKING:
+    from vllm_kvbm.config import KVBMConfig
+    from vllm_kvbm.engine_info import EngineInfo
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +113,10 @@ class _Link:
     the moment, the lock that lets one call at a time use it, and when to
     try reconnecting."""
 
-    def __init__(self, role: str):
-        self.role = role
+    def __init__(self, role: str, url: str, retry_interval_s: float):
         self.lock = threading.Lock()
         self.conn: _RemoteConn | None = None
-        self.next_try = 0.0
-        self.state = "new"
+        self.retry = Reconnect(retry_interval_s, "remote tier", url, f"for {role}")
 
 
 class RemoteStore(LMCacheStore):
@@ -135,6 +139,13 @@ class RemoteStore(LMCacheStore):
 
     name = "remote"
 
+    @classmethod
+    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
+                    secret: bytes | None, layout: str) -> "RemoteStore":
+        return cls(config.remote_url, info.page_bytes, info.tier_namespace, rank,
+                   info.key_namespace.tp_size, config.remote_timeout_s, page_secret=secret,
+                   layout=layout)
+
     def __init__(self, url: str, block_bytes: int, namespace: str, rank: int, world_size: int,
                  timeout_s: float = 2.0, *, retry_interval_s: float = 2.0,
                  page_secret: bytes | None = None, layout: str = ""):
@@ -148,7 +159,8 @@ class RemoteStore(LMCacheStore):
         self._cfg = self._Config.from_defaults(
             chunk_size=1, local_cpu=False, max_local_cpu_size=4 * self._phys / GIB,
             remote_url=url, remote_serde="naive", blocking_timeout_secs=max(1, int(timeout_s + 1)))
-        self._reads, self._writes = _Link("reads"), _Link("writes")
+        self._reads = _Link("reads", url, self._retry_s)
+        self._writes = _Link("writes", url, self._retry_s)
         self._closed = False
         self._removed: set[bytes] = set()  # tombstoned by us: contains() -> False
         self._suspect: set[bytes] = set()  # puts cut off mid-stream: overwrite on reconnect
@@ -157,29 +169,16 @@ class RemoteStore(LMCacheStore):
                 self._connection(link, time.monotonic() + self._timeout_s)
 
     # -- connection state ----------------------------------------------------
-    def _set_state(self, link: _Link, state: str, why=None) -> None:
-        if state == link.state:
-            return
-        prev, link.state = link.state, state
-        if state == "down":
-            logger.warning("remote tier %s unavailable for %s (%s); calls fail fast, "
-                           "reconnecting at most every %.1fs", self.url, link.role, why,
-                           self._retry_s)
-        elif prev == "down":
-            logger.warning("remote tier %s reachable again for %s", self.url, link.role)
-
     def _connection(self, link: _Link, deadline: float) -> _RemoteConn | None:
         if link.conn is not None or self._closed:
             return link.conn
-        now = time.monotonic()
-        if now < link.next_try:
+        if not link.retry.may_try():
             return None
-        link.next_try = now + self._retry_s
         try:
             conn = _RemoteConn(self._host, self._port, self._cfg, self._md, self._timeout_s,
-                               deadline - now)
+                               deadline - time.monotonic())
         except Exception as e:  # noqa: BLE001
-            self._set_state(link, "down", e)
+            link.retry.failed(e)
             return None
         link.conn = conn
         try:
@@ -194,8 +193,7 @@ class RemoteStore(LMCacheStore):
     def _drop(self, link: _Link, conn: _RemoteConn, why) -> None:
         if link.conn is conn:
             link.conn = None
-        link.next_try = time.monotonic() + self._retry_s
-        self._set_state(link, "down", why)
+        link.retry.failed(why)
         conn.close()
 
     def _call(self, link: _Link, fn, fail):
@@ -216,7 +214,7 @@ class RemoteStore(LMCacheStore):
                 return fail
             # Up once the server answered: a frozen server still accepts
             # connections (the kernel completes them), so a connect is no sign.
-            self._set_state(link, "up")
+            link.retry.answered()
             return result
         finally:
             link.lock.release()

@@ -1,7 +1,7 @@
 """A bounded, never-raising link to a Redis or Valkey server or cluster (RESP), via redis-py.
 
-Shared by the scheduler's lookups (``scheduler/lookups.py``) and the worker's
-store (``tiers/redis_store.py``); imports neither LMCache nor NIXL nor torch.
+Shared by the scheduler's view (``view.py``) and the worker's store
+(``store.py``); imports neither LMCache nor NIXL nor torch.
 
 - Every socket operation (connect, send, receive) is bounded by ``timeout_s``;
   redis-py's own retries are off, so a call costs at most its timeouts.
@@ -11,7 +11,8 @@ store (``tiers/redis_store.py``); imports neither LMCache nor NIXL nor torch.
 - A dead or frozen server makes ``call`` return its ``fail`` value: the call
   that finds the outage waits at most its timeouts, then calls fail at once
   while a background thread re-makes the link at most every
-  ``retry_interval_s``; the caller's thread never waits on a reconnect.
+  ``retry_interval_s`` (``tiers/reconnect.py``); the caller's thread never
+  waits on a reconnect.
 - An error the server answers (out of memory under ``noeviction``, a wrong
   type) fails that call only; the link stays up.
 - The password never appears in a message: every logged error text is
@@ -34,6 +35,7 @@ from redis.retry import Retry
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.config.secrets import Secret
 from vllm_kvbm.config.urls import RemoteTarget
+from vllm_kvbm.tiers.reconnect import Reconnect
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +50,7 @@ class RedisLink:
     replaced whole after a failure. ``call(fn, fail)`` runs ``fn(client)``."""
 
     def __init__(self, target: RemoteTarget, password: Secret | None, timeout_s: float,
-                 retry_interval_s: float = 2.0, what: str = "remote tier",
+                 retry_interval_s: float = 2.0, role: str = "",
                  tls_ca_file: str | None = None):
         if not target.resp:
             raise ValueError(f"{target} is not a Redis/Valkey URL")
@@ -57,12 +59,10 @@ class RedisLink:
         self.target = target
         self._password = password
         self._timeout_s = float(timeout_s)
-        self._retry_s = float(retry_interval_s)
-        self._what = what
+        self._retry = Reconnect(retry_interval_s, "remote tier", str(target), role)
         self._tls_ca_file = tls_ca_file
         self._lock = threading.Lock()
         self._client = None
-        self._state = "new"
         self._closed = threading.Event()
         self._reconnecting = False
         self._warned: dict[str, float] = {}  # reply -> when last logged
@@ -71,7 +71,7 @@ class RedisLink:
             self._start_reconnect()
         else:
             self._client = client
-            self._set_state("up")
+            self._retry.answered()
 
     # -- messages --------------------------------------------------------------
     def safe(self, err: Any) -> str:
@@ -80,18 +80,6 @@ class RedisLink:
         if self._password is not None and self._password.reveal():
             text = text.replace(self._password.reveal(), "***")
         return text
-
-    def _set_state(self, state: str, why: Any = None) -> None:
-        with self._lock:
-            prev, self._state = self._state, state
-        if state == prev:
-            return
-        if state == "down":
-            logger.warning("KVBM: %s %s unavailable (%s); its calls miss at once, reconnecting "
-                           "at most every %.1fs", self._what, self.target, self.safe(why),
-                           self._retry_s)
-        elif prev == "down":
-            logger.warning("KVBM: %s %s reachable again", self._what, self.target)
 
     @property
     def up(self) -> bool:
@@ -141,7 +129,7 @@ class RedisLink:
             _close(client)
             if at_startup and any(s.lower() in str(err).lower() for s in _AUTH_REPLIES):
                 raise self._auth_error(err) from None
-            self._set_state("down", err)
+            self._retry.failed(self.safe(err))
         except (RedisError, OSError) as err:
             _close(client)
             if at_startup and "CERTIFICATE_VERIFY_FAILED" in str(err):
@@ -149,10 +137,10 @@ class RedisLink:
                     f"remote_tls_ca_file: the certificate of {self.target} did not verify against "
                     f"{self._tls_ca_file or 'the system CAs'} ({self.safe(err)}); set "
                     f"remote_tls_ca_file to the PEM file of the CA that signed it") from None
-            self._set_state("down", err)
+            self._retry.failed(self.safe(err))
         except Exception as err:  # noqa: BLE001 - never into vLLM
             _close(client)
-            self._set_state("down", err)
+            self._retry.failed(self.safe(err))
         return None
 
     def _start_reconnect(self) -> None:
@@ -165,7 +153,7 @@ class RedisLink:
 
     def _reconnect_loop(self) -> None:
         try:
-            while not self._closed.wait(self._retry_s):
+            while not self._closed.wait(self._retry.retry_s):
                 client = self._connect(at_startup=False)
                 if client is None:
                     continue
@@ -174,7 +162,7 @@ class RedisLink:
                         _close(client)
                         return
                     self._client = client
-                self._set_state("up")
+                self._retry.answered()
                 return
         finally:
             with self._lock:
@@ -185,7 +173,7 @@ class RedisLink:
             if self._client is client:
                 self._client = None
         _close(client)
-        self._set_state("down", why)
+        self._retry.failed(self.safe(why))
         self._start_reconnect()
 
     # -- calls ---------------------------------------------------------------------
@@ -205,8 +193,8 @@ class RedisLink:
                     if len(self._warned) > 64:
                         self._warned.clear()
                     self._warned[text] = now
-                    logger.warning("KVBM: %s %s: %s failed: %s (said at most once a minute)",
-                                   self._what, self.target, what, text)
+                    logger.warning("KVBM: remote tier %s: %s failed: %s (said at most once a "
+                                   "minute)", self.target, what, text)
             return fail
         except Exception as err:  # noqa: BLE001 - timeout, reset, cluster moved, ...
             self._drop(client, err)

@@ -12,7 +12,7 @@ Why not LMCache 0.5.6's RESP connectors (tried against a real
   the request is never answered); no timeouts, no TLS, no cluster.
 - ``ValkeyConnector`` needs ``valkey-glide-sync``, which is not installed.
 So this store uses redis-py's synchronous client directly
-(``tiers/redis_conn.py``): socket timeouts on every call, no retries, TLS,
+(``connection.py``): socket timeouts on every call, no retries, TLS,
 Redis/Valkey Cluster, a password kept out of every message, and a refused
 password at startup as a ``KVBMConfigError``.
 
@@ -37,17 +37,23 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis
 import torch
 
+from vllm_kvbm.config import parse_remote_url
 from vllm_kvbm.config.secrets import Secret
 from vllm_kvbm.config.urls import RemoteTarget
 from vllm_kvbm.tiers.base import TierStore
 from vllm_kvbm.tiers.page_format import (HEADER_BYTES, PageCodec, page_namer, valid_key,
                                          valid_page)
-from vllm_kvbm.tiers.redis_conn import RedisLink
+from vllm_kvbm.tiers.redis.connection import RedisLink
+
+if TYPE_CHECKING:
+    from vllm_kvbm.config import KVBMConfig
+    from vllm_kvbm.engine_info import EngineInfo
 
 logger = logging.getLogger(__name__)
 _FAILED = object()
@@ -65,6 +71,14 @@ class RedisStore(TierStore):
 
     name = "remote"
 
+    @classmethod
+    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
+                    secret: bytes | None, layout: str) -> "RedisStore":
+        return cls(parse_remote_url("remote_url", config.remote_url), config.remote_password,
+                   info.page_bytes, info.tier_namespace, rank, info.key_namespace.tp_size,
+                   config.remote_timeout_s, page_secret=secret,
+                   tls_ca_file=config.remote_tls_ca_file, layout=layout)
+
     def __init__(self, target: RemoteTarget, password: Secret | None, block_bytes: int,
                  namespace: str, rank: int, world_size: int, timeout_s: float = 2.0, *,
                  retry_interval_s: float = 2.0, page_secret: bytes | None = None,
@@ -78,8 +92,8 @@ class RedisStore(TierStore):
         self._codec = PageCodec(namespace, block_bytes, page_secret, rank=rank,
                                 world_size=world_size, layout=layout)
         self._page_name = page_namer(namespace, block_bytes, rank, world_size, page_secret)
-        self._link = RedisLink(target, password, timeout_s, retry_interval_s, "remote tier",
-                               tls_ca_file)
+        self._link = RedisLink(target, password, timeout_s, retry_interval_s,
+                               tls_ca_file=tls_ca_file)
         # Each writing thread encodes into its own buffer, reused for every put:
         # a fresh one per page costs its page faults (SET has sent it all
         # before put returns).
