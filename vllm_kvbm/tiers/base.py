@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from vllm_kvbm.keys import BlockKey
+    from vllm_kvbm.keys import PageKey
 
 
 class TierStore(ABC):
@@ -77,10 +77,10 @@ class TierView(ABC):
     name: str = ""
 
     @abstractmethod
-    def contains(self, key: "BlockKey") -> bool:
+    def contains(self, key: "PageKey") -> bool:
         """Whether every rank's page for ``key`` is there; a failure is a miss."""
 
-    def contains_many(self, keys: list["BlockKey"]) -> list[bool]:
+    def contains_many(self, keys: list["PageKey"]) -> list[bool]:
         """contains for each of ``keys``, in order. A view that answers many
         keys in one round trip (a server) overrides this."""
         return [self.contains(key) for key in keys]

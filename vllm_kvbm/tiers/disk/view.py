@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
 from vllm_kvbm.tiers.page_format import disk_page_namer
 
@@ -36,5 +36,5 @@ class DiskView(TierView):
         return cls(config.disk_cache_dir, info.tier_namespace, info.page_bytes,
                    info.key_namespace.tp_size, secret)
 
-    def contains(self, key: BlockKey) -> bool:
+    def contains(self, key: PageKey) -> bool:
         return all(os.path.exists(path(key)) for path in self._paths)

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from vllm_kvbm.config import parse_lm_url
-from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
 from vllm_kvbm.tiers.lm.protocol import REPLY_BYTES, exist_reply, exist_request
 from vllm_kvbm.tiers.page_format import page_namer
@@ -47,10 +47,10 @@ class RemoteView(TierView):
         return cls(config.remote_url, info.tier_namespace, info.page_bytes,
                    info.key_namespace.tp_size, config.remote_timeout_s, secret=secret)
 
-    def contains(self, key: BlockKey) -> bool:
+    def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
 
-    def contains_many(self, keys: list[BlockKey]) -> list[bool]:
+    def contains_many(self, keys: list[PageKey]) -> list[bool]:
         """One round trip for all ``keys``: the server answers a connection's
         requests in order, so they are sent at once and the replies read
         back; the whole exchange is bounded by ``timeout_s``."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_kvbm.config import parse_remote_url
-from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
 from vllm_kvbm.tiers.page_format import page_namer
 from vllm_kvbm.tiers.redis.connection import RedisLink
@@ -45,10 +45,10 @@ class RedisView(TierView):
                    info.page_bytes, info.key_namespace.tp_size, config.remote_timeout_s,
                    tls_ca_file=config.remote_tls_ca_file, secret=secret)
 
-    def contains(self, key: BlockKey) -> bool:
+    def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
 
-    def contains_many(self, keys: list[BlockKey]) -> list[bool]:
+    def contains_many(self, keys: list[PageKey]) -> list[bool]:
         if not keys:
             return []
         names = [name(key) for key in keys for name in self._names]
