@@ -79,7 +79,8 @@ def make_loads_synchronous() -> None:
     def sync_lookup(self, request, num_computed_tokens):
         n, load_async = lookup(self, request, num_computed_tokens)
         state = self._reqs.get(request.request_id)
-        if n and state is not None and set(state.hit_sources[:n // self.block_size]) == {"host"}:
+        if (n and state is not None
+                and set(state.lookup.hit_sources[:n // self.block_size]) == {"host"}):
             return n, False
         return n, load_async
 

@@ -162,11 +162,11 @@ def test_decode_steps_plan_no_store_work():
     s.add_request(req)
     step(s, complete=True)
     state = k._reqs[req.request_id]
-    assert state.store_cursor == 3 and len(state.chain.keys) == 3
+    assert state.store.cursor == 3 and len(state.chain.keys) == 3
     for _ in range(30):  # decode tokens fill more blocks: not offloaded by default
         _, meta, _ = step(s, complete=True)
         assert not meta.stores
-    assert state.store_cursor == 3 and len(state.chain.keys) == 3
+    assert state.store.cursor == 3 and len(state.chain.keys) == 3
 
 
 def brute_available(index: SlotIndex) -> int:

@@ -51,60 +51,93 @@ BACKLOG_TIMEOUT_STEPS = 20
 
 
 @dataclass
-class _ReqState:
-    request: "Request"
-    chain: KeyChain | VllmHashKeys
-    # what besides tokens changes this request's KV (LoRA, cache salt)
-    salt: bytes = b""
-    # pages [0, store_cursor) have been considered for storing
-    store_cursor: int = 0
-    store_jobs: set[int] = field(default_factory=set)
-    # pages [backlog, store_cursor) are computed but found no free host slot
-    # yet (None: none): stored as slots free up, so they reach the lower tiers
+class _Lookup:
+    """What the last lookup (``get_num_new_matched_tokens``) found, read when
+    vLLM allocates the request's blocks and when it admits the request."""
+
+    # the engine blocks vLLM's own prefix cache had
+    local_hit_blocks: int = 0
+    # where each page of the hit lives ("host", "disk", ...), from the page
+    # holding block local_hit_blocks on
+    hit_sources: list[str] = field(default_factory=list)
+    # tokens asked about; counted when vLLM admits the request (None: nothing
+    # to count), as vLLM counts its own cache queries
+    tokens: int | None = None
+    # pages found but left to recompute (cheaper than loading)
+    split_dropped: int = 0
+    # a load of it failed: lookups find nothing until it is next preempted
+    # (vLLM looks it up again when the failed block was its first, and a tier
+    # that keeps failing on a page it still lists would send it round load,
+    # fail, look up forever; a preemption frees its KV, and one more load may pay)
+    recompute_only: bool = False
+    failed_at_preemption: int = 0  # request.num_preemptions when its load failed
+
+
+@dataclass
+class _Load:
+    """The request's load in flight, from its planning to its completion."""
+
+    # keys pinned by the load, unpinned when it finishes
+    keys: list[PageKey] = field(default_factory=list)
+    # keys fetched from a lower tier into fresh host slots (promotion):
+    # committed to the host tier when the load succeeds
+    promoted: list[tuple[PageKey, str]] = field(default_factory=list)
+    # tiers of the pages streamed past the host tier (no host slot was free
+    # for them): counted when the load succeeds
+    streamed: list[str] = field(default_factory=list)
+    # a worker reported the load failed; kept until vLLM reports the load
+    # finished on every rank (possibly steps later)
+    failed: bool = False
+    # when it was planned, its pages per tier, its blocks (for load_split)
+    started: float = 0.0
+    tier_pages: Counter | None = None
+    block_count: int = 0
+
+    def in_flight(self) -> bool:
+        return bool(self.keys or self.promoted or self.streamed)
+
+
+@dataclass
+class _StoreProgress:
+    """How far the request's computed pages have been stored."""
+
+    # pages [0, cursor) have been considered for storing
+    cursor: int = 0
+    jobs: set[int] = field(default_factory=set)
+    # pages [backlog, cursor) are computed but found no free host slot yet
+    # (None: none): stored as slots free up, so they reach the lower tiers
     backlog: int | None = None
     backlog_since: float = 0.0  # when the backlog last got a slot
     backlog_idle: int = 0  # steps since
     # finished while its backlog waited: vLLM keeps its blocks until it drains
     free_pending: bool = False
-    # set between get_num_new_matched_tokens and update_state_after_alloc:
-    # the engine blocks vLLM's own prefix cache had
-    local_hit_blocks: int = 0
-    # where each page of the last lookup's hit lives ("host", "disk", ...),
-    # from the page holding block local_hit_blocks on
-    hit_sources: list[str] = field(default_factory=list)
-    # keys pinned by the in-flight load, unpinned when it finishes
-    load_keys: list[PageKey] = field(default_factory=list)
-    # keys of the in-flight load fetched from a lower tier into fresh host
-    # slots (promotion): committed to the host tier when the load succeeds
-    promoted: list[tuple[PageKey, str]] = field(default_factory=list)
-    # tiers of the in-flight load's pages streamed past the host tier (no
-    # host slot was free for them): counted when the load succeeds
-    streamed: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _PrefillTiming:
+    """The request's prefill, timed for load_split's recompute cost."""
+
+    # (time, cached tokens) when its prompt's first chunk was scheduled
+    start: tuple[float, int] | None = None
+    # its last prompt chunk is scheduled: timed at its first token
+    ending: bool = False
+
+
+@dataclass
+class _ReqState:
+    """One request's scheduler state, a part per phase."""
+
+    request: "Request"
+    chain: KeyChain | VllmHashKeys
+    # what besides tokens changes this request's KV (LoRA, cache salt)
+    salt: bytes = b""
+    lookup: _Lookup = field(default_factory=_Lookup)
+    load: _Load = field(default_factory=_Load)
+    store: _StoreProgress = field(default_factory=_StoreProgress)
+    prefill: _PrefillTiming = field(default_factory=_PrefillTiming)
     finished: bool = False
-    # a worker reported this request's in-flight load failed; kept until
-    # vLLM reports the load finished on every rank (possibly steps later)
-    load_failed: bool = False
     # holds KV computed before a cache reset: never stored again
     pre_reset: bool = False
-    # a load of it failed: it recomputes until it is next preempted (vLLM
-    # looks it up again when the failed block was its first, and a tier that
-    # keeps failing on a page it still lists would send it round load, fail,
-    # look up forever; a preemption frees its KV, and one more load may pay)
-    recompute_only: bool = False
-    failed_at_preemption: int = 0  # request.num_preemptions when its load failed
-    # tokens asked about by the last lookup; counted when vLLM admits the
-    # request (None: nothing to count), as vLLM counts its own cache queries
-    lookup_tokens: int | None = None
-    # pages the last lookup found but left to recompute (cheaper than loading)
-    split_dropped: int = 0
-    # the in-flight load: when it was planned, its pages per tier, its blocks
-    load_started: float = 0.0
-    load_blocks: Counter | None = None
-    load_block_count: int = 0
-    # (time, cached tokens) when its prompt's first chunk was scheduled
-    prefill_start: tuple[float, int] | None = None
-    # its last prompt chunk is scheduled: timed at its first token
-    prefill_ending: bool = False
 
 
 @dataclass
@@ -220,22 +253,23 @@ class KVBMScheduler:
         # The page holding vLLM's first missing block: its blocks vLLM has
         # are not loaded again (SKIP), the rest are.
         start = local // self.page_blocks
-        state.local_hit_blocks = local
-        state.lookup_tokens = request.num_tokens - num_computed_tokens
-        state.hit_sources = []
-        state.split_dropped = 0
-        if state.recompute_only and _preemptions(request) > state.failed_at_preemption:
-            state.recompute_only = False
-        if start >= max_pages or state.recompute_only:
+        found = state.lookup
+        found.local_hit_blocks = local
+        found.tokens = request.num_tokens - num_computed_tokens
+        found.hit_sources = []
+        found.split_dropped = 0
+        if found.recompute_only and _preemptions(request) > found.failed_at_preemption:
+            found.recompute_only = False
+        if start >= max_pages or found.recompute_only:
             return 0, False
         sources = self._lookup(state, start, max_pages)
         if sources is None:
             return None, False  # vLLM asks again next step
         # Only the part whose load beats recomputing it (learned costs).
         keep = self.split.cut(sources, start)
-        state.split_dropped = len(sources) - keep
+        state.lookup.split_dropped = len(sources) - keep
         sources = sources[:keep]
-        state.hit_sources = sources
+        state.lookup.hit_sources = sources
         hit = len(sources)
         if hit == 0:
             return 0, False
@@ -306,7 +340,7 @@ class KVBMScheduler:
             return
         if self._background is not None:
             self._background.forget(request.request_id)  # admitted: the answer is used
-        g, local = self.page_blocks, state.local_hit_blocks
+        g, local = self.page_blocks, state.lookup.local_hit_blocks
         start, skip = local // g, local % g
         count = (skip * self.block_size + num_external_tokens) // self.page_tokens  # pages
         self._count_lookup(state, num_external_tokens)
@@ -316,7 +350,7 @@ class KVBMScheduler:
         block_ids = blocks.get_block_ids()[0][start * g:(start + count) * g]
         if skip:  # vLLM's own cache has the first page's first blocks
             block_ids[:skip] = [SKIP] * skip
-        sources = state.hit_sources[:count]
+        sources = state.lookup.hit_sources[:count]
         assert len(keys) == len(sources) == count and len(block_ids) == count * g
         # Pin the host hits first, so promotions below cannot evict them.
         host_keys = [k for k, src in zip(keys, sources) if src == "host"]
@@ -331,17 +365,17 @@ class KVBMScheduler:
                 # No host slot free (or another request promotes this block
                 # right now): the worker streams it past the host tier.
                 slot = STREAM
-                state.streamed.append(src)
+                state.load.streamed.append(src)
             else:
-                state.promoted.append((key, src))
+                state.load.promoted.append((key, src))
                 self.events.describe(request, state.chain.keys, [start + i])
             job.slots.append(slot)
             job.fetch.append((i, src, key))
-        state.load_keys = host_keys
-        state.load_started, state.load_blocks = self.split.clock(), Counter(sources)
-        state.load_block_count = count * g - skip
+        state.load.keys = host_keys
+        state.load.started, state.load.tier_pages = self.split.clock(), Counter(sources)
+        state.load.block_count = count * g - skip
         # The loaded pages are in the host tier now: never store them again.
-        state.store_cursor = max(state.store_cursor, start + count)
+        state.store.cursor = max(state.store.cursor, start + count)
         self._loads.append(job)
 
     def _count_lookup(self, state: _ReqState, hit_tokens: int) -> None:
@@ -352,12 +386,12 @@ class KVBMScheduler:
         what was loaded. Resumed preempted requests are not counted again,
         matching vLLM's vllm:external_prefix_cache_{queries,hits}.
         """
-        lookup, state.lookup_tokens = state.lookup_tokens, None
+        lookup, state.lookup.tokens = state.lookup.tokens, None
         if lookup is None or state.request.num_preemptions > 0:
             return
         self.stats.add("lookup_tokens", lookup)
         self.stats.add("matched_tokens", hit_tokens)
-        self.stats.add("recompute_chosen_tokens", state.split_dropped * self.page_tokens)
+        self.stats.add("recompute_chosen_tokens", state.lookup.split_dropped * self.page_tokens)
         # Once per tier, not per page: a 32k-token hit is 2048 blocks.
         for source, tokens in self._tokens_by_source(state, hit_tokens).items():
             self.stats.add(f"matched_tokens_{source}", tokens)
@@ -366,8 +400,8 @@ class KVBMScheduler:
         """The first ``num_tokens`` tokens of the last lookup's hit, per tier;
         fewer when the hit placed fewer (the first page's blocks vLLM had
         are not the hit's)."""
-        sources, page = state.hit_sources, self.page_tokens
-        skip = (state.local_hit_blocks % self.page_blocks) * self.block_size
+        sources, page = state.lookup.hit_sources, self.page_tokens
+        skip = (state.lookup.local_hit_blocks % self.page_blocks) * self.block_size
         n = min(len(sources), -(-(num_tokens + skip) // page))
         if n == 0:
             return {}
@@ -420,9 +454,9 @@ class KVBMScheduler:
             state = self._reqs.get(req_id)
             if state is not None:
                 watched[req_id] = state  # computes its prompt again
-                if state.store_jobs:
+                if state.store.jobs:
                     meta.flush_req_ids.append(req_id)
-                if state.backlog is not None:  # its blocks are freed
+                if state.store.backlog is not None:  # its blocks are freed
                     self._drop_backlog(state)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             state = watched.get(req_id)
@@ -441,7 +475,7 @@ class KVBMScheduler:
         request = state.request
         return (not self.offload_decode_blocks
                 and request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens
-                and (state.pre_reset or state.store_cursor
+                and (state.pre_reset or state.store.cursor
                      >= request.num_prompt_tokens // self.page_tokens))
 
     def _watch_prefill(self, state: _ReqState, num_scheduled: int, now: float) -> None:
@@ -451,10 +485,10 @@ class KVBMScheduler:
         computed, prompt = request.num_computed_tokens, request.num_prompt_tokens
         if computed >= prompt:
             return
-        if state.prefill_start is None:
-            state.prefill_start = (now, computed)
-        if computed + num_scheduled >= prompt and not state.prefill_ending:
-            state.prefill_ending = True
+        if state.prefill.start is None:
+            state.prefill.start = (now, computed)
+        if computed + num_scheduled >= prompt and not state.prefill.ending:
+            state.prefill.ending = True
             self._prefills_ending.append(state)
 
     def _time_prefills(self, now: float) -> None:
@@ -470,7 +504,7 @@ class KVBMScheduler:
         self._prefills_ending = still
 
     def _prefill_sample(self, state: _ReqState, now: float) -> None:
-        start, state.prefill_start = state.prefill_start, None
+        start, state.prefill.start = state.prefill.start, None
         if start is None or state.request.num_preemptions > 0:
             return
         started, cached = start
@@ -482,7 +516,7 @@ class KVBMScheduler:
         """Stores every full page this step completes that the host lacks
         (after the request's backlog)."""
         request = state.request
-        if state.pre_reset or (not self.offload_decode_blocks and state.store_cursor
+        if state.pre_reset or (not self.offload_decode_blocks and state.store.cursor
                                >= request.num_prompt_tokens // self.page_tokens):
             return None  # e.g. decoding, prompt stored: the common case, kept cheap
         # Tokens whose KV exists after this step and whose ids are known.
@@ -490,14 +524,14 @@ class KVBMScheduler:
         if not self.offload_decode_blocks:
             end = min(end, request.num_prompt_tokens)
         full = end // self.page_tokens
-        if state.store_cursor >= full:
+        if state.store.cursor >= full:
             return None  # no new full page: O(1), whatever the prompt's length
         # Only the new blocks are hashed and looked at (no copies of the
         # request's keys or block ids).
         state.chain.extend_to(request.all_token_ids, full)
         assert self._kv_cache_manager is not None
-        start = state.store_cursor if state.backlog is None else state.backlog
-        state.store_cursor = full
+        start = state.store.cursor if state.store.backlog is None else state.store.backlog
+        state.store.cursor = full
         return self._store_pages(state, start, full)
 
     def _drain_backlogs(self) -> list[TransferJob]:
@@ -509,7 +543,7 @@ class KVBMScheduler:
             if state.pre_reset:  # its pages would get post-reset keys
                 self._drop_backlog(state)
                 continue
-            job = self._store_pages(state, state.backlog, state.store_cursor)
+            job = self._store_pages(state, state.store.backlog, state.store.cursor)
             if job is not None:
                 jobs.append(job)
         return jobs
@@ -537,7 +571,7 @@ class KVBMScheduler:
         job_id = next(self._job_ids)
         self._store_jobs[job_id] = _StoreJob(request.request_id, job_keys,
                                              self.info.num_workers)
-        state.store_jobs.add(job_id)
+        state.store.jobs.add(job_id)
         return TransferJob(job_id, request.request_id, job_blocks, job_slots)
 
     # ---- completions ------------------------------------------------------
@@ -568,30 +602,30 @@ class KVBMScheduler:
             for req_id in meta.loads_failed:
                 state = self._reqs.get(req_id)
                 if state is not None:
-                    state.load_failed = True
+                    state.load.failed = True
         for req_id in output.finished_recving or ():
             state = self._reqs.get(req_id)
-            if state is None or not (state.load_keys or state.promoted or state.streamed):
+            if state is None or not state.load.in_flight():
                 continue
-            keys, state.load_keys = state.load_keys, []
-            promoted, state.promoted = state.promoted, []
-            streamed, state.streamed = state.streamed, []
+            keys, state.load.keys = state.load.keys, []
+            promoted, state.load.promoted = state.load.promoted, []
+            streamed, state.load.streamed = state.load.streamed, []
             self.host.unpin(keys)
-            failed, state.load_failed = state.load_failed, False
+            failed, state.load.failed = state.load.failed, False
             if failed:
                 # The bytes may be bad: forget them rather than serve them again.
                 for key in keys + [k for k, _ in promoted]:
                     self.host.drop(key)
-                self.stats.add("load_error_blocks", state.load_block_count)
+                self.stats.add("load_error_blocks", state.load.block_count)
                 # vLLM recomputes these blocks: store them again once it has.
-                state.store_cursor = min(state.store_cursor,
-                                         state.local_hit_blocks // self.page_blocks)
+                state.store.cursor = min(state.store.cursor,
+                                         state.lookup.local_hit_blocks // self.page_blocks)
                 self._watched[req_id] = state
-                state.recompute_only = True
-                state.failed_at_preemption = _preemptions(state.request)
+                state.lookup.recompute_only = True
+                state.lookup.failed_at_preemption = _preemptions(state.request)
             else:
                 self._learn_load(state)
-                self.stats.add("onboard_blocks_h2d", state.load_block_count)
+                self.stats.add("onboard_blocks_h2d", state.load.block_count)
                 self.host.commit([key for key, _ in promoted])  # now in the host tier
                 fetched = Counter(streamed)
                 fetched.update(tier for _, tier in promoted)
@@ -604,10 +638,10 @@ class KVBMScheduler:
         self._update_gauges()
 
     def _learn_load(self, state: _ReqState) -> None:
-        if state.load_blocks is None:
+        if state.load.tier_pages is None:
             return
-        blocks, state.load_blocks = state.load_blocks, None
-        self.split.load_done(blocks, self.split.clock() - state.load_started)
+        blocks, state.load.tier_pages = state.load.tier_pages, None
+        self.split.load_done(blocks, self.split.clock() - state.load.started)
         for tier in blocks:
             self.stats.set_gauge(f"load_seconds_per_block_{tier}",
                                  self.split.seconds_per_block(tier) / self.page_blocks)
@@ -639,7 +673,7 @@ class KVBMScheduler:
                 self.stats.add("offload_blocks_d2h", len(job.keys) * self.page_blocks)
             state = self._reqs.get(job.req_id)
             if state is not None:
-                state.store_jobs.discard(job_id)
+                state.store.jobs.discard(job_id)
                 self._maybe_forget(state)
 
     def _spill(self, keys: list[PageKey], reused: bool) -> None:
@@ -684,48 +718,48 @@ class KVBMScheduler:
         self.host.unpin(copied)
 
     def _note_backlog(self, state: _ReqState, stopped: int, progressed: bool) -> None:
-        if stopped >= state.store_cursor:
-            if state.backlog is not None:
-                state.backlog = None
+        if stopped >= state.store.cursor:
+            if state.store.backlog is not None:
+                state.store.backlog = None
                 self._backlog_done(state)
             return
         if not (self.lower and self.lower.writes_fresh_pages()):
             # No lower tier takes them now: a later store would only evict
             # this prompt's own pages from the host tier.
             self.stats.add("store_skipped_blocks",
-                           (state.store_cursor - stopped) * self.page_blocks)
+                           (state.store.cursor - stopped) * self.page_blocks)
             return
         now = self.split.clock()
-        if state.backlog is None or progressed:
-            state.backlog_since, state.backlog_idle = now, 0
+        if state.store.backlog is None or progressed:
+            state.store.backlog_since, state.store.backlog_idle = now, 0
         else:
-            state.backlog_idle += 1
-        state.backlog = stopped
+            state.store.backlog_idle += 1
+        state.store.backlog = stopped
         self._backlogged[state.request.request_id] = state
-        if (now - state.backlog_since > BACKLOG_TIMEOUT_S
-                and state.backlog_idle > BACKLOG_TIMEOUT_STEPS):
+        if (now - state.store.backlog_since > BACKLOG_TIMEOUT_S
+                and state.store.backlog_idle > BACKLOG_TIMEOUT_STEPS):
             self._drop_backlog(state)
 
     def _drop_backlog(self, state: _ReqState) -> None:
         """Its blocks are gone or it waited too long: those pages are not stored."""
         self.stats.add("store_skipped_blocks",
-                       (state.store_cursor - state.backlog) * self.page_blocks)
-        state.backlog = None
+                       (state.store.cursor - state.store.backlog) * self.page_blocks)
+        state.store.backlog = None
         self._backlog_done(state)
 
     def _backlog_done(self, state: _ReqState) -> None:
         self._backlogged.pop(state.request.request_id, None)
-        if state.free_pending:  # vLLM may free its blocks once its stores land
-            state.free_pending = False
+        if state.store.free_pending:  # vLLM may free its blocks once its stores land
+            state.store.free_pending = False
             self._delayed_free.append(state.request.request_id)
         self._maybe_forget(state)
 
     def _maybe_forget(self, state: _ReqState) -> None:
         if self._background is not None and state.finished:
             self._background.forget(state.request.request_id)
-        if state.finished and not (state.store_jobs or state.load_keys or state.promoted
-                                   or state.streamed or state.backlog is not None
-                                   or state.free_pending):
+        if state.finished and not (state.store.jobs or state.load.in_flight()
+                                   or state.store.backlog is not None
+                                   or state.store.free_pending):
             self._reqs.pop(state.request.request_id, None)
             self._watched.pop(state.request.request_id, None)
 
@@ -734,14 +768,14 @@ class KVBMScheduler:
         if state is None:
             return False, None
         state.finished = True
-        if state.prefill_ending:  # finished at its first token
+        if state.prefill.ending:  # finished at its first token
             self._prefills_ending = [s for s in self._prefills_ending if s is not state]
             self._prefill_sample(state, self.split.clock())
-        if state.backlog is not None:
+        if state.store.backlog is not None:
             # Pages still to store from these blocks: kept until they are.
-            state.free_pending = True
+            state.store.free_pending = True
             return True, None
-        if state.store_jobs:
+        if state.store.jobs:
             # Stores still read these blocks: keep them until the worker says so.
             self._delayed_free.append(request.request_id)
             return True, None
@@ -784,11 +818,10 @@ class KVBMScheduler:
         for state in self._reqs.values():
             # KV computed (or being loaded) before the reset never gets a
             # post-reset key; lookups from now on use the new epoch.
-            if (state.request.num_computed_tokens > 0 or state.load_keys or state.promoted
-                    or state.streamed):
+            if state.request.num_computed_tokens > 0 or state.load.in_flight():
                 state.pre_reset = True
             else:  # computes from scratch (e.g. preempted by the reset): store it all anew
-                state.store_cursor = 0
+                state.store.cursor = 0
             state.chain = self._key_chain(state.request, state.salt)
         self._epoch += 1
         logger.info("KVBM: cache reset dropped %d host pages; disk and remote pages from "
