@@ -1,4 +1,4 @@
-"""PageMover / page_regions against real NIXL (UCX loopback) on CPU memory."""
+"""PageMover / block_regions against real NIXL (UCX loopback) on CPU memory."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from helpers.kv_layouts import (VLLM_LAYOUTS, KVLayout, agent_name, cpu_layout, flash_layout,
                         layer_name, random_fill, vllm_layout)
 from vllm_kvbm.config import KVBMConfigError
-from vllm_kvbm.worker.page_mover import (NixlBuildError, PageMover, load_nixl,
-                                         nixl_builds_for, page_regions)
+from vllm_kvbm.worker.page_mover import (NixlBuildError, PageMover, block_regions,
+                                         load_nixl, nixl_builds_for)
 
 NB = 40  # never 2: a flash layout [2, nb, ...] would be ambiguous
 
@@ -63,47 +63,47 @@ def movers():
         m.close()
 
 
-# ---- page_regions ----------------------------------------------------------
+# ---- block_regions ---------------------------------------------------------
 
 def test_regions_cpu_layout_shared_buffer(gen):
     lay = cpu_layout(num_layers=3, num_blocks=NB, heads=2, block_size=4, head_size=8,
                      gen=gen, pad=4096)
-    regions = page_regions(lay.caches, NB)
+    regions = block_regions(lay.caches, NB)
     page = 2 * 4 * 16 * 2  # heads * bs * 2*hs * bf16
     assert len(regions) == 3
     base = lay.raw[0].data_ptr() + 4096
     for i, r in enumerate(regions):
-        assert (r.base, r.stride, r.page_bytes) == (base + i * NB * page, page, page)
+        assert (r.base, r.stride, r.layer_block_bytes) == (base + i * NB * page, page, page)
 
 
 def test_regions_flash_layout_k_and_v_separate(gen):
     lay = flash_layout(num_layers=2, num_blocks=NB, block_size=4, heads=2, head_dim=8,
                        gen=gen)
-    regions = page_regions(lay.caches, NB)
+    regions = block_regions(lay.caches, NB)
     page = 4 * 2 * 8 * 2
     assert len(regions) == 4  # per layer: K region then V region
     for i, r in enumerate(regions):
         t = lay.raw[i // 2]
         assert r.base == t.data_ptr() + (i % 2) * NB * page
-        assert (r.stride, r.page_bytes) == (page, page)
+        assert (r.stride, r.layer_block_bytes) == (page, page)
 
 
-def test_regions_reject_gapped_page(gen):
-    # pages padded per row: the block's bytes are not one contiguous run
+def test_regions_reject_gapped_layer_block(gen):
+    # layer blocks padded per row: a block's bytes are not one contiguous run
     t = torch.zeros(NB, 2, 4, 24, dtype=torch.bfloat16)[..., :16]
     with pytest.raises(KVBMConfigError, match="not contiguous"):
-        page_regions({"l0": t}, NB)
+        block_regions({"l0": t}, NB)
     # a transposed view with a gap between rows
     tt = torch.zeros(NB, 8, 6)[:, :, :4].transpose(1, 2)
     with pytest.raises(KVBMConfigError, match="not contiguous"):
-        page_regions({"l0": tt}, NB)
-    # strided (every other block) is fine: only the page must be dense
-    assert len(page_regions({"l0": torch.zeros(2 * NB, 4, 8)[::2]}, NB)) == 1
+        block_regions({"l0": tt}, NB)
+    # strided (every other block) is fine: only the layer block must be dense
+    assert len(block_regions({"l0": torch.zeros(2 * NB, 4, 8)[::2]}, NB)) == 1
 
 
 def test_regions_reject_missing_block_dim(gen):
     with pytest.raises(KVBMConfigError, match="num_blocks=40"):
-        page_regions({"l0": torch.zeros(2, 39, 4, 8)}, NB)
+        block_regions({"l0": torch.zeros(2, 39, 4, 8)}, NB)
 
 
 # ---- PageMover round trips -------------------------------------------------
@@ -359,11 +359,11 @@ def test_ambiguous_block_dim_without_declared_layout_is_an_error(gen):
     lay = flash_layout(num_layers=2, num_blocks=2, block_size=4, heads=2, head_dim=8,
                        gen=gen)
     with pytest.raises(KVBMConfigError, match=r"dimensions \[0, 1, 3\] all have size"):
-        page_regions(lay.caches, 2)
+        block_regions(lay.caches, 2)
     # vLLM 0.32 with num_blocks == num_kv_heads
     lay = vllm_layout("LBNHC", 2, 2, heads=2, block_size=4, head_size=8, gen=gen)
     with pytest.raises(KVBMConfigError, match="all have size num_blocks=2"):
-        page_regions(lay.caches, 2)
+        block_regions(lay.caches, 2)
 
 
 @pytest.mark.parametrize("case", ["flash_nb2", "nb_eq_heads", "nb_eq_block_size",
@@ -406,10 +406,10 @@ def test_unsupported_vllm_layout_is_an_error_not_wrong_bytes(gen):
     # BHLNC: a layer's page is split by heads inside the block
     lay = vllm_layout("BHLNC", 3, 6, heads=2, block_size=4, head_size=8, gen=gen)
     with pytest.raises(KVBMConfigError, match="not contiguous"):
-        page_regions(lay.caches, 6, lay.block_dims)
+        block_regions(lay.caches, 6, lay.block_dims)
     # a declared dim that does not hold num_blocks
     with pytest.raises(KVBMConfigError, match="not a multiple of num_blocks=6"):
-        page_regions(lay.caches, 6, {name: 1 for name in lay.caches})
+        block_regions(lay.caches, 6, {name: 1 for name in lay.caches})
 
 
 # ---- which NIXL build --------------------------------------------------------

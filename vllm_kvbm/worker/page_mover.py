@@ -1,13 +1,16 @@
 """Moves whole KV pages between the engine's KV cache and the host pool with NIXL.
 
-Both memories are registered once with one NIXL agent, and a descriptor list
-covering every page is prepared once on each side; a transfer is then just a
+A page is a run of vLLM blocks, and a vLLM block is one *layer block* per
+layer (and per K and V where they are apart): what the descriptors here
+name. Both memories are registered once with one NIXL agent, and a
+descriptor list covering every layer block is prepared once on each side
+(engine blocks, host pool rows); a transfer is then just a
 pair of index lists, posted asynchronously and polled later. The agent
 transfers to itself (loopback): a DMA copy to or from GPU memory on CUDA.
 
 KV cache in host memory (vLLM on CPU): left to choose, UCX moves a loopback
 RMA through the kernel's cross-memory attach (cma: process_vm_readv/writev,
-about 0.4x of a memcpy here: docs/benchmarks.md); its shared-memory transports
+slower than a memcpy: docs/benchmarks.md); its shared-memory transports
 (posix, sysv) only reach memory UCX allocated itself, and its ``self``
 transport, which copies a PUT with one plain memcpy straight into the target,
 has no GET (a READ falls back to active-message emulation) and refuses NIXL's
@@ -16,10 +19,10 @@ limited to ``self`` with error handling off, and both directions are WRITEs:
 a load writes the host pool's pages into the KV cache. A ``self`` PUT
 completes inside the call that posts it: by default on the engine thread,
 where the forward pass has already finished (CPU runs it synchronously), so a
-transfer is done when ``post`` returns and reported in the same step, as the
-cma copies were (they progressed inside the step's polls). ``copy_thread=True``
-posts from a thread of the mover's own instead; on the two cores measured it
-cost more than it hid (docs/benchmarks.md), so it is not the default.
+transfer is done when ``post`` returns and reported in the same step.
+``copy_thread=True`` posts from a thread of the mover's own instead; with few
+cores it costs more than it hides (docs/benchmarks.md), so it is not the
+default.
 """
 
 from __future__ import annotations
@@ -103,12 +106,13 @@ def load_nixl(cuda_version: str | None, hip_version: str | None = None):
 
 
 @dataclass(frozen=True)
-class PageRegion:
-    """One run of equally strided pages: page ``b`` lives at base + b * stride."""
+class BlockRegion:
+    """One run of equally strided layer blocks: block ``b``'s lives at
+    base + b * stride."""
 
     base: int
     stride: int
-    page_bytes: int
+    layer_block_bytes: int
 
 
 def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
@@ -148,15 +152,15 @@ def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
     return dims[0], 1
 
 
-def page_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                 block_dims: dict[str, int] | None = None) -> list[PageRegion]:
+def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
+                  block_dims: dict[str, int] | None = None) -> list[BlockRegion]:
     """Finds where each block's bytes live, for any layout with a block dim.
 
     vLLM 0.32 hands every layer as a ``[blocks, heads, tokens, content]``
     view whose strides follow the resolved KV layout (LBNHC, LBHNC, BLHNC, ...);
     older flash-attention layouts put K/V first: ``[2, num_blocks, ...]``.
     Dims laid out outside the block dim (larger stride: the K/V dim, heads in
-    LHBNC) index regions; the dims inside must be one dense page (in any
+    LHBNC) index regions; the dims inside must be one dense layer block (in any
     order: HND memory seen through an NHD view is still one run of bytes).
     """
     regions = []
@@ -175,17 +179,18 @@ def page_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
                                    if t.shape[i] > 1):
             if stride != expected:
                 raise KVBMConfigError(
-                    f"KV cache of layer {name}: a block's page is not contiguous "
+                    f"KV cache of layer {name}: a layer block is not contiguous "
                     f"(shape {tuple(t.shape)}, stride {t.stride()}); unsupported layout")
             expected *= size
-        page = expected * elem
-        if num_blocks > 1 and block_stride * elem < page:
+        layer_block = expected * elem
+        if num_blocks > 1 and block_stride * elem < layer_block:
             raise KVBMConfigError(
                 f"KV cache of layer {name}: blocks overlap (shape {tuple(t.shape)}, "
                 f"stride {t.stride()}); unsupported layout")
         for idx in np.ndindex(*[t.shape[i] for i in outer]):
             offset = sum(j * t.stride()[i] for i, j in zip(outer, idx)) * elem
-            regions.append(PageRegion(t.data_ptr() + offset, block_stride * elem, page))
+            regions.append(BlockRegion(t.data_ptr() + offset, block_stride * elem,
+                                       layer_block))
     return regions
 
 
@@ -268,7 +273,7 @@ class _CopyThread:
 class PageMover:
     """``loopback``: for a KV cache in host memory, "self" (the default; see
     the module docstring) or "default" (UCX's own transport choice, loads as
-    READs: what the mover did before; kept for benchmarks/bench_host_tier.py).
+    READs, as with GPU memory; kept to compare against in benchmarks/bench_host_tier.py).
     ``copy_thread``: with "self", post from a thread of the mover's own
     rather than copy inside ``post``. A KV cache in GPU memory always uses
     UCX's own choice."""
@@ -280,9 +285,9 @@ class PageMover:
         if loopback not in ("self", "default"):
             raise ValueError(f"loopback must be 'self' or 'default', not {loopback!r}")
         nixl_agent, nixl_agent_config, self.nixl_module = _nixl_api()
-        self.regions = page_regions(kv_caches, num_blocks, block_dims)
+        self.regions = block_regions(kv_caches, num_blocks, block_dims)
         self.num_blocks = num_blocks
-        self.block_bytes = sum(r.page_bytes for r in self.regions)
+        self.block_bytes = sum(r.layer_block_bytes for r in self.regions)
         slot_bytes = host_pool.shape[1] * host_pool.element_size()
         if slot_bytes != self.block_bytes:
             raise KVBMConfigError(
@@ -310,17 +315,17 @@ class PageMover:
         nreg = len(self.regions)
         kv_addr = np.array([[r.base + b * r.stride for b in range(num_blocks)]
                             for r in self.regions], dtype=np.uint64).ravel()
-        kv_len = np.repeat(np.array([r.page_bytes for r in self.regions], dtype=np.uint64),
+        kv_len = np.repeat(np.array([r.layer_block_bytes for r in self.regions], dtype=np.uint64),
                            num_blocks)
         kv_rows = self._dlist(kv_addr, kv_len, kv_dev)
         self._kv_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", kv_rows, kv_mem)
         num_slots = host_pool.shape[0]
         self.num_slots = num_slots
-        offsets = np.cumsum([0] + [r.page_bytes for r in self.regions[:-1]], dtype=np.uint64)
+        offsets = np.cumsum([0] + [r.layer_block_bytes for r in self.regions[:-1]], dtype=np.uint64)
         host_addr = (host_pool.data_ptr()
                      + np.arange(num_slots, dtype=np.uint64)[:, None] * np.uint64(slot_bytes)
                      + offsets[None, :]).ravel()
-        host_len = np.tile(np.array([r.page_bytes for r in self.regions], dtype=np.uint64),
+        host_len = np.tile(np.array([r.layer_block_bytes for r in self.regions], dtype=np.uint64),
                            num_slots)
         host_rows = self._dlist(host_addr, host_len, 0)
         self._host_side = self.agent.prep_xfer_dlist(self.agent.name, host_rows, "DRAM")
@@ -359,7 +364,7 @@ class PageMover:
         blocks = np.asarray(block_ids, dtype=np.int64)
         slots_a = np.asarray(slots, dtype=np.int64)
         # NIXL checks descriptor indices, but they are int32 here: an id past
-        # 2**31 would wrap onto a valid page and copy the wrong memory.
+        # 2**31 would wrap onto a valid layer block and copy the wrong memory.
         if blocks.shape != slots_a.shape or blocks.ndim != 1:
             raise ValueError(f"{len(block_ids)} block ids but {len(slots)} slots")
         if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
@@ -373,10 +378,11 @@ class PageMover:
         return kv_idx.astype(np.int32), host_idx.astype(np.int32)
 
     def post(self, to_host: bool, block_ids: list[int], slots: list[int]):
-        """Starts copying pages; returns a handle for ``poll``. Raises on failure."""
+        """Starts copying blocks to or from host pool rows; returns a handle for
+        ``poll``. Raises on failure."""
         kv_idx, host_idx = self._indices(block_ids, slots)
         if to_host:
-            # WRITE pushes local (KV) pages to the "remote" (host pool) side.
+            # WRITE pushes local (KV) layer blocks to the "remote" (host pool) side.
             handle = self.agent.make_prepped_xfer("WRITE", self._kv_side, kv_idx,
                                                   self._host_side, host_idx)
         elif self._loads_as_writes:
