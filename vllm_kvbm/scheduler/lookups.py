@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from vllm_kvbm.cpus import widen_thread_affinity
-from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.keys import PageKey
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 from vllm_kvbm.tiers.registry import open_views
 
@@ -53,12 +53,12 @@ class BackgroundLookups:
         self._lock = threading.Lock()
         self._entries: dict[str, _Question] = {}
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._checked: list[tuple[list[BlockKey], set[BlockKey]]] = []
+        self._checked: list[tuple[list[PageKey], set[PageKey]]] = []
         self.checks_pending = 0  # disk checks queued or being answered
         self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
-    def ask(self, req_id: str, keys: list[BlockKey], start: int,
+    def ask(self, req_id: str, keys: list[PageKey], start: int,
             end: int) -> tuple[list[str], int] | None:
         """The lower tiers of the longest run held of ``keys[start:end]``, as
         (run, offset): block ``start + k`` is in tier ``run[offset + k]`` for
@@ -83,19 +83,19 @@ class BackgroundLookups:
         with self._lock:
             self._entries.pop(req_id, None)
 
-    def check_disk(self, ask: list[BlockKey], keys: list[BlockKey]) -> None:
+    def check_disk(self, ask: list[PageKey], keys: list[PageKey]) -> None:
         """Asks which of ``ask`` the disk holds; ``take_checked`` then returns
         ``keys`` with that set."""
         with self._lock:
             self.checks_pending += 1
         self._queue.put((None, list(ask), list(keys)))
 
-    def take_checked(self) -> list[tuple[list[BlockKey], set[BlockKey]]]:
+    def take_checked(self) -> list[tuple[list[PageKey], set[PageKey]]]:
         with self._lock:
             done, self._checked = self._checked, []
         return done
 
-    def _check(self, ask: list[BlockKey], keys: list[BlockKey]) -> None:
+    def _check(self, ask: list[PageKey], keys: list[PageKey]) -> None:
         try:
             on_disk = self._lower.on_disk(ask)
         except Exception as err:  # a view must not kill the thread: written again
@@ -131,7 +131,7 @@ REFRESH_S = 0.5
 @dataclass
 class _Question:
     start: int
-    first: BlockKey
+    first: PageKey
     count: int
     run: list[str] | None = None  # None: not answered yet
     answered_at: float = 0.0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 
-from vllm_kvbm.keys import BlockKey
+from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
 
 # Bound on the per-key bookkeeping below (use counts, recent writes): entries
@@ -50,7 +50,7 @@ class LowerTiers:
     def __bool__(self) -> bool:
         return bool(self.views)
 
-    def find_run_doubling(self, keys: list[BlockKey]) -> list[str]:
+    def find_run_doubling(self, keys: list[PageKey]) -> list[str]:
         """``find_run`` asked in runs of 1, 2, 4, ... keys: a miss at the
         first block costs one small question, a long hit a few."""
         run: list[str] = []
@@ -64,7 +64,7 @@ class LowerTiers:
             size *= 2
         return run
 
-    def find_run(self, keys: list[BlockKey]) -> list[str]:
+    def find_run(self, keys: list[PageKey]) -> list[str]:
         """The tier of each key of the longest leading run of ``keys`` held
         below the host tier (the first tier, in lookup order, that has it).
         Each tier is asked once for all the keys the tiers before it lack
@@ -92,7 +92,7 @@ class LowerTiers:
         return any(view.name != "disk" or self.disk_admission != "frequency"
                    for view in self.views)
 
-    def disk_unknown(self, keys: list[BlockKey]) -> list[BlockKey]:
+    def disk_unknown(self, keys: list[PageKey]) -> list[PageKey]:
         """Of reused ``keys``, those to ask the disk about (``on_disk``) before
         ``admit``: the disk tier takes them unless it has them, and its
         bounded table of writes does not say."""
@@ -101,23 +101,23 @@ class LowerTiers:
         written = self._written["disk"]
         return [key for key in keys if hash(key) not in written]
 
-    def on_disk(self, keys: list[BlockKey]) -> set[BlockKey]:
+    def on_disk(self, keys: list[PageKey]) -> set[PageKey]:
         """Which of ``keys`` the disk holds: a stat each, so never on vLLM's
         threads (a hung network filesystem blocks it)."""
-        found: set[BlockKey] = set()
+        found: set[PageKey] = set()
         for view in self.views:
             if view.name == "disk":
                 found.update(key for key in keys if view.contains(key))
         return found
 
-    def admit(self, keys: list[BlockKey], reused: bool,
-              on_disk: set[BlockKey] | frozenset = frozenset()
-              ) -> list[tuple[list[str], list[BlockKey]]]:
+    def admit(self, keys: list[PageKey], reused: bool,
+              on_disk: set[PageKey] | frozenset = frozenset()
+              ) -> list[tuple[list[str], list[PageKey]]]:
         """The tiers ready host blocks ``keys`` should now be written to, as
         runs of consecutive keys going to the same tiers (keys no tier admits
         left out, order kept). ``on_disk``: reused keys the disk is known to
         hold (``on_disk``, asked off the scheduler thread); never asked here."""
-        runs: list[tuple[list[str], list[BlockKey]]] = []
+        runs: list[tuple[list[str], list[PageKey]]] = []
         if not self.views:
             return runs
         shorts = [hash(key) for key in keys]
@@ -138,7 +138,7 @@ class LowerTiers:
             runs[-1][1].append(key)
         return runs
 
-    def _admit_to(self, view: TierView, keys: list[BlockKey], shorts: list[int],
+    def _admit_to(self, view: TierView, keys: list[PageKey], shorts: list[int],
                   reused: bool, uses: list[int] | None, on_disk) -> list[bool]:
         """Whether ``view``'s tier takes each of ``keys`` (noted as written)."""
         written = self._written[view.name]
@@ -165,7 +165,7 @@ class LowerTiers:
             takes.append(take)
         return takes
 
-    def forget(self, tier: str, key: BlockKey) -> None:
+    def forget(self, tier: str, key: PageKey) -> None:
         """A page was found gone, corrupt or unauthenticated, or its write was
         dropped (the tier's write queue was full): allow writing it again."""
         if tier in self._written:
