@@ -3,6 +3,8 @@
 Used from the worker process; the caller owns the threads (TierIO: a read
 thread and a write thread per tier). Every method may block, for as long as
 the filesystem takes to read or write one page, and none raises.
+The page files' raw I/O is in file_io.py, LMCache's index subclass in
+lmcache_index.py, the scheduler's view of the directory in view.py.
 
 What LMCache does here and what goes around it (LMCache 0.5.6). LMCache's
 LocalDiskBackend keeps the index: the key -> file table, the LRU order by
