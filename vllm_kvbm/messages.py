@@ -23,11 +23,19 @@ except ImportError:  # no vLLM: the worker side on its own
         """Stands in for vLLM's base class of a worker's per-step metadata."""
 
 
-# The slot of a lower-tier page that no host slot was free for: the worker
-# streams it through staging slots of its own (worker/streaming.py).
+# Sentinels inside a job's lists of ids. A job's slots and block ids stay
+# aligned by index (page i is slots[i] and block_ids[i*G:(i+1)*G]), which
+# block_rows, the worker's streaming and the per-page fetch indexes rely on,
+# so an exception to one entry is marked in place rather than by a list of
+# its own. Both are negative, as no slot or block id is: the worker filters
+# them out before a copy, and one that slipped through would be refused by
+# PageMover's bounds check, never read as slot or block -1 (the last one).
+#
+# STREAM, in slots: a lower-tier page that no host slot was free for; the
+# worker streams it through staging slots of its own (worker/streaming.py).
 STREAM = -2
-# The engine block of a page's block that is not copied: a load's first page
-# may begin with blocks vLLM's own prefix cache already holds.
+# SKIP, in block_ids: a block of a page that is not copied; a load's first
+# page may begin with blocks vLLM's own prefix cache already holds.
 SKIP = -1
 
 

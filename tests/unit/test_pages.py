@@ -17,8 +17,8 @@ from helpers.scheduler_harness import keys_of, store_and_finish, tokens
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
-from vllm_kvbm.messages import SKIP, KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob, \
-    block_rows
+from vllm_kvbm.messages import SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata, \
+    TransferJob, block_rows
 from vllm_kvbm.worker.worker import KVBMWorker
 from vllm_kvbm.worker.streaming import StreamedLoad, part
 
@@ -178,7 +178,7 @@ def test_worker_stores_a_page_in_one_slot_and_loads_it_skipping_vllms_blocks(wor
 
 
 def test_a_streamed_part_takes_each_pages_blocks():
-    job = TransferJob(7, "R", [SKIP, 1, 2, 3, 4, 5], [-2, -2, -2])
+    job = TransferJob(7, "R", [SKIP, 1, 2, 3, 4, 5], [STREAM] * 3)
     load = StreamedLoad(job, fence=None, started=0.0, fetch={0: ("disk", b"a"), 2: ("disk", b"c")})
     sub = part(load, -1, [0, 2], [30, 31])
     assert sub.block_ids == [SKIP, 1, 4, 5] and sub.slots == [30, 31]
