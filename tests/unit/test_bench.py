@@ -90,3 +90,93 @@ def test_compare_refuses_an_lmbenchmark_dir_that_cannot_run(tmp_path):
     (qa / "multi-round-qa.py").write_text("import no_such_module_for_lmbenchmark\n")
     assert "does not start" in lmbenchmark_problem(args)
     assert "no_such_module_for_lmbenchmark" in lmbenchmark_problem(args)
+
+
+# ---- vLLM's own offloading beside KVBM: configurations and why one did not start ---------
+
+NATIVE_CAUSE = "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+
+
+def test_startup_error_is_the_root_cause_line_of_real_server_logs():
+    """Real `vllm serve` logs (vLLM CPU 0.32) of vLLM's offloading failing at
+    startup: the cause, not vLLM's wrappers around it nor a traceback."""
+    from vllm_kvbm.bench.compare import startup_error
+
+    assert startup_error(DATA / "vllm-serve-kv-offloading-size.log") == NATIVE_CAUSE
+    assert startup_error(DATA / "vllm-serve-simple-cpu-offload.log") == (
+        "AttributeError: type object '_StreamPlaceholder' has no attribute 'priority_range'")
+    assert startup_error(DATA / "vllm-serve-plain-auto.log") == ""  # a server that started
+    assert startup_error(DATA / "no-such.log") == ""
+
+
+def test_native_offloading_configurations_are_what_vllm_reads():
+    """The serve flags parse in the installed vLLM to the size asked for, and the
+    connectors named in kv_transfer_config are registered in it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_kvbm.bench.compare import (ALL_CONFIGS, LABELS, NATIVE_CONNECTORS,
+                                         config_serve_args, transfer_config)
+
+    args = argparse.Namespace(host_cache_size="1536MiB", engine_kv_blocks=40, block_size=128,
+                              serve_arg=[])
+    flags = config_serve_args("vllm-offload", args)
+    assert flags[-4:] == ["--kv-offloading-size", "1.5", "--kv-offloading-backend", "native"]
+    assert transfer_config("vllm-offload", args, Path(".")) is None
+    parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
+        ["--model", "m", *flags[-4:]])
+    assert parsed.kv_offloading_size == 1.5 and parsed.kv_offloading_backend == "native"
+    for name, connector in NATIVE_CONNECTORS.items():
+        config = transfer_config(name, args, Path("."))
+        assert config["kv_connector"] == connector in KVConnectorFactory._registry
+        assert config["kv_connector_extra_config"] == {"cpu_bytes_to_use": 1536 << 20}
+        assert config_serve_args(name, args) == config_serve_args("vllm", args)
+        assert name in ALL_CONFIGS and name in LABELS
+    assert {"vllm-offload", "lmcache"} <= set(ALL_CONFIGS)
+
+
+def test_compare_report_prints_why_a_configuration_did_not_start(tmp_path):
+    from vllm_kvbm.bench.compare import startup_error
+
+    args = argparse.Namespace(
+        workload="multi-round", model="m", engine_kv_blocks=40, block_size=128, serve_arg=[],
+        cpu_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, num_users=1, num_rounds=2,
+        lmbenchmark_dir=None, host_cache_size="1GiB")
+    rows = [Result(2000, 8, 0.5, 0.1, 0, 0, 100.0, 100.6),
+            Result(2600, 8, 0.25, 0.1, 0, 1, 101.0, 101.4)]
+    log = DATA / "vllm-serve-kv-offloading-size.log"
+    runs = [ConfigRun("vllm", "ok", summary=summarize(rows), results=rows,
+                      counters={"prefix_hits": 128, "prefix_queries": 256}),
+            ConfigRun("vllm-offload", "did not start", reason=startup_error(log), wall_s=61,
+                      error=f"RuntimeError: vllm serve exited with 1 during startup; errors in "
+                            f"{log}:\nserver log: {log}")]
+    text = report(runs, args, "kvbm-bench compare --configs vllm vllm-offload")
+    assert "| vLLM prefix caching | ok | - | 2/2 | 1 | 375 | " in text
+    assert "| 50% | - |" in text  # the plain row's prefix hit rate
+    assert (f"| vLLM --kv-offloading-size (native) | does not start: {NATIVE_CAUSE} | - | "
+            "0/2 |") in text
+    assert "did not start (after 61 s)" in text and f"server log: {log}." in text
+    assert "`--kv-offloading-size 1 --kv-offloading-backend native`" in text
+    assert "Traceback" not in text and "Worker failed" not in text
+
+
+def test_a_failed_start_leaves_no_process_and_frees_its_port():
+    """A server whose first process exits during startup while a child it
+    started still listens (vLLM's engine core after the API server died):
+    stopping it kills the child and frees the port."""
+    import subprocess
+
+    from vllm_kvbm.tools.server import _stop, free_port, group_alive, port_free
+
+    port = free_port()
+    child = ("import socket, time; s = socket.socket(); "
+             "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+             f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(120)")
+    leader = ("import subprocess, sys, time; "
+              f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(2); sys.exit(1)")
+    proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
+    assert proc.wait(timeout=60) == 1
+    assert group_alive(proc.pid) and not port_free(port)  # the child outlived its parent
+    _stop(proc)
+    assert not group_alive(proc.pid) and port_free(port)

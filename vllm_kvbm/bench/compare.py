@@ -11,10 +11,15 @@ LMBenchmark client (``synthetic-multi-round-qa/multi-round-qa.py``) against the
 same server with the same sizes, and stop the server. The cores each server's
 OpenMP threads ran on are read from its log (``cores.py``): a comparison whose
 configurations ran on different cores is marked as not comparable and exits 3.
-A configuration that fails to start (LMCache's ``LMCacheConnectorV1`` on a
-CPU-only machine) is reported with the error from its server log instead of
-being left out. Writes, under ``--out-dir``: per-configuration CSV and summary
-JSON, server logs, ``report.md`` (one comparison table) and two PNG plots.
+vLLM's own CPU offloading runs as three configurations: ``--kv-offloading-size``
+(``--kv-offloading-backend native``: vLLM picks the OffloadingConnector, or the
+SimpleCPUOffloadConnector with VLLM_USE_SIMPLE_KV_OFFLOAD=1) and each of those
+two connectors named in ``--kv-transfer-config``; all get ``--host-cache-size``
+of host RAM, as KVBM's host tier does. A configuration that fails to start (vLLM's
+offloading on the CPU build: CUDA/XPU only) is reported with the root-cause line
+of its server log instead of being left out, and the next one runs. Writes,
+under ``--out-dir``: per-configuration CSV and summary JSON, server logs,
+``report.md`` (one comparison table) and two PNG plots.
 """
 
 from __future__ import annotations
@@ -33,14 +38,22 @@ from pathlib import Path
 from vllm_kvbm.bench.client import (add_workload_args, format_summary, read_csv,
                                     run_workload, summarize, workload_size, write_csv)
 from vllm_kvbm.bench.cores import Binding, check_equal, fair_cpu_env, read_binding
-from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
+from vllm_kvbm.config import parse_size
+from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server, wait_port_free
 
 LMCACHE_CONFIG = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
-ALL_CONFIGS = ["vllm", "kvbm-host", "kvbm-host-disk", "lmcache"]
+# vLLM's own CPU offloading: the serve flag and the two connectors it can pick
+NATIVE_CONNECTORS = {"offloading-connector": "OffloadingConnector",
+                     "simple-cpu-offload": "SimpleCPUOffloadConnector"}
+ALL_CONFIGS = ["vllm", "kvbm-host", "kvbm-host-disk", "vllm-offload", *NATIVE_CONNECTORS,
+               "lmcache"]
 LABELS = {
     "vllm": "vLLM prefix caching",
     "kvbm-host": "vLLM + KVBM (host)",
     "kvbm-host-disk": "vLLM + KVBM (host+disk)",
+    "vllm-offload": "vLLM --kv-offloading-size (native)",
+    "offloading-connector": "vLLM + OffloadingConnector",
+    "simple-cpu-offload": "vLLM + SimpleCPUOffloadConnector",
     "lmcache": "vLLM + LMCacheConnectorV1",
 }
 METRICS = {
@@ -55,8 +68,9 @@ METRICS = {
 @dataclass
 class ConfigRun:
     name: str
-    status: str = "not run"          # ok | failed
+    status: str = "not run"          # ok | incomplete | failed | did not start
     error: str = ""
+    reason: str = ""                 # one line: why a server did not start
     log_errors: str = ""             # distinct error lines of a server that did run
     summary: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
@@ -81,7 +95,28 @@ def transfer_config(name: str, args, out_dir: Path) -> dict | None:
                                     disk_cache_size=args.disk_cache_size)
     if name == "lmcache":
         return dict(LMCACHE_CONFIG)
+    if name == "vllm-offload":
+        return None  # the serve flags below configure it
+    if name in NATIVE_CONNECTORS:
+        return {"kv_connector": NATIVE_CONNECTORS[name], "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes(args)}}
     raise ValueError(f"unknown configuration {name!r}; choose from {ALL_CONFIGS}")
+
+
+def offload_bytes(args) -> int:
+    """vLLM's offloading gets the host RAM KVBM's host tier gets (one engine,
+    one worker: vLLM's size is per engine, KVBM's per worker)."""
+    return parse_size("--host-cache-size", args.host_cache_size)
+
+
+def config_serve_args(name: str, args) -> list[str]:
+    """The serve arguments of one configuration: the common ones, and the
+    offloading flags for vllm-offload (in GiB, as vLLM reads them)."""
+    extra = []
+    if name == "vllm-offload":
+        extra = ["--kv-offloading-size", f"{offload_bytes(args) / (1 << 30):g}",
+                 "--kv-offloading-backend", "native"]
+    return serve_args(args) + extra
 
 
 def serve_args(args) -> list[str]:
@@ -111,6 +146,36 @@ def log_errors(path: Path, limit: int = 6, fallback: bool = True) -> str:
         if any(k in text for k in keys) and text not in seen:
             seen.append(text[:400])
     return "\n".join(seen[-limit:]) or ("\n".join(lines[-limit:]) if fallback else "")
+
+
+_LOG_PREFIX = re.compile(r"^(\([\w ]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+                         r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\]\s*)?")
+_RAISED = re.compile(r"^((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit)): (.+)")
+# vLLM's wrappers around a worker's or the engine core's exception: they name
+# no cause of their own
+_WRAPPERS = ("Worker failed with error", "Engine core initialization failed",
+             "See root cause above", "check the stack trace above")
+
+
+def startup_error(path: Path) -> str:
+    """The line of a server log that says why the server did not start: the
+    first exception raised that is not one of vLLM's wrappers around it
+    ('Exception: CPU Offloading is currently only supported on CUDA-alike and
+    XPU GPUs'), else the first wrapper, else ''."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    wrapped = ""
+    for line in lines:
+        text = _LOG_PREFIX.sub("", re.sub(r"\x1b\[[0-9;]*m", "", line)).strip()
+        m = _RAISED.match(text)
+        if not m:
+            continue
+        if not any(w in text for w in _WRAPPERS):
+            return text[:400]
+        wrapped = wrapped or text[:400]
+    return wrapped
 
 
 LMB_CLIENT = Path("synthetic-multi-round-qa") / "multi-round-qa.py"
@@ -181,10 +246,15 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
         done[0] += 1
         bar.update(1)
 
+    port = free_port()
+    started = False
     try:
-        with vllm_server(args.model, transfer_config(name, args, out_dir), serve_args(args),
+        with vllm_server(args.model, transfer_config(name, args, out_dir),
+                         config_serve_args(name, args),
                          env={"VLLM_LOGGING_LEVEL": "INFO", **args.cpu_env},
-                         log_path=log_path, startup_timeout=args.startup_timeout) as server:
+                         log_path=log_path, startup_timeout=args.startup_timeout,
+                         port=port) as server:
+            started = True
             run.binding = read_binding(log_path)
             server.stream_completion("warm up", max_tokens=2, timeout=120)
             before = {k: server.metric(m) for k, m in METRICS.items()}
@@ -212,9 +282,24 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
             run.error = f"{len(out.errors)} request(s) failed; first: {out.errors[0]}\n" \
                         f"server log:\n{log_errors(log_path)}"
     except Exception as err:  # noqa: BLE001 - reported in the table, the next config runs
-        run.status = "failed"
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        run.error = f"{type(err).__name__}: {first}\nserver log:\n{log_errors(log_path)}"
+        if not started:
+            run.status = "did not start"
+            cause = startup_error(log_path)
+            if isinstance(err, TimeoutError):
+                run.reason = (f"not ready after {args.startup_timeout:.0f} s "
+                              f"(--startup-timeout)" + (f"; {cause}" if cause else ""))
+            else:
+                run.reason = cause or first
+            run.error = f"{type(err).__name__}: {first}\nserver log: {log_path}"
+        else:
+            run.status = "failed"
+            run.error = f"{type(err).__name__}: {first}\nserver log:\n{log_errors(log_path)}"
+    # vllm_server has stopped the server and what it left; the next
+    # configuration must not find this one's port or memory taken
+    if not wait_port_free(port, timeout=30):
+        run.error += (f"\nport {port} still in use 30 s after the server was stopped "
+                      f"(a process of {log_path.name} is left: stop it before the next run)")
     if run.status == "ok" or (run.name == "lmcache" and run.results):
         run.log_errors = log_errors(log_path, limit=4, fallback=False)
         if name == "lmcache":  # LMCache logs its per-request lookup result
@@ -226,7 +311,7 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
     if run.results:
         write_csv(out_dir / f"{name}.csv", run.results)
     (out_dir / f"{name}.summary.json").write_text(json.dumps(
-        {"status": run.status, "error": run.error, "wall_s": run.wall_s,
+        {"status": run.status, "reason": run.reason, "error": run.error, "wall_s": run.wall_s,
          "cores": run.binding.describe() if run.binding else None,
          "counters": run.counters, **run.summary,
          "lmbenchmark": run.lmb_summary, "lmbenchmark_error": run.lmb_error}, indent=2))
@@ -239,7 +324,8 @@ def _ms(x: float) -> str:
 
 def unequal_cores(runs: list[ConfigRun]) -> str:
     """Why the runs that started a server are not comparable, or ''."""
-    started = {r.name: r.binding for r in runs if r.binding or r.results}
+    started = {r.name: r.binding for r in runs
+               if (r.binding or r.results) and r.status != "did not start"}
     return check_equal(started)
 
 
@@ -259,6 +345,12 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
               f"Model `{args.model}`; engine KV cache {args.engine_kv_blocks} blocks of "
               f"{args.block_size} tokens; serve args `{' '.join(serve_args(args))}`; every "
               f"server started with `{env}` on a {os.cpu_count()}-core machine.", ""]
+    native = [r.name for r in runs if r.name == "vllm-offload" or r.name in NATIVE_CONNECTORS]
+    if native:
+        size = offload_bytes(args)
+        lines += [f"vLLM's own offloading ({', '.join(native)}) gets {args.host_cache_size} of "
+                  f"host RAM: `{' '.join(config_serve_args('vllm-offload', args)[-4:])}`, or "
+                  f"`cpu_bytes_to_use: {size}` in the connector's kv_connector_extra_config.", ""]
     lines += ["| configuration | status | cores (server log) | requests | max in flight "
               "| TTFT mean ms | p50 | p90 | p99 | input tok/s | output tok/s "
               "| vLLM prefix hit rate | connector hit tokens |",
@@ -279,7 +371,8 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
                          f"{s['input_tokens_per_s']:.0f} | {s['output_tokens_per_s']:.1f} | "
                          f"{hit} | {kvbm} |")
         else:
-            lines.append(f"| {LABELS[r.name]} | failed: see below | {cores} | "
+            status = (f"does not start: {r.reason}" if r.reason else "failed: see below")
+            lines.append(f"| {LABELS[r.name]} | {status.replace('|', '/')} | {cores} | "
                          f"0/{workload_size(args)} | - | - | - | - | - "
                          f"| - | - | - | - |")
     rounds = sorted({q for r in runs for q in r.summary.get("ttft_mean_by_round_s", {})},
@@ -315,10 +408,15 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
             if r.lmb_error:
                 lines += ["", f"LMBenchmark against **{LABELS[r.name]}**:", "", "```",
                           r.lmb_error.strip(), "```"]
-    failed = [r for r in runs if r.error]
-    for r in failed:
-        lines += ["", f"**{LABELS[r.name]}** ({r.status}, after {r.wall_s:.0f} s):", "",
-                  "```", r.error.strip(), "```"]
+    for r in runs:
+        if r.reason:  # one line from the log, not its tracebacks
+            lines += ["", f"**{LABELS[r.name]}** did not start (after {r.wall_s:.0f} s); the "
+                      "cause in its server log:", "", "```", r.reason, "```", "",
+                      "; ".join(ln.split("; errors in ")[0]
+                                for ln in r.error.strip().splitlines()) + "."]
+        elif r.error:
+            lines += ["", f"**{LABELS[r.name]}** ({r.status}, after {r.wall_s:.0f} s):", "",
+                      "```", r.error.strip(), "```"]
     noisy = [r for r in runs if r.log_errors and not r.error]
     for r in noisy:
         lines += ["", f"Error lines in the server log of **{LABELS[r.name]}** "
@@ -391,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="engine KV cache in blocks: room for about three requests of the "
                    "default workload at once, not for every user's history")
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--host-cache-size", default="1GiB", help="KVBM host tier (kvbm-host)")
+    p.add_argument("--host-cache-size", default="1GiB",
+                   help="KVBM's host tier (kvbm-host) and vLLM's offloading buffer "
+                   "(vllm-offload, offloading-connector, simple-cpu-offload)")
     p.add_argument("--host-disk-host-blocks", type=int, default=24,
                    help="host tier blocks for kvbm-host-disk (smaller than the working set)")
     p.add_argument("--disk-cache-size", default="2GiB")
@@ -444,7 +544,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.configs:
             runs.append(run_config(name, args, tokenizer, out_dir, bar))
             r = runs[-1]
-            msg = format_summary(r.summary) if r.summary else r.error.splitlines()[0]
+            msg = (format_summary(r.summary) if r.summary else
+                   r.reason or r.error.splitlines()[0])
             cores = r.binding.describe() if r.binding else "cores unknown"
             bar.write(f"{name}: {r.status} in {r.wall_s:.0f} s on {cores}; {msg}")
             if r.lmb_summary or r.lmb_error:

@@ -90,8 +90,8 @@ class Server:
 def vllm_server(model: str, kv_transfer_config: dict | None = None,
                 extra_args: list[str] | None = None, env: dict | None = None,
                 log_path: str | os.PathLike | None = None,
-                startup_timeout: float = 600) -> Iterator[Server]:
-    port = free_port()
+                startup_timeout: float = 600, port: int | None = None) -> Iterator[Server]:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
            "--host", "127.0.0.1", "--port", str(port), *(extra_args or [])]
     if kv_transfer_config is not None:
@@ -131,17 +131,72 @@ def wait_for_http(url: str, proc: subprocess.Popen, timeout: float, what: str,
 
 
 def _stop(proc: subprocess.Popen, grace: float = 30) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGINT)
-        proc.wait(timeout=grace)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
+    if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=30)
+    # a server that exited on its own (a failed start) may leave engine-core or
+    # worker children in its session, holding memory and ports
+    _kill_group(proc.pid)
+
+
+def _kill_group(pgid: int, grace: float = 5, timeout: float = 10) -> None:
+    """Gives what is left of a process group ``grace`` seconds to exit (it got
+    the leader's SIGINT), then SIGKILLs it and waits (bounded) until none of it
+    runs; zombies count as gone (whoever adopted them reaps them)."""
+    deadline = time.monotonic() + grace
+    while group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    deadline = time.monotonic() + timeout
+    while group_alive(pgid) and time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group pgid is still running (not a zombie)."""
+    try:
+        pids = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when nothing listens on host:port (a stopped server's port)."""
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex((host, port)) != 0
+
+
+def wait_port_free(port: int, timeout: float = 30, host: str = "127.0.0.1") -> bool:
+    deadline = time.monotonic() + timeout
+    while not port_free(port, host):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
 
 
 def _errors(path: Path, limit: int = 12) -> str:
