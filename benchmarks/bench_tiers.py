@@ -55,21 +55,21 @@ def settle(llm, host_blocks: int, rng: random.Random) -> None:
     llm.reset_prefix_cache()
 
 
-def tier_bandwidth(store, block_bytes: int, pages: int = 32, rounds: int = 3) -> float:
+def tier_bandwidth(store, page_bytes: int, pages: int = 32, rounds: int = 3) -> float:
     """GB/s of get_into over ``pages`` stored pages, best of ``rounds``."""
     import torch
 
     keys = [os.urandom(32) for _ in range(pages)]
-    page = torch.randint(0, 255, (block_bytes,), dtype=torch.uint8)
+    page = torch.randint(0, 255, (page_bytes,), dtype=torch.uint8)
     for key in keys:
         store.put(key, page)
     time.sleep(1.0)  # writes behind the put (the lm:// store) land
-    out = torch.empty(block_bytes, dtype=torch.uint8)
+    out = torch.empty(page_bytes, dtype=torch.uint8)
     best = 0.0
     for _ in range(rounds):
         start = time.perf_counter()
         ok = sum(store.get_into(key, out) == "ok" for key in keys)
-        best = max(best, ok * block_bytes / (time.perf_counter() - start) / 1e9)
+        best = max(best, ok * page_bytes / (time.perf_counter() - start) / 1e9)
     return best
 
 
@@ -128,7 +128,6 @@ def redis_bandwidth(url: str, page_bytes: int, total_bytes: int = 64 << 20,
             stored = [raw.get(name) for name in names]  # the exact bytes KVBM stored
             timed("raw set", lambda: [raw.set(b"raw:" + name.encode(), v)
                                       for name, v in zip(names, stored)])
-            del stored
             timed("kvbm get", lambda: all(store.get_into(k, out) == "ok" for k in keys)
                   or _fail("get"))
             timed("raw get", lambda: all(raw.get(name) is not None for name in names))

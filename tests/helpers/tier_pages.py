@@ -11,8 +11,8 @@ BIG = 2 * MiB          # the production page size
 SMALL = 64 * 1024 + 7  # odd, not 4 KiB aligned
 
 
-def phys(block_bytes: int) -> int:
-    return disk_page_bytes(block_bytes)
+def phys(page_bytes: int) -> int:
+    return disk_page_bytes(page_bytes)
 
 
 def page(seed: int, n: int) -> torch.Tensor:
@@ -30,9 +30,9 @@ def put_where_the_scheduler_sees(store, scheduler_side, keys, tier: str = "disk"
     waits until the scheduler's view of that tier finds every one."""
     import time
 
-    page_bytes = torch.zeros(scheduler_side.info.block_bytes, dtype=torch.uint8)
+    zeros = torch.zeros(scheduler_side.info.block_bytes, dtype=torch.uint8)
     for key in keys:
-        assert store.put(key, page_bytes)
+        assert store.put(key, zeros)
     deadline = time.monotonic() + timeout
     while not all(tier_of(scheduler_side.lower, key) == tier for key in keys):
         assert time.monotonic() < deadline, f"{tier} writes never became visible"
