@@ -64,8 +64,8 @@ BlockKey = PageKey
 # Tag of the keys derived from vLLM's block hashes (VllmHashKeys): part of D,
 # so they are apart from every other derivation's.
 VLLM_HASH_KEYS_TAG = f"kvbm-v{FORMAT_VERSION}-vllm-block-hash-keys"
-# Below this many blocks, XORing each hash as a Python int beats numpy's
-# fixed cost (measured: equal at about 12 blocks).
+# Below this many keys, XORing each hash as a Python int beats numpy's
+# fixed cost (the two cost the same at about 12 keys).
 _NUMPY_XOR_MIN = 12
 
 

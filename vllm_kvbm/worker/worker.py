@@ -356,8 +356,8 @@ class KVBMWorker:
         """A transfer still running after the timeout.
 
         NIXL cannot be trusted to cancel it: releasing a running UCX transfer
-        returned success here and then crashed UCX at close (an arbiter
-        assertion), so the handle is kept and polled until NIXL ends it.
+        returns success and then crashes UCX at close (an arbiter assertion),
+        so the handle is kept and polled until NIXL ends it.
         Meanwhile nothing it may still write is handed out: a store is
         reported failed (the blocks are not cached, and vLLM may free or reuse
         the engine blocks it reads) and its host slots are held back from the
