@@ -47,7 +47,7 @@ passed.
 from __future__ import annotations
 
 import argparse
-import ctypes
+import ctypes.util
 import glob
 import json
 import os
@@ -416,8 +416,6 @@ def run_pages(args, device: torch.device, report: Report, name: str = "pages",
 def find_cufile() -> str | None:
     """Path of cuFile's library (libcufile.so.0): the system's, or the one the
     nvidia-cufile wheel beside PyTorch carries; None where there is none."""
-    import ctypes.util
-
     found = ctypes.util.find_library("cufile")
     candidates = [found] if found else []
     for base in sys.path:

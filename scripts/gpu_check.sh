@@ -27,8 +27,8 @@ on_device() {
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     # cuFile and the CUDA runtime for NIXL's GDS plugin (the nvidia-* wheels beside PyTorch)
     libs="$(python3 -c 'import glob, os, sys
-dirs = {os.path.dirname(p) for b in sys.path for p in glob.glob(os.path.join(b, "nvidia", "*", "lib", "lib*.so*"))}
-print(":".join(sorted(dirs)))')"
+libs = [glob.glob(os.path.join(b, "nvidia", "*", "lib", "lib*.so*")) for b in sys.path]
+print(":".join(sorted({os.path.dirname(p) for found in libs for p in found})))')"
     export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     set +x
     timeout "$CHECK_TIMEOUT_S" python3 benchmarks/gpu_check.py --gds-dir . "$@"

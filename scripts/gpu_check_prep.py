@@ -167,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "strip":
         kept, dropped = strip_wheel(args.src, args.dst)
+        mib = (args.src.stat().st_size / 2**20, args.dst.stat().st_size / 2**20)
         print(f"{args.dst.name}: kept {kept} files, dropped {dropped}; "
-              f"{args.src.stat().st_size / 2**20:.1f} MiB -> {args.dst.stat().st_size / 2**20:.1f} MiB")
+              f"{mib[0]:.1f} MiB -> {mib[1]:.1f} MiB")
         return 0
     sizes = carried_bytes(args.repo, args.carry)
     parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items() if k != "total")
