@@ -26,7 +26,7 @@ COUNTERS = {
     "onboard_blocks_h2d": "Blocks onboarded from the host tier into the engine's KV cache",
     "offload_bytes_d2h": "Bytes offloaded from the engine's KV cache to the host tier",
     "onboard_bytes_h2d": "Bytes onboarded from the host tier into the engine's KV cache",
-    "host_evictions": "Host-tier blocks evicted (least recently used) to make room",
+    "host_evictions": "Host-tier pages (slots) evicted (least recently used) to make room",
     "store_skipped_blocks": "Blocks not offloaded because every host slot was in use by transfers",
     "store_errors": "Offload transfers that failed (their blocks were not cached)",
     "load_error_blocks": "Blocks whose onboarding failed and were recomputed by vLLM",
