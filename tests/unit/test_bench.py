@@ -159,6 +159,13 @@ def test_compare_report_prints_why_a_configuration_did_not_start(tmp_path):
     assert "did not start (after 61 s)" in text and f"server log: {log}." in text
     assert "`--kv-offloading-size 1 --kv-offloading-backend native`" in text
     assert "Traceback" not in text and "Worker failed" not in text
+    # a server that ran while its connector logged errors says so in its row
+    runs.append(ConfigRun("lmcache", "ok", summary=summarize(rows), results=rows,
+                          counters={"lmcache_hit_tokens": 0},
+                          log_errors="RuntimeError: No supported cpu connector found."))
+    text = report(runs, args, "kvbm-bench compare")
+    assert "| vLLM + LMCacheConnectorV1 | ok, errors in its log (below) | - | 2/2 |" in text
+    assert "RuntimeError: No supported cpu connector found." in text
 
 
 def test_a_failed_start_leaves_no_process_and_frees_its_port():

@@ -364,7 +364,11 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
             kvbm = (f"host {c['kvbm_host_tokens']:.0f}, disk {c['kvbm_disk_tokens']:.0f}"
                     if r.name.startswith("kvbm") else
                     f"{c['lmcache_hit_tokens']}" if "lmcache_hit_tokens" in c else "-")
-            lines.append(f"| {LABELS[r.name]} | {r.status} | {cores} | {s['requests']}/"
+            # a server that ran while its connector logged errors (LMCache's
+            # manager not initialized on the CPU build): its figures are not the
+            # connector's
+            status = f"{r.status}, errors in its log (below)" if r.log_errors else r.status
+            lines.append(f"| {LABELS[r.name]} | {status} | {cores} | {s['requests']}/"
                          f"{workload_size(args)} | {s.get('max_in_flight', '-')} | "
                          f"{_ms(s['ttft_mean_s'])} | {_ms(s['ttft_p50_s'])} | "
                          f"{_ms(s['ttft_p90_s'])} | {_ms(s['ttft_p99_s'])} | "
