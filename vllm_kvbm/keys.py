@@ -57,9 +57,6 @@ import numpy as np
 FORMAT_VERSION = 3
 
 PageKey = bytes  # 32 bytes: a page's name (README "Words")
-# The former name, still imported by scheduler/lookups.py and tier_policy.py
-# (moving with the tiers); new code uses PageKey.
-BlockKey = PageKey
 
 # Tag of the keys derived from vLLM's block hashes (VllmHashKeys): part of D,
 # so they are apart from every other derivation's.
