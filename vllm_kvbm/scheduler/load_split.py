@@ -82,6 +82,10 @@ class PrefillModel:
                     + 2 * a * b * self._s12 + b * b * self._s22)
         return min(candidates, key=residual)
 
+    def seconds(self, start: int, tokens: int) -> float:
+        """Time to compute ``tokens`` tokens after ``start`` cached ones."""
+        return tokens * (self.a + self.b * (2.0 * start + tokens) / 2.0)
+
     def block_seconds(self, block: int, block_size: int) -> float:
         """Time to recompute block ``block`` (tokens block*B .. (block+1)*B)."""
         return block_size * (self.a + self.b * block_size * (block + 0.5))
@@ -129,6 +133,16 @@ class LoadSplit:
         return est.seconds if est is not None else 0.0
 
     # ---- deciding ---------------------------------------------------------
+
+    def wait_bound(self, start: int, count: int) -> float | None:
+        """How long a request may wait for the lower tiers' answer about
+        blocks ``start .. start+count``: what recomputing them costs, the most
+        the answer could save. None when the split is off or the prefill cost
+        is not known yet (then it waits for the answer, bounded by the tiers'
+        own timeouts)."""
+        if not self.enabled or self.prefill.samples < 2:
+            return None
+        return self.prefill.seconds(start * self.block_size, count * self.block_size)
 
     def cut(self, sources: list[str], start: int) -> int:
         """How many of the found blocks (``sources[i]`` holds block

@@ -55,6 +55,9 @@ class BackgroundLookups:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._checked: list[tuple[list[PageKey], set[PageKey]]] = []
         self.checks_pending = 0  # disk checks queued or being answered
+        # (start, first key) -> (keys asked, run, answered at) of answers that
+        # came after their request went on (``went_on``), newest last
+        self._late: dict[tuple[int, PageKey], tuple[list[PageKey], list[str], float]] = {}
         self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
@@ -76,8 +79,41 @@ class BackgroundLookups:
                     self._queue.put((req_id, q, keys[q.start:q.start + q.count]))
                 return q.run, start - q.start
             q = self._entries[req_id] = _Question(start, keys[start], end - start)
+            late = self._late_answer(keys, start, end)
+            if late is not None:
+                # Another request went on without this answer: it serves at
+                # once, and is asked again (it is old) at the next ask.
+                q.run, q.answered_at = late
+                q.asking = False
+                return q.run, 0
         self._queue.put((req_id, q, keys[start:end]))
         return None
+
+    def went_on(self, req_id: str) -> None:
+        """The request went on without its answer (it waited as long as the
+        answer could save): the answer, when it comes, serves later requests
+        with the same pages (``_late_answer``)."""
+        with self._lock:
+            q = self._entries.get(req_id)
+            if q is not None:
+                q.abandoned = True
+
+    def _late_answer(self, keys: list[PageKey], start: int,
+                     end: int) -> tuple[list[str], float] | None:
+        """A recent answer to a question some request went on without, if it
+        asked about the same pages: the same start page (so the same prefix)
+        and the same keys as far as its run and the page after it."""
+        hit = self._late.get((start, keys[start]))
+        if hit is None:
+            return None
+        asked, run, answered_at = hit
+        if time.monotonic() - answered_at > LATE_ANSWER_S:
+            del self._late[(start, keys[start])]
+            return None
+        m = min(len(run) + 1, len(asked), end - start)
+        if keys[start:start + m] != asked[:m]:
+            return None
+        return run, answered_at
 
     def forget(self, req_id: str) -> None:
         with self._lock:
@@ -122,10 +158,19 @@ class BackgroundLookups:
                 run = []
             with self._lock:
                 q.run, q.answered_at, q.asking = run, time.monotonic(), False
+                if q.abandoned:
+                    self._late.pop((q.start, q.first), None)
+                    self._late[(q.start, q.first)] = (keys, run, q.answered_at)
+                    while len(self._late) > LATE_ANSWERS:
+                        del self._late[next(iter(self._late))]
 
 
 # An answer this old is asked again (and serves until the new one is in).
 REFRESH_S = 0.5
+# An answer that came after its request went on serves requests asking about
+# the same pages this long, at most LATE_ANSWERS such answers at a time.
+LATE_ANSWER_S = 10.0
+LATE_ANSWERS = 64
 
 
 @dataclass
@@ -136,6 +181,7 @@ class _Question:
     run: list[str] | None = None  # None: not answered yet
     answered_at: float = 0.0
     asking: bool = True  # queued or being answered
+    abandoned: bool = False  # its request went on without it
 
 
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:

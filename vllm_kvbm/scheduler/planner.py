@@ -71,6 +71,8 @@ class _Lookup:
     # fail, look up forever; a preemption frees its KV, and one more load may pay)
     recompute_only: bool = False
     failed_at_preemption: int = 0  # request.num_preemptions when its load failed
+    # when it first waited for the lower tiers' answer (None: not waiting)
+    waiting_since: float | None = None
 
 
 @dataclass
@@ -319,7 +321,13 @@ class KVBMScheduler:
             state.chain.extend_to(state.request.all_token_ids, i + n)
         answer = self._background.ask(state.request.request_id, keys, i, i + n)
         if answer is None:
+            if self._waited_enough(state, i, n):
+                # Goes on with what is known: the host part; the answer,
+                # when it comes, serves later requests (BackgroundLookups).
+                self._background.went_on(state.request.request_id)
+                return sources
             return None  # asked: vLLM asks again next step
+        state.lookup.waiting_since = None
         lower, offset = answer
         for j in range(i, i + n):
             key = keys[j]
@@ -333,6 +341,18 @@ class KVBMScheduler:
             sources.append(lower[offset + j - i])
         return sources
 
+    def _waited_enough(self, state: _ReqState, i: int, n: int) -> bool:
+        """Whether the request has waited for the lower tiers' answer about
+        pages [i, i+n) as long as that answer could save it (recomputing
+        those pages). The wait counts from the request's own first ask, so
+        requests held by one slow answer leave at their own times, not
+        together when it comes."""
+        now = self.split.clock()
+        if state.lookup.waiting_since is None:
+            state.lookup.waiting_since = now
+        bound = self.split.wait_bound(i, n)
+        return bound is not None and now - state.lookup.waiting_since >= bound
+
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
         state = self._reqs.get(request.request_id)
@@ -340,6 +360,7 @@ class KVBMScheduler:
             return
         if self._background is not None:
             self._background.forget(request.request_id)  # admitted: the answer is used
+        state.lookup.waiting_since = None
         g, local = self.page_blocks, state.lookup.local_hit_blocks
         start, skip = local // g, local % g
         count = (skip * self.block_size + num_external_tokens) // self.page_tokens  # pages
