@@ -481,6 +481,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
     finally:
         attacker.llm_engine.engine_core.shutdown()
 
+    before = set(d.glob("*.pt"))  # the planted pages and the attacker's fillers
     engine = make_llm(config(page_secret_file=str(secret_file)))
     try:
         auth, checksum = kvbm_counter("page_auth_failures"), kvbm_counter("checksum_failures")
@@ -494,7 +495,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
 
         # Computed and written, sealed, under names of its own.
         settle(engine)
-        sealed = sorted(set(d.glob("*.pt")) - set(pages) - set(donors))
+        sealed = sorted(set(d.glob("*.pt")) - before)
         assert len(sealed) == n_pages and all(_flags(p) & pf._FLAG_SEALED for p in sealed)
 
         # Its own pages come back from disk, equal to a plain engine's recompute.
