@@ -191,7 +191,10 @@ def test_may_load_async_guesses_from_the_first_block(tmp_path):
         disk.close()
     connector = sched.connector
     assert connector.may_load_async(make_request(stored + [5, 6]))
-    assert connector.may_load_async(make_request(on_disk))
+    # A page only a lower tier holds: the lookup thread is asked (no stat on
+    # vLLM's thread), and the guess is True once it answered.
+    queued = make_request(on_disk)
+    _wait_until(lambda: connector.may_load_async(queued), "the disk page never guessed")
     assert not connector.may_load_async(make_request(tokens(2 * BLOCK + 1, 27)))
     assert not connector.may_load_async(make_request(stored[:BLOCK]))  # no full block to load
 
