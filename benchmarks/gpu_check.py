@@ -302,25 +302,7 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
                      f"{waited * 1e3:.0f} ms")
 
         # 3. bandwidth through the worker against PyTorch's pinned copy_
-        off_s = on_s = float("inf")
-        for _ in range(args.repeats):
-            sync(device)
-            t = time.perf_counter()
-            job = wk.store(blocks, slots)
-            wk.until(lambda: wk.done[job] or wk.failed[job])
-            off_s = min(off_s, time.perf_counter() - t)
-            t = time.perf_counter()
-            req = wk.load(others, slots)
-            wk.until(lambda: req in wk.recving)
-            on_s = min(on_s, time.perf_counter() - t)
-        ref_off, ref_on = torch_copy_seconds(n * bb, device, args.repeats)
-        nbytes = n * bb
-        report.info(name, "offload d2h GB/s (KVBM / torch copy_)",
-                    f"{nbytes / off_s / 1e9:.1f} / {nbytes / ref_off / 1e9:.1f} "
-                    f"({ref_off / off_s:.0%} of torch)")
-        report.info(name, "onboard h2d GB/s (KVBM / torch copy_)",
-                    f"{nbytes / on_s / 1e9:.1f} / {nbytes / ref_on / 1e9:.1f} "
-                    f"({ref_on / on_s:.0%} of torch)")
+        report_bandwidth(report, name, wk, blocks, others, slots, n * bb, device, args.repeats)
         report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()
@@ -388,25 +370,8 @@ def run_pages(args, device: torch.device, report: Report, name: str = "pages",
                      f"{len(dst) - 1} blocks loaded, 1 skipped; failed: {dict(wk.failed)}")
         del kv_cpu, expected, kv_before
 
-        off_s = on_s = float("inf")
-        for _ in range(args.repeats):
-            sync(device)
-            t = time.perf_counter()
-            job = wk.store(src, slots)
-            wk.until(lambda: wk.done[job] or wk.failed[job])
-            off_s = min(off_s, time.perf_counter() - t)
-            t = time.perf_counter()
-            req = wk.load(dst, slots)
-            wk.until(lambda: req in wk.recving)
-            on_s = min(on_s, time.perf_counter() - t)
-        nbytes = n * geo.page_bytes
-        ref_off, ref_on = torch_copy_seconds(nbytes, device, args.repeats)
-        report.info(name, "offload d2h GB/s (KVBM / torch copy_)",
-                    f"{nbytes / off_s / 1e9:.1f} / {nbytes / ref_off / 1e9:.1f} "
-                    f"({ref_off / off_s:.0%} of torch)")
-        report.info(name, "onboard h2d GB/s (KVBM / torch copy_)",
-                    f"{nbytes / on_s / 1e9:.1f} / {nbytes / ref_on / 1e9:.1f} "
-                    f"({ref_on / on_s:.0%} of torch)")
+        report_bandwidth(report, name, wk, src, dst, slots, n * geo.page_bytes, device,
+                         args.repeats)
         report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()
@@ -600,6 +565,30 @@ def run_gds(args, device: torch.device, report: Report) -> None:
         for f in glob.glob(os.path.join(work, "*")):
             os.unlink(f)
         os.rmdir(work)
+
+
+def report_bandwidth(report, name: str, wk, src: list[int], dst: list[int], slots: list[int],
+                     nbytes: int, device: torch.device, repeats: int) -> None:
+    """Offload ``src`` into ``slots`` and onboard them into ``dst``, best of
+    ``repeats``, against PyTorch's pinned copy_ of as many bytes."""
+    off_s = on_s = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        job = wk.store(src, slots)
+        wk.until(lambda: wk.done[job] or wk.failed[job])
+        off_s = min(off_s, time.perf_counter() - t)
+        t = time.perf_counter()
+        req = wk.load(dst, slots)
+        wk.until(lambda: req in wk.recving)
+        on_s = min(on_s, time.perf_counter() - t)
+    ref_off, ref_on = torch_copy_seconds(nbytes, device, repeats)
+    report.info(name, "offload d2h GB/s (KVBM / torch copy_)",
+                f"{nbytes / off_s / 1e9:.1f} / {nbytes / ref_off / 1e9:.1f} "
+                f"({ref_off / off_s:.0%} of torch)")
+    report.info(name, "onboard h2d GB/s (KVBM / torch copy_)",
+                f"{nbytes / on_s / 1e9:.1f} / {nbytes / ref_on / 1e9:.1f} "
+                f"({ref_on / on_s:.0%} of torch)")
 
 
 def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple[float, float]:

@@ -24,7 +24,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
 from test_remote_store import raw_get, raw_put  # noqa: E402
-from helpers.tier_pages import SMALL, key, page, tier_of  # noqa: E402
+from helpers.tier_pages import SMALL, key, page, restamp, tier_of  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError, load_config  # noqa: E402
 from vllm_kvbm.config.secrets import MIN_PAGE_SECRET_BYTES, Secret  # noqa: E402
 from vllm_kvbm.tiers import page_format as pf  # noqa: E402
@@ -40,22 +40,6 @@ NS = "model-a|float32|layout"
 def _header_fields(buf: bytes) -> list:
     return list(pf._HDR.unpack(buf[:HEADER_BYTES]))
 
-
-def restamp(data: bytes, *, payload: bytes | None = None, flags=None, mac_alg=None, mac=None,
-            ns8=None, key_field=None) -> bytes:
-    """``data`` (a stored page) with some header fields or the payload replaced
-    and the CRC recomputed (over the header before the seal field, the
-    payload, then the seal field), so it passes every integrity check."""
-    f = _header_fields(data)  # magic, version, alg, flags, mac_alg, plen, ns8, key, mac, crc
-    for i, v in ((3, flags), (4, mac_alg), (6, ns8), (7, key_field), (8, mac)):
-        if v is not None:
-            f[i] = v
-    body = data[HEADER_BYTES:] if payload is None else payload
-    prefix = pf._HDR.pack(*f[:9], 0)[:pf._MAC_OFF]
-    crc = pf._Crc(f[2], prefix)
-    crc.update(memoryview(body))
-    crc.update(f[8])
-    return prefix + f[8] + struct.pack("<I", crc.value) + body
 
 
 def encoded(codec: PageCodec, k: bytes, p: torch.Tensor) -> bytes:

@@ -15,7 +15,7 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from helpers.tier_pages import SMALL, page  # noqa: E402
+from helpers.tier_pages import SMALL, leaks, page  # noqa: E402
 from test_redis_store import PASSWORD, RedisServer  # noqa: E402
 from test_remote_store import raw_get, raw_put  # noqa: E402
 from vllm_kvbm.config import parse_remote_url  # noqa: E402
@@ -24,18 +24,9 @@ from vllm_kvbm.tiers.page_format import page_name  # noqa: E402
 
 SECRET = b"kvbm-test-deployment-secret-0001"
 NS = "model-a|float32|layout"
-SAMPLE = 48
 
 
-def leaks(stored: bytes, k: bytes, p: torch.Tensor) -> list[str]:
-    raw = p.numpy().tobytes()
-    found = [f"payload@{off}" for off in range(0, len(raw) - SAMPLE, len(raw) // 16)
-             if raw[off:off + SAMPLE] in stored]
-    for what, needle in (("key", k), ("key hex", k.hex().encode()),
-                         ("key int hex", f"{int.from_bytes(k, 'big'):x}".encode())):
-        if needle in stored:
-            found.append(what)
-    return found
+
 
 
 @pytest.fixture

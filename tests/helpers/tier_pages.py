@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
-from vllm_kvbm.tiers.page_format import disk_page_bytes
+from vllm_kvbm.tiers import page_format as pf
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_bytes
 
 MiB = 1024 * 1024
 BIG = 2 * MiB          # the production page size
@@ -43,3 +46,36 @@ def tier_of(lower, key: bytes):
     """The lower tier that holds ``key`` (the first in lookup order), or None."""
     run = lower.find_run([key])
     return run[0] if run else None
+
+
+def restamp(data: bytes, *, payload: bytes | None = None, flags=None, mac_alg=None, mac=None,
+            ns8=None, key_field=None) -> bytes:
+    """``data`` (a stored page) with some header fields or the payload replaced
+    and the CRC recomputed (over the header before the seal field, the
+    payload, then the seal field), so it passes every integrity check."""
+    # magic, version, alg, flags, mac_alg, plen, ns8, key, mac, crc
+    f = list(pf._HDR.unpack(data[:HEADER_BYTES]))
+    for i, v in ((3, flags), (4, mac_alg), (6, ns8), (7, key_field), (8, mac)):
+        if v is not None:
+            f[i] = v
+    body = data[HEADER_BYTES:] if payload is None else payload
+    prefix = pf._HDR.pack(*f[:9], 0)[:pf._MAC_OFF]
+    crc = pf._Crc(f[2], prefix)
+    crc.update(memoryview(body))
+    crc.update(f[8])
+    return prefix + f[8] + struct.pack("<I", crc.value) + body
+
+
+LEAK_SAMPLE = 48  # bytes of a payload searched for, at 16 places
+
+
+def leaks(stored: bytes, k: bytes, p: torch.Tensor) -> list[str]:
+    """What of the key and the KV bytes ``p`` can be found in ``stored``."""
+    raw = p.numpy().tobytes()
+    found = [f"payload@{off}" for off in range(0, len(raw) - LEAK_SAMPLE, len(raw) // 16)
+             if raw[off:off + LEAK_SAMPLE] in stored]
+    for what, needle in (("key", k), ("key hex", k.hex().encode()),
+                         ("key int hex", f"{int.from_bytes(k, 'big'):x}".encode())):
+        if needle in stored:
+            found.append(what)
+    return found

@@ -16,14 +16,13 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from helpers.tier_pages import SMALL, key, page  # noqa: E402
+from helpers.tier_pages import SMALL, key, leaks, page, restamp  # noqa: E402
 from vllm_kvbm.tiers import page_format as pf  # noqa: E402
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, page_name  # noqa: E402
 
 SECRET = b"kvbm-test-deployment-secret-0001"
 OTHER = b"another-deployment-secret-000002"
 NS = "model-a|float32|layout"
-SAMPLE = 48  # bytes of the payload looked for in stored bytes
 
 
 def encoded(codec: PageCodec, k: bytes, p: torch.Tensor) -> bytes:
@@ -37,30 +36,10 @@ def decode(codec: PageCodec, data: bytes, k: bytes) -> tuple[str, torch.Tensor]:
     return codec.decode_into(torch.frombuffer(bytearray(data), dtype=torch.uint8), k, out), out
 
 
-def leaks(stored: bytes, k: bytes, p: torch.Tensor) -> list[str]:
-    """What of the key and the KV bytes can be found in ``stored``."""
-    raw = p.numpy().tobytes()
-    found = [f"payload@{off}" for off in range(0, len(raw) - SAMPLE, len(raw) // 16)
-             if raw[off:off + SAMPLE] in stored]
-    for what, needle in (("key", k), ("key hex", k.hex().encode()),
-                         ("key int hex", f"{int.from_bytes(k, 'big'):x}".encode())):
-        if needle in stored:
-            found.append(what)
-    return found
 
 
-def restamp(data: bytes, *, payload: bytes | None = None, ns8: bytes | None = None) -> bytes:
-    """``data`` with its payload or header hash replaced and its CRC made valid
-    again (v3 order: header before the seal field, payload, seal field)."""
-    f = list(pf._HDR.unpack(data[:HEADER_BYTES]))
-    if ns8 is not None:
-        f[6] = ns8
-    body = data[HEADER_BYTES:] if payload is None else payload
-    prefix = pf._HDR.pack(*f[:9], 0)[:pf._MAC_OFF]
-    crc = pf._Crc(f[2], prefix)
-    crc.update(memoryview(body))
-    crc.update(f[8])
-    return prefix + f[8] + struct.pack("<I", crc.value) + body
+
+
 
 
 def v2_page(ns: str, block: int, k: bytes, p: torch.Tensor, flags: int = 0) -> bytes:
