@@ -53,6 +53,10 @@ class TransferJob:
     # (or, with slot STREAM, through the worker's staging slots), as (index
     # into slots, tier name, page key).
     fetch: list[tuple[int, str, bytes]] = field(default_factory=list)
+    # Loads only: seconds recomputing pages i.. of the job costs, for each i
+    # (empty: not known). A fetch whose progress says it ends later than that
+    # is cut at the pages landed (tier_io.py).
+    recompute_s: list[float] = field(default_factory=list)
 
     @property
     def page_blocks(self) -> int:
@@ -139,6 +143,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     transfers_overdue: int = 0
     slots_held: Counter = field(default_factory=Counter)
     slots_released: Counter = field(default_factory=Counter)
+    # (req id, pages landed) of loads cut for running late, per worker: the
+    # pages from there on are load errors, recomputed by vLLM
+    loads_cut: list[tuple[str, int]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":
         assert isinstance(other, KVBMWorkerMetadata)
@@ -158,9 +165,11 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             transfers_overdue=self.transfers_overdue + other.transfers_overdue,
             slots_held=self.slots_held + other.slots_held,
             slots_released=self.slots_released + other.slots_released,
+            loads_cut=self.loads_cut + other.loads_cut,
         )
 
     def is_empty(self) -> bool:
         return not (self.stores_done or self.stores_failed or self.loads_failed
                     or self.spills_done or self.tier_events or self.transfers_overdue
-                    or self.slots_held or self.slots_released or self.removed_pages)
+                    or self.slots_held or self.slots_released or self.removed_pages
+                    or self.loads_cut)

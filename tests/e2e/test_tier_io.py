@@ -31,7 +31,7 @@ def fetch_one(io: TierIO, tier: str, k: bytes, pool: torch.Tensor, slot: int, me
     while True:
         ready = io.poll(meta)
         if ready:
-            [(_, ok, _)] = ready
+            [(_, ok, _, _)] = ready
             return ok
         assert time.monotonic() < deadline, "the fetch never finished"
         time.sleep(0.001)

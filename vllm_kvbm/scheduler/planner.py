@@ -94,6 +94,11 @@ class _Load:
     started: float = 0.0
     tier_pages: Counter | None = None
     block_count: int = 0
+    # the load's pages (keys and tiers), and how many landed when a worker
+    # cut it for running late (None: not cut; with TP, the fewest of any rank)
+    page_keys: list[PageKey] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    cut: int | None = None
 
     def in_flight(self) -> bool:
         return bool(self.keys or self.promoted or self.streamed)
@@ -393,11 +398,26 @@ class KVBMScheduler:
             job.slots.append(slot)
             job.fetch.append((i, src, key))
         state.load.keys = host_keys
+        state.load.page_keys, state.load.sources = keys, sources
+        if job.fetch and not state.load.streamed:
+            job.recompute_s = self._recompute_seconds(start, count)
         state.load.started, state.load.tier_pages = self.split.clock(), Counter(sources)
         state.load.block_count = count * g - skip
         # The loaded pages are in the host tier now: never store them again.
         state.store.cursor = max(state.store.cursor, start + count)
         self._loads.append(job)
+
+    def _recompute_seconds(self, start: int, count: int) -> list[float]:
+        """For each page i of pages [start, start+count): what recomputing
+        pages i.. costs (empty while the prefill cost is not known): a worker
+        cuts a fetch running later than that (tier_io.py)."""
+        if not self.split.enabled or self.split.prefill.samples < 2:
+            return []
+        left, total = [], 0.0
+        for page in range(start + count - 1, start - 1, -1):
+            total += self.split.prefill.block_seconds(page, self.page_tokens)
+            left.append(total)
+        return left[::-1]
 
     def _count_lookup(self, state: _ReqState, hit_tokens: int) -> None:
         """Counts a lookup once, when vLLM admits the request with its result.
@@ -624,6 +644,11 @@ class KVBMScheduler:
                 state = self._reqs.get(req_id)
                 if state is not None:
                     state.load.failed = True
+            for req_id, landed in meta.loads_cut:
+                state = self._reqs.get(req_id)
+                if state is not None:
+                    cut = state.load.cut
+                    state.load.cut = landed if cut is None else min(cut, landed)
         for req_id in output.finished_recving or ():
             state = self._reqs.get(req_id)
             if state is None or not state.load.in_flight():
@@ -633,7 +658,10 @@ class KVBMScheduler:
             streamed, state.load.streamed = state.load.streamed, []
             self.host.unpin(keys)
             failed, state.load.failed = state.load.failed, False
-            if failed:
+            cut, state.load.cut = state.load.cut, None
+            if cut is not None and not failed:
+                self._finish_cut_load(state, keys, promoted, cut)
+            elif failed:
                 # The bytes may be bad: forget them rather than serve them again.
                 for key in keys + [k for k, _ in promoted]:
                     self.host.drop(key)
@@ -657,6 +685,40 @@ class KVBMScheduler:
         self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
         self._evictions_seen = self.host.evictions
         self._update_gauges()
+
+    def _finish_cut_load(self, state: _ReqState, keys: list[PageKey],
+                         promoted: list[tuple[PageKey, str]], cut: int) -> None:
+        """A load cut for running late after its first ``cut`` pages: those
+        are loaded and kept (promoted ones enter the host tier), vLLM
+        recomputes the rest (their blocks were reported as load errors)."""
+        load = state.load
+        landed = set(load.page_keys[:cut])
+        for key, _ in promoted:
+            if key not in landed:
+                self.host.drop(key)  # its slot was never filled: its reads ended
+        self.host.commit([key for key, _ in promoted if key in landed])
+        for tier, pages in Counter(tier for key, tier in promoted if key in landed).items():
+            self.stats.add(self.lower.onboard_counter(tier), pages * self.page_blocks)
+        self.stats.add("recompute_chosen_tokens", (len(load.page_keys) - cut) * self.page_tokens)
+        self.stats.add("onboard_blocks_h2d", cut * self.page_blocks)
+        # What the cut says of the tiers: the landed pages' pace, or, with
+        # none landed, at least the time waited for one page.
+        elapsed = self.split.clock() - load.started
+        late = [tier for tier in load.sources[cut:] if tier != "host"]
+        if load.tier_pages is not None:
+            lower_landed = Counter(t for t in load.sources[:cut] if t != "host")
+            if lower_landed:
+                self.split.load_done(Counter(load.sources[:cut]), elapsed)
+            elif late:
+                self.split.load_done(Counter({late[0]: 1}), elapsed)
+            load.tier_pages = None
+        start = state.lookup.local_hit_blocks // self.page_blocks
+        state.store.cursor = min(state.store.cursor, start + cut)  # stored once recomputed
+        self._watched[state.request.request_id] = state
+        # vLLM may look it up again (its first block failed): recompute, not load again
+        state.lookup.recompute_only = True
+        state.lookup.failed_at_preemption = _preemptions(state.request)
+        self._spill([key for key in keys if key in landed], reused=True)
 
     def _learn_load(self, state: _ReqState) -> None:
         if state.load.tier_pages is None:

@@ -69,9 +69,13 @@ class _WriteQueue:
             self.queued -= 1
 
 
-# Pages read per call to a store: a fetch's progress (its deadline) is
-# noted after each group; the disk reads a group several pages in flight.
+# Pages read per call to a store, at most: a fetch's progress (its deadline,
+# whether it runs late) is noted after each group; the disk reads a group
+# several pages in flight. Groups start at one page and double while a group
+# reads within _GROUP_S, so a slow link shows its pace after its first page
+# and a cut fetch stops within a group of about that long.
 _READ_GROUP = 32
+_GROUP_S = 0.05
 
 
 @dataclass
@@ -80,9 +84,38 @@ class _Fetch:
     futures: list[Future] = field(default_factory=list)  # one per tier
     progress: float = field(default_factory=time.monotonic)  # last group read
     overdue: bool = False  # reported failed; polled until its reads end
+    started: float = field(default_factory=time.monotonic)
+    # by page index of the job: read intact into its host slot (pages not
+    # fetched are in the host tier already)
+    landed: list[bool] = field(default_factory=list)
+    fetched: int = 0  # pages read intact so far
+    # pages landed when it was cut for running late (None: not cut); its
+    # reads stop after their current group
+    cut_at: int | None = None
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
+
+    def landed_prefix(self) -> int:
+        n = 0
+        while n < len(self.landed) and self.landed[n]:
+            n += 1
+        return n
+
+    def runs_late(self, now: float) -> bool:
+        """Whether its pace so far (pages read per second) says it ends after
+        recomputing the pages not landed would have."""
+        recompute = self.job.recompute_s
+        if not recompute or self.cut_at is not None:
+            return False
+        n = self.landed_prefix()
+        if n >= len(recompute):
+            return False
+        elapsed = now - self.started
+        if self.fetched == 0:  # no pace yet: late once it took longer than all of it
+            return elapsed > recompute[n]
+        left = len(self.job.fetch) - self.fetched
+        return left * elapsed / self.fetched > recompute[n]
 
 
 class TierIO:
@@ -119,16 +152,19 @@ class TierIO:
         for i, tier, key in job.fetch:
             by_tier.setdefault(tier, []).append((i, key))
         # One future per tier: the job is ready when all are.
-        fetch = _Fetch(job)
+        fetch = _Fetch(job, landed=[True] * len(job.slots))
+        for i, _, _ in job.fetch:
+            fetch.landed[i] = False
         for tier, items in by_tier.items():
             store = self.tiers.get(tier)
 
             def read(store=store, tier=tier, items=items):
                 # A group of pages per call (the disk reads several in flight),
                 # the fetch's progress noted after each.
-                results = []
-                for start in range(0, len(items), _READ_GROUP):
-                    group = items[start:start + _READ_GROUP]
+                results, start, size = [], 0, 1
+                while start < len(items) and fetch.cut_at is None:
+                    group = items[start:start + size]
+                    began = time.monotonic()
                     try:
                         statuses = store.get_many_into(
                             [(key, host_pool[job.slots[i]]) for i, key in group])
@@ -136,7 +172,14 @@ class TierIO:
                         logger.warning("KVBM: %s read failed: %s", tier, err)
                         statuses = ["error"] * len(group)
                     results += [(tier, key, status) for (_, key), status in zip(group, statuses)]
+                    for (i, _), status in zip(group, statuses):
+                        if status == "ok":
+                            fetch.landed[i] = True
+                            fetch.fetched += 1
                     fetch.progress = time.monotonic()
+                    start += len(group)
+                    if fetch.progress - began < _GROUP_S:
+                        size = min(2 * size, _READ_GROUP)
                 return results
             fetch.futures.append(self._reader[tier].submit(read) if store is not None
                                  else _done([(tier, key, "error") for _, key in items]))
@@ -165,20 +208,26 @@ class TierIO:
             self._writing.append((tier, key, self._writer[tier].submit(
                 _write, self.tiers[tier], self.queues[tier], key, page)))
 
-    def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool, bool]]:
+    def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool, bool,
+                                                             int | None]]:
         """Records finished fetches and writes in ``meta``; returns the fetched
-        load jobs, each with whether every page arrived intact and whether
+        load jobs, each with whether every page arrived intact, whether
         its reads are still running (an overdue fetch, failed: the slots it
-        reads into must not be reused before take_ended() names it)."""
+        reads into must not be reused before take_ended() names it), and
+        where it was cut (None: not cut; else the pages from there on are
+        not loaded, the reads having ended, and the pages before are intact)."""
         ready, still = [], []
         now = time.monotonic()
         for fetch in self._fetching:
             job = fetch.job
             done = fetch.done()
+            if not done and fetch.runs_late(now):
+                self._cut(fetch)
+                done = fetch.done()
             if not done and not fetch.overdue and now - fetch.progress > self.read_timeout_s:
                 self._overdue(fetch, meta)  # cancels its reads not started yet
                 done = fetch.done()
-                ready.append((job, False, not done))
+                ready.append((job, False, not done, None))
                 if not done:
                     still.append(fetch)  # until its reads end (take_ended)
                 continue
@@ -188,7 +237,13 @@ class TierIO:
             if fetch.overdue:
                 self._ended.append(job)  # reported failed already
                 continue
-            results = [r for f in fetch.futures for r in f.result()]
+            results = [r for f in fetch.futures if not f.cancelled() for r in f.result()]
+            if fetch.cut_at is not None:
+                cut = fetch.landed_prefix()  # reads that landed since count too
+                for tier, _, status in results:
+                    meta.tier_events[(tier, status)] += 1
+                ready.append((job, True, False, cut))
+                continue
             bad = [(tier, key, status) for tier, key, status in results if status != "ok"]
             for tier, _, status in results:
                 meta.tier_events[(tier, status)] += 1
@@ -197,7 +252,7 @@ class TierIO:
                                "vLLM recomputes them", len(bad), len(results), job.req_id,
                                ", ".join(sorted({f"{t}:{s}" for t, _, s in bad})))
                 meta.bad_pages.extend((tier, key) for tier, key, _ in bad)
-            ready.append((job, not bad, False))
+            ready.append((job, not bad, False, None))
         self._fetching = still
         writing = []
         for tier, key, future in self._writing:
@@ -219,6 +274,17 @@ class TierIO:
         for name, store in self.tiers.items():
             meta.removed_pages.extend((name, key) for key in store.take_removed())
         return ready
+
+    def _cut(self, fetch: _Fetch) -> None:
+        """Stops a fetch that runs late: reads not started are cancelled, the
+        running ones stop after their group; the job then loads the pages
+        landed and vLLM recomputes the rest."""
+        fetch.cut_at = fetch.landed_prefix()
+        for f in fetch.futures:
+            f.cancel()
+        logger.info("KVBM: reading %d pages for %s runs later than recomputing them: "
+                    "cut after %d landed pages; vLLM recomputes the rest",
+                    len(fetch.job.fetch), fetch.job.req_id, fetch.cut_at)
 
     def _overdue(self, fetch: _Fetch, meta: "KVBMWorkerMetadata") -> None:
         fetch.overdue = True

@@ -244,6 +244,19 @@ class KVBMWorker:
             if load.done:
                 self._complete(load.job, False, ok=False, started=load.started)
 
+    def _cut_load(self, job: TransferJob, cut: int) -> TransferJob | None:
+        """A load whose fetch ran late, cut after its first ``cut`` pages: the
+        blocks of the others are load errors (vLLM recomputes from the first),
+        and the scheduler keeps the landed pages (``loads_cut``). The job of
+        the landed pages, None when there are none (then the load is done)."""
+        g = job.page_blocks
+        self._meta.loads_cut.append((job.req_id, cut))
+        self._load_error_blocks.update(b for b in job.block_ids[cut * g:] if b >= 0)
+        if cut == 0:
+            self._finished_recving.add(job.req_id)
+            return None
+        return TransferJob(job.job_id, job.req_id, job.block_ids[:cut * g], job.slots[:cut])
+
     def _hold_read_slots(self, job: TransferJob, hold: bool) -> None:
         """An overdue fetch failed, but its reads may still write the slots
         it fetches into: host slots are held from the host tier (as an
@@ -398,8 +411,12 @@ class KVBMWorker:
         return not any(match(f.job, f.is_store) for f in self._inflight)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        for job, ok, reading in self.tier_io.poll(self._meta):
+        for job, ok, reading, cut in self.tier_io.poll(self._meta):
             fence, queued = self._fetching.pop(job.job_id, (DONE, time.perf_counter()))
+            if cut is not None:
+                job = self._cut_load(job, cut)
+                if job is None:
+                    continue
             if ok:
                 self._queue(job, False, fence, queued)
                 continue
