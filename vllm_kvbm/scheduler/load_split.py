@@ -2,7 +2,8 @@
 
 A hit from a slow tier can take longer than computing the same tokens again
 (SGLang #26305, Dynamo #6101). The scheduler learns, as it runs, how long a
-block takes to load from each tier and how long prefill takes, and per
+load takes from each tier (a fixed latency and a time per page: TierCost)
+and how long prefill takes, and per
 request loads only the prefix part whose load is expected to cost less than
 recomputing it; vLLM recomputes the rest (the load/recompute split of Cake,
 ICML 2025). Until it has measured both, everything found is loaded.
@@ -16,11 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
 
-# Weight of the newest sample in each running estimate: a tier that slows
-# down (a congested server) is followed within a few loads.
-_NEW = 0.5
 # Decay of old prefill samples in the least-squares fit, per new sample.
 _KEEP = 0.9
 # A tier judged slower than recompute is tried again after this long, so a
@@ -30,10 +27,46 @@ PROBE_AFTER_S = 30.0
 PROBE_BLOCKS = 4
 
 
-@dataclass
-class _Estimate:
-    seconds: float
-    updated: float
+# Decay of old load samples in a tier's fit, per new sample: a tier that
+# slows down (a congested server) is followed within a few loads.
+_KEEP_LOAD = 0.5
+
+
+class TierCost:
+    """Time to load ``n`` pages from one tier, fitted as ``latency + n *
+    per_page``: a fixed part (round trips, a seek, queueing behind the
+    tier's other reads) and a part per page (its bytes over the link's
+    bandwidth: pages have one size per engine, so per page is per byte
+    times ``page_bytes``). Decayed least squares, as PrefillModel."""
+
+    def __init__(self) -> None:
+        self._w = self._sn = self._snn = self._st = self._snt = 0.0
+        self.latency = self.per_page = 0.0
+        self.updated = 0.0
+
+    def add(self, pages: int, seconds: float, now: float) -> None:
+        k = _KEEP_LOAD
+        self._w = k * self._w + 1.0
+        self._sn = k * self._sn + pages
+        self._snn = k * self._snn + pages * pages
+        self._st = k * self._st + seconds
+        self._snt = k * self._snt + pages * seconds
+        self.updated = now
+        self.latency, self.per_page = self._fit()
+
+    def _fit(self) -> tuple[float, float]:
+        """Both parts >= 0; all per page (through the origin) when the
+        samples cannot tell them apart (loads of one length)."""
+        var = self._w * self._snn - self._sn * self._sn
+        if var > 1e-9 * self._w * self._snn:
+            per_page = (self._w * self._snt - self._sn * self._st) / var
+            latency = (self._st - per_page * self._sn) / self._w
+            if per_page >= 0 and latency >= 0:
+                return latency, per_page
+        return 0.0, (self._snt / self._snn if self._snn > 0 else 0.0)
+
+    def seconds(self, pages: int) -> float:
+        return self.latency + self.per_page * pages if pages else 0.0
 
 
 class PrefillModel:
@@ -99,7 +132,7 @@ class LoadSplit:
         self.enabled = enabled
         self.clock = clock
         self.prefill = PrefillModel()
-        self.load: dict[str, _Estimate] = {}  # tier -> seconds per block
+        self.load: dict[str, TierCost] = {}  # tier -> what loading n pages costs
         self._probed: dict[str, float] = {}
 
     # ---- learning ---------------------------------------------------------
@@ -118,19 +151,22 @@ class LoadSplit:
         lower = [tier for tier, n in blocks.items() if tier != "host" and n]
         host = blocks.get("host", 0)
         if not lower and host:
-            self._learn("host", seconds / host, now)
+            self._learn("host", host, seconds, now)
         elif len(lower) == 1:
-            rest = seconds - host * self.seconds_per_block("host")
-            self._learn(lower[0], max(rest, 0.0) / blocks[lower[0]], now)
+            rest = seconds - self.load_seconds("host", host)
+            self._learn(lower[0], blocks[lower[0]], max(rest, 0.0), now)
 
-    def _learn(self, tier: str, per_block: float, now: float) -> None:
-        old = self.load.get(tier)
-        value = per_block if old is None else (1 - _NEW) * old.seconds + _NEW * per_block
-        self.load[tier] = _Estimate(value, now)
+    def _learn(self, tier: str, pages: int, seconds: float, now: float) -> None:
+        self.load.setdefault(tier, TierCost()).add(pages, seconds, now)
+
+    def load_seconds(self, tier: str, pages: int) -> float:
+        est = self.load.get(tier)
+        return est.seconds(pages) if est is not None else 0.0
 
     def seconds_per_block(self, tier: str) -> float:
+        """The per-page part of the tier's cost (its fixed latency apart)."""
         est = self.load.get(tier)
-        return est.seconds if est is not None else 0.0
+        return est.per_page if est is not None else 0.0
 
     # ---- deciding ---------------------------------------------------------
 
@@ -159,11 +195,14 @@ class LoadSplit:
                     and now - self._probed.get(tier, -PROBE_AFTER_S) > PROBE_AFTER_S:
                 probes.add(tier)
             # Unknown: load it (the load measures the tier).
-            costs[tier] = 0.0 if est is None else est.seconds
+            costs[tier] = (0.0, 0.0) if est is None else (est.latency, est.per_page)
         free = dict.fromkeys(probes, PROBE_BLOCKS)  # a probe's blocks count as free
         best, best_k, total = 0.0, 0, 0.0
         for i, tier in enumerate(sources):
-            cost = costs[tier]
+            latency, cost = costs[tier]
+            if latency:  # paid once, with the tier's first page in the prefix
+                cost += latency
+                costs[tier] = (0.0, cost - latency)
             if free.get(tier):
                 free[tier] -= 1
                 cost = 0.0
