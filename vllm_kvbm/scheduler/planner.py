@@ -701,17 +701,18 @@ class KVBMScheduler:
             self.stats.add(self.lower.onboard_counter(tier), pages * self.page_blocks)
         self.stats.add("recompute_chosen_tokens", (len(load.page_keys) - cut) * self.page_tokens)
         self.stats.add("onboard_blocks_h2d", cut * self.page_blocks)
-        # What the cut says of the tiers: the landed pages' pace, or, with
-        # none landed, at least the time waited for one page.
+        # What the cut says of the tier: the whole load at the pace its
+        # landed pages came (with none landed, at least the time waited for
+        # each page), so the next request's split sees what it would cost.
         elapsed = self.split.clock() - load.started
-        late = [tier for tier in load.sources[cut:] if tier != "host"]
-        if load.tier_pages is not None:
-            lower_landed = Counter(t for t in load.sources[:cut] if t != "host")
-            if lower_landed:
-                self.split.load_done(Counter(load.sources[:cut]), elapsed)
-            elif late:
-                self.split.load_done(Counter({late[0]: 1}), elapsed)
-            load.tier_pages = None
+        lower = Counter(t for t in load.sources if t != "host")
+        if load.tier_pages is not None and len(lower) == 1:
+            [(tier, pages)] = lower.items()
+            got = sum(1 for t in load.sources[:cut] if t == tier)
+            self.split.load_done(Counter({tier: pages}), elapsed * pages / max(got, 1))
+            self.stats.set_gauge(f"load_seconds_per_block_{tier}",
+                                 self.split.seconds_per_block(tier) / self.page_blocks)
+        load.tier_pages = None
         start = state.lookup.local_hit_blocks // self.page_blocks
         state.store.cursor = min(state.store.cursor, start + cut)  # stored once recomputed
         self._watched[state.request.request_id] = state
