@@ -113,3 +113,11 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "n
     assert "vllm_kvbm.tiers.lm.view" in loaded and "vllm_kvbm.tiers.disk.view" in loaded
     tiers = {m for m in loaded if m.startswith("vllm_kvbm.tiers")}
     assert tiers <= SCHEDULER_TIERS | SHARED, tiers - SCHEDULER_TIERS - SHARED
+
+
+def test_test_files_have_unique_names():
+    """pytest imports test files by basename (no __init__.py in the tiers'
+    folders): two files of one name in tests/unit and tests/e2e stop the run."""
+    tests = Path(__file__).resolve().parents[1]
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
