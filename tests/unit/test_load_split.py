@@ -145,6 +145,21 @@ def test_the_cut_pays_a_tiers_latency_once_and_stays_a_prefix():
     assert split.cut(["remote"] * 20, 0) == 20
 
 
+def test_loads_sharing_a_tier_are_fitted_and_costed_with_the_loads_ahead():
+    """The tier reads one load at a time: a 4-page load behind one of 20
+    pages ends after both latencies and 24 pages. Fitted with what was
+    ahead, the tier's own cost is found (not a tier 6x slower); asked with a
+    20-page load in flight, 4 pages are not worth waiting for, alone they are."""
+    split = learned(LoadSplit(128, clock=Clock()))
+    split.load_done(Counter({"remote": 20}), 0.05 + 20 * 0.02)
+    split.load_done(Counter({"remote": 4}), 2 * 0.05 + 24 * 0.02, {"remote": (1, 20)})
+    cost = split.load["remote"]
+    assert cost.latency == pytest.approx(0.05)
+    assert cost.per_page == pytest.approx(0.02)
+    assert split.cut(["remote"] * 4, 0) == 4  # 0.13 s against 0.512 s of recompute
+    assert split.cut(["remote"] * 4, 0, {"remote": (1, 20)}) == 0  # 0.58 s: recompute
+
+
 def test_load_split_config():
     assert load_config({}, {}).load_split is True
     assert load_config({"load_split": False}, {}).load_split is False

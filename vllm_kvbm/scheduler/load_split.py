@@ -34,39 +34,51 @@ _KEEP_LOAD = 0.5
 
 class TierCost:
     """Time to load ``n`` pages from one tier, fitted as ``latency + n *
-    per_page``: a fixed part (round trips, a seek, queueing behind the
-    tier's other reads) and a part per page (its bytes over the link's
-    bandwidth: pages have one size per engine, so per page is per byte
-    times ``page_bytes``). Decayed least squares, as PrefillModel."""
+    per_page``: a fixed part (round trips, a seek) and a part per page (its
+    bytes over the link's bandwidth: pages have one size per engine, so per
+    page is per byte times ``page_bytes``). Decayed least squares, as
+    PrefillModel.
+
+    A tier reads one load at a time (worker/tier_io.py): a load planned
+    behind ``k`` others holding ``q`` pages of the tier ends after about
+    ``(k+1)*latency + (q+n)*per_page``, so each sample is fitted with the
+    loads and pages ahead of it, and costs are asked with those in flight
+    (concurrent loads share the tier instead of each looking slower)."""
 
     def __init__(self) -> None:
-        self._w = self._sn = self._snn = self._st = self._snt = 0.0
+        # decayed sums for the fit of (loads, pages) -> seconds, through the origin
+        self._s11 = self._s12 = self._s22 = self._s1t = self._s2t = 0.0
         self.latency = self.per_page = 0.0
         self.updated = 0.0
 
-    def add(self, pages: int, seconds: float, now: float) -> None:
+    def add(self, pages: int, seconds: float, now: float, ahead: tuple[int, int] = (0, 0)) -> None:
+        """A load of ``pages`` took ``seconds``, planned behind ``ahead`` =
+        (loads, pages) of this tier still in flight."""
+        x1, x2 = 1.0 + ahead[0], float(pages + ahead[1])
         k = _KEEP_LOAD
-        self._w = k * self._w + 1.0
-        self._sn = k * self._sn + pages
-        self._snn = k * self._snn + pages * pages
-        self._st = k * self._st + seconds
-        self._snt = k * self._snt + pages * seconds
+        self._s11 = k * self._s11 + x1 * x1
+        self._s12 = k * self._s12 + x1 * x2
+        self._s22 = k * self._s22 + x2 * x2
+        self._s1t = k * self._s1t + x1 * seconds
+        self._s2t = k * self._s2t + x2 * seconds
         self.updated = now
         self.latency, self.per_page = self._fit()
 
     def _fit(self) -> tuple[float, float]:
-        """Both parts >= 0; all per page (through the origin) when the
-        samples cannot tell them apart (loads of one length)."""
-        var = self._w * self._snn - self._sn * self._sn
-        if var > 1e-9 * self._w * self._snn:
-            per_page = (self._w * self._snt - self._sn * self._st) / var
-            latency = (self._st - per_page * self._sn) / self._w
+        """Both parts >= 0; all per page when the samples cannot tell them
+        apart (loads of one length, nothing ahead)."""
+        det = self._s11 * self._s22 - self._s12 * self._s12
+        if det > 1e-9 * self._s11 * self._s22:
+            latency = (self._s1t * self._s22 - self._s2t * self._s12) / det
+            per_page = (self._s2t * self._s11 - self._s1t * self._s12) / det
             if per_page >= 0 and latency >= 0:
                 return latency, per_page
-        return 0.0, (self._snt / self._snn if self._snn > 0 else 0.0)
+        return 0.0, (self._s2t / self._s22 if self._s22 > 0 else 0.0)
 
-    def seconds(self, pages: int) -> float:
-        return self.latency + self.per_page * pages if pages else 0.0
+    def seconds(self, pages: int, ahead: tuple[int, int] = (0, 0)) -> float:
+        if not pages:
+            return 0.0
+        return self.latency * (1 + ahead[0]) + self.per_page * (pages + ahead[1])
 
 
 class PrefillModel:
@@ -143,10 +155,13 @@ class LoadSplit:
         if tokens >= 2 * self.block_size and seconds > 0:  # shorter: mostly step overhead
             self.prefill.add(start, tokens, seconds)
 
-    def load_done(self, blocks: Counter, seconds: float) -> None:
-        """A load of ``blocks[tier]`` blocks per tier took ``seconds``. The
-        host tier's cost comes from host-only loads; a lower tier's from loads
-        with host blocks and that one tier (the host part subtracted)."""
+    def load_done(self, blocks: Counter, seconds: float,
+                  ahead: dict[str, tuple[int, int]] | None = None) -> None:
+        """A load of ``blocks[tier]`` blocks per tier took ``seconds``,
+        planned behind ``ahead[tier]`` = (loads, pages) of lower-tier loads
+        in flight. The host tier's cost comes from host-only loads; a lower
+        tier's from loads with host blocks and that one tier (the host part
+        subtracted)."""
         now = self.clock()
         lower = [tier for tier, n in blocks.items() if tier != "host" and n]
         host = blocks.get("host", 0)
@@ -154,10 +169,12 @@ class LoadSplit:
             self._learn("host", host, seconds, now)
         elif len(lower) == 1:
             rest = seconds - self.load_seconds("host", host)
-            self._learn(lower[0], blocks[lower[0]], max(rest, 0.0), now)
+            self._learn(lower[0], blocks[lower[0]], max(rest, 0.0), now,
+                        (ahead or {}).get(lower[0], (0, 0)))
 
-    def _learn(self, tier: str, pages: int, seconds: float, now: float) -> None:
-        self.load.setdefault(tier, TierCost()).add(pages, seconds, now)
+    def _learn(self, tier: str, pages: int, seconds: float, now: float,
+               ahead: tuple[int, int] = (0, 0)) -> None:
+        self.load.setdefault(tier, TierCost()).add(pages, seconds, now, ahead)
 
     def load_seconds(self, tier: str, pages: int) -> float:
         est = self.load.get(tier)
@@ -180,11 +197,14 @@ class LoadSplit:
             return None
         return self.prefill.seconds(start * self.block_size, count * self.block_size)
 
-    def cut(self, sources: list[str], start: int) -> int:
+    def cut(self, sources: list[str], start: int,
+            ahead: dict[str, tuple[int, int]] | None = None) -> int:
         """How many of the found blocks (``sources[i]`` holds block
         ``start + i``) to load: the prefix whose expected load time, less the
-        recompute time it saves, is least. Everything when the split is off
-        or the prefill cost is not known yet."""
+        recompute time it saves, is least; a tier's fixed part (its latency,
+        and the loads ``ahead`` of it in flight: (loads, pages) per tier) is
+        paid with its first block in the prefix. Everything when the split is
+        off or the prefill cost is not known yet."""
         if not self.enabled or not sources or self.prefill.samples < 2:
             return len(sources)
         now = self.clock()
@@ -195,14 +215,18 @@ class LoadSplit:
                     and now - self._probed.get(tier, -PROBE_AFTER_S) > PROBE_AFTER_S:
                 probes.add(tier)
             # Unknown: load it (the load measures the tier).
-            costs[tier] = (0.0, 0.0) if est is None else (est.latency, est.per_page)
+            if est is None:
+                costs[tier] = (0.0, 0.0)
+            else:
+                loads, pages = (ahead or {}).get(tier, (0, 0))
+                costs[tier] = (est.latency * (1 + loads) + est.per_page * pages, est.per_page)
         free = dict.fromkeys(probes, PROBE_BLOCKS)  # a probe's blocks count as free
         best, best_k, total = 0.0, 0, 0.0
         for i, tier in enumerate(sources):
-            latency, cost = costs[tier]
-            if latency:  # paid once, with the tier's first page in the prefix
-                cost += latency
-                costs[tier] = (0.0, cost - latency)
+            fixed, cost = costs[tier]
+            if fixed:  # paid once, with the tier's first page in the prefix
+                costs[tier] = (0.0, cost)
+                cost += fixed
             if free.get(tier):
                 free[tier] -= 1
                 cost = 0.0

@@ -99,6 +99,8 @@ class _Load:
     page_keys: list[PageKey] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     cut: int | None = None
+    # (loads, pages) per lower tier in flight when it was planned
+    ahead: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def in_flight(self) -> bool:
         return bool(self.keys or self.promoted or self.streamed)
@@ -195,6 +197,9 @@ class KVBMScheduler:
         self._store_jobs: dict[int, _StoreJob] = {}
         self._job_ids = itertools.count()
         self._loads: list[TransferJob] = []
+        # lower-tier pages per tier of each request's load in flight: what a
+        # new load queues behind on the tiers' read threads (load_split)
+        self._fetch_queue: dict[str, Counter] = {}
         self._delayed_free: list[str] = []
         # requests with a store backlog (their pages wait for host slots)
         self._backlogged: dict[str, _ReqState] = {}
@@ -273,7 +278,7 @@ class KVBMScheduler:
         if sources is None:
             return None, False  # vLLM asks again next step
         # Only the part whose load beats recomputing it (learned costs).
-        keep = self.split.cut(sources, start)
+        keep = self.split.cut(sources, start, self._fetches_ahead() if self._fetch_queue else None)
         state.lookup.split_dropped = len(sources) - keep
         sources = sources[:keep]
         state.lookup.hit_sources = sources
@@ -399,6 +404,10 @@ class KVBMScheduler:
             job.fetch.append((i, src, key))
         state.load.keys = host_keys
         state.load.page_keys, state.load.sources = keys, sources
+        lower = Counter(src for src in sources if src != "host")
+        state.load.ahead = self._fetches_ahead() if lower else {}
+        if lower:
+            self._fetch_queue[request.request_id] = lower
         if job.fetch and not state.load.streamed:
             job.recompute_s = self._recompute_seconds(start, count)
         state.load.started, state.load.tier_pages = self.split.clock(), Counter(sources)
@@ -406,6 +415,15 @@ class KVBMScheduler:
         # The loaded pages are in the host tier now: never store them again.
         state.store.cursor = max(state.store.cursor, start + count)
         self._loads.append(job)
+
+    def _fetches_ahead(self) -> dict[str, tuple[int, int]]:
+        """(loads, pages) per lower tier of the loads in flight."""
+        ahead: dict[str, tuple[int, int]] = {}
+        for pages in self._fetch_queue.values():
+            for tier, n in pages.items():
+                loads, total = ahead.get(tier, (0, 0))
+                ahead[tier] = (loads + 1, total + n)
+        return ahead
 
     def _recompute_seconds(self, start: int, count: int) -> list[float]:
         """For each page i of pages [start, start+count): what recomputing
@@ -650,6 +668,7 @@ class KVBMScheduler:
                     cut = state.load.cut
                     state.load.cut = landed if cut is None else min(cut, landed)
         for req_id in output.finished_recving or ():
+            self._fetch_queue.pop(req_id, None)
             state = self._reqs.get(req_id)
             if state is None or not state.load.in_flight():
                 continue
@@ -709,7 +728,8 @@ class KVBMScheduler:
         if load.tier_pages is not None and len(lower) == 1:
             [(tier, pages)] = lower.items()
             got = sum(1 for t in load.sources[:cut] if t == tier)
-            self.split.load_done(Counter({tier: pages}), elapsed * pages / max(got, 1))
+            self.split.load_done(Counter({tier: pages}), elapsed * pages / max(got, 1),
+                                 load.ahead)
             self.stats.set_gauge(f"load_seconds_per_block_{tier}",
                                  self.split.seconds_per_block(tier) / self.page_blocks)
         load.tier_pages = None
@@ -725,7 +745,7 @@ class KVBMScheduler:
         if state.load.tier_pages is None:
             return
         blocks, state.load.tier_pages = state.load.tier_pages, None
-        self.split.load_done(blocks, self.split.clock() - state.load.started)
+        self.split.load_done(blocks, self.split.clock() - state.load.started, state.load.ahead)
         for tier in blocks:
             self.stats.set_gauge(f"load_seconds_per_block_{tier}",
                                  self.split.seconds_per_block(tier) / self.page_blocks)
