@@ -13,26 +13,47 @@ import logging
 CONNECTOR_NAME = "KVBMConnector"
 
 
-class _ToVllmLogger(logging.Handler):
-    """Hands records to the "vllm" logger's handlers as they are when the
-    record is logged (vLLM reconfigures logging after plugins load)."""
+class _ToVllmHandlers(logging.Handler):
+    """Hands records to the "vllm" logger's handlers, looked up when the
+    record is logged (vLLM configures logging after plugins load), except
+    those the record reaches anyway through its own loggers' propagation
+    (the root's, or handlers attached to both)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        logging.getLogger("vllm").handle(record)
+        vllm = logging.getLogger("vllm")
+        if vllm.propagate:
+            return  # vLLM's records and ours end at the same handlers
+        for handler in vllm.handlers:
+            if record.levelno >= handler.level and handler not in _reached(record.name):
+                handler.handle(record)
+
+
+def _reached(name: str) -> set[logging.Handler]:
+    """The handlers a record of logger ``name`` reaches by propagation."""
+    found: set[logging.Handler] = set()
+    logger: logging.Logger | None = logging.getLogger(name)
+    while logger is not None:
+        found.update(logger.handlers)
+        logger = logger.parent if logger.propagate else None
+    return found
 
 
 def _log_through_vllm() -> None:
-    """vllm_kvbm's log records go out where and at the level vLLM's own do
-    (VLLM_LOGGING_LEVEL): vLLM configures only its "vllm" logger, so without
-    this the connector's INFO lines (tier sizes, key source) are lost."""
+    """vllm_kvbm's log records also go out where vLLM's own do, from vLLM's
+    level on (VLLM_LOGGING_LEVEL): vLLM configures only its "vllm" logger, so
+    without this the connector's INFO lines (tier sizes, key source) are lost.
+    Nothing else changes: the records still propagate to the application's
+    handlers, and a level the application set lower is kept."""
     import vllm.envs as envs
 
     ours = logging.getLogger("vllm_kvbm")
-    if ours.handlers or not envs.VLLM_CONFIGURE_LOGGING:
-        return  # configured by the application, or vLLM leaves logging alone
-    ours.addHandler(_ToVllmLogger())
-    ours.setLevel(envs.VLLM_LOGGING_LEVEL)
-    ours.propagate = False
+    if not envs.VLLM_CONFIGURE_LOGGING or any(
+            isinstance(h, _ToVllmHandlers) for h in ours.handlers):
+        return
+    level = logging.getLevelName(str(envs.VLLM_LOGGING_LEVEL).upper())
+    if isinstance(level, int) and ours.getEffectiveLevel() > level:
+        ours.setLevel(level)
+    ours.addHandler(_ToVllmHandlers())
 
 
 def register() -> None:

@@ -59,3 +59,30 @@ def test_connector_logs_go_where_vllms_go(monkeypatch):
     finally:
         vllm_logger.removeHandler(keep)
     assert seen == ["KVBM: seen by vLLM's handlers"]
+
+
+def test_connector_logs_reach_vllms_handlers_once_each(monkeypatch):
+    """Records of vllm_kvbm reach the handlers of vLLM's non-propagating
+    logger, and a handler attached there and to the root gets each once."""
+    import logging
+
+    from vllm_kvbm.plugin import _ToVllmHandlers
+
+    class Keep(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        def emit(self, record):
+            self.records.append(record)
+
+    vllm_only, shared = Keep(), Keep()
+    vllm, root, ours = (logging.getLogger(n) for n in ("vllm", "", "vllm_kvbm"))
+    monkeypatch.setattr(vllm, "propagate", False)
+    monkeypatch.setattr(vllm, "handlers", [vllm_only, shared])
+    monkeypatch.setattr(root, "handlers", root.handlers + [shared])
+    monkeypatch.setattr(ours, "handlers", [_ToVllmHandlers()])
+    monkeypatch.setattr(ours, "level", logging.INFO)
+    logging.getLogger("vllm_kvbm.test").info("tier sizes")
+    assert [r.getMessage() for r in vllm_only.records] == ["tier sizes"]
+    assert [r.getMessage() for r in shared.records] == ["tier sizes"]
