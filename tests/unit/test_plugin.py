@@ -52,6 +52,7 @@ def test_connector_logs_go_where_vllms_go(monkeypatch):
             seen.append(record.getMessage())
 
     vllm_logger = logging.getLogger("vllm")
+    monkeypatch.setattr(vllm_logger, "propagate", False)  # as vLLM's logging config sets it
     keep = Keep()
     vllm_logger.addHandler(keep)
     try:
