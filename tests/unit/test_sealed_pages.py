@@ -32,7 +32,7 @@ def encoded(codec: PageCodec, k: bytes, p: torch.Tensor) -> bytes:
 
 
 def decode(codec: PageCodec, data: bytes, k: bytes) -> tuple[str, torch.Tensor]:
-    out = torch.empty(codec.block_bytes, dtype=torch.uint8)
+    out = torch.empty(codec.page_bytes, dtype=torch.uint8)
     return codec.decode_into(torch.frombuffer(bytearray(data), dtype=torch.uint8), k, out), out
 
 

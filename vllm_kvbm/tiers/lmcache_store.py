@@ -91,24 +91,24 @@ def lmcache_api():
 class LMCacheStore(TierStore):
     """A store whose pages live in an LMCache backend under our page format."""
 
-    def __init__(self, block_bytes: int, namespace: str, rank: int, world_size: int,
+    def __init__(self, page_bytes: int, namespace: str, rank: int, world_size: int,
                  page_secret: bytes | None = None, layout: str = ""):
-        if not isinstance(block_bytes, int) or block_bytes <= 0:
-            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
         if not (0 <= rank < world_size):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         (self._CacheEngineKey, self._parse_cache_key, self._Config, MemoryFormat,
          LMCacheMetadata) = lmcache_api()
         self._fmt = MemoryFormat.KV_2LTD  # any non-binary format; arena-backed
-        self._codec = PageCodec(namespace, block_bytes, page_secret, rank=rank,
+        self._codec = PageCodec(namespace, page_bytes, page_secret, rank=rank,
                                 world_size=world_size, layout=layout)
-        self.block_bytes = block_bytes
+        self.page_bytes = page_bytes
         self._rank, self._world_size = rank, world_size
         self._model = self._codec.model_name
         n = self._codec.stored_bytes
         self._shape = torch.Size([1, 1, 1, n])          # 4-D: close() needs it
         self._tomb_shape = torch.Size([1, 1, 1, HEADER_BYTES])
-        self._phys = disk_page_bytes(block_bytes)       # allocator/disk accounting unit
+        self._phys = disk_page_bytes(page_bytes)       # allocator/disk accounting unit
         self._md = LMCacheMetadata(
             model_name=self._model, world_size=world_size, local_world_size=world_size,
             worker_id=rank, local_worker_id=rank, kv_dtype=torch.uint8,

@@ -114,9 +114,9 @@ _NAME_CONTEXT = "vllm_kvbm page v3: page names"
 _DISK_UNIT = 4096
 
 
-def disk_page_bytes(block_bytes: int) -> int:
+def disk_page_bytes(page_bytes: int) -> int:
     """Bytes of disk capacity one block's page is charged (the one formula)."""
-    return -(-(HEADER_BYTES + block_bytes) // _DISK_UNIT) * _DISK_UNIT
+    return -(-(HEADER_BYTES + page_bytes) // _DISK_UNIT) * _DISK_UNIT
 
 
 def _load_crc32c():
@@ -192,14 +192,14 @@ def _bytes_view(payload: "torch.Tensor | memoryview") -> memoryview:
     return payload
 
 
-def _namespace_hash(namespace: str, block_bytes: int, version: int = _VERSION) -> bytes:
-    return hashlib.sha256(f"kvbm-tier|v{version}|{block_bytes}|{namespace}".encode()).digest()[:8]
+def _namespace_hash(namespace: str, page_bytes: int, version: int = _VERSION) -> bytes:
+    return hashlib.sha256(f"kvbm-tier|v{version}|{page_bytes}|{namespace}".encode()).digest()[:8]
 
 
-def retired_model_names(namespace: str, block_bytes: int) -> list[str]:
+def retired_model_names(namespace: str, page_bytes: int) -> list[str]:
     """The LMCache model names this namespace's pages had in older page format
     versions (the disk tier deletes such files: no engine of this version reads them)."""
-    return ["kvbm_" + _namespace_hash(namespace, block_bytes, v).hex() for v in range(1, _VERSION)]
+    return ["kvbm_" + _namespace_hash(namespace, page_bytes, v).hex() for v in range(1, _VERSION)]
 
 
 def _derived_key(secret: bytes, context: str) -> bytes:
@@ -216,15 +216,15 @@ def _lp(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-def _name_scope(namespace: str, block_bytes: int) -> bytes:
+def _name_scope(namespace: str, page_bytes: int) -> bytes:
     """What names depend on: length-prefixed, so no two pairs feed the same bytes."""
-    return _lp(namespace.encode()) + struct.pack("<QQ", block_bytes, _VERSION)
+    return _lp(namespace.encode()) + struct.pack("<QQ", page_bytes, _VERSION)
 
 
-def _page_scope(namespace: str, block_bytes: int, rank: int, world_size: int,
+def _page_scope(namespace: str, page_bytes: int, rank: int, world_size: int,
                 layout: str) -> bytes:
     """What a page's header check and seal cover besides its own fields."""
-    return (_name_scope(namespace, block_bytes) + struct.pack("<QQ", rank, world_size)
+    return (_name_scope(namespace, page_bytes) + struct.pack("<QQ", rank, world_size)
             + _lp(layout.encode()))
 
 
@@ -234,15 +234,15 @@ class _Names:
     the namespace and the key with one, so names cannot be computed without
     the secret)."""
 
-    def __init__(self, namespace: str, block_bytes: int, secret: bytes | None):
+    def __init__(self, namespace: str, page_bytes: int, secret: bytes | None):
         self.keyed = secret is not None
         if secret is None:
-            self.model = "kvbm_" + _namespace_hash(namespace, block_bytes).hex()
+            self.model = "kvbm_" + _namespace_hash(namespace, page_bytes).hex()
             self._base = None
             return
         import blake3
 
-        scope = _name_scope(namespace, block_bytes)
+        scope = _name_scope(namespace, page_bytes)
         self._root = blake3.blake3(key=_derived_key(secret, _NAME_CONTEXT))
         self.model = "kvbm_" + self.tag(b"model", scope)[:8].hex()
         self._base = self._root.copy()
@@ -265,7 +265,7 @@ class _Names:
         return int.from_bytes(h.digest(), "big")
 
 
-def page_namer(namespace: str, block_bytes: int, rank: int, world_size: int,
+def page_namer(namespace: str, page_bytes: int, rank: int, world_size: int,
                secret: bytes | None = None) -> Callable[[bytes], str]:
     """``key -> name`` a tier stores ``key``'s page under for one TP rank.
 
@@ -276,17 +276,17 @@ def page_namer(namespace: str, block_bytes: int, rank: int, world_size: int,
     the key part are keyed hashes. The namespace part is computed once:
     lookups name pages on the scheduler's hot path.
     """
-    names = _Names(namespace, block_bytes, secret)
+    names = _Names(namespace, page_bytes, secret)
     prefix = f"{names.model}@{world_size}@{rank}@"
     return lambda key: f"{prefix}{names.chunk_hash(key):x}@uint8"
 
 
-def page_name(namespace: str, block_bytes: int, rank: int, world_size: int,
+def page_name(namespace: str, page_bytes: int, rank: int, world_size: int,
               key: bytes, secret: bytes | None = None) -> str:
-    return page_namer(namespace, block_bytes, rank, world_size, secret)(key)
+    return page_namer(namespace, page_bytes, rank, world_size, secret)(key)
 
 
-def disk_page_namer(directory: str, namespace: str, block_bytes: int, rank: int,
+def disk_page_namer(directory: str, namespace: str, page_bytes: int, rank: int,
                     world_size: int, secret: bytes | None = None) -> Callable[[bytes], str]:
     """``key -> path`` of the file the disk store keeps ``key``'s page in.
 
@@ -294,14 +294,14 @@ def disk_page_namer(directory: str, namespace: str, block_bytes: int, rank: int,
     on eviction, so a reader in another process may treat existence as "on
     disk" (the content is still verified when read).
     """
-    name = page_namer(namespace, block_bytes, rank, world_size, secret)
+    name = page_namer(namespace, page_bytes, rank, world_size, secret)
     base = os.path.join(os.path.abspath(os.path.expanduser(directory)), "")
     return lambda key: f"{base}{name(key)}.pt"
 
 
-def disk_page_path(directory: str, namespace: str, block_bytes: int, rank: int,
+def disk_page_path(directory: str, namespace: str, page_bytes: int, rank: int,
                    world_size: int, key: bytes, secret: bytes | None = None) -> str:
-    return disk_page_namer(directory, namespace, block_bytes, rank, world_size, secret)(key)
+    return disk_page_namer(directory, namespace, page_bytes, rank, world_size, secret)(key)
 
 
 class _Seal:
@@ -363,13 +363,13 @@ class PageCodec:
     only where all of them are the writer's.
     """
 
-    def __init__(self, namespace: str, block_bytes: int, secret: bytes | None = None, *,
+    def __init__(self, namespace: str, page_bytes: int, secret: bytes | None = None, *,
                  rank: int = 0, world_size: int = 1, layout: str = ""):
-        self.names = _Names(namespace, block_bytes, secret)
+        self.names = _Names(namespace, page_bytes, secret)
         self.model_name = self.names.model
-        self.block_bytes = block_bytes
-        self.stored_bytes = HEADER_BYTES + block_bytes
-        scope = _page_scope(namespace, block_bytes, rank, world_size, layout)
+        self.page_bytes = page_bytes
+        self.stored_bytes = HEADER_BYTES + page_bytes
+        scope = _page_scope(namespace, page_bytes, rank, world_size, layout)
         if secret is None:
             self.ns8 = hashlib.sha256(b"kvbm-page|" + scope).digest()[:8]
             self._seal = None
@@ -390,7 +390,7 @@ class PageCodec:
         """buf: 1-D uint8 of stored_bytes. Writes the page (encrypted from
         ``page`` straight into ``buf`` with a secret), then its header."""
         payload = buf[HEADER_BYTES:]
-        signer = PageSigner(self, key, 0, self.block_bytes)
+        signer = PageSigner(self, key, 0, self.page_bytes)
         out = _bytes_view(payload)
         if self._seal is not None:
             signer.seal(_bytes_view(page), out)
@@ -407,7 +407,7 @@ class PageCodec:
         """The header of a data page computed as its payload goes by, a chunk
         at a time (``seal``: the disk tier encrypts and checksums each chunk
         right before writing it), then finished with ``header()``."""
-        return PageSigner(self, key, 0, self.block_bytes)
+        return PageSigner(self, key, 0, self.page_bytes)
 
     def decode_into(self, buf: torch.Tensor, key: bytes, out: torch.Tensor) -> str:
         """Verifies buf (1-D uint8) against key; the payload goes into out.
@@ -475,7 +475,7 @@ class PageCodec:
                 return "corrupt"
         elif mac_alg != _MAC_NONE or mac != _NO_MAC or k != key:
             return "corrupt"
-        want_len = 0 if flags & _FLAG_TOMBSTONE else self.block_bytes
+        want_len = 0 if flags & _FLAG_TOMBSTONE else self.page_bytes
         if plen != want_len:
             return "corrupt"
         if alg not in (_ALG_CRC32, _ALG_CRC32C):
@@ -657,7 +657,7 @@ def valid_key(key) -> bool:
     return isinstance(key, (bytes, bytearray)) and len(key) == KEY_BYTES
 
 
-def valid_page(t, block_bytes: int) -> bool:
+def valid_page(t, page_bytes: int) -> bool:
     return (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
-            and t.device.type == "cpu" and t.numel() == block_bytes)
+            and t.device.type == "cpu" and t.numel() == page_bytes)
 

@@ -68,7 +68,7 @@ logger = logging.getLogger(__name__)
 class DiskStore(LMCacheStore):
     """Pages as files in ``directory`` via LMCache's LocalDiskBackend (LRU by bytes).
 
-    Each page costs ``block_bytes + HEADER_BYTES`` (96) rounded up to 4 KiB of the capacity.
+    Each page costs ``page_bytes + HEADER_BYTES`` (96) rounded up to 4 KiB of the capacity.
     A new instance on the same directory adopts the pages left there by an
     earlier one (same namespace, rank and world size), newest first up to the
     capacity; older surplus files are deleted, and so are this namespace's
@@ -94,12 +94,12 @@ class DiskStore(LMCacheStore):
                    info.tier_namespace, rank, info.key_namespace.tp_size, page_secret=secret,
                    layout=layout)
 
-    def __init__(self, directory: str, capacity_bytes: int, block_bytes: int, namespace: str,
+    def __init__(self, directory: str, capacity_bytes: int, page_bytes: int, namespace: str,
                  rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8,
                  read_inflight: int = 4, write_inflight: int = 4,
                  page_secret: bytes | None = None, direct_reads: bool = True,
                  layout: str = ""):
-        super().__init__(block_bytes, namespace, rank, world_size, page_secret, layout)
+        super().__init__(page_bytes, namespace, rank, world_size, page_secret, layout)
         # Keys of the pages this store put or read, by their names' chunk
         # hash: under a page secret names are keyed hashes, so take_removed
         # cannot turn a removed page's name back into its key otherwise
@@ -107,7 +107,7 @@ class DiskStore(LMCacheStore):
         # scheduler never wrote them).
         self._keys: dict[int, bytes] = {}
         self._retired = tuple(f"{m}@{world_size}@{rank}@"
-                              for m in retired_model_names(namespace, block_bytes))
+                              for m in retired_model_names(namespace, page_bytes))
         if capacity_bytes < self._phys:
             raise disk_tier_too_small(capacity_bytes, self._phys)
         self.directory = _prepare_dir(directory)
@@ -224,7 +224,7 @@ class DiskStore(LMCacheStore):
             return False
 
     def _put(self, key: bytes, page: torch.Tensor) -> bool:
-        if self._closed or not valid_key(key) or not valid_page(page, self.block_bytes):
+        if self._closed or not valid_key(key) or not valid_page(page, self.page_bytes):
             return False
         deadline = time.monotonic() + self._io_timeout_s
         if not self._slots.acquire(timeout=self._io_timeout_s):
@@ -272,7 +272,7 @@ class DiskStore(LMCacheStore):
         """``(key, out)`` checked and made ready for a reader thread (no torch
         there); None when either is not a key or a page of this store."""
         try:
-            if valid_key(key) and valid_page(out, self.block_bytes) and out.is_contiguous():
+            if valid_key(key) and valid_page(out, self.page_bytes) and out.is_contiguous():
                 return bytes(key), _Out(out)
         except Exception as e:  # noqa: BLE001 - never raises
             logger.warning("disk tier: get failed: %s", e)

@@ -22,11 +22,11 @@ class DiskView(TierView):
 
     name = "disk"
 
-    def __init__(self, directory: str, namespace: str, block_bytes: int, world_size: int,
+    def __init__(self, directory: str, namespace: str, page_bytes: int, world_size: int,
                  secret: bytes | None = None):
         # ``secret``: the page secret, which keys the pages' names (page_format).
         self._paths = [
-            disk_page_namer(directory, namespace, block_bytes, rank, world_size, secret)
+            disk_page_namer(directory, namespace, page_bytes, rank, world_size, secret)
             for rank in range(world_size)]
 
     @classmethod

@@ -146,10 +146,10 @@ class RemoteStore(LMCacheStore):
                    info.key_namespace.tp_size, config.remote_timeout_s, page_secret=secret,
                    layout=layout)
 
-    def __init__(self, url: str, block_bytes: int, namespace: str, rank: int, world_size: int,
+    def __init__(self, url: str, page_bytes: int, namespace: str, rank: int, world_size: int,
                  timeout_s: float = 2.0, *, retry_interval_s: float = 2.0,
                  page_secret: bytes | None = None, layout: str = ""):
-        super().__init__(block_bytes, namespace, rank, world_size, page_secret, layout)
+        super().__init__(page_bytes, namespace, rank, world_size, page_secret, layout)
         self._host, self._port = parse_lm_url("remote_url", url)
         if not timeout_s > 0:
             raise KVBMConfigError(f"remote_timeout_s: must be positive, got {timeout_s!r}")
@@ -243,7 +243,7 @@ class RemoteStore(LMCacheStore):
 
     # -- API -------------------------------------------------------------
     def put(self, key: bytes, page: torch.Tensor) -> bool:
-        if not valid_key(key) or not valid_page(page, self.block_bytes):
+        if not valid_key(key) or not valid_page(page, self.page_bytes):
             return False
         key = bytes(key)
 
@@ -263,7 +263,7 @@ class RemoteStore(LMCacheStore):
             return False
 
     def get_into(self, key: bytes, out: torch.Tensor) -> str:
-        if not valid_key(key) or not valid_page(out, self.block_bytes):
+        if not valid_key(key) or not valid_page(out, self.page_bytes):
             return "error"
         key = bytes(key)
         if key in self._removed:

@@ -30,12 +30,12 @@ class RemoteView(TierView):
 
     name = "remote"
 
-    def __init__(self, url: str, namespace: str, block_bytes: int, world_size: int,
+    def __init__(self, url: str, namespace: str, page_bytes: int, world_size: int,
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0,
                  secret: bytes | None = None):
         self.url = url
         self._addr = parse_lm_url("remote_url", url)
-        self._name = page_namer(namespace, block_bytes, 0, world_size, secret)
+        self._name = page_namer(namespace, page_bytes, 0, world_size, secret)
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None

@@ -79,19 +79,19 @@ class RedisStore(TierStore):
                    config.remote_timeout_s, page_secret=secret,
                    tls_ca_file=config.remote_tls_ca_file, layout=layout)
 
-    def __init__(self, target: RemoteTarget, password: Secret | None, block_bytes: int,
+    def __init__(self, target: RemoteTarget, password: Secret | None, page_bytes: int,
                  namespace: str, rank: int, world_size: int, timeout_s: float = 2.0, *,
                  retry_interval_s: float = 2.0, page_secret: bytes | None = None,
                  tls_ca_file: str | None = None, layout: str = ""):
-        if not isinstance(block_bytes, int) or block_bytes <= 0:
-            raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        if not isinstance(page_bytes, int) or page_bytes <= 0:
+            raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
         if not (0 <= rank < world_size):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        self.block_bytes = block_bytes
+        self.page_bytes = page_bytes
         self.url = str(target)
-        self._codec = PageCodec(namespace, block_bytes, page_secret, rank=rank,
+        self._codec = PageCodec(namespace, page_bytes, page_secret, rank=rank,
                                 world_size=world_size, layout=layout)
-        self._page_name = page_namer(namespace, block_bytes, rank, world_size, page_secret)
+        self._page_name = page_namer(namespace, page_bytes, rank, world_size, page_secret)
         self._link = RedisLink(target, password, timeout_s, retry_interval_s,
                                tls_ca_file=tls_ca_file)
         # Each writing thread encodes into its own buffer, reused for every put:
@@ -121,7 +121,7 @@ class RedisStore(TierStore):
 
     # -- API -------------------------------------------------------------
     def put(self, key: bytes, page: torch.Tensor) -> bool:
-        if not valid_key(key) or not valid_page(page, self.block_bytes):
+        if not valid_key(key) or not valid_page(page, self.page_bytes):
             return False
         key = bytes(key)
         try:
@@ -147,7 +147,7 @@ class RedisStore(TierStore):
             return False
 
     def get_into(self, key: bytes, out: torch.Tensor) -> str:
-        if not valid_key(key) or not valid_page(out, self.block_bytes):
+        if not valid_key(key) or not valid_page(out, self.page_bytes):
             return "error"
         key = bytes(key)
         try:

@@ -28,12 +28,12 @@ class RedisView(TierView):
 
     name = "remote"
 
-    def __init__(self, url: str, password, namespace: str, block_bytes: int, world_size: int,
+    def __init__(self, url: str, password, namespace: str, page_bytes: int, world_size: int,
                  timeout_s: float = 2.0, retry_interval_s: float = 2.0,
                  tls_ca_file: str | None = None, secret: bytes | None = None):
         self.url = url
         self._names = [
-            page_namer(namespace, block_bytes, rank, world_size, secret)
+            page_namer(namespace, page_bytes, rank, world_size, secret)
             for rank in range(world_size)]
         self._link = RedisLink(parse_remote_url("remote_url", url), password, timeout_s,
                                retry_interval_s, "for lookups", tls_ca_file)
