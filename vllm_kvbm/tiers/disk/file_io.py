@@ -29,10 +29,11 @@ class _ShortFile(Exception):
     pass
 
 
-# A page is written this much per call. One 2 MiB write into an empty file
-# took 2.4-7.7 ms here against 0.6 ms in 1 MiB writes (most likely the
-# kernel backing the whole aligned 2 MiB range with one large page-cache
-# folio, which takes memory compaction on this VM); reads are as fast.
+# A page is written this much per call: a write of a whole aligned 2 MiB
+# range into an empty file can make the kernel back it with one large
+# page-cache folio, which may need memory compaction first and then costs
+# several times the same bytes in 1 MiB writes (docs/benchmarks.md, disk
+# tier); reads do not pay it.
 _WRITE_CHUNK = 1024 * 1024
 
 
