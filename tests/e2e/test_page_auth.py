@@ -433,8 +433,10 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
     secret_file.chmod(0o600)
 
     def config(**extra):
+        # Every found page loads (no load/recompute split, no late-load cut):
+        # the test counts pages onboarded, whatever the machine's load.
         return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(d),
-                                    disk_cache_size="1GiB", **extra)
+                                    disk_cache_size="1GiB", load_split=False, **extra)
 
     want = reference(plain_llm, [E2E_PROMPT])
     n_pages = len(E2E_PROMPT) // BLOCK_SIZE
