@@ -83,6 +83,21 @@ def relay(lm_server):
 
 
 @pytest.fixture
+def mount(tmp_path):
+    """A FUSE passthrough of tmp_path whose metadata calls can be made to
+    block (helpers/blocking_fs.py), as a hung network filesystem's do;
+    skips where FUSE is missing. Always unmounted afterwards."""
+    from helpers import blocking_fs
+
+    why = blocking_fs.available()
+    if why is not None:
+        pytest.skip(f"no blocking FUSE mount here: {why} (scripts/setup.sh installs it)")
+    m = blocking_fs.BlockingMount(tmp_path, max_block_s=30.0)
+    yield m
+    m.close()
+
+
+@pytest.fixture
 def ext4(tmp_path):
     """An Ext4 under tmp_path; skips where loop mounts are refused. Always
     thawed and unmounted afterwards (a frozen filesystem left behind would

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
-from helpers import blocking_fs
 from helpers.tier_pages import key
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
 from vllm_kvbm.tiers.disk.store import DiskStore
@@ -24,16 +22,6 @@ from test_worker_unit import gen, harness  # noqa: F401 (fixtures)
 
 PAGES = 12
 PAGE_BYTES = 64 * 1024
-
-
-@pytest.fixture
-def mount(tmp_path):
-    why = blocking_fs.available()
-    if why is not None:
-        pytest.skip(f"no blocking FUSE mount here: {why} (scripts/setup.sh installs it)")
-    m = blocking_fs.BlockingMount(tmp_path, max_block_s=30.0)
-    yield m
-    m.close()
 
 
 def _pages(mount, page_bytes: int = PAGE_BYTES) -> list[torch.Tensor]:

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import torch
 
-from helpers import blocking_fs
 from helpers.scheduler_harness import (BLOCK, admit, keys_of, kvbm, make_request,
                                        make_scheduler, step, store_and_finish, tokens)
 from helpers.tier_pages import key, put_where_the_scheduler_sees
@@ -26,16 +24,6 @@ from vllm_kvbm.tiers.disk.store import DiskStore
 
 # What a step may take while the mount is blocked: a blocked stat takes 30 s.
 HANG_BOUND_S = 2.0
-
-
-@pytest.fixture
-def mount(tmp_path):
-    why = blocking_fs.available()
-    if why is not None:
-        pytest.skip(f"no blocking FUSE mount here: {why} (scripts/setup.sh installs it)")
-    m = blocking_fs.BlockingMount(tmp_path, max_block_s=30.0)
-    yield m
-    m.close()
 
 
 def test_the_mount_blocks_stat_while_blocked(mount):
