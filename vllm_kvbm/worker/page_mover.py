@@ -152,6 +152,18 @@ def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
     return dims[0], 1
 
 
+def block_view(name: str, t: torch.Tensor, num_blocks: int,
+               block_dims: dict[str, int] | None) -> tuple[torch.Tensor, int, int]:
+    """(view, block dim, kernel blocks per block) of one layer's KV cache: the
+    view splits a dim holding kernel blocks into (num_blocks, kernel blocks),
+    so the block dim indexes vLLM blocks."""
+    declared = None if block_dims is None else block_dims.get(name)
+    d, ratio = block_dim_of(name, t, num_blocks, declared)
+    if ratio > 1:
+        t = t.unflatten(d, (num_blocks, ratio))
+    return t, d, ratio
+
+
 def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
                   block_dims: dict[str, int] | None = None) -> list[BlockRegion]:
     """Finds where each block's bytes live, for any layout with a block dim.
@@ -165,10 +177,7 @@ def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
     """
     regions = []
     for name, t in kv_caches.items():
-        declared = None if block_dims is None else block_dims.get(name)
-        d, ratio = block_dim_of(name, t, num_blocks, declared)
-        if ratio > 1:
-            t = t.unflatten(d, (num_blocks, ratio))
+        t, d, ratio = block_view(name, t, num_blocks, block_dims)
         elem = t.element_size()
         block_stride = t.stride()[d]
         others = [i for i in range(t.dim()) if i != d]

@@ -354,14 +354,11 @@ def layout_fingerprint(kv_caches: "dict[str, torch.Tensor]", num_blocks: int,
     import hashlib
     import json
 
-    from vllm_kvbm.worker.page_mover import block_dim_of
+    from vllm_kvbm.worker.page_mover import block_view
 
     layers = []
     for name, t in kv_caches.items():
-        declared = None if block_dims is None else block_dims.get(name)
-        d, ratio = block_dim_of(name, t, num_blocks, declared)
-        if ratio > 1:
-            t = t.unflatten(d, (num_blocks, ratio))
+        t, d, ratio = block_view(name, t, num_blocks, block_dims)
         block_stride = t.stride()[d]
         dims = [[t.shape[i], t.stride()[i] if t.stride()[i] < block_stride else -1]
                 for i in range(t.dim()) if i != d]
