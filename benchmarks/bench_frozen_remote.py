@@ -292,7 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     mean = statistics.fmean(frozen) / statistics.fmean(healthy)
     print(f"ITL frozen / healthy: mean {mean:.2f}x, "
           f"p50 {percentile(frozen, 50) / percentile(healthy, 50):.2f}x, "
-          f"p99 {percentile(frozen, 99) / percentile(healthy, 99):.2f}x")
+          f"p99 {percentile(frozen, 99) / percentile(healthy, 99):.2f}x, "
+          f"max {max(frozen) / max(healthy):.2f}x")
+    # Healthy newcomers are misses (fresh prompts): their TTFT is the recompute's.
+    ttfts = {kind: [t for name, r in phases if name == kind for t in r["ttft"]]
+             for kind in ("healthy", "frozen")}
+    recompute = statistics.fmean(ttfts["healthy"])
+    print(f"newcomers' TTFT frozen / recompute (healthy newcomers' mean, {recompute:.3f} s): "
+          f"mean {statistics.fmean(ttfts['frozen']) / recompute:.2f}x, "
+          f"worst {max(ttfts['frozen']) / recompute:.2f}x "
+          f"(healthy newcomers' worst: {max(ttfts['healthy']) / recompute:.2f}x)")
     print(f"gaps >= remote_timeout_s ({args.remote_timeout} s, what one lookup on the scheduler "
           f"thread would add to its step): healthy {slow[0]}, frozen {slow[1]}")
     print(f"decoder chunks holding more than one token: {chunky}; engine on "

@@ -5,7 +5,9 @@ a lookup behind it would wait remote_timeout_s. With a learned prefill model
 a request waits at most what recomputing the pages asked about costs, then
 goes on (the host part loaded, the rest recomputed); requests held by the
 same frozen server leave at their own times; an answer that comes after its
-request went on serves the next request with the same pages at once.
+request went on serves the next request with the same pages at once. Once
+the server has answered healthy lookups, a frozen one is noticed as overdue
+and a request waits only a share of its saving.
 """
 
 from __future__ import annotations
@@ -127,3 +129,32 @@ def test_an_answer_after_its_request_went_on_serves_the_next_request(lm_server):
     # answered at the first ask: the whole prompt but the last token, from the server
     assert k.get_num_new_matched_tokens(again, 0) == (PAGES * BLOCK, True)
     assert k._reqs[again.request_id].lookup.hit_sources == ["remote"] * PAGES
+
+
+def test_an_overdue_answer_holds_a_request_only_a_share_of_its_saving(lm_server):
+    """Healthy lookups teach the lookup thread how long an answer takes; with
+    the server then frozen the answer is overdue within milliseconds, and the
+    request goes on after OVERDUE_WAIT_SHARE of its saving, not all of it."""
+    from vllm_kvbm.scheduler.planner import OVERDUE_WAIT_SHARE
+
+    sched = _scheduler(lm_server)
+    k = kvbm(sched)
+    for seed in range(80, 85):  # healthy answers (misses), each timed
+        req = make_request(tokens(PAGES * BLOCK + 1, seed), max_tokens=2)
+        deadline = time.monotonic() + REMOTE_TIMEOUT_S / 3
+        while k.get_num_new_matched_tokens(req, 0)[0] is None:
+            assert time.monotonic() < deadline, "the healthy server never answered"
+            time.sleep(0.005)
+    assert k._background.service.samples >= 5
+    lm_server.freeze()
+    try:
+        req = make_request(tokens(PAGES * BLOCK + 1, 79), max_tokens=2)
+        added = time.monotonic()
+        sched.add_request(req)
+        left = _step_until_admitted(sched, [req], timeout=REMOTE_TIMEOUT_S / 3)
+        waited = left[req.request_id] - added
+        assert waited >= OVERDUE_WAIT_SHARE * _saving()
+        assert waited < _saving() / 2  # not the whole saving
+        assert k.stats.total["matched_tokens"] == 0
+    finally:
+        lm_server.thaw()

@@ -42,6 +42,12 @@ logger = logging.getLogger(__name__)
 # page): a hit from the tiers behind a server is at most this long.
 _BACKGROUND_RUN = 4096
 
+# Once the lower tiers' answer is overdue, a request waits at most this share
+# of what the answer could save (so a frozen server costs a newcomer about
+# this much of its recompute time, not all of it); a late answer on a long
+# prompt still gets that long to come.
+OVERDUE_WAIT_SHARE = 0.1
+
 # A store backlog that gets no host slot for this long and this many steps
 # is dropped (counted in store_skipped_blocks): a finished request's engine
 # blocks are held for it. Steps too, as a long prefill step alone can take
@@ -354,14 +360,20 @@ class KVBMScheduler:
     def _waited_enough(self, state: _ReqState, i: int, n: int) -> bool:
         """Whether the request has waited for the lower tiers' answer about
         pages [i, i+n) as long as that answer could save it (recomputing
-        those pages). The wait counts from the request's own first ask, so
-        requests held by one slow answer leave at their own times, not
-        together when it comes."""
+        those pages), or, once the answer is overdue (a healthy tier would
+        have given it by now: a frozen server, a hung mount), a share of
+        that (``OVERDUE_WAIT_SHARE``). The wait counts from the request's
+        own first ask, so requests held by one slow answer leave at their own
+        times, not together when it comes."""
         now = self.split.clock()
         if state.lookup.waiting_since is None:
             state.lookup.waiting_since = now
         bound = self.split.wait_bound(i, n)
-        return bound is not None and now - state.lookup.waiting_since >= bound
+        if bound is None:
+            return False
+        waited = now - state.lookup.waiting_since
+        return waited >= bound or (waited >= OVERDUE_WAIT_SHARE * bound
+                                   and self._background.overdue(state.request.request_id))
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
