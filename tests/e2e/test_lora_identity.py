@@ -1,6 +1,12 @@
-"""A LoRA adapter rewritten in place on a real engine: its keys follow its
-files' contents (fingerprints.adapter_fingerprint, stat-keyed per request), so
-once vLLM loads the new adapter no page of the old one is onboarded.
+"""A LoRA adapter rewritten in place on a real engine.
+
+vLLM loads an adapter's files once per int id and keeps running those
+weights until it evicts them or a request asks ``load_inplace``; KVBM cannot
+see either happen. So once the files change (fingerprints.adapter_fingerprint,
+stat-keyed per request), the adapter is not cached again in that engine: no
+lookups, no stores. Without that, a request between the rewrite and vLLM's
+reload stored the old weights' KV under the new files' keys, and the reloaded
+adapter's next request onboarded it.
 
 The adapter (k_proj of every layer, so it changes the KV) is written as PEFT
 writes it: adapter_config.json and adapter_model.safetensors. Rewriting it in
@@ -69,7 +75,7 @@ def generate(llm, lora, max_tokens: int = 16):
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
-def test_lora_rewritten_in_place_gets_new_keys(tmp_path, monkeypatch, model_dir):
+def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, model_dir):
     from vllm.lora.request import LoRARequest
 
     monkeypatch.setenv("KVBM_CACHE_DIR", str(tmp_path / "kvbm-cache"))
@@ -95,10 +101,17 @@ def test_lora_rewritten_in_place_gets_new_keys(tmp_path, monkeypatch, model_dir)
         # vLLM's own prefix cache names an adapter by name and path only: it
         # would serve the old adapter's blocks itself, so it is cleared here.
         assert kvbm.reset_prefix_cache()
-        matched = kvbm_counter("matched_tokens")
+        matched, stored = kvbm_counter("matched_tokens"), kvbm_counter("offload_blocks_d2h")
+        # vLLM still runs the weights it loaded for id 1: the old answer,
+        # which must not be stored under the new files' keys...
+        stale, cached = generate(kvbm, lora)
+        assert stale == old_out and cached == 0
+        assert kvbm.reset_prefix_cache()
+        # ...or the reloaded adapter would onboard it here.
         got, cached = generate(kvbm, LoRARequest("tuned", 1, str(adapter), load_inplace=True))
         assert cached == 0
         assert kvbm_counter("matched_tokens") == matched
+        assert kvbm_counter("offload_blocks_d2h") == stored
     finally:
         kvbm.llm_engine.engine_core.shutdown()
 

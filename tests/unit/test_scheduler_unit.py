@@ -780,3 +780,42 @@ def test_keys_stable_across_processes():
         got = subprocess.run([sys.executable, "-c", code], env=env, check=True,
                              capture_output=True, text=True).stdout.strip()
         assert got == here
+
+
+def test_a_lora_adapter_changed_on_disk_is_no_longer_cached(tmp_path, caplog):
+    """vLLM runs the adapter weights it loaded for an int id until it reloads
+    them at a time the scheduler cannot see: once the files change, the
+    adapter's requests are not cached (no lookup, no stores, those in flight
+    store nothing more), with a warning that says how to cache it again. An
+    adapter loaded under a new int id is cached."""
+    import logging
+
+    from vllm.lora.request import LoRARequest
+
+    from helpers.scheduler_harness import kvbm, make_request, make_scheduler, tokens
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"old weights")
+    k = kvbm(make_scheduler(host_blocks=16))
+    prompt = tokens(3 * 128 + 5, 91)
+    first = make_request(prompt, lora_request=LoRARequest("tuned", 1, str(adapter)))
+    assert k.get_num_new_matched_tokens(first, 0) == (0, False)
+    assert not k._reqs[first.request_id].no_store
+
+    (adapter / "adapter_model.safetensors").write_bytes(b"new weights")
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.planner"):
+        second = make_request(prompt, lora_request=LoRARequest("tuned", 1, str(adapter)))
+        assert k.get_num_new_matched_tokens(second, 0) == (0, False)
+    assert second.request_id not in k._reqs  # not tracked: nothing looked up or stored
+    assert k._reqs[first.request_id].no_store
+    assert "changed on disk" in caplog.text and "new adapter name" in caplog.text
+    third = make_request(prompt, lora_request=LoRARequest("tuned", 1, str(adapter)))
+    k.get_num_new_matched_tokens(third, 0)
+    assert third.request_id not in k._reqs
+    assert caplog.text.count("changed on disk") == 1  # warned once
+
+    renamed = make_request(prompt, lora_request=LoRARequest("tuned-v2", 2, str(adapter)))
+    k.get_num_new_matched_tokens(renamed, 0)
+    assert not k._reqs[renamed.request_id].no_store

@@ -151,8 +151,9 @@ class _ReqState:
     store: _StoreProgress = field(default_factory=_StoreProgress)
     prefill: _PrefillTiming = field(default_factory=_PrefillTiming)
     finished: bool = False
-    # holds KV computed before a cache reset: never stored again
-    pre_reset: bool = False
+    # holds KV its keys may not name (computed before a cache reset, or with
+    # a LoRA adapter whose files changed since): never stored again
+    no_store: bool = False
 
 
 @dataclass
@@ -210,6 +211,9 @@ class KVBMScheduler:
         # requests with a store backlog (their pages wait for host slots)
         self._backlogged: dict[str, _ReqState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
+        # LoRA adapters by vLLM's int id as first seen, and those changed since
+        self._adapters: dict[int, LoRAIdentity] = {}
+        self._changed_adapters: set[int] = set()
         self._evictions_seen = 0
         self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots * info.page_blocks)
         self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.page_bytes)
@@ -230,11 +234,38 @@ class KVBMScheduler:
         if state is None:
             if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
                 return None  # KV depends on inputs that token ids don't capture
-            salt = _salt(request)
+            lora = _lora_identity(request.lora_request)
+            if lora is not None and not self._adapter_unchanged(lora):
+                return None  # the weights its KV comes from are not known
+            salt = request_salt(lora, request.cache_salt)
             state = _ReqState(request, self._key_chain(request, salt), salt)
             self._reqs[request.request_id] = state
             self._watched[request.request_id] = state
         return state
+
+    def _adapter_unchanged(self, lora: LoRAIdentity) -> bool:
+        """Whether a LoRA adapter is as when this engine first saw its int id
+        (name, path and files). vLLM loads an adapter's files once per int id
+        and runs those weights until it evicts them from its LoRA cache or a
+        request asks ``load_inplace``, neither of which the scheduler sees
+        happen: once the files change, no key can say which weights a page
+        was computed with. So the adapter is not cached again in this engine
+        (no lookups, no stores; its requests in flight store nothing more)."""
+        first = self._adapters.setdefault(lora.int_id, lora)
+        if first == lora:
+            return True
+        if lora.int_id not in self._changed_adapters:
+            self._changed_adapters.add(lora.int_id)
+            for state in self._reqs.values():
+                other = state.request.lora_request
+                if other is not None and other.lora_int_id == lora.int_id:
+                    state.no_store = True
+            logger.warning(
+                "KVBM: LoRA adapter %r (id %d) changed on disk since this engine first used it; "
+                "its requests are no longer cached (vLLM may still run the weights it loaded). "
+                "To cache it again, load the new files under a new adapter name, or restart "
+                "the engine", lora.name, lora.int_id)
+        return False
 
     def _key_chain(self, request: "Request", salt: bytes) -> KeyChain | VllmHashKeys:
         """The request's keys under the current epoch: from vLLM's block
@@ -248,7 +279,8 @@ class KVBMScheduler:
     def key_chain(self, request: "Request") -> KeyChain | VllmHashKeys:
         """A fresh copy of the keys lookups and stores use for ``request``
         (computed on demand: ``extend``), e.g. to see what a prompt is stored as."""
-        return self._key_chain(request, _salt(request))
+        return self._key_chain(request, request_salt(_lora_identity(request.lora_request),
+                                                     request.cache_salt))
 
     def _keys(self, state: _ReqState, num_tokens: int) -> list[PageKey]:
         """Keys of the first ``num_tokens // page_tokens`` pages. Copies only
@@ -546,7 +578,7 @@ class KVBMScheduler:
         request = state.request
         return (not self.offload_decode_blocks
                 and request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens
-                and (state.pre_reset or state.store.cursor
+                and (state.no_store or state.store.cursor
                      >= request.num_prompt_tokens // self.page_tokens))
 
     def _watch_prefill(self, state: _ReqState, num_scheduled: int, now: float) -> None:
@@ -587,7 +619,7 @@ class KVBMScheduler:
         """Stores every full page this step completes that the host lacks
         (after the request's backlog)."""
         request = state.request
-        if state.pre_reset or (not self.offload_decode_blocks and state.store.cursor
+        if state.no_store or (not self.offload_decode_blocks and state.store.cursor
                                >= request.num_prompt_tokens // self.page_tokens):
             return None  # e.g. decoding, prompt stored: the common case, kept cheap
         # Tokens whose KV exists after this step and whose ids are known.
@@ -611,7 +643,7 @@ class KVBMScheduler:
         host tier reaches the lower tiers a host tier's worth at a time."""
         jobs = []
         for state in list(self._backlogged.values()):
-            if state.pre_reset:  # its pages would get post-reset keys
+            if state.no_store:  # e.g. its pages would get post-reset keys
                 self._drop_backlog(state)
                 continue
             job = self._store_pages(state, state.store.backlog, state.store.cursor)
@@ -935,7 +967,7 @@ class KVBMScheduler:
             # KV computed (or being loaded) before the reset never gets a
             # post-reset key; lookups from now on use the new epoch.
             if state.request.num_computed_tokens > 0 or state.load.in_flight():
-                state.pre_reset = True
+                state.no_store = True
             else:  # computes from scratch (e.g. preempted by the reset): store it all anew
                 state.store.cursor = 0
             state.chain = self._key_chain(state.request, state.salt)
@@ -968,11 +1000,6 @@ def _adapter_fingerprint(path: str) -> str:
     # Stat-keyed: an adapter rewritten in place gets new keys from its next
     # request on (fingerprints.adapter_fingerprint).
     return adapter_fingerprint(path)
-
-
-def _salt(request: "Request") -> bytes:
-    """What besides its tokens changes the request's KV (LoRA, cache salt)."""
-    return request_salt(_lora_identity(request.lora_request), request.cache_salt)
 
 
 def _preemptions(request: "Request") -> int:
