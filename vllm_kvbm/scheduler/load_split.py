@@ -23,8 +23,10 @@ _KEEP = 0.9
 # A tier judged slower than recompute is tried again after this long, so a
 # tier that got fast again is noticed: one request loads its first
 # PROBE_BLOCKS blocks from it whatever they cost, and the load measures it.
+# While the tier stays slow a probe costs its request about recomputing those
+# pages once more (the load is cut when it runs late): kept small.
 PROBE_AFTER_S = 30.0
-PROBE_BLOCKS = 4
+PROBE_BLOCKS = 2
 
 
 # Decay of old load samples in a tier's fit, per new sample: a tier that
