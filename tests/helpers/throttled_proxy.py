@@ -12,6 +12,8 @@ import socket
 import threading
 import time
 
+from vllm_kvbm.tiers.lm.view import quick_ack
+
 _CHUNK = 64 * 1024
 
 
@@ -38,6 +40,8 @@ class ThrottledProxy:
             except OSError:
                 client.close()
                 continue
+            for s in (client, server):  # adds no delay of its own to small messages
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._socks += [client, server]
             for src, dst, paced in ((client, server, False), (server, client, True)):
@@ -46,6 +50,7 @@ class ThrottledProxy:
     def _pump(self, src: socket.socket, dst: socket.socket, paced: bool) -> None:
         try:
             while True:
+                quick_ack(src)
                 data = src.recv(_CHUNK)
                 if not data:
                     break
