@@ -132,9 +132,10 @@ def test_an_answer_after_its_request_went_on_serves_the_next_request(lm_server):
 
 
 def test_an_overdue_answer_holds_a_request_only_a_share_of_its_saving(lm_server):
-    """Healthy lookups teach the lookup thread how long an answer takes; with
-    the server then frozen the answer is overdue within milliseconds, and the
-    request goes on after OVERDUE_WAIT_SHARE of its saving, not all of it."""
+    """Healthy lookups teach the lookup thread how long a call to the server
+    takes; with the server then frozen its call is stuck within milliseconds,
+    and the request goes on after OVERDUE_WAIT_SHARE of its saving, not all
+    of it."""
     from vllm_kvbm.scheduler.planner import OVERDUE_WAIT_SHARE
 
     sched = _scheduler(lm_server)
@@ -145,7 +146,7 @@ def test_an_overdue_answer_holds_a_request_only_a_share_of_its_saving(lm_server)
         while k.get_num_new_matched_tokens(req, 0)[0] is None:
             assert time.monotonic() < deadline, "the healthy server never answered"
             time.sleep(0.005)
-    assert k._background.service.samples >= 5
+    assert k.lower.calls.samples >= 5
     lm_server.freeze()
     try:
         req = make_request(tokens(PAGES * BLOCK + 1, 79), max_tokens=2)

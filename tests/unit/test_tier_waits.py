@@ -194,16 +194,17 @@ def test_a_streamed_load_waiting_for_staging_slots_fails_at_its_deadline(mount, 
 
 
 def test_a_lookup_held_by_a_hung_disk_is_overdue_and_so_are_those_behind_it(mount):
-    """The lookup thread times its answers: with the disk healthy a question
-    is answered before it is overdue; with the mount hung the question in
-    stat and one queued behind it both become overdue within a small multiple
-    of a healthy answer (not the 30 s the stat takes), and neither is overdue
-    once answered."""
+    """The lookup thread times its calls into the tiers: with the disk
+    healthy a question is answered without ever being overdue; with the mount
+    hung the question in stat and one queued behind it are overdue within a
+    small multiple of a healthy call (not the 30 s the stat takes), and
+    neither is once answered."""
     from vllm_kvbm.scheduler.lookups import BackgroundLookups
     from vllm_kvbm.scheduler.tier_policy import LowerTiers
     from vllm_kvbm.tiers.disk.view import DiskView
 
-    bg = BackgroundLookups(LowerTiers([DiskView(str(mount.path), "ns", 4096, 1)]))
+    lower = LowerTiers([DiskView(str(mount.path), "ns", 4096, 1)])
+    bg = BackgroundLookups(lower)
     keys = [bytes([i]) * 32 for i in range(8)]
 
     def answered(req_id, timeout):
@@ -216,11 +217,10 @@ def test_a_lookup_held_by_a_hung_disk_is_overdue_and_so_are_those_behind_it(moun
     for i in range(5):
         answered(f"healthy{i}", 5.0)
         assert not bg.overdue(f"healthy{i}")
-    usual = bg.service.usual_max()
+    usual = lower.calls.usual_max()
     assert usual is not None and usual < HANG_BOUND_S / 4
     with mount.blocked():
         assert bg.ask("first", keys, 0, len(keys)) is None
-        time.sleep(0.05)  # the thread is in stat now
         assert bg.ask("behind", keys, 0, len(keys)) is None
         start = time.monotonic()
         while not (bg.overdue("first") and bg.overdue("behind")):
@@ -229,20 +229,20 @@ def test_a_lookup_held_by_a_hung_disk_is_overdue_and_so_are_those_behind_it(moun
     answered("first", 40.0)
     answered("behind", 5.0)
     assert not bg.overdue("first") and not bg.overdue("behind")
-    assert bg._pending == 0
+    assert not lower.calls.stuck()
 
 
-def test_a_timed_out_lookup_does_not_make_the_next_freeze_look_usual():
-    """One answer that took a server's timeout barely moves the usual time;
-    a tier that stays slower raises it within tens of answers."""
-    from vllm_kvbm.scheduler.lookups import ServiceTime
+def test_a_timed_out_call_does_not_make_the_next_freeze_look_usual():
+    """One call that took a server's timeout barely moves the usual time; a
+    tier that stays slower raises it within tens of calls."""
+    from vllm_kvbm.scheduler.tier_calls import TierCalls
 
-    st = ServiceTime()
+    calls = TierCalls()
     for _ in range(20):
-        st.add(0.002)
-    usual = st.usual_max()
-    st.add(2.0)  # a lookup that waited out remote_timeout_s
-    assert st.usual_max() < 2 * usual
+        calls.add(0.002)
+    usual = calls.usual_max()
+    calls.add(2.0)  # a lookup that waited out remote_timeout_s
+    assert calls.usual_max() < 2 * usual
     for _ in range(60):
-        st.add(0.2)  # the tier is slower now, for good
-    assert st.usual_max() > 0.2
+        calls.add(0.2)  # the tier is slower now, for good
+    assert calls.usual_max() > 0.2

@@ -47,10 +47,9 @@ class BackgroundLookups:
     the disk has already (``check_disk``, answers taken by ``take_checked``):
     a stat on a hung network filesystem blocks this thread, not vLLM's.
 
-    The thread times what it answers (``service``), so a question can be
-    found ``overdue``: not answered by when a healthy tier would have
-    answered it and the questions queued ahead of it. The planner lets a
-    request with an overdue answer go on early (planner ``_waited_enough``).
+    A question is ``overdue`` while the thread is stuck in a call into a
+    tier (``LowerTiers.calls``: far longer than such calls usually take);
+    the planner then lets its request go on early (``_waited_enough``).
     """
 
     def __init__(self, lower: LowerTiers):
@@ -60,9 +59,6 @@ class BackgroundLookups:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._checked: list[tuple[list[PageKey], set[PageKey]]] = []
         self.checks_pending = 0  # disk checks queued or being answered
-        self._pending = 0  # questions and disk checks queued or being answered
-        self._serving_since: float | None = None  # when the thread began its current one
-        self.service = ServiceTime()
         # (start, first key) -> (keys asked, run, answered at) of answers that
         # came after their request went on (``went_on``), newest last
         self._late: dict[tuple[int, PageKey], tuple[list[PageKey], list[str], float]] = {}
@@ -94,26 +90,17 @@ class BackgroundLookups:
                 q.run, q.answered_at = late
                 q.asking = False
                 return q.run, 0
-            q.asked_at, q.ahead = time.monotonic(), self._pending
-            self._pending += 1
         self._queue.put((req_id, q, keys[start:end]))
         return None
 
     def overdue(self, req_id: str) -> bool:
-        """Whether the request's question is still unanswered past when a
-        healthy tier would have answered it: its own lookup and those queued
-        ahead of it, each at the longest time lookups usually take
-        (``ServiceTime.usual_max``), or at once while the thread has been in
-        one lookup longer than that (everything queued waits on it). False
-        while no lookup has been timed."""
-        usual = self.service.usual_max()
-        now = time.monotonic()
+        """Whether the request's question is unanswered while the thread is
+        stuck in a call into a tier (a frozen server, a hung mount): the
+        answer then comes, if at all, at that tier's timeout."""
         with self._lock:
             q = self._entries.get(req_id)
-            if usual is None or q is None or q.run is not None:
-                return False
-            stuck = self._serving_since is not None and now - self._serving_since > usual
-            return stuck or now - q.asked_at > (q.ahead + 1) * usual
+            waiting = q is not None and q.run is None
+        return waiting and self._lower.calls.stuck()
 
     def went_on(self, req_id: str) -> None:
         """The request went on without its answer (it waited as long as the
@@ -150,7 +137,6 @@ class BackgroundLookups:
         ``keys`` with that set."""
         with self._lock:
             self.checks_pending += 1
-            self._pending += 1
         self._queue.put((None, list(ask), list(keys)))
 
     def take_checked(self) -> list[tuple[list[PageKey], set[PageKey]]]:
@@ -172,23 +158,17 @@ class BackgroundLookups:
         widen_thread_affinity()  # not the engine thread's one core (cpus.py)
         while True:
             req_id, q, keys = self._queue.get()
-            began = self._serving_since = time.monotonic()
             if req_id is None:
                 self._check(q, keys)
-                self._served(began)
                 continue
             with self._lock:
                 if self._entries.get(req_id) is not q:
-                    self._serving_since = None
-                    if q.run is None:  # a first question (a refresh has a run)
-                        self._pending -= 1
                     continue  # forgotten or asked again meanwhile
             try:
                 run = self._lower.find_run_doubling(keys)
             except Exception as err:  # a view must not kill the thread: a miss
                 logger.warning("KVBM: lower-tier lookup failed: %s", err)
                 run = []
-            self._served(began, counted=q.run is None)  # a refresh has a run
             with self._lock:
                 q.run, q.answered_at, q.asking = run, time.monotonic(), False
                 if q.abandoned:
@@ -197,51 +177,6 @@ class BackgroundLookups:
                     while len(self._late) > LATE_ANSWERS:
                         del self._late[next(iter(self._late))]
 
-    def _served(self, began: float, counted: bool = True) -> None:
-        """One question or check answered, begun at ``began``; ``counted``:
-        it was counted in ``_pending`` (a refresh of an answer is not)."""
-        self.service.add(time.monotonic() - began)
-        with self._lock:
-            self._serving_since = None
-            if counted:
-                self._pending -= 1
-
-
-class ServiceTime:
-    """How long the lookup thread takes to answer one question, as a decayed
-    mean and mean deviation of its recent answers. An answer is counted at
-    most ``_SERVICE_CLIP`` times the usual maximum: a lookup that waited out
-    a frozen server's timeout says nothing of a healthy one (it would make
-    the next freeze look usual), while a tier that got slower for good still
-    raises the estimate, a step per answer."""
-
-    def __init__(self) -> None:
-        self.mean = self.deviation = 0.0
-        self.samples = 0
-
-    def add(self, seconds: float) -> None:
-        if not self.samples:
-            self.mean = seconds
-        else:
-            seconds = min(seconds, _SERVICE_CLIP * self.usual_max())
-            self.deviation += _SERVICE_KEEP * (abs(seconds - self.mean) - self.deviation)
-            self.mean += _SERVICE_KEEP * (seconds - self.mean)
-        self.samples += 1
-
-    def usual_max(self) -> float | None:
-        """The longest an answer usually takes (mean plus four deviations,
-        and a floor for the thread's own scheduling), None before any."""
-        if not self.samples:
-            return None
-        return self.mean + 4 * self.deviation + SERVICE_FLOOR_S
-
-
-# Weight of each new answer's time in ServiceTime's decayed mean.
-_SERVICE_KEEP = 0.1
-_SERVICE_CLIP = 2.0
-# The thread shares the GIL and the cores with the engine: an answer may come
-# this much later than its lookup took without anything being wrong.
-SERVICE_FLOOR_S = 0.005
 
 # An answer this old is asked again (and serves until the new one is in).
 REFRESH_S = 0.5
@@ -259,8 +194,6 @@ class _Question:
     run: list[str] | None = None  # None: not answered yet
     answered_at: float = 0.0
     asking: bool = True  # queued or being answered
-    asked_at: float = 0.0
-    ahead: int = 0  # questions and checks queued ahead of it when asked
     abandoned: bool = False  # its request went on without it
 
 

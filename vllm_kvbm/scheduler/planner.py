@@ -392,9 +392,9 @@ class KVBMScheduler:
     def _waited_enough(self, state: _ReqState, i: int, n: int) -> bool:
         """Whether the request has waited for the lower tiers' answer about
         pages [i, i+n) as long as that answer could save it (recomputing
-        those pages), or, once the answer is overdue (a healthy tier would
-        have given it by now: a frozen server, a hung mount), a share of
-        that (``OVERDUE_WAIT_SHARE``). The wait counts from the request's
+        those pages), or, once the answer is overdue (the lookup thread is
+        stuck in a call into a tier: a frozen server, a hung mount), a share
+        of that (``OVERDUE_WAIT_SHARE``). The wait counts from the request's
         own first ask, so requests held by one slow answer leave at their own
         times, not together when it comes."""
         now = self.split.clock()

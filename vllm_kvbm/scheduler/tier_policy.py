@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 
 from vllm_kvbm.keys import PageKey
+from vllm_kvbm.scheduler.tier_calls import TierCalls
 from vllm_kvbm.tiers.base import TierView
 
 # Bound on the per-key bookkeeping below (use counts, recent writes): entries
@@ -46,6 +47,7 @@ class LowerTiers:
         # written again when hot; a server's evictions are not reported, so
         # there the entry has to age out of the bounded table.
         self._written = {view.name: _BoundedCounter() for view in views}
+        self.calls = TierCalls()  # how long each call into a view takes
 
     def __bool__(self) -> bool:
         return bool(self.views)
@@ -75,7 +77,8 @@ class LowerTiers:
             if not todo:
                 break
             batch = [keys[i] for i in todo]
-            hits = view.contains_many(batch)
+            with self.calls.timed():
+                hits = view.contains_many(batch)
             for i, hit in zip(todo, hits):
                 if hit:
                     found[i] = view.name
@@ -107,7 +110,10 @@ class LowerTiers:
         found: set[PageKey] = set()
         for view in self.views:
             if view.name == "disk":
-                found.update(key for key in keys if view.contains(key))
+                for key in keys:
+                    with self.calls.timed():
+                        if view.contains(key):
+                            found.add(key)
         return found
 
     def admit(self, keys: list[PageKey], reused: bool,
