@@ -67,6 +67,36 @@ def test_a_fetch_slower_than_recompute_is_cut_at_the_pages_landed(mount):
     assert meta.bad_pages == []  # pages not read are not reported missing
 
 
+def test_a_slow_first_read_alone_does_not_cut_a_fetch(mount):
+    """The first read pays the tier's latency (here the mount blocks it
+    0.3 s); the pages after it come fast. Paced from its first read, the
+    fetch looked like 11 x 0.3 s against 0.6 s of recompute and was cut; its
+    pace is taken after the first group, so it loads everything."""
+    pages = _pages(mount)
+    io = TierIO(read_timeout_s=20.0)
+    io.add(DiskStore(str(mount.path), 64 << 20, PAGE_BYTES, "ns", 0, 1))
+    pool = torch.zeros(PAGES, PAGE_BYTES, dtype=torch.uint8)
+    job = TransferJob(1, "R", list(range(PAGES)), list(range(PAGES)),
+                      fetch=[(i, "disk", key(i)) for i in range(PAGES)],
+                      recompute_s=[0.05 * (PAGES - i) for i in range(PAGES)])
+    meta = KVBMWorkerMetadata()
+    try:
+        with mount.blocked():
+            io.fetch(job, pool)
+            time.sleep(0.3)  # the first read waits on the mount
+        deadline = time.monotonic() + 60
+        while not (ready := io.poll(meta)):
+            assert time.monotonic() < deadline, "the fetch never ended"
+            time.sleep(0.005)
+    finally:
+        io.close()
+    [(got, ok, reading, cut)] = ready
+    assert got is job and ok and not reading
+    assert cut is None
+    for i in range(PAGES):
+        assert torch.equal(pool[i], pages[i])
+
+
 def test_a_fetch_with_no_recompute_time_known_is_never_cut(mount):
     pages = _pages(mount)
     cut, pool, _ = _fetch(mount, [])

@@ -89,6 +89,11 @@ class _Fetch:
     # fetched are in the host tier already)
     landed: list[bool] = field(default_factory=list)
     fetched: int = 0  # pages read intact so far
+    # when its first group of reads ended, and the pages it held: the pace is
+    # taken after it (the first read pays the tier's latency, a connection, a
+    # server busy with writes: alone it says little of the pages after it)
+    first_at: float | None = None
+    first_pages: int = 0
     # pages landed when it was cut for running late (None: not cut); its
     # reads stop after their current group
     cut_at: int | None = None
@@ -103,19 +108,21 @@ class _Fetch:
         return n
 
     def runs_late(self, now: float) -> bool:
-        """Whether its pace so far (pages read per second) says it ends after
-        recomputing the pages not landed would have."""
+        """Whether its pace since its first group of reads (pages read per
+        second) says it ends after recomputing the pages not landed would
+        have."""
         recompute = self.job.recompute_s
         if not recompute or self.cut_at is not None:
             return False
         n = self.landed_prefix()
         if n >= len(recompute):
             return False
-        elapsed = now - self.started
-        if self.fetched == 0:  # no pace yet: late once it took longer than all of it
-            return elapsed > recompute[n]
+        paced = self.fetched - self.first_pages
+        if self.first_at is None or paced <= 0:
+            # no pace yet: late once it took longer than recomputing all of it
+            return now - self.started > recompute[n]
         left = len(self.job.fetch) - self.fetched
-        return left * elapsed / self.fetched > recompute[n]
+        return left * (now - self.first_at) / paced > recompute[n]
 
 
 class TierIO:
@@ -177,6 +184,8 @@ class TierIO:
                             fetch.landed[i] = True
                             fetch.fetched += 1
                     fetch.progress = time.monotonic()
+                    if fetch.first_at is None:
+                        fetch.first_at, fetch.first_pages = fetch.progress, fetch.fetched
                     start += len(group)
                     if fetch.progress - began < _GROUP_S:
                         size = min(2 * size, _READ_GROUP)
