@@ -232,17 +232,43 @@ def test_a_lookup_held_by_a_hung_disk_is_overdue_and_so_are_those_behind_it(moun
     assert not lower.calls.stuck()
 
 
-def test_a_timed_out_call_does_not_make_the_next_freeze_look_usual():
-    """One call that took a server's timeout barely moves the usual time; a
-    tier that stays slower raises it within tens of calls."""
+def test_a_long_call_does_not_make_the_next_freeze_look_usual():
+    """A call much longer than usual (a stat that waited out a hung mount)
+    counts as the usual maximum: it barely moves it; a tier that stays slower
+    raises it within tens of calls."""
     from vllm_kvbm.scheduler.tier_calls import TierCalls
 
     calls = TierCalls()
     for _ in range(20):
         calls.add(0.002)
     usual = calls.usual_max()
-    calls.add(2.0)  # a lookup that waited out remote_timeout_s
-    assert calls.usual_max() < 2 * usual
+    calls.add(30.0)
+    assert calls.usual_max() < 1.5 * usual
     for _ in range(60):
         calls.add(0.2)  # the tier is slower now, for good
     assert calls.usual_max() > 0.2
+
+
+def test_a_failed_call_to_a_frozen_server_is_not_counted():
+    """A server that accepts connections and never answers (a listening
+    socket nobody reads: what the kernel does for a SIGSTOPped server): the
+    view's call times out and the view is down; that call's time is not
+    counted, so the next freeze is noticed as soon as the first."""
+    import socket
+
+    from vllm_kvbm.scheduler.tier_policy import LowerTiers
+    from vllm_kvbm.tiers.lm.view import RemoteView
+
+    frozen = socket.create_server(("127.0.0.1", 0))
+    try:
+        view = RemoteView(f"lm://127.0.0.1:{frozen.getsockname()[1]}", "ns", 4096, 1,
+                          timeout_s=0.3)
+        lower = LowerTiers([view])
+        lower.calls.add(0.001)
+        usual = lower.calls.usual_max()
+        assert lower.find_run([b"k" * 32]) == []  # timed out: a miss
+        assert view.down
+        assert lower.calls.samples == 1 and lower.calls.usual_max() == usual
+        view.close()
+    finally:
+        frozen.close()

@@ -14,14 +14,13 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm_kvbm.tiers.base import TierView
 
 # Weight of each new call's time in the decayed mean.
 _KEEP = 0.1
-# A call is counted at most this many times the usual maximum: one that
-# waited out a frozen server's timeout says nothing of a healthy one (it
-# would make the next freeze look usual), while a tier that got slower for
-# good still raises the estimate, a step per call.
-_CLIP = 2.0
 # The lookup thread shares the GIL with the engine's busy loop: each time a
 # call takes the GIL back (after a send, a recv) it may wait a switch
 # interval, so a call may end this much later than its I/O without anything
@@ -31,7 +30,12 @@ FLOOR_S = 4 * sys.getswitchinterval()
 
 class TierCalls:
     """The usual time of one call (decayed mean plus four mean deviations,
-    and a floor), and whether the call running now has exceeded it."""
+    and a floor), and whether the call running now has exceeded it.
+
+    A call that failed (the view is ``down`` after it: a frozen server's
+    timeout) is not counted, and one longer than usual counts as the usual
+    maximum: a freeze must not make the next one look usual, while a tier
+    that got slower for good still raises the estimate, a step per call."""
 
     def __init__(self) -> None:
         self.mean = self.deviation = 0.0
@@ -39,19 +43,21 @@ class TierCalls:
         self._since: float | None = None  # when the call running now began
 
     @contextlib.contextmanager
-    def timed(self) -> Iterator[None]:
+    def timed(self, view: "TierView") -> Iterator[None]:
+        """Times one call into ``view``."""
         began = self._since = time.monotonic()
         try:
             yield
         finally:
             self._since = None
-            self.add(time.monotonic() - began)
+            if not view.down:
+                self.add(time.monotonic() - began)
 
     def add(self, seconds: float) -> None:
         if not self.samples:
             self.mean = seconds
         else:
-            seconds = min(seconds, _CLIP * self.usual_max())
+            seconds = min(seconds, self.usual_max())
             self.deviation += _KEEP * (abs(seconds - self.mean) - self.deviation)
             self.mean += _KEEP * (seconds - self.mean)
         self.samples += 1

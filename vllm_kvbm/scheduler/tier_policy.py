@@ -77,7 +77,7 @@ class LowerTiers:
             if not todo:
                 break
             batch = [keys[i] for i in todo]
-            with self.calls.timed():
+            with self.calls.timed(view):
                 hits = view.contains_many(batch)
             for i, hit in zip(todo, hits):
                 if hit:
@@ -111,7 +111,7 @@ class LowerTiers:
         for view in self.views:
             if view.name == "disk":
                 for key in keys:
-                    with self.calls.timed():
+                    with self.calls.timed(view):
                         if view.contains(key):
                             found.add(key)
         return found

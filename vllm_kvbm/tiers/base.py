@@ -85,5 +85,11 @@ class TierView(ABC):
         keys in one round trip (a server) overrides this."""
         return [self.contains(key) for key in keys]
 
+    @property
+    def down(self) -> bool:
+        """Whether its last call failed (the server unreachable, a timeout):
+        then that call's time says nothing of a healthy one (TierCalls)."""
+        return False
+
     def close(self) -> None:
         """Releases its connection, if any."""

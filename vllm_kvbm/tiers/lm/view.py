@@ -83,6 +83,10 @@ class RemoteView(TierView):
             self._retry.answered()
             return found
 
+    @property
+    def down(self) -> bool:
+        return self._retry.state == "down"
+
     def _connection(self) -> socket.socket | None:
         if self._sock is not None:
             return self._sock

@@ -45,6 +45,10 @@ class RedisView(TierView):
                    info.page_bytes, info.key_namespace.tp_size, config.remote_timeout_s,
                    tls_ca_file=config.remote_tls_ca_file, secret=secret)
 
+    @property
+    def down(self) -> bool:
+        return not self._link.up
+
     def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
 
