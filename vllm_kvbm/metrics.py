@@ -50,7 +50,8 @@ COUNTERS = {
     "recompute_chosen_tokens": "Prompt tokens found in a tier but recomputed on purpose: loading "
                                "them was expected to take longer (learned costs, load_split)",
     "transfer_timeouts": "NIXL transfers still running after 30 s (stores are dropped, their "
-                         "host slots held until the copy ends)",
+                         "host slots held until the copy ends), and streamed loads that got "
+                         "no staging slot within tier_read_timeout_s (recomputed)",
 }
 
 
