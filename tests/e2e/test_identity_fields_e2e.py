@@ -9,7 +9,6 @@ directory loads none of its pages."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 

@@ -21,7 +21,8 @@ import os
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, MODEL_DIR, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, kvbm_counter, make_llm,
+                             random_prompt)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -84,7 +85,7 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
     disk = tmp_path / "disk"
     disk.mkdir()
     config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk),
-                                  disk_cache_size="1GiB")
+                                  disk_cache_size="1GiB", **EVERY_PAGE_LOADED)
     lora = LoRARequest("tuned", 1, str(adapter))
 
     kvbm = make_llm(config, **LORA_ARGS)

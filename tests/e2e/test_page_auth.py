@@ -22,7 +22,8 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt  # noqa: E402
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,  # noqa: E402
+                             random_prompt)
 from test_remote_store import raw_get, raw_put  # noqa: E402
 from helpers.tier_pages import SMALL, key, page, restamp, tier_of  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError, load_config  # noqa: E402
@@ -433,10 +434,8 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
     secret_file.chmod(0o600)
 
     def config(**extra):
-        # Every found page loads (no load/recompute split, no late-load cut):
-        # the test counts pages onboarded, whatever the machine's load.
         return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(d),
-                                    disk_cache_size="1GiB", load_split=False, **extra)
+                                    disk_cache_size="1GiB", **EVERY_PAGE_LOADED, **extra)
 
     want = reference(plain_llm, [E2E_PROMPT])
     n_pages = len(E2E_PROMPT) // BLOCK_SIZE

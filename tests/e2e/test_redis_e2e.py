@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from test_redis_store import PASSWORD, RedisServer
 from test_tiers_e2e import HOST_BLOCKS, clear_engine_and_host, settle
@@ -44,7 +44,7 @@ def password_file(tmp_path_factory):
 def redis_config(srv: RedisServer, password_file) -> dict:
     return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, remote_url=srv.url,
                                 remote_password_file=str(password_file),
-                                remote_timeout_s=TIMEOUT_S)
+                                remote_timeout_s=TIMEOUT_S, **EVERY_PAGE_LOADED)
 
 
 @pytest.fixture(scope="module")

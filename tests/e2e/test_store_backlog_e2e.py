@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import kvbm_counter, make_llm, random_prompt
+from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -37,7 +37,7 @@ def test_a_prompt_longer_than_the_host_tier_comes_back_from_disk(model_dir, plai
     from disk (vLLM computes the last block's last token)."""
     llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
                                         disk_cache_dir=str(tmp_path),
-                                        disk_cache_size="1GiB"))
+                                        disk_cache_size="1GiB", **EVERY_PAGE_LOADED))
     try:
         _round_trip(llm, plain_llm, random_prompt(6144, seed=9401), 6016)
     finally:
@@ -51,7 +51,8 @@ def test_small_blocks_and_pages_longer_than_the_host_tier(model_dir, tmp_path):
     try:
         llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, page_tokens=256,
                                             disk_cache_dir=str(tmp_path),
-                                            disk_cache_size="1GiB"), block_size=32)
+                                            disk_cache_size="1GiB", **EVERY_PAGE_LOADED),
+                       block_size=32)
         try:
             _round_trip(llm, plain, random_prompt(5000, seed=9402), 4864)
         finally:

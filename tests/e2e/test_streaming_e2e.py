@@ -4,7 +4,7 @@ without a host slot are streamed through the worker's staging slots
 
 from __future__ import annotations
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -20,7 +20,8 @@ def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plai
     def engine(host_blocks: int):
         return make_llm(kvbm_transfer_config(host_cache_blocks=host_blocks,
                                              disk_cache_dir=str(tmp_path),
-                                             disk_cache_size="1GiB"))
+                                             disk_cache_size="1GiB",
+                                             **EVERY_PAGE_LOADED))
 
     a = engine(64)
     try:

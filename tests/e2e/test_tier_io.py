@@ -13,7 +13,6 @@ import os
 import time
 from collections import Counter
 
-import pytest
 import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")

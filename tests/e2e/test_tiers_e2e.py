@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
 from vllm_kvbm.tools.server import stop_process as stop
@@ -43,7 +43,7 @@ HOST_BLOCKS = 40
 def tier_config(disk_dir: Path, port: int, **extra) -> dict:
     return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk_dir),
                                 disk_cache_size="1GiB", remote_url=f"lm://127.0.0.1:{port}",
-                                remote_timeout_s=2, **extra)
+                                remote_timeout_s=2, **{**EVERY_PAGE_LOADED, **extra})
 
 
 @pytest.fixture(scope="module")

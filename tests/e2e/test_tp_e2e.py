@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -57,7 +57,8 @@ def want(model_dir, tp_env):
 def tp_kvbm(model_dir, tp_env, want, tmp_path_factory):
     disk = tmp_path_factory.mktemp("kvbm-tp-disk")
     llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
-                                        disk_cache_dir=str(disk), disk_cache_size="512MiB"),
+                                        disk_cache_dir=str(disk), disk_cache_size="512MiB",
+                                        **EVERY_PAGE_LOADED),
                    **ENGINE)
     yield llm, disk
     llm.llm_engine.engine_core.shutdown()
@@ -132,7 +133,8 @@ def test_tp2_rank_pages_swapped_without_the_secret_are_refused(model_dir, tp_env
     secret_file = tmp_path / "page.secret"
     secret_file.write_bytes(os.urandom(32))
     config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(d),
-                                  disk_cache_size="512MiB", page_secret_file=str(secret_file))
+                                  disk_cache_size="512MiB", page_secret_file=str(secret_file),
+                                  **EVERY_PAGE_LOADED)
     prompt = PROMPTS["swapped"]
     n_pages = len(prompt) // BLOCK_SIZE
     llm = make_llm(config, **ENGINE)

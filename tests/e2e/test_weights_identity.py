@@ -17,7 +17,8 @@ import struct
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, MODEL_DIR, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, kvbm_counter, make_llm,
+                             random_prompt)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -72,7 +73,7 @@ def test_weights_rewritten_in_place_onboard_nothing_old(tmp_path, monkeypatch):
     disk = tmp_path / "disk"
     disk.mkdir()
     config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk),
-                                  disk_cache_size="1GiB")
+                                  disk_cache_size="1GiB", **EVERY_PAGE_LOADED)
 
     old = make_llm(config, model=str(model))
     try:

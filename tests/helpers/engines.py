@@ -16,6 +16,10 @@ BLOCK_SIZE = 128
 HOST_BLOCKS = 96
 # The kvbm engine also serves its metrics on a standalone port.
 KVBM_METRICS_PORT = free_port()
+# For engines whose tests count every page loaded from disk or a server: the
+# load/recompute split (on by default) may recompute some on a loaded machine
+# (test_load_split_e2e tests it).
+EVERY_PAGE_LOADED = dict(load_split=False)
 
 
 def make_llm(kv_transfer_config: dict | None = None, **overrides):
