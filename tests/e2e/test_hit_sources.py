@@ -17,7 +17,7 @@ import torch
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
-from helpers.tier_pages import tier_of
+from helpers.tier_pages import disk_store_for, tier_of
 from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
 from helpers.scheduler_harness import keys_of, store_and_finish, tokens
 
@@ -87,7 +87,6 @@ def test_miss_reports_no_source():
 
 
 def test_host_disk_and_remote_hits_split_in_vllm_stats(tmp_path, lm_server):
-    from vllm_kvbm.tiers.disk.store import DiskStore
     from vllm_kvbm.tiers.lm.store import RemoteStore
 
     sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
@@ -102,7 +101,7 @@ def test_host_disk_and_remote_hits_split_in_vllm_stats(tmp_path, lm_server):
     assert all(k.host.is_ready(key) for key in keys[:2])
     # Block 2 on disk, block 3 on the remote server, written as the worker would.
     page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
-    disk = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    disk = disk_store_for(k, tmp_path)
     remote = RemoteStore(lm_server.url, k.info.block_bytes, k.info.tier_namespace, 0, 1,
                          timeout_s=5.0)
     try:
@@ -135,8 +134,6 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from vllm_kvbm.tiers.disk.store import DiskStore
-
     sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
                            disk_cache_size="64MiB")
     k = kvbm(sched)
@@ -144,7 +141,7 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
     keys = keys_of(sched, prompt)
     store_and_finish(sched, prompt[:BLOCK + 1])
     assert sched.reset_prefix_cache()
-    disk = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    disk = disk_store_for(k, tmp_path)
     try:
         page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
         assert disk.put(keys[1], page) and disk.put(keys[2], page)
@@ -173,15 +170,13 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
 def test_may_load_async_guesses_from_the_first_block(tmp_path):
     """vLLM 0.34 asks this when a request is queued; on 0.32 it is called here
     directly, on the real connector."""
-    from vllm_kvbm.tiers.disk.store import DiskStore
-
     sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
                            disk_cache_size="64MiB")
     k = kvbm(sched)
     stored = tokens(2 * BLOCK + 1, 25)
     store_and_finish(sched, stored)
     on_disk = tokens(2 * BLOCK + 1, 26)
-    disk = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    disk = disk_store_for(k, tmp_path)
     try:
         assert disk.put(keys_of(sched, on_disk)[0],
                         torch.zeros(k.info.block_bytes, dtype=torch.uint8))

@@ -27,13 +27,22 @@ def key(i: int) -> bytes:
     return bytes([i % 256]) * 16 + i.to_bytes(16, "big")
 
 
+def disk_store_for(scheduler_side, directory, **kw):
+    """A worker's DiskStore writing where ``scheduler_side`` (a KVBMScheduler)
+    looks: its page size and tier namespace, rank 0 of 1, 64 MiB."""
+    from vllm_kvbm.tiers.disk.store import DiskStore
+
+    info = scheduler_side.info
+    return DiskStore(str(directory), 64 << 20, info.page_bytes, info.tier_namespace, 0, 1, **kw)
+
+
 def put_where_the_scheduler_sees(store, scheduler_side, keys, tier: str = "disk",
                                  timeout: float = 10.0) -> None:
     """Writes a page for each key with a real store, as a worker would, and
     waits until the scheduler's view of that tier finds every one."""
     import time
 
-    zeros = torch.zeros(scheduler_side.info.block_bytes, dtype=torch.uint8)
+    zeros = torch.zeros(scheduler_side.info.page_bytes, dtype=torch.uint8)
     for key in keys:
         assert store.put(key, zeros)
     deadline = time.monotonic() + timeout

@@ -35,7 +35,11 @@ def _pages(mount, page_bytes: int = PAGE_BYTES) -> list[torch.Tensor]:
     return pages
 
 
-def _fetch(mount, recompute_s: list[float]):
+def _fetch(mount, recompute_s: list[float], first_read_blocked_s: float | None = None):
+    """Fetches every page through the mount, slow throughout (reads block up
+    to 0.3 s at a time) or, with ``first_read_blocked_s``, blocked that long
+    at the start and fast after; returns where it was cut, the pool, the
+    worker metadata."""
     io = TierIO(read_timeout_s=20.0)
     io.add(DiskStore(str(mount.path), 64 << 20, PAGE_BYTES, "ns", 0, 1))
     pool = torch.zeros(PAGES, PAGE_BYTES, dtype=torch.uint8)
@@ -43,13 +47,23 @@ def _fetch(mount, recompute_s: list[float]):
                       fetch=[(i, "disk", key(i)) for i in range(PAGES)],
                       recompute_s=recompute_s)
     meta = KVBMWorkerMetadata()
+
+    def ended():
+        deadline = time.monotonic() + 60
+        while not (ready := io.poll(meta)):
+            assert time.monotonic() < deadline, "the fetch never ended"
+            time.sleep(0.005)
+        return ready
     try:
-        with mount.slow(blocked_s=0.3, open_s=0.05):
-            io.fetch(job, pool)
-            deadline = time.monotonic() + 60
-            while not (ready := io.poll(meta)):
-                assert time.monotonic() < deadline, "the fetch never ended"
-                time.sleep(0.005)
+        if first_read_blocked_s is None:
+            with mount.slow(blocked_s=0.3, open_s=0.05):
+                io.fetch(job, pool)
+                ready = ended()
+        else:
+            with mount.blocked():
+                io.fetch(job, pool)
+                time.sleep(first_read_blocked_s)
+            ready = ended()
     finally:
         io.close()
     [(got, ok, reading, cut)] = ready
@@ -73,25 +87,8 @@ def test_a_slow_first_read_alone_does_not_cut_a_fetch(mount):
     fetch looked like 11 x 0.3 s against 0.6 s of recompute and was cut; its
     pace is taken after the first group, so it loads everything."""
     pages = _pages(mount)
-    io = TierIO(read_timeout_s=20.0)
-    io.add(DiskStore(str(mount.path), 64 << 20, PAGE_BYTES, "ns", 0, 1))
-    pool = torch.zeros(PAGES, PAGE_BYTES, dtype=torch.uint8)
-    job = TransferJob(1, "R", list(range(PAGES)), list(range(PAGES)),
-                      fetch=[(i, "disk", key(i)) for i in range(PAGES)],
-                      recompute_s=[0.05 * (PAGES - i) for i in range(PAGES)])
-    meta = KVBMWorkerMetadata()
-    try:
-        with mount.blocked():
-            io.fetch(job, pool)
-            time.sleep(0.3)  # the first read waits on the mount
-        deadline = time.monotonic() + 60
-        while not (ready := io.poll(meta)):
-            assert time.monotonic() < deadline, "the fetch never ended"
-            time.sleep(0.005)
-    finally:
-        io.close()
-    [(got, ok, reading, cut)] = ready
-    assert got is job and ok and not reading
+    cut, pool, _ = _fetch(mount, [0.05 * (PAGES - i) for i in range(PAGES)],
+                          first_read_blocked_s=0.3)
     assert cut is None
     for i in range(PAGES):
         assert torch.equal(pool[i], pages[i])

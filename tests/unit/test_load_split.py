@@ -181,9 +181,7 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     """Blocks 0-1 in the host tier, 2-5 only on disk; disk learned slower than
     recompute: vLLM is told of 2 blocks, computes the rest, and the counters
     say which tokens were recomputed on purpose."""
-    from helpers.tier_pages import put_where_the_scheduler_sees
-    from vllm_kvbm.tiers.disk.store import DiskStore
-
+    from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
     s = make_scheduler(host_blocks=64, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB",
                        load_split=True)
     k = kvbm(s)
@@ -196,7 +194,7 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     prompt = tokens(6 * BLOCK + 5, 1)
     run(s, prompt[:2 * BLOCK + 1])  # blocks 0-1 in the host tier
     assert s.reset_prefix_cache()
-    disk = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    disk = disk_store_for(k, tmp_path)
     try:
         chain_keys = _keys(k, prompt)
         put_where_the_scheduler_sees(disk, k, chain_keys[2:6])

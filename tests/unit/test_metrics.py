@@ -15,7 +15,7 @@ import pytest
 from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
 from helpers.scheduler_harness import admit as admit_request
 from helpers.scheduler_harness import keys_of, store_and_finish
-from helpers.tier_pages import put_where_the_scheduler_sees
+from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
 from vllm_kvbm import metrics
 from vllm_kvbm.metrics import GAUGES, KVBMStats, StandaloneMetrics
 from vllm_kvbm.tools.server import free_port
@@ -70,11 +70,9 @@ def test_host_hit_rate_through_vllms_scheduler():
 
 
 def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
-    from vllm_kvbm.tiers.disk.store import DiskStore
-
     sched = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
-    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    store = disk_store_for(k, tmp_path)
     try:
         prompt = tokens(3 * BLOCK + 5, 22)
         keys = keys_of(sched, prompt)

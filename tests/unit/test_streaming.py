@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_worker_unit import NB, SLOTS, gen, harness  # noqa: F401 (fixtures)
-from helpers.tier_pages import key
+from helpers.tier_pages import disk_store_for, key
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.tiers.disk.store import DiskStore
 
@@ -106,7 +106,7 @@ def test_scheduler_loads_a_prefix_longer_than_the_host_tier(tmp_path):
     k = kvbm(sched)
     prompt = tokens(10 * BLOCK + 3, 31)
     keys = keys_of(sched, prompt)
-    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    store = disk_store_for(k, tmp_path)
     try:
         put_where_the_scheduler_sees(store, k, keys)
     finally:

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 from vllm.v1.request import RequestStatus
 
-from helpers.tier_pages import put_where_the_scheduler_sees, tier_of
+from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees, tier_of
 from helpers.scheduler_harness import (BLOCK, admit, block_ids, kvbm, lookup, make_request,
                                make_scheduler, step)
 from helpers.scheduler_harness import keys_of, run_until_done, tokens
@@ -84,12 +84,9 @@ def test_worker_events_become_counters():
 
 @pytest.fixture
 def disk_setup(tmp_path):
-    from vllm_kvbm.tiers.disk.store import DiskStore
-
     sched = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
-    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes,
-                      k.info.tier_namespace, 0, 1)
+    store = disk_store_for(k, tmp_path)
     yield sched, k, store
     store.close()
 

@@ -17,7 +17,7 @@ import torch
 
 from helpers.scheduler_harness import (BLOCK, admit, keys_of, kvbm, make_request,
                                        make_scheduler, step, store_and_finish, tokens)
-from helpers.tier_pages import key, put_where_the_scheduler_sees
+from helpers.tier_pages import disk_store_for, key, put_where_the_scheduler_sees
 from test_worker_unit import gen, harness  # noqa: F401 (fixtures)
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.tiers.disk.store import DiskStore
@@ -101,7 +101,7 @@ def test_the_disk_check_skips_pages_the_disk_has(mount):
     prompt = tokens(3 * BLOCK + 5, 62)
     keys = keys_of(sched, prompt)
     store_and_finish(sched, prompt)
-    store = DiskStore(str(mount.path), 64 << 20, k.info.page_bytes, k.info.tier_namespace, 0, 1)
+    store = disk_store_for(k, mount.path)
     try:
         put_where_the_scheduler_sees(store, k, keys[:2])
     finally:
@@ -133,7 +133,7 @@ def test_may_load_async_asks_the_lookup_thread(mount):
     k = kvbm(sched)
     prompt = tokens(3 * BLOCK + 5, 63)
     keys = keys_of(sched, prompt)
-    store = DiskStore(str(mount.path), 64 << 20, k.info.page_bytes, k.info.tier_namespace, 0, 1)
+    store = disk_store_for(k, mount.path)
     try:
         put_where_the_scheduler_sees(store, k, keys)
     finally:

@@ -15,7 +15,7 @@ from vllm.v1.request import RequestStatus
 
 from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, lookup, make_request, make_scheduler,
                                        step, store_and_finish, tokens, worker_output)
-from helpers.tier_pages import put_where_the_scheduler_sees, tier_of
+from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees, tier_of
 
 
 def tp_step(sched, aggregator, *ranks: dict):
@@ -72,11 +72,9 @@ def test_a_rank_that_fails_its_load_steps_before_the_other_finishes_commits_noth
 
 
 def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
-    from vllm_kvbm.tiers.disk.store import DiskStore
-
     s = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(s)
-    store = DiskStore(str(tmp_path), 64 << 20, k.info.block_bytes, k.info.tier_namespace, 0, 1)
+    store = disk_store_for(k, tmp_path)
     try:
         prompt = tokens(2 * BLOCK + 5, 62)
         old_keys = keys_of(s, prompt)[:2]
