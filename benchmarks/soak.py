@@ -14,8 +14,10 @@ requests repeat exactly), and requires
 With ``--reset-every S`` the prefix caches are reset under the traffic every S
 seconds (``POST /reset_prefix_cache``, cycling through running requests kept
 or preempted and the connector's tiers kept or cleared, as an RLHF weight
-update or a benchmark harness does); at least one reset must succeed mid-run,
-and after the run a reset of every cache must leave nothing to onboard.
+update or a benchmark harness does; a refused reset is tried again a few
+times within a second, as such a caller would); at least one reset must
+succeed mid-run, and after the run a reset of every cache must leave nothing
+to onboard.
 
     .venv/bin/python benchmarks/soak.py [--requests 200] [--concurrency 16]
         [--duration-limit 1200] [--reset-every 3] [--model PATH] [--no-kvbm]
@@ -264,14 +266,26 @@ async def _reset(session, url: str, query: str) -> str:
         return "ok" if (await resp.json()).get("success") else "refused"
 
 
+# A refused reset is tried again this many times, RESET_RETRY_S apart, as a
+# caller does: vLLM (and KVBM with it) refuses while blocks are in use (a
+# request loading, a finished one whose stores are in flight), which under
+# this traffic is most of the time.
+RESET_TRIES = 5
+RESET_RETRY_S = 0.2
+
+
 async def _reset_loop(session, url: str, cfg: SoakConfig, result: SoakResult) -> None:
     for n in itertools.count():  # until cancelled with the traffic
         await asyncio.sleep(cfg.reset_every)
         query = RESET_QUERIES[n % len(RESET_QUERIES)]
-        try:
-            outcome = await _reset(session, url, query)
-        except Exception as err:  # noqa: BLE001 - recorded, judged by check()
-            outcome = f"{type(err).__name__}: {err}"
+        for _ in range(RESET_TRIES):
+            try:
+                outcome = await _reset(session, url, query)
+            except Exception as err:  # noqa: BLE001 - recorded, judged by check()
+                outcome = f"{type(err).__name__}: {err}"
+            if outcome != "refused":
+                break
+            await asyncio.sleep(RESET_RETRY_S)
         result.resets.append((query, outcome))
 
 
