@@ -17,8 +17,8 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
-from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, make_request, make_scheduler,
-                                       step, tokens)
+from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, lookup, make_request,
+                                       make_scheduler, step, tokens)
 from helpers.tier_pages import put_where_the_scheduler_sees
 from vllm_kvbm.tiers.lm.store import RemoteStore
 
@@ -113,11 +113,7 @@ def test_an_answer_after_its_request_went_on_serves_the_next_request(lm_server):
     try:
         # Asked as vLLM asks a waiting request, each step, until it goes on
         # (not admitted here: computing it would store it in the host tier).
-        req = make_request(prompt, max_tokens=2)
-        deadline = time.monotonic() + REMOTE_TIMEOUT_S / 3
-        while (found := k.get_num_new_matched_tokens(req, 0))[0] is None:
-            assert time.monotonic() < deadline, "the request waited for the frozen server"
-            time.sleep(0.01)
+        found = lookup(k, make_request(prompt, max_tokens=2), timeout=REMOTE_TIMEOUT_S / 3)
         assert found == (0, False)  # went on with what was known: nothing
     finally:
         lm_server.thaw()
@@ -141,11 +137,8 @@ def test_an_overdue_answer_holds_a_request_only_a_share_of_its_saving(lm_server)
     sched = _scheduler(lm_server)
     k = kvbm(sched)
     for seed in range(80, 85):  # healthy answers (misses), each timed
-        req = make_request(tokens(PAGES * BLOCK + 1, seed), max_tokens=2)
-        deadline = time.monotonic() + REMOTE_TIMEOUT_S / 3
-        while k.get_num_new_matched_tokens(req, 0)[0] is None:
-            assert time.monotonic() < deadline, "the healthy server never answered"
-            time.sleep(0.005)
+        lookup(k, make_request(tokens(PAGES * BLOCK + 1, seed), max_tokens=2),
+               timeout=REMOTE_TIMEOUT_S / 3)
     assert k.lower.calls.samples >= 5
     lm_server.freeze()
     try:
