@@ -39,7 +39,8 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
   fi
 fi
 
-if ! command -v fusermount >/dev/null 2>&1 || ! ldconfig -p 2>/dev/null | grep -q 'libfuse\.so\.2'; then
+# (ldconfig's list is read whole: piped into grep -q it can die of SIGPIPE under pipefail)
+if ! command -v fusermount >/dev/null 2>&1 || ! grep -q 'libfuse\.so\.2' <<<"$(ldconfig -p 2>/dev/null)"; then
   echo "setup: installing fuse and libfuse2 (Debian packages)"
   export DEBIAN_FRONTEND=noninteractive
   $SUDO apt-get update -qq

@@ -21,10 +21,14 @@ SUITE_SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths(
 NEW_SITE=$("$WORK/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$SUITE_SITE" > "$NEW_SITE/kvbm-suite-deps.pth"
 "$WORK/venv/bin/python" -m pip install -q --no-deps --no-index "$WHEEL"
-# the wheel carries the entry point and the license
-unzip -l "$WHEEL" | grep -q "vllm_kvbm-.*dist-info/entry_points.txt"
-unzip -p "$WHEEL" '*.dist-info/entry_points.txt' | grep -q "vllm_kvbm.plugin:register"
-unzip -l "$WHEEL" | grep -q "dist-info/licenses/LICENSE"
+# the wheel carries the entry point and the license. The listings are read
+# whole first: `unzip | grep -q` under pipefail fails with SIGPIPE (141)
+# whenever grep quits before unzip has written its last line.
+LISTING=$(unzip -l "$WHEEL")
+ENTRY_POINTS=$(unzip -p "$WHEEL" '*.dist-info/entry_points.txt')
+grep -q "vllm_kvbm-.*dist-info/entry_points.txt" <<<"$LISTING"
+grep -q "vllm_kvbm.plugin:register" <<<"$ENTRY_POINTS"
+grep -q "dist-info/licenses/LICENSE" <<<"$LISTING"
 cd "$WORK"
 env -u PYTHONPATH KVBM_HOST_CACHE_SIZE=64MiB VLLM_CPU_KVCACHE_SPACE=1 \
   "$WORK/venv/bin/python" "$ROOT/scripts/wheel_smoke.py" "$ROOT/models/kvbm-llama-8l"
