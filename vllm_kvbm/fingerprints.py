@@ -14,7 +14,9 @@ write and cannot be set back by a user, so a rewrite that restores the size
 and mtime is still seen. Restarts, replicas on one host and the worker
 processes (which start while the scheduler hashes) read the cache; a per-entry
 file lock makes the second process wait for the first one's digest instead of
-reading the weights again.
+reading the weights again. The cache is kept to ``MAX_ENTRIES`` entries:
+past that, entries whose file changed or is gone go first (an RL loop that
+saves weights in place leaves one per save), then the oldest written.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ RACY_NS = 2_000_000_000
 # every adapter request) hash or read the cache once.
 _memo: dict[tuple, str] = {}
 _MEMO_MAX = 4096
+# Entries kept on disk (about 300 bytes each); pruned down to 3/4 of it.
+MAX_ENTRIES = 4096
+# A temporary entry file this old was left by a process that died writing it.
+STALE_TMP_S = 3600
 _warned_uncached = False
 
 
@@ -95,6 +101,7 @@ def file_digest(path: str) -> str:
                     digest, cacheable = _hash_checked(real, key)
                     if cacheable:
                         _write_entry(entry, key, digest)
+                        _prune(os.path.dirname(entry))
         except OSError as err:  # read-only or missing cache: still correct, uncached
             _warn_uncached(entry, err)
     if digest is None:
@@ -158,6 +165,68 @@ def _write_entry(entry: str, key: tuple, digest: str) -> None:
         except OSError:
             pass
         raise
+
+
+def _prune(directory: str) -> None:
+    """Keeps the cache to MAX_ENTRIES entries: stale ones (their file's stat
+    changed, or it is gone) go first, then the oldest written. A lock file
+    goes with its entry; a process still holding it only hashes once more."""
+    try:
+        with os.scandir(directory) as found:
+            names = [e.name for e in found]
+    except OSError:
+        return
+    entries = [n for n in names if n.endswith(".json")]
+    now = time.time()
+    for name in names:
+        if name.startswith(".tmp-"):
+            _remove_if_older(os.path.join(directory, name), now - STALE_TMP_S)
+    if len(entries) <= MAX_ENTRIES:
+        return
+    fresh = []
+    for name in entries:
+        path = os.path.join(directory, name)
+        if _entry_is_stale(path):
+            _remove_entry(path)
+        else:
+            fresh.append(path)
+    keep = MAX_ENTRIES * 3 // 4
+    if len(fresh) > keep:
+        fresh.sort(key=_mtime)
+        for path in fresh[:len(fresh) - keep]:
+            _remove_entry(path)
+
+
+def _entry_is_stale(entry: str) -> bool:
+    try:
+        with open(entry, "rb") as f:
+            key = tuple(json.loads(f.read())["key"])
+        return stat_key(key[0], os.stat(key[0])) != key
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return True  # gone, unreadable or not an entry
+
+
+def _remove_entry(entry: str) -> None:
+    for path in (entry, entry[:-len(".json")] + ".lock"):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _remove_if_older(path: str, before: float) -> None:
+    try:
+        if os.stat(path).st_mtime < before:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 class _locked:

@@ -277,3 +277,39 @@ def test_planner_keys_follow_the_adapter_files(tmp_path):
     assert _lora_identity(request) == first
     make_adapter(tmp_path / "lora", seed=1)
     assert _lora_identity(request).fingerprint != first.fingerprint
+
+
+def test_cache_keeps_to_its_size_dropping_stale_entries_first(tmp_path, cache_fresh_files,
+                                                              monkeypatch):
+    """Weights saved in place again and again (an RL loop) leave an entry per
+    save: past MAX_ENTRIES the stale ones go, the live files' stay."""
+    monkeypatch.setattr(fp, "MAX_ENTRIES", 4)
+    cache = tmp_path / "kvbm-cache" / "fingerprints"
+    live = make_model(tmp_path / "live", seed=1)
+    fp.files_fingerprint(live)
+    rl = make_model(tmp_path / "rl", seed=2)
+    weights = os.path.join(rl, "model.safetensors")
+    for step in range(6):
+        flip(weights, step)  # saved again: a new entry, the old one stale
+        fp.files_fingerprint(rl)
+        assert len(list(cache.glob("*.json"))) <= 4
+    left = {tuple(json.loads(p.read_text())["key"])[0] for p in cache.glob("*.json")}
+    assert os.path.realpath(os.path.join(live, "model.safetensors")) in left
+    assert os.path.realpath(weights) in left  # its current entry
+    assert len(list(cache.glob("*.lock"))) == len(list(cache.glob("*.json")))
+    fp.clear_memory_cache()
+    hashed = []
+    monkeypatch.setattr(fp, "hash_file", lambda p: hashed.append(p) or "0" * 64)
+    fp.files_fingerprint(live)  # still cached after the prunes
+    assert not any(p.endswith("model.safetensors") for p in hashed)
+
+
+def test_cache_beyond_its_size_in_live_files_drops_the_oldest(tmp_path, cache_fresh_files,
+                                                              monkeypatch):
+    monkeypatch.setattr(fp, "MAX_ENTRIES", 4)
+    cache = tmp_path / "kvbm-cache" / "fingerprints"
+    for i in range(6):
+        fp.files_fingerprint(make_model(tmp_path / f"m{i}", seed=i))
+        assert len(list(cache.glob("*.json"))) <= 4
+    left = {tuple(json.loads(p.read_text())["key"])[0] for p in cache.glob("*.json")}
+    assert os.path.realpath(tmp_path / "m5" / "model.safetensors") in left  # the newest stays
