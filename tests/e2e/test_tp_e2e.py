@@ -81,13 +81,15 @@ def test_tp2_disk_tier_hit_equals_recompute(tp_kvbm, want):
     llm, disk = tp_kvbm
     prompt = PROMPTS["disk"]
     before_files = set(disk.glob("*.pt"))
+    written_before = kvbm_counter("offload_blocks_h2d")
     assert generate(llm, [prompt])[0][0] == want["disk"]
     settle(llm)
     new = set(disk.glob("*.pt")) - before_files
     blocks = len(prompt) // BLOCK_SIZE
-    # one page per block and rank
+    # one page per block and rank, counted once per block (not per rank)
     assert len([p for p in new if f"@{TP}@0@" in p.name]) == blocks
     assert len([p for p in new if f"@{TP}@1@" in p.name]) == blocks
+    assert kvbm_counter("offload_blocks_h2d") - written_before == blocks
     clear_engine_and_host(llm, HOST_BLOCKS)
     before = kvbm_counter("matched_tokens_disk")
     got, cached = generate(llm, [prompt])

@@ -73,13 +73,23 @@ def test_frequency_admission_waits_for_the_second_use():
 
 def test_worker_events_become_counters():
     stats = KVBMStats()
-    LowerTiers.record(Counter({("disk", "stored"): 3, ("remote", "stored"): 2,
-                               ("disk", "corrupt"): 1, ("remote", "error"): 4,
-                               ("disk", "miss"): 1, ("remote", "refused"): 5,
-                               ("disk", "ok"): 9}), stats)
+    LowerTiers([]).record(Counter({("disk", "stored"): 3, ("remote", "stored"): 2,
+                                   ("disk", "corrupt"): 1, ("remote", "error"): 4,
+                                   ("disk", "miss"): 1, ("remote", "refused"): 5,
+                                   ("disk", "ok"): 9}), stats)
     assert stats.total == Counter(offload_blocks_h2d=3, offload_blocks_remote=2,
                                   checksum_failures=1, tier_read_errors=4,
                                   tier_read_misses=1, tier_write_errors=5)
+
+
+def test_a_page_counts_once_all_ranks_report_it_and_in_blocks():
+    """TP=2: each rank writes its shard of a page and reports it; with 4-block
+    pages the offload counters count 4 blocks per page, as onboarding does."""
+    stats, tiers = KVBMStats(), LowerTiers([])
+    tiers.record(Counter({("disk", "stored"): 3, ("remote", "refused"): 1}), stats, 4, 2)
+    assert stats.total == Counter(offload_blocks_h2d=4)  # one page whole, one shard waits
+    tiers.record(Counter({("disk", "stored"): 1, ("remote", "refused"): 1}), stats, 4, 2)
+    assert stats.total == Counter(offload_blocks_h2d=8, tier_write_errors=1)
 
 
 @pytest.fixture

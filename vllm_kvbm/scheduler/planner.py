@@ -694,7 +694,8 @@ class KVBMScheduler:
             self._finish_stores(meta.stores_failed, ok=False)
             self.host.release(meta.slots_released.elements())
             self._finish_spills(meta.spills_done)
-            self.lower.record(meta.tier_events, self.stats)
+            self.lower.record(meta.tier_events, self.stats, self.page_blocks,
+                              self.info.num_workers)
             self.events.lower_stored(meta.tier_stored)
             for tier, key in meta.bad_pages + meta.removed_pages:
                 self.lower.forget(tier, key)

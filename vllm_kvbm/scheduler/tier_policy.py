@@ -48,6 +48,7 @@ class LowerTiers:
         # there the entry has to age out of the bounded table.
         self._written = {view.name: _BoundedCounter() for view in views}
         self.calls = TierCalls()  # how long each call into a view takes
+        self._shards: Counter = Counter()  # (tier, outcome) -> rank reports not yet a page
 
     def __bool__(self) -> bool:
         return bool(self.views)
@@ -181,9 +182,15 @@ class LowerTiers:
     def onboard_counter(tier: str) -> str:
         return {"disk": "onboard_blocks_d2d", "remote": "onboard_blocks_remote"}[tier]
 
-    @staticmethod
-    def record(events: Counter, stats) -> None:
-        """Turns the worker's (tier, outcome) page counts into counters."""
+    def record(self, events: Counter, stats, page_blocks: int = 1,
+               num_workers: int = 1) -> None:
+        """Turns the workers' (tier, outcome) page counts into counters.
+
+        Every worker reports its own shard of each page (with tensor
+        parallelism, one report per rank), so ``num_workers`` reports make
+        one page; the remainder waits for the ranks still to report. The
+        offload counters are in engine blocks (``page_blocks`` per page), as
+        the onboard ones are; the others count pages."""
         names = {"stored": {"disk": "offload_blocks_h2d", "remote": "offload_blocks_remote"},
                  "refused": "tier_write_errors", "dropped": "tier_write_drops",
                  "miss": "tier_read_misses",
@@ -193,5 +200,9 @@ class LowerTiers:
             name = names.get(outcome)
             if isinstance(name, dict):
                 name = name.get(tier)
-            if name is not None:
-                stats.add(name, count)
+            if name is None:
+                continue
+            pages, self._shards[(tier, outcome)] = divmod(
+                self._shards[(tier, outcome)] + count, num_workers)
+            if pages:
+                stats.add(name, pages * page_blocks if outcome == "stored" else pages)
