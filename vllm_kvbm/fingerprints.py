@@ -314,6 +314,22 @@ def adapter_fingerprint(path: str) -> str:
         return ""  # removed or unreadable: vLLM cannot load it either
 
 
+def adapter_stat(path: str) -> tuple | None:
+    """The stat of the files ``adapter_fingerprint(path)`` reads (None: none
+    readable): equal before and after a read of them only if no write
+    happened in between (worker/lora_loads.py)."""
+    if not path:
+        return None
+    try:
+        try:
+            return _dir_stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            directory = _resolved_adapter_dir(path)
+            return _dir_stat(directory) if directory else None
+    except OSError:
+        return None
+
+
 def _adapter_from(directory: str) -> str:
     # No realpath: a link moved to other files changes their stat (inode,
     # device), and that alone keys the cache.

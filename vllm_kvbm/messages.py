@@ -57,6 +57,10 @@ class TransferJob:
     # (empty: not known). A fetch whose progress says it ends later than that
     # is cut at the pages landed (tier_io.py).
     recompute_s: list[float] = field(default_factory=list)
+    # (LoRA int id, fingerprint) the job's keys name; None: no adapter. A
+    # worker that loaded other weights for that id refuses the job
+    # (worker/lora_loads.py).
+    adapter: tuple[int, str] | None = None
 
     @property
     def page_blocks(self) -> int:
@@ -146,6 +150,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # (req id, pages landed) of loads cut for running late, per worker: the
     # pages from there on are load errors, recomputed by vLLM
     loads_cut: list[tuple[str, int]] = field(default_factory=list)
+    # (LoRA int id, fingerprint of the files read) of each adapter vLLM
+    # loaded since the last report, per worker (worker/lora_loads.py)
+    adapters_loaded: list[tuple[int, str]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":
         assert isinstance(other, KVBMWorkerMetadata)
@@ -166,10 +173,11 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             slots_held=self.slots_held + other.slots_held,
             slots_released=self.slots_released + other.slots_released,
             loads_cut=self.loads_cut + other.loads_cut,
+            adapters_loaded=self.adapters_loaded + other.adapters_loaded,
         )
 
     def is_empty(self) -> bool:
         return not (self.stores_done or self.stores_failed or self.loads_failed
                     or self.spills_done or self.tier_events or self.transfers_overdue
                     or self.slots_held or self.slots_released or self.removed_pages
-                    or self.loads_cut)
+                    or self.loads_cut or self.adapters_loaded)

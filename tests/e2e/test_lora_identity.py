@@ -76,6 +76,13 @@ def generate(llm, lora, max_tokens: int = 16):
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
+def _step(llm) -> None:
+    """One engine step that stores nothing (no full block)."""
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [7] * 8}], SamplingParams(max_tokens=1), use_tqdm=False)
+
+
 def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, model_dir):
     from vllm.lora.request import LoRARequest
 
@@ -123,3 +130,42 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
         plain.llm_engine.engine_core.shutdown()
     assert got == want
     assert want != old_out  # the new adapter answers differently: old pages would show
+
+
+def test_lora_loaded_then_rewritten_before_its_first_request_stores_nothing(
+        tmp_path, monkeypatch, model_dir):
+    """vLLM reads an adapter's files when it is loaded (``/v1/load_lora_adapter``,
+    here ``add_lora``), the scheduler when its first request arrives: files
+    rewritten in between make the keys name the new weights while vLLM runs
+    the old. The workers see what vLLM loaded (worker/lora_loads.py) and
+    refuse the stores; the reloaded adapter then finds nothing to onboard."""
+    from vllm.lora.request import LoRARequest
+
+    monkeypatch.setenv("KVBM_CACHE_DIR", str(tmp_path / "kvbm-cache"))
+    adapter = tmp_path / "adapter"
+    write_adapter(adapter, seed=1)
+    config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS)
+    kvbm = make_llm(config, **LORA_ARGS)
+    try:
+        assert kvbm.llm_engine.add_lora(LoRARequest("tuned", 1, str(adapter)))
+        write_adapter(adapter, seed=2)  # new weights, same names, sizes, inode, mtime
+        stored = kvbm_counter("offload_blocks_d2h")
+        old_out, cached = generate(kvbm, LoRARequest("tuned", 1, str(adapter)))
+        assert cached == 0
+        _step(kvbm)  # collects the stores' results
+        assert kvbm_counter("offload_blocks_d2h") == stored  # the old weights' KV: refused
+        assert kvbm.reset_prefix_cache()  # vLLM's own cache names the adapter by id only
+        matched = kvbm_counter("matched_tokens")
+        got, cached = generate(kvbm, LoRARequest("tuned", 1, str(adapter), load_inplace=True))
+        assert cached == 0
+        assert kvbm_counter("matched_tokens") == matched
+    finally:
+        kvbm.llm_engine.engine_core.shutdown()
+
+    plain = make_llm(None, **LORA_ARGS)
+    try:
+        want, _ = generate(plain, LoRARequest("tuned", 1, str(adapter)))
+    finally:
+        plain.llm_engine.engine_core.shutdown()
+    assert got == want
+    assert want != old_out  # the old weights answer differently: their pages would show

@@ -139,6 +139,36 @@ def test_connector_matches_every_supported_release():
             assert (name in r.overridden) == (release[:2] >= added), (r.version, name)
 
 
+def test_every_supported_release_loads_lora_files_where_kvbm_watches():
+    """worker/lora_loads.py observes WorkerLoRAManager._load_adapter: in every
+    supported release the worker's add_adapter reads adapter files through it."""
+    import ast
+
+    member = "vllm/lora/worker_manager.py"
+    sources = {V: vc.installed_source(member)[1]}
+    try:
+        index, _ = vc.fetch_index()
+        for release in vc.list_releases(index):
+            sources[release.version] = vc.release_sources(release, [member])[member]
+    except vc.Offline as err:
+        if os.environ.get("CI"):
+            pytest.fail(str(err))
+        pytest.skip(f"no network and nothing cached: {err}")
+    for version, source in sources.items():
+        classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
+        methods = {f.name: f for f in classes["WorkerLoRAManager"].body
+                   if isinstance(f, ast.FunctionDef)}
+        load = methods["_load_adapter"]
+        assert [a.arg for a in load.args.args] == ["self", "lora_request"], version
+        for cls in ("WorkerLoRAManager", "LRUCacheWorkerLoRAManager"):
+            add = next(f for f in classes[cls].body
+                       if isinstance(f, ast.FunctionDef) and f.name == "add_adapter")
+            assert "self._load_adapter(" in ast.unparse(add), (version, cls)
+            assert cls == "WorkerLoRAManager" or not any(
+                isinstance(f, ast.FunctionDef) and f.name == "_load_adapter"
+                for f in classes[cls].body), (version, "overrides _load_adapter")
+
+
 def test_reviewed_defaults_name_real_members():
     """DEFAULTS_KEPT and ADDED_IN list only members of some supported release
     (a stale entry would hide nothing, but misleads)."""

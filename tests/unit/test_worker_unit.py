@@ -259,6 +259,30 @@ def test_failed_load_reports_recving_and_error_blocks(harness, gen):
         assert torch.equal(h.lay.slot_bytes(b), h.lay.slot_bytes(src))
 
 
+def test_jobs_naming_other_lora_weights_than_loaded_are_refused(harness, gen, monkeypatch):
+    """vLLM loaded adapter 5 from files whose fingerprint is "fp-a"; the
+    scheduler keyed a request by "fp-b" (rewritten in between): its store is
+    not cached and its load copies nothing (vLLM recomputes it)."""
+    from vllm_kvbm.worker import lora_loads
+
+    monkeypatch.setattr(lora_loads, "_loaded", {5: {"fp-a"}})
+    h = harness()
+    (b1, s1), (b2, s2), (b3, _) = split(gen, 3, 4)
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[
+        TransferJob(1, "A", b1, s1, adapter=(5, "fp-a")),
+        TransferJob(2, "B", b2, s2, adapter=(5, "fp-b"))]))
+    h.step_until(lambda: h.meta.stores_done[1] == 1 and h.meta.stores_failed[2] == 1)
+    assert not h.meta.stores_done[2]
+    before = h.lay.clone_raw()
+    h.worker.start_loads(KVBMConnectorMetadata(
+        loads=[TransferJob(3, "C", b3, s1, adapter=(5, "fp-b"))]))
+    h.step_until(lambda: "C" in h.recving)
+    assert h.meta.loads_failed == Counter({"C": 1})
+    assert h.worker.get_block_ids_with_load_errors() == set(b3)
+    for b in b3:
+        assert torch.equal(h.lay.slot_bytes(b), h.lay.slot_bytes(b, before))
+
+
 def test_shutdown_waits_for_inflight_then_releases(harness, gen):
     h = harness()
     (b, s), = split(gen, 1, 120)

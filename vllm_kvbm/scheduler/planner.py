@@ -146,6 +146,8 @@ class _ReqState:
     chain: KeyChain | VllmHashKeys
     # what besides tokens changes this request's KV (LoRA, cache salt)
     salt: bytes = b""
+    # the LoRA adapter as its keys name it: (int id, fingerprint), or None
+    adapter: tuple[int, str] | None = None
     lookup: _Lookup = field(default_factory=_Lookup)
     load: _Load = field(default_factory=_Load)
     store: _StoreProgress = field(default_factory=_StoreProgress)
@@ -214,6 +216,8 @@ class KVBMScheduler:
         # LoRA adapters by vLLM's int id as first seen, and those changed since
         self._adapters: dict[int, LoRAIdentity] = {}
         self._changed_adapters: set[int] = set()
+        # fingerprints of the weights the workers report vLLM loaded, per int id
+        self._adapter_weights: dict[int, set[str]] = {}
         self._evictions_seen = 0
         self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots * info.page_blocks)
         self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.page_bytes)
@@ -238,34 +242,51 @@ class KVBMScheduler:
             if lora is not None and not self._adapter_unchanged(lora):
                 return None  # the weights its KV comes from are not known
             salt = request_salt(lora, request.cache_salt)
-            state = _ReqState(request, self._key_chain(request, salt), salt)
+            state = _ReqState(request, self._key_chain(request, salt), salt,
+                              None if lora is None else (lora.int_id, lora.fingerprint))
             self._reqs[request.request_id] = state
             self._watched[request.request_id] = state
         return state
 
     def _adapter_unchanged(self, lora: LoRAIdentity) -> bool:
         """Whether a LoRA adapter is as when this engine first saw its int id
-        (name, path and files). vLLM loads an adapter's files once per int id
+        (name, path and files), and vLLM loaded no other weights for it (as
+        the workers report). vLLM loads an adapter's files once per int id
         and runs those weights until it evicts them from its LoRA cache or a
-        request asks ``load_inplace``, neither of which the scheduler sees
-        happen: once the files change, no key can say which weights a page
-        was computed with. So the adapter is not cached again in this engine
-        (no lookups, no stores; its requests in flight store nothing more)."""
+        request asks ``load_inplace``: once the files change, no key can say
+        which weights a page was computed with. So the adapter is not cached
+        again in this engine (no lookups, no stores; its requests in flight
+        store nothing more). Until the scheduler hears of a load, the workers
+        refuse the jobs whose keys name other weights than they loaded."""
         first = self._adapters.setdefault(lora.int_id, lora)
-        if first == lora:
+        loaded = self._adapter_weights.get(lora.int_id, {lora.fingerprint})
+        if first == lora and loaded == {lora.fingerprint}:
             return True
-        if lora.int_id not in self._changed_adapters:
-            self._changed_adapters.add(lora.int_id)
-            for state in self._reqs.values():
-                other = state.request.lora_request
-                if other is not None and other.lora_int_id == lora.int_id:
-                    state.no_store = True
-            logger.warning(
-                "KVBM: LoRA adapter %r (id %d) changed on disk since this engine first used it; "
-                "its requests are no longer cached (vLLM may still run the weights it loaded). "
-                "To cache it again, load the new files under a new adapter name, or restart "
-                "the engine", lora.name, lora.int_id)
+        self._adapter_changed(lora.int_id, repr(lora.name))
         return False
+
+    def _adapter_loaded(self, int_id: int, fingerprint: str) -> None:
+        """A worker reports the weights vLLM loaded for adapter ``int_id``
+        (worker/lora_loads.py): other ones than the keys name, or a second
+        set of weights, and the adapter is not cached again."""
+        weights = self._adapter_weights.setdefault(int_id, set())
+        weights.add(fingerprint)
+        first = self._adapters.get(int_id)
+        if len(weights) > 1 or (first is not None and first.fingerprint != fingerprint):
+            self._adapter_changed(int_id, repr(first.name) if first else "")
+
+    def _adapter_changed(self, int_id: int, name: str) -> None:
+        if int_id in self._changed_adapters:
+            return
+        self._changed_adapters.add(int_id)
+        for state in self._reqs.values():
+            if state.adapter is not None and state.adapter[0] == int_id:
+                state.no_store = True
+        logger.warning(
+            "KVBM: LoRA adapter %s(id %d) changed on disk since this engine first used or "
+            "loaded it; its requests are no longer cached (vLLM may still run the weights it "
+            "loaded). To cache it again, load the new files under a new adapter name, or "
+            "restart the engine", f"{name} " if name else "", int_id)
 
     def _key_chain(self, request: "Request", salt: bytes) -> KeyChain | VllmHashKeys:
         """The request's keys under the current epoch: from vLLM's block
@@ -430,7 +451,8 @@ class KVBMScheduler:
         # Pin the host hits first, so promotions below cannot evict them.
         host_keys = [k for k, src in zip(keys, sources) if src == "host"]
         host_slots = iter(self.host.pin(host_keys))
-        job = TransferJob(next(self._job_ids), request.request_id, block_ids, [])
+        job = TransferJob(next(self._job_ids), request.request_id, block_ids, [],
+                          adapter=state.adapter)
         for i, (key, src) in enumerate(zip(keys, sources)):
             if src == "host":
                 job.slots.append(next(host_slots))
@@ -675,7 +697,8 @@ class KVBMScheduler:
         self._store_jobs[job_id] = _StoreJob(request.request_id, job_keys,
                                              self.info.num_workers)
         state.store.jobs.add(job_id)
-        return TransferJob(job_id, request.request_id, job_blocks, job_slots)
+        return TransferJob(job_id, request.request_id, job_blocks, job_slots,
+                           adapter=state.adapter)
 
     # ---- completions ------------------------------------------------------
 
@@ -696,6 +719,8 @@ class KVBMScheduler:
             self._finish_spills(meta.spills_done)
             self.lower.record(meta.tier_events, self.stats, self.page_blocks,
                               self.info.num_workers)
+            for int_id, fingerprint in meta.adapters_loaded:
+                self._adapter_loaded(int_id, fingerprint)
             self.events.lower_stored(meta.tier_stored)
             for tier, key in meta.bad_pages + meta.removed_pages:
                 self.lower.forget(tier, key)

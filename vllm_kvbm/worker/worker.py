@@ -48,6 +48,7 @@ from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadat
                                 TransferJob, block_rows)
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
+from vllm_kvbm.worker import lora_loads
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
 from vllm_kvbm.worker.page_mover import PageMover
 from vllm_kvbm.worker.streaming import (StagingSlots, StreamedLoad, needs_streaming, part,
@@ -94,6 +95,7 @@ class KVBMWorker:
         self._parts: dict[int, StreamedLoad] = {}
         self._streams_waiting: list[StreamedLoad] = []
         self._part_ids = itertools.count(-1, -1)
+        lora_loads.watch()  # before vLLM loads any adapter in this process
 
     def add_tier(self, store: "TierStore") -> None:
         self.tier_io.add(store)
@@ -171,6 +173,8 @@ class KVBMWorker:
     def start_loads(self, meta: KVBMConnectorMetadata) -> None:
         fence = self.make_fence() if meta.loads else DONE
         for job in meta.loads:
+            if self._refused(job, False):
+                continue
             if needs_streaming(job):
                 self._start_streamed(job, fence)
             else:
@@ -305,7 +309,8 @@ class KVBMWorker:
             # the copies wait for it.
             fence = self.make_fence()
             for job in meta.stores:
-                self._queue(job, True, fence)
+                if not self._refused(job, True):
+                    self._queue(job, True, fence)
         self._awaiting_free.update(meta.delayed_free_req_ids)
         self._post_ready()
 
@@ -316,6 +321,18 @@ class KVBMWorker:
             req_ids = set(meta.flush_req_ids)
             # An overdue one is reported failed and holds only host slots.
             self._wait(lambda job, is_store: is_store and job.req_id in req_ids)
+
+    def _refused(self, job: TransferJob, is_store: bool) -> bool:
+        """A job whose keys name other LoRA weights than vLLM loaded here for
+        its adapter fails before it touches memory: a store is not cached, a
+        load's blocks are recomputed."""
+        if not lora_loads.refuses(job.adapter):
+            return False
+        logger.warning("KVBM: %s for %s refused: LoRA adapter id %d runs other weights than "
+                       "its files had when the request arrived (rewritten in place)",
+                       "store" if is_store else "load", job.req_id, job.adapter[0])
+        self._complete(job, is_store, ok=False, started=time.perf_counter())
+        return True
 
     # ---- completion -------------------------------------------------------
 
@@ -443,6 +460,7 @@ class KVBMWorker:
 
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         meta, self._meta = self._meta, KVBMWorkerMetadata()
+        meta.adapters_loaded = lora_loads.take_unreported()
         if meta.is_empty() and not meta.bytes_loaded and not meta.load_latencies:
             return None
         return meta
