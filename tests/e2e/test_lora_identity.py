@@ -109,19 +109,36 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
         # vLLM's own prefix cache names an adapter by name and path only: it
         # would serve the old adapter's blocks itself, so it is cleared here.
         assert kvbm.reset_prefix_cache()
-        matched, stored = kvbm_counter("matched_tokens"), kvbm_counter("offload_blocks_d2h")
+        stored = kvbm_counter("offload_blocks_d2h")
         # vLLM still runs the weights it loaded for id 1: the old answer,
         # which must not be stored under the new files' keys...
         stale, cached = generate(kvbm, lora)
         assert stale == old_out and cached == 0
         assert kvbm.reset_prefix_cache()
         # ...or the reloaded adapter would onboard it here.
-        got, cached = generate(kvbm, LoRARequest("tuned", 1, str(adapter), load_inplace=True))
-        assert cached == 0
-        assert kvbm_counter("matched_tokens") == matched
+        got = _reload_onboards_nothing(kvbm, adapter)
         assert kvbm_counter("offload_blocks_d2h") == stored
     finally:
         kvbm.llm_engine.engine_core.shutdown()
+    _assert_plain_engine_answers(adapter, got, old_out)
+
+
+def _reload_onboards_nothing(kvbm, adapter) -> list[int]:
+    """vLLM reloads the rewritten adapter (``load_inplace``, as
+    ``/v1/load_lora_adapter`` does): KVBM finds nothing for it."""
+    from vllm.lora.request import LoRARequest
+
+    matched = kvbm_counter("matched_tokens")
+    got, cached = generate(kvbm, LoRARequest("tuned", 1, str(adapter), load_inplace=True))
+    assert cached == 0
+    assert kvbm_counter("matched_tokens") == matched
+    return got
+
+
+def _assert_plain_engine_answers(adapter, got: list[int], old_out: list[int]) -> None:
+    """``got`` is what a plain engine answers with the adapter's files now,
+    which differs from the old weights' answer (old pages would show)."""
+    from vllm.lora.request import LoRARequest
 
     plain = make_llm(None, **LORA_ARGS)
     try:
@@ -129,7 +146,7 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
     finally:
         plain.llm_engine.engine_core.shutdown()
     assert got == want
-    assert want != old_out  # the new adapter answers differently: old pages would show
+    assert want != old_out
 
 
 def test_lora_loaded_then_rewritten_before_its_first_request_stores_nothing(
@@ -155,17 +172,7 @@ def test_lora_loaded_then_rewritten_before_its_first_request_stores_nothing(
         _step(kvbm)  # collects the stores' results
         assert kvbm_counter("offload_blocks_d2h") == stored  # the old weights' KV: refused
         assert kvbm.reset_prefix_cache()  # vLLM's own cache names the adapter by id only
-        matched = kvbm_counter("matched_tokens")
-        got, cached = generate(kvbm, LoRARequest("tuned", 1, str(adapter), load_inplace=True))
-        assert cached == 0
-        assert kvbm_counter("matched_tokens") == matched
+        got = _reload_onboards_nothing(kvbm, adapter)
     finally:
         kvbm.llm_engine.engine_core.shutdown()
-
-    plain = make_llm(None, **LORA_ARGS)
-    try:
-        want, _ = generate(plain, LoRARequest("tuned", 1, str(adapter)))
-    finally:
-        plain.llm_engine.engine_core.shutdown()
-    assert got == want
-    assert want != old_out  # the old weights answer differently: their pages would show
+    _assert_plain_engine_answers(adapter, got, old_out)
