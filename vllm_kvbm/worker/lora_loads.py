@@ -45,9 +45,11 @@ def watch() -> bool:
             return True
         try:
             from vllm.lora.worker_manager import WorkerLoRAManager
-
+        except ImportError:
+            return False  # the worker side without vLLM: no adapter is ever loaded
+        try:
             original = WorkerLoRAManager._load_adapter
-        except (ImportError, AttributeError) as err:
+        except AttributeError as err:
             logger.warning("KVBM: cannot observe vLLM's LoRA loads (%s): an adapter rewritten "
                            "in place is seen only at its next request's arrival", err)
             return False
