@@ -162,7 +162,8 @@ class KVBMConnector(KVConnectorBase_V1):
         # Bound into every page this worker stores: read back only by a
         # worker whose KV cache lays out the bytes alike.
         layout = layout_fingerprint(kv_caches, self._num_blocks, dims)
-        for store in open_tiers(self.config, self.info, _tp_rank(), layout):
+        self.worker.rank = _tp_rank()
+        for store in open_tiers(self.config, self.info, self.worker.rank, layout):
             self.worker.add_tier(store)
 
     def unregister_kv_caches(self) -> None:

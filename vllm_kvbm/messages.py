@@ -130,7 +130,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     spills_done: Counter = field(default_factory=Counter)
     # (tier, outcome) -> pages: fetch outcomes ("ok", "miss", "corrupt",
     # "unauthenticated", "error") and spill outcomes ("stored", "refused",
-    # "dropped": the tier's write queue was full)
+    # "dropped": the tier's write queue was full); keyed (tier, outcome, TP
+    # rank) once the worker reports them (build_worker_meta)
     tier_events: Counter = field(default_factory=Counter)
     # (tier, key) of pages a tier took (its write-through done), for KV events
     tier_stored: list[tuple[str, bytes]] = field(default_factory=list)

@@ -161,7 +161,7 @@ def test_disk_write_through_is_published_when_confirmed_and_removed_when_lost(
     assert tier_events(published, "DISK") == ([], [], [])  # written, not yet confirmed
     written = [("disk", key) for key in spill.keys]
     step_reporting(sched, spills_done={spill.job_id: 1}, tier_stored=written,
-                   tier_events={("disk", "stored"): len(written)})
+                   tier_events={("disk", "stored", 0): len(written)})
     _, stored, removed = tier_events(published, "DISK")
     assert stored == external(req, slice(0, 2)) and removed == []
     assert len(stored) == k.stats.total["offload_blocks_h2d"] == 2

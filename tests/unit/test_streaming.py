@@ -47,7 +47,7 @@ def test_a_load_longer_than_the_staging_slots_streams_every_page(harness, tmp_pa
     for i, b in enumerate(blocks):
         assert torch.equal(h.lay.slot_bytes(b), pages[key(i)]), i
     assert h.meta.bytes_loaded == n * h.lay.block_bytes()  # reported once, as one load
-    assert h.meta.tier_events[("disk", "ok")] == n
+    assert h.meta.tier_events[("disk", "ok", 0)] == n
     # The promoted pages are in their host slots; staging is free again.
     assert torch.equal(h.pool[5], pages[key(0)]) and torch.equal(h.pool[6], pages[key(1)])
     assert staging.free == staging.count and not h.worker._parts
@@ -163,7 +163,7 @@ def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(
     assert 1.0 <= took < 5.0
     assert h.meta.loads_failed == {"R": 1}
     assert h.worker.get_block_ids_with_load_errors() == set(blocks)
-    assert h.meta.tier_events[("disk", "error")] >= 1
+    assert h.meta.tier_events[("disk", "error", 0)] >= 1
     assert not h.meta.slots_released
     if into == "host slots":
         # The fetch whose read blocked: every slot it may still write.

@@ -73,23 +73,29 @@ def test_frequency_admission_waits_for_the_second_use():
 
 def test_worker_events_become_counters():
     stats = KVBMStats()
-    LowerTiers([]).record(Counter({("disk", "stored"): 3, ("remote", "stored"): 2,
-                                   ("disk", "corrupt"): 1, ("remote", "error"): 4,
-                                   ("disk", "miss"): 1, ("remote", "refused"): 5,
-                                   ("disk", "ok"): 9}), stats)
+    LowerTiers([]).record(Counter({("disk", "stored", 0): 3, ("remote", "stored", 0): 2,
+                                   ("disk", "corrupt", 0): 1, ("remote", "error", 0): 4,
+                                   ("disk", "miss", 0): 1, ("remote", "refused", 0): 5,
+                                   ("disk", "ok", 0): 9}), stats)
     assert stats.total == Counter(offload_blocks_h2d=3, offload_blocks_remote=2,
                                   checksum_failures=1, tier_read_errors=4,
                                   tier_read_misses=1, tier_write_errors=5)
 
 
-def test_a_page_counts_once_all_ranks_report_it_and_in_blocks():
-    """TP=2: each rank writes its shard of a page and reports it; with 4-block
-    pages the offload counters count 4 blocks per page, as onboarding does."""
+def test_a_page_counts_once_across_ranks_and_offloads_in_blocks():
+    """TP=2: each rank writes or reads its shard of a page and reports it. A
+    page is stored once both ranks stored it, failed once either failed;
+    with 4-block pages the offload counters count 4 blocks per page, as
+    onboarding does."""
     stats, tiers = KVBMStats(), LowerTiers([])
-    tiers.record(Counter({("disk", "stored"): 3, ("remote", "refused"): 1}), stats, 4, 2)
-    assert stats.total == Counter(offload_blocks_h2d=4)  # one page whole, one shard waits
-    tiers.record(Counter({("disk", "stored"): 1, ("remote", "refused"): 1}), stats, 4, 2)
-    assert stats.total == Counter(offload_blocks_h2d=8, tier_write_errors=1)
+    tiers.record(Counter({("disk", "stored", 0): 2, ("disk", "stored", 1): 1,
+                          ("disk", "corrupt", 1): 1}), stats, 4, 2)
+    assert stats.total == Counter(offload_blocks_h2d=4, checksum_failures=1)
+    tiers.record(Counter({("disk", "stored", 1): 1, ("disk", "corrupt", 0): 1,
+                          ("remote", "refused", 0): 1}), stats, 4, 2)
+    # rank 0's corrupt page is the one rank 1 found corrupt: still one failure
+    assert stats.total == Counter(offload_blocks_h2d=8, checksum_failures=1,
+                                  tier_write_errors=1)
 
 
 @pytest.fixture

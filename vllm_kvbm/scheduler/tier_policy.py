@@ -10,7 +10,7 @@ scheduler sees each tier through a small read-only view
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 
 from vllm_kvbm.keys import PageKey
 from vllm_kvbm.scheduler.tier_calls import TierCalls
@@ -48,7 +48,9 @@ class LowerTiers:
         # there the entry has to age out of the bounded table.
         self._written = {view.name: _BoundedCounter() for view in views}
         self.calls = TierCalls()  # how long each call into a view takes
-        self._shards: Counter = Counter()  # (tier, outcome) -> rank reports not yet a page
+        # (tier, outcome) -> pages reported by each TP rank, and counted so far
+        self._rank_totals: defaultdict[tuple[str, str], Counter] = defaultdict(Counter)
+        self._counted: Counter = Counter()
 
     def __bool__(self) -> bool:
         return bool(self.views)
@@ -184,25 +186,33 @@ class LowerTiers:
 
     def record(self, events: Counter, stats, page_blocks: int = 1,
                num_workers: int = 1) -> None:
-        """Turns the workers' (tier, outcome) page counts into counters.
+        """Turns the workers' (tier, outcome, rank) page counts into counters.
 
         Every worker reports its own shard of each page (with tensor
-        parallelism, one report per rank), so ``num_workers`` reports make
-        one page; the remainder waits for the ranks still to report. The
-        offload counters are in engine blocks (``page_blocks`` per page), as
-        the onboard ones are; the others count pages."""
+        parallelism, one report per rank), so per (tier, outcome) each
+        rank's running total is kept: a page is stored once every rank
+        stored its shard (the least total), and failed once any rank failed
+        (the greatest). The offload counters are in engine blocks
+        (``page_blocks`` per page), as the onboard ones are; the others
+        count pages."""
         names = {"stored": {"disk": "offload_blocks_h2d", "remote": "offload_blocks_remote"},
                  "refused": "tier_write_errors", "dropped": "tier_write_drops",
                  "miss": "tier_read_misses",
                  "corrupt": "checksum_failures", "error": "tier_read_errors",
                  "unauthenticated": "page_auth_failures"}
-        for (tier, outcome), count in events.items():
+        touched = set()
+        for (tier, outcome, rank), count in events.items():
+            self._rank_totals[(tier, outcome)][rank] += count
+            touched.add((tier, outcome))
+        for tier, outcome in touched:
             name = names.get(outcome)
             if isinstance(name, dict):
                 name = name.get(tier)
             if name is None:
                 continue
-            pages, self._shards[(tier, outcome)] = divmod(
-                self._shards[(tier, outcome)] + count, num_workers)
-            if pages:
-                stats.add(name, pages * page_blocks if outcome == "stored" else pages)
+            totals = self._rank_totals[(tier, outcome)]
+            ranks = [totals[r] for r in range(num_workers)]
+            pages = min(ranks) if outcome == "stored" else max(ranks)
+            new, self._counted[(tier, outcome)] = pages - self._counted[(tier, outcome)], pages
+            if new:
+                stats.add(name, new * page_blocks if outcome == "stored" else new)

@@ -37,6 +37,7 @@ polled instead. What orders each kind of transfer:
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -68,6 +69,7 @@ class KVBMWorker:
                  tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
                  tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S):
         self.info = info
+        self.rank = 0  # TP rank (set with the tiers): tier events are reported per rank
         self.transfer_timeout_s = transfer_timeout_s
         self.num_host_slots = num_host_slots
         self.nixl_backend = nixl_backend
@@ -461,6 +463,10 @@ class KVBMWorker:
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         meta, self._meta = self._meta, KVBMWorkerMetadata()
         meta.adapters_loaded = lora_loads.take_unreported()
+        # vLLM sums the ranks' reports: the scheduler needs each rank's own
+        # (a page is stored once every rank stored its shard).
+        meta.tier_events = Counter({(tier, outcome, self.rank): n
+                                    for (tier, outcome), n in meta.tier_events.items()})
         if meta.is_empty() and not meta.bytes_loaded and not meta.load_latencies:
             return None
         return meta
