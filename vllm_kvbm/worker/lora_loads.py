@@ -19,8 +19,6 @@ import functools
 import logging
 import threading
 
-from vllm_kvbm.fingerprints import adapter_fingerprint, adapter_stat
-
 logger = logging.getLogger(__name__)
 
 # Stands for weights whose files changed while vLLM read them: equal to no
@@ -61,6 +59,8 @@ def watch() -> bool:
 def _observed(original):
     @functools.wraps(original)
     def _load_adapter(self, lora_request):
+        from vllm_kvbm.fingerprints import adapter_stat
+
         path = getattr(lora_request, "lora_path", "") or ""
         before = adapter_stat(path)
         model = original(self, lora_request)
@@ -72,7 +72,11 @@ def _observed(original):
 
 def loaded(int_id: int, path: str, before: tuple | None) -> str:
     """Records that vLLM read adapter ``int_id`` from ``path``, whose files'
-    stat was ``before`` when it started: the fingerprint of what it read."""
+    stat was ``before`` when it started: the fingerprint of what it read.
+    (Imported here: the worker side also runs with only PyTorch and NIXL,
+    where no adapter is ever loaded.)"""
+    from vllm_kvbm.fingerprints import adapter_fingerprint, adapter_stat
+
     fingerprint = adapter_fingerprint(path)
     if adapter_stat(path) != before:
         fingerprint = CHANGED_WHILE_LOADING
