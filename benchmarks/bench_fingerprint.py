@@ -16,8 +16,14 @@ No engine. Prints:
    when it runs at least that fast on the host's cores).
 4. The per-request cost of a LoRA adapter's fingerprint once known: a stat of
    the adapter's files (2 files) and a cache lookup.
+5. What a worker adds to each adapter load vLLM makes (worker/lora_loads.py:
+   two stats of the files and their fingerprint), for a --lora-mb adapter in
+   the page cache: first on the host (its files hashed), loaded again by
+   another process (the digest from the on-disk cache), and again by the
+   same process (in memory). Median of --reps.
 
     .venv/bin/python benchmarks/bench_fingerprint.py [--size-gb 3] [--dir /tmp]
+    .venv/bin/python benchmarks/bench_fingerprint.py --lora-only   # 4 and 5
 """
 
 from __future__ import annotations
@@ -146,13 +152,49 @@ def lora_per_request(directory, calls=20000):
     return per_call, per_stat
 
 
+def lora_loads_cost(directory, size_mb, reps):
+    """Seconds lora_loads.loaded() takes: (first on the host, another
+    process, the same process), medians of ``reps``."""
+    from vllm_kvbm.worker import lora_loads
+
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "adapter_config.json"), "w") as f:
+        json.dump({"r": 16, "lora_alpha": 32, "target_modules": ["k_proj"]}, f)
+    with open(os.path.join(directory, "adapter_model.safetensors"), "wb") as f:
+        f.write(random.Random(2).randbytes(size_mb << 20))
+    # Written a moment ago, the files' digests would not be cached (fingerprints.RACY_NS).
+    time.sleep(fp.RACY_NS / 1e9 + 0.5)
+
+    def once():
+        return timed(lora_loads.loaded, 1, directory, fp.adapter_stat(directory))
+
+    first, other, same = [], [], []
+    for _ in range(reps):
+        with tempfile.TemporaryDirectory() as cache:  # a host that never hashed it
+            os.environ["KVBM_CACHE_DIR"] = cache
+            fp.clear_memory_cache()
+            first.append(once())
+            fp.clear_memory_cache()  # another process: only the on-disk cache is shared
+            other.append(once())
+            same.append(once())
+        del os.environ["KVBM_CACHE_DIR"]
+    lora_loads.take_unreported()
+    return statistics.median(first), statistics.median(other), statistics.median(same)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=3.0)
     parser.add_argument("--dir", default="/tmp")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--model", default="models/kvbm-llama-8l")
+    parser.add_argument("--lora-mb", type=int, default=64)
+    parser.add_argument("--lora-only", action="store_true",
+                        help="only the LoRA figures (4 and 5)")
     args = parser.parse_args()
+    if args.lora_only:
+        lora_figures(args)
+        return
     if not os.path.isdir(args.model):
         sys.exit(f"--model {args.model} not found: build it with "
                  ".venv/bin/python -m vllm_kvbm.tools.local_model")
@@ -187,11 +229,22 @@ def main():
         print(f"  at NVMe {nvme:4.1f} GB/s: {140 / nvme:7.0f} s (hashing keeps up with "
               f"{cores:.1f}+ cores at this host's {one_thread:.2f} GB/s per core)")
 
+    lora_figures(args)
+
+
+def lora_figures(args):
     with tempfile.TemporaryDirectory() as tmp:
         per_call, per_stat = lora_per_request(os.path.join(tmp, "lora"))
-    print(f"\nLoRA adapter (2 files), per new request once its fingerprint is known:")
+        first, other, same = lora_loads_cost(os.path.join(tmp, "lora-load"), args.lora_mb,
+                                             args.reps)
+    print("\nLoRA adapter (2 files), per new request once its fingerprint is known:")
     print(f"  adapter_fingerprint: {per_call * 1e6:6.1f} us   (of which the stat of its "
           f"files: {per_stat * 1e6:.1f} us)")
+    print(f"\nWorker, per adapter load by vLLM ({args.lora_mb} MiB adapter in the page cache, "
+          f"median of {args.reps}):")
+    print(f"  first on the host (files hashed): {first * 1e3:8.2f} ms")
+    print(f"  another process (on-disk digest): {other * 1e3:8.2f} ms")
+    print(f"  same process (digest in memory):  {same * 1e3:8.2f} ms")
 
 
 if __name__ == "__main__":
