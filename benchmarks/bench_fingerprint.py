@@ -161,7 +161,9 @@ def lora_loads_cost(directory, size_mb, reps):
     with open(os.path.join(directory, "adapter_config.json"), "w") as f:
         json.dump({"r": 16, "lora_alpha": 32, "target_modules": ["k_proj"]}, f)
     with open(os.path.join(directory, "adapter_model.safetensors"), "wb") as f:
-        f.write(random.Random(2).randbytes(size_mb << 20))
+        rng = random.Random(2)
+        for _ in range(size_mb):
+            f.write(rng.randbytes(1 << 20))
     # Written a moment ago, the files' digests would not be cached (fingerprints.RACY_NS).
     time.sleep(fp.RACY_NS / 1e9 + 0.5)
 
