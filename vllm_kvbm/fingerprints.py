@@ -340,10 +340,21 @@ def _adapter_from(directory: str) -> str:
     return _adapter_by_stat(directory, stats)
 
 
-@functools.lru_cache(maxsize=256)
+_resolved: dict[str, str] = {}
+
+
 def _resolved_adapter_dir(path: str) -> str | None:
-    """An HF id's snapshot directory (its files are content addressed)."""
-    return local_model_dir(path, "")
+    """An HF id's snapshot directory (its files are content addressed).
+    Only found ones are kept: vLLM downloads an adapter it does not have
+    when it first loads it, after its first request arrived."""
+    directory = _resolved.get(path)
+    if directory is None:
+        directory = local_model_dir(path, "")
+        if directory is not None:
+            if len(_resolved) >= 256:
+                _resolved.clear()
+            _resolved[path] = directory
+    return directory
 
 
 def _dir_stat(directory: str) -> tuple:
@@ -361,4 +372,4 @@ def clear_memory_cache() -> None:
     """Forget in-process digests (as a restarted process would)."""
     _memo.clear()
     _adapter_by_stat.cache_clear()
-    _resolved_adapter_dir.cache_clear()
+    _resolved.clear()

@@ -124,3 +124,36 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     late = make_request(prompt, lora_request=LoRARequest("late", 4, str(tmp_path / "c")))
     assert k.get_num_new_matched_tokens(late, 0) == (0, False)
     assert late.request_id not in k._reqs
+
+
+def test_an_adapter_downloaded_at_its_first_load_is_cached_from_then_on(tmp_path):
+    """A path with no local files when the first request arrives (an HF id
+    vLLM downloads as it loads the adapter) is keyed without a fingerprint;
+    the workers refuse that request's jobs (they loaded real files), and from
+    the next request on the adapter is keyed and cached by those files."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from helpers.scheduler_harness import kvbm, make_request, make_scheduler, tokens
+    from vllm_kvbm.messages import KVBMWorkerMetadata
+
+    path = str(tmp_path / "not-yet-downloaded")
+    k = kvbm(make_scheduler(host_blocks=16))
+    prompt = tokens(3 * 128 + 5, 95)
+    first = make_request(prompt, lora_request=LoRARequest("hub", 7, path))
+    k.get_num_new_matched_tokens(first, 0)
+    assert k._reqs[first.request_id].adapter == (7, "")
+    assert lora_loads.refuses((7, "")) is False  # not loaded yet
+    # vLLM's load downloads the files, then reads them: no files before it
+    make_adapter(tmp_path / "not-yet-downloaded", b"downloaded weights")
+    assert lora_loads.loaded(7, path, None) == adapter_fingerprint(path)
+    assert lora_loads.refuses((7, ""))
+    k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVBMWorkerMetadata(
+        adapters_loaded=[(7, adapter_fingerprint(path))])))
+    assert k._reqs[first.request_id].no_store
+
+    second = make_request(prompt, lora_request=LoRARequest("hub", 7, path))
+    k.get_num_new_matched_tokens(second, 0)
+    state = k._reqs[second.request_id]
+    assert state.adapter == (7, adapter_fingerprint(path)) and not state.no_store
+    assert not lora_loads.refuses(state.adapter)

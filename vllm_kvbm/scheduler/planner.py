@@ -12,7 +12,7 @@ import itertools
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvbm.fingerprints import adapter_fingerprint
@@ -260,6 +260,13 @@ class KVBMScheduler:
         refuse the jobs whose keys name other weights than they loaded."""
         first = self._adapters.setdefault(lora.int_id, lora)
         loaded = self._adapter_weights.get(lora.int_id, {lora.fingerprint})
+        if first != lora and not first.fingerprint and loaded == {lora.fingerprint} \
+                and first == replace(lora, fingerprint=""):
+            # First seen without local files (an HF id vLLM had not downloaded
+            # yet); the workers loaded exactly the files now found. Its
+            # requests before were keyed without them, and refused by the
+            # workers for it: nothing of theirs is cached.
+            self._adapters[lora.int_id] = first = lora
         if first == lora and loaded == {lora.fingerprint}:
             return True
         self._adapter_changed(lora.int_id, repr(lora.name))
@@ -272,8 +279,15 @@ class KVBMScheduler:
         weights = self._adapter_weights.setdefault(int_id, set())
         weights.add(fingerprint)
         first = self._adapters.get(int_id)
-        if len(weights) > 1 or (first is not None and first.fingerprint != fingerprint):
+        if len(weights) > 1 or (first is not None and first.fingerprint
+                                and first.fingerprint != fingerprint):
             self._adapter_changed(int_id, repr(first.name) if first else "")
+        elif first is not None and not first.fingerprint:
+            # Keyed without its files (not local when first seen): what the
+            # requests in flight computed is not stored (the workers refuse it).
+            for state in self._reqs.values():
+                if state.adapter == (int_id, ""):
+                    state.no_store = True
 
     def _adapter_changed(self, int_id: int, name: str) -> None:
         if int_id in self._changed_adapters:

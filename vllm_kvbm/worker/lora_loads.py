@@ -78,7 +78,9 @@ def loaded(int_id: int, path: str, before: tuple | None) -> str:
     from vllm_kvbm.fingerprints import adapter_fingerprint, adapter_stat
 
     fingerprint = adapter_fingerprint(path)
-    if adapter_stat(path) != before:
+    # No files before: vLLM downloaded them (an HF id, content addressed)
+    # during the load, and read what is there now.
+    if before is not None and adapter_stat(path) != before:
         fingerprint = CHANGED_WHILE_LOADING
     with _lock:
         _loaded.setdefault(int_id, set()).add(fingerprint)
