@@ -269,14 +269,14 @@ def test_lora_rewritten_in_place_gets_a_new_fingerprint(tmp_path, cache_fresh_fi
 def test_planner_keys_follow_the_adapter_files(tmp_path):
     from vllm.lora.request import LoRARequest
 
-    from vllm_kvbm.scheduler.planner import _lora_identity
+    from vllm_kvbm.scheduler.lora_adapters import lora_identity
 
     adapter = make_adapter(tmp_path / "lora")
     request = LoRARequest("a", 1, adapter)
-    first = _lora_identity(request)
-    assert _lora_identity(request) == first
+    first = lora_identity(request)
+    assert lora_identity(request) == first
     make_adapter(tmp_path / "lora", seed=1)
-    assert _lora_identity(request).fingerprint != first.fingerprint
+    assert lora_identity(request).fingerprint != first.fingerprint
 
 
 def test_cache_keeps_to_its_size_dropping_stale_entries_first(tmp_path, cache_fresh_files,

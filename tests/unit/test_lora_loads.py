@@ -1,5 +1,5 @@
 """The LoRA weights vLLM loaded, as the workers see them (worker/lora_loads.py),
-and what the scheduler does with their reports (planner.py).
+and what the scheduler does with their reports (scheduler/lora_adapters.py).
 
 vLLM reads an adapter's files when it loads it, which may be before or after
 the scheduler fingerprints them for a request's keys; a job whose keys name
@@ -108,7 +108,7 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     other = make_request(prompt, lora_request=LoRARequest("other", 2, str(tmp_path / "b")))
     k.get_num_new_matched_tokens(other, 0)
     make_adapter(tmp_path / "b", b"new weights")
-    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.planner"):
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.lora_adapters"):
         k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVBMWorkerMetadata(
             adapters_loaded=[(2, adapter_fingerprint(str(tmp_path / "b")))])))
     assert k._reqs[other.request_id].no_store

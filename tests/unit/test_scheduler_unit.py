@@ -805,7 +805,7 @@ def test_a_lora_adapter_changed_on_disk_is_no_longer_cached(tmp_path, caplog):
     assert not k._reqs[first.request_id].no_store
 
     (adapter / "adapter_model.safetensors").write_bytes(b"new weights")
-    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.planner"):
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.lora_adapters"):
         second = make_request(prompt, lora_request=LoRARequest("tuned", 1, str(adapter)))
         assert k.get_num_new_matched_tokens(second, 0) == (0, False)
     assert second.request_id not in k._reqs  # not tracked: nothing looked up or stored

@@ -12,11 +12,10 @@ import itertools
 import logging
 import os
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvbm.fingerprints import adapter_fingerprint
-from vllm_kvbm.keys import (KeyChain, LoRAIdentity, PageKey, VllmHashKeys, derive_seed,
+from vllm_kvbm.keys import (KeyChain, PageKey, VllmHashKeys, derive_seed,
                             request_salt)
 from vllm_kvbm.messages import (SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 SpillJob, TransferJob)
@@ -25,6 +24,7 @@ from vllm_kvbm.scheduler.kv_events import NoKVEvents
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.load_split import LoadSplit
+from vllm_kvbm.scheduler.lora_adapters import LoRAAdapters, lora_identity
 from vllm_kvbm.scheduler.lookups import BackgroundLookups
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
 
@@ -213,11 +213,7 @@ class KVBMScheduler:
         # requests with a store backlog (their pages wait for host slots)
         self._backlogged: dict[str, _ReqState] = {}
         self._kv_cache_manager: KVCacheManager | None = None
-        # LoRA adapters by vLLM's int id as first seen, and those changed since
-        self._adapters: dict[int, LoRAIdentity] = {}
-        self._changed_adapters: set[int] = set()
-        # fingerprints of the weights the workers report vLLM loaded, per int id
-        self._adapter_weights: dict[int, set[str]] = {}
+        self.adapters = LoRAAdapters(self._stop_storing)
         self._evictions_seen = 0
         self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots * info.page_blocks)
         self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.page_bytes)
@@ -238,8 +234,8 @@ class KVBMScheduler:
         if state is None:
             if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
                 return None  # KV depends on inputs that token ids don't capture
-            lora = _lora_identity(request.lora_request)
-            if lora is not None and not self._adapter_unchanged(lora):
+            lora = lora_identity(request.lora_request)
+            if lora is not None and not self.adapters.usable(lora):
                 return None  # the weights its KV comes from are not known
             salt = request_salt(lora, request.cache_salt)
             state = _ReqState(request, self._key_chain(request, salt), salt,
@@ -248,59 +244,11 @@ class KVBMScheduler:
             self._watched[request.request_id] = state
         return state
 
-    def _adapter_unchanged(self, lora: LoRAIdentity) -> bool:
-        """Whether a LoRA adapter is as when this engine first saw its int id
-        (name, path and files), and vLLM loaded no other weights for it (as
-        the workers report). vLLM loads an adapter's files once per int id
-        and runs those weights until it evicts them from its LoRA cache or a
-        request asks ``load_inplace``: once the files change, no key can say
-        which weights a page was computed with. So the adapter is not cached
-        again in this engine (no lookups, no stores; its requests in flight
-        store nothing more). Until the scheduler hears of a load, the workers
-        refuse the jobs whose keys name other weights than they loaded."""
-        first = self._adapters.setdefault(lora.int_id, lora)
-        loaded = self._adapter_weights.get(lora.int_id, {lora.fingerprint})
-        if first != lora and not first.fingerprint and loaded == {lora.fingerprint} \
-                and first == replace(lora, fingerprint=""):
-            # First seen without local files (an HF id vLLM had not downloaded
-            # yet); the workers loaded exactly the files now found. Its
-            # requests before were keyed without them, and refused by the
-            # workers for it: nothing of theirs is cached.
-            self._adapters[lora.int_id] = first = lora
-        if first == lora and loaded == {lora.fingerprint}:
-            return True
-        self._adapter_changed(lora.int_id, repr(lora.name))
-        return False
-
-    def _adapter_loaded(self, int_id: int, fingerprint: str) -> None:
-        """A worker reports the weights vLLM loaded for adapter ``int_id``
-        (worker/lora_loads.py): other ones than the keys name, or a second
-        set of weights, and the adapter is not cached again."""
-        weights = self._adapter_weights.setdefault(int_id, set())
-        weights.add(fingerprint)
-        first = self._adapters.get(int_id)
-        if len(weights) > 1 or (first is not None and first.fingerprint
-                                and first.fingerprint != fingerprint):
-            self._adapter_changed(int_id, repr(first.name) if first else "")
-        elif first is not None and not first.fingerprint:
-            # Keyed without its files (not local when first seen): what the
-            # requests in flight computed is not stored (the workers refuse it).
-            for state in self._reqs.values():
-                if state.adapter == (int_id, ""):
-                    state.no_store = True
-
-    def _adapter_changed(self, int_id: int, name: str) -> None:
-        if int_id in self._changed_adapters:
-            return
-        self._changed_adapters.add(int_id)
+    def _stop_storing(self, match) -> None:
+        """Requests in flight whose adapter ``match`` accepts store nothing more."""
         for state in self._reqs.values():
-            if state.adapter is not None and state.adapter[0] == int_id:
+            if state.adapter is not None and match(state.adapter):
                 state.no_store = True
-        logger.warning(
-            "KVBM: LoRA adapter %s(id %d) changed on disk since this engine first used or "
-            "loaded it; its requests are no longer cached (vLLM may still run the weights it "
-            "loaded). To cache it again, load the new files under a new adapter name, or "
-            "restart the engine", f"{name} " if name else "", int_id)
 
     def _key_chain(self, request: "Request", salt: bytes) -> KeyChain | VllmHashKeys:
         """The request's keys under the current epoch: from vLLM's block
@@ -314,7 +262,7 @@ class KVBMScheduler:
     def key_chain(self, request: "Request") -> KeyChain | VllmHashKeys:
         """A fresh copy of the keys lookups and stores use for ``request``
         (computed on demand: ``extend``), e.g. to see what a prompt is stored as."""
-        return self._key_chain(request, request_salt(_lora_identity(request.lora_request),
+        return self._key_chain(request, request_salt(lora_identity(request.lora_request),
                                                      request.cache_salt))
 
     def _keys(self, state: _ReqState, num_tokens: int) -> list[PageKey]:
@@ -734,7 +682,7 @@ class KVBMScheduler:
             self.lower.record(meta.tier_events, self.stats, self.page_blocks,
                               self.info.num_workers)
             for int_id, fingerprint in meta.adapters_loaded:
-                self._adapter_loaded(int_id, fingerprint)
+                self.adapters.loaded(int_id, fingerprint)
             self.events.lower_stored(meta.tier_stored)
             for tier, key in meta.bad_pages + meta.removed_pages:
                 self.lower.forget(tier, key)
@@ -1025,21 +973,6 @@ class KVBMScheduler:
         if pool is None:
             return True  # no vLLM cache bound: nothing of vLLM's can be stale
         return pool.num_gpu_blocks - pool.get_num_free_blocks() <= 1
-
-
-def _lora_identity(lora) -> LoRAIdentity | None:
-    """A LoRA adapter as keys see it: its name alone could be reused for
-    other weights, so its id, path and a fingerprint of its files count too."""
-    if lora is None:
-        return None
-    path = getattr(lora, "lora_path", "") or ""
-    return LoRAIdentity(lora.lora_name, lora.lora_int_id, path, _adapter_fingerprint(path))
-
-
-def _adapter_fingerprint(path: str) -> str:
-    # Stat-keyed: an adapter rewritten in place gets new keys from its next
-    # request on (fingerprints.adapter_fingerprint).
-    return adapter_fingerprint(path)
 
 
 def _preemptions(request: "Request") -> int:

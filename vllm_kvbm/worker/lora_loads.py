@@ -10,7 +10,7 @@ vLLM 0.32 to 0.34 read adapter files), fingerprinted from the same files, and
 a job whose keys name other weights than the ones this worker loaded for its
 adapter is refused (worker.py): a store is not cached, a load is recomputed.
 The loads are also reported to the scheduler, which then stops caching the
-adapter (planner.py ``_adapter_unchanged``).
+adapter (scheduler/lora_adapters.py).
 """
 
 from __future__ import annotations
