@@ -162,9 +162,9 @@ class KVBMConnector(KVConnectorBase_V1):
         # Bound into every page this worker stores: read back only by a
         # worker whose KV cache lays out the bytes alike.
         layout = layout_fingerprint(kv_caches, self._num_blocks, dims)
-        self.worker.rank = _tp_rank()
-        for store in open_tiers(self.config, self.info, self.worker.rank, layout):
-            self.worker.add_tier(store)
+        rank = _tp_rank()
+        for store in open_tiers(self.config, self.info, rank, layout):
+            self.worker.add_tier(store, rank)
 
     def unregister_kv_caches(self) -> None:
         # vLLM >= 0.33 calls this right before it frees the KV cache's memory:

@@ -128,10 +128,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     bytes_loaded: int = 0
     # spill job id -> workers that copied the slot (the slot may be reused)
     spills_done: Counter = field(default_factory=Counter)
-    # (tier, outcome) -> pages: fetch outcomes ("ok", "miss", "corrupt",
-    # "unauthenticated", "error") and spill outcomes ("stored", "refused",
-    # "dropped": the tier's write queue was full); keyed (tier, outcome, TP
-    # rank) once the worker reports them (build_worker_meta)
+    # (tier, outcome, TP rank) -> pages: fetch outcomes ("ok", "miss",
+    # "corrupt", "unauthenticated", "error") and spill outcomes ("stored",
+    # "refused", "dropped": the tier's write queue was full)
     tier_events: Counter = field(default_factory=Counter)
     # (tier, key) of pages a tier took (its write-through done), for KV events
     tier_stored: list[tuple[str, bytes]] = field(default_factory=list)

@@ -394,7 +394,7 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert ready == [(load, False, False, None)]
-        assert meta.tier_events == {("disk", "unauthenticated"): 2}
+        assert meta.tier_events == {("disk", "unauthenticated", 0): 2}
         assert sorted(meta.bad_pages) == sorted(("disk", key_) for key_ in keys[:2])
         mro = worker_output(sched, out, finished_recving=[req.request_id],
                             loads_failed=[req.request_id], invalid_block_ids=load.block_ids)

@@ -38,7 +38,7 @@ def fetch_one(io: TierIO, tier: str, k: bytes, pool: torch.Tensor, slot: int, me
 
 def wait_writes(io: TierIO, meta, tier: str, n: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while meta.tier_events[(tier, "stored")] + meta.tier_events[(tier, "refused")] < n:
+    while meta.tier_events[(tier, "stored", 0)] + meta.tier_events[(tier, "refused", 0)] < n:
         assert time.monotonic() < deadline, "the writes never finished"
         io.poll(meta)
         time.sleep(0.01)
@@ -76,12 +76,12 @@ def test_a_disk_fetch_does_not_wait_for_the_disks_writes_which_run_several_at_on
         pool = torch.zeros(1, SMALL, dtype=torch.uint8)
         assert fetch_one(io, "disk", key(1000), pool, 0, meta)
         assert torch.equal(pool[0], page(1000, SMALL))
-        assert io.queues["disk"].queued == n and not meta.tier_events[("disk", "stored")]
+        assert io.queues["disk"].queued == n and not meta.tier_events[("disk", "stored", 0)]
         assert len(writers()) == store.write_inflight
         ext4.thaw()
         wait_writes(io, meta, "disk", n)
-        assert meta.tier_events[("disk", "stored")] == n
-        assert io.queues["disk"].queued == 0 and not meta.tier_events[("disk", "dropped")]
+        assert meta.tier_events[("disk", "stored", 0)] == n
+        assert io.queues["disk"].queued == 0 and not meta.tier_events[("disk", "dropped", 0)]
         out = torch.empty(SMALL, dtype=torch.uint8)
         for i in range(n):
             assert store.get_into(key(i), out) == "ok" and torch.equal(out, page(i, SMALL)), i
@@ -114,15 +114,15 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
         assert fetch_one(io, "remote", key(100), pool, 1, meta)
         assert torch.equal(pool[1], page(100, SMALL))
         assert io.queues["remote"].queued == 4  # read while no write had finished
-        assert meta.tier_events[("remote", "dropped")] == 6
+        assert meta.tier_events[("remote", "dropped", 0)] == 6
         assert sorted(meta.removed_pages) == [("remote", key(i)) for i in range(4, 10)]
-        assert meta.tier_events[("remote", "ok")] == 1 and not meta.is_empty()
+        assert meta.tier_events[("remote", "ok", 0)] == 1 and not meta.is_empty()
     finally:
         relay.thaw()
     try:
         wait_writes(io, meta, "remote", 4, timeout=30)
         assert io.queues["remote"].peak == 4 and io.queues["remote"].queued == 0
-        assert meta.tier_events[("remote", "dropped")] == 6  # nothing else dropped
+        assert meta.tier_events[("remote", "dropped", 0)] == 6  # nothing else dropped
     finally:
         io.close()
 
@@ -172,7 +172,7 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
         worker.get_finished(set())
         wmeta = worker.build_worker_meta()
         assert wmeta.spills_done == Counter({s.job_id: 1 for s in spills})
-        assert wmeta.tier_events[("remote", "dropped")] == 2
+        assert wmeta.tier_events[("remote", "dropped", 0)] == 2
         k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=wmeta))
         assert k.stats.total["tier_write_drops"] == 2
         assert all(k.host._entries[key].pins == 0 for key in keys[:3])  # pins released
@@ -220,8 +220,8 @@ def test_a_refused_write_is_reported_as_a_page_the_tier_lacks(tmp_path):
             for i in range(6):
                 io.spill(["disk"], key(i), page(i, MiB))
             wait_writes(io, meta, "disk", 6)
-            stored = meta.tier_events[("disk", "stored")]
-            refused = meta.tier_events[("disk", "refused")]
+            stored = meta.tier_events[("disk", "stored", 0)]
+            refused = meta.tier_events[("disk", "refused", 0)]
             assert stored >= 1 and refused >= 1 and stored + refused == 6
             gone = {k for tier, k in meta.removed_pages if tier == "disk"}
             assert gone == {key(i) for i in range(6) if not store.contains(key(i))}

@@ -430,7 +430,7 @@ def test_evictions_reach_the_scheduler_through_the_worker_metadata(disk):
     for i in range(3):
         io.spill(["disk"], key(i), page(i, SMALL))
     deadline = _time.monotonic() + 10
-    while meta.tier_events[("disk", "stored")] < 3:
+    while meta.tier_events[("disk", "stored", 0)] < 3:
         assert _time.monotonic() < deadline, "spills never finished"
         io.poll(meta)
         _time.sleep(0.01)

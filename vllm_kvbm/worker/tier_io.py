@@ -132,6 +132,9 @@ class TierIO:
             raise ValueError(f"write_queue_pages must be >= 1, got {write_queue_pages}")
         self.write_queue_pages = write_queue_pages
         self.read_timeout_s = read_timeout_s
+        # TP rank: outcomes are reported per rank (vLLM sums the workers'
+        # reports; a page is stored once every rank stored its shard)
+        self.rank = 0
         self.tiers: dict[str, TierStore] = {}
         self._reader: dict[str, ThreadPoolExecutor] = {}
         self._writer: dict[str, ThreadPoolExecutor] = {}
@@ -250,12 +253,12 @@ class TierIO:
             if fetch.cut_at is not None:
                 cut = fetch.landed_prefix()  # reads that landed since count too
                 for tier, _, status in results:
-                    meta.tier_events[(tier, status)] += 1
+                    meta.tier_events[(tier, status, self.rank)] += 1
                 ready.append((job, True, False, cut))
                 continue
             bad = [(tier, key, status) for tier, key, status in results if status != "ok"]
             for tier, _, status in results:
-                meta.tier_events[(tier, status)] += 1
+                meta.tier_events[(tier, status, self.rank)] += 1
             if bad:
                 logger.warning("KVBM: %d of %d lower-tier pages for %s unusable (%s); "
                                "vLLM recomputes them", len(bad), len(results), job.req_id,
@@ -267,7 +270,7 @@ class TierIO:
         for tier, key, future in self._writing:
             if future.done():
                 ok = future.result()
-                meta.tier_events[(tier, "stored" if ok else "refused")] += 1
+                meta.tier_events[(tier, "stored" if ok else "refused", self.rank)] += 1
                 if ok:
                     meta.tier_stored.append((tier, key))
                 else:  # not there (disk full, server down): written again when reused
@@ -276,7 +279,7 @@ class TierIO:
                 writing.append((tier, key, future))
         self._writing = writing
         for tier, key in self._dropped:
-            meta.tier_events[(tier, "dropped")] += 1
+            meta.tier_events[(tier, "dropped", self.rank)] += 1
             # like a page the tier does not have: written again when next admitted
             meta.removed_pages.append((tier, key))
         self._warn_drops()
@@ -301,7 +304,7 @@ class TierIO:
             f.cancel()  # its reads not started yet never will be
         tiers = sorted({tier for _, tier, _ in fetch.job.fetch})
         for _, tier, _ in fetch.job.fetch:
-            meta.tier_events[(tier, "error")] += 1
+            meta.tier_events[(tier, "error", self.rank)] += 1
         logger.error("KVBM: reading %d pages from %s for %s made no progress for %g s "
                      "(tier_read_timeout_s); vLLM recomputes them", len(fetch.job.fetch),
                      "/".join(tiers), fetch.job.req_id, self.read_timeout_s)

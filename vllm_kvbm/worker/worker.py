@@ -37,7 +37,6 @@ polled instead. What orders each kind of transfer:
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -69,7 +68,6 @@ class KVBMWorker:
                  tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
                  tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S):
         self.info = info
-        self.rank = 0  # TP rank (set with the tiers): tier events are reported per rank
         self.transfer_timeout_s = transfer_timeout_s
         self.num_host_slots = num_host_slots
         self.nixl_backend = nixl_backend
@@ -99,7 +97,9 @@ class KVBMWorker:
         self._part_ids = itertools.count(-1, -1)
         lora_loads.watch()  # before vLLM loads any adapter in this process
 
-    def add_tier(self, store: "TierStore") -> None:
+    def add_tier(self, store: "TierStore", rank: int = 0) -> None:
+        """``rank``: this worker's TP rank, which the tier's outcomes name."""
+        self.tier_io.rank = rank
         self.tier_io.add(store)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
@@ -463,10 +463,6 @@ class KVBMWorker:
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         meta, self._meta = self._meta, KVBMWorkerMetadata()
         meta.adapters_loaded = lora_loads.take_unreported()
-        # vLLM sums the ranks' reports: the scheduler needs each rank's own
-        # (a page is stored once every rank stored its shard).
-        meta.tier_events = Counter({(tier, outcome, self.rank): n
-                                    for (tier, outcome), n in meta.tier_events.items()})
         if meta.is_empty() and not meta.bytes_loaded and not meta.load_latencies:
             return None
         return meta
