@@ -330,9 +330,15 @@ class KVBMWorker:
         load's blocks are recomputed."""
         if not lora_loads.refuses(job.adapter):
             return False
-        logger.warning("KVBM: %s for %s refused: LoRA adapter id %d runs other weights than "
-                       "its files had when the request arrived (rewritten in place)",
-                       "store" if is_store else "load", job.req_id, job.adapter[0])
+        int_id, fingerprint = job.adapter
+        if fingerprint:
+            logger.warning("KVBM: %s for %s refused: LoRA adapter id %d runs other weights than "
+                           "its files had when the request arrived (rewritten in place)",
+                           "store" if is_store else "load", job.req_id, int_id)
+        else:  # keyed before its files were local: vLLM downloaded them as it loaded it
+            logger.info("KVBM: %s for %s not done: LoRA adapter id %d had no local files when "
+                        "the request arrived; its next requests are cached",
+                        "store" if is_store else "load", job.req_id, int_id)
         self._complete(job, is_store, ok=False, started=time.perf_counter())
         return True
 
