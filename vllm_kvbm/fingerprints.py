@@ -300,34 +300,32 @@ def adapter_fingerprint(path: str) -> str:
     Called for every new request with an adapter: it stats the adapter's
     files (tens of microseconds, docs/benchmarks.md) and rehashes only when
     a stat changed, so an adapter rewritten in place gets new keys from its
-    next request on.
+    next request on. "" when it has none readable (removed or unreadable:
+    vLLM cannot load it either).
     """
-    if not path:
-        return ""
-    try:
-        try:
-            return _adapter_from(path)
-        except (FileNotFoundError, NotADirectoryError):
-            directory = _resolved_adapter_dir(path)  # an HF id, not a directory
-            return _adapter_from(directory) if directory else ""
-    except OSError:
-        return ""  # removed or unreadable: vLLM cannot load it either
+    return _on_adapter_files(path, _adapter_from, "")
 
 
 def adapter_stat(path: str) -> tuple | None:
     """The stat of the files ``adapter_fingerprint(path)`` reads (None: none
     readable): equal before and after a read of them only if no write
     happened in between (worker/lora_loads.py)."""
+    return _on_adapter_files(path, _dir_stat, None)
+
+
+def _on_adapter_files(path: str, read, missing):
+    """``read(directory)`` of an adapter path: a directory, else an HF id's
+    snapshot directory; ``missing`` when there is none or it cannot be read."""
     if not path:
-        return None
+        return missing
     try:
         try:
-            return _dir_stat(path)
+            return read(path)
         except (FileNotFoundError, NotADirectoryError):
-            directory = _resolved_adapter_dir(path)
-            return _dir_stat(directory) if directory else None
+            directory = _resolved_adapter_dir(path)  # an HF id, not a directory
+            return read(directory) if directory else missing
     except OSError:
-        return None
+        return missing
 
 
 def _adapter_from(directory: str) -> str:

@@ -52,8 +52,8 @@ class LoRAAdapters:
         """Whether a request of this adapter may be looked up and stored."""
         first = self._first.setdefault(lora.int_id, lora)
         loaded = self._loaded.get(lora.int_id, {lora.fingerprint})
-        if first != lora and not first.fingerprint and loaded == {lora.fingerprint} \
-                and first == replace(lora, fingerprint=""):
+        if lora.fingerprint and first == replace(lora, fingerprint="") \
+                and loaded == {lora.fingerprint}:
             # First seen without local files (an HF id vLLM had not downloaded
             # yet); the workers loaded exactly the files now found. Its
             # requests before were keyed without them, and refused by the
