@@ -24,6 +24,20 @@ def load(extra=None, **env):
     ("100B", 100),
     ("2k", 2000),
     ("1TiB", 1024**4),
+    # vLLM's human sizes (--kv-cache-memory-bytes): upper-case letters are
+    # binary, lower-case decimal; Gi/GiB binary and GB decimal in any case
+    ("16G", 16 * GiB),
+    ("16Gi", 16 * GiB),
+    ("16gi", 16 * GiB),
+    ("16GiB", 16 * GiB),
+    ("16g", 16 * 10**9),
+    ("16GB", 16 * 10**9),
+    ("16Gb", 16 * 10**9),
+    ("2K", 2048),
+    ("3M", 3 * MiB),
+    ("1T", 1024**4),
+    ("512Mi", 512 * MiB),
+    ("1.5G", int(1.5 * GiB)),
     (123456, 123456),
     (0, 0),
     (2**60 + 1, 2**60 + 1),  # exact, no float rounding
@@ -67,8 +81,10 @@ def test_unknown_key_did_you_mean():
 
 
 @pytest.mark.parametrize("value,fragments", [
-    ("lots", ["host_cache_size", "cannot read 'lots'", "\"4GiB\""]),
-    ("4 Gigs", ["host_cache_size", "unknown unit 'gigs'", "GiB", "GB"]),
+    ("lots", ["host_cache_size", "cannot read 'lots'", "\"16GiB\"", "\"16GB\""]),
+    ("4 Gigs", ["host_cache_size", "unknown unit 'Gigs'", "\"16Gi\"", "\"16G\"",
+                "1024-based", "1000-based"]),
+    ("4Gg", ["host_cache_size", "unknown unit 'Gg'"]),
     ("4GiBs", ["host_cache_size", "unknown unit"]),
     ("-1GiB", ["host_cache_size", "cannot read '-1GiB'"]),
     (-5, ["host_cache_size", "must not be negative"]),

@@ -10,38 +10,57 @@ from typing import Any
 
 from vllm_kvbm.config.errors import KVBMConfigError
 
+# Units of a size, as vLLM's human-readable sizes (--kv-cache-memory-bytes,
+# vllm.utils.argparse_utils.human_readable_int) read them: an upper-case
+# K/M/G/T is binary (16G = 16 GiB, what --kv-offloading-size 16 and LMCache's
+# max_local_cpu_size 16 mean), a lower-case one decimal (16g = 16e9 bytes).
+# Ki/KiB... are binary and KB/MB/GB/TB decimal in any case.
+_LETTER_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
+                 "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4,
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+SIZE_EXAMPLES = ("\"16GiB\", \"16Gi\" or \"16G\" (16 x 1024^3 bytes, as vLLM's "
+                 "--kv-offloading-size 16), \"16GB\" or \"16g\" (16 x 10^9 bytes), "
+                 "\"512MiB\" or a number of bytes")
+
+
+def _unit_bytes(unit: str) -> int | None:
+    if unit in _LETTER_UNITS:
+        return _LETTER_UNITS[unit]
+    return _UNITS.get(unit.lower())
 
 
 def parse_size(key: str, value: Any) -> int:
-    """Parses "4GiB", "512MB", "1.5 GiB" or a plain byte count into bytes."""
+    """Parses "16GiB", "16Gi", "16G" (binary), "16GB", "16g" (decimal), "1.5 GiB"
+    or a plain byte count into bytes."""
     if isinstance(value, bool):
-        raise KVBMConfigError(f"{key}: expected a size such as \"4GiB\", got {value!r}")
+        raise KVBMConfigError(f"{key}: expected a size, got {value!r}; write it like "
+                              f"{SIZE_EXAMPLES}")
     if isinstance(value, int):
         number, unit = value, ""  # exact: float() would round counts past 2**53
     elif isinstance(value, float):
         number, unit = value, ""
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
-        number, unit = float(m.group(1)), m.group(2).lower()
+        number, unit = float(m.group(1)), m.group(2)
     else:
         raise KVBMConfigError(
-            f"{key}: cannot read {value!r} as a size; write it like \"4GiB\", "
-            f"\"512MiB\", \"8GB\" or a number of bytes")
-    if unit not in _UNITS:
+            f"{key}: cannot read {value!r} as a size; write it like {SIZE_EXAMPLES}")
+    scale = _unit_bytes(unit)
+    if scale is None:
         raise KVBMConfigError(
-            f"{key}: unknown unit {unit!r} in {value!r}; use one of "
-            f"B, KiB, MiB, GiB, TiB (1024-based) or KB, MB, GB, TB (1000-based)")
+            f"{key}: unknown unit {unit!r} in {value!r}; write it like {SIZE_EXAMPLES} "
+            f"(Ki, Mi, Gi, Ti, KiB... and K, M, G, T are 1024-based; KB, MB, GB, TB and "
+            f"k, m, g, t are 1000-based)")
     if not math.isfinite(number):
         raise KVBMConfigError(f"{key}: size must be a finite number of bytes, got {value!r}")
     if number < 0:
         raise KVBMConfigError(f"{key}: size must not be negative, got {value!r}")
-    return int(number * _UNITS[unit])
+    return int(number * scale)
 
 
 def parse_int(key: str, value: Any, minimum: int) -> int:
