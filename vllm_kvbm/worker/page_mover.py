@@ -31,176 +31,20 @@ import importlib
 import logging
 import os
 import queue
-import sys
 import threading
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from vllm_kvbm.config import KVBMConfigError
+# Re-exported: where callers have always found them.
+from vllm_kvbm.worker.kv_regions import (BlockRegion, block_dim_of,  # noqa: F401
+                                         block_regions, block_view)
+from vllm_kvbm.worker.nixl_api import (NixlBuildError, _nixl_api, load_nixl,  # noqa: F401
+                                       nixl_builds_for)
 
 logger = logging.getLogger(__name__)
-
-
-class NixlBuildError(ImportError):
-    """No importable NIXL build matches this process's CUDA runtime."""
-
-
-_NIXL_BUILDS = ("nixl_cu12", "nixl_cu13")
-
-
-def nixl_builds_for(cuda_version: str | None, hip_version: str | None = None) -> list[str]:
-    """NIXL packages that can serve PyTorch built for ``cuda_version``, in order.
-
-    NIXL ships one wheel per CUDA major (nixl-cu12, nixl-cu13) and they cannot
-    share a process (both register the same native types), so the build must
-    match the CUDA runtime PyTorch uses; a CPU build of PyTorch can use any.
-    """
-    if cuda_version:
-        return [f"nixl_cu{cuda_version.split('.')[0]}"]
-    if hip_version:
-        return ["nixl_rocm"]
-    return list(_NIXL_BUILDS)
-
-
-def _pip_name(module: str) -> str:
-    return module.replace("_", "-")
-
-
-def _nixl_api():
-    """(nixl_agent, nixl_agent_config, module name) of the NIXL build that
-    matches this process's PyTorch."""
-    return load_nixl(torch.version.cuda, getattr(torch.version, "hip", None))
-
-
-def load_nixl(cuda_version: str | None, hip_version: str | None = None):
-    """(nixl_agent, nixl_agent_config, module name) of the NIXL build for
-    PyTorch built with ``cuda_version`` (or ROCm ``hip_version``; neither: CPU)."""
-    wanted = nixl_builds_for(cuda_version, hip_version)
-    runtime = (f"PyTorch {torch.__version__} (CUDA {cuda_version})" if cuda_version
-               else f"PyTorch {torch.__version__} (ROCm {hip_version})" if hip_version
-               else f"PyTorch {torch.__version__} (CPU)")
-    loaded = [m for m in (*_NIXL_BUILDS, "nixl_rocm") if m in sys.modules]
-    if loaded and loaded[0] not in wanted:
-        raise NixlBuildError(
-            f"KVBM: {runtime} needs NIXL's {wanted[0]} build, but {loaded[0]} is already "
-            f"loaded in this process and the two cannot coexist; make the process use "
-            f"{wanted[0]} (pip install {_pip_name(wanted[0])}; pip uninstall "
-            f"{_pip_name(loaded[0])})")
-    # A build another component already loaded comes first: a second one
-    # cannot be imported beside it.
-    for name in loaded + [m for m in wanted if m not in loaded]:
-        try:
-            api = importlib.import_module(f"{name}._api")
-        except ModuleNotFoundError as err:
-            if err.name in (name, f"{name}._api"):
-                continue
-            raise
-        return api.nixl_agent, api.nixl_agent_config, name
-    raise NixlBuildError(
-        f"KVBM: {runtime} needs NIXL's {' or '.join(wanted)} build, which is not "
-        f"installed; install it: pip install nixl (the meta package: every CUDA "
-        f"major's build), or pip install {_pip_name(wanted[0])}")
-
-
-@dataclass(frozen=True)
-class BlockRegion:
-    """One run of equally strided layer blocks: block ``b``'s lives at
-    base + b * stride."""
-
-    base: int
-    stride: int
-    layer_block_bytes: int
-
-
-def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
-                 declared: int | None) -> tuple[int, int]:
-    """(block dim, kernel blocks per block) of one layer's KV cache view.
-
-    ``declared`` comes from vLLM's KV layout (vllm_kvbm.vllm_layout). Without
-    it the dim is the one of size ``num_blocks``, and only if exactly one dim
-    has that size: with a K/V dim of 2 and num_blocks == 2, or num_blocks ==
-    num_kv_heads, guessing would copy the wrong bytes.
-    """
-    shape = tuple(t.shape)
-    if declared is not None:
-        if not -t.dim() <= declared < t.dim():
-            raise KVBMConfigError(
-                f"KV cache of layer {name} has shape {shape}, but vLLM's KV layout puts "
-                f"the block dimension at index {declared}; this KV layout is unsupported")
-        d = declared % t.dim()
-        if shape[d] < num_blocks or shape[d] % num_blocks:
-            raise KVBMConfigError(
-                f"KV cache of layer {name} has shape {shape}: its block dimension {d} "
-                f"(from vLLM's KV layout) has {shape[d]} entries, not a multiple of "
-                f"num_blocks={num_blocks}; this KV layout is unsupported")
-        # vLLM splits a block into equal kernel blocks when the attention
-        # kernel's block size is smaller; they are adjacent in memory.
-        return d, shape[d] // num_blocks
-    dims = [d for d, n in enumerate(shape) if n == num_blocks]
-    if not dims:
-        raise KVBMConfigError(
-            f"KV cache of layer {name} has shape {shape} with no "
-            f"dimension of size num_blocks={num_blocks}; this KV layout is unsupported")
-    if len(dims) > 1:
-        raise KVBMConfigError(
-            f"KV cache of layer {name} has shape {shape}: dimensions {dims} all have "
-            f"size num_blocks={num_blocks}, and vLLM's KV layout (which says which one "
-            f"holds the blocks) was not available; cannot tell which to copy")
-    return dims[0], 1
-
-
-def block_view(name: str, t: torch.Tensor, num_blocks: int,
-               block_dims: dict[str, int] | None) -> tuple[torch.Tensor, int, int]:
-    """(view, block dim, kernel blocks per block) of one layer's KV cache: the
-    view splits a dim holding kernel blocks into (num_blocks, kernel blocks),
-    so the block dim indexes vLLM blocks."""
-    declared = None if block_dims is None else block_dims.get(name)
-    d, ratio = block_dim_of(name, t, num_blocks, declared)
-    if ratio > 1:
-        t = t.unflatten(d, (num_blocks, ratio))
-    return t, d, ratio
-
-
-def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                  block_dims: dict[str, int] | None = None) -> list[BlockRegion]:
-    """Finds where each block's bytes live, for any layout with a block dim.
-
-    vLLM 0.32 hands every layer as a ``[blocks, heads, tokens, content]``
-    view whose strides follow the resolved KV layout (LBNHC, LBHNC, BLHNC, ...);
-    older flash-attention layouts put K/V first: ``[2, num_blocks, ...]``.
-    Dims laid out outside the block dim (larger stride: the K/V dim, heads in
-    LHBNC) index regions; the dims inside must be one dense layer block (in any
-    order: HND memory seen through an NHD view is still one run of bytes).
-    """
-    regions = []
-    for name, t in kv_caches.items():
-        t, d, ratio = block_view(name, t, num_blocks, block_dims)
-        elem = t.element_size()
-        block_stride = t.stride()[d]
-        others = [i for i in range(t.dim()) if i != d]
-        outer = [i for i in others if t.shape[i] > 1 and t.stride()[i] > block_stride]
-        inner = [i for i in others if i not in outer]
-        expected = 1
-        for stride, size in sorted((t.stride()[i], t.shape[i]) for i in inner
-                                   if t.shape[i] > 1):
-            if stride != expected:
-                raise KVBMConfigError(
-                    f"KV cache of layer {name}: a layer block is not contiguous "
-                    f"(shape {tuple(t.shape)}, stride {t.stride()}); unsupported layout")
-            expected *= size
-        layer_block = expected * elem
-        if num_blocks > 1 and block_stride * elem < layer_block:
-            raise KVBMConfigError(
-                f"KV cache of layer {name}: blocks overlap (shape {tuple(t.shape)}, "
-                f"stride {t.stride()}); unsupported layout")
-        for idx in np.ndindex(*[t.shape[i] for i in outer]):
-            offset = sum(j * t.stride()[i] for i, j in zip(outer, idx)) * elem
-            regions.append(BlockRegion(t.data_ptr() + offset, block_stride * elem,
-                                       layer_block))
-    return regions
 
 
 # UCX backend parameters for an agent that copies host memory to itself:

@@ -32,7 +32,7 @@ def declared_block_dims(kv_cache_config: "KVCacheConfig",
                         kv_caches: dict[str, "torch.Tensor"]) -> dict[str, int] | None:
     """layer -> block dim from vLLM's declared layout; None without vLLM's
     layout function. A layer left out is located from its shape, and only if
-    that is unambiguous (vllm_kvbm.worker.page_mover.block_dim_of)."""
+    that is unambiguous (vllm_kvbm.worker.kv_regions.block_dim_of)."""
     try:
         from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
     except ImportError:
