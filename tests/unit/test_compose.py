@@ -1,8 +1,8 @@
-"""docker-compose.yml, its .env, the Grafana provisioning and the Dockerfile's command.
+"""docker-compose.yml, its .env.example, the Grafana provisioning and the images.
 
 No Docker engine runs here: `docker compose config` (Compose v2, installed by
 scripts/setup.sh) validates and resolves the file without one, and the checks
-read its resolved JSON.
+read its resolved JSON, rendered from .env.example (an operator's .env is never read).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from helpers import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
-SERVICES = {"vllm", "prometheus", "grafana", "lmcache-server"}
+SERVICES = {"vllm", "prometheus", "grafana", "redis"}
 COMPOSE_PLUGIN = Path("/usr/local/lib/docker/cli-plugins/docker-compose")
 
 
 def dotenv() -> dict[str, str]:
     values = {}
-    for line in (ROOT / ".env").read_text().splitlines():
+    for line in (ROOT / ".env.example").read_text().splitlines():
         line = line.strip()
         if line and not line.startswith("#"):
             key, _, value = line.partition("=")
@@ -46,12 +46,23 @@ def compose_command() -> list[str]:
                 "(it installs the docker compose CLI plugin)")
 
 
-def resolved(*args: str, **env) -> dict:
-    """`docker compose [ARGS] config` of the repo's compose file, as JSON."""
+# What an operator puts in .env besides .env.example's values (it has no default).
+GRAFANA_PASSWORD = "a-password-for-the-test"
+
+
+def render(*args: str, **env) -> subprocess.CompletedProcess:
+    """`docker compose [ARGS] config` of the repo's compose file with
+    .env.example's values, the variables ENV over them."""
     clean = {k: v for k, v in os.environ.items() if k not in dotenv() and
              not k.startswith("COMPOSE_")}
-    proc = subprocess.run([*compose_command(), *args, "config", "--format", "json"], cwd=ROOT,
-                          env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    return subprocess.run([*compose_command(), "--env-file", ".env.example", *args, "config",
+                           "--format", "json"], cwd=ROOT, env={**clean, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def resolved(*args: str, **env) -> dict:
+    """The resolved compose file as JSON, with a Grafana password set."""
+    proc = render(*args, **{"GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD, **env})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -80,11 +91,6 @@ def test_compose_file_resolves_with_the_four_services():
     assert (ROOT / vllm["build"]["dockerfile"]).is_file()
     assert {(p["target"], p["published"]) for p in vllm["ports"]} == {(8000, env["VLLM_PORT"])}
 
-    lmcache = config["services"]["lmcache-server"]
-    assert lmcache["command"] == ["python", "-m", "lmcache.v1.server", "0.0.0.0",
-                                  env["LMCACHE_PORT"]]
-    assert lmcache["image"] == vllm["image"]
-
     grafana = config["services"]["grafana"]
     assert {(p["target"], p["published"]) for p in grafana["ports"]} == {(3000, "3001")}
     mounts = {v["target"]: v for v in grafana["volumes"]}
@@ -92,8 +98,6 @@ def test_compose_file_resolves_with_the_four_services():
     assert provisioning["type"] == "bind"
     assert provisioning["source"] == str(ROOT / "grafana" / "provisioning")
     assert mounts["/var/lib/grafana/dashboards"]["source"] == str(ROOT / "grafana" / "dashboards")
-    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"
-    assert grafana["environment"]["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == "/var/lib/grafana/dashboards/kvbm.json"
 
@@ -205,14 +209,14 @@ def test_image_default_command_serves_with_the_connector(tmp_path):
 
 # ---- the CUDA profile ------------------------------------------------------------
 
-CUDA_SERVICES = {"vllm-cuda", "prometheus", "grafana", "lmcache-server-cuda"}
+CUDA_SERVICES = {"vllm-cuda", "prometheus", "grafana", "redis"}
 
 
 def test_default_up_starts_the_cpu_vllm_only():
     assert dotenv()["COMPOSE_PROFILES"] == "cpu"
     assert set(resolved()["services"]) == SERVICES  # no vllm-cuda
     # with no profile at all, neither vLLM service (nor an LMCache server) starts
-    assert set(resolved(COMPOSE_PROFILES="")["services"]) == {"prometheus", "grafana"}
+    assert set(resolved(COMPOSE_PROFILES="")["services"]) == {"prometheus", "grafana", "redis"}
 
 
 def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
@@ -246,7 +250,7 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
     cpu_env = dict(cpu["vllm"]["environment"])
     assert cpu_env.pop("VLLM_CPU_KVCACHE_SPACE") == env["VLLM_CPU_KVCACHE_SPACE"]
     assert cuda["environment"] == cpu_env
-    assert cuda["environment"]["KVBM_REMOTE_URL"] == f"lm://lmcache-server:{env['LMCACHE_PORT']}"
+    assert cuda["environment"]["KVBM_REMOTE_URL"] == env["KVBM_REMOTE_URL"]
     assert cuda["volumes"] == cpu["vllm"]["volumes"]
     assert cuda["ports"] == cpu["vllm"]["ports"]
     assert cuda["healthcheck"] == cpu["vllm"]["healthcheck"]
@@ -257,24 +261,23 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
     assert "vllm" in cuda["networks"]["default"]["aliases"]
     assert config["services"]["prometheus"] == cpu["prometheus"]
     assert config["services"]["grafana"] == cpu["grafana"]
-    # its own LMCache server, from the CUDA image, under the CPU one's name
-    server = config["services"]["lmcache-server-cuda"]
-    assert server["command"] == cpu["lmcache-server"]["command"]
-    assert server["image"] == cuda["image"] and server["build"] == cuda["build"]
-    assert "lmcache-server" in server["networks"]["default"]["aliases"]
+    assert config["services"]["redis"] == cpu["redis"]
 
 
 def test_each_profile_builds_only_its_own_image():
     """`--profile cuda` must not build the CPU image (vllm-cpu, a different
     torch) and the default must not build the CUDA one."""
     for args, dockerfile in ((("--profile", "cpu"), "Dockerfile"),
-                             (("--profile", "cuda"), "Dockerfile.cuda")):
+                             (("--profile", "cuda"), "Dockerfile.cuda"),
+                             (("--profile", "cpu", "--profile", "lmcache"), "Dockerfile"),
+                             (("--profile", "cuda", "--profile", "lmcache-cuda"),
+                              "Dockerfile.cuda")):
         services = resolved(*args)["services"]
         built = {name: svc["build"].get("dockerfile", "Dockerfile")
                  for name, svc in services.items() if "build" in svc}
         assert built and set(built.values()) == {dockerfile}, (args, built)
         images = {svc["image"] for svc in services.values() if "build" in svc}
-        assert len(images) == 1, images  # the LMCache server reuses the vLLM image
+        assert len(images) == 1, images  # an LMCache server reuses the vLLM image
 
 
 def test_no_image_sets_a_kvbm_variable_that_would_override_compose():
@@ -303,7 +306,7 @@ def test_the_connector_reads_the_sizes_dotenv_says(profile, service):
     config = load_config(kv["kv_connector_extra_config"], environ=environ)
     assert config.host_cache_bytes == parse_size("host", env["KVBM_HOST_CACHE_SIZE"])
     assert config.disk_cache_bytes == parse_size("disk", env["KVBM_DISK_CACHE_SIZE"])
-    assert config.remote_url == f"lm://lmcache-server:{env['LMCACHE_PORT']}"
+    assert config.remote_url == env["KVBM_REMOTE_URL"] == "redis://redis:6379"
     assert svc["environment"]["KVBM_DISK_CACHE_DIR"] == "/kvbm-disk"
     assert {v["target"] for v in svc["volumes"]} >= {"/kvbm-disk"}
 
