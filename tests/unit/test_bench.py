@@ -187,3 +187,20 @@ def test_a_failed_start_leaves_no_process_and_frees_its_port():
     assert group_alive(proc.pid) and not port_free(port)  # the child outlived its parent
     _stop(proc)
     assert not group_alive(proc.pid) and port_free(port)
+
+
+def test_log_errors_tells_a_warning_from_an_error(tmp_path):
+    """vLLM's oneDNN fallback notice on CPUs without native bf16 quotes an
+    exception at WARNING level: a notice, not an error of the run."""
+    from vllm_kvbm.bench.compare import log_errors
+
+    log = tmp_path / "server.log"
+    warn = ("(EngineCore pid=7) WARNING 12-05 03:40:01 [utils.py:597] Failed to create oneDNN "
+            "linear, fallback to torch linear. Exception: could not create a primitive")
+    ulimit = "(APIServer pid=6) WARNING 12-05 03:40:00 [system_utils.py:80] Found ulimit of 1024"
+    log.write_text(f"{ulimit}\n{warn}\nINFO 12-05 03:40:02 [api_server.py:1] Error rate 0\n")
+    assert log_errors(log, fallback=False) == ""
+    err = "(Worker pid=9) ERROR 12-05 03:40:03 [multiproc_executor.py:1063] RuntimeError: boom"
+    log.write_text(f"{warn}\n{err}\nValueError: raised outside a logger\n")
+    assert log_errors(log, fallback=False).splitlines() == [
+        "RuntimeError: boom", "ValueError: raised outside a logger"]

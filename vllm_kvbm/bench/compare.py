@@ -130,7 +130,10 @@ def serve_args(args) -> list[str]:
 
 
 def log_errors(path: Path, limit: int = 6, fallback: bool = True) -> str:
-    """The distinct error lines of a server log, last ones first in importance."""
+    """The distinct error lines of a server log, last ones first in importance.
+    Lines vLLM logs at DEBUG, INFO or WARNING are notices, not errors, even
+    when they quote an exception ('Failed to create oneDNN linear, fallback
+    to torch linear. Exception: ...' on CPUs without native bf16)."""
     keys = ("Error", "ERROR", "error:", "No supported", "not supported", "Exception")
     seen: list[str] = []
     try:
@@ -140,9 +143,11 @@ def log_errors(path: Path, limit: int = 6, fallback: bool = True) -> str:
     for line in lines:
         if "[shutdown]" in line:
             break  # what follows is the stop this runner asked for
-        if "Found ulimit" in line:
-            continue  # vLLM's fd-limit warning: not an error of the run
-        text = re.sub(r"\x1b\[[0-9;]*m", "", line).split("] ", 1)[-1].strip()
+        plain = re.sub(r"\x1b\[[0-9;]*m", "", line)
+        level = _LOG_PREFIX.match(plain).group(3)
+        if level in ("DEBUG", "INFO", "WARNING"):
+            continue
+        text = plain.split("] ", 1)[-1].strip()
         if any(k in text for k in keys) and text not in seen:
             seen.append(text[:400])
     return "\n".join(seen[-limit:]) or ("\n".join(lines[-limit:]) if fallback else "")
