@@ -63,7 +63,7 @@ def compute_dtype() -> str:
 
 
 def describe() -> str:
-    """One line for a startup banner: the dtype, why, and the threads."""
+    """For a startup banner: the dtype and why."""
     import torch
 
     dtype = compute_dtype()
@@ -74,4 +74,4 @@ def describe() -> str:
     else:
         why = (f"CPU {torch.backends.cpu.get_cpu_capability()}, "
                f"{'native' if native_bf16() else 'no native'} bf16")
-    return f"dtype {dtype} ({why}); {torch.get_num_threads()} torch threads"
+    return f"{dtype} ({why})"

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from vllm_kvbm.tools.compute_dtype import compute_dtype
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -92,8 +94,12 @@ def vllm_server(model: str, kv_transfer_config: dict | None = None,
                 log_path: str | os.PathLike | None = None,
                 startup_timeout: float = 600, port: int | None = None) -> Iterator[Server]:
     port = port or free_port()
+    extra_args = list(extra_args or [])
+    if not any(a == "--dtype" or a.startswith("--dtype=") for a in extra_args):
+        # float32 where bf16 would be emulated (tools/compute_dtype.py)
+        extra_args += ["--dtype", compute_dtype()]
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-           "--host", "127.0.0.1", "--port", str(port), *(extra_args or [])]
+           "--host", "127.0.0.1", "--port", str(port), *extra_args]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     log_path = Path(log_path or f"/tmp/vllm-serve-{port}.log")
