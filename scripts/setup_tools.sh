@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# System tools for the dashboard and Redis tests (called by scripts/setup.sh; idempotent, a
+# System tools for the dashboard and Redis tests (called by scripts/test.sh; idempotent, a
 # no-op once all are present):
 # - prometheus, Debian's package: tests/e2e/test_prometheus_dashboard.py starts its own
 #   on 127.0.0.1 with its own config and data dir; the packaged service is left off.

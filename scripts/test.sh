@@ -11,6 +11,9 @@ if [[ "${1:-}" == "--fast" ]]; then
     shift
     paths=(tests/unit)
 fi
+# System tools only the tests use (prometheus, redis-server, fuse, docker
+# compose): apt, so not part of setup.sh, which the demo also runs.
+bash scripts/setup_tools.sh
 bash scripts/setup.sh
 .venv/bin/python -m vllm_kvbm.tools.local_model >/dev/null
 exec .venv/bin/python -m pytest -p no:cacheprovider -q -rfEs --durations=10 "${paths[@]}" "$@"

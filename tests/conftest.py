@@ -91,7 +91,7 @@ def mount(tmp_path):
 
     why = blocking_fs.available()
     if why is not None:
-        pytest.skip(f"no blocking FUSE mount here: {why} (scripts/setup.sh installs it)")
+        pytest.skip(f"no blocking FUSE mount here: {why} (scripts/setup_tools.sh installs it)")
     m = blocking_fs.BlockingMount(tmp_path, max_block_s=30.0)
     yield m
     m.close()
