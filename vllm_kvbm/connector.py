@@ -116,6 +116,8 @@ class KVBMConnector(KVConnectorBase_V1):
                                                    self.info.block_size)
             logger.info("KVBM: %s", key_source)
             # once per engine: the scheduler process, not each worker
+            logger.info("KVBM: configuration (values set, with their source): %s",
+                        self.config.describe())
             logger.info("KVBM: this engine takes %s", self.config.engine_totals(
                 num_slots, self.info.page_bytes, self.info.num_workers))
             self.sched = KVBMScheduler(self.info, num_slots,

@@ -31,3 +31,9 @@ def test_serve_with_only_the_connector_name(model_dir):
               if "KVBM: this engine takes host tier" in line]
     assert len(totals) == 1, totals
     assert "per worker x 1 worker(s)" in totals[0] and "are per worker" in totals[0]
+    # what was configured and from where, once per engine too
+    listing = [line for line in server.log_path.read_text().splitlines()
+               if "KVBM: configuration (values set, with their source): " in line]
+    assert len(listing) == 1, listing
+    assert listing[0].endswith(f"host_cache_size={64 * 1024**2} bytes (0.06 GiB) from "
+                               "KVBM_HOST_CACHE_SIZE"), listing

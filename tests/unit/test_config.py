@@ -155,30 +155,158 @@ def test_namespace():
     ("KVBM_HOST_CACHE_GB", "0.5", 5 * 10**8),
     ("DYN_KVBM_CPU_CACHE_GB", "3", 3 * 10**9),
 ])
-def test_env_size_wins_over_extra(env, value, expected):
-    cfg = load({"host_cache_size": "1GiB"}, **{env: value})
+def test_env_size(env, value, expected):
+    cfg = load(None, **{env: value})
     assert cfg.host_cache_bytes == expected
-    # and over a block count from extra_config, which would otherwise win
-    cfg = load({"host_cache_blocks": 10}, **{env: value})
-    assert cfg.host_cache_blocks is None and cfg.host_cache_bytes == expected
     assert cfg.host_slots(MiB) == expected // MiB
+    assert cfg.sources == {"host_cache_size": env}
 
 
-@pytest.mark.parametrize("env", ["KVBM_HOST_CACHE_BLOCKS",
-                                 "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"])
-def test_env_blocks_wins(env):
-    cfg = load({"host_cache_blocks": 10, "host_cache_size": "1GiB"}, **{env: " 33 "})
-    assert cfg.host_cache_blocks == 33
-    assert cfg.host_slots(1) == 33  # blocks override bytes
-    # env size and env blocks together: blocks still win
-    cfg = load(None, **{env: "5", "KVBM_HOST_CACHE_SIZE": "1GiB"})
-    assert cfg.host_slots(1024) == 5
+def test_env_blocks():
+    for env in ("KVBM_HOST_CACHE_BLOCKS", "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"):
+        cfg = load(None, **{env: " 33 "})
+        assert cfg.host_cache_blocks == 33 and cfg.host_slots(1) == 33
 
 
-def test_env_other_keys_and_blank_ignored():
-    cfg = load({"nixl_backend": "UCX", "namespace": "a"},
-               KVBM_NIXL_BACKEND="ucx", KVBM_NAMESPACE="b", KVBM_HOST_CACHE_SIZE="  ")
-    assert (cfg.nixl_backend, cfg.namespace, cfg.host_cache_bytes) == ("UCX", "b", 4 * GiB)
+# ---- one key from two sources ----------------------------------------------------
+
+def test_a_size_from_four_sources_is_an_error_naming_two_of_them():
+    # JSON 64GiB with three env variables used to give the last one's 1e9
+    # bytes without a word.
+    msg = _err({"host_cache_size": "64GiB"}, KVBM_HOST_CACHE_SIZE="8GiB",
+               KVBM_HOST_CACHE_GB="2", DYN_KVBM_CPU_CACHE_GB="1")
+    assert msg.startswith("host_cache_size is set to two different values: "), msg
+    assert f"{64 * GiB} bytes (64.00 GiB) by kv_connector_extra_config" in msg, msg
+    assert f"{8 * GiB} bytes (8.00 GiB) by KVBM_HOST_CACHE_SIZE" in msg, msg
+    assert "set it in one place only" in msg
+
+
+@pytest.mark.parametrize("extra,env", [
+    ({"namespace": "a"}, {"KVBM_NAMESPACE": "b"}),
+    ({"disk_admission": "always"}, {"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "false"}),
+    (None, {"KVBM_DISK_CACHE_SIZE": "1GiB", "DYN_KVBM_DISK_CACHE_GB": "1"}),
+    ({"metrics_port": 7003}, {"DYN_KVBM_METRICS_PORT": "7004"}),
+])
+def test_two_sources_different_values_is_an_error_naming_both(extra, env):
+    msg = _err(extra, **env)
+    assert "is set to two different values" in msg, msg
+    for env_name in env:
+        assert env_name in msg or env_name == "KVBM_DISK_CACHE_SIZE", msg
+    if extra:
+        assert "by kv_connector_extra_config" in msg, msg
+
+
+def test_two_sources_same_value_pass_with_a_log_line(caplog):
+    with caplog.at_level("INFO", logger="vllm_kvbm.config"):
+        cfg = load({"host_cache_size": "8GiB", "nixl_backend": "UCX"},
+                   KVBM_HOST_CACHE_SIZE=str(8 * GiB), KVBM_NIXL_BACKEND="ucx",
+                   KVBM_NAMESPACE="b", KVBM_REMOTE_URL="  ")
+    assert (cfg.host_cache_bytes, cfg.nixl_backend, cfg.namespace) == (8 * GiB, "UCX", "b")
+    assert cfg.remote_url is None  # blank: not set
+    assert ("KVBM: host_cache_size is set to the same value by kv_connector_extra_config "
+            "and KVBM_HOST_CACHE_SIZE") in caplog.text
+    assert cfg.sources["host_cache_size"] == "kv_connector_extra_config and KVBM_HOST_CACHE_SIZE"
+
+
+def test_host_cache_blocks_and_size_together_is_an_error_naming_both():
+    msg = _err({"host_cache_blocks": 10}, KVBM_HOST_CACHE_GB="2")
+    assert msg == ("host_cache_blocks (from kv_connector_extra_config) and host_cache_size "
+                   "(from KVBM_HOST_CACHE_GB) both size the host tier; set only one of them")
+    assert "both size the host tier" in _err(
+        None, DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="5", KVBM_HOST_CACHE_SIZE="1GiB")
+
+
+def test_secret_files_from_two_sources_are_named_by_path_never_content(tmp_path):
+    a, b = tmp_path / "a.secret", tmp_path / "b.secret"
+    a.write_text("A" * 32 + "\n")
+    b.write_text("B" * 32 + "\n")
+    msg = _err({"page_secret_file": str(a)}, KVBM_PAGE_SECRET_FILE=str(b))
+    assert repr(str(a)) in msg and repr(str(b)) in msg and "KVBM_PAGE_SECRET_FILE" in msg
+    assert "AAAA" not in msg and "BBBB" not in msg
+    # the same file (or the same bytes) twice is the same value
+    assert load({"page_secret_file": str(a)}, KVBM_PAGE_SECRET_FILE=str(a)).page_secret
+
+
+# ---- the startup listing ----------------------------------------------------------
+
+def test_describe_lists_each_set_value_with_its_source_and_no_secret(tmp_path):
+    secret = tmp_path / "page.secret"
+    secret.write_text("s3cr3t-page-key-material-0123456789\n")
+    cfg = load({"host_cache_size": "16G", "remote_url": "redis://cache:6379",
+                "page_secret_file": str(secret)},
+               KVBM_DISK_ADMISSION_MIN_USES="3", KVBM_REMOTE_PASSWORD="hunter2-password",
+               DYN_KVBM_METRICS="true")
+    line = cfg.describe()
+    assert line == (
+        f"disk_admission_min_uses=3 from KVBM_DISK_ADMISSION_MIN_USES; "
+        f"host_cache_size={16 * GiB} bytes (16.00 GiB) from kv_connector_extra_config; "
+        f"metrics_port=6880 from DYN_KVBM_METRICS; "
+        f"page_secret_file=<set> from kv_connector_extra_config; "
+        f"remote_url='redis://cache:6379' from kv_connector_extra_config; "
+        f"remote_password=<set> from KVBM_REMOTE_PASSWORD"), line
+    assert "s3cr3t" not in line and "hunter2" not in line
+    env_secret = load(None, KVBM_PAGE_SECRET="x" * 32).describe()
+    assert env_secret == "page_secret=<set> from KVBM_PAGE_SECRET"
+    assert load().describe() == "every key at its default"
+
+
+# ---- every key has its environment variable -----------------------------------
+
+# A value for each key, as env text, and the field value it must give.
+ENV_EXAMPLES = {
+    "host_cache_size": ("2Gi", "host_cache_bytes", 2 * GiB),
+    "host_cache_blocks": ("12", "host_cache_blocks", 12),
+    "page_tokens": ("512", "page_tokens", 512),
+    "offload_decode_blocks": ("true", "offload_decode_blocks", True),
+    "disk_cache_dir": (None, "disk_cache_dir", None),  # tmp_path
+    "disk_cache_size": ("3GB", "disk_cache_bytes", 3 * 10**9),
+    "disk_admission": ("frequency", "disk_admission", "frequency"),
+    "disk_admission_min_uses": ("5", "disk_admission_min_uses", 5),
+    "remote_url": ("redis://[::1]:6380/2", "remote_url", "redis://[::1]:6380/2"),
+    "remote_timeout_s": ("0.5", "remote_timeout_s", 0.5),
+    "tier_write_queue_pages": ("9", "tier_write_queue_pages", 9),
+    "tier_read_timeout_s": ("4", "tier_read_timeout_s", 4.0),
+    "remote_password_file": (None, "remote_password", None),  # a file, below
+    "remote_tls_ca_file": (None, "remote_tls_ca_file", None),  # a file, below
+    "metrics_port": ("7100", "metrics_port", 7100),
+    "metrics_host": ("127.0.0.1", "metrics_host", "127.0.0.1"),
+    "nixl_backend": ("ucx", "nixl_backend", "UCX"),
+    "namespace": ("tenant-b", "namespace", "tenant-b"),
+    "page_secret_file": (None, "page_secret", None),  # a file, below
+    "load_split": ("false", "load_split", False),
+}
+
+
+@pytest.mark.parametrize("key", config_keys())
+def test_every_key_has_its_env_variable_and_it_parses(key, tmp_path):
+    from vllm_kvbm.config import _ENV
+
+    env = "KVBM_" + key.upper()
+    assert _ENV.get(env, (None,))[0] == key, f"{key} has no environment variable {env}"
+    text, field, expected = ENV_EXAMPLES[key]
+    extra = {}
+    if key == "disk_cache_dir":
+        text = expected = str(tmp_path)
+    elif key.endswith("_file"):
+        path = tmp_path / key
+        path.write_text("-----BEGIN CERTIFICATE-----\n" if key == "remote_tls_ca_file"
+                        else "p" * 32 + "\n")
+        text = str(path)
+        extra = {"remote_url": ("rediss://h:6379" if key == "remote_tls_ca_file"
+                                else "redis://h:6379")}
+    cfg = load(extra, **{env: text})
+    got = getattr(cfg, field)
+    if key.endswith("_file"):
+        assert got is not None and env in cfg.describe()
+    else:
+        assert got == expected
+        # UCX is the one backend accepted: its example is its default
+        assert got != getattr(KVBMConfig(), field) or key == "nixl_backend"
+    assert cfg.sources[key] == env
+
+
+def test_env_examples_cover_every_key():
+    assert sorted(ENV_EXAMPLES) == config_keys()
 
 
 @pytest.mark.parametrize("env,value,fragments", [
@@ -441,8 +569,7 @@ def test_readme_lists_every_dynamo_variable_read():
 @pytest.mark.parametrize("value,want", [("true", "always"), ("1", "always"),
                                         ("false", "frequency"), ("off", "frequency")])
 def test_dynamo_disk_offload_filter_is_frequency_admission(value, want):
-    cfg = load({"disk_admission": "always" if want == "frequency" else "frequency"},
-               DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=value)
+    cfg = load(None, DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=value)
     assert cfg.disk_admission == want
     assert cfg.disk_admission_min_uses == 2  # Dynamo: written to disk on the second use
 

@@ -1,9 +1,12 @@
 """The one place where KVBM's configuration is read and validated.
 
-Sources, later ones winning: defaults, ``kv_connector_extra_config`` from
-``--kv-transfer-config``, then environment variables (``KVBM_*``; Dynamo's
-``DYN_KVBM_*`` names are accepted where the meaning is the same). Every error
-names the key and says how to fix it, and is raised when the engine starts.
+Sources: defaults, ``kv_connector_extra_config`` from ``--kv-transfer-config``
+and environment variables (``KVBM_*``; Dynamo's ``DYN_KVBM_*`` names are
+accepted where the meaning is the same). A key that two sources set to
+different values is an error naming both (the same value twice is logged);
+``KVBMConfig.describe()`` lists every value a source set, with its source.
+Every error names the key and says how to fix it, and is raised when the
+engine starts.
 
 One module per concern: errors (KVBMConfigError), versions (the vLLM version
 gate), parsing (single values), urls (remote tier URLs, TLS), secrets (the one
@@ -106,6 +109,19 @@ class KVBMConfig:
     # Keys the MAC of every disk/remote page (page_secret_file or
     # KVBM_PAGE_SECRET); None: pages carry no MAC. Never in repr or logs.
     page_secret: Secret | None = field(default=None, repr=False)
+    # key -> where its value came from ("kv_connector_extra_config", an env
+    # var, or both when they agree); for describe(), not part of the value.
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def describe(self) -> str:
+        """Every value a source set, with that source; secrets show as <set>."""
+        items = [f"{key}={_shown(key, getattr(self, name))} from {self.sources[key]}"
+                 for key, (name, _) in sorted(_KEYS.items()) if key in self.sources]
+        for key, secret in (("page_secret", self.page_secret),
+                            ("remote_password", self.remote_password)):
+            if secret is not None and f"{key}_file" not in self.sources:
+                items.append(f"{key}=<set> from {secret.source}")
+        return "; ".join(items) if items else "every key at its default"
 
     def disk_blocks(self, block_bytes: int) -> int:
         """Whole blocks the disk tier holds (0 when there is no disk tier)."""
@@ -158,6 +174,16 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f} GiB"
 
 
+def _shown(key: str, value: Any) -> str:
+    """A parsed value as the startup line and conflict errors show it: never a
+    secret, sizes in bytes and GiB."""
+    if isinstance(value, Secret):
+        return "<set>"
+    if key in ("host_cache_size", "disk_cache_size"):
+        return f"{value} bytes ({_gib(value)})"
+    return repr(value) if isinstance(value, str) else str(value)
+
+
 def disk_tier_too_small(capacity_bytes: int, page_bytes: int) -> KVBMConfigError:
     """The one message for a disk tier that cannot hold a page (scheduler and worker)."""
     return KVBMConfigError(
@@ -192,7 +218,7 @@ _KEYS = {
 }
 
 # env var -> (extra_config key, converter of the env text into that key's value);
-# Dynamo's DYN_KVBM_* names (dynamo.py) come last, so they win over KVBM_* ones.
+# every key has KVBM_<KEY>; Dynamo's DYN_KVBM_* names are in dynamo.py.
 _ENV = {
     "KVBM_HOST_CACHE_SIZE": ("host_cache_size", str),
     "KVBM_HOST_CACHE_GB": ("host_cache_size", lambda v: f"{v}GB"),
@@ -203,6 +229,7 @@ _ENV = {
     "KVBM_DISK_CACHE_SIZE": ("disk_cache_size", str),
     "KVBM_DISK_CACHE_GB": ("disk_cache_size", lambda v: f"{v}GB"),
     "KVBM_DISK_ADMISSION": ("disk_admission", str),
+    "KVBM_DISK_ADMISSION_MIN_USES": ("disk_admission_min_uses", str),
     "KVBM_REMOTE_URL": ("remote_url", str),
     "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
     "KVBM_TIER_WRITE_QUEUE_PAGES": ("tier_write_queue_pages", str),
@@ -221,7 +248,8 @@ _ENV = {
 
 def load_config(extra: Mapping[str, Any] | None,
                 environ: Mapping[str, str] | None = None) -> KVBMConfig:
-    """Builds the validated config from ``kv_connector_extra_config`` and env."""
+    """Builds the validated config from ``kv_connector_extra_config`` and env.
+    A key two sources set to different values is an error naming both."""
     environ = os.environ if environ is None else environ
     extra = dict(extra or {})
     unknown = [k for k in extra if k not in _KEYS]
@@ -232,37 +260,58 @@ def load_config(extra: Mapping[str, Any] | None,
             f"kv_connector_extra_config: unknown key {key!r}"
             + (f"; did you mean {hint[0]!r}?" if hint else "")
             + f" Valid keys: {', '.join(sorted(_KEYS))}")
-    values: dict[str, Any] = {}
-    sources: dict[str, str] = {}
+    given: dict[str, list[tuple[str, Any]]] = {}  # key -> [(source, raw value)]
     for key, raw in extra.items():
-        values[key], sources[key] = raw, key
+        given[key] = [(key, raw)]
     for env, (key, convert) in _ENV.items():
         if env in environ and environ[env].strip():
-            values[key], sources[key] = convert(environ[env].strip()), env
-    apply_dyn_metrics(environ, values, sources)
+            given.setdefault(key, []).append((env, convert(environ[env].strip())))
+    apply_dyn_metrics(environ, given)
     ignored = dynamo_env_not_read(environ)
     if ignored:  # names only: some of Dynamo's hold credentials
         logger.warning("KVBM: %s %s Dynamo's and not read by vllm_kvbm (no setting here means "
                        "the same; README, Configuration)", ", ".join(ignored),
                        "is" if len(ignored) == 1 else "are")
-    # host_cache_blocks beats host_cache_size; but a size from the environment
-    # must still beat a block count from extra_config, or the env var is ignored.
-    if sources.get("host_cache_size") in _ENV and sources.get("host_cache_blocks") \
-            == "host_cache_blocks":
-        del values["host_cache_blocks"]
-    kwargs = {}
-    for key, raw in values.items():
-        field_name, parse = _KEYS[key]
-        try:
-            kwargs[field_name] = parse(key, raw)
-        except KVBMConfigError as err:
-            if sources[key] != key:  # came from an env var: say which one
-                raise KVBMConfigError(f"{sources[key]} (sets {err})") from None
-            raise
+    kwargs: dict[str, Any] = {}
+    sources: dict[str, str] = {}  # key -> its first source (the key itself: extra_config)
+    shown: dict[str, str] = {}    # key -> its sources, as describe() names them
+    for key, pairs in given.items():
+        field_name = _KEYS[key][0]
+        parsed = [(source, raw, _parse(key, source, raw)) for source, raw in pairs]
+        first, _, value = parsed[0]
+        names = [_source_name(key, source) for source, _, _ in parsed]
+        for (_, raw, other), name in zip(parsed[1:], names[1:]):
+            if other != value:  # a secret's file is named by its path, never its content
+                this, that = ((repr(pairs[0][1]), repr(raw)) if isinstance(value, Secret)
+                              else (_shown(key, value), _shown(key, other)))
+                raise KVBMConfigError(
+                    f"{key} is set to two different values: {this} by {names[0]} and "
+                    f"{that} by {name}; set it in one place only")
+        if len(parsed) > 1:
+            logger.info("KVBM: %s is set to the same value by %s", key, " and ".join(names))
+        kwargs[field_name], sources[key], shown[key] = value, first, " and ".join(names)
+    if "host_cache_blocks" in shown and "host_cache_size" in shown:
+        raise KVBMConfigError(
+            f"host_cache_blocks (from {shown['host_cache_blocks']}) and host_cache_size (from "
+            f"{shown['host_cache_size']}) both size the host tier; set only one of them")
     page_secret_env(environ, kwargs, sources)
     remote_password_env(environ, kwargs, sources)
     check_remote_tls(kwargs, sources)
-    return KVBMConfig(**kwargs)
+    return KVBMConfig(**kwargs, sources=shown)
+
+
+def _parse(key: str, source: str, raw: Any) -> Any:
+    """``raw`` through ``key``'s parser; an error names the env var it came from."""
+    try:
+        return _KEYS[key][1](key, raw)
+    except KVBMConfigError as err:
+        if source != key:
+            raise KVBMConfigError(f"{source} (sets {err})") from None
+        raise
+
+
+def _source_name(key: str, source: str) -> str:
+    return "kv_connector_extra_config" if source == key else source
 
 
 def config_keys() -> list[str]:

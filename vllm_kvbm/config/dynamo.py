@@ -36,10 +36,11 @@ DYN_ENV = {
 }
 
 
-def apply_dyn_metrics(environ: Mapping[str, str], values: dict, sources: dict) -> None:
+def apply_dyn_metrics(environ: Mapping[str, str], given: dict) -> None:
     """DYN_KVBM_METRICS=true turns the metrics port on (DYN_KVBM_METRICS_PORT, or
-    6880 as in Dynamo, unless another source set one); false turns off a port
-    that only DYN_KVBM_METRICS_PORT set, as Dynamo would not serve it."""
+    6880 as in Dynamo, unless another source set one); false drops the port
+    DYN_KVBM_METRICS_PORT set, as Dynamo would not serve it. ``given``: key ->
+    [(source, value)], as load_config gathers them."""
     text = environ.get("DYN_KVBM_METRICS", "").strip()
     if not text:
         return
@@ -50,11 +51,15 @@ def apply_dyn_metrics(environ: Mapping[str, str], values: dict, sources: dict) -
             f"DYN_KVBM_METRICS (turns metrics_port on): expected true or false, got "
             f"{text!r}; set it to true and DYN_KVBM_METRICS_PORT (default "
             f"{DYN_KVBM_METRICS_DEFAULT_PORT}) to serve the kvbm_* metrics on a port") from None
-    if enabled and "metrics_port" not in values:
-        values["metrics_port"] = DYN_KVBM_METRICS_DEFAULT_PORT
-        sources["metrics_port"] = "DYN_KVBM_METRICS"
-    elif not enabled and sources.get("metrics_port") == "DYN_KVBM_METRICS_PORT":
-        del values["metrics_port"], sources["metrics_port"]
+    ports = given.get("metrics_port", [])
+    if enabled and not ports:
+        given["metrics_port"] = [("DYN_KVBM_METRICS", DYN_KVBM_METRICS_DEFAULT_PORT)]
+    elif not enabled:
+        kept = [(source, port) for source, port in ports if source != "DYN_KVBM_METRICS_PORT"]
+        if kept:
+            given["metrics_port"] = kept
+        else:
+            given.pop("metrics_port", None)
 
 
 def dynamo_env_not_read(environ: Mapping[str, str]) -> list[str]:
