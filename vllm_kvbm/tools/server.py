@@ -51,11 +51,16 @@ class Server:
 
     def metric(self, name: str) -> float:
         """Sum of one metric's samples (all label sets) on /metrics."""
-        total = 0.0
-        for line in self.metrics().splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                total += float(line.rsplit(" ", 1)[1])
-        return total
+        return self.metric_total(self.metrics(), name)
+
+    @staticmethod
+    def metric_total(text: str, name: str) -> float:
+        """Sum of the samples named ``name`` (e.g. ``kvbm_x_total``, ``h_count``)
+        in a Prometheus text exposition, read by prometheus_client's parser."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   for sample in family.samples if sample.name == name)
 
     def stream_completion(self, prompt, max_tokens: int = 16,
                           timeout: float = 600) -> tuple[float, float, str]:
