@@ -41,5 +41,5 @@ RUN useradd --create-home --uid 10001 --user-group kvbm \
 USER kvbm
 
 EXPOSE 8000
-# vllm serve MODEL with KVBMConnector; settings from the environment (see .env).
+# vllm serve MODEL with KVBMConnector; settings from the environment (see .env.example).
 CMD ["bash", "deploy/serve.sh"]
