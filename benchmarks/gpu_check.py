@@ -243,7 +243,7 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
         if device.type == "cuda":
             report.check(name, "host pool pinned (cudaHostRegister)", pool.is_pinned(),
                          f"is_pinned={pool.is_pinned()}")
-        report.info(name, "nixl", wk.w.mover.nixl_module)
+        report.info(name, "copy path", wk.w.mover.path)
 
         # 1. stores right after the kernel that writes the KV, with the fence
         delay(device, args.kernel_delay)

@@ -158,10 +158,10 @@ def test_delayed_free_reported_only_after_its_stores(harness, gen, monkeypatch):
     # still running across steps: post them from PageMover's copy thread.
     import functools
 
-    import vllm_kvbm.worker.worker as worker_module
+    import vllm_kvbm.worker.page_mover as page_mover
 
-    monkeypatch.setattr(worker_module, "PageMover",
-                        functools.partial(worker_module.PageMover, copy_thread=True))
+    monkeypatch.setattr(page_mover, "PageMover",
+                        functools.partial(page_mover.PageMover, copy_thread=True))
     h = harness()
     saw_pending = False
     for attempt in range(5):

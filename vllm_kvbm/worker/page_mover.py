@@ -193,6 +193,7 @@ class PageMover:
             if copy_thread:
                 self._copier = _CopyThread(self.agent, name)
         self._loads_as_writes = host_only
+        self.path = f"NIXL ({self.nixl_module}, {backend}{' self transport' if host_only else ''})"
         self._nreg = nreg
         self._region_ids = np.arange(nreg, dtype=np.int64)
 

@@ -46,11 +46,11 @@ import torch
 from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
 from vllm_kvbm.messages import (STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata,
                                 TransferJob, block_rows)
+from vllm_kvbm.worker.copy_path import make_mover
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
 from vllm_kvbm.worker import lora_loads
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
-from vllm_kvbm.worker.page_mover import PageMover
 from vllm_kvbm.worker.streaming import (StagingSlots, StreamedLoad, needs_streaming, part,
                                         staging_slots)
 from vllm_kvbm.worker.tier_io import TierIO
@@ -72,7 +72,7 @@ class KVBMWorker:
         self.num_host_slots = num_host_slots
         self.nixl_backend = nixl_backend
         self.agent_name = agent_name
-        self.mover: PageMover | None = None
+        self.mover = None  # page_mover.PageMover or copy_engine.CopyEngineMover
         self.host_pool: torch.Tensor | None = None
         self._host: HostPool | None = None
         # Records the fence of a step's transfers (CUDA event, or always done).
@@ -116,18 +116,18 @@ class KVBMWorker:
                               pin=first.is_cuda)
         self.host_pool = self._host.tensor  # a row per page (slot)
         try:
-            # NIXL moves blocks: it sees the same memory as a row per block.
-            self.mover = PageMover(kv_caches, num_blocks,
-                                   self.host_pool.view(-1, self.info.block_bytes),
-                                   backend=self.nixl_backend, name=self.agent_name,
-                                   block_dims=block_dims)
+            # The mover copies blocks: it sees the same memory as a row per block.
+            self.mover = make_mover(kv_caches, num_blocks,
+                                    self.host_pool.view(-1, self.info.block_bytes),
+                                    self.nixl_backend, self.agent_name, block_dims,
+                                    self.info.page_blocks)
         except Exception:
             self._host.release()
             raise
         self.make_fence = fence_maker(first.device)
-        logger.info("KVBM worker: %d KV layers registered with NIXL (%s; block dim declared "
+        logger.info("KVBM worker: %d KV layers registered (%s; block dim declared "
                     "by vLLM for %d), host tier %d blocks (%.2f GiB%s)", len(kv_caches),
-                    self.mover.nixl_module, len(block_dims or {}), self.num_host_slots,
+                    self.mover.path, len(block_dims or {}), self.num_host_slots,
                     self.host_pool.numel() / 1024**3, ", pinned" if self._host.pinned else "")
 
     # ---- posting ----------------------------------------------------------
