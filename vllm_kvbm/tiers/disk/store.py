@@ -44,6 +44,7 @@ import os
 import stat
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -106,6 +107,9 @@ class DiskStore(LMCacheStore):
         # (pages adopted at startup and never touched are not reported: this
         # scheduler never wrote them).
         self._keys: dict[int, bytes] = {}
+        # Keys of the pages deleted since take_removed last ran: appended on
+        # the tier's threads, taken on vLLM's without a lock (deque).
+        self._removed: deque[bytes] = deque()
         self._retired = tuple(f"{m}@{world_size}@{rank}@"
                               for m in retired_model_names(namespace, page_bytes))
         if capacity_bytes < self._phys:
@@ -144,7 +148,7 @@ class DiskStore(LMCacheStore):
             self._disk = _disk_backend_class()(cfg, self._loop, self._staging, dst_device="cpu",
                                                metadata=self._md)
             self._disk.max_cache_size = self.capacity_bytes  # exact, not via float GiB
-            self._disk.removed = []  # chunk hashes of deleted pages (LRU, damage)
+            self._disk.on_removed = self._on_removed  # deleted pages (LRU, damage)
             self._closed = False
             probe = self._staging.allocate(self._shape, torch.uint8, self._fmt, busy_loop=False)
             if probe is None:
@@ -243,6 +247,7 @@ class DiskStore(LMCacheStore):
                 time.sleep(0.001)
             if admitted != "admitted":
                 return admitted == "present"
+            self._note_key(ck, key)  # again: an older eviction of it may have dropped it
             try:
                 # From the caller's page where it lies, CRC (and MAC) as it goes.
                 _write_page(self._disk._key_to_path(ck), self._codec, key, page)
@@ -361,21 +366,20 @@ class DiskStore(LMCacheStore):
         if self._codec.keyed:
             self._keys[int(ck.chunk_hash)] = key
 
-    def take_removed(self) -> list[bytes]:
-        # Under the lock its appends hold: the reader and the writer thread
-        # (and LMCache's eviction) delete pages while the worker polls.
-        with self._disk.disk_lock:
-            removed, self._disk.removed = self._disk.removed, []
+    def _on_removed(self, chunk_hash) -> None:
+        """A page's file was deleted (on the thread that deleted it)."""
         if not self._codec.keyed:
-            return [int(h).to_bytes(KEY_BYTES, "big") for h in removed]
+            self._removed.append(int(chunk_hash).to_bytes(KEY_BYTES, "big"))
+            return
+        key = self._keys.pop(int(chunk_hash), None)
+        if key is not None:
+            self._removed.append(key)
+
+    def take_removed(self) -> list[bytes]:
+        # Called on vLLM's worker thread every step: no lock, no file.
         keys = []
-        for h in removed:
-            key = self._keys.get(int(h))
-            if key is None:
-                continue
-            keys.append(key)
-            if not self._disk.contains(self._ckey_of(int(h))):  # not put again since
-                self._keys.pop(int(h), None)
+        while self._removed:
+            keys.append(self._removed.popleft())
         return keys
 
     def remove(self, key: bytes) -> None:
