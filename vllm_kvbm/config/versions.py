@@ -2,45 +2,57 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 from vllm_kvbm.config.errors import KVBMConfigError
 
 
 @dataclass(frozen=True)
 class VersionRange:
-    """Releases ``minimum`` <= (major, minor) < ``below``, any patch release."""
+    """A PEP 440 range of releases, e.g. ">=0.32,<0.35"; a release's pre-,
+    dev- and local versions (0.34.0rc1, 0.32.0+cpu) count as that release."""
 
-    minimum: tuple[int, int]
-    below: tuple[int, int]
+    text: str
+
+    @property
+    def spec(self) -> SpecifierSet:
+        return SpecifierSet(self.text)
 
     def contains(self, version: str) -> bool:
-        release = vllm_release(version)
-        return release is not None and self.minimum <= release[:2] < self.below
+        try:
+            parsed = Version(str(version).strip())
+        except InvalidVersion:
+            return False
+        return Version(parsed.base_version) in self.spec
 
     def series(self) -> list[str]:
         """["0.32", "0.33", ...]: the minor series in the range (same major)."""
-        assert self.minimum[0] == self.below[0], "a range across majors needs a list"
-        return [f"{self.minimum[0]}.{m}" for m in range(self.minimum[1], self.below[1])]
+        bounds = {s.operator: Version(s.version) for s in self.spec}
+        low, high = bounds[">="], bounds["<"]
+        assert low.major == high.major, "a range across majors needs a list"
+        return [f"{low.major}.{m}" for m in range(low.minor, high.minor)
+                if Version(f"{low.major}.{m}") in self.spec]
 
     def __str__(self) -> str:
-        return (f">={self.minimum[0]}.{self.minimum[1]},"
-                f"<{self.below[0]}.{self.below[1]}")
+        return self.text
 
 
 # The vLLM releases KVBMConnector is written and checked against (pyproject's
 # `cuda` extra says the same; tests/unit/test_vllm_compat.py checks both agree and
 # checks the connector against every release in it).
-SUPPORTED_VLLM = VersionRange((0, 32), (0, 35))
+SUPPORTED_VLLM = VersionRange(">=0.32,<0.35")
 
 
 def vllm_release(version: str) -> tuple[int, int, int] | None:
     """(major, minor, patch) of "0.32.0", "0.32.0+cpu", "0.33.1rc1", "0.34.0.dev3+g1"."""
-    m = re.match(r"^\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(version))
-    if not m:
+    try:
+        release = Version(str(version).strip()).release
+    except InvalidVersion:
         return None
-    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+    return (release + (0, 0))[:3]
 
 
 def installed_vllm_version() -> str:

@@ -51,6 +51,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import InvalidVersion
+
 from vllm_kvbm.config.versions import SUPPORTED_VLLM, vllm_release
 
 BASE_MEMBER = "vllm/distributed/kv_transfer/kv_connector/v1/base.py"
@@ -178,20 +181,25 @@ class Release:
     size: int
 
 
-def _pick_wheel(files: list[dict]) -> dict | None:
-    """The release's x86_64 wheel (any wheel holds the same Python sources)."""
-    wheels = [f for f in files if f["filename"].endswith(".whl") and not f.get("yanked")]
-    wheels.sort(key=lambda f: ("x86_64" not in f["filename"], f["filename"]))
-    return wheels[0] if wheels else None
+def _pick_wheel(files: list[tuple[dict, frozenset]]) -> dict | None:
+    """The release's x86_64 wheel (any wheel holds the same Python sources);
+    ``files``: (index entry, its wheel tags)."""
+    wheels = [(f, tags) for f, tags in files if not f.get("yanked")]
+    wheels.sort(key=lambda ft: (not any(t.platform.endswith("x86_64") for t in ft[1]),
+                                ft[0]["filename"]))
+    return wheels[0][0] if wheels else None
 
 
 def list_releases(index: dict) -> list[Release]:
     """Final (non pre-release) vLLM releases in SUPPORTED_VLLM with a wheel."""
-    by_version: dict[str, list[dict]] = {}
+    by_version: dict[str, list[tuple[dict, frozenset]]] = {}
     for f in index.get("files", []):
-        m = re.match(r"vllm-([0-9][^-]*)-", f["filename"])
-        if m and re.fullmatch(r"\d+\.\d+\.\d+(\.post\d+)?", m.group(1)):
-            by_version.setdefault(m.group(1), []).append(f)
+        try:
+            name, version, _, tags = parse_wheel_filename(f["filename"])
+        except (InvalidWheelFilename, InvalidVersion):
+            continue  # an sdist or a name that is not a wheel's
+        if name == "vllm" and not version.is_prerelease and version.local is None:
+            by_version.setdefault(str(version), []).append((f, tags))
     releases = []
     for version, files in by_version.items():
         if not SUPPORTED_VLLM.contains(version):
