@@ -538,52 +538,6 @@ def test_host_pool_is_exactly_its_slots(harness):
     assert not h.worker._host.pinned  # CPU KV: nothing to pin for DMA
 
 
-def test_host_pool_pins_in_slot_aligned_chunks_and_unpins(monkeypatch):
-    """cudaHostRegister needs a GPU: the CUDA runtime is recorded here, not run."""
-    from vllm_kvbm.worker import host_pool
-
-    calls = []
-
-    class Runtime:
-        fail_at = None
-
-        def cudaHostRegister(self, ptr, size, flags):
-            calls.append(("reg", ptr, size, flags))
-            return 1 if len(calls) == self.fail_at else 0
-
-        def cudaHostUnregister(self, ptr):
-            calls.append(("unreg", ptr))
-            return 0
-
-    rt = Runtime()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    slot = 3 * 4096
-    pool = host_pool.HostPool(10, slot, pin=True, max_register_bytes=30000)
-    base = pool.tensor.data_ptr()
-    assert base % 4096 == 0
-    # 2 slots (24576 bytes) per registration: chunks end on slot and page boundaries
-    assert calls == [("reg", base + i * 2 * slot, 2 * slot, 0) for i in range(5)]
-    assert pool.pinned and pool.tensor.untyped_storage().nbytes() == 10 * slot
-    calls.clear()
-    pool.release()
-    assert sorted(calls) == sorted(("unreg", base + i * 2 * slot) for i in range(5))
-    pool.release()  # once only
-    assert len(calls) == 5
-    # slots that are not whole pages: a chunk is a whole number of both
-    calls.clear()
-    pool = host_pool.HostPool(10, 3000, pin=True, max_register_bytes=7000)
-    assert calls == [("reg", pool.tensor.data_ptr(), 30000, 0)]  # lcm(3000, 4096) > 7000
-    pool.release()
-    # a failed registration rolls back what was registered: pageable, not half pinned
-    calls.clear()
-    rt.fail_at = 3
-    pool = host_pool.HostPool(10, slot, pin=True, max_register_bytes=30000)
-    base = pool.tensor.data_ptr()
-    assert not pool.pinned
-    assert [c for c in calls if c[0] == "unreg"] == [("unreg", base + 2 * slot),
-                                                     ("unreg", base)]
-
-
 # ---- the worker side without vLLM -----------------------------------------------
 
 

@@ -113,7 +113,7 @@ class KVBMWorker:
         staging = staging_slots(self.info.page_bytes)
         self._staging = StagingSlots(self.num_host_slots, staging)
         self._host = HostPool(self.num_host_slots + staging, self.info.page_bytes,
-                              pin=first.is_cuda)
+                              pin=first.is_cuda, device=first.device)
         self.host_pool = self._host.tensor  # a row per page (slot)
         try:
             # The mover copies blocks: it sees the same memory as a row per block.
