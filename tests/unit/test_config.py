@@ -436,6 +436,37 @@ def test_remote_url_forms(url, scheme, nodes, tls, cluster, db, user):
     assert parse_remote_url("remote_url", str(t)) == t  # the logged form reads back the same
 
 
+@pytest.mark.parametrize("url", ["redis://[::1", "redis://[zz::1]:1", "redis://::1:6379",
+                                 "redis://h\n:1", "redis://h:1:2", "redis://h:", "lm://[::1]",
+                                 "lm://h:1?x", "lm://h:1/", "lm://[::1]:70000",
+                                 "redis://u@:1", "redis://[::1]:6379?db=1"])
+def test_malformed_hosts_and_ports_are_refused(url):
+    with pytest.raises(KVBMConfigError, match=r'remote_url: .* write it as "lm://HOST:PORT"'):
+        load_config({"remote_url": url})
+
+
+def test_ipv6_urls_parse():
+    from vllm_kvbm.config import parse_lm_url, parse_remote_url
+
+    assert parse_lm_url("remote_url", "lm://[::1]:65432") == ("::1", 65432)
+    assert parse_remote_url("remote_url", "lm://[::1]:65432").nodes == (("::1", 65432),)
+    t = parse_remote_url("remote_url", "redis://[::1]:6379/0")
+    assert (t.scheme, t.nodes, t.db) == ("redis", (("::1", 6379),), 0)
+    t = parse_remote_url("remote_url", "redis+cluster://[fd00::1]:7000,[fd00::2],h:7002")
+    assert t.nodes == (("fd00::1", 7000), ("fd00::2", 6379), ("h", 7002))
+    assert str(t) == "redis+cluster://[fd00::1]:7000,[fd00::2]:6379,h:7002"
+    assert load_config({"remote_url": "redis://[::1]:6379/0"}, {}).remote_url \
+        == "redis://[::1]:6379/0"
+
+
+def test_lm_url_with_an_ipv6_address_names_why_it_cannot_work():
+    # LMCache's server and client sockets are AF_INET: the URL reads, but no
+    # connection could ever be made, so startup says so.
+    msg = _err({"remote_url": "lm://[::1]:65432"})
+    assert msg.startswith("remote_url: 'lm://[::1]:65432' names an IPv6 address"), msg
+    assert "IPv4" in msg and "redis://" in msg
+
+
 def test_remote_password_file_and_env(tmp_path):
     pw = tmp_path / "pw"
     pw.write_text("s3cret-pw\n")

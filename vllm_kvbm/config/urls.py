@@ -4,30 +4,72 @@ kv_transfer_config at startup."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import SplitResult, urlsplit
 
 from vllm_kvbm.config.errors import KVBMConfigError
 from vllm_kvbm.config.parsing import parse_str
 
 
 def parse_lm_url(key: str, value: Any) -> tuple[str, int]:
-    """``lm://HOST:PORT`` -> (host, port): the one reading of an LMCache server URL."""
+    """``lm://HOST:PORT`` -> (host, port): the one reading of an LMCache server URL
+    (HOST a name, an IPv4 address or a bracketed IPv6 one)."""
     url = parse_str(key, value)
-    m = re.match(r"^lm://([^:/]+):([0-9]+)$", url)
-    if not m or not 0 < int(m.group(2)) < 65536:
+    parts = _split(url)
+    host_port = _host_port(parts.netloc, None) if parts and parts.scheme == "lm" else None
+    if host_port is None or parts.path or "?" in url or "#" in url:
         raise KVBMConfigError(
             f"{key}: {url!r} is not an LMCache server URL; write it as "
             f"\"lm://HOST:PORT\" (start one with: python -m lmcache.v1.server HOST PORT)")
-    return m.group(1), int(m.group(2))
+    return host_port
 
 
 def check_remote_url(key: str, value: Any) -> str:
     """``value`` unchanged once parse_remote_url accepts it (the config keeps the text)."""
-    parse_remote_url(key, value)
+    target = parse_remote_url(key, value)
+    if not target.resp and ":" in target.nodes[0][0]:
+        # lmcache/v1/server and its lm_connector open AF_INET sockets only
+        raise KVBMConfigError(
+            f"{key}: {value!r} names an IPv6 address, but LMCache's server and client "
+            f"(lm://) speak IPv4 only; use an IPv4 address or a host name with one, or a "
+            f"redis:// server, which takes IPv6")
     return value
+
+
+def _split(url: str) -> SplitResult | None:
+    """urllib's reading of ``url``; None where it refuses it (a bad [IPv6] host)
+    or where the text has white space (urllib drops tabs and newlines)."""
+    if any(c.isspace() for c in url):
+        return None
+    try:
+        return urlsplit(url)
+    except ValueError:
+        return None
+
+
+def _host_port(netloc: str, default_port: int | None) -> tuple[str, int] | None:
+    """(host, port) of ``HOST[:PORT]`` or ``[IPv6][:PORT]``; None if malformed or
+    a port outside 1..65535 (or none where ``default_port`` is None)."""
+    parts = _split(f"//{netloc}")
+    if parts is None or "@" in netloc or not netloc or any(c in netloc for c in _NOT_IN_HOST):
+        return None
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number, or over 65535
+        return None
+    if not host or (port is None and ":" in netloc.rsplit("]", 1)[-1]):
+        return None  # "h:" : a colon without a port
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return None
+    port = default_port if port is None else port
+    return (host, port) if port is not None and 0 < port < 65536 else None
 
 
 # remote_url schemes of a Redis/Valkey server (RESP), each with whether it is TLS.
@@ -38,7 +80,7 @@ REMOTE_URL_FORMS = (
     "\"redis+cluster://[USER@]HOST[:PORT][,HOST[:PORT]...]\" (a Redis/Valkey Cluster by its "
     "seed nodes; also rediss+cluster://, valkey+cluster://, valkeys+cluster://)")
 _PASSWORD_KEYS = "remote_password_file (a file holding it) or KVBM_REMOTE_PASSWORD"
-_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^\s:/@,\[\]?#%]+)(?::([0-9]+))?$")
+_NOT_IN_HOST = set(" \t\r\n/?#,%")
 
 
 @dataclass(frozen=True)
@@ -92,38 +134,37 @@ def parse_remote_url(key: str, value: Any) -> RemoteTarget:
     def bad(why: str) -> KVBMConfigError:
         return KVBMConfigError(f"{key}: {shown!r} {why}; write it as {REMOTE_URL_FORMS}")
 
-    m = re.match(r"^([a-z]+)(\+cluster)?://(.*)$", url)
-    if not m or m.group(1) not in _RESP_SCHEMES:
+    parts = _split(url)
+    scheme, plus, variant = (parts.scheme if parts else "").partition("+")
+    if parts is None or scheme not in _RESP_SCHEMES or variant not in (("cluster",) if plus
+                                                                      else ("",)):
         raise bad("is not a remote tier URL")
-    scheme, cluster, rest = m.group(1), bool(m.group(2)), m.group(3)
-    username = None
-    if "@" in rest:
-        userinfo, rest = rest.rsplit("@", 1)
-        if ":" in userinfo:
-            raise KVBMConfigError(
-                f"{key}: {shown!r} has a password in it, which would be logged (vLLM logs its "
-                f"kv_transfer_config); remove it from the URL (\"{scheme}://USER@HOST:PORT\") "
-                f"and give it with {_PASSWORD_KEYS}")
-        if not userinfo or any(c.isspace() or c in "/?#," for c in userinfo):
-            raise bad(f"has an empty or malformed user name {userinfo!r}")
-        username = userinfo
-    if "?" in rest or "#" in rest:
+    cluster = bool(plus)
+    if parts.password is not None:
+        raise KVBMConfigError(
+            f"{key}: {shown!r} has a password in it, which would be logged (vLLM logs its "
+            f"kv_transfer_config); remove it from the URL (\"{scheme}://USER@HOST:PORT\") "
+            f"and give it with {_PASSWORD_KEYS}")
+    username = parts.username
+    if username is not None and (not username or "," in username):
+        raise bad(f"has an empty or malformed user name {username!r}")
+    if "?" in url or "#" in url:
         raise bad("has options (?...), which are not read")
-    where, slash, db_text = rest.partition("/")
     db = 0
-    if slash:
+    if parts.path:
+        db_text = parts.path[1:]
         if cluster:
             raise bad("names a database, but a cluster has only database 0")
         if not db_text.isdigit():
             raise bad(f"has a database {db_text!r} that is not a number")
         db = int(db_text)
+    where = parts.netloc.rpartition("@")[2]
     nodes = []
     for part in where.split(",") if cluster else [where]:
-        hp = _HOST_PORT.match(part)
-        port = int(hp.group(2) or 6379) if hp else 0
-        if not hp or not 0 < port < 65536:
+        node = _host_port(part, 6379)
+        if node is None:
             raise bad(f"has a bad HOST:PORT {part!r}")
-        nodes.append((hp.group(1).strip("[]"), port))
+        nodes.append(node)
     return RemoteTarget(scheme, tuple(nodes), cluster, db, username)
 
 
