@@ -5,6 +5,7 @@ reconnect policy of the network tiers."""
 from __future__ import annotations
 
 import logging
+import random
 import socket
 from types import SimpleNamespace
 
@@ -116,3 +117,47 @@ def test_reconnect_tries_once_per_interval_and_logs_each_outage_once():
     eager = Reconnect(0, "remote tier", "redis://h:1")
     eager.failed("down")
     assert eager.may_try() and eager.may_try()
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _outage_waits(seed: int, attempts: int = 8) -> list[float]:
+    """The waits between reconnect attempts of one outage, on a fake clock."""
+    clock = _Clock()
+    r = Reconnect(2.0, "remote tier", "redis://h:1", rng=random.Random(seed), clock=clock)
+    r.failed("refused")
+    waits = []
+    for _ in range(attempts):
+        waits.append(r.wait_s())
+        assert not r.may_try()
+        clock.now += waits[-1]
+        assert r.may_try()
+        r.failed("refused")
+        r.failed("refused again")  # calls failing together are one failed attempt
+    return waits
+
+
+def test_reconnect_backoff_doubles_with_jitter_to_a_bound_and_resets_on_an_answer():
+    waits = _outage_waits(seed=7)
+    steps = [2, 4, 8, 16, 16, 16, 16, 16]  # doubling from 2 s, bounded at 8 x 2 s
+    for wait, step in zip(waits, steps):
+        assert step / 2 <= wait <= step, (waits, steps)
+    assert waits == _outage_waits(seed=7)  # the seeded schedule is the schedule
+    # another engine of the fleet (another seed) does not retry in step
+    assert all(a != b for a, b in zip(waits, _outage_waits(seed=8)))
+    # an answer resets it: the next outage starts from the first step again
+    clock = _Clock()
+    r = Reconnect(2.0, "remote tier", "redis://h:1", rng=random.Random(7), clock=clock)
+    for _ in range(5):
+        r.failed("refused")
+        clock.now += r.wait_s()
+        assert r.may_try()
+    r.answered()
+    r.failed("refused")
+    assert 1.0 <= r.wait_s() <= 2.0

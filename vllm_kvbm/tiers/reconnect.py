@@ -1,63 +1,103 @@
 """When a network tier's link may be re-made, and what was said about it.
 
 One policy for every link to a server (the lm:// views and stores, the
-Redis/Valkey client): after a failure the link is re-made at most every
-``retry_interval_s`` while calls miss at once; the outage is logged once
-when it starts and once when the server answers again (an answer, not a
-connect: a frozen server still accepts connections, the kernel completes
-them). Imports neither LMCache nor NIXL: the scheduler's views use it too.
+Redis/Valkey client): after a failure calls miss at once while the link is
+re-made on a jittered exponential backoff: the n-th attempt of an outage
+waits a delay drawn from the upper half of ``retry_interval_s * 2**(n-1)``,
+capped at ``MAX_BACKOFF_FACTOR * retry_interval_s``, and an answer resets
+it. The jitter keeps a fleet of engines that lost one server together from
+reconnecting in step. The outage is logged once when it starts and once when
+the server answers again (an answer, not a connect: a frozen server still
+accepts connections, the kernel completes them). Imports neither LMCache nor
+NIXL: the scheduler's views use it too.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
+from typing import Callable
 
 logger = logging.getLogger(__name__)
 
+# The longest wait between two attempts, in retry intervals (16 s for 2 s).
+MAX_BACKOFF_FACTOR = 8
+# Each delay is drawn from [1 - JITTER, 1] times its step of the doubling.
+JITTER = 0.5
+
 
 class Reconnect:
-    """The retry-interval and up/down state of one link.
+    """The backoff and up/down state of one link.
 
     ``what`` and ``target`` name it in the log ("remote tier", the URL);
     ``role`` says which of its links ("for reads", "for lookups", "").
     ``why`` passed to ``failed`` must be safe to log (no password).
+    ``rng`` and ``clock`` are for tests (a seeded ``random.Random``, a fake
+    monotonic clock).
     """
 
-    def __init__(self, retry_interval_s: float, what: str, target: str, role: str = ""):
+    def __init__(self, retry_interval_s: float, what: str, target: str, role: str = "", *,
+                 rng: random.Random | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.retry_s = float(retry_interval_s)
+        self.max_s = self.retry_s * MAX_BACKOFF_FACTOR
         self._what, self._target = what, target
         self._role = f" {role}" if role else ""
+        self._rng = rng if rng is not None else random.Random()
+        self._clock = clock
         self._lock = threading.Lock()
         self._next_try = 0.0
+        self._failures = 0       # failed attempts of this outage
+        self._attempted = False  # an attempt started since the last failure
         self.state = "new"  # "new" | "up" | "down"
 
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before attempt ``attempt`` (1, 2, ...) of an outage."""
+        step = min(self.max_s, self.retry_s * 2 ** min(attempt - 1, 62))
+        return step * (1 - JITTER * self._rng.random())
+
     def may_try(self) -> bool:
-        """True if a reconnect may start now; it then counts as the attempt of
-        this interval (the next one waits ``retry_interval_s``)."""
+        """True if a reconnect may start now; it then counts as an attempt (the
+        next one waits until this one has failed, or its delay has passed)."""
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             if now < self._next_try:
                 return False
-            self._next_try = now + self.retry_s
+            self._next_try = now + self.delay(self._failures + 1)
+            self._attempted = True
             return True
 
-    def failed(self, why) -> None:
-        """The link failed (connect, call, timeout): no attempt before the
-        interval has passed; logged when it starts an outage."""
+    def wait_s(self) -> float:
+        """Seconds until ``may_try`` can say yes (0: now)."""
         with self._lock:
-            self._next_try = time.monotonic() + self.retry_s
+            return max(0.0, self._next_try - self._clock())
+
+    def failed(self, why) -> None:
+        """The link failed (connect, call, timeout): the next attempt waits the
+        backoff's next delay; logged when it starts an outage."""
+        with self._lock:
             was, self.state = self.state, "down"
+            if was != "down":
+                self._failures = 1
+            elif self._attempted:  # several calls failing at once are one failure
+                self._failures += 1
+            self._attempted = False
+            self._next_try = self._clock() + self.delay(self._failures)
         if was != "down":
             logger.warning("KVBM: %s %s unavailable%s (%s); its calls miss at once, "
-                           "reconnecting at most every %.1fs", self._what, self._target,
-                           self._role, why, self.retry_s)
+                           "reconnecting after %.1f-%.1fs, backing off to at most %.0fs",
+                           self._what, self._target, self._role, why,
+                           self.retry_s * (1 - JITTER), self.retry_s, self.max_s)
 
     def answered(self) -> None:
-        """The server answered a call: up, logged when it ends an outage."""
+        """The server answered a call: up (the backoff starts over), logged when
+        it ends an outage."""
         with self._lock:
             was, self.state = self.state, "up"
+            self._failures = 0
+            self._attempted = False
         if was == "down":
             logger.warning("KVBM: %s %s reachable again%s", self._what, self._target,
                            self._role)

@@ -8,8 +8,8 @@ LMCache behaviour worked around here (0.5.6), each next to its call:
   contains()/get_blocking() and desynchronises its stream after any error.
   We set a socket timeout, call the connector directly, and after any error
   or timeout drop the whole connection (its own event loop and staging
-  memory included) and open a new one lazily, at most once per
-  ``retry_interval_s``. Delete is emulated by overwriting with a tombstone.
+  memory included) and open a new one lazily, on the jittered backoff of
+  tiers/reconnect.py from ``retry_interval_s``. Delete is emulated by overwriting with a tombstone.
 - lm:// PUT has no reply: put() confirms with an EXIST on the same stream.
 - The lm:// stream has no request ids, so one call at a time uses a
   connection: reads and writes get one connection each, so a read never
@@ -125,8 +125,8 @@ class RemoteStore(LMCacheStore):
     ``put`` returns True once the server has the page (a PUT followed by an
     EXIST on the same ordered stream). Every call is bounded by
     ``timeout_s``. On an error or timeout the connection is dropped and
-    calls fail fast ("error"/False) until the next reconnect attempt, at most
-    once per ``retry_interval_s``. Reads (``get_into``, ``contains``) and
+    calls fail fast ("error"/False) until the next reconnect attempt (a
+    jittered backoff from ``retry_interval_s``). Reads (``get_into``, ``contains``) and
     writes (``put``, ``remove``) each have a connection of their own, which
     one call at a time uses (the lm:// stream has no request ids): one reader
     and one writer thread never wait for each other.

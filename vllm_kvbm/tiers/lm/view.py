@@ -24,7 +24,7 @@ class RemoteView(TierView):
 
     Rank 0's page stands for all ranks; a rank missing its page fails that
     load, which vLLM then recomputes. Every call is bounded by ``timeout_s``;
-    after a failure the connection is re-made at most every
+    after a failure the connection is re-made on a jittered backoff from
     ``retry_interval_s`` and calls answer False (a miss) meanwhile.
     """
 

@@ -10,7 +10,7 @@ Shared by the scheduler's view (``view.py``) and the worker's store
   (a restarted server with another password) it is an outage like any other.
 - A dead or frozen server makes ``call`` return its ``fail`` value: the call
   that finds the outage waits at most its timeouts, then calls fail at once
-  while a background thread re-makes the link at most every
+  while a background thread re-makes the link with a jittered backoff from
   ``retry_interval_s`` (``tiers/reconnect.py``); the caller's thread never
   waits on a reconnect.
 - An error the server answers (out of memory under ``noeviction``, a wrong
@@ -153,7 +153,9 @@ class RedisLink:
 
     def _reconnect_loop(self) -> None:
         try:
-            while not self._closed.wait(self._retry.retry_s):
+            while not self._closed.wait(self._retry.wait_s()):
+                if not self._retry.may_try():
+                    continue
                 client = self._connect(at_startup=False)
                 if client is None:
                     continue

@@ -66,7 +66,7 @@ class RedisStore(TierStore):
     ``put`` returns True once the server stored the page (SET answered).
     Every call is bounded by ``timeout_s`` per socket operation; while the
     server is unreachable calls fail at once ("error"/False) and the link is
-    re-made in the background at most every ``retry_interval_s``.
+    re-made in the background on a jittered backoff from ``retry_interval_s``.
     """
 
     name = "remote"

@@ -21,7 +21,7 @@ class RedisView(TierView):
     A page exists only if all ranks' pages do (an LRU server evicts them one
     by one). The call that finds the server dead or frozen waits at most
     ``timeout_s`` per socket operation; after it lookups miss at once while
-    the link is re-made in the background, at most every
+    the link is re-made in the background, on a jittered backoff from
     ``retry_interval_s`` (the scheduler thread never waits on a reconnect).
     A refused password at startup is a KVBMConfigError naming the key.
     """
