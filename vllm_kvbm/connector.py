@@ -46,6 +46,16 @@ logger = logging.getLogger(__name__)
 _HIT_SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 
 
+def extensible_kv_cache_note(cache_config) -> str | None:
+    """What KVBM does with vLLM 0.34's extensible KV cache, when it is on."""
+    if not getattr(cache_config, "enable_extensible_kv_cache", False):
+        return None
+    return ("KVBM: vLLM's extensible KV cache is on: KVBM registers none of its memory and "
+            "copies only the blocks vLLM hands it; releasing that memory "
+            "(release_kv_cache_memory(), a weight update borrowing it) is refused: start "
+            "with --no-enable-extensible-kv-cache to update weights layer by layer")
+
+
 class KVBMConnector(KVConnectorBase_V1):
     # Used only by vLLM's default get_external_cache_hit_sources (overridden).
     _cache_hit_source = CacheHitSource.HOST
@@ -76,9 +86,10 @@ class KVBMConnector(KVConnectorBase_V1):
     def kv_cache_access(cls, kv_transfer_config: "KVTransferConfig"):
         from vllm.config.kv_transfer import KVCacheAccess  # vLLM >= 0.34
 
-        # NIXL (UCX) registers the device KV cache: one physical allocation
-        # per segment.
-        return KVCacheAccess.REGISTERS
+        # GPU KV is copied by address on the copy engines (worker/copy_engine.py),
+        # never registered with NIXL or UCX: any allocation works, the
+        # extensible KV cache's included.
+        return KVCacheAccess.IN_PROCESS
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
@@ -161,6 +172,8 @@ class KVBMConnector(KVConnectorBase_V1):
         # Each layer's block dim from vLLM's declared KV layout, not guessed.
         dims = declared_block_dims(self._kv_cache_config, kv_caches)
         self.worker.register_kv_caches(kv_caches, self._num_blocks, dims)
+        if (note := extensible_kv_cache_note(self._vllm_config.cache_config)) is not None:
+            logger.info(note)
         # Bound into every page this worker stores: read back only by a
         # worker whose KV cache lays out the bytes alike.
         layout = layout_fingerprint(kv_caches, self._num_blocks, dims)
@@ -171,12 +184,14 @@ class KVBMConnector(KVConnectorBase_V1):
     def unregister_kv_caches(self) -> None:
         # vLLM >= 0.33 calls this right before it frees the KV cache's memory:
         # sleep mode (refused at startup), release_kv_cache_memory(), and in 0.34
-        # layerwise weight updates with the extensible KV cache. The NIXL
-        # registration of that memory cannot follow it (yet): refuse while
-        # nothing is freed, rather than copy into freed memory later.
+        # layerwise weight updates with the extensible KV cache
+        # (tests/unit/test_extensible_kv_cache.py reads those call sites). Copies
+        # the workers queued behind a step fence, and NIXL's registration of host
+        # KV memory, cannot follow it: refuse while nothing is freed, rather than
+        # copy into freed memory later.
         raise RuntimeError(
-            "KVBMConnector cannot release the KV cache's memory: its workers keep it "
-            "registered with NIXL. For weight updates start vLLM with "
+            "KVBMConnector cannot release the KV cache's memory: its workers may still "
+            "copy into it. For weight updates start vLLM with "
             "--no-enable-extensible-kv-cache, and do not call release_kv_cache_memory()")
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
