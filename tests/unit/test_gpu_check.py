@@ -29,7 +29,7 @@ def _import(name: str, folder: Path):
 # (/work/.library/device/KINDS.md's package list, those a worker could import) and
 # the NIXL wheel scripts/gpu_check.sh carries. gpu_check must run with nothing else.
 DEVICE_IMPORTS = (
-    "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check "
+    "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check gpu_check_gds "
     "msgpack xxhash psutil prometheus_client yaml packaging typing_extensions filelock sympy "
     "mpmath networkx jinja2 markupsafe fsspec triton setuptools pkg_resources cuda nvidia "
     "functorch torchgen requests urllib3 certifi idna charset_normalizer tqdm safetensors "
