@@ -13,6 +13,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from vllm_kvbm.keys import PageKey
@@ -40,11 +42,17 @@ class TierStore(ABC):
         undefined (a store may check a page where it lands), and the caller
         never serves it."""
 
-    def get_many_into(self, items: list[tuple[bytes, "torch.Tensor"]]) -> list[str]:
-        """get_into for each ``(key, out)``; the statuses in order. A store
-        that can read several pages at once in flight overrides this."""
+    def get_many_into(self, items: list[tuple[bytes, "torch.Tensor"]],
+                      stop: "Callable[[], bool] | None" = None) -> list[str]:
+        """get_into for each ``(key, out)``; the statuses in order. Once
+        ``stop()`` is true the pages not read yet are "skipped" (a fetch
+        given up on stops at its next page). A store that can read several
+        pages at once in flight overrides this."""
         statuses = []
         for key, out in items:
+            if stop is not None and stop():
+                statuses.append("skipped")
+                continue
             try:
                 statuses.append(self.get_into(key, out))
             except Exception:  # noqa: BLE001 - a store must not take the engine down

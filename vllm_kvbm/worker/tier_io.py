@@ -19,7 +19,9 @@ pages read) for ``read_timeout_s`` is reported failed, so its request
 recomputes instead of waiting on a frozen filesystem or a hung read. A read
 cannot be cancelled once in a syscall, so the fetch stays tracked as
 "reading" until it ends: its slots are not reused before that (see
-KVBMWorker), and reads of it not started yet are cancelled.
+KVBMWorker), and reads of it not started yet are cancelled: its read
+thread stops at the next page. Shutdown waits ``read_timeout_s`` at most for
+reads and writes in progress (io_threads.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +37,7 @@ import torch
 
 from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
 from vllm_kvbm.cpus import widen_thread_affinity
+from vllm_kvbm.io_threads import IOThreads, close_pools
 from vllm_kvbm.tiers.page_format import copy_bytes
 from vllm_kvbm.tiers.registry import open_stores
 
@@ -73,7 +76,7 @@ class _WriteQueue:
 # whether it runs late) is noted after each group; the disk reads a group
 # several pages in flight. Groups start at one page and double while a group
 # reads within _GROUP_S, so a slow link shows its pace after its first page
-# and a cut fetch stops within a group of about that long.
+# (a cut or overdue fetch stops at its next page, see _Fetch.stopped).
 _READ_GROUP = 32
 _GROUP_S = 0.05
 
@@ -95,11 +98,15 @@ class _Fetch:
     first_at: float | None = None
     first_pages: int = 0
     # pages landed when it was cut for running late (None: not cut); its
-    # reads stop after their current group
+    # reads stop at their next page
     cut_at: int | None = None
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
+
+    def stopped(self) -> bool:
+        """Overdue or cut: its reads stop at their next page."""
+        return self.overdue or self.cut_at is not None
 
     def landed_prefix(self) -> int:
         n = 0
@@ -136,8 +143,8 @@ class TierIO:
         # reports; a page is stored once every rank stored its shard)
         self.rank = 0
         self.tiers: dict[str, TierStore] = {}
-        self._reader: dict[str, ThreadPoolExecutor] = {}
-        self._writer: dict[str, ThreadPoolExecutor] = {}
+        self._reader: dict[str, IOThreads] = {}
+        self._writer: dict[str, IOThreads] = {}
         self.queues: dict[str, _WriteQueue] = {}
         self._fetching: list[_Fetch] = []
         # Overdue fetches whose reads have ended since last asked (take_ended).
@@ -149,11 +156,9 @@ class TierIO:
     def add(self, store: "TierStore") -> None:
         name = store.name
         self.tiers[name] = store
-        self._reader[name] = ThreadPoolExecutor(1, thread_name_prefix=f"kvbm-{name}-read",
-                                                initializer=widen_thread_affinity)
-        self._writer[name] = ThreadPoolExecutor(max(1, store.write_inflight),
-                                                thread_name_prefix=f"kvbm-{name}-write",
-                                                initializer=widen_thread_affinity)
+        self._reader[name] = IOThreads(1, f"kvbm-{name}-read", widen_thread_affinity)
+        self._writer[name] = IOThreads(max(1, store.write_inflight), f"kvbm-{name}-write",
+                                       widen_thread_affinity)
         self.queues[name] = _WriteQueue(self.write_queue_pages)
 
     def fetch(self, job: "TransferJob", host_pool: torch.Tensor) -> None:
@@ -172,12 +177,13 @@ class TierIO:
                 # A group of pages per call (the disk reads several in flight),
                 # the fetch's progress noted after each.
                 results, start, size = [], 0, 1
-                while start < len(items) and fetch.cut_at is None:
+                while start < len(items) and not fetch.stopped():
                     group = items[start:start + size]
                     began = time.monotonic()
                     try:
                         statuses = store.get_many_into(
-                            [(key, host_pool[job.slots[i]]) for i, key in group])
+                            [(key, host_pool[job.slots[i]]) for i, key in group],
+                            stop=fetch.stopped)
                     except Exception as err:  # a store must not take the engine down
                         logger.warning("KVBM: %s read failed: %s", tier, err)
                         statuses = ["error"] * len(group)
@@ -289,7 +295,7 @@ class TierIO:
 
     def _cut(self, fetch: _Fetch) -> None:
         """Stops a fetch that runs late: reads not started are cancelled, the
-        running ones stop after their group; the job then loads the pages
+        running ones stop at their next page; the job then loads the pages
         landed and vLLM recomputes the rest."""
         fetch.cut_at = fetch.landed_prefix()
         for f in fetch.futures:
@@ -329,10 +335,11 @@ class TierIO:
             self._unreported, self._warned_at = 0, now
 
     def close(self) -> None:
-        for pool in [*self._reader.values(), *self._writer.values()]:
-            pool.shutdown(wait=False, cancel_futures=True)  # queued work is dropped
-        for pool in [*self._reader.values(), *self._writer.values()]:
-            pool.shutdown(wait=True)  # each store call is bounded
+        """Drops queued reads and writes, waits up to ``read_timeout_s`` for
+        those running (a hung filesystem's are left behind, said in a
+        warning), then closes the stores."""
+        close_pools([*self._reader.values(), *self._writer.values()], self.read_timeout_s,
+                    "lower tiers")
         for store in self.tiers.values():
             store.close()
         self.tiers, self._reader, self._writer = {}, {}, {}

@@ -45,13 +45,13 @@ import stat
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
 
 from vllm_kvbm.config import disk_tier_too_small
 from vllm_kvbm.cpus import widen_thread_affinity
+from vllm_kvbm.io_threads import IOThreads, close_pools
 from vllm_kvbm.tiers.disk.file_io import (_SYS_CACHESTAT, _allows_o_direct, _Bounce, _claim,
                                           _Out, _prepare_dir, _read_page, _ShortFile,
                                           _write_page)
@@ -64,6 +64,9 @@ if TYPE_CHECKING:
     from vllm_kvbm.engine_info import EngineInfo
 
 logger = logging.getLogger(__name__)
+
+# What close waits for reads in flight (seconds) before leaving them behind.
+_CLOSE_WAIT_S = 1.0
 
 
 class DiskStore(LMCacheStore):
@@ -140,8 +143,7 @@ class DiskStore(LMCacheStore):
             # get_many_into's readers: several reads in flight keep the device
             # queue busy (cold) and verify on both cores (warm).
             self._read_inflight = read_inflight
-            self._readers = (ThreadPoolExecutor(read_inflight, thread_name_prefix="kvbm-disk-read",
-                                                initializer=widen_thread_affinity)
+            self._readers = (IOThreads(read_inflight, "kvbm-disk-read", widen_thread_affinity)
                              if read_inflight > 1 else None)
             self._loop, self._thread = start_loop("kvbm-disk-io")
             self._staging = LocalCPUBackend(cfg, self._md)
@@ -336,17 +338,22 @@ class DiskStore(LMCacheStore):
             bounce = self._bounces.buf = _Bounce(self._codec.stored_bytes)
         return bounce
 
-    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
-        """get_into for each ``(key, out)``, several in flight; the statuses in order."""
+    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]],
+                      stop=None) -> list[str]:
+        """get_into for each ``(key, out)``, several in flight; the statuses in
+        order ("skipped": not read, ``stop()`` having turned true)."""
         targets = [self._target(key, out) for key, out in items]  # torch here, not there
+
+        def read(part):
+            return [self._get(t) if stop is None or not stop() else "skipped" for t in part]
+
         if self._readers is None or len(items) < 2 or self._closed:
-            return [self._get(t) for t in targets]
+            return read(targets)
         # One task per reader, each a stride of the pages: a future per page
         # cost warm reads 4 in flight ~13% here (GIL round trips).
         k = min(self._read_inflight, len(targets))
         try:
-            tasks = [self._readers.submit(lambda part: [self._get(t) for t in part],
-                                          targets[j::k]) for j in range(k)]
+            tasks = [self._readers.submit(read, targets[j::k]) for j in range(k)]
             statuses: list[str] = [""] * len(targets)
             for j, task in enumerate(tasks):
                 statuses[j::k] = task.result()
@@ -394,7 +401,9 @@ class DiskStore(LMCacheStore):
             return
         self._closed = True
         if self._readers is not None:
-            self._readers.shutdown(wait=True)
+            # They serve get_many_into calls only, which the caller (TierIO)
+            # waited for with its own deadline.
+            close_pools([self._readers], _CLOSE_WAIT_S, "disk tier")
         try:
             self._disk.close()  # waits for queued writes
         except Exception as e:  # noqa: BLE001
