@@ -132,7 +132,7 @@ def test_an_overdue_answer_holds_a_request_only_a_share_of_its_saving(lm_server)
     takes; with the server then frozen its call is stuck within milliseconds,
     and the request goes on after OVERDUE_WAIT_SHARE of its saving, not all
     of it."""
-    from vllm_kvbm.scheduler.planner import OVERDUE_WAIT_SHARE
+    from vllm_kvbm.scheduler.prefix_lookup import OVERDUE_WAIT_SHARE
 
     sched = _scheduler(lm_server)
     k = kvbm(sched)

@@ -59,10 +59,10 @@ def test_a_backlog_that_gets_no_slot_is_dropped_and_the_blocks_freed(tmp_path, m
     """Host slots that never come free (the spills are never reported
     copied): the backlog is dropped after BACKLOG_TIMEOUT_S and _STEPS, counted, and the
     finished request's blocks are handed back to vLLM."""
-    from vllm_kvbm.scheduler import planner
+    from vllm_kvbm.scheduler import store_plan
 
-    monkeypatch.setattr(planner, "BACKLOG_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(planner, "BACKLOG_TIMEOUT_STEPS", 3)
+    monkeypatch.setattr(store_plan, "BACKLOG_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(store_plan, "BACKLOG_TIMEOUT_STEPS", 3)
     sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path),
                            disk_cache_size="64MiB")
     k = kvbm(sched)

@@ -1,0 +1,65 @@
+"""What the workers report each step (KVBMWorkerMetadata, finished loads):
+metrics, finished stores, spills and loads, tier and KV events."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from vllm_kvbm.messages import KVBMWorkerMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.outputs import KVConnectorOutput
+
+
+class WorkerReports:
+    """Part of ``KVBMScheduler`` (planner.py, which holds the state): worker reports."""
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVBMWorkerMetadata):
+            self.stats.add("offload_bytes_d2h", meta.bytes_stored)
+            self.stats.add("onboard_bytes_h2d", meta.bytes_loaded)
+            self.stats.observe("offload_latency_seconds", meta.store_latencies)
+            self.stats.observe("onboard_latency_seconds", meta.load_latencies)
+            self.stats.add("transfer_timeouts", meta.transfers_overdue)
+            # Held before the failed stores drop their keys, so those slots
+            # never reach the free list while a late write may land in them.
+            self.host.hold(meta.slots_held.elements())
+            self._finish_stores(meta.stores_done, ok=True)
+            self._finish_stores(meta.stores_failed, ok=False)
+            self.host.release(meta.slots_released.elements())
+            self._finish_spills(meta.spills_done)
+            self.lower.record(meta.tier_events, self.stats, self.page_blocks,
+                              self.info.num_workers)
+            for int_id, fingerprint in meta.adapters_loaded:
+                self.adapters.loaded(int_id, fingerprint)
+            self.events.lower_stored(meta.tier_stored)
+            for tier, key in meta.bad_pages + meta.removed_pages:
+                self.lower.forget(tier, key)
+                self.events.lower_removed(tier, key)
+            # With tensor parallelism one rank's failure can arrive steps
+            # before vLLM reports the load finished (on the last rank): keep
+            # it on the request until then.
+            for req_id in meta.loads_failed:
+                state = self._reqs.get(req_id)
+                if state is not None:
+                    state.load.failed = True
+            for req_id, landed in meta.loads_cut:
+                state = self._reqs.get(req_id)
+                if state is not None:
+                    cut = state.load.cut
+                    state.load.cut = landed if cut is None else min(cut, landed)
+        for req_id in output.finished_recving or ():
+            self._fetch_queue.pop(req_id, None)
+            state = self._reqs.get(req_id)
+            if state is None or not state.load.in_flight():
+                continue
+            self._finish_load(state)
+        self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
+        self._evictions_seen = self.host.evictions
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        used = self.host.used_slots
+        self.stats.set_gauge("host_cache_used_blocks", used * self.page_blocks)
+        self.stats.set_gauge("host_cache_used_bytes", used * self.info.page_bytes)
