@@ -122,3 +122,27 @@ def test_lm_server_values_carry_no_kv_and_rank_swaps_are_refused(lm_server):
         finally:
             for s in stores:
                 s.close()
+
+
+def test_lm_store_logs_no_key_material_for_a_refused_page(lm_server, caplog):
+    """A page refused under a page secret is logged, and overwritten, by
+    count: no digits of its key (which anyone can recompute from a guessed
+    prompt) appear in the log."""
+    import logging
+
+    k = os.urandom(32)
+    stores = [_lm_store(lm_server, r, 2, SECRET) for r in (0, 1)]
+    try:
+        for r, s in enumerate(stores):
+            assert s.put(k, page(80 + r, SMALL))
+        raw_put(stores[0], k, raw_get(stores[1], k))  # rank 1's page under rank 0's name
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        with caplog.at_level(logging.DEBUG):
+            assert stores[0].get_into(k, out) == "unauthenticated"
+        assert "unauthenticated" in caplog.text and "overwritten" in caplog.text
+        text = caplog.text.lower()
+        for needle in (k.hex(), f"{int.from_bytes(k, 'big'):x}", k.hex()[:8], k.hex()[-8:]):
+            assert needle not in text
+    finally:
+        for s in stores:
+            s.close()

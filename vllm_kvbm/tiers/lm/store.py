@@ -164,6 +164,7 @@ class RemoteStore(LMCacheStore):
         self._closed = False
         self._removed: set[bytes] = set()  # tombstoned by us: contains() -> False
         self._suspect: set[bytes] = set()  # puts cut off mid-stream: overwrite on reconnect
+        self._overwritten = 0  # damaged pages overwritten (logged by count: a key is never logged)
         for link in (self._writes, self._reads):
             with link.lock:
                 self._connection(link, time.monotonic() + self._timeout_s)
@@ -292,9 +293,10 @@ class RemoteStore(LMCacheStore):
             finally:
                 mo.ref_count_down()
             if status in ("corrupt", "unauthenticated"):
-                logger.warning("remote tier: %s page for key %s overwritten",
+                self._overwritten += 1
+                logger.warning("remote tier: %s page overwritten (%d by this worker so far)",
                                "corrupt" if status == "corrupt" else "unauthenticated (no valid "
-                               "MAC for this deployment's page secret)", key.hex()[:16])
+                               "MAC for this deployment's page secret)", self._overwritten)
                 self._forget(key)
                 self._send(conn, key, None, deadline)
             return status
