@@ -84,7 +84,9 @@ def measure(args) -> list[tuple]:
     host_blocks = args.tokens // BLOCK_SIZE + 16
     filler_blocks = host_blocks // 2 + 2
     try:
-        llm = LLM(model=args.model, dtype="bfloat16", block_size=BLOCK_SIZE, enforce_eager=True,
+        from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
+        print(f"dtype: {describe()}", flush=True)
+        llm = LLM(model=args.model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
                   max_model_len=max(args.tokens, filler_blocks * BLOCK_SIZE) + BLOCK_SIZE,
                   max_num_batched_tokens=8192,
                   kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3,

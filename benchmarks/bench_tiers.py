@@ -233,7 +233,9 @@ def measure(args) -> dict:
     disk = Path(tempfile.mkdtemp(prefix="kvbm-bench-disk-"))
     try:
         host_blocks = args.tokens // BLOCK_SIZE + 8  # the prompt, and fresh prompts push it out
-        llm = LLM(model=args.model, dtype="bfloat16", block_size=BLOCK_SIZE, enforce_eager=True,
+        from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
+        print(f"dtype: {describe()}", flush=True)
+        llm = LLM(model=args.model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
                   max_model_len=args.tokens + BLOCK_SIZE, max_num_batched_tokens=8192,
                   kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3,
                   kv_transfer_config=kvbm_transfer_config(

@@ -144,7 +144,9 @@ def run(model: str, lengths: list[int], repeats: int) -> None:
 
     instrument()
     longest = max(lengths)
-    llm = LLM(model=model, dtype="bfloat16", block_size=BLOCK_SIZE, enforce_eager=True,
+    from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
+    print(f"dtype: {describe()}", flush=True)
+    llm = LLM(model=model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
               max_model_len=longest + BLOCK_SIZE, max_num_batched_tokens=8192,
               kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.3,
               kv_transfer_config=kvbm_transfer_config(host_cache_size="4GiB"))

@@ -59,7 +59,9 @@ def main(model: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model, kv_transfer_config={"kv_connector": "KVBMConnector",
+    from vllm_kvbm.tools.compute_dtype import compute_dtype
+
+    llm = LLM(model=model, dtype=compute_dtype(), kv_transfer_config={"kv_connector": "KVBMConnector",
                                                "kv_role": "kv_both"},
               max_model_len=1024, block_size=128, enforce_eager=True,
               kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.25,
