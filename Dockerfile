@@ -20,7 +20,7 @@ COPY scripts/ scripts/
 COPY vllm_kvbm/ vllm_kvbm/
 COPY deploy/serve.sh deploy/serve.sh
 # Extra pip index (e.g. PyTorch's CPU wheel index, for a smaller image than PyPI's torch).
-# KVBM_SETUP_TOOLS=0: no test or benchmark tools (pytest, prometheus, ...) in the image.
+# KVBM_SETUP_TOOLS=0: no test or benchmark tools (pytest, matplotlib, ...) in the image.
 ARG PIP_EXTRA_INDEX_URL=
 RUN VENV=/opt/venv KVBM_SETUP_TOOLS=0 PIP_EXTRA_INDEX_URL="$PIP_EXTRA_INDEX_URL" \
     PIP_NO_CACHE_DIR=1 bash scripts/setup.sh
