@@ -1,44 +1,31 @@
-"""GPU check of KVBM's worker side: stream order, exact bytes, bandwidth.
+"""GPU check of KVBM's worker side: stream order, exact bytes, both copy paths' speed.
 
-Runs on a CUDA machine with only PyTorch and NIXL installed (no vLLM): copy
-the repository there and run
+Runs on a CUDA machine with PyTorch, NIXL and this repository (scripts/gpu_check.sh
+runs it, also without network); ``--device cpu`` runs the same logic on CPU tensors.
+A probe (a pinned ``copy_``) first sizes the cases to finish within ``--budget-s``
+(four minutes); every row is printed and flushed as it is made; transfers are
+polled once per engine step (``--step-s``), as vLLM polls them.
 
-    python benchmarks/gpu_check.py                 # CUDA, about a minute
-    python benchmarks/gpu_check.py --device cpu    # the same logic on CPU tensors
+For each KV layout of vLLM 0.32's CUDA attention backends (laid out exactly as
+vLLM's create_kv_cache_views does, tests/helpers/kv_layouts.py: FlashAttention
+LBNHC, FlashInfer LBHNC (HND), a packed BLHNC, MLA, blocks split into smaller
+kernel blocks), with the real KVBMWorker and its copy path:
 
-For each KV layout of vLLM 0.32's CUDA attention backends (laid out exactly
-as vLLM's create_kv_cache_views does, see tests/helpers/kv_layouts.py: FlashAttention
-LBNHC, FlashInfer LBHNC (HND), a packed BLHNC, MLA, and blocks split into
-smaller kernel blocks), with the real KVBMWorker, PageMover and NIXL:
+1. stores: a kernel rewrites every KV byte and, at once, as vLLM's wait_for_save
+   does right after launching the forward pass, the stores start; the host pages
+   must equal the KV *after* the kernel. The same without the fence is run as a
+   control (informational: whether the race is real on this machine).
+2. loads: a kernel zeroes the destination blocks and the loads start at once;
+   they must hold the stored pages, every other KV byte unchanged.
+3. bandwidth: offload and onboard through the worker against a pinned ``copy_``.
 
-1. stores: a kernel rewrites every KV byte, and at once, as vLLM's
-   wait_for_save does right after launching the forward pass,
-   KVBMWorker.start_stores records its fence and the stores are polled to
-   completion; the host pages must equal the KV *after* the kernel. The same
-   without the fence (the old behaviour) is run as a control, which shows
-   whether the race is real on this machine (informational).
-2. loads: a kernel zeroes the destination blocks (vLLM's zeroing of newly
-   allocated blocks) and the loads are started at once; the destination
-   blocks must hold the stored pages, every other KV byte must be unchanged.
-3. bandwidth: offload (device -> host) and onboard (host -> device) of the
-   same blocks through the worker, against PyTorch's pinned ``copy_`` of the
-   same number of bytes in one piece.
-
-Then "pages": pages of several blocks (page_tokens; 16 blocks, the default
-at block size 16), stored whole into one host slot each and loaded into
-other blocks with the first one skipped (a page that begins inside vLLM's
-own hit): every copied block byte-equal, the skipped one untouched; and
-offload/onboard bandwidth of whole pages against ``copy_``. "70b-pages" is
-the same at a 70B model's page size (Llama-3-70B: 80 layers, 8 KV heads,
-head size 128, bf16, 16-token blocks, 256-token pages: 5 MiB blocks, 80 MiB
-pages; GEOMETRY_70B), a few pages (``--pages-70b``).
-
-"gds" (gpu_check_gds.py): NIXL reading a file straight into GPU memory
-through cuFile against a plain read plus ``copy_``, skipped with the reason
-where there is no cuFile.
-
-Everything is printed as one table; the exit status is 0 only if every check
-passed.
+"pages": pages of 16 blocks stored whole and loaded with the first block
+skipped (a page that begins inside vLLM's own hit); "70b-pages" the same at a
+70B model's page (80 layers, 8 KV heads of 128, bf16, 16-token blocks, 256-token
+pages: 80 MiB; GEOMETRY_70B). "paths-70b-tp1" and "-tp8" (gpu_check_paths.py):
+the copy engines and NIXL side by side against ``copy_``, with UCX's protocol.
+"gds" (gpu_check_gds.py): a file read into GPU memory by NIXL's GDS plugins.
+The exit status is 0 only if every check passed.
 """
 
 from __future__ import annotations
@@ -64,6 +51,7 @@ from vllm_kvbm.worker.fence import DONE, fence_maker  # noqa: E402
 from vllm_kvbm.worker.worker import KVBMWorker  # noqa: E402
 
 from gpu_check_gds import run_gds, sync  # noqa: E402
+from gpu_check_paths import run_paths, torch_copy_seconds  # noqa: E402
 
 # name -> (vLLM KVCacheLayout, MLA, kernel blocks per block)
 CASES = {
@@ -73,7 +61,9 @@ CASES = {
     "mla": ("LBNHC", True, 1),
     "kernel-split": ("LBNHC", False, 2),
 }
-EXTRA_CASES = ["pages", "70b-pages", "gds"]
+EXTRA_CASES = ["pages", "70b-pages", "paths-70b-tp1", "paths-70b-tp8", "gds"]
+BUDGET_S = 240.0  # the whole run, sized by the probe
+TRANSFER_S = 0.05  # copy_ time of one transfer the probe sizes the cases to
 
 
 @dataclass(frozen=True)
@@ -111,14 +101,21 @@ GEOMETRY_70B = Geometry(layers=80, kv_heads=8, head_size=128, block_size=16, pag
 
 @dataclass
 class Report:
+    """Each row is printed and flushed as it is made: a run cut short (a
+    timeout, a crash, a lost machine) still leaves every row it produced."""
+
     rows: list[tuple[str, str, str, str]] = field(default_factory=list)
 
+    def _add(self, row: tuple[str, str, str, str]) -> None:
+        self.rows.append(row)
+        print(f"{row[0]:<15} {row[1]:<48} {row[2]:<5} {row[3]}", flush=True)
+
     def check(self, case: str, what: str, ok: bool, detail: str) -> bool:
-        self.rows.append((case, what, "PASS" if ok else "FAIL", detail))
+        self._add((case, what, "PASS" if ok else "FAIL", detail))
         return ok
 
     def info(self, case: str, what: str, detail: str) -> None:
-        self.rows.append((case, what, "info", detail))
+        self._add((case, what, "info", detail))
 
     @property
     def failed(self) -> int:
@@ -128,19 +125,13 @@ class Report:
     def passed(self) -> int:
         return sum(r[2] == "PASS" for r in self.rows)
 
-    def print(self) -> None:
-        widths = [max(len(r[i]) for r in self.rows + [("case", "check", "result", "")])
-                  for i in range(3)]
-        head = ("case", "check", "result", "detail")
-        for r in [head] + self.rows:
-            print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
 
 
 class Worker:
     """A KVBMWorker driven as vLLM drives it, with its metadata summed."""
 
     def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float,
-                 page_blocks: int = 1):
+                 page_blocks: int = 1, step_s: float = 0.005):
         bb = lay.block_bytes()
         ns = KeyNamespace(model="gpu-check@", dtype="torch.bfloat16", kv_layout="check",
                           block_size=block_size, page_blocks=page_blocks,
@@ -152,6 +143,7 @@ class Worker:
         self.failed: Counter = Counter()
         self.recving: set[str] = set()
         self.timeout_s = timeout_s
+        self.step_s = step_s
         self._ids = iter(range(1, 10**9))
 
     def step(self) -> None:
@@ -164,10 +156,14 @@ class Worker:
             self.failed.update(m.loads_failed)
 
     def until(self, cond) -> float:
+        """Steps until ``cond``, one step per ``step_s`` as vLLM's engine loop
+        polls (a tight loop would show progress the engine never gives)."""
         start = time.perf_counter()
+        self.step()
         while not cond():
             if time.perf_counter() - start > self.timeout_s:
                 raise TimeoutError("transfers did not finish")
+            time.sleep(self.step_s)
             self.step()
         return time.perf_counter() - start
 
@@ -221,7 +217,7 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
     shape = tuple(next(iter(lay.caches.values())).shape)
     report.info(name, "layout", f"{layout}{' MLA' if mla else ''}, per-layer view {shape}, "
                 f"block {bb / 1024**2:.2f} MiB, {n} blocks = {gib:.2f} GiB per transfer")
-    wk = Worker(lay, slots_n, args.block_size * split, args.timeout)
+    wk = Worker(lay, slots_n, args.block_size * split, args.timeout, step_s=args.step_s)
     try:
         pool = wk.w.host_pool
         # the host tier's slots, then the staging slots of streamed loads
@@ -321,7 +317,7 @@ def run_pages(args, device: torch.device, report: Report, name: str = "pages",
                 f"GiB per transfer")
     report.check(name, "block size as computed", lay.block_bytes() == geo.block_bytes,
                  f"{lay.block_bytes()} bytes laid out, {geo.block_bytes} computed")
-    wk = Worker(lay, n, geo.block_size, args.timeout, page_blocks=g)
+    wk = Worker(lay, n, geo.block_size, args.timeout, page_blocks=g, step_s=args.step_s)
     try:
         pool = wk.w.host_pool
         delay(device, args.kernel_delay)
@@ -393,23 +389,44 @@ def report_bandwidth(report, name: str, wk, src: list[int], dst: list[int], slot
                 f"({ref_on / on_s:.0%} of torch)")
 
 
-def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple[float, float]:
-    """Best seconds of one pinned copy_ of ``nbytes`` device -> host and back."""
-    pin = device.type == "cuda"
-    host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=pin)  # touched: no page faults
-    dev = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    best_off = best_on = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        host.copy_(dev, non_blocking=pin)
-        sync(device)
-        best_off = min(best_off, time.perf_counter() - t)
-        t = time.perf_counter()
-        dev.copy_(host, non_blocking=pin)
-        sync(device)
-        best_on = min(best_on, time.perf_counter() - t)
-    return best_off, best_on
+def probe(args, device: torch.device, report: Report) -> None:
+    """A pinned copy_ of 64 MiB (4 on CPU) first: the sizes left unset are
+    chosen from its speed so that every case moves about ``TRANSFER_S`` of
+    copying per transfer and the whole run fits ``--budget-s``."""
+    cuda = device.type == "cuda"
+    n = (64 if cuda else 4) << 20
+    off, on = torch_copy_seconds(n, device, 2)
+    gbps = n / max(off, on) / 1e9
+    # The slower path (NIXL over TCP: ~1.8 GB/s) may be ~25x slower than copy_.
+    target = int(min(max(gbps * 1e9 * TRANSFER_S, 16 << 20), 1 << 30))
+    block = 2 * 8 * 16 * 128 * 2  # one layer block of the default cases
+    args.layers = args.layers or (32 if cuda else 4)
+    args.blocks = args.blocks or max(16, 2 * target // (block * args.layers))
+    args.slots = args.slots or args.blocks // 2
+    page_70b = GEOMETRY_70B.page_bytes * args.layers_70b // GEOMETRY_70B.layers
+    pages = max(1, min(8, target // page_70b)) if cuda else 1  # CPU: the logic only
+    args.pages_70b = args.pages_70b or pages
+    args.paths_pages = args.paths_pages or pages
+    args.gds_mib = args.gds_mib or max(16, min(2048, target >> 20))
+    report.info("probe", "pinned copy_ GB/s", f"{n / off / 1e9:.1f} d2h, {n / on / 1e9:.1f} h2d; "
+                f"about {target >> 20} MiB per transfer: {args.blocks} blocks of "
+                f"{args.layers} layers, {args.pages_70b} 70B pages, {args.paths_pages} in the "
+                f"paths cases, {args.gds_mib} MiB read by gds; budget {args.budget_s:.0f} s")
+
+
+def run(name: str, args, device: torch.device, report: Report, deadline: float) -> None:
+    if name == "pages":
+        run_pages(args, device, report)
+    elif name == "70b-pages":
+        geo = Geometry(args.layers_70b, GEOMETRY_70B.kv_heads, GEOMETRY_70B.head_size,
+                       GEOMETRY_70B.block_size, GEOMETRY_70B.page_blocks)
+        run_pages(args, device, report, name, geo, args.pages_70b)
+    elif name.startswith("paths-70b-tp"):
+        run_paths(args, device, report, int(name.rsplit("tp", 1)[1]), deadline)
+    elif name == "gds":
+        run_gds(args, device, report)
+    else:
+        run_case(name, args, device, report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -417,15 +434,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--cases", nargs="+", default=[*CASES, *EXTRA_CASES],
                    choices=[*CASES, *EXTRA_CASES])
+    p.add_argument("--budget-s", type=float, default=BUDGET_S,
+                   help="the run's time budget: the probe sizes the cases to it, and cases "
+                        "not started when it is spent are skipped (rows say so)")
+    p.add_argument("--step-s", type=float, default=0.005,
+                   help="seconds between polls of a transfer: an engine step")
     p.add_argument("--page-blocks", type=int, default=16,
                    help="blocks per page of the pages case (16: the default at block size 16)")
     p.add_argument("--pages-70b", type=int, default=None,
-                   help="pages of the 70b-pages case (default 8 on CUDA: 640 MiB per "
-                        "transfer, 1.25 GiB of KV; 1 on CPU)")
+                   help="pages of the 70b-pages case (default: sized by the probe, at most 8)")
+    p.add_argument("--paths-pages", type=int, default=None,
+                   help="pages per transfer of the paths-70b cases (default: by the probe)")
     p.add_argument("--layers-70b", type=int, default=GEOMETRY_70B.layers,
-                   help="layers of the 70b-pages case (fewer only to try it on a small machine)")
+                   help="layers of the 70B cases (fewer only to try them on a small machine)")
     p.add_argument("--gds-mib", type=int, default=None,
-                   help="file size of the gds case (default 2048 on CUDA, 16 on CPU)")
+                   help="file size of the gds case (default: sized by the probe)")
     p.add_argument("--gds-dir", default=None,
                    help="directory of the gds case's file (default: the system's temp dir)")
     p.add_argument("--layers", type=int, default=None)
@@ -445,34 +468,23 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("no CUDA device; use --device cpu")
-    # CUDA: 32 layers x 2 MiB blocks, 2 GiB of KV, 1 GiB moved per transfer.
-    args.layers = args.layers or (32 if cuda else 4)
-    args.blocks = args.blocks or (1024 if cuda else 64)
-    args.slots = args.slots or args.blocks // 2
-    args.pages_70b = args.pages_70b or (8 if cuda else 1)
-    args.gds_mib = args.gds_mib or (2048 if cuda else 16)
     start = time.perf_counter()
+    deadline = start + args.budget_s
     print(f"gpu_check: torch {torch.__version__} (CUDA {torch.version.cuda}), device "
           f"{torch.cuda.get_device_name(device) if cuda else 'cpu'}, "
-          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}")
+          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}", flush=True)
     report = Report()
+    probe(args, device, report)
     for name in args.cases:
+        if time.perf_counter() > deadline:
+            report.info(name, "skipped", f"the {args.budget_s:.0f} s budget is spent")
+            continue
         try:
-            if name == "pages":
-                run_pages(args, device, report)
-            elif name == "70b-pages":
-                geo = Geometry(args.layers_70b, GEOMETRY_70B.kv_heads, GEOMETRY_70B.head_size,
-                               GEOMETRY_70B.block_size, GEOMETRY_70B.page_blocks)
-                run_pages(args, device, report, name, geo, args.pages_70b)
-            elif name == "gds":
-                run_gds(args, device, report)
-            else:
-                run_case(name, args, device, report)
-        except Exception as err:  # a crash is a failed check, not a lost table
+            run(name, args, device, report, deadline)
+        except Exception as err:  # a crash is a failed check, not a lost run
             report.check(name, "ran", False, f"{type(err).__name__}: {err}")
         if cuda:
             torch.cuda.empty_cache()
-    report.print()
     total = report.passed + report.failed
     elapsed = time.perf_counter() - start
     if report.failed:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,11 +27,11 @@ def _import(name: str, folder: Path):
         sys.path.remove(str(folder))
 
 
-# Import names of what the CUDA device machine holds besides the standard library
-# (/work/.library/device/KINDS.md's package list, those a worker could import) and
-# the NIXL wheel scripts/gpu_check.sh carries. gpu_check must run with nothing else.
+# Import names of what a CUDA machine with PyTorch and the NIXL wheel holds besides
+# the standard library (those a worker could import): gpu_check needs no vLLM.
 DEVICE_IMPORTS = (
-    "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check gpu_check_gds "
+    "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check "
+    "gpu_check_gds gpu_check_paths "
     "msgpack xxhash psutil prometheus_client yaml packaging typing_extensions filelock sympy "
     "mpmath networkx jinja2 markupsafe fsspec triton setuptools pkg_resources cuda nvidia "
     "functorch torchgen requests urllib3 certifi idna charset_normalizer tqdm safetensors "
@@ -85,10 +87,46 @@ def test_gpu_check_passes_on_cpu_with_only_the_gpu_machines_packages():
         assert "offload d2h GB/s" in pages and "onboard h2d GB/s" in pages
     # the 70B geometry with 2 of its 80 layers: 16 blocks of 16 tokens, 8 KV heads of 128
     assert "1 pages of 16 blocks x 16 tokens, 2 layers, 8 KV heads of 128: 2.0 MiB" in stdout(lines)
+    for tp in (1, 8):  # both paths side by side: NIXL only on CPU, the copy engine said so
+        paths = "\n".join(line for line in lines if line.startswith(f"paths-70b-tp{tp} "))
+        for layout in ("LBNHC", "BLNHC"):
+            check = f"{layout} NIXL pages stored and loaded back, bytes equal"
+            assert check in paths and "PASS" in paths.split(check)[1].split("\n")[0], paths
+            assert f"{layout} NIXL offload d2h GB/s (vs copy_)" in paths
+        assert "skipped: no CUDA device (CPU run: NIXL only)" in paths
+        assert "UCX protocol emulated" in paths
     gds = "\n".join(line for line in lines if line.startswith("gds "))
     for check in ("NIXL POSIX file -> host, bytes equal", "plain read + copy_ -> CPU, bytes equal"):
         assert check in gds and "PASS" in gds.split(check)[1].split("\n")[0], (check, gds)
     assert "GDS disk -> GPU" in gds and "skipped: no CUDA device" in gds, gds
+
+
+def test_gpu_check_killed_mid_run_leaves_the_rows_it_made():
+    """Rows are printed and flushed as they are made: a run killed in its
+    second case (a timeout, a lost machine) has already shown the first."""
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--cases", "flash-attn", "gds",
+         "--layers", "2", "--blocks", "8", "--repeats", "1", "--gds-mib", "64"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    watchdog = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    watchdog.start()
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("gds "):  # the second case began: kill it there
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        rest = proc.stdout.read()
+    finally:
+        watchdog.cancel()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert "checks passed" not in rest and "checks FAILED" not in rest  # killed mid-run
+    text = "".join(seen)
+    assert text.splitlines()[1].startswith("probe ") and "pinned copy_ GB/s" in text
+    row = next(line for line in seen if "stores copy the KV after the forward" in line)
+    assert row.startswith("flash-attn ") and " PASS " in row, row
 
 
 def stdout(lines: list[str]) -> str:
