@@ -33,6 +33,9 @@ class EngineInfo:
     # Blocks per page: the unit the tiers store and the scheduler keys
     # (config page_tokens / block_size).
     page_blocks: int = 1
+    # This engine's data-parallel rank (0 without DP): replicas compute the
+    # same KV (same keys), but each disk index is its own (tiers/disk/view.py).
+    data_parallel_index: int = 0
 
     @property
     def page_tokens(self) -> int:
@@ -76,7 +79,15 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         num_workers=parallel.world_size,
         key_namespace=namespace_key,
         page_blocks=page_blocks,
+        data_parallel_index=_data_parallel_index(parallel),
     )
+
+
+def _data_parallel_index(parallel) -> int:
+    """The DP rank: vLLM sets a dense model's DP ranks to rank 0 of 1 (they
+    are independent engines) and keeps the rank in data_parallel_index."""
+    index = getattr(parallel, "data_parallel_index", None)
+    return int(parallel.data_parallel_rank if index is None else index)
 
 
 # Default page when vLLM's blocks are small (GPUs' 16 tokens): the

@@ -56,6 +56,7 @@ from vllm_kvbm.tiers.disk.file_io import (_SYS_CACHESTAT, _allows_o_direct, _Bou
                                           _Out, _prepare_dir, _read_page, _ShortFile,
                                           _write_page)
 from vllm_kvbm.tiers.disk.lmcache_index import _disk_backend_class
+from vllm_kvbm.tiers.disk.view import replica_directory
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
 from vllm_kvbm.tiers.page_format import KEY_BYTES, retired_model_names, valid_key, valid_page
 
@@ -85,8 +86,10 @@ class DiskStore(LMCacheStore):
     namespace's files. Two live stores of the same namespace and rank would
     evict each other's files and count the same bytes twice, so each holds
     an exclusive lock on ``.kvbm-<namespace>@<world>@<rank>.lock`` for its
-    lifetime and a second one is refused at startup. Page files are created
-    0600 and never opened through a symlink.
+    lifetime and a second one is refused at startup (data-parallel ranks,
+    which share keys, each get a directory of their own: from_config,
+    view.replica_directory). Page files are created 0600 and never opened
+    through a symlink.
     """
 
     name = "disk"
@@ -94,7 +97,8 @@ class DiskStore(LMCacheStore):
     @classmethod
     def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
                     secret: bytes | None, layout: str) -> "DiskStore":
-        return cls(config.disk_cache_dir, config.disk_cache_bytes, info.page_bytes,
+        return cls(replica_directory(config.disk_cache_dir, info.data_parallel_index),
+                   config.disk_cache_bytes, info.page_bytes,
                    info.tier_namespace, rank, info.key_namespace.tp_size, page_secret=secret,
                    layout=layout)
 
