@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 
@@ -19,28 +18,6 @@ NEEDS = {
     "doc-qa": ("aiohttp", "tqdm"),
     "compare": ("aiohttp", "tqdm", "matplotlib"),
 }
-
-
-def _no_default(action) -> bool:
-    # `is`, not `in`: a default of 0 equals False
-    return action.default is None or action.default is False or \
-        action.default is argparse.SUPPRESS
-
-
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where its help already says it."""
-
-    def _format_action(self, action):
-        # argparse prints nothing after an option without help, not even its default
-        if action.help is None and action.option_strings and not _no_default(action):
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default:" in text or _no_default(action):
-            return text
-        return super()._get_help_string(action)
 
 
 def version() -> str:

@@ -279,6 +279,28 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
+def _no_default(action) -> bool:
+    # `is`, not `in`: a default of 0 equals False
+    return action.default is None or action.default is False or \
+        action.default is argparse.SUPPRESS
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where its help already says it."""
+
+    def _format_action(self, action):
+        # argparse prints nothing after an option without help, not even its default
+        if action.help is None and action.option_strings and not _no_default(action):
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or _no_default(action):
+            return text
+        return super()._get_help_string(action)
+
+
 def add_workload_args(p: argparse.ArgumentParser, workload: str) -> None:
     p.add_argument("--qps", type=float, default=0.5,
                    help="requests per second over all users (multi-round: LMBenchmark's "
@@ -326,8 +348,6 @@ def workload_size(args) -> int:
 
 
 def main(argv: list[str] | None = None, workload: str = "multi-round") -> int:
-    from vllm_kvbm.bench.__main__ import HelpFormatter
-
     p = argparse.ArgumentParser(prog=f"kvbm-bench {workload}",
                                 description=f"{workload} workload against an "
                                 "OpenAI-compatible endpoint", formatter_class=HelpFormatter)

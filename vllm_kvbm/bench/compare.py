@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvbm.bench.client import (add_workload_args, format_summary, read_csv,
+from vllm_kvbm.bench.client import (HelpFormatter, add_workload_args, format_summary, read_csv,
                                     run_workload, summarize, workload_size, write_csv)
 from vllm_kvbm.bench.cores import Binding, check_equal, fair_cpu_env, read_binding
 from vllm_kvbm.config import parse_size
@@ -486,8 +486,6 @@ def plots(runs: list[ConfigRun], out_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from vllm_kvbm.bench.__main__ import HelpFormatter
-
     p = argparse.ArgumentParser(prog="kvbm-bench compare", description=__doc__.splitlines()[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--model", default=None, help="model path (default: the local model)")
