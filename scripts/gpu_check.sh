@@ -1,81 +1,103 @@
 #!/usr/bin/env bash
-# The GPU check (benchmarks/gpu_check.py) on a CUDA machine without network,
-# such as the device machine a session may be lent (CPython 3.12, PyTorch
-# for CUDA 13, no vLLM, no NIXL, at most 64 MiB of working tree carried).
+# KVBM's GPU check (benchmarks/gpu_check.py) on a machine with an NVIDIA GPU.
 #
-#   bash scripts/gpu_check.sh            # here: fetch + strip the NIXL wheel into .whl/,
-#                                        # print the carried size and the device call
-#   bash scripts/gpu_check.sh --dry-run  # the same without downloading (.whl/ must hold it)
-#   bash scripts/gpu_check.sh --on-device [gpu_check.py args]
-#                                        # there: install .whl/ into /tmp/site and run the
-#                                        # check, log to $OUT/log (under five minutes)
+# Needs CUDA PyTorch, vLLM and vllm_kvbm with NIXL installed (pip install 'vllm_kvbm[cuda]',
+# or pip install -e '.[cuda]' in a clone). From the repository:
+#
+#   bash scripts/gpu_check.sh [gpu_check.py options]       # about four minutes
+#
+# A GPU machine without network: bundle NIXL and the check on a machine with network, copy
+# the bundle over, run it there:
+#
+#   bash scripts/gpu_check.sh --bundle DIR [--python 3.12] [--cuda 12] [--slim]
+#       # DIR/wheels: NIXL's wheel for that Python and CUDA major (default: this machine's);
+#       # DIR/src: this repository's committed files; and DIR.tar.gz of both.
+#       # --slim keeps only what the check loads (UCX's InfiniBand modules included).
+#   bash DIR/src/scripts/gpu_check.sh --offline DIR [gpu_check.py options]
+#       # installs DIR/wheels into DIR/site (no network) and runs the check from DIR/src
+#
+# It prints one row per check as it runs (case, check, PASS/FAIL/info, detail), then
+# "gpu_check: all N checks passed" or "N of M checks FAILED"; the exit status is 0 only when
+# every check passed. KVBM_GPU_CHECK_LOG=FILE keeps a copy of the output. PYTHON picks the
+# interpreter (default python3); KVBM_GPU_CHECK_WHEELS=DIR bundles the wheels found there
+# instead of downloading them.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${PYTHON:-python3}"
 NIXL_VERSION="${KVBM_GPU_CHECK_NIXL:-1.5.1}"
-WHEEL="nixl_cu13-${NIXL_VERSION}-cp312-cp312-manylinux_2_28_x86_64.whl"
-CACHE="${KVBM_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm_kvbm/gpu-check}"
-CHECK_TIMEOUT_S=280  # gpu_check.py's limit on the device: the run tool allows 600 s a call
 
-on_device() {
-    set -x
-    nvidia-smi -L || true
-    ls -l /dev/nvidia-fs* 2>/dev/null || echo "no /dev/nvidia-fs* (no GDS kernel driver)"
-    df -hT . /tmp | cat
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
-    # cuFile and the CUDA runtime for NIXL's GDS plugin (the nvidia-* wheels beside PyTorch)
-    libs="$(python3 -c 'import glob, os, sys
-libs = [glob.glob(os.path.join(b, "nvidia", "*", "lib", "lib*.so*")) for b in sys.path]
-print(":".join(sorted({os.path.dirname(p) for found in libs for p in found})))')"
+run_check() {  # src_dir [gpu_check.py args]
+    local src="$1"; shift
+    "$PY" - <<'EOF' || true
+import torch
+print(f"gpu_check.sh: torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"GPUs {torch.cuda.device_count()}")
+EOF
+    # cuFile and the CUDA libraries NIXL's GDS plugin loads: the nvidia-* wheels beside PyTorch
+    local libs
+    libs="$("$PY" -c 'import glob, os, sys
+found = [glob.glob(os.path.join(b, "nvidia", "*", "lib", "lib*.so*")) for b in sys.path]
+print(":".join(sorted({os.path.dirname(p) for f in found for p in f})))')"
     export LD_LIBRARY_PATH="${libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    set +x
-    timeout "$CHECK_TIMEOUT_S" python3 benchmarks/gpu_check.py --gds-dir . "$@"
+    export PYTHONUNBUFFERED=1
+    if [ -n "${KVBM_GPU_CHECK_LOG:-}" ]; then
+        set +e
+        "$PY" "$src/benchmarks/gpu_check.py" "$@" 2>&1 | tee "$KVBM_GPU_CHECK_LOG"
+        local status=${PIPESTATUS[0]}
+        set -e
+        return "$status"
+    fi
+    "$PY" "$src/benchmarks/gpu_check.py" "$@"
 }
 
-if [ "${1:-}" = "--on-device" ]; then
-    shift
-    OUT="${OUT:-/tmp/gpu-check-out}"
-    mkdir -p "$OUT"
-    set +e
-    on_device "$@" 2>&1 | tee "$OUT/log"
-    status=${PIPESTATUS[0]}
-    echo "gpu_check.sh: exit status $status" | tee -a "$OUT/log"
-    exit "$status"
-fi
-
-dry=0
-if [ "${1:-}" = "--dry-run" ]; then dry=1; shift; fi
-PY="python3"
-[ -x .venv/bin/python ] && PY=.venv/bin/python
-
-# .whl/ travels only as a carried path: git must ignore it
-if ! grep -qx '/.whl/' .git/info/exclude 2>/dev/null; then
-    mkdir -p .git/info
-    echo '/.whl/' >> .git/info/exclude
-fi
-mkdir -p .whl
-
-if [ ! -f ".whl/$WHEEL" ]; then
-    if [ "$dry" = 1 ]; then
-        echo "gpu_check.sh: .whl/$WHEEL is missing; run without --dry-run to fetch it" >&2
-        exit 1
+bundle() {  # DIR [--python X.Y] [--cuda N] [--slim]
+    local dir="$1"; shift
+    local pyver cuda slim=0
+    pyver="$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+    cuda="$("$PY" -c 'import torch; print((torch.version.cuda or "12").split(".")[0])' \
+        2>/dev/null || echo 12)"
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --python) pyver="$2"; shift 2 ;;
+            --cuda) cuda="$2"; shift 2 ;;
+            --slim) slim=1; shift ;;
+            *) echo "gpu_check.sh: unknown --bundle option $1" >&2; exit 2 ;;
+        esac
+    done
+    mkdir -p "$dir/wheels" "$dir/src"
+    local tag="cp${pyver/./}"
+    local wheel_glob="nixl_cu${cuda}-${NIXL_VERSION}-${tag}-*.whl"
+    if [ -n "${KVBM_GPU_CHECK_WHEELS:-}" ]; then
+        cp "$KVBM_GPU_CHECK_WHEELS"/$wheel_glob "$dir/wheels/"
+    else
+        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
+            --implementation cp --platform manylinux_2_28_x86_64 \
+            --platform manylinux_2_17_x86_64 -d "$dir/wheels" "nixl-cu${cuda}==$NIXL_VERSION"
     fi
-    mkdir -p "$CACHE"
-    if [ ! -f "$CACHE/$WHEEL" ]; then
-        "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-            -d "$CACHE" "nixl-cu13==$NIXL_VERSION"
+    if [ "$slim" = 1 ]; then
+        for w in "$dir"/wheels/$wheel_glob; do
+            "$PY" "$ROOT/scripts/gpu_check_prep.py" strip "$w" "$w.slim" && mv "$w.slim" "$w"
+        done
     fi
-    rm -f .whl/nixl_cu13-*.whl  # one version only: two stop the install
-    python3 scripts/gpu_check_prep.py strip "$CACHE/$WHEEL" ".whl/$WHEEL"
-fi
+    git -C "$ROOT" archive --format=tar HEAD | tar -x -C "$dir/src"
+    tar -czf "$dir.tar.gz" -C "$(dirname "$dir")" "$(basename "$dir")"
+    echo "gpu_check.sh: bundle in $dir and $dir.tar.gz ($(du -sh "$dir" | cut -f1)):"
+    ls "$dir/wheels"
+    echo "On the GPU machine: tar -xzf $(basename "$dir").tar.gz &&" \
+         "bash $(basename "$dir")/src/scripts/gpu_check.sh --offline $(basename "$dir")"
+}
 
-python3 scripts/gpu_check_prep.py size --carry .whl
-cat <<EOF
-On a session lent a CUDA machine, one device call (about 3-5 minutes with the machine's start):
-  run(command="bash scripts/gpu_check.sh --on-device", carry=[".whl"], timeout_s=420)
-It installs .whl/ into /tmp/site, runs benchmarks/gpu_check.py (limit ${CHECK_TIMEOUT_S} s) and
-leaves its output in \$OUT/log; give_back afterwards unless rerunning at once.
-EOF
+case "${1:-}" in
+    --bundle)
+        [ $# -ge 2 ] || { echo "usage: gpu_check.sh --bundle DIR [options]" >&2; exit 2; }
+        shift; bundle "$@" ;;
+    --offline)
+        [ $# -ge 2 ] || { echo "usage: gpu_check.sh --offline DIR [options]" >&2; exit 2; }
+        dir="$(cd "$2" && pwd)"; shift 2
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade \
+            --target "$dir/site" "$dir"/wheels/*.whl
+        export PYTHONPATH="$dir/site${PYTHONPATH:+:$PYTHONPATH}"
+        run_check "$dir/src" "$@" ;;
+    *)
+        run_check "$ROOT" "$@" ;;
+esac

@@ -1,14 +1,12 @@
-"""What scripts/gpu_check.sh needs done in Python (standard library only).
+"""What scripts/gpu_check.sh --bundle --slim needs done in Python (standard library only).
 
-- ``strip``: rewrites a NIXL wheel keeping what benchmarks/gpu_check.py loads:
-  the Python package, the UCX, POSIX, GDS and GDS_MT plugins, UCX's CUDA and
-  shared-memory transports, and every library those need (the closure of
-  their ELF DT_NEEDED entries inside the wheel). NIXL's expert-parallel
-  kernels, cloud-storage plugins, UCX's InfiniBand and perftest modules,
-  headers and scripts are dropped: the device machine must receive the whole
-  working tree in 64 MiB.
-- ``size``: what a device ``run`` carries (tracked files, untracked files git
-  does not ignore, ``shared/``, the carried paths), in bytes.
+``strip`` rewrites a NIXL wheel keeping what benchmarks/gpu_check.py loads:
+the Python package, the UCX, POSIX, GDS and GDS_MT plugins, UCX's CUDA,
+shared-memory and InfiniBand/RDMA transports (the ones a production engine
+on a machine with an RDMA NIC uses; ``--drop-ib`` leaves them out), and every
+library those need (the closure of their ELF DT_NEEDED entries inside the
+wheel). NIXL's expert-parallel kernels, cloud-storage plugins, UCX's perftest
+modules, headers and scripts are dropped.
 """
 
 from __future__ import annotations
@@ -19,15 +17,14 @@ import hashlib
 import os
 import posixpath
 import struct
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-LIMIT_BYTES = 64 << 20
 KEEP_PLUGINS = ("UCX", "POSIX", "GDS", "GDS_MT")
 # UCX loads its transports from <libs>/ucx/ by name (dlopen, not DT_NEEDED)
 KEEP_UCX_MODULES = ("libuct_cma", "libuct_cuda", "libucm_cuda")
+IB_UCX_MODULES = ("libuct_ib", "libuct_rdmacm", "libucs_ib")  # prefixes: ib, ib_mlx5, ...
 _DT_NEEDED = 1
 
 
@@ -54,8 +51,9 @@ def elf_needed(data: bytes) -> list[str]:
     return names
 
 
-def _roots(names: list[str], package: str) -> set[str]:
+def _roots(names: list[str], package: str, ib: bool = True) -> set[str]:
     """The files gpu_check loads directly (by import or by NIXL's dlopen)."""
+    modules = KEEP_UCX_MODULES + (IB_UCX_MODULES if ib else ())
     keep = set()
     for name in names:
         top, base = name.split("/")[0], posixpath.basename(name)
@@ -64,13 +62,13 @@ def _roots(names: list[str], package: str) -> set[str]:
         elif top == f".{package}.mesonpy.libs" and "/plugins/" in name:
             if any(base == f"libplugin_{p}.so" for p in KEEP_PLUGINS):
                 keep.add(name)
-        elif top == f"{package}.libs" and "/ucx/" in name and base.split(".")[0] in \
-                KEEP_UCX_MODULES and ".so" in base:
+        elif top == f"{package}.libs" and "/ucx/" in name and ".so" in base and \
+                base.split(".")[0].startswith(modules):
             keep.add(name)
     return keep
 
 
-def keep_set(zf: zipfile.ZipFile) -> set[str]:
+def keep_set(zf: zipfile.ZipFile, ib: bool = True) -> set[str]:
     """The wheel's files gpu_check needs: the roots and their libraries' closure."""
     names = [n for n in zf.namelist() if not n.endswith("/")]
     package = next(n.split("/")[0] for n in names if n.endswith("/_api.py"))
@@ -78,7 +76,7 @@ def keep_set(zf: zipfile.ZipFile) -> set[str]:
     for n in names:
         if ".libs/" in n and "/plugins/" not in n and "/nixl/" not in n:
             by_base.setdefault(posixpath.basename(n), []).append(n)
-    keep, todo = set(), sorted(_roots(names, package))
+    keep, todo = set(), sorted(_roots(names, package, ib))
     while todo:
         name = todo.pop()
         if name in keep:
@@ -95,11 +93,11 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
-def strip_wheel(src: Path, dst: Path) -> tuple[int, int]:
+def strip_wheel(src: Path, dst: Path, ib: bool = True) -> tuple[int, int]:
     """Writes ``dst``: ``src`` with only keep_set's files (RECORD rewritten).
     -> (files kept, files dropped)."""
     with zipfile.ZipFile(src) as zf:
-        keep = keep_set(zf)
+        keep = keep_set(zf, ib)
         record = next(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
         dropped = sum(1 for n in zf.namelist() if not n.endswith("/") and n not in keep)
         tmp = dst.with_suffix(".tmp")
@@ -117,66 +115,20 @@ def strip_wheel(src: Path, dst: Path) -> tuple[int, int]:
     return len(keep), dropped
 
 
-def _git_files(repo: Path, *args: str) -> list[str]:
-    out = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", *args], check=True,
-                         capture_output=True).stdout
-    return [f.decode() for f in out.split(b"\0") if f]
-
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_symlink() or path.is_file():
-        return path.lstat().st_size
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
-    return total
-
-
-def carried_bytes(repo: Path, carry: list[str]) -> dict[str, int]:
-    """Bytes a device ``run`` sends: tracked files, untracked files git does
-    not ignore, ``shared/`` and each carried path (a carried path replaces
-    whatever of the tree lies under it)."""
-    carry = [c.strip("/") for c in carry]
-
-    def outside(f: str) -> bool:
-        return not any(f == c or f.startswith(c + "/") for c in carry)
-
-    sizes = {}
-    for what, files in (("tracked", _git_files(repo)),
-                        ("untracked", _git_files(repo, "-o", "--exclude-standard"))):
-        sizes[what] = sum(os.lstat(repo / f).st_size for f in files
-                          if outside(f) and not f.startswith("shared/")
-                          and os.path.lexists(repo / f))
-    if (repo / "shared").exists():
-        sizes["shared/"] = _tree_bytes(repo / "shared")
-    for c in carry:
-        sizes[c] = _tree_bytes(repo / c) if (repo / c).exists() else 0
-    sizes["total"] = sum(sizes.values())
-    return sizes
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("strip", help="strip a NIXL wheel to what gpu_check loads")
     s.add_argument("src", type=Path)
     s.add_argument("dst", type=Path)
-    z = sub.add_parser("size", help="bytes a device run carries; exit 1 over the limit")
-    z.add_argument("--repo", type=Path, default=Path(__file__).resolve().parent.parent)
-    z.add_argument("--carry", nargs="*", default=[".whl"])
+    s.add_argument("--drop-ib", action="store_true",
+                   help="leave out UCX's InfiniBand/RDMA transports too")
     args = p.parse_args(argv)
-    if args.cmd == "strip":
-        kept, dropped = strip_wheel(args.src, args.dst)
-        mib = (args.src.stat().st_size / 2**20, args.dst.stat().st_size / 2**20)
-        print(f"{args.dst.name}: kept {kept} files, dropped {dropped}; "
-              f"{mib[0]:.1f} MiB -> {mib[1]:.1f} MiB")
-        return 0
-    sizes = carried_bytes(args.repo, args.carry)
-    parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sizes.items() if k != "total")
-    ok = sizes["total"] < LIMIT_BYTES
-    print(f"carried tree: {sizes['total'] / 2**20:.1f} MiB of {LIMIT_BYTES >> 20} MiB ({parts})"
-          + ("" if ok else " -- OVER THE LIMIT"))
-    return 0 if ok else 1
+    kept, dropped = strip_wheel(args.src, args.dst, ib=not args.drop_ib)
+    mib = (args.src.stat().st_size / 2**20, args.dst.stat().st_size / 2**20)
+    print(f"{args.dst.name}: kept {kept} files, dropped {dropped}; "
+          f"{mib[0]:.1f} MiB -> {mib[1]:.1f} MiB")
+    return 0
 
 
 if __name__ == "__main__":

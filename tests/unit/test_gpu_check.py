@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -161,63 +162,61 @@ def test_elf_needed_matches_readelf():
     assert prep.elf_needed(b"not an elf file") == []
 
 
-def _git(repo: Path, *args: str) -> None:
-    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+def fake_wheel(path: Path, package: str = "nixl_cu12") -> Path:
+    """A wheel laid out as NIXL's: the package, its libs with UCX's modules."""
+    libs = f"{package}.libs/ucx"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{package}/__init__.py", "")
+        zf.writestr(f"{package}/_api.py", "")
+        zf.writestr(f"{package}-1.5.1.dist-info/METADATA",
+                    f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\n"
+                    "Version: 1.5.1\n")
+        zf.writestr(f"{package}-1.5.1.dist-info/WHEEL",
+                    "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-any\n")
+        for mod in ("libuct_cma", "libuct_cuda", "libuct_ib", "libuct_ib_mlx5", "libuct_rdmacm",
+                    "libucx_perftest_cuda"):
+            zf.writestr(f"{libs}/{mod}.so.0", b"not an elf file")
+        zf.writestr(f"{package}-1.5.1.dist-info/RECORD", "")
+    return path
 
 
-@pytest.fixture
-def tree(tmp_path):
-    """A git checkout with gpu_check.sh and its helper, a tracked, an untracked and
-    an ignored file, and a stripped-wheel stand-in in .whl/."""
-    repo = tmp_path / "repo"
-    (repo / "scripts").mkdir(parents=True)
-    for f in ("gpu_check.sh", "gpu_check_prep.py"):
-        shutil.copy(PREP_DIR / f, repo / "scripts" / f)
-    (repo / "tracked.bin").write_bytes(b"t" * (2 * MIB))
-    (repo / ".gitignore").write_text("ignored.bin\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", ".")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "t")
-    (repo / "untracked.bin").write_bytes(b"u" * MIB)
-    (repo / "ignored.bin").write_bytes(b"i" * (8 * MIB))
-    (repo / ".whl").mkdir()
-    return repo
-
-
-def _wheel(repo: Path) -> Path:
-    return repo / ".whl" / "nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl"
-
-
-def test_carried_bytes_counts_what_a_device_run_sends(tree):
+def test_strip_keeps_ucx_infiniband_unless_asked(tmp_path):
     prep = _import("gpu_check_prep", PREP_DIR)
-    _wheel(tree).write_bytes(b"w" * (3 * MIB))
-    sizes = prep.carried_bytes(tree, [".whl"])
-    tracked = sum(f.stat().st_size for f in (tree / "scripts").iterdir()) + 2 * MIB + \
-        (tree / ".gitignore").stat().st_size
-    assert sizes["tracked"] == tracked
-    assert sizes["untracked"] == MIB  # ignored.bin does not travel
-    assert sizes[".whl"] == 3 * MIB
-    assert sizes["total"] == tracked + 4 * MIB
+    with zipfile.ZipFile(fake_wheel(tmp_path / "w.whl")) as zf:
+        kept = {Path(n).name for n in prep.keep_set(zf)}
+        no_ib = {Path(n).name for n in prep.keep_set(zf, ib=False)}
+    ib = {"libuct_ib.so.0", "libuct_ib_mlx5.so.0", "libuct_rdmacm.so.0"}
+    assert ib <= kept and "libuct_cma.so.0" in kept and "libuct_cuda.so.0" in kept
+    assert not ib & no_ib and "libuct_cma.so.0" in no_ib
+    assert "libucx_perftest_cuda.so.0" not in kept
 
 
-def test_gpu_check_sh_dry_run_prints_size_and_the_device_call(tree):
-    sh = tree / "scripts" / "gpu_check.sh"
-    missing = subprocess.run(["bash", str(sh), "--dry-run"], capture_output=True, text=True)
-    assert missing.returncode == 1 and "is missing" in missing.stderr, missing
-    assert "/.whl/" in (tree / ".git" / "info" / "exclude").read_text().split()
-    _wheel(tree).write_bytes(b"w" * (3 * MIB))
-    ok = subprocess.run(["bash", str(sh), "--dry-run"], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    size_line = next(line for line in ok.stdout.splitlines() if line.startswith("carried tree:"))
-    total = sum(os.lstat(tree / f).st_size for f in
-                ("scripts/gpu_check.sh", "scripts/gpu_check_prep.py", "tracked.bin",
-                 ".gitignore", "untracked.bin")) + 3 * MIB
-    assert size_line.startswith(f"carried tree: {total / MIB:.1f} MiB of 64 MiB"), size_line
-    assert 'run(command="bash scripts/gpu_check.sh --on-device", carry=[".whl"]' in ok.stdout
-    with open(_wheel(tree), "r+b") as f:  # sparse: 65 MiB counted, nothing written
-        f.truncate(65 * MIB)
-    over = subprocess.run(["bash", str(sh), "--dry-run"], capture_output=True, text=True)
-    assert over.returncode == 1 and "OVER THE LIMIT" in over.stdout, over.stdout
+def test_bundle_then_offline_run(tmp_path):
+    """--bundle DIR gathers the NIXL wheel (here from KVBM_GPU_CHECK_WHEELS, not
+    the network) and the repository's committed files into DIR and DIR.tar.gz;
+    --offline DIR installs the wheel without network and runs the check from DIR."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    pyver = f"{sys.version_info[0]}{sys.version_info[1]}"
+    fake_wheel(wheels / f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl")
+    env = {**os.environ, "PYTHON": sys.executable, "KVBM_GPU_CHECK_WHEELS": str(wheels)}
+    out = tmp_path / "kvbm-gpu-check"
+    made = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--bundle", str(out),
+                           "--cuda", "12"], capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert (out / "src" / "benchmarks" / "gpu_check.py").exists()
+    assert (tmp_path / "kvbm-gpu-check.tar.gz").exists()
+    assert [p.name for p in (out / "wheels").iterdir()] == [
+        f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl"]
+    log = tmp_path / "log"
+    ran = subprocess.run(
+        ["bash", str(out / "src" / "scripts" / "gpu_check.sh"), "--offline", str(out),
+         "--device", "cpu", "--cases", "gds", "--gds-mib", "4", "--repeats", "1"],
+        capture_output=True, text=True, env={**env, "KVBM_GPU_CHECK_LOG": str(log)},
+        cwd=tmp_path, timeout=600)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    assert (out / "site" / "nixl_cu12" / "_api.py").exists()  # installed from the bundle
+    assert "gpu_check: all " in log.read_text() and "NIXL POSIX file -> host" in ran.stdout
 
 
 def test_gpu_check_reports_a_stale_page_as_failed(monkeypatch, capsys):
