@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvbm.messages import KVBMConnectorMetadata, SpillJob, TransferJob
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.cache_reset import CacheReset
+from vllm_kvbm.scheduler.held_requests import HeldRequests
 from vllm_kvbm.scheduler.key_source import VllmBlockHashes
 from vllm_kvbm.scheduler.kv_events import NoKVEvents
 from vllm_kvbm.scheduler.load_plan import LoadPlanning
@@ -57,6 +58,8 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         # Lower tiers are asked on a thread of their own: a slow or frozen
         # server or filesystem costs hits, never the scheduler's time.
         self._background = BackgroundLookups(self.lower) if self.lower else None
+        # The requests an answer releases go on at the pace they arrived.
+        self.held = HeldRequests()
         # what loading a page from each tier and recomputing it cost
         self.split = LoadSplit(info.page_tokens, enabled=load_split)
         # requests whose last prompt chunk was scheduled, awaiting their first token
@@ -103,6 +106,7 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self._kv_cache_manager = manager
 
     def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
+        self.held.next_step()
         self._spill_checked()
         backlog_stores = self._drain_backlogs()
         meta = KVBMConnectorMetadata(loads=self._loads,

@@ -47,7 +47,10 @@ class PrefixLookup:
             return 0, False
         sources = self._lookup(state, start, max_pages)
         if sources is None:
+            self.held.hold(found)
             return None, False  # vLLM asks again next step
+        if not self.held.may_go(found):
+            return None, False  # held requests of another arrival go on in this step
         # Only the part whose load beats recomputing it (learned costs).
         keep = self.split.cut(sources, start, self._fetches_ahead() if self._fetch_queue else None)
         state.lookup.split_dropped = len(sources) - keep

@@ -41,6 +41,9 @@ class _Lookup:
     failed_at_preemption: int = 0  # request.num_preemptions when its load failed
     # when it first waited for the lower tiers' answer (None: not waiting)
     waiting_since: float | None = None
+    # the step from which its lookup has had no answer (None: not held):
+    # it goes on at the pace held requests arrived (held_requests.py)
+    held_from: int | None = None
 
 
 @dataclass
