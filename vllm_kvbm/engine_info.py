@@ -53,15 +53,8 @@ class EngineInfo:
 
 def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                 namespace: str = "", page_tokens: int | None = None) -> EngineInfo:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-        raise KVBMConfigError(
-            f"KVBMConnector supports models whose layers all use full attention "
-            f"(one KV cache group); this model has {len(groups)} group(s) of "
-            f"{', '.join(kinds)}. Remove --kv-transfer-config for this model.")
+    _refuse_unproven_specs(vllm_config, groups)
     spec = groups[0].kv_cache_spec
     if not vllm_config.cache_config.enable_prefix_caching:
         raise KVBMConfigError(
@@ -81,6 +74,42 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         page_blocks=page_blocks,
         data_parallel_index=_data_parallel_index(parallel),
     )
+
+
+def _proven_spec_types() -> tuple[type, ...]:
+    """The KV cache specs whose blocks hold each token's plain K and V (or MLA
+    latent), a function of the prefix alone: what pages store, keys name and
+    loads restore. Matched by exact type: vLLM's subclasses of
+    FullAttentionSpec (attention sinks, R-SWA, hidden-state caches) hold
+    other things in their blocks. A sliding-window or chunked-local layer
+    reaches here as a plain FullAttentionSpec (window recorded) when vLLM's
+    hybrid allocator is off, and its full KV is stored."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    return FullAttentionSpec, MLAAttentionSpec
+
+
+def _refuse_unproven_specs(vllm_config: "VllmConfig", groups) -> None:
+    """One KV cache group, of a proven spec type; else a startup error naming
+    the model, each group's spec type and layers, and the way out."""
+    proven = _proven_spec_types()
+    if len(groups) == 1 and type(groups[0].kv_cache_spec) in proven:
+        return
+    model = getattr(vllm_config.model_config, "model", None)
+    described = "; ".join(
+        f"group {i}: {type(g.kv_cache_spec).__name__} (layers {_layer_list(g.layer_names)})"
+        for i, g in enumerate(groups)) or "no KV cache groups"
+    raise KVBMConfigError(
+        f"KVBMConnector does not support the KV cache of model {model!r}: {described}. "
+        f"It stores and loads one KV cache group of "
+        f"{' or '.join(t.__name__ for t in proven)} exactly (not subclasses of them, whose "
+        f"blocks hold other data). Run this model without KVBMConnector "
+        f"(remove --kv-transfer-config).")
+
+
+def _layer_list(names: list[str], shown: int = 3) -> str:
+    more = f", ... {len(names)} in all" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _data_parallel_index(parallel) -> int:
