@@ -162,12 +162,24 @@ def test_elf_needed_matches_readelf():
     assert prep.elf_needed(b"not an elf file") == []
 
 
-def fake_wheel(path: Path, package: str = "nixl_cu12") -> Path:
+# A stand-in package that serves the installed NIXL's modules (its own dir first on
+# __path__, then the real one's): the check runs for real from the bundle's install.
+FORWARD = """
+import importlib.machinery, os, sys
+_mine = os.path.dirname(os.path.dirname(__file__))
+_real = importlib.machinery.PathFinder.find_spec(
+    __name__, [p for p in sys.path if os.path.abspath(p) != _mine])
+__path__.extend(_real.submodule_search_locations)
+"""
+
+
+def fake_wheel(path: Path, package: str = "nixl_cu12", forward: bool = False) -> Path:
     """A wheel laid out as NIXL's: the package, its libs with UCX's modules."""
     libs = f"{package}.libs/ucx"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(f"{package}/__init__.py", "")
-        zf.writestr(f"{package}/_api.py", "")
+        zf.writestr(f"{package}/__init__.py", FORWARD if forward else "")
+        if not forward:
+            zf.writestr(f"{package}/_api.py", "")
         zf.writestr(f"{package}-1.5.1.dist-info/METADATA",
                     f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\n"
                     "Version: 1.5.1\n")
@@ -198,7 +210,8 @@ def test_bundle_then_offline_run(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     pyver = f"{sys.version_info[0]}{sys.version_info[1]}"
-    fake_wheel(wheels / f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl")
+    fake_wheel(wheels / f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl",
+               forward=True)
     env = {**os.environ, "PYTHON": sys.executable, "KVBM_GPU_CHECK_WHEELS": str(wheels)}
     out = tmp_path / "kvbm-gpu-check"
     made = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--bundle", str(out),
@@ -215,7 +228,7 @@ def test_bundle_then_offline_run(tmp_path):
         capture_output=True, text=True, env={**env, "KVBM_GPU_CHECK_LOG": str(log)},
         cwd=tmp_path, timeout=600)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    assert (out / "site" / "nixl_cu12" / "_api.py").exists()  # installed from the bundle
+    assert (out / "site" / "nixl_cu12" / "__init__.py").exists()  # installed from the bundle
     assert "gpu_check: all " in log.read_text() and "NIXL POSIX file -> host" in ran.stdout
 
 
