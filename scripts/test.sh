@@ -16,4 +16,4 @@ fi
 bash scripts/setup_tools.sh
 bash scripts/setup.sh
 .venv/bin/python -m vllm_kvbm.tools.local_model >/dev/null
-exec .venv/bin/python -m pytest -p no:cacheprovider -q -rfEs --durations=10 "${paths[@]}" "$@"
+exec .venv/bin/python -m pytest -p no:cacheprovider -q -rfEs --durations=25 "${paths[@]}" "$@"
