@@ -26,6 +26,7 @@ from vllm_kvbm.config import KVBMConfigError, check_vllm_version, load_config
 from vllm_kvbm.engine_info import engine_info
 from vllm_kvbm.messages import KVBMConnectorMetadata
 from vllm_kvbm.metrics import KVBMConnectorStats, KVBMPromMetrics, StandaloneMetrics
+from vllm_kvbm.scheduler import request_params
 
 if TYPE_CHECKING:
     import torch
@@ -279,7 +280,9 @@ class KVBMConnector(KVConnectorBase_V1):
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.sched is not None
-        return self.sched.request_finished(request)
+        delay_free, params = self.sched.request_finished(request)
+        # refused kv_transfer_params are named in the response's (request_params.py)
+        return delay_free, request_params.report(request.kv_transfer_params) or params
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping while stores are in flight, so their

@@ -43,7 +43,7 @@ class PrefixLookup:
         found.split_dropped = 0
         if found.recompute_only and _preemptions(request) > found.failed_at_preemption:
             found.recompute_only = False
-        if start >= max_pages or found.recompute_only:
+        if start >= max_pages or found.recompute_only or not state.params.loads:
             return 0, False
         sources = self._lookup(state, start, max_pages)
         if sources is None:
@@ -51,7 +51,11 @@ class PrefixLookup:
             return None, False  # vLLM asks again next step
         if not self.held.may_go(found):
             return None, False  # held requests of another arrival go on in this step
-        # Only the part whose load beats recomputing it (learned costs).
+        # Only the tiers and tokens the request allows (kv_load_tiers,
+        # max_load_tokens), and of those the part whose load beats
+        # recomputing it (learned costs).
+        sources = sources[:state.params.loadable(
+            sources, local * self.block_size - start * self.page_tokens, self.page_tokens)]
         keep = self.split.cut(sources, start, self._fetches_ahead() if self._fetch_queue else None)
         state.lookup.split_dropped = len(sources) - keep
         sources = sources[:keep]
@@ -196,7 +200,7 @@ class PrefixLookup:
         until it is in, False; it then serves the request's lookups too."""
         state = self._state(request)
         max_pages = (request.num_tokens - 1) // self.page_tokens
-        if state is None or max_pages < 1:
+        if state is None or max_pages < 1 or not state.params.loads:
             return False
         if self.host.is_ready(self._keys(state, self.page_tokens)[0]):
             return True

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from vllm_kvbm.keys import KeyChain, PageKey, VllmHashKeys, request_salt
 from vllm_kvbm.scheduler.lora_adapters import lora_identity
+from vllm_kvbm.scheduler.request_params import ALL, RequestParams, for_request
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -121,6 +122,8 @@ class _ReqState:
     # holds KV its keys may not name (computed before a cache reset, or with
     # a LoRA adapter whose files changed since): never stored again
     no_store: bool = False
+    # what its kv_transfer_params allow (tiers, tokens: request_params.py)
+    params: RequestParams = ALL
 
 
 @dataclass
@@ -148,6 +151,7 @@ class RequestKeys:
             salt = request_salt(lora, request.cache_salt)
             state = _ReqState(request, self._key_chain(request, salt), salt,
                               None if lora is None else (lora.int_id, lora.fingerprint))
+            state.params = for_request(request)
             self._reqs[request.request_id] = state
             self._watched[request.request_id] = state
         return state

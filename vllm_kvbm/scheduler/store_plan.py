@@ -25,14 +25,18 @@ class StorePlanning:
         """Stores every full page this step completes that the host lacks
         (after the request's backlog)."""
         request = state.request
-        if state.no_store or (not self.offload_decode_blocks and state.store.cursor
-                               >= request.num_prompt_tokens // self.page_tokens):
+        if state.no_store or not state.params.stores or (
+                not self.offload_decode_blocks
+                and state.store.cursor >= request.num_prompt_tokens // self.page_tokens):
             return None  # e.g. decoding, prompt stored: the common case, kept cheap
         # Tokens whose KV exists after this step and whose ids are known.
         end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
         if not self.offload_decode_blocks:
             end = min(end, request.num_prompt_tokens)
         full = end // self.page_tokens
+        cap = state.params.store_pages(self.page_tokens)  # max_offload_tokens
+        if cap is not None:
+            full = min(full, cap)
         if state.store.cursor >= full:
             return None  # no new full page: O(1), whatever the prompt's length
         # Only the new blocks are hashed and looked at (no copies of the
@@ -94,17 +98,19 @@ class StorePlanning:
             if job.pending_workers > 0:
                 continue  # other TP ranks still copying their shard
             del self._store_jobs[job_id]
+            state = self._reqs.get(job.req_id)
             if job.failed or job.stale:
                 for key in job.keys:
                     self.host.drop(key)
             else:
                 self.host.commit(job.keys)
-                self._spill(job.keys, reused=False)
+                # the lower tiers the request allows (kv_store_tiers)
+                self._spill_now(job.keys, False,
+                                only=None if state is None else state.params.store_tiers)
             if job.failed:
                 self.stats.add("store_errors")
             else:
                 self.stats.add("offload_blocks_d2h", len(job.keys) * self.page_blocks)
-            state = self._reqs.get(job.req_id)
             if state is not None:
                 state.store.jobs.discard(job_id)
                 self._maybe_forget(state)
@@ -127,8 +133,9 @@ class StorePlanning:
                 self._spill_now(keys, True, on_disk)
 
     def _spill_now(self, keys: list[PageKey], reused: bool,
-                   on_disk: set[PageKey] | frozenset = frozenset()) -> None:
-        for tiers, run in self.lower.admit(keys, reused, on_disk):
+                   on_disk: set[PageKey] | frozenset = frozenset(),
+                   only: frozenset[str] | None = None) -> None:
+        for tiers, run in self.lower.admit(keys, reused, on_disk, only):
             run = [key for key in run if self.host.is_ready(key)]
             if not run:
                 continue

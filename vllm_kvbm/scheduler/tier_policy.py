@@ -120,14 +120,16 @@ class LowerTiers:
         return found
 
     def admit(self, keys: list[PageKey], reused: bool,
-              on_disk: set[PageKey] | frozenset = frozenset()
-              ) -> list[tuple[list[str], list[PageKey]]]:
+              on_disk: set[PageKey] | frozenset = frozenset(),
+              only: frozenset[str] | None = None) -> list[tuple[list[str], list[PageKey]]]:
         """The tiers ready host blocks ``keys`` should now be written to, as
         runs of consecutive keys going to the same tiers (keys no tier admits
         left out, order kept). ``on_disk``: reused keys the disk is known to
-        hold (``on_disk``, asked off the scheduler thread); never asked here."""
+        hold (``on_disk``, asked off the scheduler thread); never asked here.
+        ``only``: the tiers the request allows (None: all)."""
         runs: list[tuple[list[str], list[PageKey]]] = []
-        if not self.views:
+        views = [v for v in self.views if only is None or v.name in only]
+        if not views:
             return runs
         shorts = [hash(key) for key in keys]
         # Use counts matter only to the frequency filter: not kept otherwise.
@@ -135,8 +137,8 @@ class LowerTiers:
                 if self.disk_admission == "frequency" else None)
         # Tier by tier (their tables are independent), then key by key.
         takes = [self._admit_to(view, keys, shorts, reused, uses, on_disk)
-                 for view in self.views]
-        names = [view.name for view in self.views]
+                 for view in views]
+        names = [view.name for view in views]
         last = None
         for key, flags in zip(keys, zip(*takes)):
             if flags != last:
