@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import time
 
-from vllm.v1.request import RequestStatus
-
-from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step, tokens
+from helpers.scheduler_harness import (BLOCK, admit, kvbm, make_request, make_scheduler, step,
+                                       tokens)
 
 # Far above the test's length: the answers come when the server is thawed.
 REMOTE_TIMEOUT_S = 60.0
@@ -37,11 +36,7 @@ def test_held_newcomers_go_on_one_arrival_step_per_step(lm_server):
     k = kvbm(sched)
     decoder = make_request(tokens(BLOCK + 3, 90), max_tokens=500)
     sched.add_request(decoder)
-    deadline = time.monotonic() + 30
-    while decoder.status != RequestStatus.RUNNING:
-        assert time.monotonic() < deadline, "the decoder was never admitted"
-        step(sched, complete=True)
-        time.sleep(0.005)
+    admit(sched, decoder, timeout=30, complete=True)
     # Arrivals: two together, then one every STEPS_APART steps.
     arrivals = [[91, 92], [93], [94], [95]]
     newcomers = {}
