@@ -31,12 +31,14 @@ import time
 
 import blake3
 
+from vllm_kvbm import weight_files
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "kvbm-files-v2"
-# Files whose bytes decide the KV a model computes for given token ids.
-CONFIG_FILES = ("config.json", "adapter_config.json", "params.json")
-INDEX_SUFFIX = ".index.json"
+# Files whose bytes decide the KV a model or an adapter computes for given token ids.
+CONFIG_FILES = weight_files.CONFIG_FILES + ("adapter_config.json",)
+INDEX_SUFFIX = weight_files.INDEX_SUFFIX
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # Smaller files are hashed at once: reading them costs less than a cache entry.
 CACHE_MIN_BYTES = 1 << 20
@@ -260,38 +262,63 @@ def _warn_uncached(entry: str | None, err: OSError) -> None:
                        "directory to cache them.", os.path.dirname(entry or "") or "~", err)
 
 
-def files_fingerprint(directory: str) -> str:
-    """A hash of the names and every byte of a directory's config, index and
-    weight files (not its subdirectories); the same for any copy of them."""
+def files_fingerprint(directory: str, names: list[str] | None = None) -> str:
+    """A hash of the names and every byte of files of a directory (default:
+    its config, index and weight files, not its subdirectories); the same
+    for any copy of them."""
+    if names is None:
+        names = [n for n in os.listdir(directory) if counts(n)]
     h = blake3.blake3(FORMAT.encode())
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(names):
         path = os.path.join(directory, name)
-        if counts(name) and os.path.isfile(path):
+        if os.path.isfile(path):
             h.update(json.dumps([name, file_digest(path)]).encode() + b"\n")
     return h.hexdigest()
 
 
-def local_model_dir(model: str, revision: str) -> str | None:
-    """The local directory of a model path or an already downloaded HF model."""
+def local_model_dir(model: str, revision: str, cache_dir: str | None = None) -> str | None:
+    """The local directory of a model path or an already downloaded HF model
+    (in ``cache_dir``, vLLM's --download-dir, else the default HF cache)."""
     if os.path.isdir(model):
         return model
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, revision=revision or None, local_files_only=True)
+        return snapshot_download(model, revision=revision or None, cache_dir=cache_dir or None,
+                                 local_files_only=True)
     except Exception:  # noqa: BLE001 - not in the local HF cache
         return None
 
 
-def model_fingerprint(model: str, revision: str = "") -> str:
-    """The fingerprint of a model's local files; "" when it has none (both
-    connector sides see the same files, so this never splits them)."""
-    directory = local_model_dir(model, revision)
+def model_fingerprint(model: str, revision: str = "", *, download_dir: str | None = None,
+                      load_format: str = "auto", remote_code: bool = False) -> str | None:
+    """The fingerprint of the files vLLM loads a model's weights from
+    (weight_files.py): a model file's bytes, or a directory's weight files
+    for ``load_format``, their index and config, and with ``remote_code`` its
+    modelling code. None, with a warning, when no file proves which weights
+    vLLM runs (a loader that reads other stores, no weight file found):
+    never a config file alone."""
+    if os.path.isfile(model):  # a single-file checkpoint (GGUF): wherever it lies
+        h = blake3.blake3(FORMAT.encode())
+        h.update(json.dumps(["model-file", file_digest(model)]).encode() + b"\n")
+        return h.hexdigest()
+    directory = local_model_dir(model, revision, download_dir)
     if directory is None:
-        logger.warning("KVBM: model %s has no local files to fingerprint; block keys name "
-                       "it by id and revision only", model)
-        return ""
-    return files_fingerprint(os.path.realpath(directory))
+        logger.warning("KVBM: found no local files of model %s%s; nothing proves which "
+                       "weights this engine runs, so its pages are its own (shared with no "
+                       "other engine or restart)", model,
+                       f" in --download-dir {download_dir}" if download_dir else "")
+        return None
+    directory = os.path.realpath(directory)
+    names = weight_files.model_files(directory, load_format, remote_code)
+    if names is None:
+        fmt = weight_files.load_format_of(load_format, directory)
+        why = (f"no {fmt!r} weight files are in {directory}" if fmt in weight_files.FORMAT_PATTERNS
+               else f"vLLM's {fmt!r} loader reads weights from where KVBM cannot hash them")
+        logger.warning("KVBM: %s; nothing proves which weights this engine runs, so its "
+                       "pages are its own (shared with no other engine or restart)", why)
+        return None
+    return files_fingerprint(directory, names)
 
 
 def adapter_fingerprint(path: str) -> str:

@@ -14,7 +14,8 @@ can see in vLLM's configuration, identically:
   (``identity_fields.config_identity``: the effective HF config after
   ``--hf-overrides``, dtype, quantization, revision, parallel layout,
   attention backend, ...);
-- the weights' full contents (``fingerprints.model_fingerprint``);
+- the weights' full contents (``fingerprints.model_fingerprint``: the files
+  vLLM loaded them from), or where no file proves them, this engine alone;
 - vLLM's and PyTorch's releases, whose kernels compute the KV.
 
 What only a worker knows (the kernel block size vLLM split blocks into, each
@@ -82,11 +83,18 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
     model, cache = vllm_config.model_config, vllm_config.cache_config
     revision = getattr(model, "revision", None) or ""
-    weights = model_fingerprint(model.model, revision)
+    load = vllm_config.load_config
+    weights = model_fingerprint(model.model, revision, download_dir=load.download_dir,
+                                load_format=str(load.load_format),
+                                remote_code=bool(model.trust_remote_code))
+    if weights is None:
+        # Nothing proves which weights this engine runs: its pages are its own
+        # (vLLM gives every process of an engine the same instance id).
+        weights = f"engine-{vllm_config.instance_id}"
     return KeyNamespace(
         # The weights' hash names the model wherever its files lie (replicas
-        # with other paths share); without local files, its id does.
-        model=f"@{revision}" if weights else f"{model.model}@{revision}",
+        # with other paths share).
+        model=f"@{revision}",
         dtype=str(spec.dtype),
         kv_layout=str(kv_cache_config.kv_cache_layout or ""),
         block_size=spec.block_size,

@@ -42,7 +42,9 @@ init_none_hash(sha256)
 
 @functools.cache
 def _model_dir(max_positions: int = 4096) -> str:
-    """A config-only Llama: the scheduler needs the model's shape, not weights."""
+    """A Llama the scheduler can key: its shape, and a stand-in weights file
+    (keys name the weights by their files' bytes; with none, an engine's
+    pages are its own)."""
     path = tempfile.mkdtemp(prefix="kvbm-sched-model-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     config = dict(architectures=["LlamaForCausalLM"], model_type="llama",
@@ -52,6 +54,8 @@ def _model_dir(max_positions: int = 4096) -> str:
                   torch_dtype="float16", bos_token_id=1, eos_token_id=EOS)
     with open(f"{path}/config.json", "w") as f:
         json.dump(config, f)
+    with open(f"{path}/model.safetensors", "wb") as f:
+        f.write(b"stand-in weights")
     return path
 
 

@@ -112,7 +112,8 @@ def test_keys_are_the_same_across_processes_and_restarts(tmp_path):
     moves vLLM's root hash, so it gives other keys (misses, never a clash)."""
     model = tmp_path / "model"  # one model path for all: it is in the namespace
     model.mkdir()
-    (model / "config.json").write_bytes((Path(_model_dir()) / "config.json").read_bytes())
+    for name in ("config.json", "model.safetensors"):  # a model KVBM can key by its files
+        (model / name).write_bytes((Path(_model_dir()) / name).read_bytes())
     base = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
     envs = [base, base, {**base, "PYTHONHASHSEED": "7"}]
     env_path = f"{ROOT}{os.pathsep}{base.get('PYTHONPATH', '')}"
