@@ -116,10 +116,10 @@ def ucx_protocol_rows(report, name: str, text: str, largest: int) -> None:
                     "unknown to this UCX)")
     emulated = [(op, r) for op, ranges in ops for r in ranges if "emulation" in r]
     used = [f"{op}: {r}" for op, r in emulated if _size(r.split("..")[0]) <= largest]
+    later = f"; from {emulated[0][1].split('..')[0]} bytes on it would be" if emulated else ""
     report.info(name, "UCX protocol emulated",
                 f"YES for these copies (UCX stages them itself, not the copy engine): {used[0]}"
-                if used else f"not for these copies (at most {largest} bytes)"
-                + (f"; from {emulated[0][1].split('..')[0]} bytes on it would be" if emulated else ""))
+                if used else f"not for these copies (at most {largest} bytes){later}")
 
 
 def _movers(lay, pool, device: torch.device):

@@ -192,3 +192,17 @@ def test_the_chosen_path_is_logged_with_a_measured_round_trip(gen, caplog):
         assert all(torch.equal(pool[b], lay.slot_bytes(b)) for b in range(4))
     finally:
         m.close()
+
+
+def test_a_cuda_error_on_the_event_ends_the_transfer_err(gen, caplog):
+    lay = layout("LBNHC", gen)
+    m, _, stream = mover_for(lay, 8, gen)
+    h = m.post(True, [3], [0])
+
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    h.event.query = broken
+    with caplog.at_level("WARNING", logger="vllm_kvbm.worker.copy_engine"):
+        assert m.poll(h) == "ERR"
+    assert "illegal memory access" in caplog.text and h.keep == ()

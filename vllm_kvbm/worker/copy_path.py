@@ -46,8 +46,14 @@ def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: t
         mover = PageMover(kv_caches, num_blocks, host_rows, backend=backend, name=name,
                           block_dims=block_dims)
     copies = getattr(mover, "page_copies", None) or nixl_page_copies(mover.regions, page_blocks)
-    logger.info("KVBM worker: engine<->host copies by %s; %s; one-page round trip %s",
-                mover.path, copies, round_trip(mover, page_blocks))
+    hint = ""
+    if first.is_cuda and copies.best > page_blocks:
+        # Layer by layer (LBNHC, LBHNC), a host row and the engine cache cross.
+        hint = ("; a KV layout block by block across layers (VLLM_KV_CACHE_LAYOUT=BLNHC, or "
+                "BLHNC with FlashInfer, where the attention backend accepts it) makes a page "
+                "of consecutive blocks one copy")
+    logger.info("KVBM worker: engine<->host copies by %s; %s; one-page round trip %s%s",
+                mover.path, copies, round_trip(mover, page_blocks), hint)
     return mover
 
 
