@@ -23,7 +23,7 @@ import torch
 
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs, page_copies
-from vllm_kvbm.worker.kv_regions import block_regions
+from vllm_kvbm.worker.kv_regions import block_regions, checked_ids
 
 logger = logging.getLogger(__name__)
 
@@ -130,16 +130,7 @@ class CopyEngineMover:
         self.page_copies = page_copies(self.table, page_blocks)
 
     def _runs(self, to_host: bool, block_ids, slots):
-        blocks = np.asarray(block_ids, dtype=np.int64)
-        rows = np.asarray(slots, dtype=np.int64)
-        if blocks.shape != rows.shape or blocks.ndim != 1:
-            raise ValueError(f"{len(block_ids)} block ids but {len(slots)} slots")
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
-            raise IndexError(f"block ids must be in [0, {self.num_blocks}), got "
-                             f"{blocks.min()}..{blocks.max()}")
-        if rows.size and (rows.min() < 0 or rows.max() >= self.num_slots):
-            raise IndexError(f"host slots must be in [0, {self.num_slots}), got "
-                             f"{rows.min()}..{rows.max()}")
+        blocks, rows = checked_ids(block_ids, slots, self.num_blocks, self.num_slots)
         return copy_runs(self.table, self._host_base, blocks, rows, to_host)
 
     def post(self, to_host: bool, block_ids: list[int], slots: list[int]) -> _Copy:

@@ -111,3 +111,20 @@ def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
             regions.append(BlockRegion(t.data_ptr() + offset, block_stride * elem,
                                        layer_block))
     return regions
+
+
+def checked_ids(block_ids, slots, num_blocks: int, num_slots: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A job's engine blocks and host rows as int64 arrays, refused (before
+    anything is copied) unless paired one to one and in range."""
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    rows = np.asarray(slots, dtype=np.int64)
+    if blocks.shape != rows.shape or blocks.ndim != 1:
+        raise ValueError(f"{len(block_ids)} block ids but {len(slots)} slots")
+    if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
+        raise IndexError(f"block ids must be in [0, {num_blocks}), got "
+                         f"{blocks.min()}..{blocks.max()}")
+    if rows.size and (rows.min() < 0 or rows.max() >= num_slots):
+        raise IndexError(f"host slots must be in [0, {num_slots}), got "
+                         f"{rows.min()}..{rows.max()}")
+    return blocks, rows

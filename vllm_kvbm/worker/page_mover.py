@@ -40,7 +40,7 @@ import torch
 from vllm_kvbm.config import KVBMConfigError
 # Re-exported: where callers have always found them.
 from vllm_kvbm.worker.kv_regions import (BlockRegion, block_dim_of,  # noqa: F401
-                                         block_regions, block_view)
+                                         block_regions, block_view, checked_ids)
 from vllm_kvbm.worker.nixl_api import (NixlBuildError, _nixl_api, load_nixl,  # noqa: F401
                                        nixl_builds_for)
 
@@ -215,18 +215,9 @@ class PageMover:
         return np.stack([addrs, lens, np.full_like(addrs, dev)], 1).astype(np.uint64)
 
     def _indices(self, block_ids: list[int], slots: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        blocks = np.asarray(block_ids, dtype=np.int64)
-        slots_a = np.asarray(slots, dtype=np.int64)
         # NIXL checks descriptor indices, but they are int32 here: an id past
         # 2**31 would wrap onto a valid layer block and copy the wrong memory.
-        if blocks.shape != slots_a.shape or blocks.ndim != 1:
-            raise ValueError(f"{len(block_ids)} block ids but {len(slots)} slots")
-        if blocks.size and (blocks.min() < 0 or blocks.max() >= self.num_blocks):
-            raise IndexError(f"block ids must be in [0, {self.num_blocks}), got "
-                             f"{blocks.min()}..{blocks.max()}")
-        if slots_a.size and (slots_a.min() < 0 or slots_a.max() >= self.num_slots):
-            raise IndexError(f"host slots must be in [0, {self.num_slots}), got "
-                             f"{slots_a.min()}..{slots_a.max()}")
+        blocks, slots_a = checked_ids(block_ids, slots, self.num_blocks, self.num_slots)
         kv_idx = (self._region_ids[None, :] * self.num_blocks + blocks[:, None]).ravel()
         host_idx = (slots_a[:, None] * self._nreg + self._region_ids[None, :]).ravel()
         return kv_idx.astype(np.int32), host_idx.astype(np.int32)
