@@ -28,11 +28,6 @@ NIXL_VERSION="${KVBM_GPU_CHECK_NIXL:-1.5.1}"
 
 run_check() {  # src_dir [gpu_check.py args]
     local src="$1"; shift
-    "$PY" - <<'EOF' || true
-import torch
-print(f"gpu_check.sh: torch {torch.__version__}, CUDA {torch.version.cuda}, "
-      f"GPUs {torch.cuda.device_count()}")
-EOF
     # cuFile and the CUDA libraries NIXL's GDS plugin loads: the nvidia-* wheels beside PyTorch
     local libs
     libs="$("$PY" -c 'import glob, os, sys
