@@ -23,7 +23,7 @@ PAGE = 4096
 def _info():
     """What the registry reads of EngineInfo (a real one needs a vLLM config)."""
     return SimpleNamespace(tier_namespace="ns-registry", page_bytes=PAGE,
-                           key_namespace=SimpleNamespace(tp_size=1))
+                           key_namespace=SimpleNamespace(tp_size=1), data_parallel_index=0)
 
 
 def _dead_port() -> int:
