@@ -56,6 +56,13 @@ def gaps_of(stamps: list[float], start: float, end: float) -> list[float]:
     return [b - a for a, b in zip(stamps, stamps[1:]) if start <= b <= end]
 
 
+def said(front: str, kind: str, r: dict) -> None:
+    """Each run's figures as it ends (a long run keeps what it measured)."""
+    gaps = gaps_of(r["stamps"], r["start"], r["end"])
+    print(f"{front}, {kind}: {len(gaps)} gaps, mean {statistics.fmean(gaps) * 1e3:.0f} ms, "
+          f"longest {max(gaps) * 1e3:.0f} ms", file=sys.stderr, flush=True)
+
+
 def offline_run(model: str, kv: dict, args, results) -> None:
     """The workload on an offline engine (a process of its own, so that each
     engine is gone with it): the decoder's token times and the window."""
@@ -89,6 +96,7 @@ def offline_run(model: str, kv: dict, args, results) -> None:
     results.put({"stamps": stamps, "start": start, "end": now,
                  "firsts_per_step": max(sum(t == f for f in firsts.values())
                                         for t in set(firsts.values()))})
+    engine.engine_core.shutdown()  # its engine-core process would outlive this one
 
 
 async def serve_workload(server, args) -> dict:
@@ -157,7 +165,7 @@ def offline(model: str, args) -> dict:
                 if proc.is_alive():
                     proc.kill()
         out[kind] = with_frozen_server(kind, run)
-        print(f"offline engine, {kind}: done", file=sys.stderr, flush=True)
+        said("offline engine", kind, out[kind])
     return out
 
 
@@ -176,7 +184,7 @@ def serve(model: str, args) -> dict:
                              startup_timeout=args.startup_timeout) as server:
                 return asyncio.run(serve_workload(server, args))
         out[kind] = with_frozen_server(kind, run)
-        print(f"vllm serve, {kind}: done", file=sys.stderr, flush=True)
+        said("vllm serve", kind, out[kind])
     return out
 
 
