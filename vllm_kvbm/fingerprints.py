@@ -14,9 +14,11 @@ write and cannot be set back by a user, so a rewrite that restores the size
 and mtime is still seen. Restarts, replicas on one host and the worker
 processes (which start while the scheduler hashes) read the cache; a per-entry
 file lock makes the second process wait for the first one's digest instead of
-reading the weights again. The cache is kept to ``MAX_ENTRIES`` entries:
-past that, entries whose file changed or is gone go first (an RL loop that
-saves weights in place leaves one per save), then the oldest written.
+reading the weights again, for ``LOCK_TIMEOUT_S`` at most (the first one may
+hang on a dead filesystem): then it hashes the file itself, uncached. The
+cache is kept to ``MAX_ENTRIES`` entries: past that, entries whose file
+changed or is gone go first (an RL loop that saves weights in place leaves
+one per save), then the oldest written.
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ _MEMO_MAX = 4096
 MAX_ENTRIES = 4096
 # A temporary entry file this old was left by a process that died writing it.
 STALE_TMP_S = 3600
+# Another process's digest is waited for this long at most.
+LOCK_TIMEOUT_S = 10.0
 _warned_uncached = False
+_warned_locked = False
 
 
 def cache_dir() -> str | None:
@@ -104,6 +109,8 @@ def file_digest(path: str) -> str:
                     if cacheable:
                         _write_entry(entry, key, digest)
                         _prune(os.path.dirname(entry))
+        except LockTimeout:  # the other process may be hung: still correct, uncached
+            _warn_locked(real)
         except OSError as err:  # read-only or missing cache: still correct, uncached
             _warn_uncached(entry, err)
     if digest is None:
@@ -231,9 +238,15 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+class LockTimeout(Exception):
+    """Another process held an entry's lock past ``LOCK_TIMEOUT_S``."""
+
+
 class _locked:
     """An exclusive flock on ``entry + '.lock'``; released when the process
-    dies, so a crashed hasher never blocks the next start."""
+    dies, so a crashed hasher never blocks the next start, and waited for
+    ``LOCK_TIMEOUT_S`` at most (``LockTimeout``), so a hung one does not
+    block this one either."""
 
     def __init__(self, entry: str):
         self._path = entry[:-len(".json")] + ".lock"
@@ -242,7 +255,7 @@ class _locked:
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            _flock_within(self._fd, LOCK_TIMEOUT_S)
         except BaseException:
             os.close(self._fd)
             raise
@@ -251,6 +264,32 @@ class _locked:
     def __exit__(self, *exc):
         os.close(self._fd)  # closing releases the lock
         return False
+
+
+def _flock_within(fd: int, timeout: float) -> None:
+    """flock(LOCK_EX) that gives up after ``timeout`` seconds (flock itself
+    has no timeout): tried without blocking, at growing intervals."""
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LockTimeout() from None
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.1)
+
+
+def _warn_locked(real: str) -> None:
+    global _warned_locked
+    if not _warned_locked:
+        _warned_locked = True
+        logger.warning("KVBM: another process held the digest cache lock of %s for over %g s "
+                       "(hashing it, or hung); hashed here instead, uncached", real,
+                       LOCK_TIMEOUT_S)
 
 
 def _warn_uncached(entry: str | None, err: OSError) -> None:

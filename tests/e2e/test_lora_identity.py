@@ -3,10 +3,10 @@
 vLLM loads an adapter's files once per int id and keeps running those
 weights until it evicts them or a request asks ``load_inplace``; KVBM cannot
 see either happen. So once the files change (fingerprints.adapter_fingerprint,
-stat-keyed per request), the adapter is not cached again in that engine: no
-lookups, no stores. Without that, a request between the rewrite and vLLM's
-reload stored the old weights' KV under the new files' keys, and the reloaded
-adapter's next request onboarded it.
+stat-keyed, checked after each request on the adapter thread), the adapter is
+not cached again in that engine: no lookups, no stores. Without that, a request
+between the rewrite and vLLM's reload stored the old weights' KV under the new
+files' keys, and the reloaded adapter's next request onboarded it.
 
 The adapter (k_proj of every layer, so it changes the KV) is written as PEFT
 writes it: adapter_config.json and adapter_model.safetensors. Rewriting it in
@@ -97,7 +97,12 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
 
     kvbm = make_llm(config, **LORA_ARGS)
     try:
+        # An adapter's first request is a miss: its files are fingerprinted on
+        # a thread of their own, never on vLLM's scheduler thread
+        # (scheduler/adapter_fingerprints.py); the next one is stored.
         old_out, _ = generate(kvbm, lora)
+        clear_engine_and_host(kvbm, HOST_BLOCKS)
+        assert generate(kvbm, lora)[0] == old_out
         clear_engine_and_host(kvbm, HOST_BLOCKS)
         # The control: the old adapter's pages are found on disk.
         disk_hits = kvbm_counter("matched_tokens_disk")
@@ -110,10 +115,12 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
         # would serve the old adapter's blocks itself, so it is cleared here.
         assert kvbm.reset_prefix_cache()
         stored = kvbm_counter("offload_blocks_d2h")
-        # vLLM still runs the weights it loaded for id 1: the old answer,
-        # which must not be stored under the new files' keys...
-        stale, cached = generate(kvbm, lora)
-        assert stale == old_out and cached == 0
+        # vLLM still runs the weights it loaded for id 1: the old answer, which
+        # must not be stored under the new files' keys. Its keys name the files
+        # as the adapter thread last saw them (the old ones: their pages are
+        # those weights'); it looks at them again now...
+        stale, _ = generate(kvbm, lora)
+        assert stale == old_out
         assert kvbm.reset_prefix_cache()
         # ...or the reloaded adapter would onboard it here.
         got = _reload_onboards_nothing(kvbm, adapter)

@@ -276,3 +276,12 @@ def load_again(sched, toks: list[int], max_tokens: int = 2):
     _, meta, _ = step(sched)
     (load,) = meta.loads
     return req, load
+
+
+def fingerprinted(k, *lora_requests) -> None:
+    """Has KVBMScheduler ``k``'s adapter thread fingerprint these adapters'
+    files as they are now, as it does after their next request arrives (a
+    request whose adapter it has not fingerprinted yet is a miss)."""
+    for lora in lora_requests:
+        k.adapters.fingerprints.get(lora.lora_path)
+    assert k.adapters.fingerprints.settled(60)

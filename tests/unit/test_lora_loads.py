@@ -91,7 +91,8 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     from vllm.lora.request import LoRARequest
     from vllm.v1.outputs import KVConnectorOutput
 
-    from helpers.scheduler_harness import kvbm, make_request, make_scheduler, tokens
+    from helpers.scheduler_harness import (fingerprinted, kvbm, make_request, make_scheduler,
+                                           tokens)
     from vllm_kvbm.messages import KVBMWorkerMetadata
 
     path = make_adapter(tmp_path / "a", b"old weights")
@@ -99,6 +100,7 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     k = kvbm(make_scheduler(host_blocks=16))
     prompt = tokens(3 * 128 + 5, 93)
     same = make_request(prompt, lora_request=LoRARequest("tuned", 1, path))
+    fingerprinted(k, same.lora_request)
     k.get_num_new_matched_tokens(same, 0)
     k.update_connector_output(KVConnectorOutput(
         kv_connector_worker_meta=KVBMWorkerMetadata(adapters_loaded=[(1, old), (1, old)])))
@@ -106,6 +108,7 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
 
     make_adapter(tmp_path / "b", b"old weights")
     other = make_request(prompt, lora_request=LoRARequest("other", 2, str(tmp_path / "b")))
+    fingerprinted(k, other.lora_request)
     k.get_num_new_matched_tokens(other, 0)
     make_adapter(tmp_path / "b", b"new weights")
     with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.lora_adapters"):
@@ -122,6 +125,7 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
         kv_connector_worker_meta=KVBMWorkerMetadata(adapters_loaded=[(4, "weights read then")])))
     make_adapter(tmp_path / "c", b"weights now")
     late = make_request(prompt, lora_request=LoRARequest("late", 4, str(tmp_path / "c")))
+    fingerprinted(k, late.lora_request)
     assert k.get_num_new_matched_tokens(late, 0) == (0, False)
     assert late.request_id not in k._reqs
 
@@ -134,13 +138,15 @@ def test_an_adapter_downloaded_at_its_first_load_is_cached_from_then_on(tmp_path
     from vllm.lora.request import LoRARequest
     from vllm.v1.outputs import KVConnectorOutput
 
-    from helpers.scheduler_harness import kvbm, make_request, make_scheduler, tokens
+    from helpers.scheduler_harness import (fingerprinted, kvbm, make_request, make_scheduler,
+                                           tokens)
     from vllm_kvbm.messages import KVBMWorkerMetadata
 
     path = str(tmp_path / "not-yet-downloaded")
     k = kvbm(make_scheduler(host_blocks=16))
     prompt = tokens(3 * 128 + 5, 95)
     first = make_request(prompt, lora_request=LoRARequest("hub", 7, path))
+    fingerprinted(k, first.lora_request)
     k.get_num_new_matched_tokens(first, 0)
     assert k._reqs[first.request_id].adapter == (7, "")
     assert lora_loads.refuses((7, "")) is False  # not loaded yet
@@ -153,6 +159,7 @@ def test_an_adapter_downloaded_at_its_first_load_is_cached_from_then_on(tmp_path
     assert k._reqs[first.request_id].no_store
 
     second = make_request(prompt, lora_request=LoRARequest("hub", 7, path))
+    fingerprinted(k, second.lora_request)
     k.get_num_new_matched_tokens(second, 0)
     state = k._reqs[second.request_id]
     assert state.adapter == (7, adapter_fingerprint(path)) and not state.no_store

@@ -792,7 +792,8 @@ def test_a_lora_adapter_changed_on_disk_is_no_longer_cached(tmp_path, caplog):
 
     from vllm.lora.request import LoRARequest
 
-    from helpers.scheduler_harness import kvbm, make_request, make_scheduler, tokens
+    from helpers.scheduler_harness import (fingerprinted, kvbm, make_request, make_scheduler,
+                                           tokens)
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()
@@ -801,10 +802,12 @@ def test_a_lora_adapter_changed_on_disk_is_no_longer_cached(tmp_path, caplog):
     k = kvbm(make_scheduler(host_blocks=16))
     prompt = tokens(3 * 128 + 5, 91)
     first = make_request(prompt, lora_request=LoRARequest("tuned", 1, str(adapter)))
+    fingerprinted(k, first.lora_request)
     assert k.get_num_new_matched_tokens(first, 0) == (0, False)
     assert not k._reqs[first.request_id].no_store
 
     (adapter / "adapter_model.safetensors").write_bytes(b"new weights")
+    fingerprinted(k, first.lora_request)  # as after the next request, in the background
     with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.lora_adapters"):
         second = make_request(prompt, lora_request=LoRARequest("tuned", 1, str(adapter)))
         assert k.get_num_new_matched_tokens(second, 0) == (0, False)
@@ -817,5 +820,6 @@ def test_a_lora_adapter_changed_on_disk_is_no_longer_cached(tmp_path, caplog):
     assert caplog.text.count("changed on disk") == 1  # warned once
 
     renamed = make_request(prompt, lora_request=LoRARequest("tuned-v2", 2, str(adapter)))
+    fingerprinted(k, renamed.lora_request)
     k.get_num_new_matched_tokens(renamed, 0)
     assert not k._reqs[renamed.request_id].no_store

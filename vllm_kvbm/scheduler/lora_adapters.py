@@ -1,7 +1,8 @@
 """Which LoRA adapters this engine may cache, and under what identity.
 
 A request's keys name its adapter by name, int id, path and a fingerprint of
-its files taken when the request arrives (``lora_identity``). vLLM loads an
+its files, taken on a thread of its own (scheduler/adapter_fingerprints.py):
+an adapter not fingerprinted yet is a miss for that request. vLLM loads an
 adapter's files once per int id and runs those weights until it evicts them
 from its LoRA cache or a request asks ``load_inplace``: once the files change,
 no key can say which weights a page was computed with. So an adapter is
@@ -18,8 +19,8 @@ import logging
 from dataclasses import replace
 from typing import Callable
 
-from vllm_kvbm.fingerprints import adapter_fingerprint
 from vllm_kvbm.keys import LoRAIdentity
+from vllm_kvbm.scheduler.adapter_fingerprints import AdapterFingerprints
 
 logger = logging.getLogger(__name__)
 
@@ -27,15 +28,19 @@ logger = logging.getLogger(__name__)
 Adapter = tuple[int, str]
 
 
-def lora_identity(lora) -> LoRAIdentity | None:
+def lora_identity(lora, fingerprint: Callable[[str], str | None] | None = None
+                  ) -> LoRAIdentity | None:
     """A LoRA request's adapter as keys see it: its name alone could be
     reused for other weights, so its id, path and a fingerprint of its files
-    count too (stat-keyed: files rewritten in place are seen at the next
-    request)."""
+    count too. ``fingerprint(path)``: where that comes from (default: the
+    files read now, not on vLLM's threads); None when it gives none."""
     if lora is None:
         return None
+    if fingerprint is None:
+        from vllm_kvbm.fingerprints import adapter_fingerprint as fingerprint
     path = getattr(lora, "lora_path", "") or ""
-    return LoRAIdentity(lora.lora_name, lora.lora_int_id, path, adapter_fingerprint(path))
+    found = fingerprint(path)
+    return None if found is None else LoRAIdentity(lora.lora_name, lora.lora_int_id, path, found)
 
 
 class LoRAAdapters:
@@ -44,9 +49,19 @@ class LoRAAdapters:
 
     def __init__(self, stop_storing: Callable[[Callable[[Adapter], bool]], None]):
         self._stop_storing = stop_storing
+        self.fingerprints = AdapterFingerprints()
         self._first: dict[int, LoRAIdentity] = {}  # by int id, as first seen
         self._loaded: dict[int, set[str]] = {}  # fingerprints the workers loaded
         self._changed: set[int] = set()
+
+    def cacheable(self, lora_request) -> LoRAIdentity | None:
+        """A LoRA request's adapter as its keys name it, None when the request
+        may not be cached: its adapter changed, or it is not fingerprinted
+        yet (a miss, never a wait: vLLM's scheduler thread calls this)."""
+        if lora_request.lora_int_id in self._changed:
+            return None  # never cached again: its files need no check
+        lora = lora_identity(lora_request, self.fingerprints.get)
+        return lora if lora is not None and self.usable(lora) else None
 
     def usable(self, lora: LoRAIdentity) -> bool:
         """Whether a request of this adapter may be looked up and stored."""

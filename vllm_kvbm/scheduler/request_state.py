@@ -145,9 +145,11 @@ class RequestKeys:
         if state is None:
             if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
                 return None  # KV depends on inputs that token ids don't capture
-            lora = lora_identity(request.lora_request)
-            if lora is not None and not self.adapters.usable(lora):
-                return None  # the weights its KV comes from are not known
+            lora = None
+            if request.lora_request is not None:
+                lora = self.adapters.cacheable(request.lora_request)
+                if lora is None:  # not fingerprinted yet, or its weights are not known
+                    return None
             salt = request_salt(lora, request.cache_salt)
             state = _ReqState(request, self._key_chain(request, salt), salt,
                               None if lora is None else (lora.int_id, lora.fingerprint))
@@ -173,7 +175,8 @@ class RequestKeys:
 
     def key_chain(self, request: "Request") -> KeyChain | VllmHashKeys:
         """A fresh copy of the keys lookups and stores use for ``request``
-        (computed on demand: ``extend``), e.g. to see what a prompt is stored as."""
+        (computed on demand: ``extend``), e.g. to see what a prompt is stored as.
+        Reads a LoRA adapter's files now: for tools and tests, not vLLM's threads."""
         return self._key_chain(request, request_salt(lora_identity(request.lora_request),
                                                      request.cache_salt))
 
