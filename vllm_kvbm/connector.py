@@ -167,6 +167,7 @@ class KVBMConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
         assert self.worker is not None
+        from vllm_kvbm.worker.loaded_weights import LoadedWeights
         from vllm_kvbm.worker.tier_io import layout_fingerprint, open_tiers
         from vllm_kvbm.worker.vllm_layout import declared_block_dims
 
@@ -181,6 +182,9 @@ class KVBMConnector(KVConnectorBase_V1):
         rank = _tp_rank()
         for store in open_tiers(self.config, self.info, rank, layout):
             self.worker.add_tier(store, rank)
+        # vLLM registers the KV cache once the weights are loaded: their
+        # digest now is what "as loaded" means (worker/loaded_weights.py).
+        self.worker.weights = LoadedWeights.from_vllm(rank)
 
     def unregister_kv_caches(self) -> None:
         # vLLM >= 0.33 calls this right before it frees the KV cache's memory:

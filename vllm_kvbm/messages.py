@@ -113,6 +113,9 @@ class KVBMConnectorMetadata(KVConnectorMetadata):
     delayed_free_req_ids: list[str] = field(default_factory=list)
     # host slots to copy down to the disk / remote tiers
     spills: list[SpillJob] = field(default_factory=list)
+    # (weights epoch, label per TP rank) the jobs' keys name: a worker whose
+    # weights differ refuses them (worker/loaded_weights.py); None: none yet
+    weights: tuple[int, tuple[str, ...]] | None = None
 
 
 @dataclass
@@ -153,6 +156,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # (LoRA int id, fingerprint of the files read) of each adapter vLLM
     # loaded since the last report, per worker (worker/lora_loads.py)
     adapters_loaded: list[tuple[int, str]] = field(default_factory=list)
+    # (weights epoch, TP rank, label) of each digest of the weights a worker
+    # took since the last report (worker/loaded_weights.py)
+    weights_digested: list[tuple[int, int, str]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":
         assert isinstance(other, KVBMWorkerMetadata)
@@ -174,10 +180,11 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             slots_released=self.slots_released + other.slots_released,
             loads_cut=self.loads_cut + other.loads_cut,
             adapters_loaded=self.adapters_loaded + other.adapters_loaded,
+            weights_digested=self.weights_digested + other.weights_digested,
         )
 
     def is_empty(self) -> bool:
         return not (self.stores_done or self.stores_failed or self.loads_failed
                     or self.spills_done or self.tier_events or self.transfers_overdue
                     or self.slots_held or self.slots_released or self.removed_pages
-                    or self.loads_cut or self.adapters_loaded)
+                    or self.loads_cut or self.adapters_loaded or self.weights_digested)

@@ -50,6 +50,7 @@ from vllm_kvbm.worker.copy_path import make_mover
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
 from vllm_kvbm.worker import lora_loads
+from vllm_kvbm.worker.loaded_weights import LoadedWeights
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
 from vllm_kvbm.worker.streaming import (StagingSlots, StreamedLoad, needs_streaming, part,
                                         staging_slots)
@@ -96,6 +97,7 @@ class KVBMWorker:
         self._streams_waiting: list[StreamedLoad] = []
         self._part_ids = itertools.count(-1, -1)
         lora_loads.watch()  # before vLLM loads any adapter in this process
+        self.weights = LoadedWeights(0, None)  # the connector sets vLLM's model's
 
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
@@ -174,8 +176,9 @@ class KVBMWorker:
 
     def start_loads(self, meta: KVBMConnectorMetadata) -> None:
         fence = self.make_fence() if meta.loads else DONE
+        weights_ok = self.weights.serves(meta.weights)
         for job in meta.loads:
-            if self._refused(job, False):
+            if self._refused(job, False, weights_ok):
                 continue
             if needs_streaming(job):
                 self._start_streamed(job, fence)
@@ -310,8 +313,9 @@ class KVBMWorker:
             # The forward pass that writes these blocks is only launched:
             # the copies wait for it.
             fence = self.make_fence()
+            weights_ok = self.weights.serves(meta.weights)
             for job in meta.stores:
-                if not self._refused(job, True):
+                if not self._refused(job, True, weights_ok):
                     self._queue(job, True, fence)
         self._awaiting_free.update(meta.delayed_free_req_ids)
         self._post_ready()
@@ -324,18 +328,18 @@ class KVBMWorker:
             # An overdue one is reported failed and holds only host slots.
             self._wait(lambda job, is_store: is_store and job.req_id in req_ids)
 
-    def _refused(self, job: TransferJob, is_store: bool) -> bool:
-        """A job whose keys name other LoRA weights than vLLM loaded here for
-        its adapter fails before it touches memory: a store is not cached, a
-        load's blocks are recomputed."""
-        if not lora_loads.refuses(job.adapter):
+    def _refused(self, job: TransferJob, is_store: bool, weights_ok: bool = True) -> bool:
+        """A job whose keys name other weights than this worker runs (the model's
+        changed in memory, ``weights_ok`` False, logged by LoadedWeights; or a LoRA
+        adapter's) fails before it touches memory: a store is not cached, a load recomputed."""
+        if weights_ok and not lora_loads.refuses(job.adapter):
             return False
-        int_id, fingerprint = job.adapter
-        if fingerprint:
+        int_id, fingerprint = job.adapter or (0, "")
+        if weights_ok and fingerprint:
             logger.warning("KVBM: %s for %s refused: LoRA adapter id %d runs other weights than "
                            "its files had when the request arrived (rewritten in place)",
                            "store" if is_store else "load", job.req_id, int_id)
-        else:  # keyed before its files were local: vLLM downloaded them as it loaded it
+        elif weights_ok:  # keyed before its files were local: vLLM downloaded them as it loaded it
             logger.info("KVBM: %s for %s not done: LoRA adapter id %d had no local files when "
                         "the request arrived; its next requests are cached",
                         "store" if is_store else "load", job.req_id, int_id)
@@ -469,6 +473,7 @@ class KVBMWorker:
     def build_worker_meta(self) -> KVBMWorkerMetadata | None:
         meta, self._meta = self._meta, KVBMWorkerMetadata()
         meta.adapters_loaded = lora_loads.take_unreported()
+        meta.weights_digested = self.weights.take_unreported()
         if meta.is_empty() and not meta.bytes_loaded and not meta.load_latencies:
             return None
         return meta
