@@ -1,4 +1,6 @@
-"""Reset: forgetting every cached page of this engine (a new key epoch)."""
+"""Resets: forgetting every cached page of this engine (a new key epoch), and
+vLLM's prefix-cache resets, after which the workers digest their weights
+again (scheduler/weights_epochs.py)."""
 
 from __future__ import annotations
 
@@ -40,19 +42,36 @@ class CacheReset:
         # Stores still being written are not cleared; drop them when they land.
         for job in self._store_jobs.values():
             job.stale = True
-        self._seed = derive_seed(self._seed, "reset", os.urandom(16).hex())
+        self._base_seed = derive_seed(self._base_seed, "reset", os.urandom(16).hex())
+        self._new_keys()
+        self._epoch += 1
+        logger.info("KVBM: cache reset dropped %d host pages; disk and remote pages from "
+                    "before it are no longer looked up (key epoch %d)", dropped, self._epoch)
+        return True
+
+    def _new_keys(self) -> None:
+        """Keys from the current seed for every request: KV computed (or
+        being loaded) before never gets a new key; lookups use the new ones."""
+        self._seed = self.weights.seed(self._base_seed)
         for state in self._reqs.values():
-            # KV computed (or being loaded) before the reset never gets a
-            # post-reset key; lookups from now on use the new epoch.
             if state.request.num_computed_tokens > 0 or state.load.in_flight():
                 state.no_store = True
             else:  # computes from scratch (e.g. preempted by the reset): store it all anew
                 state.store.cursor = 0
             state.chain = self._key_chain(state.request, state.salt)
-        self._epoch += 1
-        logger.info("KVBM: cache reset dropped %d host pages; disk and remote pages from "
-                    "before it are no longer looked up (key epoch %d)", dropped, self._epoch)
-        return True
+
+    def _watch_prefix_cache_resets(self, manager) -> None:
+        """Each successful reset of vLLM's prefix cache (with or without
+        ``reset_connector``: RL frameworks reset it after every weight sync)
+        starts a weights epoch: the workers digest their weights again."""
+        reset = manager.reset_prefix_cache
+
+        def reset_prefix_cache() -> bool:
+            done = reset()
+            if done:
+                self.weights.new_epoch()
+            return done
+        manager.reset_prefix_cache = reset_prefix_cache
 
     def _vllm_cache_was_reset(self) -> bool:
         """vLLM resets its prefix cache only when no block is in use but the

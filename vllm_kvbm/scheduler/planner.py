@@ -28,6 +28,7 @@ from vllm_kvbm.scheduler.request_state import RequestKeys, _ReqState, _StoreJob
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.scheduler.store_plan import StorePlanning
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
+from vllm_kvbm.scheduler.weights_epochs import WeightsEpochs
 from vllm_kvbm.scheduler.worker_reports import WorkerReports
 
 if TYPE_CHECKING:
@@ -75,8 +76,12 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self.events = kv_events or NoKVEvents()
         self.events.watch(self.host)
         self.stats = KVBMStats(metrics_sink)
-        self._seed = info.key_namespace.seed()
-        self._epoch = 0  # cache resets so far (each gives new keys)
+        # The namespace's seed (moved by each connector reset), and the keys'
+        # seed: that one as the weights the workers run derive it
+        self._base_seed = info.key_namespace.seed()
+        self.weights = WeightsEpochs(info.num_workers)
+        self._seed = self._base_seed
+        self._epoch = 0  # connector resets so far (each gives new keys)
         self._reqs: dict[str, _ReqState] = {}
         # Requests a step may still concern (prompt not computed or not
         # stored): the others (decoding, prompt stored) cost a step nothing.
@@ -104,6 +109,7 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         self._kv_cache_manager = manager
+        self._watch_prefix_cache_resets(manager)
 
     def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
         self.held.next_step()
@@ -111,7 +117,7 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         backlog_stores = self._drain_backlogs()
         meta = KVBMConnectorMetadata(loads=self._loads,
                                      delayed_free_req_ids=self._delayed_free,
-                                     spills=self._spills)
+                                     spills=self._spills, weights=self.weights.meta())
         meta.stores += backlog_stores
         self._loads, self._delayed_free, self._spills = [], [], []
         now = self.split.clock()

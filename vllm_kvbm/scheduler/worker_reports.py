@@ -33,6 +33,11 @@ class WorkerReports:
                               self.info.num_workers)
             for int_id, fingerprint in meta.adapters_loaded:
                 self.adapters.loaded(int_id, fingerprint)
+            if meta.weights_digested and self.weights.reported(meta.weights_digested):
+                # Other weights than the keys named: keys from their digest.
+                # The old keys' pages stay (found again should the weights
+                # come back), never served meanwhile.
+                self._new_keys()
             self.events.lower_stored(meta.tier_stored)
             for tier, key in meta.bad_pages + meta.removed_pages:
                 self.lower.forget(tier, key)
