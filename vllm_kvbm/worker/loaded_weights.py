@@ -90,32 +90,29 @@ def weights_digest(model, threads: int | None = None) -> str:
     return hasher.hexdigest()
 
 
-def find_model_runner() -> Any:
-    """vLLM's model runner, from the calls that register the KV cache (the
-    connector gets no reference to the model): the nearest caller whose
-    ``self`` has ``get_model``. None when there is none."""
-    frame = sys._getframe(1)
+def _caller_self(match: Callable[[Any], bool]) -> Any:
+    """The ``self`` of the nearest caller (within 24 frames) that ``match``
+    accepts: the connector gets no reference to vLLM's model or worker, but
+    vLLM registers the KV cache from methods of both. None when none does."""
+    frame = sys._getframe(2)
     for _ in range(24):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if owner is not None and callable(getattr(owner, "get_model", None)):
+        if owner is not None and match(owner):
             return owner
         frame = frame.f_back
     return None
+
+
+def find_model_runner() -> Any:
+    """vLLM's model runner (anything with ``get_model``)."""
+    return _caller_self(lambda owner: callable(getattr(owner, "get_model", None)))
 
 
 def _find_worker() -> Any:
-    """vLLM's worker object (the one ``collective_rpc`` calls), when on the stack."""
-    frame = sys._getframe(1)
-    for _ in range(24):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        if owner is not None and hasattr(owner, "model_runner") and hasattr(owner, "rank"):
-            return owner
-        frame = frame.f_back
-    return None
+    """vLLM's worker object (the one ``collective_rpc`` calls)."""
+    return _caller_self(lambda owner: hasattr(owner, "model_runner") and hasattr(owner, "rank"))
 
 
 class LoadedWeights:
