@@ -1,0 +1,97 @@
+"""Weights vLLM changes in memory, as an RL loop's weight sync does: one norm
+weight of layer 1 set through ``collective_rpc``, then vLLM's plain
+``reset_prefix_cache()`` (``reset_connector=False``). The workers digest the
+parameters they run after every prefix-cache reset (worker/loaded_weights.py):
+no page of the old weights is onboarded, and the new weights' pages are keyed
+by their digest, found again after the next reset (a second digest pass of
+the same weights agrees).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from test_engine_e2e import expected_hit_tokens, generate
+from vllm_kvbm.tools.server import kvbm_transfer_config
+
+pytestmark = pytest.mark.timeout(2400)
+
+# collective_rpc of a function (as RL frameworks send their weight syncs)
+# needs pickle between vLLM's processes: set at collection, before any engine
+# of the session starts.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+NORM = "model.layers.1.input_layernorm.weight"
+PROMPT = random_prompt(4 * BLOCK_SIZE + 10, seed=2801)
+
+
+def _get_norm(worker) -> list[float]:
+    params = dict(worker.model_runner.get_model().named_parameters())
+    return params[NORM].detach().cpu().tolist()
+
+
+def _set_norm(worker, value: list[float]) -> None:
+    import torch
+
+    params = dict(worker.model_runner.get_model().named_parameters())
+    params[NORM].data.copy_(torch.tensor(value, dtype=params[NORM].dtype))
+
+
+def _update(llm, value) -> None:
+    llm.collective_rpc(_set_norm, args=(value,))
+
+
+@pytest.fixture
+def updated_engine(model_dir):
+    """An engine of its own: the test changes its weights."""
+    llm = make_llm(kvbm_transfer_config(host_cache_blocks=16))
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _recomputed(llm) -> list[int]:
+    """What the engine answers from its weights alone: under a cache salt of
+    its own the prompt shares no page with anything cached."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    [out] = llm.generate([{"prompt_token_ids": PROMPT, "cache_salt": "reference"}], params,
+                         use_tqdm=False)
+    return list(out.outputs[0].token_ids)
+
+
+def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
+    llm = updated_engine
+    [norm] = llm.collective_rpc(_get_norm)
+    old_out, _ = generate(llm, [PROMPT])
+    # The control: unchanged weights, a plain reset: the host tier serves it.
+    assert llm.reset_prefix_cache()
+    loaded = kvbm_counter("onboard_blocks_h2d")
+    again, cached = generate(llm, [PROMPT])
+    assert again == [old_out[0]] and cached[0] == expected_hit_tokens(len(PROMPT))
+    assert kvbm_counter("onboard_blocks_h2d") - loaded == expected_hit_tokens(
+        len(PROMPT)) // BLOCK_SIZE
+
+    _update(llm, [2.0 * w for w in norm])
+    assert llm.reset_prefix_cache()  # reset_connector=False, as RL frameworks call it
+    loaded = kvbm_counter("onboard_blocks_h2d")
+    got, _ = generate(llm, [PROMPT])
+    want = _recomputed(llm)
+    assert kvbm_counter("onboard_blocks_h2d") == loaded  # no old page onboarded
+    assert got == [want]
+    assert want != old_out[0]  # the change shows in the answer: old pages would have
+
+    # The new weights' pages: keyed by their digest, stored, and found again
+    # after the next reset (the digest computed again agrees).
+    assert llm.reset_prefix_cache()
+    stored, _ = generate(llm, [PROMPT])
+    assert stored == [want]
+    assert llm.reset_prefix_cache()
+    loaded = kvbm_counter("onboard_blocks_h2d")
+    hit, cached = generate(llm, [PROMPT])
+    assert hit == [want] and cached[0] == expected_hit_tokens(len(PROMPT))
+    assert kvbm_counter("onboard_blocks_h2d") - loaded == expected_hit_tokens(
+        len(PROMPT)) // BLOCK_SIZE
