@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 import time
 
@@ -23,6 +22,7 @@ import torch
 
 from gpu_check_gds import sync
 from helpers.kv_layouts import agent_name, vllm_layout
+from vllm_kvbm.bench.cores import teed_output
 from vllm_kvbm.worker.copy_path import nixl_page_copies
 from vllm_kvbm.worker.host_pool import HostPool
 
@@ -60,28 +60,6 @@ def timed(mover, to_host: bool, blocks: list[int], rows: list[int], step_s: floa
             return "TIMEOUT", float("inf")
         time.sleep(step_s)
     return state, time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def captured_fds(into: list[str]):
-    """What native code (UCX) writes to stdout and stderr meanwhile, appended to ``into``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with tempfile.TemporaryFile() as f:
-        os.dup2(f.fileno(), 1)
-        os.dup2(f.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-            f.seek(0)
-            into.append(f.read().decode(errors="replace"))
 
 
 def ucx_protocols(text: str) -> list[tuple[str, list[str]]]:
@@ -175,13 +153,15 @@ def run_paths(args, device: torch.device, report, tp: int, deadline: float) -> N
 
 def run_one(args, report, name: str, what: str, make, lay, src, dst, nbytes: int,
             ref: tuple[float, float], deadline: float) -> None:
-    ucx_out: list[str] = []
     nixl = what.endswith("NIXL")
+    ucx_log = tempfile.NamedTemporaryFile(prefix="kvbm-ucx-", suffix=".log", delete=False)
+    ucx_log.close()
     saved = os.environ.get("UCX_PROTO_INFO")
     if nixl and saved is None:
         os.environ["UCX_PROTO_INFO"] = "y"  # read when the agent's UCX context starts
     best, ok = [float("inf"), float("inf")], True
-    with captured_fds(ucx_out) if nixl else contextlib.nullcontext():
+    # UCX writes its protocol tables from C: what the process writes goes to the log too
+    with teed_output(ucx_log.name) if nixl else contextlib.nullcontext():
         mover = make()
         try:
             for _ in range(args.repeats):
@@ -211,7 +191,9 @@ def run_one(args, report, name: str, what: str, make, lay, src, dst, nbytes: int
         met = min(ratios) >= TARGET_RATIO
         report.info(name, f"{what} at {TARGET_RATIO}x of copy_", "met" if met else
                     f"NOT met ({min(ratios):.2f}x)")
+    with open(ucx_log.name, errors="replace") as f:
+        ucx_text = f.read()
+    os.unlink(ucx_log.name)
     if nixl:
-        print(ucx_out[0], end="", flush=True)
-        ucx_protocol_rows(report, name, ucx_out[0],
+        ucx_protocol_rows(report, name, ucx_text,
                           max(r.layer_block_bytes for r in mover.regions))  # a descriptor each
