@@ -100,3 +100,25 @@ def test_engines_that_received_the_same_update_agree_on_the_keys():
     assert not a.reported([(2, 0, "d0"), (2, 1, "d1")])  # the same weights: same keys
     a.new_epoch()
     assert a.reported([(3, 0, ""), (3, 1, "")]) and a.seed(base) == base
+
+
+def test_the_model_is_found_from_vllms_caller_and_an_unreadable_one_is_a_new_epoch_each_reset():
+    model = _model()
+
+    class Runner:  # vLLM registers the KV cache from its model runner's methods
+        def __init__(self, get_model):
+            self.get_model = get_model
+
+        def initialize_kv_cache(self):
+            return LoadedWeights.from_vllm(0)
+
+    found = Runner(lambda: model).initialize_kv_cache()
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    assert not found.serves((1, ("",)))
+    assert found.take_unreported() == [(1, 0, weights_digest(model))]
+
+    def unreadable():
+        raise RuntimeError("no model")
+    fallback = Runner(unreadable).initialize_kv_cache()
+    assert fallback.serves((0, ("",))) and not fallback.serves((1, ("",)))

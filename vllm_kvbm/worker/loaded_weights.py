@@ -140,12 +140,16 @@ class LoadedWeights:
         looked up again by this engine)."""
         runner = find_model_runner()
         weights = cls(rank, runner.get_model if runner is not None else None)
+        try:
+            if runner is not None:
+                weights.digest_at_load()
+        except Exception as err:  # a model whose tensors cannot be read as bytes
+            logger.warning("KVBM: cannot digest the model's parameters (%s)", err)
+            runner = weights._model = None
         if runner is None:
-            logger.warning("KVBM: cannot see the model's parameters; after each prefix-cache "
-                           "reset this engine's keys move to a new epoch (pages are not "
-                           "shared across a reset)")
-        else:
-            weights.digest_at_load()
+            logger.warning("KVBM: without the model's parameters, each reset of vLLM's "
+                           "prefix cache moves this engine's keys to a new epoch (pages are "
+                           "not shared across a reset)")
         weights.observe_changes(_find_worker())
         return weights
 
