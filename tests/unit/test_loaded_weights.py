@@ -122,3 +122,27 @@ def test_the_model_is_found_from_vllms_caller_and_an_unreadable_one_is_a_new_epo
         raise RuntimeError("no model")
     fallback = Runner(unreadable).initialize_kv_cache()
     assert fallback.serves((0, ("",))) and not fallback.serves((1, ("",)))
+
+
+def test_a_large_models_pass_runs_off_the_worker_thread_its_jobs_refused_meanwhile(monkeypatch):
+    import threading
+
+    from vllm_kvbm.worker import loaded_weights
+
+    monkeypatch.setattr(loaded_weights, "INLINE_DIGEST_BYTES", 0)  # every model "large"
+    release = threading.Event()
+    digest = loaded_weights.weights_digest
+
+    def slow_digest(model, threads=None):
+        release.wait()
+        return digest(model, threads)
+
+    model = _model()
+    worker = _worker(model)
+    monkeypatch.setattr(loaded_weights, "weights_digest", slow_digest)
+    assert not worker.serves((1, ("",)))  # returns while the pass waits
+    assert not worker.serves((1, ("",))) and worker.take_unreported() == []
+    release.set()
+    while not (reports := worker.take_unreported()):
+        release.wait(0.01)
+    assert reports == [(1, 0, "")] and worker.serves((1, ("",)))
