@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(build(DEFAULT_DIR))
     fronts = {"offline engine": offline, "vllm serve": serve}
     if args.only:
-        fronts = {k: v for k, v in fronts.items() if k.startswith(args.only)}
+        fronts = {k: v for k, v in fronts.items() if args.only in k}
     runs = {name: front(args.model, args) for name, front in fronts.items()}
 
     print()
