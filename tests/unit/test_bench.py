@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from vllm_kvbm.bench.client import Result, arrival_gaps, concurrency, summarize
-from vllm_kvbm.bench.compare import ConfigRun, lmbenchmark_problem, report, unequal_cores
+from vllm_kvbm.bench.compare import ConfigRun, report, unequal_cores
+from vllm_kvbm.bench.lmbenchmark import lmbenchmark_problem
 from vllm_kvbm.bench.cores import check_equal, fair_cpu_env, parse_binding, read_binding
 
 pytestmark = pytest.mark.timeout(300)
@@ -100,7 +101,7 @@ NATIVE_CAUSE = "Exception: CPU Offloading is currently only supported on CUDA-al
 def test_startup_error_is_the_root_cause_line_of_real_server_logs():
     """Real `vllm serve` logs (vLLM CPU 0.32) of vLLM's offloading failing at
     startup: the cause, not vLLM's wrappers around it nor a traceback."""
-    from vllm_kvbm.bench.compare import startup_error
+    from vllm_kvbm.bench.server_logs import startup_error
 
     assert startup_error(DATA / "vllm-serve-kv-offloading-size.log") == NATIVE_CAUSE
     assert startup_error(DATA / "vllm-serve-simple-cpu-offload.log") == (
@@ -137,7 +138,7 @@ def test_native_offloading_configurations_are_what_vllm_reads():
 
 
 def test_compare_report_prints_why_a_configuration_did_not_start(tmp_path):
-    from vllm_kvbm.bench.compare import startup_error
+    from vllm_kvbm.bench.server_logs import startup_error
 
     args = argparse.Namespace(
         workload="multi-round", model="m", engine_kv_blocks=40, block_size=128, serve_arg=[],
@@ -192,7 +193,7 @@ def test_a_failed_start_leaves_no_process_and_frees_its_port():
 def test_log_errors_tells_a_warning_from_an_error(tmp_path):
     """vLLM's oneDNN fallback notice on CPUs without native bf16 quotes an
     exception at WARNING level: a notice, not an error of the run."""
-    from vllm_kvbm.bench.compare import log_errors
+    from vllm_kvbm.bench.server_logs import log_errors
 
     log = tmp_path / "server.log"
     warn = ("(EngineCore pid=7) WARNING 12-05 03:40:01 [utils.py:597] Failed to create oneDNN "

@@ -29,15 +29,17 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_kvbm.bench.client import (HelpFormatter, add_workload_args, format_summary, read_csv,
+from vllm_kvbm.bench.client import (HelpFormatter, add_workload_args, format_summary,
                                     run_workload, summarize, workload_size, write_csv)
 from vllm_kvbm.bench.cores import Binding, check_equal, fair_cpu_env, read_binding
+from vllm_kvbm.bench.lmbenchmark import (LMB_CLIENT, lmbenchmark_problem, lmbenchmark_time,
+                                         run_lmbenchmark)
+from vllm_kvbm.bench.server_logs import log_errors, startup_error
 from vllm_kvbm.config import parse_size
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server, wait_port_free
 
@@ -127,116 +129,6 @@ def serve_args(args) -> list[str]:
             "--max-model-len", str(usable), "--max-num-batched-tokens", str(usable),
             "--gpu-memory-utilization", "0.3", "--enforce-eager", "--seed", "0",
             *args.serve_arg]
-
-
-def log_errors(path: Path, limit: int = 6, fallback: bool = True) -> str:
-    """The distinct error lines of a server log, last ones first in importance.
-    Lines vLLM logs at DEBUG, INFO or WARNING are notices, not errors, even
-    when they quote an exception ('Failed to create oneDNN linear, fallback
-    to torch linear. Exception: ...' on CPUs without native bf16)."""
-    keys = ("Error", "ERROR", "error:", "No supported", "not supported", "Exception")
-    seen: list[str] = []
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    for line in lines:
-        if "[shutdown]" in line:
-            break  # what follows is the stop this runner asked for
-        plain = re.sub(r"\x1b\[[0-9;]*m", "", line)
-        level = _LOG_PREFIX.match(plain).group(3)
-        if level in ("DEBUG", "INFO", "WARNING"):
-            continue
-        text = plain.split("] ", 1)[-1].strip()
-        if any(k in text for k in keys) and text not in seen:
-            seen.append(text[:400])
-    return "\n".join(seen[-limit:]) or ("\n".join(lines[-limit:]) if fallback else "")
-
-
-_LOG_PREFIX = re.compile(r"^(\([\w ]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-                         r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\]\s*)?")
-_RAISED = re.compile(r"^((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit)): (.+)")
-# vLLM's wrappers around a worker's or the engine core's exception: they name
-# no cause of their own
-_WRAPPERS = ("Worker failed with error", "Engine core initialization failed",
-             "See root cause above", "check the stack trace above")
-
-
-def startup_error(path: Path) -> str:
-    """The line of a server log that says why the server did not start: the
-    first exception raised that is not one of vLLM's wrappers around it
-    ('Exception: CPU Offloading is currently only supported on CUDA-alike and
-    XPU GPUs'), else the first wrapper, else ''."""
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    wrapped = ""
-    for line in lines:
-        text = _LOG_PREFIX.sub("", re.sub(r"\x1b\[[0-9;]*m", "", line)).strip()
-        m = _RAISED.match(text)
-        if not m:
-            continue
-        if not any(w in text for w in _WRAPPERS):
-            return text[:400]
-        wrapped = wrapped or text[:400]
-    return wrapped
-
-
-LMB_CLIENT = Path("synthetic-multi-round-qa") / "multi-round-qa.py"
-
-
-def lmbenchmark_time(args) -> int:
-    """Seconds LMBenchmark's client runs: long enough to send as many requests
-    at --qps as kvbm-bench's own run sends."""
-    return args.lmbenchmark_time or max(30, math.ceil(workload_size(args) / args.qps))
-
-
-def lmbenchmark_cmd(args, url: str, csv_path: Path) -> list[str]:
-    """LMBenchmark's client with kvbm-bench's sizes (its own flags, as its
-    long_input_short_output_run.sh passes them)."""
-    return [args.lmbenchmark_python, str(Path(args.lmbenchmark_dir) / LMB_CLIENT),
-            "--num-users", str(args.num_users), "--num-rounds", str(args.num_rounds),
-            "--qps", str(args.qps), "--shared-system-prompt", str(args.shared_system_prompt),
-            "--user-history-prompt", str(args.user_history_prompt),
-            "--answer-len", str(args.answer_len), "--model", args.model, "--base-url", url,
-            "--init-user-id", "1", "--output", str(csv_path.resolve()),
-            "--log-interval", "30", "--time", str(lmbenchmark_time(args))]
-
-
-def lmbenchmark_problem(args) -> str:
-    """Why LMBenchmark's client cannot run here, or ''."""
-    client = Path(args.lmbenchmark_dir) / LMB_CLIENT
-    if not client.is_file():
-        return f"{args.lmbenchmark_dir} is not an LMBenchmark checkout: {client} not found"
-    check = subprocess.run([args.lmbenchmark_python, client.name, "--help"], cwd=client.parent,
-                           capture_output=True, text=True, timeout=120)
-    if check.returncode != 0:
-        last = (check.stderr or check.stdout).strip().splitlines()[-1:] or ["no output"]
-        return (f"LMBenchmark's client does not start with {args.lmbenchmark_python} "
-                f"(it imports openai and pandas): {last[0]}")
-    return ""
-
-
-def run_lmbenchmark(args, url: str, name: str, out_dir: Path) -> tuple[dict, str]:
-    """(summary, error) of one run of the real LMBenchmark client."""
-    csv_path = out_dir / f"lmbenchmark-{name}.csv"
-    log_path = out_dir / f"lmbenchmark-{name}.log"
-    limit = lmbenchmark_time(args) + args.request_timeout + 120
-    try:
-        with open(log_path, "w") as log:
-            proc = subprocess.run(lmbenchmark_cmd(args, url, csv_path),
-                                  cwd=Path(args.lmbenchmark_dir) / LMB_CLIENT.parent,
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=limit)
-    except subprocess.TimeoutExpired:
-        return {}, f"LMBenchmark's client still running after {limit:.0f} s; log {log_path}"
-    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])
-    if proc.returncode != 0:
-        return {}, f"LMBenchmark's client exited {proc.returncode}:\n{tail}"
-    rows = read_csv(csv_path) if csv_path.exists() else []
-    if not rows:
-        return {}, f"LMBenchmark's client finished no request (log {log_path}):\n{tail}"
-    return summarize(rows), ""
 
 
 def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
