@@ -142,8 +142,14 @@ class RequestKeys:
 
     def _state(self, request: "Request") -> _ReqState | None:
         state = self._reqs.get(request.request_id)
+        if state is not None and (state.params.loads or state.params.stores) \
+                and _beyond_tokens(request):
+            # A streaming session that began as text and added an image or
+            # embeddings in a later chunk: neither loads nor stores from now on.
+            state.params = RequestParams(load_tiers=frozenset(), store_tiers=frozenset())
+            state.no_store = True
         if state is None:
-            if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
+            if _beyond_tokens(request):
                 return None  # KV depends on inputs that token ids don't capture
             lora = None
             if request.lora_request is not None:
@@ -191,3 +197,8 @@ class RequestKeys:
 
 def _preemptions(request: "Request") -> int:
     return getattr(request, "num_preemptions", 0)  # vLLM counts them (0.32 to 0.34)
+
+
+def _beyond_tokens(request: "Request") -> bool:
+    """The request's KV depends on more than its token ids."""
+    return bool(request.mm_features) or getattr(request, "prompt_embeds", None) is not None
