@@ -4,7 +4,6 @@ real scheduler honouring each limit (load off, store off, tiers, tokens)."""
 
 from __future__ import annotations
 
-
 import logging
 import time
 
