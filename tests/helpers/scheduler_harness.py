@@ -250,12 +250,18 @@ def store_and_finish(sched, toks: list[int], max_tokens: int = 2):
     """Runs a request to completion with a worker that finishes every transfer
     within the step; returns the request and each step's metadata."""
     req = make_request(toks, max_tokens=max_tokens)
+    return req, run_to_end(sched, req)
+
+
+def run_to_end(sched, req) -> list:
+    """Adds ``req`` and runs it to its end with a worker that finishes every
+    transfer within the step; returns each step's metadata."""
     sched.add_request(req)
     metas = []
     steps, deadline = 0, time.monotonic() + 30
     while steps < 50 and time.monotonic() < deadline:
         if req.request_id not in sched.requests:
-            return req, metas
+            return metas
         out, meta, _ = step(sched, complete=True)
         metas.append(meta)
         if out.num_scheduled_tokens:

@@ -5,7 +5,6 @@ real scheduler honouring each limit (load off, store off, tiers, tokens)."""
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 from fastapi import FastAPI, Request
@@ -13,8 +12,7 @@ from starlette.responses import PlainTextResponse
 from starlette.testclient import TestClient
 
 from helpers.scheduler_harness import (BLOCK, admit, kvbm, keys_of, lookup, make_request,
-                                       make_scheduler, step,
-                                       store_and_finish, tokens)
+                                       make_scheduler, run_to_end, store_and_finish, tokens)
 from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
 from vllm_kvbm.scheduler.request_params import (ALL, RequestParams, RequestParamsError, parse,
                                                 report)
@@ -128,24 +126,6 @@ def with_params(toks, params, max_tokens=2):
     return req
 
 
-def run(sched, req):
-    """Runs ``req`` to its end with a worker finishing every transfer in the
-    step; returns the metadata of each step."""
-    sched.add_request(req)
-    metas = []
-    steps, deadline = 0, time.monotonic() + 30
-    while steps < 50 and time.monotonic() < deadline:
-        if req.request_id not in sched.requests:
-            return metas
-        out, meta, _ = step(sched, complete=True)
-        metas.append(meta)
-        if out.num_scheduled_tokens:
-            steps += 1
-        else:  # its lookup is answered in the background (a disk tier): ask again
-            time.sleep(0.005)
-    raise AssertionError(f"{req.request_id} did not finish")
-
-
 def stored_keys(metas, k) -> int:
     return sum(len(job.slots) for meta in metas for job in meta.stores)
 
@@ -155,17 +135,17 @@ def stored_keys(metas, k) -> int:
 def test_store_off_stores_nothing(params):
     sched = make_scheduler(host_blocks=16)
     toks = tokens(3 * BLOCK + 3, 40)
-    metas = run(sched, with_params(toks, params))
+    metas = run_to_end(sched, with_params(toks, params))
     assert stored_keys(metas, kvbm(sched)) == 0
     assert not any(key in kvbm(sched).host for key in keys_of(sched, toks))
     # the same prompt without params is stored: the test can see a store
-    assert stored_keys(run(sched, make_request(toks, max_tokens=2)), kvbm(sched)) == 3
+    assert stored_keys(run_to_end(sched, make_request(toks, max_tokens=2)), kvbm(sched)) == 3
 
 
 def test_max_offload_tokens_stores_that_many_pages_from_the_start():
     sched = make_scheduler(host_blocks=16)
     toks = tokens(3 * BLOCK + 3, 41)
-    run(sched, with_params(toks, {"max_offload_tokens": BLOCK + 5}))
+    run_to_end(sched, with_params(toks, {"max_offload_tokens": BLOCK + 5}))
     keys = keys_of(sched, toks)
     assert [key in kvbm(sched).host for key in keys] == [True, False, False]
 
@@ -228,7 +208,7 @@ def test_load_tiers_keep_a_hit_to_those_tiers(disk_sched, params, hit):
 
 
 def spilled_tiers(sched, req) -> list[str]:
-    return [tier for meta in run(sched, req) for job in meta.spills for tier in job.tiers]
+    return [tier for meta in run_to_end(sched, req) for job in meta.spills for tier in job.tiers]
 
 
 def test_store_tiers_keep_stores_to_those_tiers(disk_sched):
@@ -250,5 +230,5 @@ def test_bad_params_neither_load_nor_store_and_say_why(caplog):
         assert lookup(kvbm(sched), bad) == (0, False)
     assert f"request {bad.request_id}: kv_load_tiers: unknown tier 'gpu'" in caplog.text
     fresh = tokens(2 * BLOCK + 3, 49)
-    assert stored_keys(run(sched, with_params(fresh, {"max_offload_tokens": -1})),
+    assert stored_keys(run_to_end(sched, with_params(fresh, {"max_offload_tokens": -1})),
                        kvbm(sched)) == 0
