@@ -21,12 +21,9 @@ NEEDS = {
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from vllm_kvbm import __version__
 
-    try:
-        return dist_version("vllm-kvbm")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
+    return __version__
 
 
 def missing_extra(cmd: str) -> str | None:
