@@ -56,7 +56,7 @@ import numpy as np
 # are never looked up again.
 FORMAT_VERSION = 3
 
-PageKey = bytes  # 32 bytes: a page's name (README "Words")
+PageKey = bytes  # 32 bytes: a page's name (docs/how-it-works.md, "Words")
 
 # Tag of the keys derived from vLLM's block hashes (VllmHashKeys): part of D,
 # so they are apart from every other derivation's.

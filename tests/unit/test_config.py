@@ -582,13 +582,13 @@ def test_each_dynamo_variable_sets_its_key(env, tmp_path):
     assert getattr(KVBMConfig(), field) != expected  # not the default by chance
 
 
-def test_readme_lists_every_dynamo_variable_read():
+def test_configuration_doc_lists_every_dynamo_variable_read():
     import re
 
     from helpers import ROOT
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("Dynamo's variables"):]
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    section = doc[doc.index("## Dynamo's variables"):]
     section = section[:section.index("\n## ")]
     accepted = section[:section.index("Not read")]
     assert set(re.findall(r"`(DYN_KVBM_\w+)`", accepted)) == set(DYNAMO_ENV)

@@ -48,7 +48,7 @@ def test_gauges_have_dynamos_names_and_say_what_they_measure():
         assert f"found in the {tier} tier / prompt tokens looked up" in doc
         assert f"last {metrics.HIT_RATE_WINDOW} admitted requests" in doc
     assert metrics.HIT_RATE_WINDOW == 1000  # Dynamo's DYN_KVBM_CACHE_STATS_MAX_REQUESTS default
-    # Dynamo's device->disk direct offload does not exist here (see README, Metrics)
+    # Dynamo's device->disk direct offload does not exist in KVBM (docs/metrics.md)
     assert "offload_blocks_d2d" not in metrics.COUNTERS
 
 

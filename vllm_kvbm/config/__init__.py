@@ -269,8 +269,8 @@ def load_config(extra: Mapping[str, Any] | None,
     apply_dyn_metrics(environ, given)
     ignored = dynamo_env_not_read(environ)
     if ignored:  # names only: some of Dynamo's hold credentials
-        logger.warning("KVBM: %s %s Dynamo's and not read by vllm_kvbm (no setting here means "
-                       "the same; README, Configuration)", ", ".join(ignored),
+        logger.warning("KVBM: %s %s Dynamo's and not read by vllm_kvbm (no KVBM setting means "
+                       "the same; docs/configuration.md, Dynamo's variables)", ", ".join(ignored),
                        "is" if len(ignored) == 1 else "are")
     kwargs: dict[str, Any] = {}
     sources: dict[str, str] = {}  # key -> its first source (the key itself: extra_config)

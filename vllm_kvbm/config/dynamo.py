@@ -1,5 +1,6 @@
 """Dynamo's ``DYN_KVBM_*`` variables: those whose meaning is the same here set
-the matching key; the others are named in a warning (README, Configuration)."""
+the matching key; the others are named in a warning (docs/configuration.md,
+Dynamo's variables)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,6 @@ def apply_dyn_metrics(environ: Mapping[str, str], given: dict) -> None:
 
 
 def dynamo_env_not_read(environ: Mapping[str, str]) -> list[str]:
-    """DYN_KVBM_* variables that are set but mean nothing here (README, Configuration)."""
+    """DYN_KVBM_* variables that are set but mean nothing in KVBM (docs/configuration.md)."""
     return sorted(name for name, value in environ.items() if name.startswith("DYN_KVBM_")
                   and name not in DYN_ENV and name != "DYN_KVBM_METRICS" and value.strip())
