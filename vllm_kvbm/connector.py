@@ -92,6 +92,13 @@ class KVBMConnector(KVConnectorBase_V1):
         # extensible KV cache's included.
         return KVCacheAccess.IN_PROCESS
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        from vllm_kvbm.worker.vllm_layout import requested_kv_cache_layout
+
+        # A block contiguous across layers: a page of consecutive blocks is one copy.
+        return requested_kv_cache_layout(vllm_config)
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
         check_vllm_version()

@@ -371,7 +371,6 @@ DEFAULTS_KEPT: dict[str, str] = {
     "register_finished_partial_tail": "partial tail blocks are never stored",
     "take_events": "KVBM publishes no KV events",
     "has_pending_block_frees": "stores never hold blocks vLLM needs to admit work",
-    "get_required_kvcache_layout": "any layout: pages are moved whole",
     "requires_piecewise_for_cudagraph": "no layer-wise load or save",
     "get_finished_count": "every TP worker reports its own completions",
     "supports_divergent_local_hybrid_hits": "hybrid (Mamba) models are not cached",
