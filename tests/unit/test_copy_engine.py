@@ -11,14 +11,16 @@ heads of 128, bf16, 16-token blocks, 256-token pages) at TP=1 and TP=8.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from helpers.kv_layouts import VLLM_LAYOUTS, random_fill, vllm_layout
 from vllm_kvbm.worker.copy_engine import CopyEngineMover, SpanViews
 from vllm_kvbm.worker.copy_path import nixl_page_copies
-from vllm_kvbm.worker.copy_runs import RegionTable, page_copies
+from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs, merge_runs, page_copies
 from vllm_kvbm.worker.kv_regions import block_regions
+from vllm_kvbm.worker.vllm_layout import BLOCK_MAJOR_LAYOUT
 
 NB = 40
 
@@ -161,11 +163,52 @@ def test_70b_page_copies(tp, layer_block):
     assert (c.best, c.worst, c.smallest) == (1280, 1280, layer_block)
     n = nixl_page_copies(lbnhc, 16)
     assert (n.best, n.worst, n.smallest) == (1280, 1280, layer_block)
-    # Laid out block by block across layers: a page of consecutive blocks is
-    # one 80-layer copy (5 MiB blocks x 16 = 80 MiB at TP=1), scattered blocks
-    # one copy each.
-    c = page_copies(RegionTable.of(regions_70b("BLNHC", tp)), 16)
-    assert (c.best, c.worst, c.smallest) == (1, 16, 80 * layer_block)
+    # Laid out block by block across layers (BLHNC: what KVBM asks vLLM for
+    # on CUDA, worker/vllm_layout.py): a page of consecutive blocks is one
+    # 80-layer copy (5 MiB blocks x 16 = 80 MiB at TP=1), scattered blocks
+    # one copy each (5 MiB at TP=1, 640 KiB at TP=8).
+    for name in (BLOCK_MAJOR_LAYOUT, "BLNHC"):
+        c = page_copies(RegionTable.of(regions_70b(name, tp)), 16)
+        assert (c.best, c.worst, c.smallest) == (1, 16, 80 * layer_block), name
+
+
+@pytest.mark.parametrize("tp", [1, 8])
+def test_a_block_major_block_is_one_entry_before_any_post(tp):
+    # Precomputed once: a post lists one entry per block, not one per layer
+    # block (41k entries for an 8k-token prefill, 80 times what is copied).
+    assert len(RegionTable.of(regions_70b(BLOCK_MAJOR_LAYOUT, tp)).sizes) == 1
+    assert len(RegionTable.of(regions_70b("LBNHC", tp)).sizes) == 80
+
+
+def naive_runs(regions, blocks, rows, to_host):
+    """Every layer block its own copy, then merged: what the table must equal."""
+    kv, host, sizes, off = [], [], [], 0
+    row_bytes = sum(r.layer_block_bytes for r in regions)
+    for b, row in zip(blocks, rows):
+        off = 0
+        for r in regions:
+            kv.append(r.base + b * r.stride)
+            host.append(row * row_bytes + off)
+            sizes.append(r.layer_block_bytes)
+            off += r.layer_block_bytes
+    kv, host, sizes = (np.array(a, dtype=np.int64) for a in (kv, host, sizes))
+    return merge_runs(*((kv, host) if to_host else (host, kv)), sizes)
+
+
+@pytest.mark.parametrize("name", sorted(set(VLLM_LAYOUTS) - {"BHLNC"}))
+def test_joined_regions_copy_exactly_what_each_layer_block_would(name, gen):
+    lay = layout(name, None, layers=4, heads=2, block_size=4, head_size=8)
+    regions = block_regions(lay.caches, NB, lay.block_dims)
+    table = RegionTable.of(regions)
+    for trial in range(20):
+        blocks = torch.randperm(NB, generator=gen)[:6].tolist()
+        if trial % 2:
+            blocks = sorted(blocks)
+        rows = torch.randperm(8, generator=gen)[:6].tolist()
+        for to_host in (True, False):
+            got = copy_runs(table, 0, np.array(blocks), np.array(rows), to_host)
+            want = naive_runs(regions, blocks, rows, to_host)
+            assert all(np.array_equal(g, w) for g, w in zip(got, want)), (name, blocks, rows)
 
 
 def test_page_copies_log_line():

@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_kvbm.worker.copy_runs import PageCopies, RegionTable
+from vllm_kvbm.worker.copy_runs import PageCopies
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +59,8 @@ def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: t
 
 def nixl_page_copies(regions, page_blocks: int) -> PageCopies:
     """NIXL's prepared descriptors are one layer block each: never merged."""
-    sizes = RegionTable.of(regions).sizes
-    n = page_blocks * len(sizes)
-    return PageCopies(page_blocks, n, n, int(sizes.min()))
+    n = page_blocks * len(regions)
+    return PageCopies(page_blocks, n, n, min(r.layer_block_bytes for r in regions))
 
 
 def round_trip(mover, page_blocks: int) -> str:

@@ -32,11 +32,20 @@ class RegionTable:
 
     @classmethod
     def of(cls, regions: list[BlockRegion]) -> "RegionTable":
+        """Regions that continue each other in every block (same stride, one
+        ending where the next starts, as a block's layers do in BLHNC/BLNHC)
+        are joined once here: a post then lists one entry per block, not one
+        per layer block, before merging consecutive blocks."""
         sizes = np.array([r.layer_block_bytes for r in regions], dtype=np.int64)
-        return cls(kv_base=np.array([r.base for r in regions], dtype=np.int64),
-                   kv_stride=np.array([r.stride for r in regions], dtype=np.int64),
-                   sizes=sizes,
-                   host_offset=np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64))
+        base = np.array([r.base for r in regions], dtype=np.int64)
+        stride = np.array([r.stride for r in regions], dtype=np.int64)
+        host = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        # host rows hold the regions side by side, so only the engine side can break a run
+        starts = np.flatnonzero(np.concatenate(([True], (base[1:] != base[:-1] + sizes[:-1])
+                                                | (stride[1:] != stride[:-1]))))
+        return cls(kv_base=base[starts], kv_stride=stride[starts],
+                   sizes=np.add.reduceat(sizes, starts) if sizes.size else sizes,
+                   host_offset=host[starts])
 
     @property
     def row_bytes(self) -> int:
