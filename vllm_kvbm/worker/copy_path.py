@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vllm_kvbm.worker.copy_runs import PageCopies
+from vllm_kvbm.worker.vllm_layout import BLOCK_MAJOR_LAYOUT, MAX_BLOCK_MAJOR_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,12 @@ def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: t
     copies = getattr(mover, "page_copies", None) or nixl_page_copies(mover.regions, page_blocks)
     hint = ""
     if first.is_cuda and copies.best > page_blocks:
-        # Layer by layer (LBNHC, LBHNC), a host row and the engine cache cross.
-        hint = ("; a KV layout block by block across layers (VLLM_KV_CACHE_LAYOUT=BLNHC, or "
-                "BLHNC with FlashInfer, where the attention backend accepts it) makes a page "
-                "of consecutive blocks one copy")
+        # Layer by layer (LBNHC, LBHNC), a host row and the engine cache cross:
+        # vLLM did not take the layout KVBM asks for (worker/vllm_layout.py).
+        hint = (f"; the KV cache is laid out layer by layer: {BLOCK_MAJOR_LAYOUT}, which KVBM "
+                f"asks vLLM for, makes a page of consecutive blocks one copy (vLLM keeps its "
+                f"own when VLLM_KV_CACHE_LAYOUT is set, an attention backend refuses "
+                f"{BLOCK_MAJOR_LAYOUT}, or blocks exceed {MAX_BLOCK_MAJOR_TOKENS} tokens)")
     logger.info("KVBM worker: engine<->host copies by %s; %s; one-page round trip %s%s",
                 mover.path, copies, round_trip(mover, page_blocks), hint)
     return mover
