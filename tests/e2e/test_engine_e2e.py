@@ -88,7 +88,7 @@ def test_conversation_growing_turn_by_turn(kvbm_llm, plain_llm):
         history = history + got[0]
 
 
-def test_second_request_loads_prefix_and_is_faster(kvbm_llm):
+def test_second_request_loads_prefix(kvbm_llm):
     prompt = random_prompt(4000, seed=4000)
     kvbm_llm.reset_prefix_cache()
     t0 = time.perf_counter()
@@ -101,27 +101,26 @@ def test_second_request_loads_prefix_and_is_faster(kvbm_llm):
     hit_s = time.perf_counter() - t0
 
     print(f"TTFT miss {miss_s:.3f}s, host-tier hit {hit_s:.3f}s, "
-          f"speedup {miss_s / hit_s:.1f}x")
+          f"speedup {miss_s / hit_s:.1f}x (benchmarks/ measure it)")
     assert cached_miss[0] == 0
     assert cached_hit[0] == expected_hit_tokens(4000)
     assert kvbm_counter("matched_tokens") - before == expected_hit_tokens(4000)
-    assert hit_s < miss_s
 
 
 def test_filling_host_tier_evicts_lru_and_stays_correct(kvbm_llm, plain_llm):
-    # Four prompts of 30 full blocks each: 120 blocks through a 96-block tier.
-    prompts = [random_prompt(30 * BLOCK_SIZE + 10, seed=500 + i) for i in range(4)]
+    # Four prompts of 15 full blocks each: 60 blocks through a 48-block tier.
+    prompts = [random_prompt(15 * BLOCK_SIZE + 10, seed=500 + i) for i in range(4)]
     evicted_before = kvbm_counter("host_evictions")
     for p in prompts:
         kvbm_llm.reset_prefix_cache()
         generate(kvbm_llm, [p], max_tokens=2)
-    assert kvbm_counter("host_evictions") - evicted_before >= 4 * 30 - HOST_BLOCKS
+    assert kvbm_counter("host_evictions") - evicted_before >= 4 * 15 - HOST_BLOCKS
 
     want = reference(plain_llm, prompts)
     # Most recent prompt: still fully in the host tier.
     kvbm_llm.reset_prefix_cache()
     got, cached = generate(kvbm_llm, [prompts[-1]])
-    assert got == [want[-1]] and cached[0] == 30 * BLOCK_SIZE
+    assert got == [want[-1]] and cached[0] == 15 * BLOCK_SIZE
     # Oldest prompt: its first blocks were evicted first, so nothing matches.
     kvbm_llm.reset_prefix_cache()
     got, cached = generate(kvbm_llm, [prompts[0]])

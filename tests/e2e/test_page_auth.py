@@ -413,6 +413,8 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
 # ---- a real engine ------------------------------------------------------------------
 
 E2E_PROMPT = random_prompt(6 * BLOCK_SIZE + 3, seed=9101)
+# A host tier just over the prompt: clearing it takes two short fillers.
+E2E_HOST_BLOCKS = 12
 
 
 def _flags(path) -> int:
@@ -424,7 +426,7 @@ def _flags(path) -> int:
 def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         model_dir, plain_llm, tmp_path):
     from test_engine_e2e import expected_hit_tokens, generate, reference
-    from test_tiers_e2e import HOST_BLOCKS, clear_engine_and_host, settle
+    from test_tiers_e2e import clear_engine_and_host, settle
     from vllm_kvbm.tools.server import kvbm_transfer_config
 
     d = tmp_path / "disk"
@@ -434,7 +436,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
     secret_file.chmod(0o600)
 
     def config(**extra):
-        return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(d),
+        return kvbm_transfer_config(host_cache_blocks=E2E_HOST_BLOCKS, disk_cache_dir=str(d),
                                     disk_cache_size="1GiB", **EVERY_PAGE_LOADED, **extra)
 
     want = reference(plain_llm, [E2E_PROMPT])
@@ -458,7 +460,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
             path.write_bytes(restamp(path.read_bytes(), payload=payload))
         assert all(_flags(p) & pf._FLAG_SEALED == 0 for p in pages)
         # Without a page secret the planted KV is loaded: wrong outputs.
-        clear_engine_and_host(attacker)
+        clear_engine_and_host(attacker, E2E_HOST_BLOCKS)
         d2d = kvbm_counter("onboard_blocks_d2d")
         got, _ = generate(attacker, [E2E_PROMPT])
         assert kvbm_counter("onboard_blocks_d2d") - d2d == n_pages
@@ -484,7 +486,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         assert len(sealed) == n_pages and all(_flags(p) & pf._FLAG_SEALED for p in sealed)
 
         # Its own pages come back from disk, equal to a plain engine's recompute.
-        clear_engine_and_host(engine)
+        clear_engine_and_host(engine, E2E_HOST_BLOCKS)
         got, cached = generate(engine, [E2E_PROMPT])
         assert got == want
         assert cached[0] == expected_hit_tokens(len(E2E_PROMPT))
@@ -494,7 +496,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         # One of them rewritten in place with another page's stored bytes
         # under its genuine seal field (CRC fixed): refused and counted;
         # outputs stay right.
-        clear_engine_and_host(engine)
+        clear_engine_and_host(engine, E2E_HOST_BLOCKS)
         victim = sealed[0]
         victim.write_bytes(restamp(victim.read_bytes(),
                                    payload=sealed[1].read_bytes()[HEADER_BYTES:]))

@@ -30,9 +30,10 @@ def _soak_module():
 
 soak = _soak_module()
 CFG = soak.SoakConfig(
-    requests=36, concurrency=12, max_tokens=12,
-    doc_lengths=(1000, 1800, 2600), repeat_fraction=0.4,
-    engine_blocks=28, host_blocks=40,
+    requests=24, concurrency=8, max_tokens=12,
+    # The engine holds one long prompt and a bit: concurrent ones preempt.
+    doc_lengths=(600, 1000, 1400), repeat_fraction=0.4,
+    engine_blocks=16, host_blocks=24,
     # a few clients give up early: aborts while queued, loading or running
     cancel_fraction=0.15, cancel_within=6.0,
     # and some stop after one token, finishing while their stores are in flight
@@ -55,7 +56,7 @@ def _run(cfg, reference):
     problems = soak.check(result, cfg)
     assert not problems, "; ".join(problems) + "\n" + soak.summary(result, cfg)
     # the workload did what it is for
-    assert len(result.outputs) - len(result.cancelled) >= 28
+    assert len(result.outputs) - len(result.cancelled) >= 16
     assert result.counters["kvbm_offload_blocks_d2h_total"] > cfg.host_blocks
     # KVBM's hit counter and vLLM's agree even under preemption and retries
     assert (result.counters["kvbm_matched_tokens_total"]

@@ -8,21 +8,22 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1200)
 
-HOST_BLOCKS = 24
+HOST_BLOCKS = 12
 
 
-def _round_trip(llm, plain, prompt, hit_tokens):
+def _round_trip(llm, plain, prompt, hit_tokens, host_blocks=HOST_BLOCKS, block_size=BLOCK_SIZE):
     want = reference(plain, [prompt])
     skipped = kvbm_counter("store_skipped_blocks")
     assert generate(llm, [prompt])[0] == want  # computes; stores all of it
-    clear_engine_and_host(llm, HOST_BLOCKS)
+    # clear_engine_and_host counts in blocks of the default size
+    clear_engine_and_host(llm, host_blocks * block_size // BLOCK_SIZE)
     assert kvbm_counter("store_skipped_blocks") == skipped
     before = kvbm_counter("matched_tokens_disk")
     got, cached = generate(llm, [prompt])
@@ -33,28 +34,29 @@ def _round_trip(llm, plain, prompt, hit_tokens):
 
 def test_a_prompt_longer_than_the_host_tier_comes_back_from_disk(model_dir, plain_llm,
                                                                  tmp_path):
-    """6144 tokens (48 blocks of 128) with a 24-block host tier: 6016 tokens
+    """3200 tokens (25 blocks of 128) with a 12-block host tier: 3072 tokens
     from disk (vLLM computes the last block's last token)."""
     llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
                                         disk_cache_dir=str(tmp_path),
                                         disk_cache_size="1GiB", **EVERY_PAGE_LOADED))
     try:
-        _round_trip(llm, plain_llm, random_prompt(6144, seed=9401), 6016)
+        _round_trip(llm, plain_llm, random_prompt(3200, seed=9401), 3072)
     finally:
         llm.llm_engine.engine_core.shutdown()
 
 
 def test_small_blocks_and_pages_longer_than_the_host_tier(model_dir, tmp_path):
     """32-token blocks, 256-token pages, a 24-block host tier (3 pages): a
-    5000-token prompt comes back with 4864 tokens (19 whole pages)."""
+    2000-token prompt comes back with 1792 tokens (7 whole pages)."""
     plain = make_llm(None, block_size=32)
     try:
-        llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, page_tokens=256,
+        llm = make_llm(kvbm_transfer_config(host_cache_blocks=24, page_tokens=256,
                                             disk_cache_dir=str(tmp_path),
                                             disk_cache_size="1GiB", **EVERY_PAGE_LOADED),
                        block_size=32)
         try:
-            _round_trip(llm, plain, random_prompt(5000, seed=9402), 4864)
+            _round_trip(llm, plain, random_prompt(2000, seed=9402), 1792,
+                        host_blocks=24, block_size=32)
         finally:
             llm.llm_engine.engine_core.shutdown()
     finally:

@@ -11,10 +11,10 @@ from vllm_kvbm.tools.server import kvbm_transfer_config
 
 
 def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plain_llm, tmp_path):
-    """Engine A (a host tier big enough) writes a 5000-token prompt to disk;
+    """Engine A (a host tier big enough) writes a 2600-token prompt to disk;
     engine B, on the same directory with an 8-block host tier, onboards all of
     it and answers as a plain engine that recomputed it."""
-    prompt = random_prompt(5000, seed=9201)
+    prompt = random_prompt(2600, seed=9201)
     want = reference(plain_llm, [prompt])
 
     def engine(host_blocks: int):
@@ -23,7 +23,7 @@ def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plai
                                              disk_cache_size="1GiB",
                                              **EVERY_PAGE_LOADED))
 
-    a = engine(64)
+    a = engine(24)
     try:
         assert generate(a, [prompt])[0] == want
         settle(a)
