@@ -40,7 +40,7 @@ def tp_env():
 
 PROMPTS = {name: random_prompt(n, seed=seed) for name, n, seed in
            (("host", 6 * BLOCK_SIZE + 17, 7001), ("disk", 8 * BLOCK_SIZE + 3, 7002),
-            ("bad_rank", 7 * BLOCK_SIZE + 9, 7003), ("swapped", 16 * BLOCK_SIZE + 52, 7004))}
+            ("bad_rank", 7 * BLOCK_SIZE + 9, 7003), ("swapped", 8 * BLOCK_SIZE + 52, 7004))}
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,14 @@ def want(model_dir, tp_env):
 
 @pytest.fixture(scope="module")
 def tp_kvbm(model_dir, tp_env, want, tmp_path_factory):
+    """Pages sealed under a deployment secret (the swapped-pages test)."""
     disk = tmp_path_factory.mktemp("kvbm-tp-disk")
+    secret_file = tmp_path_factory.mktemp("kvbm-tp-secret") / "page.secret"
+    secret_file.write_bytes(os.urandom(32))
+    secret_file.chmod(0o600)
     llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
                                         disk_cache_dir=str(disk), disk_cache_size="512MiB",
+                                        page_secret_file=str(secret_file),
                                         **EVERY_PAGE_LOADED),
                    **ENGINE)
     yield llm, disk
@@ -124,29 +129,21 @@ def test_tp2_one_rank_fails_its_load_and_vllm_recomputes(tp_kvbm, want):
     assert got[0] == want["bad_rank"] and cached[0] == expected_hit_tokens(len(prompt))
 
 
-def test_tp2_rank_pages_swapped_without_the_secret_are_refused(model_dir, tp_env, want, tmp_path):
+def test_tp2_rank_pages_swapped_without_the_secret_are_refused(tp_kvbm, want):
     """Someone who can write the disk directory but holds no page secret swaps
     each rank-0 page file with its rank-1 twin (the names differ only in the
     rank). Every page is still intact and sealed under the deployment's
-    secret, but each is bound to the rank that wrote it: a new engine with
-    the same secret refuses them all (counted) and recomputes."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    secret_file = tmp_path / "page.secret"
-    secret_file.write_bytes(os.urandom(32))
-    config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(d),
-                                  disk_cache_size="512MiB", page_secret_file=str(secret_file),
-                                  **EVERY_PAGE_LOADED)
+    secret, but each is bound to the rank that wrote it: each rank refuses
+    the page it reads (counted) and vLLM recomputes."""
+    llm, disk = tp_kvbm
     prompt = PROMPTS["swapped"]
     n_pages = len(prompt) // BLOCK_SIZE
-    llm = make_llm(config, **ENGINE)
-    try:
-        assert generate(llm, [prompt])[0][0] == want["swapped"]
-        settle(llm)
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-    rank0 = sorted(p for p in d.glob("*.pt") if f"@{TP}@0@" in p.name)
+    before_files = set(disk.glob("*.pt"))
+    assert generate(llm, [prompt])[0][0] == want["swapped"]
+    settle(llm)
+    rank0 = sorted(p for p in set(disk.glob("*.pt")) - before_files if f"@{TP}@0@" in p.name)
     assert len(rank0) == n_pages
+    clear_engine_and_host(llm, HOST_BLOCKS)
     for page in rank0:
         twin = page.with_name(page.name.replace(f"@{TP}@0@", f"@{TP}@1@"))
         a, b = page.read_bytes(), twin.read_bytes()
@@ -154,23 +151,19 @@ def test_tp2_rank_pages_swapped_without_the_secret_are_refused(model_dir, tp_env
         page.write_bytes(b)
         twin.write_bytes(a)
 
-    llm = make_llm(config, **ENGINE)
-    try:
-        auth, checksum = kvbm_counter("page_auth_failures"), kvbm_counter("checksum_failures")
-        d2d, errors = kvbm_counter("onboard_blocks_d2d"), kvbm_counter("load_error_blocks")
-        got, _ = generate(llm, [prompt])
-        assert got[0] == want["swapped"]
-        refused = (kvbm_counter("page_auth_failures") - auth
-                   + kvbm_counter("checksum_failures") - checksum)
-        assert refused >= n_pages  # each rank refuses every page it read
-        assert kvbm_counter("load_error_blocks") - errors > 0
-        assert kvbm_counter("onboard_blocks_d2d") == d2d
-        # Refused pages are removed; the recomputed KV is written again and
-        # then serves the prompt from disk.
-        settle(llm)
-        clear_engine_and_host(llm, HOST_BLOCKS)
-        got, cached = generate(llm, [prompt])
-        assert got[0] == want["swapped"]
-        assert cached[0] == expected_hit_tokens(len(prompt))
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+    auth, checksum = kvbm_counter("page_auth_failures"), kvbm_counter("checksum_failures")
+    d2d, errors = kvbm_counter("onboard_blocks_d2d"), kvbm_counter("load_error_blocks")
+    got, _ = generate(llm, [prompt])
+    assert got[0] == want["swapped"]
+    refused = (kvbm_counter("page_auth_failures") - auth
+               + kvbm_counter("checksum_failures") - checksum)
+    assert refused >= n_pages  # each rank refuses every page it read
+    assert kvbm_counter("load_error_blocks") - errors > 0
+    assert kvbm_counter("onboard_blocks_d2d") == d2d
+    # Refused pages are removed; the recomputed KV is written again and then
+    # serves the prompt from disk.
+    settle(llm)
+    clear_engine_and_host(llm, HOST_BLOCKS)
+    got, cached = generate(llm, [prompt])
+    assert got[0] == want["swapped"]
+    assert cached[0] == expected_hit_tokens(len(prompt))
