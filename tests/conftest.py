@@ -20,6 +20,25 @@ from vllm_kvbm.tools.server import kvbm_transfer_config
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
+
+def _bind_xdist_worker_to_a_core() -> None:
+    """scripts/test.sh runs two pytest-xdist workers: each worker's engines
+    compute on a core of their own (vLLM's automatic binding would put both
+    workers' engines on the first core). Engines compared with each other
+    run in one worker, so they stay bound alike; tests that bind otherwise
+    (TP=2: one core per rank) set the variable themselves."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or workers > len(cores):
+        return
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[int(worker[2:]) % len(cores)])
+
+
+_bind_xdist_worker_to_a_core()
+
 TESTS = Path(__file__).resolve().parent
 # tests/unit: no engine, no server process (scripts/test.sh --fast);
 # tests/e2e: real engines and servers.
