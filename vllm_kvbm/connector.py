@@ -94,7 +94,7 @@ class KVBMConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
-        from vllm_kvbm.worker.vllm_layout import requested_kv_cache_layout
+        from vllm_kvbm.engine_info import requested_kv_cache_layout
 
         # A block contiguous across layers: a page of consecutive blocks is one copy.
         return requested_kv_cache_layout(vllm_config)

@@ -22,6 +22,39 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
+# Block outermost, then layers: a block's layers are one run of bytes, so a
+# block is one copy and consecutive blocks one copy (copy_runs.py). Under
+# vLLM's default (layer outermost) a 70B page is 1,280 copies of 8-64 KiB.
+# Head-major interior, as vLLM's own offloading and NIXL connectors ask
+# (LBHNC): the one block-outer layout FlashInfer's Blackwell kernels take too.
+BLOCK_MAJOR_LAYOUT = "BLHNC"
+# vLLM refuses a block-outer layout when it splits a block into smaller
+# kernel blocks (create_kv_cache_views); no NVIDIA attention backend needs
+# that at 64 tokens or fewer (FlashInfer's largest kernel block is 64).
+MAX_BLOCK_MAJOR_TOKENS = 64
+
+
+def requested_kv_cache_layout(vllm_config) -> str | None:
+    """The KV cache layout KVBM asks vLLM for, or None (vLLM's own choice).
+
+    Asked only where the copy engines move the blocks (NVIDIA CUDA) and vLLM
+    can lay blocks out that way; a backend that refuses it makes vLLM keep
+    its own choice (with a warning), and an explicit VLLM_KV_CACHE_LAYOUT
+    wins outright (beside another connector that asks for a layout of its
+    own, that is how to settle the disagreement). Safe for stored pages: the
+    resolved layout is in every page's namespace (identity.py) and the
+    per-layer strides in its header (tier_io.layout_fingerprint).
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return None  # CPU, ROCm: their backends take no block-outer layout
+    block_size = getattr(vllm_config.cache_config, "block_size", None)
+    if block_size is not None and block_size > MAX_BLOCK_MAJOR_TOKENS:
+        return None
+    return BLOCK_MAJOR_LAYOUT
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     block_size: int

@@ -20,7 +20,7 @@ from vllm_kvbm.worker.copy_engine import CopyEngineMover, SpanViews
 from vllm_kvbm.worker.copy_path import nixl_page_copies
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs, merge_runs, page_copies
 from vllm_kvbm.worker.kv_regions import block_regions
-from vllm_kvbm.worker.vllm_layout import BLOCK_MAJOR_LAYOUT
+from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT
 
 NB = 40
 
@@ -164,7 +164,7 @@ def test_70b_page_copies(tp, layer_block):
     n = nixl_page_copies(lbnhc, 16)
     assert (n.best, n.worst, n.smallest) == (1280, 1280, layer_block)
     # Laid out block by block across layers (BLHNC: what KVBM asks vLLM for
-    # on CUDA, worker/vllm_layout.py): a page of consecutive blocks is one
+    # on CUDA, engine_info.py): a page of consecutive blocks is one
     # 80-layer copy (5 MiB blocks x 16 = 80 MiB at TP=1), scattered blocks
     # one copy each (5 MiB at TP=1, 640 KiB at TP=8).
     for name in (BLOCK_MAJOR_LAYOUT, "BLNHC"):

@@ -1,4 +1,4 @@
-"""The KV cache layout KVBM asks vLLM for (worker/vllm_layout.py), as vLLM 0.32 resolves it.
+"""The KV cache layout KVBM asks vLLM for (engine_info.py), as vLLM 0.32 resolves it.
 
 vLLM's own resolver (``resolve_kv_cache_layout``, run in the engine core)
 decides, from a real VllmConfig naming KVBMConnector and the layouts the

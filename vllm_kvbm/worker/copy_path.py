@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vllm_kvbm.worker.copy_runs import PageCopies
-from vllm_kvbm.worker.vllm_layout import BLOCK_MAJOR_LAYOUT, MAX_BLOCK_MAJOR_TOKENS
+from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT, MAX_BLOCK_MAJOR_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: t
     hint = ""
     if first.is_cuda and copies.best > page_blocks:
         # Layer by layer (LBNHC, LBHNC), a host row and the engine cache cross:
-        # vLLM did not take the layout KVBM asks for (worker/vllm_layout.py).
+        # vLLM did not take the layout KVBM asks for (engine_info.py).
         hint = (f"; the KV cache is laid out layer by layer: {BLOCK_MAJOR_LAYOUT}, which KVBM "
                 f"asks vLLM for, makes a page of consecutive blocks one copy (vLLM keeps its "
                 f"own when VLLM_KV_CACHE_LAYOUT is set, an attention backend refuses "
