@@ -211,6 +211,31 @@ def test_joined_regions_copy_exactly_what_each_layer_block_would(name, gen):
             assert all(np.array_equal(g, w) for g, w in zip(got, want)), (name, blocks, rows)
 
 
+def test_a_page_under_the_block_major_layout_is_the_same_bytes_and_identity_as_lbhnc(gen):
+    # The order of blocks and layers in the engine changes only the copies:
+    # a page holds the same bytes (and the same layout fingerprint in its
+    # header) as under LBHNC, vLLM's CPU layout. Under LBNHC (another
+    # interior) both differ, so such a page is never read as this one.
+    from vllm_kvbm.worker.tier_io import layout_fingerprint
+
+    lays = {name: layout(name, gen if name == "LBHNC" else None)
+            for name in ("LBHNC", BLOCK_MAJOR_LAYOUT, "LBNHC")}
+    for name, lay in lays.items():
+        for layer, view in lay.caches.items():
+            view.copy_(lays["LBHNC"].caches[layer])  # the same KV, logically
+    pages, prints = {}, {}
+    for name, lay in lays.items():
+        m, pool, stream = mover_for(lay, 8, gen)
+        m.post(True, [1, 2, 5], [0, 1, 2])
+        stream.run()
+        pages[name] = pool[:3].clone()
+        prints[name] = layout_fingerprint(lay.caches, NB, lay.block_dims)
+    assert torch.equal(pages[BLOCK_MAJOR_LAYOUT], pages["LBHNC"])
+    assert prints[BLOCK_MAJOR_LAYOUT] == prints["LBHNC"]
+    assert not torch.equal(pages["LBNHC"], pages["LBHNC"])
+    assert prints["LBNHC"] != prints["LBHNC"]
+
+
 def test_page_copies_log_line():
     c = page_copies(RegionTable.of(regions_70b("LBNHC", 8)), 16)
     assert str(c) == ("a 16-block page is 1280 copies (consecutive engine blocks) to 1280 "
