@@ -6,8 +6,8 @@ stored into a pinned host pool (worker/host_pool.py) and loaded back into
 other blocks by the copy engines (worker/copy_engine.py: KVBM's path on
 CUDA) and by NIXL (a UCX agent copying to itself), each polled at an engine
 step's cadence, against PyTorch's pinned ``copy_`` of as many bytes; for
-FlashAttention's default layout (LBNHC: layer by layer) and a block-major
-one (BLNHC: a page of consecutive blocks is one copy). UCX's protocol choice
+vLLM's default layout (LBNHC: layer by layer) and the block-major one KVBM
+asks vLLM for (BLHNC: a page of consecutive blocks is one copy). UCX's protocol choice
 (``UCX_PROTO_INFO=y``) is printed, and an emulated protocol said as such.
 """
 
@@ -23,11 +23,12 @@ import torch
 from gpu_check_gds import sync
 from helpers.kv_layouts import agent_name, vllm_layout
 from vllm_kvbm.bench.cores import teed_output
+from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT
 from vllm_kvbm.worker.copy_path import nixl_page_copies
 from vllm_kvbm.worker.host_pool import HostPool
 
 PAGE_BLOCKS = 16
-LAYOUTS = ("LBNHC", "BLNHC")
+LAYOUTS = ("LBNHC", BLOCK_MAJOR_LAYOUT)
 TARGET_RATIO = 0.9  # of a pinned copy_: what the copy-engine path must reach
 
 

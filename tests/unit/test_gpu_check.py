@@ -90,7 +90,7 @@ def test_gpu_check_passes_on_cpu_with_only_the_gpu_machines_packages():
     assert "1 pages of 16 blocks x 16 tokens, 2 layers, 8 KV heads of 128: 2.0 MiB" in stdout(lines)
     for tp in (1, 8):  # both paths side by side: NIXL only on CPU, the copy engine said so
         paths = "\n".join(line for line in lines if line.startswith(f"paths-70b-tp{tp} "))
-        for layout in ("LBNHC", "BLNHC"):
+        for layout in ("LBNHC", "BLHNC"):  # vLLM's default, the layout KVBM asks for
             check = f"{layout} NIXL pages stored and loaded back, bytes equal"
             assert check in paths and "PASS" in paths.split(check)[1].split("\n")[0], paths
             assert f"{layout} NIXL offload d2h GB/s (vs copy_)" in paths
