@@ -3,7 +3,8 @@
 What the engine thread spends in ``mover.post`` for a store of an 8192-token
 prefill (512 blocks of 16 tokens, 32 pages of 256) at a 70B model's geometry
 (80 layers, 8 KV heads of 128, bf16) on one rank of TP=1 and of TP=8, for
-FlashAttention's layout (LBNHC) and a block-major one (BLNHC):
+vLLM's default layout (LBNHC, layer by layer) and the block-major one KVBM
+asks vLLM for on CUDA (BLHNC, engine_info.py):
 
 - copy engine (worker/copy_engine.py): the copy list (numpy, merged) and the
   batch handed to the stream. The stream here is a stand-in that takes the
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 
 from helpers.kv_layouts import agent_name, vllm_layout  # noqa: E402
 from vllm_kvbm.worker.copy_engine import CopyEngineMover  # noqa: E402
+from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT  # noqa: E402
 
 PREFILL_TOKENS = 8192
 BLOCK_TOKENS = 16
@@ -77,9 +79,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{blocks // PAGE_BLOCKS} pages; 70B geometry; budget {BUDGET_MS:g} ms on the "
           f"engine thread; median of {args.repeats}")
     print(f"{'case':<22} {'path':<12} {'copies':>7} {'post ms':>8}  within budget")
-    worst = 0.0
+    worst: dict[str, float] = {}
     for tp in (1, 8):
-        for layout in ("LBNHC", "BLNHC"):
+        for layout in ("LBNHC", BLOCK_MAJOR_LAYOUT):
             lay = vllm_layout(layout, 80, num_blocks, heads=8 // tp, block_size=BLOCK_TOKENS,
                               head_size=128, gen=None, dtype=torch.bfloat16, pad=0)
             pool = torch.empty(blocks, lay.block_bytes(), dtype=torch.uint8)
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                                 copies=TakesTheBatch(), page_blocks=PAGE_BLOCKS)
             n = len(m._runs(True, ids, rows)[2])
             ms = median_ms(lambda: m.post(True, ids, rows), args.repeats)
-            worst = max(worst, ms)
+            worst[layout] = max(worst.get(layout, 0.0), ms)
             print(f"{case:<22} {'copy engine':<12} {n:>7} {ms:>8.3f}  "
                   f"{'yes' if ms <= BUDGET_MS else 'NO'}", flush=True)
             if not args.no_nixl:
@@ -98,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{case:<22} {'NIXL':<12} {n:>7} {ms:>8.3f}  "
                       f"{'yes' if ms <= BUDGET_MS else 'NO'}", flush=True)
             del lay, pool
-    print(f"copy engine: at most {worst:.3f} ms per 8k-token prefill "
-          f"({worst / BUDGET_MS:.2f} of the {BUDGET_MS:g} ms budget)")
+    for layout, ms in worst.items():
+        print(f"copy engine, {layout}: at most {ms:.3f} ms per 8k-token prefill "
+              f"({ms / BUDGET_MS:.2f} of the {BUDGET_MS:g} ms budget)")
     return 0
 
 
