@@ -220,6 +220,31 @@ def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=()
     return mro
 
 
+def worker_weights(model: torch.nn.Module, rank: int = 0):
+    """A worker's ``LoadedWeights`` for ``model``, digested as at load."""
+    from vllm_kvbm.worker.loaded_weights import LoadedWeights
+
+    weights = LoadedWeights(rank, lambda: model)
+    weights.digest_at_load()
+    return weights
+
+
+def step_with_weights(scheduler: Scheduler, workers, **report):
+    """One step whose workers are real ``LoadedWeights`` (one per TP rank):
+    each judges the step's jobs as a worker does (digesting its model when
+    the metadata starts a weights epoch) and reports its digest in the
+    step's output. Returns (scheduler_output, metadata, whether each worker
+    serves the step's jobs)."""
+    out = scheduler.schedule()
+    meta = out.kv_connector_metadata
+    served = [worker.serves(meta.weights) for worker in workers]
+    mro = worker_output(scheduler, out, **report)
+    mro.kv_connector_output.kv_connector_worker_meta.weights_digested = [
+        digest for worker in workers for digest in worker.take_unreported()]
+    scheduler.update_from_output(out, mro)
+    return out, meta, served
+
+
 def block_ids(scheduler: Scheduler, req_id: str) -> list[int]:
     return list(scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 

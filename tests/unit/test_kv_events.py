@@ -9,13 +9,16 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
+import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from helpers.scheduler_harness import (BLOCK, admit, kvbm, make_request, make_scheduler,
-                                       step, store_and_finish, tokens, worker_output)
+                                       step, step_with_weights, store_and_finish, tokens,
+                                       worker_output, worker_weights)
 from vllm_kvbm.scheduler.kv_events import KVEvents
 from vllm_kvbm.scheduler.slot_index import SlotIndex
+from vllm_kvbm.worker.loaded_weights import LoadedWeights
 from vllm_kvbm.tools.server import free_port
 
 
@@ -170,11 +173,19 @@ def test_disk_write_through_is_published_when_confirmed_and_removed_when_lost(
     _, _, removed = tier_events(published, "DISK")
     assert removed == external(req, slice(0, 1))
     assert tier_events(published, "CPU")[2] == []
-    # A reset: the disk's pages are never looked up again here.
     # (it finished while its store was in flight: its blocks wait for that)
     step(sched, finished_sending=[req.request_id])
     assert req.request_id not in sched.requests
+    # A connector reset under the same weights: the disk's page is served
+    # again, so it stays announced.
     assert sched.reset_prefix_cache(reset_connector=True)
+    step_with_weights(sched, [worker_weights(torch.nn.Linear(2, 2))])  # as loaded
+    _, _, removed = tier_events(published, "DISK")
+    assert removed == external(req, slice(0, 1))
+    # Other weights (the workers report another digest): the keys move, and
+    # no page from before is looked up again here.
+    assert sched.reset_prefix_cache()
+    step_with_weights(sched, [LoadedWeights(0, None)])  # a new label each epoch
     step(sched)
     _, _, removed = tier_events(published, "DISK")
     assert removed == external(req, slice(0, 2))

@@ -537,7 +537,8 @@ def test_connector_reset_forgets_stores_still_in_flight():
     step(s, stores_done=[store.job_id])
     assert not any(k.host.is_ready(key) for key in keys_of(s, fresh))
     # No hit: at most "ask again" while the preempted writer, recomputing
-    # from scratch, stores its post-reset KV under the new keys.
+    # from scratch, stores its post-reset KV (under the same keys: the
+    # weights did not change).
     hit, _ = k.get_num_new_matched_tokens(make_request(fresh), 0)
     assert not hit
 
@@ -549,7 +550,7 @@ def test_a_reset_vllm_refuses_during_a_load_keeps_it_then_a_later_reset_forgets_
     r2, load = load_again(s, prompt, max_tokens=2)
     held = block_ids(s, r2.request_id)
     pool = s.kv_cache_manager.block_pool
-    keys = keys_of(s, prompt)  # before the reset: it moves keys to a new epoch
+    keys = keys_of(s, prompt)
     # The load holds engine blocks: vLLM refuses the local reset, and with
     # reset_running_requests it raises (vLLM 0.32 does not support resetting
     # under a pending KV load); neither frees the blocks being written.

@@ -3,18 +3,22 @@
 - tensor parallelism: a load that fails on one rank is never committed as
   good, even when vLLM reports it finished steps later (after the last rank),
   driven through vLLM's own ``KVOutputAggregator``;
-- a cache reset reaches every tier: no page stored before it is found again,
-  though the disk still holds it (a real DiskStore writes the files).
+- a connector reset forgets the host tier and the stores in flight, and keys
+  stay a function of the weights the workers run: a lower tier's pages of
+  the same weights are served again, of other weights never (a real
+  DiskStore writes the files, real ``LoadedWeights`` digest real modules).
 """
 
 from __future__ import annotations
 
 
+import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.request import RequestStatus
 
 from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, lookup, make_request, make_scheduler,
-                                       step, store_and_finish, tokens, worker_output)
+                                       step, step_with_weights, store_and_finish, tokens,
+                                       worker_output, worker_weights)
 from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees, tier_of
 
 
@@ -71,9 +75,16 @@ def test_a_rank_that_fails_its_load_steps_before_the_other_finishes_commits_noth
     assert all(k.host.is_ready(key) for key in keys)
 
 
-def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+
+
+def test_after_a_reset_a_lower_tiers_pages_are_served_under_the_same_weights_only(tmp_path):
     s = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(s)
+    model = _model()
+    worker = worker_weights(model)
     store = disk_store_for(k, tmp_path)
     try:
         prompt = tokens(2 * BLOCK + 5, 62)
@@ -81,18 +92,83 @@ def test_a_reset_hides_every_tier_from_later_lookups(tmp_path):
         put_where_the_scheduler_sees(store, k, old_keys)
         assert lookup(k, make_request(prompt))[0] == 2 * BLOCK
 
+        # The same weights: the workers' digest is "as loaded", the keys are
+        # the ones before the reset, and the disk's pages are served again.
         assert s.reset_prefix_cache(reset_connector=True)
-        # The pages are still on disk (shared with other engines and restarts)...
-        assert all(tier_of(k.lower, key) == "disk" for key in old_keys)
-        # ...but this engine never looks them up again: its keys changed epoch.
-        assert lookup(k, make_request(prompt)) == (0, False)
+        _, meta, served = step_with_weights(s, [worker])
+        assert meta.weights == (1, ("",)) and served == [True]  # one epoch per reset
+        assert keys_of(s, prompt)[:2] == old_keys
+        assert lookup(k, make_request(prompt))[0] == 2 * BLOCK
+
+        # Weights changed in memory, then a reset: once the digest is in, the
+        # keys name it, and the pages of the weights before are never looked up.
+        with torch.no_grad():
+            model[1].weight.mul_(2)
+        assert s.reset_prefix_cache(reset_connector=True)
+        assert step_with_weights(s, [worker])[2] == [False]  # jobs under the old keys
         new_keys = keys_of(s, prompt)[:2]
         assert not set(new_keys) & set(old_keys)
-        # What is computed after the reset is cached under the new keys.
+        assert lookup(k, make_request(prompt)) == (0, False)
+        assert all(tier_of(k.lower, key) == "disk" for key in old_keys)  # still there
+        # What is computed now is cached under the new keys.
         store_and_finish(s, prompt)
         assert all(k.host.is_ready(key) for key in new_keys)
+
+        # Back to the weights as loaded: the pages stored before are found again.
+        with torch.no_grad():
+            model[1].weight.div_(2)
+        assert s.reset_prefix_cache(reset_connector=True)
+        step_with_weights(s, [worker])
+        assert keys_of(s, prompt)[:2] == old_keys
+        assert lookup(k, make_request(prompt))[0] == 2 * BLOCK
     finally:
         store.close()
+
+
+def test_a_connector_reset_alone_starts_a_weights_epoch_whose_loads_wait_for_the_digest(
+        tmp_path):
+    """vLLM may call the connector's reset without (or before) the hook on
+    its own prefix-cache reset: the reset starts the weights epoch itself, and
+    a load of the keys from before, planned before the workers' digests are
+    in, is refused by a worker whose weights differ from the keys'."""
+    s = make_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(s)
+    del s.kv_cache_manager.reset_prefix_cache  # vLLM's own method, unhooked
+    model = _model()
+    worker = worker_weights(model)
+    store = disk_store_for(k, tmp_path)
+    try:
+        prompt = tokens(2 * BLOCK + 5, 66)
+        put_where_the_scheduler_sees(store, k, keys_of(s, prompt)[:2])
+        with torch.no_grad():
+            model[0].bias.add_(1)
+        assert s.reset_prefix_cache(reset_connector=True)
+        req = make_request(prompt, max_tokens=1)
+        assert lookup(k, req)[0] == 2 * BLOCK  # the keys of the weights as loaded
+        s.add_request(req)
+        _, meta, served = step_with_weights(s, [worker])
+        assert meta.loads and meta.weights == (1, ("",))
+        assert served == [False]  # refused: recomputed, never onboarded
+        assert keys_of(s, prompt)[:2] != keys_of(make_scheduler(), prompt)[:2]
+    finally:
+        store.close()
+
+
+def test_engines_that_received_the_same_update_and_reset_share_keys():
+    engines = [make_scheduler() for _ in range(3)]
+    prompt = tokens(3 * BLOCK, 67)
+    before = keys_of(engines[0], prompt)
+    updates = (2.0, 2.0, 3.0)  # the third engine received another update
+    for sched, scale in zip(engines, updates):
+        model = _model()
+        worker = worker_weights(model)
+        with torch.no_grad():
+            model[1].weight.mul_(scale)
+        assert sched.reset_prefix_cache(reset_connector=True)
+        step_with_weights(sched, [worker])
+    a, b, c = (keys_of(sched, prompt) for sched in engines)
+    assert a == b  # the same update: shared pages
+    assert a != before and c != a and c != before
 
 
 def test_a_reset_vllm_refused_is_refused_by_kvbm_too():
@@ -128,16 +204,18 @@ def test_a_reset_vllm_refused_is_refused_by_kvbm_too():
     r2_keys = keys_of(s, r2.prompt_token_ids)
     assert r2_keys[0] == keys[0] and all(k.host.is_ready(key) for key in r2_keys)
 
-    # With every request done, vLLM's reset succeeds and so does KVBM's.
+    # With every request done, vLLM's reset succeeds and so does KVBM's
+    # (the weights unchanged: the same keys, the host tier cleared).
     assert s.reset_prefix_cache(reset_connector=True)
-    assert keys_of(s, prompt) != keys
+    assert keys_of(s, prompt) == keys
     assert not any(k.host.is_ready(key) for key in keys)
 
 
 def test_a_request_preempted_by_a_reset_stores_only_recomputed_kv():
     """reset_running_requests: vLLM preempts every running request, resets,
-    and they recompute from scratch; what they store then is post-reset KV
-    under post-reset keys, and nothing stored before is found."""
+    and they recompute from scratch; the host tier's pages from before are
+    gone, and what they store then is the recomputed KV (under the same keys:
+    the weights did not change)."""
     s = make_scheduler(max_batched=BLOCK)
     k = kvbm(s)
     prompt = tokens(3 * BLOCK + 1, 65)
@@ -153,5 +231,5 @@ def test_a_request_preempted_by_a_reset_stores_only_recomputed_kv():
             break
         step(s, complete=True)
     new = keys_of(s, prompt)
-    assert new != old
+    assert new == old
     assert all(k.host.is_ready(key) for key in new[:3])

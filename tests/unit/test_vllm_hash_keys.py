@@ -3,9 +3,9 @@
 Driven by vLLM's real Scheduler (scheduler_harness), whose requests carry the
 block hashes vLLM's engine core computes (sha256 at the block size unless a
 test says otherwise). Keys from vLLM's hashes must differ wherever the KV
-would (namespace, LoRA, cache salt, cache-reset epoch), be the same across
-processes and restarts, and give way to our own chain wherever vLLM's hashes
-are not reproducible or not at our blocks.
+would (namespace, LoRA, cache salt, the weights the workers run), be the same
+across processes and restarts, and give way to our own chain wherever vLLM's
+hashes are not reproducible or not at our blocks.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from vllm.utils.hashing import sha256, sha256_cbor, xxhash
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
 from helpers.scheduler_harness import (BLOCK, _model_dir, keys_of, kvbm, load_again, make_request,
-                                       make_scheduler, tokens)
+                                       make_scheduler, step_with_weights, tokens)
 from vllm_kvbm.keys import KeyChain, VllmHashKeys, vllm_key_mask, xor_keys
+from vllm_kvbm.worker.loaded_weights import LoadedWeights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +61,7 @@ def test_keys_are_vllms_block_hashes_xor_a_namespace_digest(caplog):
         == load.slots
 
 
-def test_keys_differ_across_namespaces_salts_and_epochs(tmp_path):
+def test_keys_differ_across_namespaces_salts_and_weights(tmp_path):
     prompt = tokens(6 * BLOCK, 3)
     s, same, other = make_scheduler(), make_scheduler(), make_scheduler(namespace="tenant-b")
     k = kvbm(s)
@@ -86,8 +87,11 @@ def test_keys_differ_across_namespaces_salts_and_epochs(tmp_path):
         # vLLM's hash names a LoRA by name and path; ours by its id and files too
         "lora, other id": keys(lora_request=LoRARequest("lora-a", 2, str(adapter))),
     }
-    assert s.reset_prefix_cache(reset_connector=True)  # the keys move to a new epoch
-    variants["after a cache reset"] = keys()
+    # A reset under the same weights keeps the keys; other weights move them.
+    assert s.reset_prefix_cache(reset_connector=True)
+    assert keys() == variants["plain"]
+    step_with_weights(s, [LoadedWeights(0, None)])  # a worker reporting other weights
+    variants["other weights"] = keys()
     variants["chain"] = chain_keys(s, prompt)
     every = [key for ks in variants.values() for key in ks]
     assert all(len(ks) == 6 for ks in variants.values())

@@ -1,13 +1,10 @@
-"""Resets: forgetting every cached page of this engine (a new key epoch), and
-vLLM's prefix-cache resets, after which the workers digest their weights
-again (scheduler/weights_epochs.py)."""
+"""Resets: the connector's (the host tier and the stores in flight
+forgotten), and vLLM's prefix-cache resets; each starts a weights epoch, after
+which the workers digest their weights again (scheduler/weights_epochs.py)."""
 
 from __future__ import annotations
 
 import logging
-import os
-
-from vllm_kvbm.keys import derive_seed
 
 logger = logging.getLogger(__name__)
 
@@ -16,15 +13,20 @@ class CacheReset:
     """Part of ``KVBMScheduler`` (planner.py, which holds the state): cache reset."""
 
     def reset_cache(self) -> bool:
-        """Forgets every cached page, in every tier, for this engine; False
-        (and nothing forgotten) when vLLM's own prefix cache was not reset.
+        """Forgets what this engine holds in memory: the host tier is cleared
+        and stores in flight are dropped when they land (their KV may be of
+        the weights before an update). False (and nothing forgotten) when
+        vLLM's own prefix cache was not reset.
 
-        The host tier is cleared. The disk and remote tiers are shared with
-        other engines and restarts, so their pages are not deleted: instead
-        this engine's keys move to a new epoch (a fresh random seed), so no
-        page stored before the reset is ever looked up again here; the old
-        pages age out by LRU. Other engines sharing a store still see the
-        pre-reset pages and not this engine's new ones.
+        Keys stay a function of what the KV depends on, the namespace's seed
+        and the weights the workers run, never of the reset itself: the reset
+        starts a weights epoch (as vLLM's own prefix-cache reset does; vLLM
+        may call this without or before that hook), the workers digest their
+        weights, and until their digests are in, every job is keyed under the
+        weights known before and refused by a worker whose weights differ.
+        So disk and remote pages of the same weights stay valid and are
+        served again, here and on every engine that received the same update,
+        and pages of other weights are never looked up nor onboarded.
 
         vLLM calls this even when its own reset failed (blocks still in use):
         its cached blocks then keep serving pre-reset KV to new requests, and
@@ -38,21 +40,25 @@ class CacheReset:
                            "reset_running_requests=True")
             return False
         dropped = self.host.clear()
-        self.events.reset()
+        self.events.host_cleared()
         # Stores still being written are not cleared; drop them when they land.
         for job in self._store_jobs.values():
             job.stale = True
-        self._base_seed = derive_seed(self._base_seed, "reset", os.urandom(16).hex())
+        self.weights.new_epoch()
         self._new_keys()
-        self._epoch += 1
-        logger.info("KVBM: cache reset dropped %d host pages; disk and remote pages from "
-                    "before it are no longer looked up (key epoch %d)", dropped, self._epoch)
+        logger.info("KVBM: cache reset dropped %d host pages and %d stores in flight; weights "
+                    "epoch %d: disk and remote pages are served again where the workers' "
+                    "weights are those they were stored under", dropped, len(self._store_jobs),
+                    self.weights.epoch)
         return True
 
     def _new_keys(self) -> None:
         """Keys from the current seed for every request: KV computed (or
         being loaded) before never gets a new key; lookups use the new ones."""
-        self._seed = self.weights.seed(self._base_seed)
+        seed = self.weights.seed(self._base_seed)
+        if seed != self._seed:  # no page under the old keys is looked up again
+            self.events.keys_moved()
+        self._seed = seed
         for state in self._reqs.values():
             if state.request.num_computed_tokens > 0 or state.load.in_flight():
                 state.no_store = True

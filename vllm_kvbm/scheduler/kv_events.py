@@ -13,11 +13,12 @@ host, disk and remote tiers beside the GPU cache:
   worker confirmed its write-through.
 - BlockRemoved when it stops being: host LRU eviction, a page dropped as bad,
   a lower tier's own deletion or a failed write (the worker reports both),
-  and a cache reset (every page of every tier: their keys are never looked up
-  again). A remote store shared with other engines may also lose a page to
+  a connector reset (every host page), and keys that name other weights after
+  a weights epoch (every page of every tier: its keys are never looked up
+  again here). A remote store shared with other engines may also lose a page to
   another engine's writes or to the server's own eviction: KVBM cannot learn
   of that, and the page stays announced until this engine next fails to read
-  it (then BlockRemoved) or resets.
+  it (then BlockRemoved) or its keys move.
 
 Mediums: "CPU" for the host tier (vLLM's ``MEDIUM_CPU``, as its
 OffloadingConnector names its CPU tier), "DISK" and "EXTERNAL" for the disk and
@@ -94,7 +95,10 @@ class NoKVEvents:
     def lower_removed(self, tier: str, key: PageKey) -> None:
         pass
 
-    def reset(self) -> None:
+    def host_cleared(self) -> None:
+        pass
+
+    def keys_moved(self) -> None:
         pass
 
     def take(self) -> list:
@@ -175,16 +179,24 @@ class KVEvents(NoKVEvents):
         if hashes is not None:
             self._removed(hashes, tier)
 
-    def reset(self) -> None:
-        """A cache reset: no page of any tier is looked up again by this
-        engine, so each is announced removed."""
+    def host_cleared(self) -> None:
+        """A connector reset: the host tier is cleared (pages still being
+        read go when their readers finish) and its stores in flight never
+        land. Disk and remote pages stay announced: the keys still name the
+        weights they were stored under."""
         for page in self._host.values():
             self._removed(page.hashes, "host")
+        self._host.clear()
+        self._pending.clear()
+
+    def keys_moved(self) -> None:
+        """The keys name other weights now: no page of any tier stored
+        before is looked up again by this engine, so each is announced
+        removed."""
+        self.host_cleared()
         for tier, pages in self._lower.items():
             for hashes in pages.values():
                 self._removed(hashes, tier)
-        self._pending.clear()
-        self._host.clear()
         self._writing.clear()
         self._lower.clear()
 

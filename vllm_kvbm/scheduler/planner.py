@@ -76,12 +76,11 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self.events = kv_events or NoKVEvents()
         self.events.watch(self.host)
         self.stats = KVBMStats(metrics_sink)
-        # The namespace's seed (moved by each connector reset), and the keys'
-        # seed: that one as the weights the workers run derive it
+        # The namespace's seed, and the keys' seed: that one as the weights
+        # the workers run derive it (the same on every engine they run on)
         self._base_seed = info.key_namespace.seed()
         self.weights = WeightsEpochs(info.num_workers)
         self._seed = self._base_seed
-        self._epoch = 0  # connector resets so far (each gives new keys)
         self._reqs: dict[str, _ReqState] = {}
         # Requests a step may still concern (prompt not computed or not
         # stored): the others (decoding, prompt stored) cost a step nothing.

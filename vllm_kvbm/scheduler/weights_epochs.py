@@ -29,6 +29,7 @@ class WeightsEpochs:
         self.epoch = 0
         self.labels: tuple[str, ...] = ("",) * num_workers
         self._reports: dict[int, str] = {}  # rank -> label, of this epoch
+        self._sent = True  # the workers were told of this epoch (meta)
 
     def seed(self, base: bytes) -> bytes:
         """The key seed: ``base`` (the namespace's) for the weights as
@@ -38,9 +39,14 @@ class WeightsEpochs:
         return derive_seed(base, "weights", *self.labels)
 
     def new_epoch(self) -> None:
-        """vLLM's prefix cache was reset: the workers digest their weights again."""
+        """vLLM's prefix cache was reset: the workers digest their weights
+        again. Once per reset, however many hooks see it: an epoch no worker
+        was told of yet is the new one already."""
+        if not self._sent:
+            return
         self.epoch += 1
         self._reports = {}
+        self._sent = False
 
     def meta(self) -> tuple[int, tuple[str, ...]]:
         """What the connector metadata carries: the epoch, and the labels
@@ -54,6 +60,7 @@ class WeightsEpochs:
         for epoch, rank, label in digests:
             if epoch == self.epoch and 0 <= rank < len(self.labels):
                 self._reports[rank] = label
+                self._sent = True  # a worker answered it: it was told
         if len(self._reports) < len(self.labels):
             return False
         labels = tuple(self._reports[rank] for rank in range(len(self.labels)))
