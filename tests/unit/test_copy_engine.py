@@ -240,6 +240,9 @@ def test_page_copies_log_line():
     c = page_copies(RegionTable.of(regions_70b("LBNHC", 8)), 16)
     assert str(c) == ("a 16-block page is 1280 copies (consecutive engine blocks) to 1280 "
                       "(scattered), the smallest 8 KiB")
+    c = page_copies(RegionTable.of(regions_70b(BLOCK_MAJOR_LAYOUT, 8)), 16)
+    assert str(c) == ("a 16-block page is 1 copy (consecutive engine blocks) to 16 "
+                      "(scattered), the smallest 640 KiB")
 
 
 

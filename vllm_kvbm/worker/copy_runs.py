@@ -85,7 +85,8 @@ class PageCopies:
     smallest: int  # bytes of the smallest copy
 
     def __str__(self) -> str:
-        return (f"a {self.page_blocks}-block page is {self.best} copies (consecutive engine "
+        return (f"a {self.page_blocks}-block page is {self.best} "
+                f"{'copy' if self.best == 1 else 'copies'} (consecutive engine "
                 f"blocks) to {self.worst} (scattered), the smallest {self.smallest / 1024:g} KiB")
 
 
