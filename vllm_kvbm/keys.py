@@ -40,7 +40,8 @@ Keys come from one of two sources, chosen in the scheduler process
 
 The two kinds of key never name each other's pages (different derivations;
 a clash is a SHA-256 collision), so switching source costs misses, never
-wrong KV. A cache reset moves the seed to a new epoch: both kinds change.
+wrong KV. Weights other than those loaded (digested by the workers after a
+prefix-cache reset, scheduler/weights_epochs.py) move the seed: both kinds change.
 """
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def _digest(*fields) -> bytes:
 
 
 def derive_seed(seed: bytes, *fields: str) -> bytes:
-    """A new key seed from an old one (e.g. a cache reset's new epoch)."""
+    """A new key seed from an old one (e.g. for the weights the workers run)."""
     return _digest(seed.hex(), *fields)
 
 
