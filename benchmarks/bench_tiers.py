@@ -44,8 +44,8 @@ def ttft(llm, prompt) -> float:
 def settle(llm, host_blocks: int, rng: random.Random) -> None:
     """Lets write-through to the lower tiers land, then pushes everything out
     of the host tier with fresh prompts and clears vLLM's own prefix cache.
-    (A connector reset would clear the host tier too, but drop the
-    write-throughs still in flight.)"""
+    (A connector reset would clear the host tier in one call, but it drops
+    the host stores still in flight.)"""
     time.sleep(2.0)
     ttft(llm, [7] * 8)
     for _ in range(2):
