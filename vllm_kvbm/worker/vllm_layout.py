@@ -27,6 +27,18 @@ logger = logging.getLogger(__name__)
 # A block count no other dimension of a KV page can have.
 _SENTINEL = 1_000_003
 
+
+def layer_specs(kv_cache_config: "KVCacheConfig") -> dict:
+    """layer name -> its own KV cache spec (a UniformTypeKVCacheSpecs group
+    holds one per layer)."""
+    specs = {}
+    for group in kv_cache_config.kv_cache_groups:
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
+        for name in group.layer_names:
+            specs[name] = per_layer.get(name, group.kv_cache_spec)
+    return specs
+
+
 def declared_block_dims(kv_cache_config: "KVCacheConfig",
                         kv_caches: dict[str, "torch.Tensor"]) -> dict[str, int] | None:
     """layer -> block dim from vLLM's declared layout; None without vLLM's
@@ -38,11 +50,7 @@ def declared_block_dims(kv_cache_config: "KVCacheConfig",
         logger.warning("KVBM: this vLLM declares no per-layer KV cache shape; block "
                        "dimensions are found from the tensors' shapes")
         return None
-    specs = {}
-    for group in kv_cache_config.kv_cache_groups:
-        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}
-        for name in group.layer_names:
-            specs[name] = per_layer.get(name, group.kv_cache_spec)
+    specs = layer_specs(kv_cache_config)
     dims: dict[str, int] = {}
     for name, t in kv_caches.items():
         spec = specs.get(name)
