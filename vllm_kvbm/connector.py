@@ -66,6 +66,13 @@ class KVBMConnector(KVConnectorBase_V1):
         # A cache: a store dropped by preemption is only a future miss.
         return False
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        from vllm_kvbm.engine_info import requested_kv_cache_layout
+
+        # A block contiguous across layers: a page of consecutive blocks is one copy.
+        return requested_kv_cache_layout(vllm_config)
+
     # ---- what vLLM asks the class (newer releases; older ones never call) ---
     # tools/vllm_compat.py: ADDED_IN says which release added each.
 
@@ -91,13 +98,6 @@ class KVBMConnector(KVConnectorBase_V1):
         # never registered with NIXL or UCX: any allocation works, the
         # extensible KV cache's included.
         return KVCacheAccess.IN_PROCESS
-
-    @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
-        from vllm_kvbm.engine_info import requested_kv_cache_layout
-
-        # A block contiguous across layers: a page of consecutive blocks is one copy.
-        return requested_kv_cache_layout(vllm_config)
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig"):
