@@ -53,7 +53,7 @@ def test_not_asked_where_vllm_would_split_blocks_for_the_kernel(on_cuda):
     assert resolved(ANY_LAYOUT, block_size=128) == "LBNHC"
 
 
-def test_not_asked_on_cpu():
-    assert not current_platform.is_cuda()
+def test_not_asked_off_cuda(monkeypatch):
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)  # CPU, ROCm
     assert resolved(CPU_ATTN) == "LBHNC"
     assert resolved(ANY_LAYOUT) == "LBNHC"  # vLLM's own first choice, untouched
