@@ -2,8 +2,8 @@
 
 vLLM's own resolver (``resolve_kv_cache_layout``, run in the engine core)
 decides, from a real VllmConfig naming KVBMConnector and the layouts the
-workers' attention backends declare. Only the platform is faked where it
-must be CUDA: there is no CUDA runtime here.
+workers' attention backends declare. Only the platform's ``is_cuda`` is
+set: there is no CUDA runtime here, and the other cases must hold on a GPU host.
 """
 
 from __future__ import annotations
