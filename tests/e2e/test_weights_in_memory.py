@@ -4,7 +4,9 @@ weight of layer 1 set through ``collective_rpc``, then vLLM's plain
 parameters they run after every prefix-cache reset (worker/loaded_weights.py):
 no page of the old weights is onboarded, and the new weights' pages are keyed
 by their digest, found again after the next reset (a second digest pass of
-the same weights agrees).
+the same weights agrees). A connector reset (``reset_connector=True``) only
+clears the host tier: the keys name the weights, so disk pages of the
+weights the workers run are served again, and none of other weights.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
 from test_engine_e2e import expected_hit_tokens, generate
+from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(2400)
@@ -45,9 +48,10 @@ def _update(llm, value) -> None:
 
 
 @pytest.fixture
-def updated_engine(model_dir):
+def updated_engine(model_dir, tmp_path):
     """An engine of its own: the test changes its weights."""
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=16))
+    llm = make_llm(kvbm_transfer_config(host_cache_blocks=16, disk_cache_dir=str(tmp_path),
+                                        disk_cache_size="256MiB"))
     yield llm
     llm.llm_engine.engine_core.shutdown()
 
@@ -75,12 +79,14 @@ def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     assert kvbm_counter("onboard_blocks_h2d") - loaded == expected_hit_tokens(
         len(PROMPT)) // BLOCK_SIZE
 
+    settle(llm)  # the old weights' pages are on disk too
     _update(llm, [2.0 * w for w in norm])
     assert llm.reset_prefix_cache()  # reset_connector=False, as RL frameworks call it
-    loaded = kvbm_counter("onboard_blocks_h2d")
+    loaded = kvbm_counter("onboard_blocks_h2d") + kvbm_counter("onboard_blocks_d2d")
     got, _ = generate(llm, [PROMPT])
     want = _recomputed(llm)
-    assert kvbm_counter("onboard_blocks_h2d") == loaded  # no old page onboarded
+    # no old page onboarded, from either tier
+    assert kvbm_counter("onboard_blocks_h2d") + kvbm_counter("onboard_blocks_d2d") == loaded
     assert got == [want]
     assert want != old_out[0]  # the change shows in the answer: old pages would have
 
@@ -95,3 +101,26 @@ def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     assert hit == [want] and cached[0] == expected_hit_tokens(len(PROMPT))
     assert kvbm_counter("onboard_blocks_h2d") - loaded == expected_hit_tokens(
         len(PROMPT)) // BLOCK_SIZE
+
+    # A connector reset (reset_connector=True) clears the host tier; the keys
+    # still name the weights the workers run, so these weights' disk pages
+    # are served again: engines that received the same update share them.
+    settle(llm)
+    assert llm.reset_prefix_cache(reset_connector=True)
+    loaded = kvbm_counter("onboard_blocks_d2d")
+    hit, cached = generate(llm, [PROMPT])
+    assert hit == [want] and cached[0] == expected_hit_tokens(len(PROMPT))
+    assert kvbm_counter("onboard_blocks_d2d") - loaded == expected_hit_tokens(
+        len(PROMPT)) // BLOCK_SIZE
+
+    # The weights back to those loaded, then connector resets: the answer is
+    # the old one again (whatever was recomputed while the workers digested),
+    # and the first run's pages, still on disk under the files' keys, serve it.
+    _update(llm, norm)
+    assert llm.reset_prefix_cache(reset_connector=True)
+    back, _ = generate(llm, [PROMPT])
+    assert back == [old_out[0]]
+    settle(llm)
+    assert llm.reset_prefix_cache(reset_connector=True)
+    back, cached = generate(llm, [PROMPT])
+    assert back == [old_out[0]] and cached[0] == expected_hit_tokens(len(PROMPT))
