@@ -6,7 +6,8 @@
 
 vLLM creates one instance per process: a scheduler-role one, which delegates
 to ``KVBMScheduler``, and a worker-role one per worker, which delegates to
-``KVBMWorker``. This file only routes calls.
+``KVBMWorker``. This file only routes calls; for a model whose KV cache
+KVBM does not serve (engine_info.kept_out_reason), to neither.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_kvbm.config import KVBMConfigError, check_vllm_version, load_config
-from vllm_kvbm.engine_info import engine_info
+from vllm_kvbm.engine_info import engine_info, kept_out_reason
 from vllm_kvbm.messages import KVBMConnectorMetadata
 from vllm_kvbm.metrics import KVBMConnectorStats, KVBMPromMetrics, StandaloneMetrics
 from vllm_kvbm.scheduler import request_params
@@ -57,7 +59,11 @@ def extensible_kv_cache_note(cache_config) -> str | None:
             "with --no-enable-extensible-kv-cache to update weights layer by layer")
 
 
-class KVBMConnector(KVConnectorBase_V1):
+class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
+    # SupportsHMA keeps vLLM's hybrid KV cache manager on: without it vLLM
+    # turns it off and hybrid Mamba/GDN models stop at startup. Models of
+    # several KV cache groups start and are kept out of KVBM (kept_out_reason).
+
     # Used only by vLLM's default get_external_cache_hit_sources (overridden).
     _cache_hit_source = CacheHitSource.HOST
 
@@ -117,12 +123,20 @@ class KVBMConnector(KVConnectorBase_V1):
             if role == KVConnectorRole.SCHEDULER:
                 logger.info("KVBM: kv_load_failure_policy set to 'recompute': blocks "
                             "that fail to onboard are recomputed, never an error")
+        self.sched: KVBMScheduler | None = None
+        self.worker: KVBMWorker | None = None
+        # Not None: KVBM keeps this model's KV out of its tiers (no lookup, no
+        # store, no memory taken), and every call below returns what "nothing
+        # cached, nothing in flight" is.
+        self.kept_out = kept_out_reason(vllm_config, kv_cache_config)
+        if self.kept_out is not None:
+            if role == KVConnectorRole.SCHEDULER:
+                logger.warning(self.kept_out)
+            return
         self.info = engine_info(vllm_config, kv_cache_config, self.config.namespace,
                                 self.config.page_tokens)
         num_slots = self.config.host_slots(self.info.page_bytes, self.info.page_blocks)
         self._num_blocks = kv_cache_config.num_blocks
-        self.sched: KVBMScheduler | None = None
-        self.worker: KVBMWorker | None = None
         # Each process imports only its own side: the scheduler process never
         # loads NIXL or LMCache, a worker never the scheduler's bookkeeping.
         if role == KVConnectorRole.SCHEDULER:
@@ -173,11 +187,15 @@ class KVBMConnector(KVConnectorBase_V1):
     # ---- worker side ------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        if self.kept_out is not None:
+            return
         assert self.worker is not None
+        from vllm_kvbm.engine_info import refuse_unproven_layers
         from vllm_kvbm.worker.loaded_weights import LoadedWeights
         from vllm_kvbm.worker.tier_io import layout_fingerprint, open_tiers
-        from vllm_kvbm.worker.vllm_layout import declared_block_dims
+        from vllm_kvbm.worker.vllm_layout import declared_block_dims, layer_specs
 
+        refuse_unproven_layers(layer_specs(self._kv_cache_config), kv_caches)
         # Each layer's block dim from vLLM's declared KV layout, not guessed.
         dims = declared_block_dims(self._kv_cache_config, kv_caches)
         self.worker.register_kv_caches(kv_caches, self._num_blocks, dims)
@@ -201,17 +219,23 @@ class KVBMConnector(KVConnectorBase_V1):
         # the workers queued behind a step fence, and NIXL's registration of host
         # KV memory, cannot follow it: refuse while nothing is freed, rather than
         # copy into freed memory later.
+        if self.kept_out is not None:
+            return  # nothing registered, nothing copied
         raise RuntimeError(
             "KVBMConnector cannot release the KV cache's memory: its workers may still "
             "copy into it. For weight updates start vLLM with "
             "--no-enable-extensible-kv-cache, and do not call release_kv_cache_memory()")
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self.kept_out is not None:
+            return
         assert self.worker is not None and isinstance(kv_connector_metadata,
                                                       KVBMConnectorMetadata)
         self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if self.kept_out is not None:
+            return
         assert self.worker is not None
         self.worker.start_loads(self._meta())
 
@@ -225,14 +249,20 @@ class KVBMConnector(KVConnectorBase_V1):
         return
 
     def wait_for_save(self) -> None:
+        if self.kept_out is not None:
+            return
         assert self.worker is not None
         self.worker.start_stores(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.kept_out is not None:
+            return set(), set()
         assert self.worker is not None
         return self.worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.kept_out is not None:
+            return set()
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
 
@@ -252,22 +282,30 @@ class KVBMConnector(KVConnectorBase_V1):
 
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
+        if self.kept_out is not None:
+            return
         assert self.sched is not None
         self.sched.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request: "Request",
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.kept_out is not None:
+            return 0, False
         assert self.sched is not None
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
                                  num_external_tokens: int) -> None:
+        if self.kept_out is not None:
+            return
         assert self.sched is not None
         self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def get_external_cache_hit_sources(self, request: "Request",
                                        num_external_tokens: int) -> dict[CacheHitSource, int]:
         # Host, disk and remote hits apart in vLLM's own per-source metrics.
+        if self.kept_out is not None:
+            return {}
         assert self.sched is not None
         split: dict[CacheHitSource, int] = {}
         for tier, tokens in self.sched.hit_sources(request, num_external_tokens).items():
@@ -281,17 +319,32 @@ class KVBMConnector(KVConnectorBase_V1):
         return self.sched is not None and self.sched.may_load_async(request)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if self.kept_out is not None:
+            return KVBMConnectorMetadata()
         assert self.sched is not None
         return self.sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        if self.kept_out is not None:
+            return
         assert self.sched is not None
         self.sched.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request",
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self.sched is not None
-        delay_free, params = self.sched.request_finished(request)
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM calls this (SupportsHMA) once a request is done in every KV
+        # cache group. The scheduler side keeps its own books of the blocks
+        # its stores read (one group when it serves the model), so the ids
+        # vLLM passes are not needed.
+        if self.kept_out is not None:
+            delay_free, params = False, None
+        else:
+            assert self.sched is not None
+            delay_free, params = self.sched.request_finished(request)
         # refused kv_transfer_params are named in the response's (request_params.py)
         return delay_free, request_params.report(request.kv_transfer_params) or params
 
@@ -301,6 +354,8 @@ class KVBMConnector(KVConnectorBase_V1):
         return self.sched is not None and self.sched.has_pending_work()
 
     def reset_cache(self) -> bool | None:
+        if self.kept_out is not None:
+            return True  # nothing held
         assert self.sched is not None
         return self.sched.reset_cache()
 

@@ -122,6 +122,69 @@ def _proven_spec_types() -> tuple[type, ...]:
     return FullAttentionSpec, MLAAttentionSpec
 
 
+# Group kinds whose layers run as plain full attention, their whole KV
+# stored, when vLLM's hybrid allocator is off.
+_WINDOWED_SPECS = ("SlidingWindowSpec", "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec")
+
+
+def _scheduler_spec(spec):
+    """A group's spec as vLLM hands it to the scheduler: a
+    UniformTypeKVCacheSpecs group (layers of one type, different shapes) as
+    its first layer's spec (generate_scheduler_kv_cache_config)."""
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    return next(iter(per_layer.values())) if per_layer else spec
+
+
+def kept_out_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> str | None:
+    """Why KVBM looks nothing up and stores nothing for this model, or None
+    when it serves it: one KV cache group of a proven spec type.
+
+    Hybrid models (Mamba/GDN state, sliding-window or chunked-local groups
+    beside full attention), several groups and unproven spec types are kept
+    out: their blocks are not one prefix's plain KV, and a miss is safe where
+    wrong KV is not. Decided from the groups as the scheduler sees them, so
+    the scheduler and every worker decide alike; a worker whose group turns
+    out unproven per layer is refused by engine_info instead."""
+    groups = kv_cache_config.kv_cache_groups
+    kinds = [type(_scheduler_spec(g.kv_cache_spec)) for g in groups]
+    if len(kinds) == 1 and kinds[0] in _proven_spec_types():
+        return None
+    model = getattr(vllm_config.model_config, "model", None)
+    windowed = any(kind.__name__ in _WINDOWED_SPECS for kind in kinds)
+    return (f"KVBM: model {model!r} has KV cache groups KVBM does not serve yet "
+            f"({_count_groups(groups)}): KVBM looks up and stores nothing for it, so no "
+            f"prefix hits come from KVBM (vLLM's own prefix caching still works). KVBM "
+            f"stores and loads one KV cache group of "
+            f"{' or '.join(t.__name__ for t in _proven_spec_types())}."
+            + (" With --disable-hybrid-kv-cache-manager vLLM runs the sliding-window "
+               "layers as full attention, and KVBM stores their whole KV." if windowed else ""))
+
+
+def refuse_unproven_layers(specs: dict, layer_names) -> None:
+    """Worker side, before anything is copied: each registered layer whose
+    spec vLLM declares (``specs``: layer -> its own spec) is of a proven type
+    exactly, so no layer's blocks are ever copied as plain KV that are not."""
+    proven = _proven_spec_types()
+    wrong = [f"{name}: {type(specs[name]).__name__}" for name in layer_names
+             if name in specs and type(specs[name]) not in proven]
+    if wrong:
+        raise KVBMConfigError(
+            f"KVBMConnector does not support these KV cache layers: {_layer_list(wrong)}. "
+            f"It copies layers of {' or '.join(t.__name__ for t in proven)} exactly. Run "
+            f"this model without KVBMConnector (remove --kv-transfer-config).")
+
+
+def _count_groups(groups) -> str:
+    """'MambaSpec: 3 groups, 36 layers; FullAttentionSpec: 1 group, 12 layers'."""
+    counts: dict[str, list[int]] = {}
+    for g in groups:
+        count = counts.setdefault(type(_scheduler_spec(g.kv_cache_spec)).__name__, [0, 0])
+        count[0] += 1
+        count[1] += len(g.layer_names)
+    return "; ".join(f"{name}: {n} group{'s' * (n != 1)}, {layers} layers"
+                     for name, (n, layers) in counts.items()) or "no KV cache groups"
+
+
 def _refuse_unproven_specs(vllm_config: "VllmConfig", groups) -> None:
     """One KV cache group, of a proven spec type; else a startup error naming
     the model, each group's spec type and layers, and the way out."""

@@ -369,7 +369,7 @@ FIELDS: dict[str, dict[str, Rule]] = {
         "disable_chunked_mm_input": H(_SCHED),
         "scheduler_cls": H("which scheduler class; KVBM keys by tokens and namespace"),
         "disable_hybrid_kv_cache_manager": I("hybrid models' KV groups change; KVBM "
-                                             "refuses several groups, identity anyway"),
+                                             "keeps several groups out, identity anyway"),
         "scheduler_reserve_full_isl": H(_SCHED),
         "watermark": H(_CAPACITY),
         "prefill_schedule_interval": H(_SCHED),

@@ -1,6 +1,9 @@
-"""Which of vLLM's KV cache specs the connector runs with: exactly the proven
-types; every other spec, subclasses of FullAttentionSpec included, stops the
-engine at startup with an error naming the spec, its layers and the model."""
+"""Which of vLLM's KV cache specs the connector serves: exactly the proven
+types, in one KV cache group. A model of any other spec (subclasses of
+FullAttentionSpec included) or of several groups starts with KVBM kept out
+of its loads and stores (test_hybrid_models.py drives such models);
+engine_info, which only a served model reaches, refuses every other spec with
+an error naming the spec, its layers and the model."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
 
 from helpers.scheduler_harness import BLOCK, make_scheduler
 from vllm_kvbm.config import KVBMConfigError
-from vllm_kvbm.engine_info import engine_info
+from vllm_kvbm.engine_info import engine_info, kept_out_reason
 
 ATTN = dict(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
 MLA = dict(block_size=BLOCK, num_kv_heads=1, head_size=24, dtype=torch.float16)
@@ -71,10 +74,21 @@ def test_every_unproven_spec_stops_the_engine_naming_it_its_layers_and_the_model
     assert "without KVBMConnector" in text
 
 
+@pytest.mark.parametrize("name", sorted(set(REFUSED) - {"UniformTypeKVCacheSpecs"}))
+def test_a_model_of_any_unproven_spec_is_kept_out_of_kvbm_naming_the_spec(sched, name):
+    """(A UniformTypeKVCacheSpecs group reaches the scheduler as its first
+    layer's spec: test_hybrid_models.py checks both sides decide alike.)"""
+    reason = kept_out_reason(sched.vllm_config, _config(sched, _group(REFUSED[name]())))
+    assert reason is not None and f"({name}: 1 group, 4 layers)" in reason
+    assert "no prefix hits come from KVBM" in reason
+
+
 @pytest.mark.parametrize("name", sorted(ACCEPTED))
 def test_the_proven_specs_are_accepted(sched, name):
     spec = ACCEPTED[name]()
-    info = engine_info(sched.vllm_config, _config(sched, _group(spec)))
+    kv = _config(sched, _group(spec))
+    assert kept_out_reason(sched.vllm_config, kv) is None
+    info = engine_info(sched.vllm_config, kv)
     assert info.block_bytes == spec.page_size_bytes * 4
 
 
@@ -105,23 +119,27 @@ def _vllm_groups(sched, layer_specs):
 
 
 def test_sliding_window_layers_among_full_ones_run_as_full_attention(sched):
-    """Gemma 3's pattern: vLLM allocates full-length KV for the sliding
-    layers (a plain FullAttentionSpec recording the window), so every
-    block holds plain KV and the model runs with the connector."""
+    """Gemma 3's pattern with --disable-hybrid-kv-cache-manager: vLLM
+    allocates full-length KV for the sliding layers (a plain
+    FullAttentionSpec recording the window), so every block holds plain KV
+    and KVBM serves the model."""
     layers = {f"model.layers.{i}.self_attn.attn":
               kvi.FullAttentionSpec(**ATTN) if i % 3 == 2
               else kvi.SlidingWindowSpec(**ATTN, sliding_window=64) for i in range(6)}
     groups = _vllm_groups(sched, layers)
     assert [type(g.kv_cache_spec) for g in groups] == [kvi.FullAttentionSpec]
     assert groups[0].kv_cache_spec.sliding_window == 64
+    assert kept_out_reason(sched.vllm_config, _config(sched, *groups)) is None
     assert engine_info(sched.vllm_config, _config(sched, *groups)).num_layers == 6
 
 
-def test_a_model_with_attention_sinks_is_refused_as_vllm_groups_it(sched):
+def test_a_model_with_attention_sinks_is_kept_out_as_vllm_groups_it(sched):
     """Its layers merge into one group of SinkFullAttentionSpec, a subclass
     of FullAttentionSpec, which an isinstance check takes for full attention."""
     layers = {f"model.layers.{i}.self_attn.attn": REFUSED["SinkFullAttentionSpec"]()
               for i in range(4)}
     groups = _vllm_groups(sched, layers)
+    assert "SinkFullAttentionSpec: 1 group" in kept_out_reason(sched.vllm_config,
+                                                               _config(sched, *groups))
     with pytest.raises(KVBMConfigError, match="group 0: SinkFullAttentionSpec"):
         engine_info(sched.vllm_config, _config(sched, *groups))
