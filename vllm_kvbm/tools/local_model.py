@@ -74,19 +74,12 @@ def build(out: str | os.PathLike = DEFAULT_DIR, layers: int = 8, hidden: int = 5
           heads: int = 8, kv_heads: int = 8, vocab_size: int = 8000,
           max_positions: int = 32768, seed: int = 0, force: bool = False) -> Path:
     """Writes the model to ``out`` (skipped when an identical build is there)."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    out = Path(out)
     recipe = dict(version=RECIPE_VERSION, layers=layers, hidden=hidden, heads=heads,
                   kv_heads=kv_heads, vocab_size=vocab_size,
                   max_positions=max_positions, seed=seed)
-    stamp = out / "kvbm_recipe.json"
-    if not force and stamp.exists() and json.loads(stamp.read_text()) == recipe:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, vocab_size)
-    config = LlamaConfig(
+    return _write(out, recipe, lambda tokenizer: LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -102,9 +95,23 @@ def build(out: str | os.PathLike = DEFAULT_DIR, layers: int = 8, hidden: int = 5
         # context (at 0.02 a random Llama emits one token whatever it reads).
         initializer_range=0.1,
         torch_dtype="bfloat16",
-    )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    )), force)
+
+
+def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool) -> Path:
+    """Trains the tokenizer, builds ``make_model(tokenizer)`` seeded with the
+    recipe's seed, and saves both to ``out`` in bf16, unless ``out`` holds a
+    build of the same recipe."""
+    import torch
+
+    out = Path(out)
+    stamp = out / "kvbm_recipe.json"
+    if not force and stamp.exists() and json.loads(stamp.read_text()) == recipe:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, recipe["vocab_size"])
+    torch.manual_seed(recipe["seed"])
+    model = make_model(tokenizer)
     with torch.no_grad():
         # Peaky logits: see the module docstring.
         model.lm_head.weight.mul_(8.0)
