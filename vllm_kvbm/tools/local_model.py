@@ -1,8 +1,9 @@
-"""Builds a small random-weight Llama with a locally trained BPE tokenizer.
+"""Builds small random-weight models with a locally trained BPE tokenizer.
 
 No model can be downloaded on the machines this project is developed and
-tested on, so the demo, tests and benchmarks use a model built here. It is a
-standard Hugging Face Llama directory: vLLM loads it like any real model, and
+tested on, so the demo, tests and benchmarks use a model built here: a Llama,
+and a Qwen3-Next-shaped hybrid (build_qwen3_next). Each is a standard Hugging
+Face model directory: vLLM loads it like any real model, and
 everything that runs on it runs unchanged on a real model path.
 
 The weights are scaled up from the usual init so that greedy decoding has
@@ -94,6 +95,44 @@ def build(out: str | os.PathLike = DEFAULT_DIR, layers: int = 8, hidden: int = 5
         # Wider than the usual 0.02 so each position's output depends on its
         # context (at 0.02 a random Llama emits one token whatever it reads).
         initializer_range=0.1,
+        torch_dtype="bfloat16",
+    )), force)
+
+
+HYBRID_DIR = "models/kvbm-qwen3-next-4l"
+
+
+def build_qwen3_next(out: str | os.PathLike = HYBRID_DIR, layers: int = 4, hidden: int = 64,
+                     vocab_size: int = 8000, seed: int = 0, force: bool = False) -> Path:
+    """A Qwen3-Next-shaped hybrid: three Gated DeltaNet layers, then a full
+    attention layer, repeated (Qwen3-Next's and Qwen3.5's layout), with
+    dense MLPs instead of experts; tiny, for vLLM's CPU build, which runs
+    the GDN layers in bf16 only."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    recipe = dict(version=RECIPE_VERSION, arch="qwen3_next", layers=layers, hidden=hidden,
+                  vocab_size=vocab_size, seed=seed)
+    return _write(out, recipe, lambda tokenizer: Qwen3NextForCausalLM(Qwen3NextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+                     for i in range(layers)],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        # every layer a dense MLP: no experts to route
+        mlp_only_layers=list(range(layers)),
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.1,  # as the Llama's: outputs depend on the context
         torch_dtype="bfloat16",
     )), force)
 
