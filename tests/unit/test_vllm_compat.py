@@ -271,6 +271,17 @@ def test_checker_catches_a_removed_hook(base_src):
     assert problems[1].startswith("has_pending_push_work_v2: ") and "DEFAULTS_KEPT" in problems[1]
 
 
+def test_checker_checks_the_supports_hma_hook_too(base_src):
+    """request_finished_all_groups is SupportsHMA's (vLLM calls it with the
+    hybrid allocator on): a drift in its signature is caught like a base hook's."""
+    old = "        block_ids: tuple[list[int], ...],\n    ) -> tuple[bool, dict[str, Any] | None]:"
+    new = ("        block_ids: tuple[list[int], ...],\n        finished_groups: int,\n"
+           "    ) -> tuple[bool, dict[str, Any] | None]:")
+    [problem] = _problems(_drift(base_src, old, new))
+    assert problem.startswith("request_finished_all_groups (connector.py:")
+    assert "vLLM passes positional 'finished_groups'" in problem
+
+
 def test_checker_catches_a_new_abstract_method(base_src):
     old = "    def take_events(self) -> Iterable[\"KVCacheEvent\"]:"
     new = ("    @abstractmethod\n    def must_do(self) -> None:\n        pass\n\n" + old)

@@ -73,6 +73,9 @@ TIMEOUT_S = 60
 CONNECTOR_PY = Path(__file__).resolve().parent.parent / "connector.py"
 CONNECTOR_CLASS = "KVBMConnector"
 BASE_CLASS = "KVConnectorBase_V1"
+# Also subclassed (base.py beside it): what vLLM's hybrid KV cache manager
+# calls (request_finished_all_groups) is checked like the base class's hooks.
+HMA_CLASS = "SupportsHMA"
 
 
 class FetchError(RuntimeError):
@@ -536,7 +539,7 @@ def check(base_source: str, version: str, connector_source: str | None = None,
     """Checks KVBMConnector against one release's base-class source."""
     connector_source = connector_source or CONNECTOR_PY.read_text()
     ours = class_members(connector_source, CONNECTOR_CLASS)
-    base = class_members(base_source, BASE_CLASS)
+    base = {**class_members(base_source, HMA_CLASS), **class_members(base_source, BASE_CLASS)}
     release = vllm_release(version)
     assert release is not None, version
     report = Report(version, source)
