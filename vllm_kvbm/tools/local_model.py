@@ -81,14 +81,21 @@ def build(out: str | os.PathLike = DEFAULT_DIR, layers: int = 8, hidden: int = 5
                   kv_heads=kv_heads, vocab_size=vocab_size,
                   max_positions=max_positions, seed=seed)
     return _write(out, recipe, lambda tokenizer: LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
+        **_shared_config(tokenizer, hidden, layers),
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         max_position_embeddings=max_positions,
         rope_theta=500000.0,
+    )), force)
+
+
+def _shared_config(tokenizer, hidden: int, layers: int) -> dict:
+    """The config fields every model built here sets alike."""
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False,
@@ -96,7 +103,7 @@ def build(out: str | os.PathLike = DEFAULT_DIR, layers: int = 8, hidden: int = 5
         # context (at 0.02 a random Llama emits one token whatever it reads).
         initializer_range=0.1,
         torch_dtype="bfloat16",
-    )), force)
+    )
 
 
 HYBRID_DIR = "models/kvbm-qwen3-next-4l"
@@ -113,10 +120,7 @@ def build_qwen3_next(out: str | os.PathLike = HYBRID_DIR, layers: int = 4, hidde
     recipe = dict(version=RECIPE_VERSION, arch="qwen3_next", layers=layers, hidden=hidden,
                   vocab_size=vocab_size, seed=seed)
     return _write(out, recipe, lambda tokenizer: Qwen3NextForCausalLM(Qwen3NextConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
+        **_shared_config(tokenizer, hidden, layers),
         layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
                      for i in range(layers)],
         num_attention_heads=4,
@@ -129,11 +133,6 @@ def build_qwen3_next(out: str | os.PathLike = HYBRID_DIR, layers: int = 4, hidde
         # every layer a dense MLP: no experts to route
         mlp_only_layers=list(range(layers)),
         max_position_embeddings=4096,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-        initializer_range=0.1,  # as the Llama's: outputs depend on the context
-        torch_dtype="bfloat16",
     )), force)
 
 
