@@ -87,8 +87,10 @@ def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
 def test_demo_shows_a_host_tier_hit(model_dir, capsys):
     from vllm_kvbm.tools import demo
 
-    # A shorter document than the demo's own: the hit is the point, not its size.
-    assert demo.main(["--model", str(MODEL_DIR), "--prompt-tokens", "1600"]) == 0
+    # Documents of 1600 tokens instead of 3000 (the hit is the point, not its
+    # size), with the engine's cache shrunk alike: too small for two of them.
+    assert demo.main(["--model", str(MODEL_DIR), "--prompt-tokens", "1600",
+                      "--engine-kv-blocks", "16"]) == 0
     out = capsys.readouterr().out
     assert "KVBM host hit" in out and "onboarded from host:" in out
     onboarded = int(out.split("onboarded from host:")[1].split(";")[0])
