@@ -112,26 +112,33 @@ HYBRID_DIR = "models/kvbm-qwen3-next-4l"
 def build_qwen3_next(out: str | os.PathLike = HYBRID_DIR, layers: int = 4, hidden: int = 64,
                      vocab_size: int = 8000, seed: int = 0, force: bool = False) -> Path:
     """A Qwen3-Next-shaped hybrid: three Gated DeltaNet layers, then a full
-    attention layer, repeated (Qwen3-Next's and Qwen3.5's layout), with
-    dense MLPs instead of experts; tiny, for vLLM's CPU build, which runs
-    the GDN layers in bf16 only."""
+    attention layer, repeated (Qwen3-Next's and Qwen3.5's layout), dense MLPs
+    beside the GDN layers and a few experts beside full attention (vLLM's
+    Qwen3-Next needs one sparse layer); tiny, for vLLM's CPU build, which
+    runs the GDN layers in bf16 only."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     recipe = dict(version=RECIPE_VERSION, arch="qwen3_next", layers=layers, hidden=hidden,
-                  vocab_size=vocab_size, seed=seed)
+                  vocab_size=vocab_size, seed=seed, experts=4, gdn_head_dim=64, head_dim=64)
+    full = [i for i in range(layers) if i % 4 == 3]
     return _write(out, recipe, lambda tokenizer: Qwen3NextForCausalLM(Qwen3NextConfig(
         **_shared_config(tokenizer, hidden, layers),
-        layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
+        layer_types=["full_attention" if i in full else "linear_attention"
                      for i in range(layers)],
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=32,
+        head_dim=64,  # a head size vLLM's CPU attention kernel has
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        # every layer a dense MLP: no experts to route
-        mlp_only_layers=list(range(layers)),
+        # head dims vLLM's CPU GDN kernel has (64 or 128)
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        mlp_only_layers=[i for i in range(layers) if i not in full],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
         max_position_embeddings=4096,
     )), force)
 
