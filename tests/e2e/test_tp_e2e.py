@@ -14,7 +14,8 @@ import os
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,
+                             random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -50,7 +51,7 @@ def want(model_dir, tp_env):
     try:
         return {name: generate(llm, [p])[0][0] for name, p in PROMPTS.items()}
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def tp_kvbm(model_dir, tp_env, want, tmp_path_factory):
                                         **EVERY_PAGE_LOADED),
                    **ENGINE)
     yield llm, disk
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def test_tp2_host_tier_hit_equals_recompute(tp_kvbm, want):

@@ -49,6 +49,18 @@ def make_llm(kv_transfer_config: dict | None = None, **overrides):
     return LLM(**args)
 
 
+def shutdown(llm) -> None:
+    """Stops an engine whose processes may have exited already: vLLM's
+    shutdown then reads a pid that is gone (psutil.NoSuchProcess), seen with
+    TP=2 engines on a loaded machine."""
+    import psutil
+
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except psutil.NoSuchProcess:
+        pass
+
+
 def random_prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 7000) for _ in range(n)]
