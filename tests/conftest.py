@@ -22,8 +22,8 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 
 def _bind_xdist_worker_to_a_core() -> None:
-    """scripts/test.sh runs two pytest-xdist workers: each worker's engines
-    compute on a core of their own (vLLM's automatic binding would put both
+    """Under pytest-xdist (KVBM_TEST_WORKERS=2 scripts/test.sh) each worker's
+    engines compute on a core of their own (vLLM's automatic binding would put both
     workers' engines on the first core). Engines compared with each other
     run in one worker, so they stay bound alike; tests that bind otherwise
     (TP=2: one core per rank) set the variable themselves."""
