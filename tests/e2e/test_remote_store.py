@@ -137,10 +137,18 @@ def test_remote_frozen_server_is_bounded_then_recovers(remote, lm_server):
         assert seen[0][2] > timeout / 2, seen
     finally:
         lm_server.thaw()
-    time.sleep(0.4)
-    got = s.get_into(key(1), out)
+    # Each link (reads, writes) comes back after its own backoff, which grew
+    # with each failed reconnect: at most 8 retry intervals, plus one call.
+    deadline = time.monotonic() + 8 * 0.3 + timeout + 1.0
+    got = stored = None
+    while time.monotonic() < deadline and not (got == "ok" and stored):
+        time.sleep(0.1)
+        if got != "ok":
+            got = s.get_into(key(1), out)
+        if not stored:
+            stored = s.put(key(3), page(3, SMALL))
     assert got == "ok" and torch.equal(out, page(1, SMALL)), (got, seen)
-    assert s.put(key(3), page(3, SMALL)) and s.contains(key(3))
+    assert stored and s.contains(key(3)), seen
 
 
 def _tcp_buffer_max() -> int:
