@@ -22,7 +22,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 
 def _bind_xdist_worker_to_a_core() -> None:
-    """Under pytest-xdist (KVBM_TEST_WORKERS=2 scripts/test.sh) each worker's
+    """Under pytest-xdist (scripts/test.sh's two workers) each worker's
     engines compute on a core of their own (vLLM's automatic binding would put both
     workers' engines on the first core). Engines compared with each other
     run in one worker, so they stay bound alike; tests that bind otherwise

@@ -29,6 +29,7 @@ from vllm_kvbm.tiers.redis.store import RedisStore
 
 pytestmark = [
     pytest.mark.timeout(300),
+    pytest.mark.timing,  # frozen and killed servers are timed against their timeouts
     pytest.mark.skipif(shutil.which("redis-server") is None,
                        reason="redis-server not installed (scripts/setup_tools.sh installs it)"),
 ]

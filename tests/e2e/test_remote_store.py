@@ -20,6 +20,10 @@ from vllm_kvbm.tiers.page_format import HEADER_BYTES, flat_u8  # noqa: E402
 from vllm_kvbm.tiers.lm.store import RemoteStore  # noqa: E402
 
 
+# Frozen and relayed servers are timed against the store's timeouts.
+pytestmark = pytest.mark.timing
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _boot_server_early(lm_server):
     yield
