@@ -26,8 +26,10 @@ Keys come from one of two sources, chosen in the scheduler process
   within a namespace only if vLLM's SHA-256 hashes collide; across
   namespaces (or against a ``KeyChain`` key) a clash needs two SHA-256
   outputs with a given XOR difference, as hard as a collision. vLLM's hash
-  covers the tokens, the LoRA name and path and the cache salt (besides
-  multimodal inputs and prompt embeddings, whose requests we do not cache);
+  covers the tokens, the LoRA name and path, the cache salt, each block's
+  multimodal items (their content hashes) and its prompt embeddings (a
+  SHA-256 of their values): requests with those are cached only under these
+  keys, once probes showed vLLM's hashes name them (key_source.py);
   ``D`` adds everything ours covers on top, so a key never names less than
   the chain's would. XORing is one numpy operation over the joined hashes,
   where a chain computes a SHA-256 per page: the scheduler's keys cost least.

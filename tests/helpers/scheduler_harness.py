@@ -110,15 +110,18 @@ def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: i
 _SHA256_HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
-def make_request(tokens: list[int], max_tokens: int = 4, *, block_hasher=_SHA256_HASHER,
+def make_request(tokens: list[int] | None, max_tokens: int = 4, *, block_hasher=_SHA256_HASHER,
                  **fields) -> Request:
     """A request as vLLM's engine core makes one: its block hashes computed
     by ``block_hasher`` (vLLM's default sha256 at BLOCK tokens; None: none).
-    ``fields`` go to Request (lora_request, cache_salt, ...)."""
+    ``fields`` go to Request (lora_request, cache_salt, mm_features,
+    prompt_embeds with ``tokens`` None, ...)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     params.update_from_generation_config({}, EOS)
-    return Request(request_id=f"r{next(_ids)}", prompt_token_ids=list(tokens),
-                   sampling_params=params, pooling_params=None, mm_features=None,
+    fields.setdefault("mm_features", None)
+    return Request(request_id=f"r{next(_ids)}",
+                   prompt_token_ids=None if tokens is None else list(tokens),
+                   sampling_params=params, pooling_params=None,
                    block_hasher=block_hasher, **fields)
 
 

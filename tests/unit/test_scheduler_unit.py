@@ -824,24 +824,3 @@ def test_a_lora_adapter_changed_on_disk_is_no_longer_cached(tmp_path, caplog):
     fingerprinted(k, renamed.lora_request)
     k.get_num_new_matched_tokens(renamed, 0)
     assert not k._reqs[renamed.request_id].no_store
-
-
-def test_a_streaming_session_that_adds_an_image_neither_loads_nor_stores_from_then_on():
-    """A streaming-input session (vLLM's resumable requests) may begin as text
-    and add an image in a later chunk (``Scheduler._update_request_as_session``
-    extends ``mm_features``): its state, made while it was text, is judged again."""
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-
-    sched = make_scheduler()
-    k = kvbm(sched)
-    text = tokens(3 * BLOCK, base=951)
-    store_and_finish(sched, text)
-    assert sched.reset_prefix_cache()
-    session = make_request(text + tokens(BLOCK // 2, base=952))
-    assert lookup(k, session)[0] == 3 * BLOCK  # the text chunk is served
-    session.mm_features.append(MultiModalFeatureSpec(
-        data=None, modality="image", identifier="image-a",
-        mm_position=PlaceholderRange(offset=len(session.all_token_ids), length=BLOCK)))
-    assert lookup(k, session)[0] == 0
-    state = k._reqs[session.request_id]
-    assert state.no_store and not state.params.loads and not state.params.stores

@@ -49,6 +49,9 @@ class VllmBlockHashes:
         self._kcu = kcu  # vllm.v1.core.kv_cache_utils
         self._verified = False
         self.failed = ""  # why vLLM's hashes were found unusable after startup
+        # Non-empty when vLLM's hashes were found to name multimodal items and
+        # prompt embeddings too (a line that says so): such requests may be cached.
+        self.inputs = ""
 
     def covers(self, request: "Request") -> bool:
         if self.failed:
@@ -58,6 +61,12 @@ class VllmBlockHashes:
         if getattr(self._kcu, "NONE_HASH", None) != self._none_hash:
             return False  # rooted elsewhere (re-initialized since)
         return self._verified or self._verify()
+
+    def covers_inputs(self, request: "Request") -> bool:
+        """Whether a request whose KV depends on more than its token ids
+        (images, audio, prompt embeddings) may be cached: its keys come from
+        vLLM's hashes, and those were found to name such inputs."""
+        return self.covers(request) and bool(self.inputs)
 
     def _verify(self) -> bool:
         """Once, at the first request (vLLM sets NONE_HASH after creating the
@@ -78,6 +87,10 @@ class VllmBlockHashes:
             h1 = hash_fn((h0, tuple(tokens[bs:2 * bs]), None))
             if list(probe.block_hashes) != [h0, h1]:
                 raise ValueError("a probe request's block hashes are not the ones expected")
+            self.inputs = _covers_inputs(Request, SamplingParams, kcu.get_request_block_hasher(
+                bs, hash_fn), tokens, [h0, h1])
+            if self.inputs:
+                logger.info("KVBM: %s", self.inputs)
         except Exception as err:  # noqa: BLE001 - any doubt: our own chain
             self.failed = f"{type(err).__name__}: {err}"
             logger.warning("KVBM: vLLM's block hashes are not as checked (%s): block keys "
@@ -85,6 +98,49 @@ class VllmBlockHashes:
             return False
         self._verified = True
         return True
+
+
+def _covers_inputs(Request, SamplingParams, hasher, tokens: list[int], text: list) -> str:
+    """Whether vLLM's request hasher names what besides token ids a request's
+    KV depends on, found on probes with the text probe's tokens: a multimodal
+    item (its identifier, the content hash vLLM's processor gives it) changes
+    the hash of the block it is in and, chained, of every later block; so do
+    prompt embeddings; equal inputs hash equal. "" (such requests are not
+    cached) if not, or on any doubt."""
+    try:
+        import torch
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+        def hashes(i: int, **inputs) -> list:
+            probe = Request(f"kvbm-key-source-probe-{i}", tokens, SamplingParams(max_tokens=1),
+                            None, block_hasher=hasher, **inputs)
+            return list(probe.block_hashes)
+
+        def item(name: str) -> list:
+            return [MultiModalFeatureSpec(data=None, modality="image", identifier=name,
+                                          mm_position=PlaceholderRange(offset=2, length=4))]
+
+        a, b, a2 = hashes(1, mm_features=item("a")), hashes(2, mm_features=item("b")), \
+            hashes(3, mm_features=item("a"))
+        gen = torch.Generator().manual_seed(0)
+        e = torch.randn(len(tokens), 8, generator=gen)
+        f = e.clone()
+        f[1, 0] += 1.0
+        ea, eb, ea2 = hashes(4, prompt_embeds=e), hashes(5, prompt_embeds=f), \
+            hashes(6, prompt_embeds=e.clone())
+    except Exception as err:  # noqa: BLE001 - any doubt: such requests are not cached
+        logger.info("KVBM: requests with images or prompt embeddings are not cached: this "
+                    "vLLM's block hashes could not be checked for them (%s: %s)",
+                    type(err).__name__, err)
+        return ""
+    for x, y, same in ((a, b, a2), (ea, eb, ea2)):
+        if len(x) != 2 or x != same or any(
+                x[i] == y[i] or x[i] == text[i] for i in range(2)):
+            logger.info("KVBM: requests with images or prompt embeddings are not cached: "
+                        "this vLLM's block hashes do not name them as checked")
+            return ""
+    return ("requests with images, audio or prompt embeddings are cached: vLLM's block hashes "
+            "name each item's content hash and the embeddings")
 
 
 def vllm_block_hashes(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",

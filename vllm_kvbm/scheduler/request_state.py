@@ -143,26 +143,36 @@ class RequestKeys:
     def _state(self, request: "Request") -> _ReqState | None:
         state = self._reqs.get(request.request_id)
         if state is not None and (state.params.loads or state.params.stores) \
-                and _beyond_tokens(request):
+                and _beyond_tokens(request) and not self._inputs_named(state.chain):
             # A streaming session that began as text and added an image or
-            # embeddings in a later chunk: neither loads nor stores from now on.
+            # embeddings in a later chunk, under keys that do not name them:
+            # neither loads nor stores from now on.
             state.params = RequestParams(load_tiers=frozenset(), store_tiers=frozenset())
             state.no_store = True
         if state is None:
-            if _beyond_tokens(request):
-                return None  # KV depends on inputs that token ids don't capture
             lora = None
             if request.lora_request is not None:
                 lora = self.adapters.cacheable(request.lora_request)
                 if lora is None:  # not fingerprinted yet, or its weights are not known
                     return None
             salt = request_salt(lora, request.cache_salt)
-            state = _ReqState(request, self._key_chain(request, salt), salt,
+            chain = self._key_chain(request, salt)
+            if _mixed_embeds(request) or (_beyond_tokens(request)
+                                          and not self._inputs_named(chain)):
+                return None  # KV depends on inputs that these keys don't name
+            state = _ReqState(request, chain, salt,
                               None if lora is None else (lora.int_id, lora.fingerprint))
             state.params = for_request(request)
             self._reqs[request.request_id] = state
             self._watched[request.request_id] = state
         return state
+
+    def _inputs_named(self, chain: KeyChain | VllmHashKeys) -> bool:
+        """Whether ``chain``'s keys name a request's images, audio and prompt
+        embeddings: vLLM's block hashes do, where they were checked to
+        (key_source.py); our own chain covers token ids only."""
+        return isinstance(chain, VllmHashKeys) and self._vllm_hashes is not None \
+            and bool(self._vllm_hashes.inputs)
 
     def _stop_storing(self, match) -> None:
         """Requests in flight whose adapter ``match`` accepts store nothing more."""
@@ -202,3 +212,9 @@ def _preemptions(request: "Request") -> int:
 def _beyond_tokens(request: "Request") -> bool:
     """The request's KV depends on more than its token ids."""
     return bool(request.mm_features) or getattr(request, "prompt_embeds", None) is not None
+
+
+def _mixed_embeds(request: "Request") -> bool:
+    """Prompt embeddings interleaved with token ids (chat completions with
+    embeddings): never cached, whatever the keys (not checked)."""
+    return getattr(request, "prompt_is_token_ids", None) is not None
