@@ -11,9 +11,9 @@ can see in vLLM's configuration, identically:
   the hash block size and TP replicas (``kv_spec_identity``);
 - the page geometry: vLLM block tokens, blocks per page, bytes per page;
 - the model as vLLM runs it and every vLLM setting not reviewed as harmless
-  (``identity_fields.config_identity``: the effective HF config after
-  ``--hf-overrides``, dtype, quantization, revision, parallel layout,
-  attention backend, ...);
+  (``identity_fields.config_identity``, by the tables of identity_tables/:
+  the effective HF config after ``--hf-overrides``, dtype, quantization,
+  revision, parallel layout, attention backend, ...);
 - the weights' full contents (``fingerprints.model_fingerprint``: the files
   vLLM loaded them from), or where no file proves them, this engine alone;
 - vLLM's and PyTorch's releases, whose kernels compute the KV.
@@ -31,7 +31,8 @@ import hashlib
 import json
 from typing import TYPE_CHECKING, Any
 
-from vllm_kvbm.identity_fields import canonical, config_identity, identity_env
+from vllm_kvbm.canonical_values import canonical
+from vllm_kvbm.identity_fields import config_identity, identity_env
 from vllm_kvbm.keys import KeyNamespace
 
 if TYPE_CHECKING:

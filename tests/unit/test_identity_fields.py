@@ -1,5 +1,5 @@
 """Every vLLM config field classified, for every supported release
-(vllm_kvbm/identity_fields.py), and config_identity on real configs.
+(vllm_kvbm/identity_tables/), and config_identity on real configs.
 
 The fields of each release come from its ``vllm/config`` sources, parsed with
 ast (nothing imported): the installed vLLM from disk, the other releases out
@@ -24,7 +24,10 @@ from pathlib import Path
 import pytest
 
 from vllm_kvbm import identity_fields as idf
+from vllm_kvbm import identity_tables as tables
+from vllm_kvbm.canonical_values import canonical
 from vllm_kvbm.config import SUPPORTED_VLLM
+from vllm_kvbm.identity_tables.rules import HARMLESS, IDENTITY
 from vllm_kvbm.tools import vllm_compat as vc
 
 CONFIG_ROOT = "vllm/config/vllm.py"
@@ -102,27 +105,27 @@ def unclassified(classes: dict[str, dict[str, str]], release: str) -> list[str]:
     """Problems: a config class reached from VllmConfig through identity (or
     unclassified) fields without a row, or a field of it without a rule."""
     problems = []
-    todo, seen = [(idf.ROOT_CLASS, "VllmConfig")], set()
+    todo, seen = [(tables.ROOT_CLASS, "VllmConfig")], set()
     while todo:
         cls, via = todo.pop()
         if cls in seen:
             continue
         seen.add(cls)
-        rules = idf.FIELDS.get(cls)
+        rules = tables.FIELDS.get(cls)
         if rules is None:
             problems.append(
                 f"vLLM {release}: config class {cls} (reached through {via}) has no row in "
-                f"FIELDS (vllm_kvbm/identity_fields.py): add it with every field IDENTITY "
+                f"FIELDS (vllm_kvbm/identity_tables/): add it with every field IDENTITY "
                 f"or HARMLESS and why")
             rules = {}
         for name, ann in classes[cls].items():
             rule = rules.get(name)
-            if rule is None and cls in idf.FIELDS:
+            if rule is None and cls in tables.FIELDS:
                 problems.append(
                     f"vLLM {release}: {cls}.{name} ({ann}) is neither IDENTITY nor HARMLESS: "
-                    f"add it to FIELDS['{cls}'] in vllm_kvbm/identity_fields.py, I(...) if it "
+                    f"add it to FIELDS['{cls}'] in vllm_kvbm/identity_tables/, I(...) if it "
                     f"can change the KV bytes of a prefix (or when unsure), else H('why not')")
-            if rule is not None and rule.kind == idf.HARMLESS:
+            if rule is not None and rule.kind == HARMLESS:
                 continue
             for token in re.findall(r"[A-Za-z_]\w*", ann):
                 if token in classes and token != cls:
@@ -184,20 +187,20 @@ def test_table_names_only_real_fields(release_fields):
     """A row for a field no supported release has hides nothing, but misleads."""
     known = {(cls, name) for classes in release_fields.values()
              for cls, fields in classes.items() for name in fields}
-    stale = [f"{cls}.{name}" for cls, rules in idf.FIELDS.items() for name in rules
+    stale = [f"{cls}.{name}" for cls, rules in tables.FIELDS.items() for name in rules
              if (cls, name) not in known]
     assert not stale, f"rows of FIELDS no supported vLLM has: {stale}"
-    for cls, via in idf.HARMLESS_CLASSES.items():
+    for cls, via in tables.HARMLESS_CLASSES.items():
         owner, field = via.split(".")
-        assert idf.FIELDS[owner][field].kind == idf.HARMLESS, via
+        assert tables.FIELDS[owner][field].kind == HARMLESS, via
         assert any(cls in classes for classes in release_fields.values()), cls
 
 
 def test_harmless_fields_say_why():
-    for cls, rules in idf.FIELDS.items():
+    for cls, rules in tables.FIELDS.items():
         for name, rule in rules.items():
-            assert rule.kind in (idf.IDENTITY, idf.HARMLESS), f"{cls}.{name}"
-            if rule.kind == idf.HARMLESS:
+            assert rule.kind in (IDENTITY, HARMLESS), f"{cls}.{name}"
+            if rule.kind == HARMLESS:
                 assert len(rule.reason) > 8, f"{cls}.{name}: a harmless field needs a reason"
 
 
@@ -256,9 +259,9 @@ def _runtime_classes(config) -> dict[str, set[str]]:
             continue
         out[cls] = {f.name for f in dataclasses.fields(obj)}
         for f in dataclasses.fields(obj):
-            rule = idf.FIELDS.get(cls, {}).get(f.name)
+            rule = tables.FIELDS.get(cls, {}).get(f.name)
             value = getattr(obj, f.name, None)
-            if (rule is None or rule.kind == idf.IDENTITY) and dataclasses.is_dataclass(value) \
+            if (rule is None or rule.kind == IDENTITY) and dataclasses.is_dataclass(value) \
                     and not isinstance(value, type):
                 todo.append(value)
     return out
@@ -272,7 +275,7 @@ def test_runtime_fields_match_the_table_and_the_sources(base_config, release_fie
     for cls, names in runtime.items():
         if cls in source:  # config classes of vllm/config (others are values)
             assert names == set(source[cls]), (cls, names ^ set(source[cls]))
-            assert names <= set(idf.FIELDS[cls]), (cls, names - set(idf.FIELDS[cls]))
+            assert names <= set(tables.FIELDS[cls]), (cls, names - set(tables.FIELDS[cls]))
 
 
 def test_no_unknown_field_is_logged(base_config, caplog):
@@ -283,9 +286,9 @@ def test_no_unknown_field_is_logged(base_config, caplog):
 
 
 def test_an_unknown_field_counts_and_is_logged_once(base_config, caplog, monkeypatch):
-    cache_rules = dict(idf.FIELDS["CacheConfig"])
+    cache_rules = dict(tables.FIELDS["CacheConfig"])
     del cache_rules["block_size"]
-    monkeypatch.setitem(idf.FIELDS, "CacheConfig", cache_rules)
+    monkeypatch.setitem(tables.FIELDS, "CacheConfig", cache_rules)
     idf._logged_unknown.clear()
     with caplog.at_level("INFO", logger=idf.__name__):
         first = idf.config_identity(base_config)
@@ -385,7 +388,7 @@ def test_canonical_values():
 
     value = {"b": [Color.RED, torch.float16, Path("/a")], "a": {3, 1}, 2: None,
              "hf_token": "hf_secret", "fn": len, "o": Opaque()}
-    out = idf.canonical(value)
+    out = canonical(value)
     assert list(out) == sorted(out)
     assert out["b"] == ["red", "torch.float16", "/a"] and out["a"] == [1, 3]
     assert out["2"] is None and out["hf_token"] == "<redacted>"

@@ -12,7 +12,10 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "vllm_kvbm"
 SHARED = {"vllm_kvbm.config", "vllm_kvbm.keys", "vllm_kvbm.messages", "vllm_kvbm.engine_info",
           "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.cpus",
-          "vllm_kvbm.identity", "vllm_kvbm.identity_fields", "vllm_kvbm.fingerprints"}
+          "vllm_kvbm.identity", "vllm_kvbm.identity_fields", "vllm_kvbm.identity_tables",
+          "vllm_kvbm.identity_tables.rules", "vllm_kvbm.identity_tables.engine",
+          "vllm_kvbm.identity_tables.kernels", "vllm_kvbm.canonical_values",
+          "vllm_kvbm.fingerprints"}
 # The tier modules the scheduler process loads: the interfaces, the registry
 # (which imports stores and views by name, when a tier is opened), the
 # reconnect policy, and each medium's view with what it needs. Every other
