@@ -205,3 +205,29 @@ def test_log_errors_tells_a_warning_from_an_error(tmp_path):
     log.write_text(f"{warn}\n{err}\nValueError: raised outside a logger\n")
     assert log_errors(log, fallback=False).splitlines() == [
         "RuntimeError: boom", "ValueError: raised outside a logger"]
+
+
+def test_configurations_this_platform_cannot_run_are_marked_not_raced(tmp_path, capsys):
+    """On vLLM's CPU build, vLLM's own offloading (CUDA/XPU only) and LMCache's
+    connector (CUDA only) are marked "not supported on CPU" with the reason and
+    never started: no server log, no row of failed-start timings."""
+    from vllm_kvbm.bench.compare import main
+    from vllm_kvbm.bench.platforms import unsupported_here
+    from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
+
+    unsupported = ["vllm-offload", "offloading-connector", "simple-cpu-offload", "lmcache"]
+    for name in unsupported:
+        assert unsupported_here(name).startswith("not supported on CPU: "), name
+    for name in ("vllm", "kvbm-host", "kvbm-host-disk"):
+        assert unsupported_here(name) == ""
+    out = tmp_path / "compare"
+    rc = main(["--model", str(build(DEFAULT_DIR)), "--configs", *unsupported,
+               "--out-dir", str(out), "--num-users", "1", "--num-rounds", "1"])
+    assert rc == 2 and "no configuration asked for runs on this platform" in \
+        capsys.readouterr().err
+    text = (out / "report.md").read_text()
+    assert ("| vLLM --kv-offloading-size (native) | not supported on CPU: vLLM's CPU "
+            "offloading needs a CUDA-alike or XPU GPU | - | 0/1 |") in text
+    assert ("| vLLM + LMCacheConnectorV1 | not supported on CPU: LMCacheConnectorV1 moves KV "
+            "with a CUDA GPU |") in text
+    assert "did not start" not in text and not list(out.glob("server-*.log"))

@@ -15,8 +15,10 @@ vLLM's own CPU offloading runs as three configurations: ``--kv-offloading-size``
 (``--kv-offloading-backend native``: vLLM picks the OffloadingConnector, or the
 SimpleCPUOffloadConnector with VLLM_USE_SIMPLE_KV_OFFLOAD=1) and each of those
 two connectors named in ``--kv-transfer-config``; all get ``--host-cache-size``
-of host RAM, as KVBM's host tier does. A configuration that fails to start (vLLM's
-offloading on the CPU build: CUDA/XPU only) is reported with the root-cause line
+of host RAM, as KVBM's host tier does. A configuration that cannot run on this
+platform (vLLM's offloading and LMCache's connector on vLLM's CPU build) is
+marked "not supported" with the reason, not started (``--run-unsupported``
+starts it anyway); one that fails to start is reported with the root-cause line
 of its server log instead of being left out, and the next one runs. Writes,
 under ``--out-dir``: per-configuration CSV and summary JSON, server logs,
 ``report.md`` (one comparison table) and two PNG plots.
@@ -39,6 +41,7 @@ from vllm_kvbm.bench.client import (HelpFormatter, add_workload_args, format_sum
 from vllm_kvbm.bench.cores import Binding, check_equal, fair_cpu_env, read_binding
 from vllm_kvbm.bench.lmbenchmark import (LMB_CLIENT, lmbenchmark_problem, lmbenchmark_time,
                                          run_lmbenchmark)
+from vllm_kvbm.bench.platforms import unsupported_here
 from vllm_kvbm.bench.server_logs import log_errors, startup_error
 from vllm_kvbm.config import parse_size
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server, wait_port_free
@@ -70,7 +73,7 @@ METRICS = {
 @dataclass
 class ConfigRun:
     name: str
-    status: str = "not run"          # ok | incomplete | failed | did not start
+    status: str = "not run"          # ok | incomplete | failed | did not start | not supported
     error: str = ""
     reason: str = ""                 # one line: why a server did not start
     log_errors: str = ""             # distinct error lines of a server that did run
@@ -272,7 +275,8 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
                          f"{s['input_tokens_per_s']:.0f} | {s['output_tokens_per_s']:.1f} | "
                          f"{hit} | {kvbm} |")
         else:
-            status = (f"does not start: {r.reason}" if r.reason else "failed: see below")
+            status = (r.reason if r.status == "not supported" else
+                      f"does not start: {r.reason}" if r.reason else "failed: see below")
             lines.append(f"| {LABELS[r.name]} | {status.replace('|', '/')} | {cores} | "
                          f"0/{workload_size(args)} | - | - | - | - | - "
                          f"| - | - | - | - |")
@@ -310,6 +314,8 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
                 lines += ["", f"LMBenchmark against **{LABELS[r.name]}**:", "", "```",
                           r.lmb_error.strip(), "```"]
     for r in runs:
+        if r.status == "not supported":
+            continue  # its row says why; nothing was started
         if r.reason:  # one line from the log, not its tracebacks
             lines += ["", f"**{LABELS[r.name]}** did not start (after {r.wall_s:.0f} s); the "
                       "cause in its server log:", "", "```", r.reason, "```", "",
@@ -395,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="host tier blocks for kvbm-host-disk (smaller than the working set)")
     p.add_argument("--disk-cache-size", default="2GiB")
     p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--run-unsupported", action="store_true",
+                   help="start configurations this platform does not support (marked "
+                   "'not supported' otherwise) and report how they fail")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra argument for vllm serve (repeatable)")
     p.add_argument("--reserved-cpus", type=int, default=1,
@@ -441,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with tqdm(total=workload_size(args) * len(args.configs), unit="req") as bar:
         for name in args.configs:
+            why = "" if args.run_unsupported else unsupported_here(name)
+            if why:
+                runs.append(ConfigRun(name, status="not supported", reason=why))
+                bar.update(workload_size(args))
+                bar.write(f"{name}: {why} (--run-unsupported starts it anyway)")
+                continue
             runs.append(run_config(name, args, tokenizer, out_dir, bar))
             r = runs[-1]
             msg = (format_summary(r.summary) if r.summary else
@@ -461,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     if unequal_cores(runs):
         print(f"kvbm-bench compare: NOT COMPARABLE: {unequal_cores(runs)}", file=sys.stderr)
         return 3
+    if all(r.status == "not supported" for r in runs):
+        print("kvbm-bench compare: no configuration asked for runs on this platform",
+              file=sys.stderr)
+        return 2
     return 0 if any(r.status == "ok" for r in runs) else 1  # a failed config is reported
 
 
