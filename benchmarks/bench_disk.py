@@ -645,8 +645,9 @@ class Bench:
         """Per page: the checksum, the MAC and a plain copy, for the time split."""
         import torch
 
-        from vllm_kvbm.tiers import page_format
-        from vllm_kvbm.tiers.page_format import PageCodec
+        from vllm_kvbm.tiers import page_checksum
+        from vllm_kvbm.tiers.page_codec import PageCodec
+        from vllm_kvbm.tiers.page_format import copy_bytes
 
         page = self.pages[0]
         dst = torch.empty_like(page)
@@ -655,7 +656,7 @@ class Bench:
             fn()
             return min(timed(lambda: [fn() for _ in range(reps)]) for _ in range(3)) / reps
 
-        crc = per_page(lambda: page_format._checksum(page_format._WRITE_ALG, b"", page))
+        crc = per_page(lambda: page_checksum.checksum(page_checksum.WRITE_ALG, b"", page))
         codec = PageCodec("bench", self.block, os.urandom(32))
         sealed = memoryview(torch.empty_like(page).numpy())
 
@@ -664,10 +665,10 @@ class Bench:
             signer.seal(memoryview(page.numpy()), sealed)
             signer.header()
         t_mac = per_page(seal)
-        copy = per_page(lambda: page_format.copy_bytes(dst, page))
+        copy = per_page(lambda: copy_bytes(dst, page))
         raw = self.gbps(self.paths[0], "warm")
         t_raw = self.stored / (raw * 1e9) if raw else float("nan")
-        return (f"per page: raw warm read {t_raw * 1e6:.0f} us, {page_format.checksum_name()} "
+        return (f"per page: raw warm read {t_raw * 1e6:.0f} us, {page_checksum.checksum_name()} "
                 f"{crc * 1e6:.0f} us, "
                 f"page seal (AES-256-GCM) {t_mac * 1e6:.0f} us, memcpy {copy * 1e6:.0f} us")
 

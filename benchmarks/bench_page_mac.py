@@ -71,9 +71,9 @@ def main() -> None:
     import cryptography
     import torch
 
-    from vllm_kvbm.tiers import page_format
+    from vllm_kvbm.tiers import page_checksum, page_format
     from vllm_kvbm.tiers.disk.store import DiskStore
-    from vllm_kvbm.tiers.page_format import PageCodec
+    from vllm_kvbm.tiers.page_codec import PageCodec
 
     block = int(args.block_mib * MiB)
     secret = os.urandom(32)
@@ -117,10 +117,10 @@ def main() -> None:
         "AES-256-GMAC (v2, authenticate only)": per_call(gmac, 50),
         "AES-256-GCM, encrypt + authenticate (chosen)": per_call(seal, 50),
         "its per-page key derivation alone (keyed BLAKE3 + AES key schedule)": t_derive,
-        f"{page_format.checksum_name()} (the checksum written, not a MAC)": per_call(
-            lambda: page_format._checksum(page_format._WRITE_ALG, b"", payload), 50),
+        f"{page_checksum.checksum_name()} (the checksum written, not a MAC)": per_call(
+            lambda: page_checksum.checksum(page_checksum.WRITE_ALG, b"", payload), 50),
         "CRC-32C (libcrc32c, written before isal)": per_call(
-            lambda: page_format._checksum(page_format._ALG_CRC32C, b"", payload), 50),
+            lambda: page_checksum.checksum(page_checksum.ALG_CRC32C, b"", payload), 50),
     }
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

@@ -216,7 +216,7 @@ def run(args) -> list[Phase]:
     from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
     from vllm.v1.request import RequestStatus
 
-    from vllm_kvbm.tiers.page_format import disk_page_path
+    from vllm_kvbm.tiers.page_names import disk_page_path
 
     assert BLOCK == 16
     disk_dir = tempfile.mkdtemp(prefix="kvbm-bench-sched-disk-")

@@ -29,7 +29,11 @@ from helpers.tier_pages import SMALL, key, page, restamp, tier_of  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError, load_config  # noqa: E402
 from vllm_kvbm.config.secrets import MIN_PAGE_SECRET_BYTES, Secret  # noqa: E402
 from vllm_kvbm.tiers import page_format as pf  # noqa: E402
-from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, disk_page_path  # noqa: E402
+from vllm_kvbm.tiers import page_checksum  # noqa: E402
+from vllm_kvbm.tiers.page_codec import PageCodec  # noqa: E402
+from vllm_kvbm.tiers.page_format import HEADER_BYTES  # noqa: E402
+from vllm_kvbm.tiers.page_names import disk_page_path, page_name  # noqa: E402
+from vllm_kvbm.tiers.page_seal import MIN_SECRET_BYTES  # noqa: E402
 
 SECRET = b"kvbm-test-deployment-secret-0001"
 OTHER = b"another-deployment-secret-000002"
@@ -39,7 +43,7 @@ NS = "model-a|float32|layout"
 # ---- forging, as an attacker would -------------------------------------------
 
 def _header_fields(buf: bytes) -> list:
-    return list(pf._HDR.unpack(buf[:HEADER_BYTES]))
+    return list(pf.HDR.unpack(buf[:HEADER_BYTES]))
 
 
 
@@ -56,9 +60,10 @@ def decode(codec: PageCodec, data: bytes, k: bytes, out: torch.Tensor) -> str:
 def v1_page(ns: str, block: int, k: bytes, p: torch.Tensor) -> bytes:
     """A page in format version 1 (64-byte header, no MAC field), as v1 wrote it."""
     hdr = struct.Struct("<4sHHIQ8s32sI")
-    ns8 = pf._namespace_hash(ns, block, 1)
-    prefix = hdr.pack(b"KVBT", 1, pf._ALG_CRC32C, 0, block, ns8, k, 0)[:60]
-    return prefix + struct.pack("<I", pf._checksum(pf._ALG_CRC32C, prefix, p)) + p.numpy().tobytes()
+    ns8 = pf.namespace_hash(ns, block, 1)
+    prefix = hdr.pack(b"KVBT", 1, page_checksum.ALG_CRC32C, 0, block, ns8, k, 0)[:60]
+    crc = page_checksum.checksum(page_checksum.ALG_CRC32C, prefix, p)
+    return prefix + struct.pack("<I", crc) + p.numpy().tobytes()
 
 
 # ---- the codec -----------------------------------------------------------------
@@ -101,13 +106,13 @@ def test_pages_are_sealed_with_aes_gcm_and_a_fresh_nonce_each():
     k, p = key(5), page(5, SMALL)
     out = torch.empty(SMALL, dtype=torch.uint8)
     a, b = encoded(keyed, k, p), encoded(keyed, k, p)
-    assert _header_fields(a)[4] == pf._MAC_AES_GCM and _header_fields(a)[3] & pf._FLAG_SEALED
-    assert a[pf._MAC_OFF:pf._MAC_OFF + 12] != b[pf._MAC_OFF:pf._MAC_OFF + 12]  # nonces differ
+    assert _header_fields(a)[4] == pf.MAC_AES_GCM and _header_fields(a)[3] & pf.FLAG_SEALED
+    assert a[pf.MAC_OFF:pf.MAC_OFF + 12] != b[pf.MAC_OFF:pf.MAC_OFF + 12]  # nonces differ
     assert a[HEADER_BYTES:] != b[HEADER_BYTES:]
     assert decode(keyed, a, k, out) == "ok" and decode(keyed, b, k, out) == "ok"
     assert torch.equal(out, p)
     # v2's algorithms are not accepted in this version's header.
-    for alg in (pf._MAC_BLAKE3, pf._MAC_GMAC):
+    for alg in (pf.MAC_BLAKE3, pf.MAC_GMAC):
         assert decode(keyed, restamp(a, mac_alg=alg), k, out) == "corrupt"
 
 
@@ -119,22 +124,22 @@ def test_damage_is_corrupt_not_unauthenticated_and_the_header_stays_strict():
     flipped = bytearray(genuine)
     flipped[HEADER_BYTES + 10] ^= 1
     assert decode(keyed, bytes(flipped), k, out) == "corrupt"  # damage, not an attack
-    mac_off = pf._MAC_OFF
+    mac_off = pf.MAC_OFF
     flipped = bytearray(genuine)
     flipped[mac_off + 3] ^= 1  # the MAC itself: the CRC covers it
     assert decode(keyed, bytes(flipped), k, out) == "corrupt"
     # A verified seal proves the bytes intact, so the CRC is then not computed:
     # a flipped CRC field fails only a reader without the secret.
     flipped = bytearray(genuine)
-    flipped[pf._CRC_OFF] ^= 1
+    flipped[pf.CRC_OFF] ^= 1
     assert decode(keyed, bytes(flipped), k, out) == "ok" and torch.equal(out, p)
     assert decode(PageCodec(NS, SMALL), bytes(flipped), k, out) == "corrupt"
     plain_page = encoded(PageCodec(NS, SMALL), k, p)
     # Inconsistent MAC fields are malformed, whoever reads them.
     for bad in (restamp(plain_page, mac=b"\x01" * 32),             # no flag, a MAC
-                restamp(plain_page, mac_alg=pf._MAC_BLAKE3),        # no flag, an algorithm
+                restamp(plain_page, mac_alg=pf.MAC_BLAKE3),        # no flag, an algorithm
                 restamp(bytes(genuine), mac_alg=7),                 # unknown algorithm
-                restamp(bytes(genuine), flags=pf._FLAG_MAC | 8)):   # unknown flag
+                restamp(bytes(genuine), flags=pf.FLAG_MAC | 8)):   # unknown flag
         for codec in (keyed, PageCodec(NS, SMALL)):
             assert decode(codec, bad, k, out) == "corrupt"
     # Format version 1 pages are refused, never misread, with or without a secret.
@@ -142,7 +147,7 @@ def test_damage_is_corrupt_not_unauthenticated_and_the_header_stays_strict():
     for codec in (keyed, PageCodec(NS, SMALL)):
         assert decode(codec, old, k, out) == "corrupt"
         assert decode(codec, old + bytes(32), k, out) == "corrupt"  # even at v2's length
-    assert pf.page_name(NS, SMALL, 0, 1, k).split("@")[0] not in pf.retired_model_names(NS, SMALL)
+    assert page_name(NS, SMALL, 0, 1, k).split("@")[0] not in pf.retired_model_names(NS, SMALL)
 
 
 def test_tombstones_are_sealed_too():
@@ -160,7 +165,7 @@ def test_tombstones_are_sealed_too():
 def test_an_engine_without_a_secret_refuses_sealed_pages_and_warns_once(caplog):
     keyed, plain = PageCodec(NS, SMALL, SECRET), PageCodec(NS, SMALL)
     out = torch.empty(SMALL, dtype=torch.uint8)
-    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.tiers.page_format"):
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.tiers.page_codec"):
         for i in range(3):
             data = encoded(keyed, key(i), page(i, SMALL))
             assert decode(plain, data, key(i), out) == "unauthenticated"
@@ -174,7 +179,7 @@ def test_the_secret_is_never_printed_and_short_secrets_are_refused():
     assert SECRET.decode() not in repr(codec.__dict__) and SECRET.hex() not in repr(codec.__dict__)
     with pytest.raises(ValueError, match="at least 16 bytes"):
         PageCodec(NS, SMALL, b"short")
-    assert MIN_PAGE_SECRET_BYTES == pf.MIN_SECRET_BYTES
+    assert MIN_PAGE_SECRET_BYTES == MIN_SECRET_BYTES
 
 
 # ---- configuration -----------------------------------------------------------------
@@ -458,7 +463,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         poison = [donor.read_bytes()[HEADER_BYTES:] for donor in donors]
         for path, payload in zip(pages, poison):
             path.write_bytes(restamp(path.read_bytes(), payload=payload))
-        assert all(_flags(p) & pf._FLAG_SEALED == 0 for p in pages)
+        assert all(_flags(p) & pf.FLAG_SEALED == 0 for p in pages)
         # Without a page secret the planted KV is loaded: wrong outputs.
         clear_engine_and_host(attacker, E2E_HOST_BLOCKS)
         d2d = kvbm_counter("onboard_blocks_d2d")
@@ -483,7 +488,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         # Computed and written, sealed, under names of its own.
         settle(engine)
         sealed = sorted(set(d.glob("*.pt")) - before)
-        assert len(sealed) == n_pages and all(_flags(p) & pf._FLAG_SEALED for p in sealed)
+        assert len(sealed) == n_pages and all(_flags(p) & pf.FLAG_SEALED for p in sealed)
 
         # Its own pages come back from disk, equal to a plain engine's recompute.
         clear_engine_and_host(engine, E2E_HOST_BLOCKS)

@@ -24,7 +24,8 @@ from helpers.tier_pages import SMALL, key, page
 from vllm_kvbm.config import KVBMConfig, KVBMConfigError, load_config, parse_remote_url
 from vllm_kvbm.config.secrets import Secret
 from vllm_kvbm.tiers.redis.view import RedisView
-from vllm_kvbm.tiers.page_format import HEADER_BYTES, page_name
+from vllm_kvbm.tiers.page_format import HEADER_BYTES
+from vllm_kvbm.tiers.page_names import page_name
 from vllm_kvbm.tiers.redis.store import RedisStore
 
 pytestmark = [

@@ -253,7 +253,7 @@ def test_exist_request_is_lmcaches_own_message(remote):
     from lmcache.v1.protocol import ClientCommand, ClientMetaMessage
 
     from vllm_kvbm.tiers.lm.protocol import exist_request
-    from vllm_kvbm.tiers.page_format import page_name
+    from vllm_kvbm.tiers.page_names import page_name
 
     s = remote(ns="ns-exist", block=SMALL)
     ck = s._ckey(key(3))

@@ -20,7 +20,7 @@ from test_redis_store import PASSWORD, RedisServer  # noqa: E402
 from test_remote_store import raw_get, raw_put  # noqa: E402
 from vllm_kvbm.config import parse_remote_url  # noqa: E402
 from vllm_kvbm.config.secrets import Secret  # noqa: E402
-from vllm_kvbm.tiers.page_format import page_name  # noqa: E402
+from vllm_kvbm.tiers.page_names import page_name  # noqa: E402
 
 SECRET = b"kvbm-test-deployment-secret-0001"
 NS = "model-a|float32|layout"

@@ -7,6 +7,7 @@ import struct
 import torch
 
 from vllm_kvbm.tiers import page_format as pf
+from vllm_kvbm.tiers.page_checksum import Crc
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_bytes
 
 MiB = 1024 * 1024
@@ -63,13 +64,13 @@ def restamp(data: bytes, *, payload: bytes | None = None, flags=None, mac_alg=No
     and the CRC recomputed (over the header before the seal field, the
     payload, then the seal field), so it passes every integrity check."""
     # magic, version, alg, flags, mac_alg, plen, ns8, key, mac, crc
-    f = list(pf._HDR.unpack(data[:HEADER_BYTES]))
+    f = list(pf.HDR.unpack(data[:HEADER_BYTES]))
     for i, v in ((3, flags), (4, mac_alg), (6, ns8), (7, key_field), (8, mac)):
         if v is not None:
             f[i] = v
     body = data[HEADER_BYTES:] if payload is None else payload
-    prefix = pf._HDR.pack(*f[:9], 0)[:pf._MAC_OFF]
-    crc = pf._Crc(f[2], prefix)
+    prefix = pf.HDR.pack(*f[:9], 0)[:pf.MAC_OFF]
+    crc = Crc(f[2], prefix)
     crc.update(memoryview(body))
     crc.update(f[8])
     return prefix + f[8] + struct.pack("<I", crc.value) + body

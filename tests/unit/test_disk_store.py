@@ -17,9 +17,10 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 from helpers.system import mount_tmpfs, umount  # noqa: E402
 from helpers.tier_pages import BIG, MiB, SMALL, key, page, phys  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError  # noqa: E402
-from vllm_kvbm.tiers import page_format  # noqa: E402
+from vllm_kvbm.tiers import page_checksum  # noqa: E402
 from vllm_kvbm.tiers.disk.store import DiskStore  # noqa: E402
-from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_path  # noqa: E402
+from vllm_kvbm.tiers.page_format import HEADER_BYTES  # noqa: E402
+from vllm_kvbm.tiers.page_names import disk_page_path  # noqa: E402
 
 
 def files(d) -> list[str]:
@@ -232,16 +233,16 @@ def test_pages_of_either_checksum_are_verified_with_or_without_isal(disk, monkey
     verify on an engine without isal (zlib's crc32 is the same function)."""
     import zlib
 
-    assert page_format._FAST_CRC32 and page_format._WRITE_ALG == page_format._ALG_CRC32
+    assert page_checksum.FAST_CRC32 and page_checksum.WRITE_ALG == page_checksum.ALG_CRC32
     s = disk()
     out = torch.empty(SMALL, dtype=torch.uint8)
-    for i, (alg, reader) in enumerate([(page_format._ALG_CRC32C, page_format._crc32),
-                                       (page_format._ALG_CRC32, page_format._crc32),
-                                       (page_format._ALG_CRC32, zlib.crc32)]):
-        monkeypatch.setattr(page_format, "_WRITE_ALG", alg)
+    for i, (alg, reader) in enumerate([(page_checksum.ALG_CRC32C, page_checksum.crc32),
+                                       (page_checksum.ALG_CRC32, page_checksum.crc32),
+                                       (page_checksum.ALG_CRC32, zlib.crc32)]):
+        monkeypatch.setattr(page_checksum, "WRITE_ALG", alg)
         assert s.put(key(i), page(i, SMALL))
-        monkeypatch.setattr(page_format, "_WRITE_ALG", page_format._ALG_CRC32)
-        monkeypatch.setattr(page_format, "_crc32", reader)
+        monkeypatch.setattr(page_checksum, "WRITE_ALG", page_checksum.ALG_CRC32)
+        monkeypatch.setattr(page_checksum, "crc32", reader)
         with open(path_of(s, key(i)), "rb") as f:
             assert int.from_bytes(f.read(8)[6:8], "little") == alg
         assert s.get_into(key(i), out) == "ok" and torch.equal(out, page(i, SMALL))

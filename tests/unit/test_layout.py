@@ -11,7 +11,8 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "vllm_kvbm"
 SHARED = {"vllm_kvbm.config", "vllm_kvbm.keys", "vllm_kvbm.messages", "vllm_kvbm.engine_info",
-          "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.cpus",
+          "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.tiers.page_names",
+          "vllm_kvbm.tiers.page_seal", "vllm_kvbm.cpus",
           "vllm_kvbm.identity", "vllm_kvbm.identity_fields", "vllm_kvbm.identity_tables",
           "vllm_kvbm.identity_tables.rules", "vllm_kvbm.identity_tables.engine",
           "vllm_kvbm.identity_tables.kernels", "vllm_kvbm.canonical_values",

@@ -1,6 +1,6 @@
 """Pages a shared store cannot read, bound to the TP rank and KV layout that wrote them.
 
-Page format version 3 (tiers/page_format.py) on real codecs and real
+Page format version 3 (tiers/page_*.py) on real codecs and real
 DiskStores on real files. Attacks are made as someone who holds this code and
 the model but not the page secret would make them: reading every stored byte,
 computing names from public facts, moving files between names.
@@ -18,7 +18,10 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from helpers.tier_pages import SMALL, key, leaks, page, restamp  # noqa: E402
 from vllm_kvbm.tiers import page_format as pf  # noqa: E402
-from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, page_name  # noqa: E402
+from vllm_kvbm.tiers.page_checksum import ALG_CRC32, checksum  # noqa: E402
+from vllm_kvbm.tiers.page_codec import PageCodec  # noqa: E402
+from vllm_kvbm.tiers.page_format import HEADER_BYTES  # noqa: E402
+from vllm_kvbm.tiers.page_names import disk_page_path, page_name  # noqa: E402
 
 SECRET = b"kvbm-test-deployment-secret-0001"
 OTHER = b"another-deployment-secret-000002"
@@ -45,10 +48,10 @@ def decode(codec: PageCodec, data: bytes, k: bytes) -> tuple[str, torch.Tensor]:
 def v2_page(ns: str, block: int, k: bytes, p: torch.Tensor, flags: int = 0) -> bytes:
     """A page as format version 2 wrote it (key in the header, CRC last over
     the header and the clear payload; GMAC field with a secret)."""
-    mac_alg, mac = (pf._MAC_GMAC, os.urandom(28) + bytes(4)) if flags else (0, bytes(32))
-    prefix = pf._HDR.pack(b"KVBT", 2, pf._ALG_CRC32, flags, mac_alg, block,
-                          pf._namespace_hash(ns, block, 2), k, mac, 0)[:pf._CRC_OFF]
-    crc = pf._checksum(pf._ALG_CRC32, prefix, p)
+    mac_alg, mac = (pf.MAC_GMAC, os.urandom(28) + bytes(4)) if flags else (0, bytes(32))
+    prefix = pf.HDR.pack(b"KVBT", 2, ALG_CRC32, flags, mac_alg, block,
+                         pf.namespace_hash(ns, block, 2), k, mac, 0)[:pf.CRC_OFF]
+    crc = checksum(ALG_CRC32, prefix, p)
     return prefix + struct.pack("<I", crc) + p.numpy().tobytes()
 
 
@@ -60,7 +63,7 @@ def test_sealed_pages_carry_no_kv_bytes_and_no_key_and_open_only_with_the_secret
     stored = encoded(sealed, k, p)
     assert leaks(stored, k, p) == []
     assert leaks(encoded(plain, k, p), k, p)  # the search finds them in a clear page
-    assert pf._HDR.unpack(stored[:HEADER_BYTES])[7] == bytes(32)  # no key in the header
+    assert pf.HDR.unpack(stored[:HEADER_BYTES])[7] == bytes(32)  # no key in the header
     status, out = decode(sealed, stored, k)
     assert status == "ok" and torch.equal(out, p)
     # Two writes of one page differ (a random nonce each): equal KV is not visible either.
@@ -78,7 +81,7 @@ def test_a_page_opens_only_under_its_own_key_so_a_tenant_salt_is_a_key_of_its_ow
     # Per-page keys: the same plaintext under two keys and one nonce would
     # still differ; the seal field of one key's page does not open the other's.
     other = encoded(sealed, key(2), page(1, SMALL))
-    swapped = restamp(stored[:pf._MAC_OFF] + other[pf._MAC_OFF:pf._CRC_OFF] + stored[pf._CRC_OFF:])
+    swapped = restamp(stored[:pf.MAC_OFF] + other[pf.MAC_OFF:pf.CRC_OFF] + stored[pf.CRC_OFF:])
     assert decode(sealed, swapped, key(1))[0] == "unauthenticated"
 
 
@@ -106,7 +109,7 @@ def test_damage_is_corrupt_and_forgery_unauthenticated_under_a_secret():
     sealed = PageCodec(NS, SMALL, SECRET)
     k, p = key(4), page(4, SMALL)
     stored = bytearray(encoded(sealed, k, p))
-    for off in (HEADER_BYTES + 10, HEADER_BYTES + SMALL - 1, pf._MAC_OFF + 3):
+    for off in (HEADER_BYTES + 10, HEADER_BYTES + SMALL - 1, pf.MAC_OFF + 3):
         damaged = bytearray(stored)
         damaged[off] ^= 1
         assert decode(sealed, bytes(damaged), k)[0] == "corrupt", off
@@ -125,14 +128,14 @@ def test_damage_is_corrupt_and_forgery_unauthenticated_under_a_secret():
 
 def test_version_2_pages_are_never_read():
     k, p = key(5), page(5, SMALL)
-    for flags in (0, pf._FLAG_MAC):
+    for flags in (0, pf.FLAG_MAC):
         old = v2_page(NS, SMALL, k, p, flags)
         for reader in (PageCodec(NS, SMALL), PageCodec(NS, SMALL, SECRET)):
             assert decode(reader, old, k)[0] == "corrupt"
     # and they are named otherwise: the version is in the name.
     v3_model = page_name(NS, SMALL, 0, 1, k).split("@")[0]
     assert v3_model not in pf.retired_model_names(NS, SMALL)
-    assert "kvbm_" + pf._namespace_hash(NS, SMALL, 2).hex() in pf.retired_model_names(NS, SMALL)
+    assert "kvbm_" + pf.namespace_hash(NS, SMALL, 2).hex() in pf.retired_model_names(NS, SMALL)
 
 
 def test_names_are_keyed_by_the_secret():
@@ -181,8 +184,8 @@ def test_a_disk_reader_without_the_secret_learns_no_kv_and_no_membership(tmp_pat
             assert leaks(everything, k, p) == []
         # Membership: the names someone without the secret can compute are not there.
         for k in keys:
-            assert not os.path.exists(pf.disk_page_path(str(d), NS, SMALL, 0, 1, k))
-            assert not os.path.exists(pf.disk_page_path(str(d), NS, SMALL, 0, 1, k, OTHER))
+            assert not os.path.exists(disk_page_path(str(d), NS, SMALL, 0, 1, k))
+            assert not os.path.exists(disk_page_path(str(d), NS, SMALL, 0, 1, k, OTHER))
         assert all(DiskView(str(d), NS, SMALL, 1, SECRET).contains(k) for k in keys)
         assert not any(DiskView(str(d), NS, SMALL, 1).contains(k) for k in keys)
         out = torch.empty(SMALL, dtype=torch.uint8)
@@ -205,7 +208,7 @@ def test_a_disk_store_with_one_secret_cannot_read_another_secrets_pages(tmp_path
         assert b.get_into(key(1), out) == "miss"
         # A's file moved to the name B reads for that key: refused and removed.
         [fn] = _stored_files(d)
-        path_b = pf.disk_page_path(str(d), NS, SMALL, 0, 1, key(1), OTHER)
+        path_b = disk_page_path(str(d), NS, SMALL, 0, 1, key(1), OTHER)
         os.rename(os.path.join(d, fn), path_b)
     finally:
         b.close()
@@ -229,7 +232,7 @@ def test_a_rank_page_moved_to_the_other_ranks_name_is_refused_on_disk(tmp_path, 
     finally:
         for s in stores:
             s.close()
-    paths = [pf.disk_page_path(str(d), NS, SMALL, r, 2, k, secret) for r in (0, 1)]
+    paths = [disk_page_path(str(d), NS, SMALL, r, 2, k, secret) for r in (0, 1)]
     data = [open(p, "rb").read() for p in paths]
     for p, other in zip(paths, reversed(data)):  # each rank's file gets its twin's bytes
         with open(p, "wb") as f:
@@ -251,11 +254,11 @@ def test_version_2_files_are_deleted_at_startup_and_never_read(tmp_path):
     d = tmp_path / "disk"
     d.mkdir()
     k, p = key(8), page(8, SMALL)
-    old_name = "kvbm_" + pf._namespace_hash(NS, SMALL, 2).hex()
+    old_name = "kvbm_" + pf.namespace_hash(NS, SMALL, 2).hex()
     old = d / f"{old_name}@1@0@{int.from_bytes(k, 'big'):x}@uint8.pt"
     old.write_bytes(v2_page(NS, SMALL, k, p))
     # a v2 page copied under this version's name reads as corrupt, and goes
-    renamed = pf.disk_page_path(str(d), NS, SMALL, 0, 1, k)
+    renamed = disk_page_path(str(d), NS, SMALL, 0, 1, k)
     with open(renamed, "wb") as f:
         f.write(v2_page(NS, SMALL, k, p))
     s = _disk(d)

@@ -252,7 +252,7 @@ def test_background_answers_serve_a_moving_start_and_are_refreshed(tmp_path, mon
     from vllm_kvbm.scheduler import lookups
     from vllm_kvbm.scheduler.lookups import BackgroundLookups
     from vllm_kvbm.tiers.disk.view import DiskView
-    from vllm_kvbm.tiers.page_format import disk_page_path
+    from vllm_kvbm.tiers.page_names import disk_page_path
 
     monkeypatch.setattr(lookups, "REFRESH_S", 0.2)
     keys = [bytes([i]) * 32 for i in range(8)]

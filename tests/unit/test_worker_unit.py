@@ -555,8 +555,9 @@ sys.meta_path.insert(0, NoVllm())
 sys.path[:0] = [{str(tests)!r}, {str(tests.parent)!r}]
 import time, torch
 import vllm_kvbm.config, vllm_kvbm.keys, vllm_kvbm.engine_info, vllm_kvbm.messages
-import vllm_kvbm.tiers.page_format, vllm_kvbm.worker.tier_io, vllm_kvbm.worker.fence
-import vllm_kvbm.worker.host_pool, vllm_kvbm.worker.page_mover, vllm_kvbm.worker.vllm_layout
+import vllm_kvbm.tiers.page_format, vllm_kvbm.tiers.page_codec, vllm_kvbm.worker.tier_io
+import vllm_kvbm.worker.fence, vllm_kvbm.worker.host_pool, vllm_kvbm.worker.page_mover
+import vllm_kvbm.worker.vllm_layout
 from helpers.kv_layouts import agent_name, vllm_layout
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace

@@ -44,7 +44,7 @@ class Secret:
         return hash(Secret)  # equal secrets must hash alike; the value must not leak
 
 
-MIN_PAGE_SECRET_BYTES = 16  # = page_format.MIN_SECRET_BYTES (a test checks)
+MIN_PAGE_SECRET_BYTES = 16  # = page_seal.MIN_SECRET_BYTES (a test checks)
 _MAX_FILE_BYTES = 64 * 1024
 _PASSWORD_FIX = ("write one password (the Redis/Valkey server's) into it, on one line, "
                  "readable only by the engine's user (chmod 600 FILE)")
@@ -117,7 +117,7 @@ def remote_password_env(environ: Mapping[str, str], kwargs: dict, sources: dict)
 
 
 def parse_page_secret_file(key: str, value: Any) -> Secret:
-    """The page secret (it keys every disk/remote page's seal, tiers/page_format.py)."""
+    """The page secret (it keys every disk/remote page's seal, tiers/page_seal.py)."""
     secret = _read_secret_file(key, value, "the page secret", _PAGE_SECRET_FIX)
     if len(secret) < MIN_PAGE_SECRET_BYTES:
         raise KVBMConfigError(

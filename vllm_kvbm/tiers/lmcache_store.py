@@ -13,7 +13,8 @@ import threading
 import torch
 
 from vllm_kvbm.tiers.base import TierStore
-from vllm_kvbm.tiers.page_format import HEADER_BYTES, PageCodec, disk_page_bytes
+from vllm_kvbm.tiers.page_codec import PageCodec
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_bytes
 
 # LMCache sizes its memory and disk in GiB (floats)
 GIB = 1024**3
@@ -119,7 +120,7 @@ class LMCacheStore(TierStore):
 
     def _ckey_of(self, chunk_hash: int):
         """LMCache's key of the page named by ``chunk_hash`` (the page key
-        itself, or its keyed hash under a page secret: page_format._Names)."""
+        itself, or its keyed hash under a page secret: page_names.PageNames)."""
         return self._CacheEngineKey(self._model, self._world_size, self._rank, chunk_hash,
                                     torch.uint8)
 

@@ -63,8 +63,9 @@ def configured(config: "KVBMConfig") -> list[Medium]:
 
 
 def page_secret(config: "KVBMConfig") -> bytes | None:
-    """The page secret, which keys the pages' names and seals them (page_format);
-    the scheduler's views and the workers' stores use the same one."""
+    """The page secret, which keys the pages' names and seals them
+    (page_names, page_seal); the scheduler's views and the workers' stores
+    use the same one."""
     return config.page_secret.reveal() if config.page_secret is not None else None
 
 

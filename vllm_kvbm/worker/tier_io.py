@@ -368,8 +368,8 @@ def layout_fingerprint(kv_caches: "dict[str, torch.Tensor]", num_blocks: int,
     kernel blocks per block (page_mover.block_dim_of), and every other dim's
     size and stride, where a stride reaching past one block (it scales with
     num_blocks, which differs between engines sharing pages) counts only as
-    "outside". Bound into every page (page_format: the header check and the
-    seal), so a page is read only by a worker that lays out its bytes alike."""
+    "outside". Bound into every page (the header check of page_format and the
+    seal of page_seal), so a page is read only by a worker that lays out its bytes alike."""
     import hashlib
     import json
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
-from vllm_kvbm.tiers.page_format import disk_page_namer
+from vllm_kvbm.tiers.page_names import disk_page_namer
 
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
@@ -39,7 +39,7 @@ class DiskView(TierView):
 
     def __init__(self, directory: str, namespace: str, page_bytes: int, world_size: int,
                  secret: bytes | None = None):
-        # ``secret``: the page secret, which keys the pages' names (page_format).
+        # ``secret``: the page secret, which keys the pages' names (page_names).
         self._paths = [
             disk_page_namer(directory, namespace, page_bytes, rank, world_size, secret)
             for rank in range(world_size)]

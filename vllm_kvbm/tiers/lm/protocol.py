@@ -22,7 +22,7 @@ _SUCCESS = 200        # ServerReturnCode.SUCCESS
 
 
 def exist_request(name: str) -> bytes:
-    """The EXIST request for a page stored under ``name`` (see page_format.page_name)."""
+    """The EXIST request for a page stored under ``name`` (see page_names.page_name)."""
     raw = name.encode()
     if len(raw) > MAX_KEY_LENGTH:
         raise ValueError(f"page name longer than {MAX_KEY_LENGTH} bytes: {name!r}")

@@ -11,7 +11,7 @@ from vllm_kvbm.config import parse_lm_url
 from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
 from vllm_kvbm.tiers.lm.protocol import REPLY_BYTES, exist_reply, exist_request
-from vllm_kvbm.tiers.page_format import page_namer
+from vllm_kvbm.tiers.page_names import page_namer
 from vllm_kvbm.tiers.reconnect import Reconnect
 
 if TYPE_CHECKING:

@@ -47,8 +47,9 @@ from vllm_kvbm.config import parse_remote_url
 from vllm_kvbm.config.secrets import Secret
 from vllm_kvbm.config.urls import RemoteTarget
 from vllm_kvbm.tiers.base import TierStore
-from vllm_kvbm.tiers.page_format import (HEADER_BYTES, PageCodec, page_namer, valid_key,
-                                         valid_page)
+from vllm_kvbm.tiers.page_codec import PageCodec
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, valid_key, valid_page
+from vllm_kvbm.tiers.page_names import page_namer
 from vllm_kvbm.tiers.redis.connection import RedisLink
 
 if TYPE_CHECKING:

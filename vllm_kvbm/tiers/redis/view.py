@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from vllm_kvbm.config import parse_remote_url
 from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
-from vllm_kvbm.tiers.page_format import page_namer
+from vllm_kvbm.tiers.page_names import page_namer
 from vllm_kvbm.tiers.redis.connection import RedisLink
 
 if TYPE_CHECKING:
