@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ROOT
 from vllm_kvbm.config import SUPPORTED_VLLM
-from vllm_kvbm.tools import vllm_compat as vc
+from vllm_kvbm.tools import vllm_wheels as wheels
 
 
 # The connector's scheduler-side tests, which need vLLM's Scheduler but no
@@ -32,12 +32,12 @@ def test_scheduler_tests_pass_on_the_newest_release_of(series):
     if vllm.__version__.startswith(series + "."):
         pytest.skip(f"vLLM {vllm.__version__} is installed: the suite itself runs on it")
     try:
-        index, _ = vc.fetch_index()
-        [*_, release] = [r for r in vc.list_releases(index)
+        index, _ = wheels.fetch_index()
+        [*_, release] = [r for r in wheels.list_releases(index)
                          if r.version.startswith(series + ".")] or [None]
         assert release is not None, f"no vLLM {series}.x on PyPI"
-        sources = vc.python_sources(release)
-    except vc.Offline as err:
+        sources = wheels.python_sources(release)
+    except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run on every supported vLLM release, but: {err}")
         pytest.skip(f"no network and nothing cached: {err}")

@@ -2,7 +2,7 @@
 
 KVBMConnector.unregister_kv_caches refuses (connector.py): that is safe only
 if vLLM calls it before it frees anything, in every place it is called. The
-sources come from the release's wheel on PyPI as tools/vllm_compat.py reads
+sources come from the release's wheel on PyPI as tools/vllm_wheels.py reads
 them (cached; the same network policy as tests/unit/test_vllm_compat.py).
 """
 
@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from vllm_kvbm.tools import vllm_compat as vc
+from vllm_kvbm.tools import vllm_wheels as wheels
 
 WORKER_MEMBERS = ("vllm/v1/worker/gpu_worker.py", "vllm/v1/worker/extensible_kv_cache.py")
 # What frees the KV cache's memory after the connector was told.
@@ -22,11 +22,11 @@ FREES = {"release_physical", "suspend", "discard"}
 
 def sources_034() -> dict[str, str]:
     try:
-        index, _ = vc.fetch_index()
-        releases = [r for r in vc.list_releases(index) if r.version.startswith("0.34.")]
+        index, _ = wheels.fetch_index()
+        releases = [r for r in wheels.list_releases(index) if r.version.startswith("0.34.")]
         assert releases, "no vLLM 0.34 release in the index"
-        return vc.release_sources(releases[-1], WORKER_MEMBERS)
-    except vc.Offline as err:
+        return wheels.release_sources(releases[-1], WORKER_MEMBERS)
+    except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(str(err))
         pytest.skip(f"no network and nothing cached: {err}")

