@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.engines import HOST_BLOCKS, KVBM_METRICS_PORT, MODEL_DIR, make_llm
+from helpers.engines import HOST_BLOCKS, KVBM_METRICS_PORT, MODEL_DIR, make_llm, shutdown
 from helpers.system import Ext4, umount
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
@@ -63,7 +63,7 @@ def model_dir() -> Path:
 def plain_llm(model_dir):
     llm = make_llm(None)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +72,7 @@ def kvbm_llm(model_dir):
                                         metrics_port=KVBM_METRICS_PORT,
                                         metrics_host="127.0.0.1"))
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 @pytest.fixture(scope="module")

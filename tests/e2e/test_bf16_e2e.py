@@ -18,7 +18,8 @@ import os
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
+                             shutdown)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_redis_store import PASSWORD, RedisServer
 from test_tiers_e2e import clear_engine_and_host
@@ -62,7 +63,7 @@ def disk_dir(tmp_path_factory):
 def plain_bf16(model_dir, same_binding):
     llm = make_llm(None, **BF16)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def _password_file(tmp_path_factory):
@@ -79,19 +80,19 @@ def kvbm_disk(model_dir, same_binding, disk_dir):
                                   disk_cache_size="256MiB", **EVERY_PAGE_LOADED)
     llm = make_llm(config, **BF16)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 @pytest.fixture(scope="module")
 def kvbm_redis(model_dir, same_binding, redis_server, tmp_path_factory, request):
     """Host tier and Redis; the disk engine has exited (one KVBM engine at a time)."""
-    request.getfixturevalue("kvbm_disk").llm_engine.engine_core.shutdown()
+    shutdown(request.getfixturevalue("kvbm_disk"))
     config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, remote_url=redis_server.url,
                                   remote_password_file=str(_password_file(tmp_path_factory)),
                                   remote_timeout_s=2, **EVERY_PAGE_LOADED)
     llm = make_llm(config, **BF16)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def cached_reference(plain, prompt):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import ROOT
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, vllm_counter
+from helpers.engines import (BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, shutdown,
+                             vllm_counter)
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import generate
 from vllm_kvbm.tools.local_model import HYBRID_DIR, build_qwen3_next
@@ -40,14 +41,14 @@ def hybrid_dir():
 def plain_hybrid(hybrid_dir, same_binding):  # noqa: F811
     llm = make_llm(None, model=str(hybrid_dir), **HYBRID)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 @pytest.fixture(scope="module")
 def kvbm_hybrid(hybrid_dir, same_binding):  # noqa: F811
     llm = make_llm(kvbm_transfer_config(host_cache_blocks=8), model=str(hybrid_dir), **HYBRID)
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def test_a_gdn_hybrid_starts_with_kvbm_and_answers_like_a_plain_engine(plain_hybrid,

@@ -8,7 +8,7 @@ import glob
 
 import pytest
 
-from helpers.engines import kvbm_counter, make_llm, random_prompt
+from helpers.engines import kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import generate
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -27,7 +27,7 @@ def _engine(block_size: int, disk=None):
 
 
 def _shutdown(llm) -> None:
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def test_another_block_size_on_one_disk_directory_misses(model_dir, tmp_path):

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import generate
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -35,7 +35,7 @@ def test_scheduler_and_workers_agree(model_dir, tmp_path, monkeypatch, eager, tp
     try:
         generate(llm, [random_prompt(300, seed=11)])
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
     seen = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
     assert sorted(name.split("-")[0] for name in seen) == ["scheduler"] + ["worker"] * tp
     scheduler = next(v for k, v in seen.items() if k.startswith("scheduler"))
@@ -60,7 +60,7 @@ def _run(llm, prompt):
     try:
         return generate(llm, [prompt])
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
 
 
 def test_hf_overrides_on_one_disk_directory_misses(model_dir, tmp_path):
@@ -73,7 +73,7 @@ def test_hf_overrides_on_one_disk_directory_misses(model_dir, tmp_path):
         base, _ = generate(first, [prompt])
         settle(first)
     finally:
-        first.llm_engine.engine_core.shutdown()
+        shutdown(first)
     assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) >= 8  # the pages are there
 
     before = kvbm_counter("onboard_blocks_d2d")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host, settle
 from helpers.throttled_proxy import ThrottledProxy
@@ -79,4 +79,4 @@ def test_part_loaded_part_recomputed_equals_recompute(model_dir, plain_llm, slow
         assert kvbm_counter("recompute_chosen_tokens") - chosen == len(HISTORY)
     finally:
         slow_remote.rate = None
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)

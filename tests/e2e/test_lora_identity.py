@@ -22,7 +22,7 @@ import os
 import pytest
 
 from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, kvbm_counter, make_llm,
-                             random_prompt)
+                             random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -126,7 +126,7 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
         got = _reload_onboards_nothing(kvbm, adapter)
         assert kvbm_counter("offload_blocks_d2h") == stored
     finally:
-        kvbm.llm_engine.engine_core.shutdown()
+        shutdown(kvbm)
     _assert_recomputed_with_the_new_files(got, old_out)
 
 
@@ -174,5 +174,5 @@ def test_lora_loaded_then_rewritten_before_its_first_request_stores_nothing(
         assert kvbm.reset_prefix_cache()  # vLLM's own cache names the adapter by id only
         got = _reload_onboards_nothing(kvbm, adapter)
     finally:
-        kvbm.llm_engine.engine_core.shutdown()
+        shutdown(kvbm)
     _assert_recomputed_with_the_new_files(got, old_out)

@@ -23,7 +23,7 @@ import torch
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,  # noqa: E402
-                             random_prompt)
+                             random_prompt, shutdown)
 from test_remote_store import raw_get, raw_put  # noqa: E402
 from helpers.tier_pages import SMALL, key, page, restamp, tier_of  # noqa: E402
 from vllm_kvbm.config import KVBMConfigError, load_config  # noqa: E402
@@ -471,7 +471,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         assert kvbm_counter("onboard_blocks_d2d") - d2d == n_pages
         assert got != want
     finally:
-        attacker.llm_engine.engine_core.shutdown()
+        shutdown(attacker)
 
     before = set(d.glob("*.pt"))  # the planted pages and the attacker's fillers
     engine = make_llm(config(page_secret_file=str(secret_file)))
@@ -510,7 +510,7 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         assert kvbm_counter("page_auth_failures") - auth == 1
         assert kvbm_counter("checksum_failures") == checksum
     finally:
-        engine.llm_engine.engine_core.shutdown()
+        shutdown(engine)
 
 
 def test_bench_page_mac_runs_and_reports_the_ratio():

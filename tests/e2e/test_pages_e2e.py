@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -29,7 +29,7 @@ def pages_llm(model_dir, tmp_path_factory):
     llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, page_tokens=PAGE,
                                         disk_cache_dir=str(disk), disk_cache_size="1GiB"))
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def test_host_pages_onboard_whole_and_equal_recompute(pages_llm, plain_llm):

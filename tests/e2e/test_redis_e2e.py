@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
+                             shutdown)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from test_redis_store import PASSWORD, RedisServer
 from test_tiers_e2e import HOST_BLOCKS, clear_engine_and_host, settle
@@ -52,17 +53,17 @@ def engine1(model_dir, redis_server, password_file):
     llm = make_llm(redis_config(redis_server, password_file))
     yield llm
     try:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
     except Exception:  # already shut down before engine 2 started
         pass
 
 
 @pytest.fixture(scope="module")
 def engine2(model_dir, redis_server, password_file, engine1):
-    engine1.llm_engine.engine_core.shutdown()  # engine 1 exits; its pages stay on Redis
+    shutdown(engine1)  # engine 1 exits; its pages stay on Redis
     llm = make_llm(redis_config(redis_server, password_file))
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def page_keys(srv: RedisServer) -> set[bytes]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
+                             shutdown)
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -42,7 +43,7 @@ def test_a_prompt_longer_than_the_host_tier_comes_back_from_disk(model_dir, plai
     try:
         _round_trip(llm, plain_llm, random_prompt(3200, seed=9401), 3072)
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
 
 
 def test_small_blocks_and_pages_longer_than_the_host_tier(model_dir, tmp_path):
@@ -58,6 +59,6 @@ def test_small_blocks_and_pages_longer_than_the_host_tier(model_dir, tmp_path):
             _round_trip(llm, plain, random_prompt(2000, seed=9402), 1792,
                         host_blocks=24, block_size=32)
         finally:
-            llm.llm_engine.engine_core.shutdown()
+            shutdown(llm)
     finally:
-        plain.llm_engine.engine_core.shutdown()
+        shutdown(plain)

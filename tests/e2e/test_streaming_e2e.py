@@ -4,7 +4,8 @@ without a host slot are streamed through the worker's staging slots
 
 from __future__ import annotations
 
-from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
+                             shutdown)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -28,7 +29,7 @@ def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plai
         assert generate(a, [prompt])[0] == want
         settle(a)
     finally:
-        a.llm_engine.engine_core.shutdown()
+        shutdown(a)
     assert len(list(tmp_path.glob("*.pt"))) == len(prompt) // BLOCK_SIZE
 
     b = engine(8)
@@ -39,4 +40,4 @@ def test_engine_onboards_a_disk_prefix_longer_than_its_host_tier(model_dir, plai
         assert cached[0] == expected_hit_tokens(len(prompt))
         assert kvbm_counter("onboard_blocks_d2d") - before == cached[0] // BLOCK_SIZE
     finally:
-        b.llm_engine.engine_core.shutdown()
+        shutdown(b)

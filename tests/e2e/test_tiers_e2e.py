@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
+                             shutdown)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
 from vllm_kvbm.tools.server import stop_process as stop
@@ -55,7 +56,7 @@ def engine1(model_dir, disk_dir, remote):
     llm = make_llm(tier_config(disk_dir, remote["port"]))
     yield llm
     try:
-        llm.llm_engine.engine_core.shutdown()
+        shutdown(llm)
     except Exception:  # already shut down by the restart test
         pass
 
@@ -127,7 +128,7 @@ def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir,
     settle(engine1)
     new_files = set(disk_dir.glob("*.pt")) - before
     clear_engine_and_host(engine1)
-    engine1.llm_engine.engine_core.shutdown()  # engine 1 exits
+    shutdown(engine1)  # engine 1 exits
 
     # PROMPT_REMOTE's pages only survive on the server: drop its disk files.
     assert len(new_files) == len(PROMPT_REMOTE) // BLOCK_SIZE
@@ -172,4 +173,4 @@ def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir,
         assert got == got_again == want_new
         assert time.monotonic() - start < 120
     finally:
-        engine2.llm_engine.engine_core.shutdown()
+        shutdown(engine2)

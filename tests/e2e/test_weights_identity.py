@@ -18,7 +18,7 @@ import struct
 import pytest
 
 from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, kvbm_counter, make_llm,
-                             random_prompt)
+                             random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -85,7 +85,7 @@ def test_weights_rewritten_in_place_onboard_nothing_old(tmp_path, monkeypatch):
         assert again == old_out and cached[0] == expected_hit_tokens(len(PROMPT))
         assert kvbm_counter("matched_tokens_disk") - disk_hits == cached[0]
     finally:
-        old.llm_engine.engine_core.shutdown()
+        shutdown(old)
     assert any(p.is_file() for p in disk.rglob("*"))
 
     rewrite_one_tensor_in_place(model / "model.safetensors")
@@ -98,7 +98,7 @@ def test_weights_rewritten_in_place_onboard_nothing_old(tmp_path, monkeypatch):
         assert kvbm_counter("matched_tokens") == matched
         assert kvbm_counter("onboard_blocks_d2d") == onboarded
     finally:
-        new.llm_engine.engine_core.shutdown()
+        shutdown(new)
     # Nothing was loaded, so `got` is the new weights' own recompute; the
     # scaled tensor changes the answer: old pages served would have shown.
     assert got != old_out

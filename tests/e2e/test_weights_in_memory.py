@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt
+from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -53,7 +53,7 @@ def updated_engine(model_dir, tmp_path):
     llm = make_llm(kvbm_transfer_config(host_cache_blocks=16, disk_cache_dir=str(tmp_path),
                                         disk_cache_size="256MiB"))
     yield llm
-    llm.llm_engine.engine_core.shutdown()
+    shutdown(llm)
 
 
 def _recomputed(llm) -> list[int]:
