@@ -2,9 +2,10 @@
 
 No model can be downloaded on the machines this project is developed and
 tested on, so the demo, tests and benchmarks use a model built here: a Llama,
-and a Qwen3-Next-shaped hybrid (build_qwen3_next). Each is a standard Hugging
-Face model directory: vLLM loads it like any real model, and
-everything that runs on it runs unchanged on a real model path.
+a Qwen3-Next-shaped hybrid (build_qwen3_next) and an Idefics3 vision-language
+model (build_idefics3). Each is a standard Hugging Face model directory: vLLM
+loads it like any real model, and everything that runs on it runs unchanged
+on a real model path.
 
 The weights are scaled up from the usual init so that greedy decoding has
 clear margins between the top logits; a model whose logits are nearly tied
@@ -12,6 +13,7 @@ would make output comparisons hinge on float rounding rather than on the KV
 bytes under test.
 
     python -m vllm_kvbm.tools.local_model --out models/kvbm-llama-8l
+    python -m vllm_kvbm.tools.local_model --arch idefics3   # models/kvbm-idefics3-2l
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def _corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(out: Path, vocab_size: int):
+def build_tokenizer(out: Path, vocab_size: int, special_tokens: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -62,6 +64,10 @@ def build_tokenizer(out: Path, vocab_size: int):
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    if special_tokens:
+        # After training, so they take ids past the trained vocabulary, where
+        # random token-id prompts (ids below 7000) never hit them.
+        fast.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     # A plain chat template so /v1/chat/completions works on this model too.
     fast.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -143,10 +149,82 @@ def build_qwen3_next(out: str | os.PathLike = HYBRID_DIR, layers: int = 4, hidde
     )), force)
 
 
-def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool) -> Path:
+VL_DIR = "models/kvbm-idefics3-2l"
+IMAGE_TOKEN = "<image>"
+# Idefics3's other tokens around an image's placeholders.
+IDEFICS3_TOKENS = ("<fake_token_around_image>", IMAGE_TOKEN, "<global-img>",
+                   "<end_of_utterance>")
+IMAGE_SIZE = 112  # pixels a side; every image is resized to this
+PATCH_SIZE = 14
+SCALE_FACTOR = 2  # 2x2 patches merged into one token (pixel shuffle)
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR ** 2  # 16 an image
+# Idefics3's prompt format, with images as their placeholder.
+IDEFICS3_CHAT = (
+    "<|begin_of_text|>{% for m in messages %}{{ m['role'] | capitalize }}:"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}"
+    "{% elif c['type'] in ('image', 'image_url') %}<image>{% endif %}{% endfor %}{% endif %}"
+    "<end_of_utterance>{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+
+
+def build_idefics3(out: str | os.PathLike = VL_DIR, layers: int = 2, hidden: int = 256,
+                   vocab_size: int = 8000, seed: int = 0, force: bool = False) -> Path:
+    """An Idefics3 vision-language model: a two-layer SigLIP-style vision
+    tower (112x112 images, 14-pixel patches, 2x2 merged:
+    16 image tokens each, between Idefics3's marker tokens) before a small
+    Llama, with Idefics3's tokens, a PIL image processor (one tile an image)
+    and a chat template. Head size 64 in both (one vLLM's CPU attention has).
+
+    Idefics3 because vLLM's CPU build here runs without torchvision: the
+    Qwen-VL, LLaVA, Gemma 3 and InternVL models' code or processors import
+    it; Idefics3's do not."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, LlamaConfig
+
+    recipe = dict(version=RECIPE_VERSION, arch="idefics3", layers=layers, hidden=hidden,
+                  vocab_size=vocab_size, seed=seed, vision_layers=2, vision_dim=128,
+                  image_size=IMAGE_SIZE)
+
+    def make_model(tokenizer):
+        text = _shared_config(tokenizer, hidden, layers)
+        return Idefics3ForConditionalGeneration(Idefics3Config(
+            text_config=LlamaConfig(**text, num_attention_heads=hidden // 64,
+                                    num_key_value_heads=hidden // 128,
+                                    max_position_embeddings=4096),
+            vision_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=IMAGE_SIZE,
+                               patch_size=PATCH_SIZE, initializer_range=0.1),
+            scale_factor=SCALE_FACTOR,
+            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN),
+            pad_token_id=None,
+            **{k: text[k] for k in ("tie_word_embeddings", "torch_dtype")},
+        ))
+
+    return _write(out, recipe, make_model, force, IDEFICS3_TOKENS, _save_idefics3_processor)
+
+
+def _save_idefics3_processor(out: Path, tokenizer) -> None:
+    """Idefics3's processor: each image resized to the tower's size as one
+    tile (no splitting), and how many placeholder tokens it expands to."""
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    images = Idefics3ImageProcessorPil(do_image_splitting=False,
+                                       size={"longest_edge": IMAGE_SIZE},
+                                       max_image_size={"longest_edge": IMAGE_SIZE})
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=IMAGE_TOKENS,
+                      chat_template=IDEFICS3_CHAT).save_pretrained(out)
+
+
+def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool,
+           special_tokens: tuple[str, ...] = (), save_extra=None) -> Path:
     """Trains the tokenizer, builds ``make_model(tokenizer)`` seeded with the
-    recipe's seed, and saves both to ``out`` in bf16, unless ``out`` holds a
-    build of the same recipe."""
+    recipe's seed, and saves both to ``out`` in bf16, then calls
+    ``save_extra(out, tokenizer)`` when given, unless ``out`` holds a build of
+    the same recipe."""
     import torch
 
     out = Path(out)
@@ -154,7 +232,7 @@ def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool) -> Pat
     if not force and stamp.exists() and json.loads(stamp.read_text()) == recipe:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, recipe["vocab_size"])
+    tokenizer = build_tokenizer(out, recipe["vocab_size"], special_tokens)
     torch.manual_seed(recipe["seed"])
     model = make_model(tokenizer)
     with torch.no_grad():
@@ -163,18 +241,28 @@ def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool) -> Pat
         # The demo and tests stop on max_tokens, never on a random EOS.
         model.lm_head.weight[tokenizer.eos_token_id].zero_()
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    if save_extra is not None:
+        save_extra(out, tokenizer)
     stamp.write_text(json.dumps(recipe))
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    builders = {"llama": (build, DEFAULT_DIR, 8, 512),
+                "qwen3-next": (build_qwen3_next, HYBRID_DIR, 4, 64),
+                "idefics3": (build_idefics3, VL_DIR, 2, 256)}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=DEFAULT_DIR)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--arch", choices=builders, default="llama",
+                        help="llama (text), qwen3-next (hybrid attention) or idefics3 "
+                             "(vision-language: images)")
+    parser.add_argument("--out", help="default: models/<the arch's directory>")
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--hidden", type=int)
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
-    path = build(args.out, layers=args.layers, hidden=args.hidden, force=args.force)
+    builder, out, layers, hidden = builders[args.arch]
+    path = builder(args.out or out, layers=args.layers or layers,
+                   hidden=args.hidden or hidden, force=args.force)
     print(path)
     return 0
 
