@@ -2,8 +2,9 @@
 
 No model can be downloaded on the machines this project is developed and
 tested on, so the demo, tests and benchmarks use a model built here: a Llama,
-a Qwen3-Next-shaped hybrid (build_qwen3_next) and an Idefics3 vision-language
-model (build_idefics3). Each is a standard Hugging Face model directory: vLLM
+a Qwen3-Next-shaped hybrid (build_qwen3_next), a Gemma 3-shaped model with
+sliding-window layers (build_gemma3) and an Idefics3 vision-language model
+(build_idefics3). Each is a standard Hugging Face model directory: vLLM
 loads it like any real model, and everything that runs on it runs unchanged
 on a real model path.
 
@@ -149,6 +150,32 @@ def build_qwen3_next(out: str | os.PathLike = HYBRID_DIR, layers: int = 4, hidde
     )), force)
 
 
+GEMMA3_DIR = "models/kvbm-gemma3-6l"
+
+
+def build_gemma3(out: str | os.PathLike = GEMMA3_DIR, layers: int = 6, hidden: int = 256,
+                 window: int = 256, vocab_size: int = 8000, seed: int = 0,
+                 force: bool = False) -> Path:
+    """A Gemma 3-shaped text model: five sliding-window layers (a ``window``-token
+    window, Gemma 3's is 1024), then a full-attention layer, repeated (Gemma 3's
+    5:1 pattern); 64-dim heads (a head size vLLM's CPU attention kernel has)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    recipe = dict(version=RECIPE_VERSION, arch="gemma3_text", layers=layers, hidden=hidden,
+                  vocab_size=vocab_size, seed=seed, window=window, head_dim=64)
+    return _write(out, recipe, lambda tokenizer: Gemma3ForCausalLM(Gemma3TextConfig(
+        **_shared_config(tokenizer, hidden, layers),
+        layer_types=["full_attention" if i % 6 == 5 else "sliding_attention"
+                     for i in range(layers)],
+        sliding_window=window,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        max_position_embeddings=8192,
+    )), force)
+
+
 VL_DIR = "models/kvbm-idefics3-2l"
 IMAGE_TOKEN = "<image>"
 # Idefics3's other tokens around an image's placeholders.
@@ -250,11 +277,12 @@ def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool,
 def main(argv: list[str] | None = None) -> int:
     builders = {"llama": (build, DEFAULT_DIR, 8, 512),
                 "qwen3-next": (build_qwen3_next, HYBRID_DIR, 4, 64),
+                "gemma3": (build_gemma3, GEMMA3_DIR, 6, 256),
                 "idefics3": (build_idefics3, VL_DIR, 2, 256)}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=builders, default="llama",
-                        help="llama (text), qwen3-next (hybrid attention) or idefics3 "
-                             "(vision-language: images)")
+                        help="llama (text), qwen3-next (hybrid attention), gemma3 (sliding "
+                             "window) or idefics3 (vision-language: images)")
     parser.add_argument("--out", help="default: models/<the arch's directory>")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
