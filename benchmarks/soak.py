@@ -300,11 +300,11 @@ def _check_after_reset(server, model: str, req: SoakRequest, want: list[int]) ->
             outcome = await _reset(session, server.url, RESET_QUERIES[0])
             if outcome != "ok":
                 return f"final reset on the idle engine: {outcome}"
-            before = server.metric("kvbm_onboard_blocks_h2d_total")
+            before = server.metric("kvbm_onboard_blocks_total")
             tokens, _ = await _one(session, server.url, model, req, 120)
             # The connector's counters reach /metrics at vLLM's logging interval.
             await asyncio.sleep(12)
-            onboarded = server.metric("kvbm_onboard_blocks_h2d_total") - before
+            onboarded = server.metric("kvbm_onboard_blocks_total") - before
             if onboarded:
                 return f"{onboarded:.0f} blocks onboarded after every cache was reset"
             if tokens != want:
@@ -315,12 +315,12 @@ def _check_after_reset(server, model: str, req: SoakRequest, want: list[int]) ->
 
 COUNTERS = {
     "kvbm_matched_tokens_total": "kvbm matched tokens",
-    "kvbm_onboard_blocks_h2d_total": "blocks onboarded",
-    "kvbm_offload_blocks_d2h_total": "blocks offloaded",
-    "kvbm_host_evictions_total": "host evictions",
-    "kvbm_store_skipped_blocks_total": "stores skipped",
-    "kvbm_store_errors_total": "store errors",
-    "kvbm_load_error_blocks_total": "load error blocks",
+    "kvbm_onboard_blocks_total": "blocks onboarded",
+    "kvbm_offload_blocks_total": "blocks offloaded",
+    "kvbm_evicted_pages_total": "host evictions",
+    "kvbm_offload_skipped_blocks_total": "stores skipped",
+    "kvbm_offload_failed_transfers_total": "store errors",
+    "kvbm_onboard_failed_blocks_total": "load error blocks",
     "vllm:external_prefix_cache_hits_total": "external hit tokens",
     "vllm:prefix_cache_hits_total": "local prefix hit tokens",
     "vllm:num_preemptions_total": "preemptions",
@@ -394,9 +394,9 @@ def summary(result: SoakResult, cfg: SoakConfig) -> str:
         f"checked {len(done)}, cancelled by the client {len(result.cancelled)}, "
         f"errors/hangs {len(result.errors)}, wrong outputs {len(result.mismatches)}"
         + (f", engine not idle after the run: {result.not_idle}" if result.not_idle else ""),
-        f"host-tier hits: {c.get('kvbm_onboard_blocks_h2d_total', 0):.0f} blocks onboarded "
+        f"host-tier hits: {c.get('kvbm_onboard_blocks_total', 0):.0f} blocks onboarded "
         f"({c.get('vllm:external_prefix_cache_hits_total', 0):.0f} tokens); "
-        f"evictions {c.get('kvbm_host_evictions_total', 0):.0f}",
+        f"evictions {c.get('kvbm_evicted_pages_total', 0):.0f}",
         "; ".join(f"{label} {c.get(name, 0):.0f}" for name, label in COUNTERS.items()),
     ]
     if result.resets:
@@ -436,13 +436,13 @@ def check(result: SoakResult, cfg: SoakConfig) -> list[str]:
             problems.append(result.after_reset)
     if cfg.kvbm:
         c = result.counters
-        if c.get("kvbm_onboard_blocks_h2d_total", 0) <= 0:
+        if c.get("kvbm_onboard_blocks_total", 0) <= 0:
             problems.append("no block was onboarded from the host tier")
-        if c.get("kvbm_host_evictions_total", 0) <= 0:
+        if c.get("kvbm_evicted_pages_total", 0) <= 0:
             problems.append("the host tier never evicted")
-        if c.get("kvbm_load_error_blocks_total", 0) != 0:
+        if c.get("kvbm_onboard_failed_blocks_total", 0) != 0:
             problems.append("load errors happened")
-        if c.get("kvbm_store_errors_total", 0) != 0:
+        if c.get("kvbm_offload_failed_transfers_total", 0) != 0:
             problems.append("store errors happened")
     return problems
 

@@ -70,9 +70,9 @@ def main(model: str) -> None:
                          SamplingParams(max_tokens=4, temperature=0.0))
     assert len(out.outputs[0].token_ids) == 4, out
     offloaded = sum(s.value for m in REGISTRY.collect() for s in m.samples
-                    if s.name == "kvbm_offload_blocks_d2h_total")
+                    if s.name == "kvbm_offload_blocks_total")
     llm.llm_engine.engine_core.shutdown()
-    assert offloaded >= 3, f"kvbm_offload_blocks_d2h_total = {offloaded}, expected 3 blocks"
+    assert offloaded >= 3, f"kvbm_offload_blocks_total = {offloaded}, expected 3 blocks"
     print(f"wheel smoke: vllm_kvbm {dist.version} from {where.parent}; plugin name resolves; "
           f"one generate offloaded {offloaded:.0f} blocks")
 

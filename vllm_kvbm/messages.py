@@ -145,6 +145,12 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # seconds from post to completion, one entry per transfer
     store_latencies: list[float] = field(default_factory=list)
     load_latencies: list[float] = field(default_factory=list)
+    # (tier, seconds): one load's reads from a lower tier, one page's write
+    tier_read_seconds: list[tuple[str, float]] = field(default_factory=list)
+    tier_write_seconds: list[tuple[str, float]] = field(default_factory=list)
+    # (tier, TP rank) -> (bytes used, capacity) of a store that counts them,
+    # when it changed
+    tier_usage: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
     # transfers past their timeout; host slots that an overdue store may
     # still write (each once per worker), and those it no longer can
     transfers_overdue: int = 0
@@ -175,6 +181,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             bytes_loaded=self.bytes_loaded + other.bytes_loaded,
             store_latencies=self.store_latencies + other.store_latencies,
             load_latencies=self.load_latencies + other.load_latencies,
+            tier_read_seconds=self.tier_read_seconds + other.tier_read_seconds,
+            tier_write_seconds=self.tier_write_seconds + other.tier_write_seconds,
+            tier_usage={**self.tier_usage, **other.tier_usage},
             transfers_overdue=self.transfers_overdue + other.transfers_overdue,
             slots_held=self.slots_held + other.slots_held,
             slots_released=self.slots_released + other.slots_released,
@@ -187,4 +196,5 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
         return not (self.stores_done or self.stores_failed or self.loads_failed
                     or self.spills_done or self.tier_events or self.transfers_overdue
                     or self.slots_held or self.slots_released or self.removed_pages
-                    or self.loads_cut or self.adapters_loaded or self.weights_digested)
+                    or self.loads_cut or self.adapters_loaded or self.weights_digested
+                    or self.tier_read_seconds or self.tier_write_seconds or self.tier_usage)

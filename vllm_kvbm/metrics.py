@@ -4,7 +4,8 @@ The scheduler side accumulates counter deltas (its own lookups, and the
 worker side's transfers reported through the worker metadata); vLLM collects
 them through ``get_kv_connector_stats`` each logging interval and hands them
 to ``KVBMPromMetrics.observe`` in the API server process, so they appear on
-``vllm serve``'s ``/metrics`` with vLLM's own engine labels.
+``vllm serve``'s ``/metrics`` with vLLM's own engine labels. The names, types
+and labels are in metric_names.py.
 """
 
 from __future__ import annotations
@@ -18,86 +19,39 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-# counter name -> help text. Names follow Dynamo's KVBM where the meaning matches.
-COUNTERS = {
-    "matched_tokens": "Prompt tokens found in KVBM tiers beyond the engine's own prefix cache",
-    "lookup_tokens": "Prompt tokens looked up in KVBM (beyond the engine's prefix cache)",
-    "offload_blocks_d2h": "Blocks offloaded from the engine's KV cache to the host tier",
-    "onboard_blocks_h2d": "Blocks onboarded from the host tier into the engine's KV cache",
-    "offload_bytes_d2h": "Bytes offloaded from the engine's KV cache to the host tier",
-    "onboard_bytes_h2d": "Bytes onboarded from the host tier into the engine's KV cache",
-    "host_evictions": "Host-tier pages (slots) evicted (least recently used) to make room",
-    "store_skipped_blocks": "Blocks not offloaded because every host slot was in use by transfers",
-    "store_errors": "Offload transfers that failed (their blocks were not cached)",
-    "load_error_blocks": "Blocks whose onboarding failed and were recomputed by vLLM",
-    "matched_tokens_host": "Matched tokens found in the host tier",
-    "matched_tokens_disk": "Matched tokens found in the disk tier",
-    "matched_tokens_remote": "Matched tokens found in the remote tier",
-    "onboard_blocks_d2d": "Blocks onboarded from the disk tier (via the host tier) into the engine",
-    "onboard_blocks_remote": "Blocks onboarded from the remote tier (via the host tier) into the engine",
-    "offload_blocks_h2d": "Blocks written from the host tier to the disk tier",
-    "offload_blocks_remote": "Blocks written from the host tier to the remote tier",
-    "tier_write_errors": "Pages a lower tier (disk or remote) refused or failed to write",
-    "tier_write_drops": "Pages not written to a lower tier (disk or remote) because its write "
-                        "queue was full (the tier is slower than the offload rate); written "
-                        "when next reused",
-    "tier_read_misses": "Pages expected in a lower tier that were gone when read",
-    "tier_read_errors": "Lower-tier reads that failed (I/O error, timeout, server down)",
-    "checksum_failures": "Pages whose bytes or key did not match their checksum; removed, recomputed",
-    "page_auth_failures": "Intact pages without a valid MAC for this deployment's page secret "
-                          "(written without it, with another secret, or forged); removed, "
-                          "recomputed",
-    "recompute_chosen_tokens": "Prompt tokens found in a tier but recomputed on purpose: loading "
-                               "them was expected to take longer (learned costs, load_split)",
-    "transfer_timeouts": "NIXL transfers still running after 30 s (stores are dropped, their "
-                         "host slots held until the copy ends), and streamed loads that got "
-                         "no staging slot within tier_read_timeout_s (recomputed)",
-}
+from vllm_kvbm.metric_names import (COUNTERS, FAMILIES, GAUGES, GIVEN, HISTOGRAMS,
+                                    HIT_RATE_WINDOW, KEYS, SUMS, TIERS, series_key, series_of)
+
+__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "HIT_RATE_WINDOW", "KVBMConnectorStats",
+           "KVBMPromMetrics", "KVBMStats", "StandaloneMetrics", "declared_keys"]
+
+_HIT_TIERS = TIERS
 
 
-# histogram name -> (help text, buckets)
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                    1.0, 2.5, 5.0)
-HISTOGRAMS = {
-    "offload_latency_seconds": ("Time from posting an offload (device->host) transfer "
-                                "to its completion, per transfer", _LATENCY_BUCKETS),
-    "onboard_latency_seconds": ("Time from posting an onboard (host->device) transfer "
-                                "to its completion, per transfer", _LATENCY_BUCKETS),
-}
-
-# Admitted requests the *_cache_hit_rate gauges cover, as Dynamo's KVBM (its
-# DYN_KVBM_CACHE_STATS_MAX_REQUESTS default): the most recent ones, so the rate
-# follows the workload instead of averaging over the server's whole life.
-HIT_RATE_WINDOW = 1000
-_HIT_TIERS = ("host", "disk", "remote")
-
-
-def _hit_rate_help(tier: str) -> str:
-    return (f"{tier.capitalize()} cache hit rate (0.0-1.0), Dynamo KVBM's name: prompt tokens "
-            f"found in the {tier} tier / prompt tokens looked up in KVBM (beyond the engine's "
-            f"own prefix cache), summed over the last {HIT_RATE_WINDOW} admitted requests")
-
-
-# gauge name -> help text
-GAUGES = {
-    "host_cache_used_blocks": "Host-tier blocks holding or receiving KV",
-    "host_cache_capacity_blocks": "Host-tier capacity in blocks",
-    "host_cache_used_bytes": "Host-tier bytes holding or receiving KV (per worker)",
-    "host_cache_capacity_bytes": "Host-tier capacity in bytes (per worker)",
-    **{f"{tier}_cache_hit_rate": _hit_rate_help(tier) for tier in _HIT_TIERS},
-    **{f"load_seconds_per_block_{tier}": f"Learned time to load one block from the {tier} "
-       f"tier into the engine (admission to completion); 0 until learned"
-       for tier in _HIT_TIERS},
-    "recompute_seconds_per_block": "Learned time to recompute one block at the start of a "
-                                   "prompt (later blocks cost more: attention); 0 until learned",
-}
+def declared_keys(tiers: "list[str] | tuple[str, ...]") -> list[str]:
+    """The payload keys of every counter and histogram series an engine with
+    these tiers has: exported at 0 from the start, so a rate sees the first
+    increment and a dashboard shows each configured tier (and no other)."""
+    keys = []
+    for table in (COUNTERS, HISTOGRAMS):
+        for name, (family, fixed) in table.items():
+            if fixed is None:
+                keys.append(name)
+            elif fixed == GIVEN:
+                keys += [series_key(name, t) for t in FAMILIES[family].tiers if t in tiers]
+            elif fixed in tiers:
+                keys.append(name)
+    return keys
 
 
 class KVBMStats:
     """Scheduler-side accumulator; ``take`` returns and clears the deltas.
 
-    With a ``sink`` (the standalone exporter) every update is also applied to
-    it directly, independent of vLLM's stat logging.
+    ``total`` keeps each internal key's running sum over its tiers (what the
+    scheduler's tests and logs read); the payload is per series
+    (``metric_names.series_key``). With a ``sink`` (the standalone exporter)
+    every update is also applied to it directly, independent of vLLM's stat
+    logging.
     """
 
     def __init__(self, sink: "StandaloneMetrics | None" = None) -> None:
@@ -110,18 +64,38 @@ class KVBMStats:
         # per admitted request: [lookup tokens, host, disk, remote matched tokens]
         self._window: deque[list[int]] = deque()
         self._window_sums = [0] * (1 + len(_HIT_TIERS))
+        self.tiers: tuple[str, ...] = _HIT_TIERS  # the engine's (declare)
 
-    def add(self, name: str, value: int = 1) -> None:
+    def declare(self, tiers: "list[str] | tuple[str, ...]") -> None:
+        """Exports every series of an engine with these tiers, at 0 until
+        counted; the per-tier gauges only of these tiers from now on."""
+        self.tiers = tuple(t for t in _HIT_TIERS if t in tiers)
+        for tier in self.tiers:
+            self.set_gauge(f"{tier}_cache_hit_rate", 0.0)
+        for key in declared_keys(tiers):
+            name = key.partition("@")[0]
+            if name in COUNTERS:
+                self.delta[key] += 0
+            else:
+                self.samples.setdefault(key, [])
+            if self.sink is not None:
+                self.sink.child(key)
+
+    def add(self, name: str, value: int = 1, tier: str | None = None) -> None:
+        if name in SUMS:  # internal only: the sum of its family's series
+            self.total[name] += value
+            return
         assert name in COUNTERS, name
+        key = series_key(name, tier)
         if value:
-            self.delta[name] += value
+            self.delta[key] += value
             self.total[name] += value
             if self.sink is not None:
-                self.sink.counters[name].inc(value)
+                self.sink.child(key).inc(value)
             self._track_hit_rates(name, value)
 
     def _track_hit_rates(self, name: str, value: int) -> None:
-        """The *_cache_hit_rate gauges, from the counters the planner adds when
+        """The recent hit ratio gauges, from the counters the planner adds when
         it admits a request: ``lookup_tokens`` starts the request's entry, its
         ``matched_tokens_<tier>`` follow."""
         if name == "lookup_tokens":
@@ -139,22 +113,25 @@ class KVBMStats:
             return
         looked_up = self._window_sums[0]
         for i, tier in enumerate(_HIT_TIERS, 1):
-            self.set_gauge(f"{tier}_cache_hit_rate",
-                           self._window_sums[i] / looked_up if looked_up else 0.0)
+            if tier in self.tiers:
+                self.set_gauge(f"{tier}_cache_hit_rate",
+                               self._window_sums[i] / looked_up if looked_up else 0.0)
 
-    def observe(self, name: str, values: list[float]) -> None:
+    def observe(self, name: str, values: list[float], tier: str | None = None) -> None:
         assert name in HISTOGRAMS, name
         if values:
-            self.samples.setdefault(name, []).extend(values)
+            key = series_key(name, tier)
+            self.samples.setdefault(key, []).extend(values)
             if self.sink is not None:
                 for value in values:
-                    self.sink.histograms[name].observe(value)
+                    self.sink.child(key).observe(value)
 
-    def set_gauge(self, name: str, value: float) -> None:
+    def set_gauge(self, name: str, value: float, tier: str | None = None) -> None:
         assert name in GAUGES, name
-        self.gauges[name] = value
+        key = series_key(name, tier)
+        self.gauges[key] = value
         if self.sink is not None:
-            self.sink.gauges[name].set(value)
+            self.sink.child(key).set(value)
 
     def take(self) -> dict[str, Any]:
         """The payload of one ``KVBMConnectorStats``; empty when nothing changed."""
@@ -171,7 +148,8 @@ class KVBMStats:
 
 @dataclass
 class KVBMConnectorStats(KVConnectorStats):
-    """``data`` is ``{"counters": {..}, "histograms": {..: [..]}, "gauges": {..}}``."""
+    """``data`` is ``{"counters": {..}, "histograms": {..: [..]}, "gauges": {..}}``,
+    keyed by ``metric_names.series_key``."""
 
     def reset(self) -> None:
         self.data = {}
@@ -206,40 +184,84 @@ def _unregister_previous() -> None:
             REGISTRY.unregister(collector)
 
 
+def _version() -> str:
+    from vllm_kvbm import __version__
+
+    return __version__
+
+
+class _Families:
+    """The kvbm_* families and their series, for one set of base labels.
+
+    ``make(family, labelnames)`` creates one metric (metric_names.Family);
+    ``base``: the values of the labels every series has (vLLM's model_name and
+    engine; none on the standalone port). Series without a tier label exist
+    from the start (0); tiered ones once declared or counted."""
+
+    def __init__(self, make, labelnames: list[str], base_values: list[list[str]]):
+        self._base = base_values
+        self._metrics = {}
+        for family in FAMILIES.values():
+            if family.name == "kvbm_build_info":
+                continue
+            names = labelnames + (["tier"] if family.tiers else [])
+            self._metrics[family.name] = make(family, names)
+        self._children: list[dict[str, Any]] = [{} for _ in base_values]
+        for name, (family, fixed) in KEYS.items():
+            if fixed is None and FAMILIES[family].kind != "gauge":
+                for i in range(len(base_values)):
+                    self.child(name, i)
+        info = make(FAMILIES["kvbm_build_info"], labelnames + ["version"])
+        for values in base_values:
+            info.labels(*values, _version()).set(1)
+
+    def child(self, key: str, i: int = 0):
+        children = self._children[i]
+        child = children.get(key)
+        if child is None:
+            family, labels = series_of(key)
+            values = self._base[i] + list(labels.values())
+            metric = self._metrics[family]
+            child = children[key] = metric.labels(*values) if values else metric
+        return child
+
+    def observe(self, data: dict[str, Any], i: int = 0) -> None:
+        for key, value in data.get("counters", {}).items():
+            if key.partition("@")[0] in COUNTERS:
+                child = self.child(key, i)  # created at 0 even when value is 0
+                if value:
+                    child.inc(value)
+        for key, values in data.get("histograms", {}).items():
+            if key.partition("@")[0] in HISTOGRAMS:
+                child = self.child(key, i)
+                for value in values:
+                    child.observe(value)
+        for key, value in data.get("gauges", {}).items():
+            if key.partition("@")[0] in GAUGES:
+                self.child(key, i).set(value)
+
+
 class KVBMPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         _unregister_previous()
 
-        def per_engine(metric):
-            return {idx: metric.labels(*values)
-                    for idx, values in per_engine_labelvalues.items()}
+        def make(family, names):
+            if family.kind == "counter":
+                return self._counter_cls(name=family.name, documentation=family.doc,
+                                         labelnames=names)
+            if family.kind == "histogram":
+                return self._histogram_cls(name=family.name, documentation=family.doc,
+                                           labelnames=names, buckets=family.buckets)
+            return self._gauge_cls(name=family.name, documentation=family.doc,
+                                   labelnames=names, multiprocess_mode="mostrecent")
 
-        self._counters = {
-            name: per_engine(self._counter_cls(name=f"kvbm_{name}", documentation=doc,
-                                               labelnames=labelnames))
-            for name, doc in COUNTERS.items()}
-        self._histograms = {
-            name: per_engine(self._histogram_cls(name=f"kvbm_{name}", documentation=doc,
-                                                 labelnames=labelnames, buckets=buckets))
-            for name, (doc, buckets) in HISTOGRAMS.items()}
-        self._gauges = {
-            name: per_engine(self._gauge_cls(name=f"kvbm_{name}", documentation=doc,
-                                             labelnames=labelnames,
-                                             multiprocess_mode="mostrecent"))
-            for name, doc in GAUGES.items()}
+        self._engines = list(per_engine_labelvalues)
+        self._families = _Families(make, list(labelnames),
+                                   [list(per_engine_labelvalues[idx]) for idx in self._engines])
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        for name, value in transfer_stats_data.get("counters", {}).items():
-            if name in self._counters and value:
-                self._counters[name][engine_idx].inc(value)
-        for name, values in transfer_stats_data.get("histograms", {}).items():
-            if name in self._histograms:
-                for value in values:
-                    self._histograms[name][engine_idx].observe(value)
-        for name, value in transfer_stats_data.get("gauges", {}).items():
-            if name in self._gauges:
-                self._gauges[name][engine_idx].set(value)
+        self._families.observe(transfer_stats_data, self._engines.index(engine_idx))
 
 
 class StandaloneMetrics:
@@ -254,14 +276,18 @@ class StandaloneMetrics:
                                        start_http_server)
 
         self.registry = CollectorRegistry()
-        self.counters = {name: Counter(f"kvbm_{name}", doc, registry=self.registry)
-                         for name, doc in COUNTERS.items()}
-        self.histograms = {name: Histogram(f"kvbm_{name}", doc, buckets=buckets,
-                                           registry=self.registry)
-                           for name, (doc, buckets) in HISTOGRAMS.items()}
-        self.gauges = {name: Gauge(f"kvbm_{name}", doc, registry=self.registry)
-                       for name, doc in GAUGES.items()}
+
+        def make(family, names):
+            cls = {"counter": Counter, "histogram": Histogram, "gauge": Gauge}[family.kind]
+            extra = {"buckets": family.buckets} if family.kind == "histogram" else {}
+            return cls(family.name, family.doc, names, registry=self.registry, **extra)
+
+        self._families = _Families(make, [], [[]])
         self.server, self.thread = start_http_server(port, addr=host, registry=self.registry)
+
+    def child(self, key: str):
+        """The series of a payload key (``metric_names.series_key``)."""
+        return self._families.child(key)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -14,6 +14,7 @@ import pytest
 
 import urllib.request
 
+import vllm_kvbm
 from helpers.engines import BLOCK_SIZE, HOST_BLOCKS, KVBM_METRICS_PORT, kvbm_counter, random_prompt
 
 pytestmark = pytest.mark.timeout(900)
@@ -138,12 +139,14 @@ def test_standalone_metrics_port_agrees_with_vllm_metrics(kvbm_llm):
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
               if line.startswith("kvbm_") and " " in line}
-    assert values["kvbm_onboard_blocks_h2d_total"] >= 5
-    assert values["kvbm_onboard_blocks_h2d_total"] == kvbm_counter("onboard_blocks_h2d")
-    assert values["kvbm_offload_blocks_d2h_total"] == kvbm_counter("offload_blocks_d2h")
+    assert values["kvbm_onboard_blocks_total"] >= 5
+    assert values["kvbm_onboard_blocks_total"] == kvbm_counter("onboard_blocks_h2d")
+    assert values["kvbm_offload_blocks_total"] == kvbm_counter("offload_blocks_d2h")
     assert values["kvbm_onboard_latency_seconds_count"] >= 1
-    assert values["kvbm_host_cache_capacity_blocks"] == HOST_BLOCKS
-    assert 0 < values["kvbm_host_cache_used_blocks"] <= HOST_BLOCKS
+    assert values["kvbm_load_latency_seconds_count"] >= 1
+    assert values['kvbm_cache_capacity_blocks{tier="host"}'] == HOST_BLOCKS
+    assert 0 < values['kvbm_cache_used_blocks{tier="host"}'] <= HOST_BLOCKS
+    assert values[f'kvbm_build_info{{version="{vllm_kvbm.__version__}"}}'] == 1
 
 
 def test_vllm_counts_host_tier_hits_as_source_host(kvbm_llm):

@@ -23,8 +23,8 @@ def test_serve_with_only_the_connector_name(model_dir):
         _, _, text = server.stream_completion(prompt, max_tokens=4)
         assert text
         metrics = server.metrics()
-        offloaded = server.metric("kvbm_offload_blocks_d2h_total")
-    assert "kvbm_offload_blocks_d2h_total" in metrics
+        offloaded = server.metric("kvbm_offload_blocks_total")
+    assert "kvbm_offload_blocks_total" in metrics
     assert offloaded >= 1, metrics[:2000]
     # the engine's totals, logged once (by the scheduler, not by each worker)
     totals = [line for line in server.log_path.read_text().splitlines()

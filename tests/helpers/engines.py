@@ -67,13 +67,19 @@ def random_prompt(n: int, seed: int) -> list[int]:
 
 
 def kvbm_counter(name: str) -> float:
-    """Sum of a kvbm_ counter over engines, from this process's registry."""
+    """Sum over engines of the counter the connector counts as ``name``
+    (its internal key: ``"offload_blocks_d2h"``, ``"matched_tokens_disk"``),
+    read from the series it is exported as in this process's registry."""
     from prometheus_client import REGISTRY
 
+    from vllm_kvbm.metric_names import FAMILIES, series_of
+
+    family, labels = series_of(name)
+    sample_name = FAMILIES[family].sample
     total = 0.0
     for metric in REGISTRY.collect():
         for sample in metric.samples:
-            if sample.name == f"kvbm_{name}_total":
+            if sample.name == sample_name and labels.items() <= sample.labels.items():
                 total += sample.value
     return total
 

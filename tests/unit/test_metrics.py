@@ -1,4 +1,5 @@
-"""The kvbm_*_cache_hit_rate gauges (Dynamo KVBM's names and meaning).
+"""The kvbm_recent_hit_ratio gauges: each engine's hit ratio per tier over its
+last admitted requests (Dynamo KVBM's window and meaning), per replica.
 
 Fed by what the planner counts when vLLM's real Scheduler admits a request,
 read back from KVBMStats, from the payload vLLM collects, and from a real
@@ -17,7 +18,8 @@ from helpers.scheduler_harness import admit as admit_request
 from helpers.scheduler_harness import keys_of, store_and_finish
 from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
 from vllm_kvbm import metrics
-from vllm_kvbm.metrics import GAUGES, KVBMStats, StandaloneMetrics
+from vllm_kvbm.metric_names import FAMILIES
+from vllm_kvbm.metrics import KVBMStats, StandaloneMetrics
 from vllm_kvbm.tools.server import free_port
 
 RATES = ("host_cache_hit_rate", "disk_cache_hit_rate", "remote_cache_hit_rate")
@@ -38,15 +40,17 @@ def admit(stats: KVBMStats, lookup: int, **matched: int) -> None:
             stats.add(f"matched_tokens_{tier}", BLOCK)
 
 
-def rates(stats: KVBMStats) -> tuple[float, float, float]:
-    return tuple(stats.gauges[name] for name in RATES)
+def rates(stats: KVBMStats) -> tuple[float | None, ...]:
+    """Each tier's gauge; None for a tier the engine does not have."""
+    return tuple(stats.gauges.get(name) for name in RATES)
 
 
-def test_gauges_have_dynamos_names_and_say_what_they_measure():
-    for tier in ("host", "disk", "remote"):
-        doc = GAUGES[f"{tier}_cache_hit_rate"]
-        assert f"found in the {tier} tier / prompt tokens looked up" in doc
-        assert f"last {metrics.HIT_RATE_WINDOW} admitted requests" in doc
+def test_gauges_say_what_they_measure_and_that_they_are_per_replica():
+    family = FAMILIES["kvbm_recent_hit_ratio"]
+    assert family.kind == "gauge" and family.tiers == ("host", "disk", "remote")
+    assert "tokens found in the tier / tokens looked up" in family.doc
+    assert f"last {metrics.HIT_RATE_WINDOW} admitted requests" in family.doc
+    assert "Per replica" in family.doc and "divide the token counters" in family.doc
     assert metrics.HIT_RATE_WINDOW == 1000  # Dynamo's DYN_KVBM_CACHE_STATS_MAX_REQUESTS default
     # Dynamo's device->disk direct offload does not exist in KVBM (docs/metrics.md)
     assert "offload_blocks_d2d" not in metrics.COUNTERS
@@ -59,14 +63,14 @@ def test_host_hit_rate_through_vllms_scheduler():
     k = kvbm(sched)
     prompt = tokens(40, 21)  # 2 full blocks + an 8-token tail
     store_and_finish(sched, prompt)
-    assert rates(k.stats) == (0.0, 0.0, 0.0)  # looked up 40 tokens, found none
+    assert rates(k.stats) == (0.0, None, None)  # looked up 40 tokens, found none; host only
     assert sched.reset_prefix_cache()
     sched.add_request(make_request(prompt, max_tokens=2))
     _, meta, _ = step(sched)
     assert len(meta.loads) == 1
 
     assert k.stats.total["lookup_tokens"] == 80 and k.stats.total["matched_tokens_host"] == 32
-    assert rates(k.stats) == (32 / 80, 0.0, 0.0)
+    assert rates(k.stats) == (32 / 80, None, None)
 
 
 def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
@@ -80,7 +84,7 @@ def test_disk_hit_rate_through_vllms_scheduler(tmp_path):
         req = make_request(prompt, max_tokens=2)
         sched.add_request(req)
         admit_request(sched, req)
-        assert rates(k.stats) == (0.0, 2 * BLOCK / len(prompt), 0.0)
+        assert rates(k.stats) == (0.0, 2 * BLOCK / len(prompt), None)  # no remote tier
     finally:
         store.close()
 
@@ -115,12 +119,10 @@ def test_rates_on_the_standalone_metrics_port():
         admit(stats, 256, remote=32)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        values = {name: float(value) for name, value in
-                  re.findall(r"^(kvbm_\w+_cache_hit_rate) (\S+)$", text, re.M)}
-        assert values == {"kvbm_host_cache_hit_rate": 128 / 512,
-                          "kvbm_disk_cache_hit_rate": 64 / 512,
-                          "kvbm_remote_cache_hit_rate": 32 / 512}
-        assert "# TYPE kvbm_host_cache_hit_rate gauge" in text
+        values = {tier: float(value) for tier, value in
+                  re.findall(r'^kvbm_recent_hit_ratio\{tier="(\w+)"\} (\S+)$', text, re.M)}
+        assert values == {"host": 128 / 512, "disk": 64 / 512, "remote": 32 / 512}
+        assert "# TYPE kvbm_recent_hit_ratio gauge" in text
     finally:
         sink.close()
 

@@ -29,3 +29,10 @@ def test_metric_total_sums_one_sample_name_over_label_sets():
     assert Server.metric_total(EXPOSITION, "kvbm_load_seconds_count") == 3.0
     assert Server.metric_total(EXPOSITION, "kvbm_load_seconds_sum") == 0.25
     assert Server.metric_total(EXPOSITION, "kvbm_absent_total") == 0.0
+
+
+def test_metric_total_of_the_label_sets_that_have_given_labels():
+    assert Server.metric_total(EXPOSITION, "kvbm_offload_blocks_d2h_total", engine="1") == 4.0
+    assert Server.metric_total(EXPOSITION, "kvbm_offload_blocks_d2h_total",
+                               engine="0", model_name="my model } 1") == 3.0
+    assert Server.metric_total(EXPOSITION, "kvbm_offload_blocks_d2h_total", engine="2") == 0.0

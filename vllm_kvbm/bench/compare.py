@@ -64,10 +64,15 @@ LABELS = {
 METRICS = {
     "prefix_hits": "vllm:prefix_cache_hits_total",
     "prefix_queries": "vllm:prefix_cache_queries_total",
-    "kvbm_host_tokens": "kvbm_matched_tokens_host_total",
-    "kvbm_disk_tokens": "kvbm_matched_tokens_disk_total",
-    "kvbm_onboarded_blocks": "kvbm_onboard_blocks_h2d_total",
+    "kvbm_host_tokens": ("kvbm_matched_tokens_total", {"tier": "host"}),
+    "kvbm_disk_tokens": ("kvbm_matched_tokens_total", {"tier": "disk"}),
+    "kvbm_onboarded_blocks": "kvbm_onboard_blocks_total",
 }
+
+
+def _metric(server, metric: "str | tuple[str, dict[str, str]]") -> float:
+    name, labels = (metric, {}) if isinstance(metric, str) else metric
+    return server.metric(name, **labels)
 
 
 @dataclass
@@ -157,12 +162,12 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
             started = True
             run.binding = read_binding(log_path)
             server.stream_completion("warm up", max_tokens=2, timeout=120)
-            before = {k: server.metric(m) for k, m in METRICS.items()}
+            before = {k: _metric(server, m) for k, m in METRICS.items()}
             bar.set_description(f"{name}: {args.workload}")
             load_before = os.getloadavg()[0]
             out = run_workload(args, server.url, args.model, tokenizer, on_result)
             run.load = (load_before, os.getloadavg()[0])
-            after = {k: server.metric(m) for k, m in METRICS.items()}
+            after = {k: _metric(server, m) for k, m in METRICS.items()}
             run.counters = {k: after[k] - before[k] for k in METRICS}
             if args.lmbenchmark_dir:
                 bar.set_description(f"{name}: LMBenchmark {lmbenchmark_time(args)} s")

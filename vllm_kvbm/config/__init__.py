@@ -80,7 +80,7 @@ class KVBMConfig:
     remote_timeout_s: float = 2.0
     # Pages each lower tier (disk, remote) may have waiting to be written,
     # per worker; a write-through that finds them all taken is dropped and
-    # counted (kvbm_tier_write_drops_total). Each holds a copy of one KV block
+    # counted (kvbm_tier_write_dropped_pages_total). Each holds a copy of one KV block
     # in RAM until written: this bounds that memory when a tier is slower
     # than the offload rate.
     tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES

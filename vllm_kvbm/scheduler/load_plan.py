@@ -116,6 +116,8 @@ class LoadPlanning:
             state.lookup.recompute_only = True
             state.lookup.failed_at_preemption = _preemptions(state.request)
         else:
+            self.stats.observe("load_latency_seconds",
+                               [self.split.clock() - state.load.started])
             self._learn_load(state)
             self.stats.add("onboard_blocks_h2d", state.load.block_count)
             self.host.commit([key for key, _ in promoted])  # now in the host tier
@@ -145,6 +147,7 @@ class LoadPlanning:
         # landed pages came (with none landed, at least the time waited for
         # each page), so the next request's split sees what it would cost.
         elapsed = self.split.clock() - load.started
+        self.stats.observe("load_latency_seconds", [elapsed])
         lower = Counter(t for t in load.sources if t != "host")
         if load.tier_pages is not None and len(lower) == 1:
             [(tier, pages)] = lower.items()

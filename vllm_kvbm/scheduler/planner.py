@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
 from vllm_kvbm.messages import KVBMConnectorMetadata, SpillJob, TransferJob
@@ -76,6 +76,7 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self.events = kv_events or NoKVEvents()
         self.events.watch(self.host)
         self.stats = KVBMStats(metrics_sink)
+        self.stats.declare(["host"] + [view.name for view in self.lower.views])
         # The namespace's seed, and the keys' seed: that one as the weights
         # the workers run derive it (the same on every engine they run on)
         self._base_seed = info.key_namespace.seed()
@@ -97,10 +98,12 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self._kv_cache_manager: KVCacheManager | None = None
         self.adapters = LoRAAdapters(self._stop_storing)
         self._evictions_seen = 0
+        # tier -> TP rank -> (used, capacity) bytes the rank's store last reported
+        self._tier_usage: defaultdict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
         self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots * info.page_blocks)
         self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.page_bytes)
-        for name in ("load_seconds_per_block_host", "load_seconds_per_block_disk",
-                     "load_seconds_per_block_remote", "recompute_seconds_per_block"):
+        for name in ([f"load_seconds_per_block_{tier}" for tier in self.stats.tiers]
+                     + ["recompute_seconds_per_block"]):
             self.stats.set_gauge(name, 0.0)  # not learned yet
         self._update_gauges()
         logger.info("KVBM scheduler: host tier of %d pages of %d tokens (%d bytes each)",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm_kvbm.tiers.base import TierView
 
+# Lookup timings kept for the metrics between two scheduler steps, at most.
+_MAX_TIMINGS = 10_000
 # Weight of each new call's time in the decayed mean.
 _KEEP = 0.1
 # The lookup thread shares the GIL with the engine's busy loop: each time a
@@ -41,17 +44,34 @@ class TierCalls:
         self.mean = self.deviation = 0.0
         self.samples = 0
         self._since: float | None = None  # when the call running now began
+        # (tier, seconds) of lookup calls for the metrics, taken by the
+        # scheduler thread (take_samples); bounded should it stop taking
+        self._lock = threading.Lock()
+        self._timings: list[tuple[str, float]] = []
 
     @contextlib.contextmanager
-    def timed(self, view: "TierView") -> Iterator[None]:
-        """Times one call into ``view``."""
+    def timed(self, view: "TierView", sample: bool = False) -> Iterator[None]:
+        """Times one call into ``view``; ``sample``: also for the lookup
+        latency metric (a call made while the link was down, answered at
+        once without the server, is not one)."""
+        was_down = view.down
         began = self._since = time.monotonic()
         try:
             yield
         finally:
             self._since = None
+            seconds = time.monotonic() - began
             if not view.down:
-                self.add(time.monotonic() - began)
+                self.add(seconds)
+            if sample and not (was_down and view.down):
+                with self._lock:
+                    if len(self._timings) < _MAX_TIMINGS:
+                        self._timings.append((view.name, seconds))
+
+    def take_samples(self) -> list[tuple[str, float]]:
+        with self._lock:
+            taken, self._timings = self._timings, []
+        return taken
 
     def add(self, seconds: float) -> None:
         if not self.samples:

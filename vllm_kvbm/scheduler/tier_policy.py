@@ -48,6 +48,7 @@ class LowerTiers:
         # there the entry has to age out of the bounded table.
         self._written = {view.name: _BoundedCounter() for view in views}
         self.calls = TierCalls()  # how long each call into a view takes
+        self._outages_seen: dict[str, int] = {}  # per tier: link outages counted
         # (tier, outcome) -> pages reported by each TP rank, and counted so far
         self._rank_totals: defaultdict[tuple[str, str], Counter] = defaultdict(Counter)
         self._counted: Counter = Counter()
@@ -80,7 +81,7 @@ class LowerTiers:
             if not todo:
                 break
             batch = [keys[i] for i in todo]
-            with self.calls.timed(view):
+            with self.calls.timed(view, sample=True):
                 hits = view.contains_many(batch)
             for i, hit in zip(todo, hits):
                 if hit:
@@ -217,4 +218,22 @@ class LowerTiers:
             pages = min(ranks) if outcome == "stored" else max(ranks)
             new, self._counted[(tier, outcome)] = pages - self._counted[(tier, outcome)], pages
             if new:
-                stats.add(name, new * page_blocks if outcome == "stored" else new)
+                if outcome == "stored":  # the family of its name is the tier's
+                    stats.add(name, new * page_blocks)
+                else:
+                    stats.add(name, new, tier=tier)
+
+    def report_links(self, stats) -> None:
+        """The lookup thread's call times, and each server tier's link state
+        (up, and outages ended), into ``stats``; on the scheduler thread."""
+        for tier, seconds in self.calls.take_samples():
+            stats.observe("lookup_latency_seconds", [seconds], tier)
+        for view in self.views:
+            link = view.link
+            if link is None:
+                continue
+            stats.set_gauge("tier_up", 0.0 if link.state == "down" else 1.0, view.name)
+            ended = link.outages_ended - self._outages_seen.get(view.name, 0)
+            if ended:
+                stats.add("tier_reconnects", ended, tier=view.name)
+                self._outages_seen[view.name] = link.outages_ended

@@ -21,6 +21,16 @@ class WorkerReports:
             self.stats.add("onboard_bytes_h2d", meta.bytes_loaded)
             self.stats.observe("offload_latency_seconds", meta.store_latencies)
             self.stats.observe("onboard_latency_seconds", meta.load_latencies)
+            for tier, seconds in meta.tier_read_seconds:
+                self.stats.observe("tier_read_latency_seconds", [seconds], tier)
+            for tier, seconds in meta.tier_write_seconds:
+                self.stats.observe("tier_write_latency_seconds", [seconds], tier)
+            for (tier, rank), (used, capacity) in meta.tier_usage.items():
+                # Per worker, as the host tier's: the fullest rank's
+                self._tier_usage[tier][rank] = (used, capacity)
+                ranks = self._tier_usage[tier].values()
+                self.stats.set_gauge(f"{tier}_cache_used_bytes", max(u for u, _ in ranks))
+                self.stats.set_gauge(f"{tier}_cache_capacity_bytes", max(c for _, c in ranks))
             self.stats.add("transfer_timeouts", meta.transfers_overdue)
             # Held before the failed stores drop their keys, so those slots
             # never reach the free list while a late write may land in them.
@@ -68,3 +78,4 @@ class WorkerReports:
         used = self.host.used_slots
         self.stats.set_gauge("host_cache_used_blocks", used * self.page_blocks)
         self.stats.set_gauge("host_cache_used_bytes", used * self.info.page_bytes)
+        self.lower.report_links(self.stats)

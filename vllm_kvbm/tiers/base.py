@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from vllm_kvbm.keys import PageKey
+    from vllm_kvbm.tiers.reconnect import Reconnect
 
 
 class TierStore(ABC):
@@ -67,6 +68,11 @@ class TierStore(ABC):
     def remove(self, key: bytes) -> None:
         """Deletes the page (a miss from then on); never raises."""
 
+    def usage(self) -> tuple[int, int] | None:
+        """(bytes used, capacity in bytes) of this rank's pages, where the
+        store keeps that count (the disk); None otherwise (a server's is its own)."""
+        return None
+
     def take_removed(self) -> list[bytes]:
         """Keys of pages this store deleted on its own (eviction, damage) since
         last asked, so the scheduler may write them again when they are hot."""
@@ -98,6 +104,12 @@ class TierView(ABC):
         """Whether its last call failed (the server unreachable, a timeout):
         then that call's time says nothing of a healthy one (TierCalls)."""
         return False
+
+    @property
+    def link(self) -> "Reconnect | None":
+        """The up/down state of its link to a server (None: no server), for
+        the metrics."""
+        return None
 
     def close(self) -> None:
         """Releases its connection, if any."""

@@ -52,6 +52,7 @@ class Reconnect:
         self._failures = 0       # failed attempts of this outage
         self._attempted = False  # an attempt started since the last failure
         self.state = "new"  # "new" | "up" | "down"
+        self.outages_ended = 0  # outages the server answered after (the metrics)
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt`` (1, 2, ...) of an outage."""
@@ -98,6 +99,8 @@ class Reconnect:
             was, self.state = self.state, "up"
             self._failures = 0
             self._attempted = False
+            if was == "down":
+                self.outages_ended += 1
         if was == "down":
             logger.warning("KVBM: %s %s reachable again%s", self._what, self._target,
                            self._role)

@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         local_hits_before = server.metric("vllm:prefix_cache_hits_total")
         ttft_hit, _, _ = server.stream_completion(doc_a)
         local_hits = server.metric("vllm:prefix_cache_hits_total") - local_hits_before
-        offloaded = server.metric("kvbm_offload_blocks_d2h_total")
-        onboarded = server.metric("kvbm_onboard_blocks_h2d_total")
+        offloaded = server.metric("kvbm_offload_blocks_total")
+        onboarded = server.metric("kvbm_onboard_blocks_total")
         matched = server.metric("kvbm_matched_tokens_total")
 
     print()

@@ -49,18 +49,21 @@ class Server:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=30) as resp:
             return resp.read().decode()
 
-    def metric(self, name: str) -> float:
-        """Sum of one metric's samples (all label sets) on /metrics."""
-        return self.metric_total(self.metrics(), name)
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of one metric's samples on /metrics: of every label set, or of
+        those with ``labels`` (``tier="disk"``)."""
+        return self.metric_total(self.metrics(), name, **labels)
 
     @staticmethod
-    def metric_total(text: str, name: str) -> float:
+    def metric_total(text: str, name: str, **labels: str) -> float:
         """Sum of the samples named ``name`` (e.g. ``kvbm_x_total``, ``h_count``)
-        in a Prometheus text exposition, read by prometheus_client's parser."""
+        having ``labels``, in a Prometheus text exposition, read by
+        prometheus_client's parser."""
         from prometheus_client.parser import text_string_to_metric_families
 
         return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples if sample.name == name)
+                   for sample in family.samples
+                   if sample.name == name and labels.items() <= sample.labels.items())
 
     def stream_completion(self, prompt, max_tokens: int = 16,
                           timeout: float = 600) -> tuple[float, float, str]:

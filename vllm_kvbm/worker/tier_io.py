@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -79,6 +80,8 @@ class _WriteQueue:
 # (a cut or overdue fetch stops at its next page, see _Fetch.stopped).
 _READ_GROUP = 32
 _GROUP_S = 0.05
+# Read and write timings kept between two polls, at most (the metrics).
+_MAX_TIMINGS = 10_000
 
 
 @dataclass
@@ -150,6 +153,11 @@ class TierIO:
         # Overdue fetches whose reads have ended since last asked (take_ended).
         self._ended: list[TransferJob] = []
         self._writing: list[tuple[str, bytes, Future]] = []
+        # (tier, seconds) of reads and writes ended, for the metrics: appended
+        # on the tiers' threads, taken by poll (deque: no lock needed)
+        self._read_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
+        self._write_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
+        self._usage_sent: dict[str, tuple[int, int]] = {}
         self._dropped: list[tuple[str, bytes]] = []
         self._unreported, self._warned_at = 0, -1e9
 
@@ -177,6 +185,7 @@ class TierIO:
                 # A group of pages per call (the disk reads several in flight),
                 # the fetch's progress noted after each.
                 results, start, size = [], 0, 1
+                first = time.monotonic()
                 while start < len(items) and not fetch.stopped():
                     group = items[start:start + size]
                     began = time.monotonic()
@@ -198,6 +207,8 @@ class TierIO:
                     start += len(group)
                     if fetch.progress - began < _GROUP_S:
                         size = min(2 * size, _READ_GROUP)
+                if results:
+                    self._read_times.append((tier, time.monotonic() - first))
                 return results
             fetch.futures.append(self._reader[tier].submit(read) if store is not None
                                  else _done([(tier, key, "error") for _, key in items]))
@@ -224,7 +235,7 @@ class TierIO:
         copy_bytes(page, slot_page)
         for tier in tiers:
             self._writing.append((tier, key, self._writer[tier].submit(
-                _write, self.tiers[tier], self.queues[tier], key, page)))
+                _write, self.tiers[tier], self.queues[tier], key, page, self._write_times)))
 
     def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool, bool,
                                                              int | None]]:
@@ -291,6 +302,13 @@ class TierIO:
         self._warn_drops()
         for name, store in self.tiers.items():
             meta.removed_pages.extend((name, key) for key in store.take_removed())
+            usage = store.usage()
+            if usage is not None and usage != self._usage_sent.get(name):
+                meta.tier_usage[(name, self.rank)] = self._usage_sent[name] = usage
+        for times, out in ((self._read_times, meta.tier_read_seconds),
+                           (self._write_times, meta.tier_write_seconds)):
+            while times:
+                out.append(times.popleft())
         return ready
 
     def _cut(self, fetch: _Fetch) -> None:
@@ -345,13 +363,16 @@ class TierIO:
         self.tiers, self._reader, self._writer = {}, {}, {}
 
 
-def _write(store: "TierStore", queue: _WriteQueue, key: bytes, page: torch.Tensor) -> bool:
+def _write(store: "TierStore", queue: _WriteQueue, key: bytes, page: torch.Tensor,
+           times: "deque[tuple[str, float]]") -> bool:
+    began = time.monotonic()
     try:
         return store.put(key, page)
     except Exception as err:  # a store must not take the engine down
         logger.warning("KVBM: %s write failed: %s", store.name, err)
         return False
     finally:
+        times.append((store.name, time.monotonic() - began))
         queue.leave()
 
 

@@ -386,6 +386,9 @@ class DiskStore(LMCacheStore):
         if key is not None:
             self._removed.append(key)
 
+    def usage(self) -> tuple[int, int]:
+        return int(self._disk.current_cache_size), self.capacity_bytes
+
     def take_removed(self) -> list[bytes]:
         # Called on vLLM's worker thread every step: no lock, no file.
         keys = []

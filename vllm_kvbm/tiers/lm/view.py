@@ -87,6 +87,10 @@ class RemoteView(TierView):
     def down(self) -> bool:
         return self._retry.state == "down"
 
+    @property
+    def link(self) -> Reconnect:
+        return self._retry
+
     def _connection(self) -> socket.socket | None:
         if self._sock is not None:
             return self._sock

@@ -85,6 +85,11 @@ class RedisLink:
     def up(self) -> bool:
         return self._client is not None
 
+    @property
+    def reconnect(self) -> Reconnect:
+        """The link's backoff and up/down state (the metrics read it)."""
+        return self._retry
+
     # -- connecting ---------------------------------------------------------------
     def _build(self):
         t = self.target

@@ -49,6 +49,10 @@ class RedisView(TierView):
     def down(self) -> bool:
         return not self._link.up
 
+    @property
+    def link(self):
+        return self._link.reconnect
+
     def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
 
