@@ -1,11 +1,13 @@
 """The Grafana dashboard against a real Prometheus scraping a real `vllm serve`.
 
-One `vllm serve` with KVBMConnector and an engine KV cache too small for two
+One `vllm serve` with KVBMConnector (host tier, disk tier and a real LMCache
+server as the remote tier) and an engine KV cache too small for two
 documents runs document A (miss), B (miss, pushes A out of the engine's prefix
 cache) and A again (host-tier hit); a Prometheus started here scrapes it every
-second. Then every PromQL expression of grafana/dashboards/kvbm.json must return
-data through Prometheus's query API, and the counters Prometheus holds must be
-what that workload must have caused.
+second. The counters Prometheus holds must be what that workload must have
+caused. Then, with vLLM's and KVBM's memory caches reset, B again comes from
+the disk tier, and every PromQL expression of grafana/dashboards/kvbm.json
+must return data through Prometheus's query API.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ from pathlib import Path
 
 import pytest
 
+import vllm_kvbm
 from helpers import ROOT
 from helpers.engines import MODEL_DIR
-from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server, wait_for_http
+from vllm_kvbm.metric_names import FAMILIES
+from vllm_kvbm.tools.server import (Server, free_port, kvbm_transfer_config, start_lmcache_server,
+                                    stop_process, vllm_server, wait_for_http)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -35,41 +40,53 @@ DASHBOARD = ROOT / "grafana" / "dashboards" / "kvbm.json"
 BLOCK = 128
 ENGINE_BLOCKS = 28
 HOST_CACHE = "1GiB"
+DISK_CACHE = "512MiB"
 SERVE_ARGS = [
     "--enforce-eager", "--block-size", str(BLOCK),
     "--num-gpu-blocks-override", str(ENGINE_BLOCKS),
     "--max-model-len", "3456", "--max-num-batched-tokens", "3456",
     "--gpu-memory-utilization", "0.3",
 ]
-# What Grafana would put in for the dashboard's variables: "All" models, and a
-# rate window that covers the whole workload (it runs in a few seconds, and the
-# queries follow it at once).
-VARIABLES = {"$__rate_interval": "1m", "$model_name": ".*"}
-KVBM_COUNTERS = ["matched_tokens", "lookup_tokens", "offload_blocks_d2h",
-                 "onboard_blocks_h2d", "offload_bytes_d2h", "onboard_bytes_h2d",
-                 "host_evictions", "store_skipped_blocks", "store_errors",
-                 "load_error_blocks", "matched_tokens_host", "matched_tokens_disk",
-                 "matched_tokens_remote", "onboard_blocks_d2d", "onboard_blocks_remote",
-                 "offload_blocks_h2d", "offload_blocks_remote", "tier_write_errors",
-                 "tier_write_drops", "tier_read_misses", "tier_read_errors",
-                 "checksum_failures", "page_auth_failures", "transfer_timeouts"]
-# Zero in this workload: a host tier only (no disk or remote tier), never full.
-ZERO_COUNTERS = ["host_evictions", "store_skipped_blocks", "store_errors",
-                 "load_error_blocks", "matched_tokens_disk", "matched_tokens_remote",
-                 "onboard_blocks_d2d", "onboard_blocks_remote", "offload_blocks_h2d",
-                 "offload_blocks_remote", "tier_write_errors", "tier_write_drops",
-                 "tier_read_misses", "tier_read_errors", "checksum_failures",
-                 "page_auth_failures", "transfer_timeouts"]
+# What Grafana would put in for the dashboard's variables: "All" models and
+# instances, and a rate window that covers the whole workload.
+VARIABLES = {"$__rate_interval": "5m", "$model_name": ".*", "$instance": ".*"}
+
+
+def series(family: str, tier: str | None = None) -> str:
+    """A series' sample as a scrape shows it (counters with _total, histograms' _count)."""
+    sample = FAMILIES[family].sample if family in FAMILIES else family
+    return f'{sample}{{tier="{tier}"}}' if tier else sample
+
+
+# Zero in this workload: nothing evicted, skipped or failed; nothing read
+# from a lower tier (A's hit is in the host tier), no outage.
+ZERO = ([series(f) for f in ("kvbm_offload_skipped_blocks", "kvbm_offload_failed_transfers",
+                             "kvbm_onboard_failed_blocks", "kvbm_transfer_timeouts")]
+        + [series("kvbm_evicted_pages", "host"), series("kvbm_tier_reconnects", "remote")]
+        + [series(f, tier) for tier in ("disk", "remote")
+           for f in ("kvbm_matched_tokens", "kvbm_tier_read_blocks",
+                     "kvbm_tier_write_failed_pages", "kvbm_tier_write_dropped_pages",
+                     "kvbm_tier_read_missing_pages", "kvbm_tier_read_failed_pages",
+                     "kvbm_checksum_failed_pages", "kvbm_unauthenticated_pages")])
 # Every value the checks read: from Prometheus, and from /metrics to compare.
-METRICS = ([f"kvbm_{name}_total" for name in KVBM_COUNTERS]
-           + ["kvbm_offload_latency_seconds_count", "kvbm_onboard_latency_seconds_count",
-              "kvbm_host_cache_used_blocks", "kvbm_host_cache_capacity_blocks",
-              "kvbm_host_cache_used_bytes", "kvbm_host_cache_capacity_bytes",
-              "kvbm_host_cache_hit_rate", "kvbm_disk_cache_hit_rate",
-              "kvbm_remote_cache_hit_rate",
-              "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-              "vllm:external_prefix_cache_hits_total",
-              "vllm:external_prefix_cache_queries_total", "vllm:prompt_tokens_total"])
+METRICS = ZERO + [
+    series("kvbm_lookup_tokens"), series("kvbm_matched_tokens", "host"),
+    series("kvbm_offload_blocks"), series("kvbm_onboard_blocks"),
+    series("kvbm_offload_bytes"), series("kvbm_onboard_bytes"),
+    series("kvbm_offload_latency_seconds"), series("kvbm_onboard_latency_seconds"),
+    series("kvbm_load_latency_seconds"),
+    series("kvbm_cache_used_blocks", "host"), series("kvbm_cache_capacity_blocks", "host"),
+    series("kvbm_cache_used_bytes", "host"), series("kvbm_cache_capacity_bytes", "host"),
+    series("kvbm_cache_used_bytes", "disk"), series("kvbm_cache_capacity_bytes", "disk"),
+    *[series("kvbm_recent_hit_ratio", tier) for tier in ("host", "disk", "remote")],
+    *[series(f, tier) for tier in ("disk", "remote")
+      for f in ("kvbm_tier_write_blocks", "kvbm_lookup_latency_seconds",
+                "kvbm_tier_write_latency_seconds")],
+    series("kvbm_tier_up", "remote"),
+    f'kvbm_build_info{{version="{vllm_kvbm.__version__}"}}',
+    "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
+    "vllm:prompt_tokens_total"]
 
 
 def dashboard_targets(dashboard: dict) -> list[tuple[str, str]]:
@@ -164,8 +181,10 @@ def metrics_values(server) -> dict[str, float]:
     text = server.metrics()
     values = {}
     for name in METRICS:
-        pattern = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", re.M)
-        values[name] = sum(float(m.group(2)) for m in pattern.finditer(text))
+        sample, _, labels = name.partition("{")
+        wanted = dict(pair.split("=") for pair in labels.rstrip("}").split(",")) if labels else {}
+        values[name] = Server.metric_total(text, sample,
+                                           **{k: v.strip('"') for k, v in wanted.items()})
     return values
 
 
@@ -175,12 +194,20 @@ def wait_settled(server, timeout: float = 60) -> dict[str, float]:
     previous = None
     while True:
         values = metrics_values(server)
-        if values["kvbm_onboard_blocks_h2d_total"] > 0 and values == previous:
+        if values["kvbm_onboard_blocks_total"] > 0 and values == previous:
             return values
         if time.monotonic() > deadline:
             raise TimeoutError(f"/metrics did not settle after {timeout:.0f} s: {values}")
         previous = values
         time.sleep(2)
+
+
+def reset_memory_caches(server) -> None:
+    """vLLM's prefix cache and KVBM's host tier (the disk and remote tiers stay)."""
+    reset = urllib.request.Request(
+        f"{server.url}/reset_prefix_cache?reset_external=true", method="POST")
+    with urllib.request.urlopen(reset, timeout=60) as resp:
+        assert resp.status == 200
 
 
 @pytest.fixture(scope="module")
@@ -197,50 +224,41 @@ def scraped(model_dir, tmp_path_factory):
     prompt_tokens = {name: len(tokenizer(doc)["input_ids"])
                      for name, doc in (("A", doc_a), ("B", doc_b))}
     workdir = tmp_path_factory.mktemp("prometheus")
-    with vllm_server(str(MODEL_DIR), kvbm_transfer_config(host_cache_size=HOST_CACHE),
-                     SERVE_ARGS, log_path=workdir / "vllm.log", startup_timeout=400) as server:
-        prometheus = Prometheus(workdir, server.url.removeprefix("http://"))
-        try:
-            prometheus.wait_ready()
-            # Two scrapes before the workload, so every rate has its baseline.
-            prometheus.wait_for('count_over_time(up{job="kvbm"}[1m])', lambda v: v >= 2,
-                                60, "Prometheus scraping vllm serve")
-            for doc in (doc_a, doc_b, doc_a):
-                server.stream_completion(doc, max_tokens=16)
-            served = wait_settled(server)
-            # Until Prometheus has scraped the final values of every metric
-            for name, value in served.items():
-                prometheus.wait_for(f"sum({name})", lambda v, want=value: v == want, 30,
-                                    f"Prometheus catching up with /metrics {name}")
-            scraped_values = {name: prometheus.value(f"sum({name})") for name in METRICS}
-            yield {"prometheus": prometheus, "served": served, "values": scraped_values,
-                   "prompt_tokens": prompt_tokens}
-        finally:
-            prometheus.stop()
-
-
-def test_dashboard_has_the_expected_rows_and_metrics():
-    dashboard = json.loads(DASHBOARD.read_text())
-    assert dashboard["uid"] == "kvbm"
-    rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    for word in ("hit rate", "Offload D2H", "Onboard H2D", "latency", "Host tier",
-                 "Evictions"):
-        assert any(word.lower() in row.lower() for row in rows), (word, rows)
-    exprs = " ".join(expr for _, expr in dashboard_targets(dashboard))
-    from vllm_kvbm.metrics import COUNTERS, GAUGES, HISTOGRAMS
-
-    # A metric added to vllm_kvbm/metrics.py needs a panel too.
-    missing = [f"kvbm_{name}_total" for name in COUNTERS if f"kvbm_{name}_total" not in exprs]
-    missing += [f"kvbm_{name}" for name in GAUGES if f"kvbm_{name}" not in exprs]
-    assert not missing, f"metrics of vllm_kvbm/metrics.py without a panel in {DASHBOARD}: {missing}"
-    for name in HISTOGRAMS:
-        for quantile in ("0.5", "0.9", "0.99"):
-            assert f"histogram_quantile({quantile}, sum by (le) (rate(kvbm_{name}_bucket" \
-                in exprs, (name, quantile)
-    for name in ("vllm:external_prefix_cache_hits_total",
-                 "vllm:external_prefix_cache_queries_total",
-                 "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
-        assert name in exprs, name
+    (workdir / "disk").mkdir()
+    remote_port = free_port()
+    lmcache = start_lmcache_server(remote_port)
+    kv = kvbm_transfer_config(host_cache_size=HOST_CACHE, disk_cache_dir=str(workdir / "disk"),
+                              disk_cache_size=DISK_CACHE,
+                              remote_url=f"lm://127.0.0.1:{remote_port}")
+    try:
+        with vllm_server(str(MODEL_DIR), kv, SERVE_ARGS, log_path=workdir / "vllm.log",
+                         env={"VLLM_SERVER_DEV_MODE": "1"}, startup_timeout=400) as server:
+            target = server.url.removeprefix("http://")
+            prometheus = Prometheus(workdir, target)
+            try:
+                prometheus.wait_ready()
+                # Two scrapes before the workload, so every rate has its baseline.
+                prometheus.wait_for('count_over_time(up{job="kvbm"}[1m])', lambda v: v >= 2,
+                                    60, "Prometheus scraping vllm serve")
+                for doc in (doc_a, doc_b, doc_a):
+                    server.stream_completion(doc, max_tokens=16)
+                served = wait_settled(server)
+                # Until Prometheus has scraped the final values of every metric
+                for name, value in served.items():
+                    prometheus.wait_for(f"sum({name})", lambda v, want=value: v == want, 30,
+                                        f"Prometheus catching up with /metrics {name}")
+                scraped_values = {name: prometheus.value(f"sum({name})") for name in METRICS}
+                # B again from the disk tier: the lower-tier read panels get data
+                reset_memory_caches(server)
+                server.stream_completion(doc_b, max_tokens=16)
+                prometheus.wait_for('sum(kvbm_tier_read_latency_seconds_count{tier="disk"})',
+                                    lambda v: v >= 1, 60, "the disk tier's read scraped")
+                yield {"prometheus": prometheus, "served": served, "values": scraped_values,
+                       "prompt_tokens": prompt_tokens, "target": target}
+            finally:
+                prometheus.stop()
+    finally:
+        stop_process(lmcache)
 
 
 def test_every_dashboard_query_returns_data(scraped):
@@ -257,10 +275,12 @@ def test_every_dashboard_query_returns_data(scraped):
             not_finite.append((title, expr, [r["value"][1] for r in result]))
     assert not empty, f"queries with no data: {empty}"
     assert not not_finite, f"queries without a number: {not_finite}"
-    # the model_name variable's query (the datasource variable picks which
-    # Prometheus every query goes to: this one)
+    # the model_name and instance variables' queries (the datasource variable
+    # picks which Prometheus every query goes to: this one)
+    want = {"model_name": [str(MODEL_DIR)], "instance": [scraped["target"]]}
     variables = dashboard["templating"]["list"]
     assert [v["type"] for v in variables if v["name"] == "datasource"] == ["datasource"]
+    assert sorted(v["name"] for v in variables if v["type"] != "datasource") == sorted(want)
     for variable in variables:
         if variable["type"] == "datasource":
             continue
@@ -270,7 +290,7 @@ def test_every_dashboard_query_returns_data(scraped):
         url = (f"{prometheus.url}/api/v1/label/{label}/values?"
                + urllib.parse.urlencode({"match[]": metric}))
         with urllib.request.urlopen(url, timeout=30) as resp:
-            assert json.load(resp)["data"] == [str(MODEL_DIR)], query
+            assert json.load(resp)["data"] == want[variable["name"]], query
 
 
 def test_counters_match_the_workload(scraped):
@@ -280,44 +300,58 @@ def test_counters_match_the_workload(scraped):
 
     # The third request: the blocks of A still in the engine's own prefix cache
     # are vLLM hits (A and B share no block); the rest of A's full blocks (at
-    # least one token is always left to compute) come from the host tier.
+    # least one token is always left to compute) come from the host tier,
+    # which is looked in first.
     local_hits = v["vllm:prefix_cache_hits_total"]
     assert local_hits % BLOCK == 0, local_hits
     local_blocks = int(local_hits // BLOCK)
     expected_onboard = (n_a - 1) // BLOCK - local_blocks
     assert expected_onboard >= 10, (n_a, local_blocks)  # B really pushed A out
-    assert v["kvbm_onboard_blocks_h2d_total"] == expected_onboard
-    assert v["kvbm_matched_tokens_total"] == expected_onboard * BLOCK
-    assert v["kvbm_matched_tokens_host_total"] == expected_onboard * BLOCK
+    assert v["kvbm_onboard_blocks_total"] == expected_onboard
+    assert v['kvbm_matched_tokens_total{tier="host"}'] == expected_onboard * BLOCK
     assert v["vllm:external_prefix_cache_hits_total"] == expected_onboard * BLOCK
+    assert v["kvbm_load_latency_seconds_count"] == 1  # one request loaded
 
-    # Looked up: every prompt token beyond the engine's own hits
+    # Looked up: every prompt token beyond the engine's own hits; hit rates
+    # are ratios of these counters, summable over replicas
     assert v["vllm:prefix_cache_queries_total"] == 2 * n_a + n_b
     assert v["kvbm_lookup_tokens_total"] == 2 * n_a + n_b - local_hits
     assert v["vllm:external_prefix_cache_queries_total"] == v["kvbm_lookup_tokens_total"]
-    # Dynamo's gauges: the three requests are all inside their 1000-request window
-    assert v["kvbm_host_cache_hit_rate"] == pytest.approx(
-        v["kvbm_matched_tokens_host_total"] / v["kvbm_lookup_tokens_total"], rel=1e-12)
-    assert 0.1 < v["kvbm_host_cache_hit_rate"] < 1
-    assert v["kvbm_disk_cache_hit_rate"] == v["kvbm_remote_cache_hit_rate"] == 0
+    # The per-replica window: the three requests are all inside it
+    assert v['kvbm_recent_hit_ratio{tier="host"}'] == pytest.approx(
+        v['kvbm_matched_tokens_total{tier="host"}'] / v["kvbm_lookup_tokens_total"], rel=1e-12)
+    assert 0.1 < v['kvbm_recent_hit_ratio{tier="host"}'] < 1
+    assert v['kvbm_recent_hit_ratio{tier="disk"}'] == 0
+    assert v['kvbm_recent_hit_ratio{tier="remote"}'] == 0
 
     # Offloaded: the full prompt blocks of A and of B, once each
     offloaded = n_a // BLOCK + n_b // BLOCK
-    assert v["kvbm_offload_blocks_d2h_total"] == offloaded
-    block_bytes = v["kvbm_offload_bytes_d2h_total"] / offloaded
+    assert v["kvbm_offload_blocks_total"] == offloaded
+    block_bytes = v["kvbm_offload_bytes_total"] / offloaded
     assert block_bytes > 0 and block_bytes == int(block_bytes)
-    assert v["kvbm_onboard_bytes_h2d_total"] == expected_onboard * block_bytes
+    assert v["kvbm_onboard_bytes_total"] == expected_onboard * block_bytes
     assert v["kvbm_offload_latency_seconds_count"] >= 1
     assert v["kvbm_onboard_latency_seconds_count"] >= 1
 
-    # Host tier: 1 GiB, holding every offloaded block; nothing evicted, skipped,
-    # failed, or in a lower tier
-    assert v["kvbm_host_cache_capacity_bytes"] == 1 << 30
-    assert v["kvbm_host_cache_capacity_blocks"] == (1 << 30) // block_bytes
-    assert v["kvbm_host_cache_used_blocks"] == offloaded
-    assert v["kvbm_host_cache_used_bytes"] == offloaded * block_bytes
-    for name in ZERO_COUNTERS:
-        assert v[f"kvbm_{name}_total"] == 0, name
+    # Written through to the disk and remote tiers (each page once at most),
+    # each write timed; both tiers were asked for A's and B's pages
+    for tier in ("disk", "remote"):
+        assert 0 < v[f'kvbm_tier_write_blocks_total{{tier="{tier}"}}'] <= offloaded, tier
+        assert v[f'kvbm_tier_write_latency_seconds_count{{tier="{tier}"}}'] >= 1, tier
+        assert v[f'kvbm_lookup_latency_seconds_count{{tier="{tier}"}}'] >= 1, tier
+    assert v['kvbm_tier_up{tier="remote"}'] == 1
+
+    # Host tier: 1 GiB, holding every offloaded block; the disk tier its
+    # configured size, holding some pages
+    assert v['kvbm_cache_capacity_bytes{tier="host"}'] == 1 << 30
+    assert v['kvbm_cache_capacity_blocks{tier="host"}'] == (1 << 30) // block_bytes
+    assert v['kvbm_cache_used_blocks{tier="host"}'] == offloaded
+    assert v['kvbm_cache_used_bytes{tier="host"}'] == offloaded * block_bytes
+    assert v['kvbm_cache_capacity_bytes{tier="disk"}'] == 512 << 20
+    assert 0 < v['kvbm_cache_used_bytes{tier="disk"}'] <= 512 << 20
+    assert v[f'kvbm_build_info{{version="{vllm_kvbm.__version__}"}}'] == 1
+    for name in ZERO:
+        assert v[name] == 0, name
 
 
 def test_prometheus_holds_what_metrics_endpoint_served(scraped):
