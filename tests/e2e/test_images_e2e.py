@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from helpers import ROOT
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, RECOMPUTE, generate_request,
+                             kvbm_counter, make_llm, random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.local_model import (IMAGE_SIZE, IMAGE_TOKEN, IMAGE_TOKENS, VL_DIR,
@@ -26,7 +26,6 @@ from vllm_kvbm.tools.server import kvbm_transfer_config
 pytestmark = pytest.mark.timeout(900)
 
 HOST_BLOCKS = 16
-RECOMPUTE = {"max_load_tokens": 0, "lmcache.skip_save": True}
 # <fake_token_around_image><global-img>, the image's tokens, <fake_token_around_image>
 PLACEHOLDER = 2 + IMAGE_TOKENS + 1
 # Two full blocks of text and some of the third, where the image starts;
@@ -57,11 +56,7 @@ def llm(tmp_path_factory):
 
 
 def generate(llm, prompt: dict, params: dict | None = None) -> tuple[list[int], int]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
-                        extra_args={"kv_transfer_params": params} if params else None)
-    out = llm.generate([prompt], sp, use_tqdm=False)[0]
+    out = generate_request(llm, prompt, params, max_tokens=12)
     assert len(out.prompt_token_ids) == LENGTH  # the image expanded to its placeholder
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 

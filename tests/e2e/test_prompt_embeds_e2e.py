@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, RECOMPUTE,
+                             generate_request, kvbm_counter, make_llm, random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -24,7 +24,6 @@ pytestmark = pytest.mark.timeout(900)
 
 HOST_BLOCKS = 16
 LENGTH = 3 * BLOCK_SIZE + 20
-RECOMPUTE = {"max_load_tokens": 0, "lmcache.skip_save": True}
 
 
 def embeddings(token_ids: list[int]) -> torch.Tensor:
@@ -44,11 +43,7 @@ def llm(model_dir, tmp_path_factory):
 
 
 def generate(llm, embeds: torch.Tensor, params: dict | None = None) -> tuple[list[int], int]:
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
-                        extra_args={"kv_transfer_params": params} if params else None)
-    out = llm.generate([{"prompt_embeds": embeds}], sp, use_tqdm=False)[0]
+    out = generate_request(llm, {"prompt_embeds": embeds}, params)
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 

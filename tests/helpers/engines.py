@@ -61,6 +61,21 @@ def shutdown(llm) -> None:
         pass
 
 
+# A request's kv_transfer_params that neither load nor store: its output is the
+# engine's own recompute, the reference for a hit of the same prompt.
+RECOMPUTE = {"max_load_tokens": 0, "lmcache.skip_save": True}
+
+
+def generate_request(llm, prompt: dict, params: dict | None = None, max_tokens: int = 16):
+    """One greedy request (a prompt dict: token ids, embeddings, multimodal data)
+    sent with kv_transfer_params ``params``; its RequestOutput."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                        extra_args={"kv_transfer_params": params} if params else None)
+    return llm.generate([prompt], sp, use_tqdm=False)[0]
+
+
 def random_prompt(n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, 7000) for _ in range(n)]
