@@ -13,6 +13,7 @@ import os
 import time
 from collections import Counter
 
+import pytest
 import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
@@ -20,6 +21,10 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 from helpers.tier_pages import MiB, SMALL, key, page  # noqa: E402
 from vllm_kvbm.messages import KVBMWorkerMetadata, TransferJob  # noqa: E402
 from vllm_kvbm.worker.tier_io import TierIO  # noqa: E402
+
+# Reads and writes are timed against the stores' timeouts (3 s) while a
+# connection stalls: a busy second worker can stretch a read past that.
+pytestmark = pytest.mark.timing
 
 
 def fetch_one(io: TierIO, tier: str, k: bytes, pool: torch.Tensor, slot: int, meta,
