@@ -62,12 +62,6 @@ class VllmBlockHashes:
             return False  # rooted elsewhere (re-initialized since)
         return self._verified or self._verify()
 
-    def covers_inputs(self, request: "Request") -> bool:
-        """Whether a request whose KV depends on more than its token ids
-        (images, audio, prompt embeddings) may be cached: its keys come from
-        vLLM's hashes, and those were found to name such inputs."""
-        return self.covers(request) and bool(self.inputs)
-
     def _verify(self) -> bool:
         """Once, at the first request (vLLM sets NONE_HASH after creating the
         connector): vLLM's request hasher, run on a probe request of two

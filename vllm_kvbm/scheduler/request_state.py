@@ -150,6 +150,8 @@ class RequestKeys:
             state.params = RequestParams(load_tiers=frozenset(), store_tiers=frozenset())
             state.no_store = True
         if state is None:
+            if _mixed_embeds(request):
+                return None  # never cached, whatever the keys
             lora = None
             if request.lora_request is not None:
                 lora = self.adapters.cacheable(request.lora_request)
@@ -157,8 +159,7 @@ class RequestKeys:
                     return None
             salt = request_salt(lora, request.cache_salt)
             chain = self._key_chain(request, salt)
-            if _mixed_embeds(request) or (_beyond_tokens(request)
-                                          and not self._inputs_named(chain)):
+            if _beyond_tokens(request) and not self._inputs_named(chain):
                 return None  # KV depends on inputs that these keys don't name
             state = _ReqState(request, chain, salt,
                               None if lora is None else (lora.int_id, lora.fingerprint))
