@@ -133,9 +133,13 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
                                       "own namespace"),
         "prefix_cache_retention_interval": H("how long vLLM keeps blocks"),
         "kv_cache_dtype_skip_layers": I("layers kept in the model dtype"),
-        "mamba_page_size_padded": I("state page layout (hybrid models)"),
+        "mamba_page_size_padded": H("set in one process only (vLLM's hybrid model config, "
+                                    "in the worker); the state's page padding is the "
+                                    "MambaSpec's, which the namespace hashes (kv_spec)"),
         "skip_page_size_padded": I("page padding layout"),
-        "mamba_block_size": I("state block layout (hybrid models)"),
+        "mamba_block_size": H("set in one process only (vLLM's hybrid model config, in the "
+                              "worker); the state's block size is the MambaSpec's, which "
+                              "the namespace hashes (kv_spec)"),
         "mamba_cache_dtype": I("state dtype (hybrid models)"),
         "mamba_ssm_cache_dtype": I("state dtype (hybrid models)"),
         "mamba_cache_mode": I("state caching mode (hybrid models)"),
