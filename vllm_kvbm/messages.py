@@ -61,6 +61,13 @@ class TransferJob:
     # worker that loaded other weights for that id refuses the job
     # (worker/lora_loads.py).
     adapter: tuple[int, str] | None = None
+    # Stores only: a hybrid model's sliding-window and state blocks, which
+    # vLLM frees and hands out again as the request moves on: the worker
+    # finishes copying them before the next step runs.
+    before_next_step: bool = False
+    # Loads only: the blocks vLLM allocated do not match what the lookup
+    # found (scheduler/group_pages.py): fails without copying, recomputed.
+    refuse: bool = False
 
     @property
     def page_blocks(self) -> int:
@@ -76,7 +83,7 @@ def block_rows(job: TransferJob) -> tuple[list[int], list[int]]:
     """The job's copies as (engine block, host-pool row of one block) pairs,
     a page's G blocks being rows slot*G .. slot*G+G-1."""
     g = job.page_blocks
-    if g == 1:
+    if g == 1 and SKIP not in job.block_ids:
         return job.block_ids, job.slots
     blocks, rows = [], []
     for i, slot in enumerate(job.slots):

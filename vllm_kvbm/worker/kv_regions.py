@@ -110,7 +110,19 @@ def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
             offset = sum(j * t.stride()[i] for i, j in zip(outer, idx)) * elem
             regions.append(BlockRegion(t.data_ptr() + offset, block_stride * elem,
                                        layer_block))
-    return regions
+    return _distinct(regions)
+
+
+def _distinct(regions: list[BlockRegion]) -> list[BlockRegion]:
+    """One region per run of memory: with vLLM's hybrid allocator a layer of
+    each KV cache group views the same tensor (block b belongs to one group
+    at a time), a Mamba layer's state being a shorter view of its block than
+    an attention layer's; the block's bytes are copied once, the longest view."""
+    longest: dict[tuple[int, int], int] = {}
+    for r in regions:
+        key = (r.base, r.stride)
+        longest[key] = max(longest.get(key, 0), r.layer_block_bytes)
+    return [BlockRegion(base, stride, n) for (base, stride), n in longest.items()]
 
 
 def checked_ids(block_ids, slots, num_blocks: int, num_slots: int

@@ -327,11 +327,18 @@ class KVBMWorker:
             req_ids = set(meta.flush_req_ids)
             # An overdue one is reported failed and holds only host slots.
             self._wait(lambda job, is_store: is_store and job.req_id in req_ids)
+        if self.info.hybrid:
+            # Sliding-window and state blocks the last steps stored may be
+            # freed and written by this one (a memory copy each, not a tier).
+            self._wait(lambda job, is_store: is_store and job.before_next_step)
 
     def _refused(self, job: TransferJob, is_store: bool, weights_ok: bool = True) -> bool:
         """A job whose keys name other weights than this worker runs (the model's
         changed in memory, ``weights_ok`` False, logged by LoadedWeights; or a LoRA
         adapter's) fails before it touches memory: a store is not cached, a load recomputed."""
+        if job.refuse:
+            self._complete(job, is_store, ok=False, started=time.perf_counter())
+            return True
         if weights_ok and not lora_loads.refuses(job.adapter):
             return False
         int_id, fingerprint = job.adapter or (0, "")
