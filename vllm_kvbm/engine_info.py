@@ -56,6 +56,18 @@ def requested_kv_cache_layout(vllm_config) -> str | None:
 
 
 @dataclass(frozen=True)
+class GroupInfo:
+    """One KV cache group of a hybrid model, as KVBM pages it
+    (scheduler/group_pages.py): "full" (every page of the prefix), "window"
+    (a sliding window: the ``window`` tokens before a hit's end) or "state"
+    (Mamba / Gated DeltaNet state in vLLM's align mode: the block at a hit's end)."""
+
+    index: int
+    kind: str
+    window: int = 0  # tokens before a boundary a "window" group's hit reads
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     block_size: int
     # Bytes of one block on one worker: every layer's K and V pages.
@@ -69,6 +81,15 @@ class EngineInfo:
     # This engine's data-parallel rank (0 without DP): replicas compute the
     # same KV (same keys), but each disk index is its own (tiers/disk/view.py).
     data_parallel_index: int = 0
+    # The KV cache groups of a hybrid model (empty: one group, paged as a
+    # whole), and the one whose pages carry the prefix's keys (its first
+    # full-attention group).
+    groups: tuple[GroupInfo, ...] = ()
+    primary: int = 0
+
+    @property
+    def hybrid(self) -> bool:
+        return bool(self.groups)
 
     @property
     def page_tokens(self) -> int:
@@ -95,9 +116,13 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
             "(it stores and finds blocks by prefix); remove --no-enable-prefix-caching")
     parallel = vllm_config.parallel_config
     _refuse_unsupported_parallelism(parallel)
-    num_layers = len(groups[0].layer_names)
+    # A hybrid model's groups share one pool of blocks: block b of any group
+    # is the same bytes of the same tensors (one layer of each group per
+    # tensor), so a block is its largest group's layers.
+    num_layers = max(len(g.layer_names) for g in groups)
     page_blocks = _page_blocks(page_tokens, spec.block_size)
     namespace_key = key_namespace(vllm_config, kv_cache_config, page_blocks, namespace)
+    hybrid = hybrid_groups(groups)
     return EngineInfo(
         block_size=spec.block_size,
         block_bytes=spec.page_size_bytes * num_layers,
@@ -106,7 +131,49 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         key_namespace=namespace_key,
         page_blocks=page_blocks,
         data_parallel_index=_data_parallel_index(parallel),
+        groups=hybrid or (),
+        primary=next((g.index for g in hybrid if g.kind == "full"), 0) if hybrid else 0,
     )
+
+
+def _group_kind(spec) -> GroupInfo | None:
+    """How KVBM pages a group of this spec (index 0), or None: not served.
+    By exact type: subclasses hold other data in their blocks."""
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
+                                            SlidingWindowSpec)
+
+    kind = type(spec)
+    if kind in (FullAttentionSpec, MLAAttentionSpec):
+        return GroupInfo(0, "full")
+    if kind is SlidingWindowSpec:
+        # vLLM keeps the blocks of the tokens from num_computed - window + 1
+        # (minus the ones retained for MTP) on: a hit at a boundary reads them.
+        return GroupInfo(0, "window", spec.sliding_window - 1 + spec.extra_retained_tokens)
+    if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "align":
+        # align mode keeps the state at block boundaries, in the block that ends there
+        return GroupInfo(0, "state")
+    return None
+
+
+def hybrid_groups(groups) -> tuple[GroupInfo, ...] | None:
+    """The groups of a hybrid model KVBM serves (several groups, at least
+    one full attention, every one of a kind it pages, one page size); ()
+    for a model of one group; None when KVBM does not serve it."""
+    if len(groups) == 1:
+        return ()
+    kinds = []
+    for i, g in enumerate(groups):
+        kind = _group_kind(_scheduler_spec(g.kv_cache_spec))
+        if kind is None:
+            return None
+        kinds.append(GroupInfo(i, kind.kind, kind.window))
+    if not any(k.kind == "full" for k in kinds):
+        return None
+    if len({_scheduler_spec(g.kv_cache_spec).page_size_bytes for g in groups}) != 1:
+        return None
+    if len({_scheduler_spec(g.kv_cache_spec).block_size for g in groups}) != 1:
+        return None
+    return tuple(kinds)
 
 
 def _proven_spec_types() -> tuple[type, ...]:
@@ -149,15 +216,21 @@ def kept_out_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     kinds = [type(_scheduler_spec(g.kv_cache_spec)) for g in groups]
     if len(kinds) == 1 and kinds[0] in _proven_spec_types():
         return None
+    if hybrid_groups(groups):
+        return None
     model = getattr(vllm_config.model_config, "model", None)
     windowed = any(kind.__name__ in _WINDOWED_SPECS for kind in kinds)
     return (f"KVBM: model {model!r} has KV cache groups KVBM does not serve yet "
             f"({_count_groups(groups)}): KVBM looks up and stores nothing for it, so no "
             f"prefix hits come from KVBM (vLLM's own prefix caching still works). KVBM "
             f"stores and loads one KV cache group of "
-            f"{' or '.join(t.__name__ for t in _proven_spec_types())}."
+            f"{' or '.join(t.__name__ for t in _proven_spec_types())}, or {_HYBRID_SERVED}."
             + (" With --disable-hybrid-kv-cache-manager vLLM runs the sliding-window "
                "layers as full attention, and KVBM stores their whole KV." if windowed else ""))
+
+
+_HYBRID_SERVED = ("groups of FullAttentionSpec beside groups of SlidingWindowSpec or "
+                  "MambaSpec in align mode, one spec per group, of one page size")
 
 
 def refuse_unproven_layers(specs: dict, layer_names) -> None:
@@ -166,11 +239,12 @@ def refuse_unproven_layers(specs: dict, layer_names) -> None:
     exactly, so no layer's blocks are ever copied as plain KV that are not."""
     proven = _proven_spec_types()
     wrong = [f"{name}: {type(specs[name]).__name__}" for name in layer_names
-             if name in specs and type(specs[name]) not in proven]
+             if name in specs and _group_kind(specs[name]) is None]
     if wrong:
         raise KVBMConfigError(
             f"KVBMConnector does not support these KV cache layers: {_layer_list(wrong)}. "
-            f"It copies layers of {' or '.join(t.__name__ for t in proven)} exactly. Run "
+            f"It copies layers of {' or '.join(t.__name__ for t in proven)}, "
+            f"SlidingWindowSpec or MambaSpec (align mode) exactly. Run "
             f"this model without KVBMConnector (remove --kv-transfer-config).")
 
 
@@ -191,6 +265,9 @@ def _refuse_unproven_specs(vllm_config: "VllmConfig", groups) -> None:
     proven = _proven_spec_types()
     if len(groups) == 1 and type(groups[0].kv_cache_spec) in proven:
         return
+    if len(groups) > 1 and hybrid_groups(groups) and not any(
+            getattr(g.kv_cache_spec, "kv_cache_specs", None) for g in groups):
+        return  # each group of one spec (a worker's may hold several: refused)
     model = getattr(vllm_config.model_config, "model", None)
     described = "; ".join(
         f"group {i}: {type(g.kv_cache_spec).__name__} (layers {_layer_list(g.layer_names)})"
@@ -199,7 +276,7 @@ def _refuse_unproven_specs(vllm_config: "VllmConfig", groups) -> None:
         f"KVBMConnector does not support the KV cache of model {model!r}: {described}. "
         f"It stores and loads one KV cache group of "
         f"{' or '.join(t.__name__ for t in proven)} exactly (not subclasses of them, whose "
-        f"blocks hold other data). Run this model without KVBMConnector "
+        f"blocks hold other data), or {_HYBRID_SERVED}. Run this model without KVBMConnector "
         f"(remove --kv-transfer-config).")
 
 

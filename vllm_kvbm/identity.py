@@ -80,8 +80,12 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
     """The namespace every key of this engine is derived in (keys.py)."""
     from vllm_kvbm.fingerprints import model_fingerprint
 
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    num_layers = len(kv_cache_config.kv_cache_groups[0].layer_names)
+    # the first group with one dtype (a hybrid's Mamba groups have several;
+    # every group's spec is in kv_spec below)
+    groups = kv_cache_config.kv_cache_groups
+    spec = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")),
+                groups[0].kv_cache_spec)
+    num_layers = max(len(g.layer_names) for g in groups)
     model, cache = vllm_config.model_config, vllm_config.cache_config
     revision = getattr(model, "revision", None) or ""
     load = vllm_config.load_config
@@ -96,7 +100,7 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         # The weights' hash names the model wherever its files lie (replicas
         # with other paths share).
         model=f"@{revision}",
-        dtype=str(spec.dtype),
+        dtype=str(getattr(spec, "dtype", "")),
         kv_layout=str(kv_cache_config.kv_cache_layout or ""),
         block_size=spec.block_size,
         page_blocks=page_blocks,

@@ -73,6 +73,18 @@ def _digest(*fields) -> bytes:
     return hashlib.sha256(json.dumps(list(fields)).encode()).digest()
 
 
+# Tag of a hybrid model's group pages (group_key): part of the hash input, so
+# a group's key is never another derivation's.
+GROUP_KEY_TAG = f"kvbm-v{FORMAT_VERSION}-group".encode()
+
+
+def group_key(key: PageKey, group: int) -> PageKey:
+    """The key of KV cache group ``group``'s page of the page keyed ``key``
+    (scheduler/group_pages.py): a SHA-256 of the two, so one group's page is
+    never read as another's, nor as the page ``key`` names."""
+    return hashlib.sha256(GROUP_KEY_TAG + struct.pack("<I", group) + key).digest()
+
+
 def derive_seed(seed: bytes, *fields: str) -> bytes:
     """A new key seed from an old one (e.g. for the weights the workers run)."""
     return _digest(seed.hex(), *fields)

@@ -2,21 +2,22 @@
 
 KVBMConnector subclasses SupportsHMA, so vLLM keeps HMA on and a hybrid
 model (Gated DeltaNet or Mamba state beside full attention, sliding-window
-groups beside full ones) starts. Such a model is kept out of KVBM: no hit is
-reported, nothing is stored, on either side; a dense model (one full-attention
-group) is served as before. The KV cache configs come from vLLM's own
-get_kv_cache_configs over per-layer specs, as the engine core makes them.
+groups beside full ones) starts, and KVBM pages each group as its hits read
+it (scheduler/group_pages.py): full attention for the whole prefix, a
+sliding window only before the boundaries a hit may end at, the Mamba/GDN
+state where vLLM computed it. The KV cache configs come from vLLM's own
+get_kv_cache_configs over per-layer specs, as the engine core makes them; the
+scheduler is vLLM's own, its worker a fake that finishes every copy.
 """
 
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, SupportsHMA
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.v1 import kv_cache_interface as kvi
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
@@ -25,11 +26,12 @@ from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
 
-from helpers.scheduler_harness import (BLOCK, kvbm, make_request, make_scheduler,
-                                       run_until_done, step, tokens)
+from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, make_request, make_scheduler,
+                                       run_to_end, step, tokens)
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.connector import KVBMConnector
 from vllm_kvbm.engine_info import engine_info, kept_out_reason, refuse_unproven_layers
+from vllm_kvbm.keys import group_key
 from vllm_kvbm.worker.vllm_layout import layer_specs
 
 FULL = kvi.FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
@@ -106,42 +108,96 @@ def test_vllm_makes_several_groups_of_these_models(dense, shape, types):
         assert {type(g.kv_cache_spec).__name__ for g in config.kv_cache_groups} == types
 
 
-@pytest.mark.parametrize("shape,named", [
-    (qwen3_next_layers, ["MambaSpec: 3 groups, 6 layers", "FullAttentionSpec: 1 group, 2 layers"]),
-    (gemma3_layers, ["SlidingWindowSpec:", "FullAttentionSpec:",
-                     "--disable-hybrid-kv-cache-manager"]),
-])
-def test_a_hybrid_model_starts_is_never_served_by_kvbm_and_vllms_cache_still_hits(
-        dense, caplog, shape, named):
-    with caplog.at_level(logging.INFO, logger="vllm_kvbm.connector"):
-        s = hybrid_scheduler(dense, shape())
-    lines = [r.getMessage() for r in caplog.records if "does not serve yet" in r.getMessage()]
-    assert len(lines) == 1 and "no prefix hits come from KVBM" in lines[0]
-    assert all(part in lines[0] for part in named)
-    connector = s.connector
-    assert connector.kept_out is not None and connector.sched is None
+def _stored(metas) -> list[tuple[list[int], list[int]]]:
+    return [(job.block_ids, job.slots) for meta in metas for job in meta.stores]
 
-    prompt = tokens(3 * BLOCK + 8, 1)
-    first = make_request(prompt, max_tokens=3)
-    s.add_request(first)
-    assert connector.get_num_new_matched_tokens(first, 0) == (0, False)
-    _, meta, _ = step(s)
-    assert not meta.loads and not meta.stores and not meta.spills
-    run_until_done(s, first.request_id)
-    # vLLM finished it through request_finished_all_groups: no delayed free
-    assert first.request_id not in s.requests
 
-    again = make_request(prompt, max_tokens=3)
-    s.add_request(again)
-    assert connector.get_num_new_matched_tokens(again, 0) == (0, False)
-    out, meta, _ = step(s)
-    assert not meta.loads and not meta.stores
-    # the engine's own prefix cache still serves the prefix
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 3 * BLOCK
-    run_until_done(s, again.request_id)
-    assert connector.get_kv_connector_stats() is None
-    assert not connector.has_pending_push_work() and list(connector.take_events()) == []
+def _served(dense, shape, prompt_blocks: int):
+    """A hybrid scheduler with a host tier large enough for the test's pages,
+    after one request of ``prompt_blocks`` blocks (and 8 tokens) ran to its
+    end (every store done within its step): (scheduler, its prompt, the
+    store jobs' (block ids, slots))."""
+    cfg, _, sched_config = kv_cache_configs(dense, shape())
+    cfg.kv_transfer_config.kv_connector_extra_config["host_cache_blocks"] = 512
+    s = Scheduler(vllm_config=cfg, kv_cache_config=sched_config,
+                  structured_output_manager=StructuredOutputManager(cfg),
+                  block_size=BLOCK, log_stats=True)
+    assert s.connector.kept_out is None and kvbm(s).groups is not None
+    prompt = tokens(prompt_blocks * BLOCK + 8, 1)
+    metas = run_to_end(s, make_request(prompt, max_tokens=2))
+    assert all(job.before_next_step for meta in metas for job in meta.stores)
+    return s, prompt, _stored(metas)
+
+
+def _load(s, prompt):
+    """vLLM's own cache cleared, the same prompt: its load job and its blocks per group."""
     assert s.reset_prefix_cache()
+    req = make_request(prompt, max_tokens=2)
+    s.add_request(req)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    return load, [list(ids) for ids in s.kv_cache_manager.get_block_ids(req.request_id)]
+
+
+def test_a_gdn_hybrid_stores_the_state_where_vllm_computed_it_and_loads_it_at_the_hit(dense):
+    """Three Gated DeltaNet groups (align mode) and one full-attention group.
+    Each 256-token chunk's end is a block boundary where vLLM computed the
+    state: every full-attention page is stored, and each GDN group's state
+    block at those boundaries only. A hit then loads the prefix's pages and
+    each GDN group's state at its end, into the blocks vLLM allocated."""
+    s, prompt, stores = _served(dense, qwen3_next_layers, 40)
+    info = kvbm(s).info
+    assert [g.kind for g in info.groups] == ["state", "state", "state", "full"]
+    assert info.primary == 3
+    # 16 blocks a chunk (256 tokens): states at pages 15, 31 and 39 (the
+    # prompt's last full block, computed as its own chunk in align mode)
+    assert [len(slots) for _, slots in stores] == [16 + 3, 16 + 3, 8 + 3]
+
+    load, groups = _load(s, prompt)
+    assert len(load.slots) == 40 + 3 and not load.refuse
+    assert load.block_ids[:40] == groups[3][:40]
+    assert load.block_ids[40:] == [groups[g][39] for g in range(3)]
+    assert all(groups[g][:39] == [0] * 39 for g in range(3))  # no other state read
+
+
+def test_sliding_window_groups_store_only_the_windows_a_hit_reads(dense):
+    """Five sliding-window groups (64-token window: 4 pages of 16 tokens
+    before a boundary) and a full-attention one. Of a 40-page prompt the
+    window groups store the window before the prompt's end and before every
+    16 pages (4 windows): 12 pages each, not 40; a hit loads the prefix's
+    full-attention pages and the last window's."""
+    s, prompt, stores = _served(dense, gemma3_layers, 40)
+    info = kvbm(s).info
+    assert [g.kind for g in info.groups] == ["window"] * 5 + ["full"]
+    assert {g.window for g in info.groups[:5]} == {63}
+    stored_pages = sum(len(slots) for _, slots in stores)
+    assert stored_pages == 40 + 5 * 12  # against 40 * 6 stored whole
+
+    load, groups = _load(s, prompt)
+    assert len(load.slots) == 40 + 5 * 4 and not load.refuse
+    assert load.block_ids[:40] == groups[5][:40]
+    assert sorted(load.block_ids[40:]) == sorted(b for g in range(5) for b in groups[g][36:40])
+
+
+@pytest.mark.parametrize("shape", [qwen3_next_layers, gemma3_layers])
+def test_a_group_page_is_never_another_groups_or_the_prefix_page(dense, shape):
+    s, prompt, _ = _served(dense, shape, 4)
+    keys = keys_of(s, prompt)
+    named = {group_key(k, g.index) for k in keys for g in kvbm(s).info.groups}
+    assert len(named) == len(keys) * len(kvbm(s).info.groups)
+    assert not named & set(keys)
+
+
+def test_a_hit_stops_where_a_group_lacks_what_it_reads(dense):
+    """The state at the prompt's end evicted from the host tier: the hit
+    falls back to the last boundary every group can serve (page 32)."""
+    s, prompt, _ = _served(dense, qwen3_next_layers, 40)
+    keys = keys_of(s, prompt)
+    for g in range(3):
+        assert kvbm(s).host.drop(group_key(keys[39], g))
+    load, groups = _load(s, prompt)
+    assert len(load.slots) == 32 + 3
+    assert load.block_ids[32:] == [groups[g][31] for g in range(3)]
 
 
 def test_request_finished_all_groups_returns_what_vllm_expects(dense):
@@ -163,23 +219,6 @@ def test_a_dense_model_is_served_and_its_stores_delay_the_free_through_all_group
     block_ids = s.kv_cache_manager.get_block_ids(req.request_id)
     assert s.connector.request_finished_all_groups(req, block_ids) == (True, None)
     assert kvbm(s).has_pending_work()
-
-
-@pytest.mark.parametrize("shape", [qwen3_next_layers, gemma3_layers])
-def test_the_worker_side_of_a_hybrid_model_copies_nothing(dense, shape):
-    cfg, worker_config, _ = kv_cache_configs(dense, shape())
-    connector = KVBMConnector(cfg, KVConnectorRole.WORKER, worker_config)
-    assert connector.worker is None and connector.kept_out is not None
-    caches = {name: torch.zeros(4, 64) for name in layer_specs(worker_config)}
-    connector.register_kv_caches(caches)
-    connector.bind_connector_metadata(connector.build_connector_meta(None))
-    connector.start_load_kv(None)
-    connector.wait_for_save()
-    assert connector.get_finished({"r1"}) == (set(), set())
-    assert connector.get_block_ids_with_load_errors() == set()
-    assert connector.build_connector_worker_meta() is None
-    connector.unregister_kv_caches()  # nothing registered: nothing to refuse
-    connector.shutdown()
 
 
 def test_both_sides_decide_alike_for_a_group_of_one_type_and_several_shapes(dense):

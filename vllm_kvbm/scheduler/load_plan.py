@@ -34,11 +34,21 @@ class LoadPlanning:
         if num_external_tokens == 0:
             return
         keys = state.chain.keys[start:start + count]
-        block_ids = blocks.get_block_ids()[0][start * g:(start + count) * g]
+        block_ids = blocks.get_block_ids()[self.info.primary][start * g:(start + count) * g]
         if skip:  # vLLM's own cache has the first page's first blocks
             block_ids[:skip] = [SKIP] * skip
         sources = state.lookup.hit_sources[:count]
         assert len(keys) == len(sources) == count and len(block_ids) == count * g
+        if self.groups is not None:
+            units = self.groups.load_units(state.chain.keys, start, start + count, local,
+                                           blocks.get_block_ids())
+            tiers = state.lookup.group_sources
+            if units is None or any((u.page, u.group) not in tiers for u in units):
+                self._refuse_load(state, block_ids, count)
+                return
+            keys = keys + [u.key for u in units]
+            sources = sources + [tiers[(u.page, u.group)] for u in units]
+            block_ids = block_ids + [b for u in units for b in u.blocks]
         # Pin the host hits first, so promotions below cannot evict them.
         host_keys = [k for k, src in zip(keys, sources) if src == "host"]
         host_slots = iter(self.host.pin(host_keys))
@@ -56,7 +66,8 @@ class LoadPlanning:
                 state.load.streamed.append(src)
             else:
                 state.load.promoted.append((key, src))
-                self.events.describe(request, state.chain.keys, [start + i])
+                if i < count:  # a primary page: the prefix's
+                    self.events.describe(request, state.chain.keys, [start + i])
             job.slots.append(slot)
             job.fetch.append((i, src, key))
         state.load.keys = host_keys
@@ -65,13 +76,22 @@ class LoadPlanning:
         state.load.ahead = self._fetches_ahead() if lower else {}
         if lower:
             self._fetch_queue[request.request_id] = lower
-        if job.fetch and not state.load.streamed:
+        if job.fetch and not state.load.streamed and self.groups is None:
+            # (a hybrid's load is never cut: its group pages are not a prefix)
             job.recompute_s = self._recompute_seconds(start, count)
         state.load.started, state.load.tier_pages = self.split.clock(), Counter(sources)
-        state.load.block_count = count * g - skip
+        state.load.block_count = len(block_ids) - block_ids.count(SKIP)
         # The loaded pages are in the host tier now: never store them again.
         state.store.cursor = max(state.store.cursor, start + count)
         self._loads.append(job)
+
+    def _refuse_load(self, state: _ReqState, block_ids: list[int], count: int) -> None:
+        """A hybrid hit whose blocks vLLM allocated otherwise than its lookup
+        found: a load the worker fails without copying, so vLLM recomputes."""
+        state.load.started, state.load.block_count = self.split.clock(), count
+        state.load.sources = []
+        self._loads.append(TransferJob(next(self._job_ids), state.request.request_id,
+                                       block_ids, [0] * count, refuse=True))
 
     def _fetches_ahead(self) -> dict[str, tuple[int, int]]:
         """(loads, pages) per lower tier of the loads in flight."""

@@ -9,6 +9,7 @@ opened by ``tiers/registry.py``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -93,6 +94,20 @@ class BackgroundLookups:
         self._queue.put((req_id, q, keys[start:end]))
         return None
 
+    def ask_each(self, req_id: str, keys: list[PageKey]) -> list[str | None] | None:
+        """The first lower tier holding each of ``keys`` (None: none does),
+        for a hybrid model's group pages (scheduler/group_pages.py); None:
+        asked, not answered yet. The question is ``req_id``'s second one,
+        forgotten with it."""
+        qid, first = req_id + _EACH, hashlib.sha256(b"".join(keys)).digest()
+        with self._lock:
+            q = self._entries.get(qid)
+            if q is not None and q.first == first:
+                return q.run  # type: ignore[return-value]
+            q = self._entries[qid] = _Question(0, first, len(keys), each=True)
+        self._queue.put((qid, q, list(keys)))
+        return None
+
     def overdue(self, req_id: str) -> bool:
         """Whether the request's question is unanswered while the thread is
         stuck in a call into a tier (a frozen server, a hung mount): the
@@ -131,6 +146,7 @@ class BackgroundLookups:
     def forget(self, req_id: str) -> None:
         with self._lock:
             self._entries.pop(req_id, None)
+            self._entries.pop(req_id + _EACH, None)
 
     def check_disk(self, ask: list[PageKey], keys: list[PageKey]) -> None:
         """Asks which of ``ask`` the disk holds; ``take_checked`` then returns
@@ -165,7 +181,8 @@ class BackgroundLookups:
                 if self._entries.get(req_id) is not q:
                     continue  # forgotten or asked again meanwhile
             try:
-                run = self._lower.find_run_doubling(keys)
+                run = (self._lower.find_each(keys) if q.each
+                       else self._lower.find_run_doubling(keys))
             except Exception as err:  # a view must not kill the thread: a miss
                 logger.warning("KVBM: lower-tier lookup failed: %s", err)
                 run = []
@@ -195,6 +212,11 @@ class _Question:
     answered_at: float = 0.0
     asking: bool = True  # queued or being answered
     abandoned: bool = False  # its request went on without it
+    each: bool = False  # ask_each's: a tier or None per key, not a run
+
+
+# ask_each's question id: the request's id and this
+_EACH = "\0groups"
 
 
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_kvbm.messages import KVBMConnectorMetadata, SpillJob, TransferJob
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.cache_reset import CacheReset
+from vllm_kvbm.scheduler.group_pages import GroupPages
 from vllm_kvbm.scheduler.held_requests import HeldRequests
 from vllm_kvbm.scheduler.key_source import VllmBlockHashes
 from vllm_kvbm.scheduler.kv_events import NoKVEvents
@@ -72,6 +73,8 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self.page_blocks = info.page_blocks
         self.page_tokens = info.page_tokens
         self.host = SlotIndex(num_host_slots)
+        # a hybrid model's pages per KV cache group (None: one group)
+        self.groups = GroupPages(info) if info.hybrid else None
         # what KV-aware routers are told each tier holds (kv_events.py)
         self.events = kv_events or NoKVEvents()
         self.events.watch(self.host)

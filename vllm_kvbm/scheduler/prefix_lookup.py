@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from vllm_kvbm.keys import group_key
 from vllm_kvbm.scheduler.request_state import _ReqState, _preemptions
 
 if TYPE_CHECKING:
@@ -59,6 +60,11 @@ class PrefixLookup:
         keep = self.split.cut(sources, start, self._fetches_ahead() if self._fetch_queue else None)
         state.lookup.split_dropped = len(sources) - keep
         sources = sources[:keep]
+        if self.groups is not None and sources:
+            sources = self._group_hit(state, start, sources)
+            if sources is None:
+                self.held.hold(found)
+                return None, False  # the lower tiers' answer: next step
         state.lookup.hit_sources = sources
         hit = len(sources)
         if hit == 0:
@@ -128,6 +134,34 @@ class PrefixLookup:
                 break
             sources.append(lower[offset + j - i])
         return sources
+
+    def _group_hit(self, state: _ReqState, start: int, sources: list[str]) -> list[str] | None:
+        """A hybrid model's hit: the primary group's pages ``sources`` (from
+        page ``start``), cut to the longest prefix every other group can
+        serve (scheduler/group_pages.py); their tiers go to
+        ``lookup.group_sources``. Group pages the host tier lacks are asked
+        of the lower tiers on the lookup thread: None until it answers."""
+        end, keys, groups = start + len(sources), state.chain.keys, self.groups
+        names = {(i, g.index): group_key(keys[i], g.index)
+                 for i in range(start, end) for g in groups.others}
+        allowed = state.params.load_tiers  # kv_load_tiers (None: every tier)
+        found = {u: "host" for u, key in names.items()
+                 if self.host.is_ready(key) and (allowed is None or "host" in allowed)}
+        boundary = groups.longest_hit(start, end, found.__contains__)
+        if boundary < end and self._background is not None:
+            missing = [u for u in names if u not in found]
+            answer = self._background.ask_each(state.request.request_id,
+                                               [names[u] for u in missing])
+            if answer is None:
+                if not self._waited_enough(state, start, len(sources)):
+                    return None
+            else:
+                found.update((u, tier) for u, tier in zip(missing, answer)
+                             if tier and (allowed is None or tier in allowed))
+                boundary = groups.longest_hit(start, end, found.__contains__)
+        state.lookup.group_sources = {u: found[u] for u in groups.needed(start, boundary)
+                                      if u in found}
+        return sources[:boundary - start]
 
     def _waited_enough(self, state: _ReqState, i: int, n: int) -> bool:
         """Whether the request has waited for the lower tiers' answer about

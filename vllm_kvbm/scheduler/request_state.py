@@ -29,6 +29,8 @@ class _Lookup:
     # where each page of the hit lives ("host", "disk", ...), from the page
     # holding block local_hit_blocks on
     hit_sources: list[str] = field(default_factory=list)
+    # a hybrid model's other groups' pages of the hit: (page, group) -> tier
+    group_sources: dict[tuple[int, int], str] = field(default_factory=dict)
     # tokens asked about; counted when vLLM admits the request (None: nothing
     # to count), as vLLM counts its own cache queries
     tokens: int | None = None

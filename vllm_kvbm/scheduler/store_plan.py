@@ -66,6 +66,8 @@ class StorePlanning:
         free or evictable now. Pages that find none wait as the request's
         backlog when lower tiers exist (stored as slots come free, vLLM
         keeping a finished request's blocks meanwhile), else are skipped."""
+        if self.groups is not None:
+            return self._store_group_pages(state, start, full)
         request, keys = state.request, state.chain.keys
         # Blocks the host has (stored, or being stored by another request)
         # are left out.
@@ -81,12 +83,36 @@ class StorePlanning:
             job_blocks = [blocks[i].block_id for i in positions]
         else:
             job_blocks = [b.block_id for i in positions for b in blocks[i * g:(i + 1) * g]]
+        return self._store_job(state, job_keys, job_blocks, job_slots)
+
+    def _store_job(self, state: _ReqState, keys: list[PageKey], blocks: list[int],
+                   slots: list[int], before_next_step: bool = False) -> TransferJob:
         job_id = next(self._job_ids)
-        self._store_jobs[job_id] = _StoreJob(request.request_id, job_keys,
+        self._store_jobs[job_id] = _StoreJob(state.request.request_id, keys,
                                              self.info.num_workers)
         state.store.jobs.add(job_id)
-        return TransferJob(job_id, request.request_id, job_blocks, job_slots,
-                           adapter=state.adapter)
+        return TransferJob(job_id, state.request.request_id, blocks, slots,
+                           adapter=state.adapter, before_next_step=before_next_step)
+
+    def _store_group_pages(self, state: _ReqState, start: int, full: int) -> TransferJob | None:
+        """``_store_pages`` for a hybrid model: each group's pages of pages
+        [start, full) that its hits read (scheduler/group_pages.py)."""
+        request, keys = state.request, state.chain.keys
+        blocks = self._kv_cache_manager.get_blocks(request.request_id).get_block_ids()
+        units = self.groups.store_units(keys, range(start, full), blocks,
+                                        request.num_prompt_tokens // self.page_tokens)
+        unit_keys = [u.key for u in units]
+        positions, job_slots, stopped = self.host.allocate_missing(unit_keys, 0, len(units))
+        self._note_backlog(state, units[stopped].page if stopped < len(units) else full,
+                           progressed=bool(positions))
+        if not positions:
+            return None
+        primary = self.groups.primary
+        self.events.describe(request, keys, [units[i].page for i in positions
+                                             if units[i].group == primary])
+        return self._store_job(state, [unit_keys[i] for i in positions],
+                               [b for i in positions for b in units[i].blocks], job_slots,
+                               before_next_step=True)
 
     def _finish_stores(self, counts: Counter, ok: bool) -> None:
         for job_id, n in counts.items():

@@ -72,9 +72,18 @@ class LowerTiers:
 
     def find_run(self, keys: list[PageKey]) -> list[str]:
         """The tier of each key of the longest leading run of ``keys`` held
-        below the host tier (the first tier, in lookup order, that has it).
-        Each tier is asked once for all the keys the tiers before it lack
-        (``contains_many``: one round trip to a server)."""
+        below the host tier (the first tier, in lookup order, that has it)."""
+        run: list[str] = []
+        for tier in self.find_each(keys):
+            if tier is None:
+                break
+            run.append(tier)
+        return run
+
+    def find_each(self, keys: list[PageKey]) -> list[str | None]:
+        """The first tier (in lookup order) holding each of ``keys``, None
+        where none does. Each tier is asked once for all the keys the tiers
+        before it lack (``contains_many``: one round trip to a server)."""
         found: list[str | None] = [None] * len(keys)
         for view in self.views:
             todo = [i for i, tier in enumerate(found) if tier is None]
@@ -86,12 +95,7 @@ class LowerTiers:
             for i, hit in zip(todo, hits):
                 if hit:
                     found[i] = view.name
-        run: list[str] = []
-        for tier in found:
-            if tier is None:
-                break
-            run.append(tier)
-        return run
+        return found
 
     def writes_fresh_pages(self) -> bool:
         """Whether a page stored for the first time is written to some tier

@@ -1,0 +1,156 @@
+"""A hybrid model's pages: one per (page of tokens, KV cache group).
+
+With vLLM's hybrid allocator each KV cache group has its own blocks from one
+shared pool; block ``b`` of any group is the same bytes of the same tensors
+(worker/kv_regions.py), so a group's page is ``page_blocks`` blocks like any
+page, in a host slot like any page. Each group is paged as a hit at a page
+boundary ``b`` reads it (as vLLM's OffloadingConnector does,
+``kv_connector/v1/offloading/scheduler.py``):
+
+- full attention: every page of the prefix. The primary group's page (the
+  first full-attention group's) carries the prefix's key, so lookups, KV
+  events and the tiers' bookkeeping run on it as for a dense model; every
+  other group's page is ``group_key(key, group)``: a group's page can never
+  be read as another's.
+- sliding window: the ``window`` tokens before ``b``. A window page is
+  stored only when it lies in the window before a boundary a later hit may
+  end at: the prompt's last full page, and every ``WINDOW_HIT_SPACING``
+  windows; bytes stored for a sliding layer are about 1 / WINDOW_HIT_SPACING
+  of a full layer's (plus the prompt's last window), not the whole prefix.
+- state (Mamba, Gated DeltaNet in vLLM's align mode): the block holding the
+  state at ``b``; vLLM computes it where a scheduled chunk ends on a block
+  boundary (chunk ends, the prompt's last full block), and only there is it
+  stored.
+
+A hit is the longest prefix whose every group has what it reads; what a
+lookup found is checked again against the blocks vLLM allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from vllm_kvbm.keys import PageKey, group_key
+from vllm_kvbm.messages import SKIP
+
+if TYPE_CHECKING:
+    from vllm_kvbm.engine_info import EngineInfo, GroupInfo
+
+# A sliding-window group keeps the window before every this many windows'
+# worth of pages (and before the prompt's end): where a hit that is not a
+# returning prompt's end can stop.
+WINDOW_HIT_SPACING = 4
+NULL_BLOCK = 0  # vLLM's null block: a block the group does not hold
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One group's page: its page index, group, key and engine blocks."""
+
+    page: int
+    group: int
+    key: PageKey
+    blocks: tuple[int, ...]
+
+
+class GroupPages:
+    def __init__(self, info: "EngineInfo"):
+        self.primary = info.primary
+        self.others = tuple(g for g in info.groups if g.index != info.primary)
+        self.page_tokens = info.page_tokens
+        self.page_blocks = info.page_blocks
+        self._spacing = {g.index: WINDOW_HIT_SPACING * max(1, self._window_pages(g))
+                         for g in self.others if g.kind == "window"}
+
+    def _window_pages(self, g: "GroupInfo") -> int:
+        return -(-g.window // self.page_tokens)
+
+    def first_window_page(self, g: "GroupInfo", boundary: int) -> int:
+        """The first page a hit ending at page ``boundary`` reads of window group g."""
+        return max(0, boundary * self.page_tokens - g.window) // self.page_tokens
+
+    def _window_kept(self, g: "GroupInfo", page: int, prompt_pages: int) -> bool:
+        """Whether page ``page`` of window group g lies in the window before a
+        boundary a hit may end at (the prompt's end, a multiple of the spacing)."""
+        if page < prompt_pages and self.first_window_page(g, prompt_pages) <= page:
+            return True
+        spacing = self._spacing[g.index]
+        boundary = (page // spacing + 1) * spacing  # the first one after the page
+        return self.first_window_page(g, boundary) <= page
+
+    def store_units(self, keys: list[PageKey], pages: range, group_blocks,
+                    prompt_pages: int) -> list[Unit]:
+        """The group pages to store of ``pages`` (completed this step):
+        ``group_blocks[g]`` are group g's engine block ids for the request."""
+        g_blocks, units = self.page_blocks, []
+        for i in pages:
+            span = slice(i * g_blocks, (i + 1) * g_blocks)
+            units.append(Unit(i, self.primary, keys[i], tuple(group_blocks[self.primary][span])))
+            for g in self.others:
+                blocks = tuple(group_blocks[g.index][span])
+                if len(blocks) < g_blocks:
+                    continue
+                if g.kind == "state":
+                    if blocks[-1] == NULL_BLOCK:
+                        continue  # no state computed at this page's end
+                    blocks = (SKIP,) * (g_blocks - 1) + blocks[-1:]
+                elif NULL_BLOCK in blocks or (
+                        g.kind == "window" and not self._window_kept(g, i, prompt_pages)):
+                    continue
+                units.append(Unit(i, g.index, group_key(keys[i], g.index), blocks))
+        return units
+
+    def needed(self, start: int, boundary: int) -> list[tuple[int, int]]:
+        """(page, group) of the other groups' pages a hit of pages
+        [start, boundary) loads."""
+        full = [(i, g.index) for g in self.others if g.kind == "full"
+                for i in range(start, boundary)]
+        return full + self._tail(start, boundary)
+
+    def _tail(self, start: int, boundary: int) -> list[tuple[int, int]]:
+        """The window and state groups' part of ``needed``."""
+        out = []
+        for g in self.others:
+            if g.kind == "window":
+                first = max(start, self.first_window_page(g, boundary))
+                out += [(i, g.index) for i in range(first, boundary)]
+            elif g.kind == "state":
+                out.append((boundary - 1, g.index))
+        return out
+
+    def longest_hit(self, start: int, end: int, found) -> int:
+        """The largest boundary b in (start, end] whose needed pages are all
+        ``found((page, group))``; ``start`` when none is."""
+        for g in self.others:
+            if g.kind == "full":  # a prefix: the first page missing ends it
+                i = start
+                while i < end and found((i, g.index)):
+                    i += 1
+                end = i
+        for b in range(end, start, -1):
+            if all(found(u) for u in self._tail(start, b)):
+                return b
+        return start
+
+    def load_units(self, keys: list[PageKey], start: int, boundary: int, local_blocks: int,
+                   group_blocks) -> list[Unit] | None:
+        """The other groups' pages to load of a hit of pages [start, boundary)
+        into the blocks vLLM allocated (a null block: not loaded; blocks
+        vLLM's own cache had: SKIP). None when vLLM allocated a block this hit
+        does not fill (vLLM's allocation and ``needed`` disagree): the load is
+        refused and recomputed, never served partly."""
+        g_blocks, units = self.page_blocks, []
+        # a window page may be partly before what vLLM keeps: never allocated
+        want = set(self.needed(start, boundary))
+        for g in self.others:
+            for i in range(start, boundary):
+                span = group_blocks[g.index][i * g_blocks:(i + 1) * g_blocks]
+                blocks = tuple(SKIP if b == NULL_BLOCK or i * g_blocks + j < local_blocks else b
+                               for j, b in enumerate(span))
+                if all(b == SKIP for b in blocks):
+                    continue
+                if (i, g.index) not in want or (g.kind == "state" and blocks[-1] == SKIP):
+                    return None
+                units.append(Unit(i, g.index, group_key(keys[i], g.index), blocks))
+        return units
