@@ -25,6 +25,9 @@ skipped (a page that begins inside vLLM's own hit); "70b-pages" the same at a
 pages: 80 MiB; GEOMETRY_70B). "paths-70b-tp1" and "-tp8" (gpu_check_paths.py):
 the copy engines and NIXL side by side against ``copy_``, with UCX's protocol.
 "gds" (gpu_check_gds.py): a file read into GPU memory by NIXL's GDS plugins.
+"mla-v2-lite": the mla case at DeepSeek-V2-Lite's geometry (GEOMETRY_V2_LITE).
+"hybrid" (gpu_check_hybrid.py): the KV cache of vLLM's hybrid allocator, where a
+layer of each KV cache group views one shared tensor (Qwen3-Next, Gemma 3).
 The exit status is 0 only if every check passed.
 """
 
@@ -51,7 +54,8 @@ from vllm_kvbm.worker.fence import DONE, fence_maker  # noqa: E402
 from vllm_kvbm.worker.worker import KVBMWorker  # noqa: E402
 
 from gpu_check_gds import run_gds, sync  # noqa: E402
-from gpu_check_paths import run_paths, torch_copy_seconds  # noqa: E402
+from gpu_check_hybrid import run_hybrid  # noqa: E402
+from gpu_check_paths import report_bandwidth, run_paths, torch_copy_seconds  # noqa: E402
 
 # name -> (vLLM KVCacheLayout, MLA, kernel blocks per block)
 CASES = {
@@ -60,8 +64,9 @@ CASES = {
     "packed-blhnc": ("BLHNC", False, 1),
     "mla": ("LBNHC", True, 1),
     "kernel-split": ("LBNHC", False, 2),
+    "mla-v2-lite": ("LBNHC", True, 1),  # at its model's geometry: CASE_GEOMETRY
 }
-EXTRA_CASES = ["pages", "70b-pages", "paths-70b-tp1", "paths-70b-tp8", "gds"]
+EXTRA_CASES = ["pages", "70b-pages", "paths-70b-tp1", "paths-70b-tp8", "gds", "hybrid"]
 BUDGET_S = 240.0  # the whole run, sized by the probe
 TRANSFER_S = 0.05  # copy_ time of one transfer the probe sizes the cases to
 
@@ -76,10 +81,12 @@ class Geometry:
     block_size: int  # tokens per vLLM block
     page_blocks: int  # blocks per page
     dtype_bytes: int = 2  # bf16
+    mla: bool = False  # one latent per token (kv_heads 1), no separate V
 
     @property
     def block_bytes(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_size * self.block_size * self.dtype_bytes
+        per_token = (1 if self.mla else 2) * self.kv_heads * self.head_size * self.dtype_bytes
+        return self.layers * per_token * self.block_size
 
     @property
     def page_bytes(self) -> int:
@@ -97,6 +104,11 @@ class Geometry:
 # Llama-3-70B (and 3.1/3.3): 80 layers, 8 KV heads of 128, bf16; vLLM's
 # CUDA block size 16; 256-token pages.
 GEOMETRY_70B = Geometry(layers=80, kv_heads=8, head_size=128, block_size=16, page_blocks=16)
+# DeepSeek-V2-Lite: 27 MLA layers, one latent of kv_lora_rank 512 + qk_rope_head_dim 64, bf16.
+GEOMETRY_V2_LITE = Geometry(layers=27, kv_heads=1, head_size=576, block_size=16, page_blocks=1,
+                            mla=True)
+# Cases run at a model's geometry instead of the command line's.
+CASE_GEOMETRY = {"mla-v2-lite": GEOMETRY_V2_LITE}
 
 
 @dataclass
@@ -126,17 +138,17 @@ class Report:
         return sum(r[2] == "PASS" for r in self.rows)
 
 
-
 class Worker:
     """A KVBMWorker driven as vLLM drives it, with its metadata summed."""
 
     def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float,
-                 page_blocks: int = 1, step_s: float = 0.005):
+                 page_blocks: int = 1, step_s: float = 0.005, **info):
+        """``info``: EngineInfo's further fields (a hybrid model's groups)."""
         bb = lay.block_bytes()
         ns = KeyNamespace(model="gpu-check@", dtype="torch.bfloat16", kv_layout="check",
                           block_size=block_size, page_blocks=page_blocks,
                           page_bytes=bb * page_blocks, tp_size=1)
-        self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns, page_blocks),
+        self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns, page_blocks, **info),
                             num_slots, "UCX", agent_name("kvbm-gpu-check"))
         self.w.register_kv_caches(lay.caches, lay.num_blocks, lay.block_dims)
         self.done: Counter = Counter()
@@ -200,9 +212,11 @@ def slot_pages_equal(pool: torch.Tensor, lay: KVLayout, kv_cpu: list[torch.Tenso
 
 def run_case(name: str, args, device: torch.device, report: Report) -> None:
     layout, mla, split = CASES[name]
-    lay = vllm_layout(layout, args.layers, args.blocks, heads=args.heads,
-                      block_size=args.block_size * split,
-                      head_size=args.mla_head_size if mla else args.head_size,
+    geo = CASE_GEOMETRY.get(name) or Geometry(
+        args.layers, 1 if mla else args.heads, args.mla_head_size if mla else args.head_size,
+        args.block_size * split, 1, mla=mla)
+    lay = vllm_layout(layout, geo.layers, args.blocks, heads=geo.kv_heads,
+                      block_size=geo.block_size, head_size=geo.head_size,
                       gen=None, dtype=torch.bfloat16, mla=mla, kernel_split=split,
                       device=device, pad=4096)
     lay.raw[0].view(torch.uint8).random_(0, 256)
@@ -215,9 +229,12 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
     bb = lay.block_bytes()
     gib = n * bb / 1024**3
     shape = tuple(next(iter(lay.caches.values())).shape)
-    report.info(name, "layout", f"{layout}{' MLA' if mla else ''}, per-layer view {shape}, "
-                f"block {bb / 1024**2:.2f} MiB, {n} blocks = {gib:.2f} GiB per transfer")
-    wk = Worker(lay, slots_n, args.block_size * split, args.timeout, step_s=args.step_s)
+    report.info(name, "layout", f"{layout}{' MLA' if mla else ''}, {geo.layers} layers, "
+                f"per-layer view {shape}, block {bb / 1024**2:.2f} MiB, {n} blocks = "
+                f"{gib:.2f} GiB per transfer")
+    report.check(name, "block size as computed", bb == geo.block_bytes,
+                 f"{bb} bytes laid out, {geo.block_bytes} computed")
+    wk = Worker(lay, slots_n, geo.block_size, args.timeout, step_s=args.step_s)
     try:
         pool = wk.w.host_pool
         # the host tier's slots, then the staging slots of streamed loads
@@ -364,31 +381,6 @@ def run_pages(args, device: torch.device, report: Report, name: str = "pages",
         del lay
 
 
-
-def report_bandwidth(report, name: str, wk, src: list[int], dst: list[int], slots: list[int],
-                     nbytes: int, device: torch.device, repeats: int) -> None:
-    """Offload ``src`` into ``slots`` and onboard them into ``dst``, best of
-    ``repeats``, against PyTorch's pinned copy_ of as many bytes."""
-    off_s = on_s = float("inf")
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        job = wk.store(src, slots)
-        wk.until(lambda: wk.done[job] or wk.failed[job])
-        off_s = min(off_s, time.perf_counter() - t)
-        t = time.perf_counter()
-        req = wk.load(dst, slots)
-        wk.until(lambda: req in wk.recving)
-        on_s = min(on_s, time.perf_counter() - t)
-    ref_off, ref_on = torch_copy_seconds(nbytes, device, repeats)
-    report.info(name, "offload d2h GB/s (KVBM / torch copy_)",
-                f"{nbytes / off_s / 1e9:.1f} / {nbytes / ref_off / 1e9:.1f} "
-                f"({ref_off / off_s:.0%} of torch)")
-    report.info(name, "onboard h2d GB/s (KVBM / torch copy_)",
-                f"{nbytes / on_s / 1e9:.1f} / {nbytes / ref_on / 1e9:.1f} "
-                f"({ref_on / on_s:.0%} of torch)")
-
-
 def probe(args, device: torch.device, report: Report) -> None:
     """A pinned copy_ of 64 MiB (4 on CPU) first: the sizes left unset are
     chosen from its speed so that every case moves about ``TRANSFER_S`` of
@@ -425,6 +417,8 @@ def run(name: str, args, device: torch.device, report: Report, deadline: float) 
         run_paths(args, device, report, int(name.rsplit("tp", 1)[1]), deadline)
     elif name == "gds":
         run_gds(args, device, report)
+    elif name == "hybrid":
+        run_hybrid(args, device, report, Worker)
     else:
         run_case(name, args, device, report)
 

@@ -9,6 +9,8 @@ step's cadence, against PyTorch's pinned ``copy_`` of as many bytes; for
 vLLM's default layout (LBNHC: layer by layer) and the block-major one KVBM
 asks vLLM for (BLHNC: a page of consecutive blocks is one copy). UCX's protocol choice
 (``UCX_PROTO_INFO=y``) is printed, and an emulated protocol said as such.
+``report_bandwidth`` gives the other cases' offload and onboard rows: through
+the real worker, against ``copy_``.
 """
 
 from __future__ import annotations
@@ -49,6 +51,30 @@ def torch_copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple
         sync(device)
         best_on = min(best_on, time.perf_counter() - t)
     return best_off, best_on
+
+
+def report_bandwidth(report, name: str, wk, src: list[int], dst: list[int], slots: list[int],
+                     nbytes: int, device: torch.device, repeats: int) -> None:
+    """Offload ``src`` into ``slots`` and onboard them into ``dst``, best of
+    ``repeats``, against PyTorch's pinned copy_ of as many bytes."""
+    off_s = on_s = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        job = wk.store(src, slots)
+        wk.until(lambda: wk.done[job] or wk.failed[job])
+        off_s = min(off_s, time.perf_counter() - t)
+        t = time.perf_counter()
+        req = wk.load(dst, slots)
+        wk.until(lambda: req in wk.recving)
+        on_s = min(on_s, time.perf_counter() - t)
+    ref_off, ref_on = torch_copy_seconds(nbytes, device, repeats)
+    report.info(name, "offload d2h GB/s (KVBM / torch copy_)",
+                f"{nbytes / off_s / 1e9:.1f} / {nbytes / ref_off / 1e9:.1f} "
+                f"({ref_off / off_s:.0%} of torch)")
+    report.info(name, "onboard h2d GB/s (KVBM / torch copy_)",
+                f"{nbytes / on_s / 1e9:.1f} / {nbytes / ref_on / 1e9:.1f} "
+                f"({ref_on / on_s:.0%} of torch)")
 
 
 def timed(mover, to_host: bool, blocks: list[int], rows: list[int], step_s: float,

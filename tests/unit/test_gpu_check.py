@@ -32,7 +32,7 @@ def _import(name: str, folder: Path):
 # the standard library (those a worker could import): gpu_check needs no vLLM.
 DEVICE_IMPORTS = (
     "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check "
-    "gpu_check_gds gpu_check_paths "
+    "gpu_check_gds gpu_check_hybrid gpu_check_paths "
     "msgpack xxhash psutil prometheus_client yaml packaging typing_extensions filelock sympy "
     "mpmath networkx jinja2 markupsafe fsspec triton setuptools pkg_resources cuda nvidia "
     "functorch torchgen requests urllib3 certifi idna charset_normalizer tqdm safetensors "
