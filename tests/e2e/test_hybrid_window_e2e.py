@@ -115,3 +115,4 @@ def test_sliding_window_model_growing_conversation_equals_recompute(plain_g3, kv
             assert cached[0] == previous // 128 * 128
         previous = len(conversation)
         conversation = conversation + want + random_prompt(300, seed=9610 + turn)
+

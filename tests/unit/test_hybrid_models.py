@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
                                          get_kv_cache_configs)
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, make_request, make_scheduler,
@@ -247,3 +248,44 @@ def test_the_worker_refuses_a_layer_whose_spec_is_not_plain_kv(dense):
     refuse_unproven_layers(specs, ["a"])
     with pytest.raises(KVBMConfigError, match="b: SinkFullAttentionSpec"):
         refuse_unproven_layers(specs, ["a", "b"])
+
+
+def test_a_preempted_hybrid_request_is_flushed_then_comes_back_with_its_state(dense):
+    """24 blocks for two 132-token GDN-hybrid prompts decoding: vLLM preempts
+    one, freeing every group's blocks while their stores are in flight (the
+    step's metadata flushes them); it comes back through the host tier: its
+    attention pages and each GDN group's state at the prompt's end."""
+    small = make_scheduler(max_model_len=256)
+    cfg = vllm_config_for(small, qwen3_next_layers())
+    cfg.kv_transfer_config.kv_connector_extra_config["host_cache_blocks"] = 256
+    worker = get_kv_cache_configs(cfg, [qwen3_next_layers()], [48 << 10])
+    s = Scheduler(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config(worker),
+                  structured_output_manager=StructuredOutputManager(cfg),
+                  block_size=BLOCK, log_stats=True)
+    assert s.kv_cache_config.num_blocks == 24
+    reqs = [make_request(tokens(8 * BLOCK + 4, base), max_tokens=100) for base in (21, 22)]
+    for req in reqs:
+        s.add_request(req)
+    _, meta, _ = step(s)  # both prompts computed: their stores not reported yet
+    jobs = {job.req_id: job for job in meta.stores}
+    assert {r: len(j.slots) for r, j in jobs.items()} == {r.request_id: 8 + 3 for r in reqs}
+    for _ in range(100):  # decoding, the prompts' stores still in flight
+        out, meta, _ = step(s)
+        if out.preempted_req_ids:
+            break
+    (victim,) = [r for r in reqs if r.request_id in out.preempted_req_ids]
+    assert victim.status == RequestStatus.PREEMPTED
+    # its blocks are freed now: the workers finish reading them first
+    assert meta.flush_req_ids == [victim.request_id]
+    step(s, stores_done=[job.job_id for job in jobs.values()])
+
+    (other,) = [r for r in reqs if r is not victim]
+    s.finish_requests(other.request_id, RequestStatus.FINISHED_ABORTED)
+    assert s.reset_prefix_cache()
+    _, meta, _ = step(s)
+    assert victim.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (load,) = meta.loads
+    groups = [list(ids) for ids in s.kv_cache_manager.get_block_ids(victim.request_id)]
+    assert len(load.slots) == 8 + 3 and not load.refuse
+    assert load.block_ids[:8] == groups[3][:8]
+    assert load.block_ids[8:] == [groups[g][7] for g in range(3)]
