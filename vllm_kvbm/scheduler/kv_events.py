@@ -109,7 +109,7 @@ class KVEvents(NoKVEvents):
     enabled = True
 
     def __init__(self, block_size: int, page_blocks: int, num_workers: int,
-                 lower_pages: int = LOWER_PAGES):
+                 lower_pages: int = LOWER_PAGES, group_idx: int = 0):
         from vllm.distributed import kv_events as ev
         from vllm.v1.core import kv_cache_utils as kcu
 
@@ -117,6 +117,9 @@ class KVEvents(NoKVEvents):
         self.block_size, self.page_blocks = block_size, page_blocks
         self.num_workers = num_workers
         self.lower_pages = lower_pages
+        # the KV cache group the events name: a hybrid model's pages are
+        # announced as its first full-attention group's (the prefix's)
+        self.group_idx = group_idx
         # fields this vLLM's event types have (0.32 to 0.34 differ)
         self._stored_fields = set(ev.BlockStored.__struct_fields__)
         self._removed_fields = set(ev.BlockRemoved.__struct_fields__)
@@ -269,7 +272,7 @@ class KVEvents(NoKVEvents):
                       token_ids=page.tokens.tolist(), block_size=self.block_size,
                       lora_id=page.lora_id, medium=medium, lora_name=page.lora_name,
                       extra_keys=list(page.extra_keys) if page.extra_keys else None,
-                      group_idx=0, locality=_LOCALITY[tier])
+                      group_idx=self.group_idx, locality=_LOCALITY[tier])
         self._events.append(self._ev.BlockStored(
             **{k: v for k, v in fields.items() if k in self._stored_fields}))
 
@@ -279,7 +282,7 @@ class KVEvents(NoKVEvents):
         if isinstance(last, self._ev.BlockRemoved) and last.medium == medium:
             last.block_hashes.extend(hashes)
             return
-        fields = dict(block_hashes=list(hashes), medium=medium, group_idx=0,
+        fields = dict(block_hashes=list(hashes), medium=medium, group_idx=self.group_idx,
                       locality=_LOCALITY[tier])
         self._events.append(self._ev.BlockRemoved(
             **{k: v for k, v in fields.items() if k in self._removed_fields}))
@@ -307,4 +310,5 @@ def kv_events(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         return NoKVEvents()
     logger.info("KVBM: KV events on: host, disk and remote pages published with mediums "
                 "%s", ", ".join(f"{t}={m}" for t, m in MEDIUM.items()))
-    return KVEvents(info.block_size, info.page_blocks, info.num_workers)
+    return KVEvents(info.block_size, info.page_blocks, info.num_workers,
+                    group_idx=info.primary)
