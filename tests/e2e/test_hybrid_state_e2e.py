@@ -23,7 +23,7 @@ from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_pr
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import generate
 from test_redis_e2e import password_file, redis_server  # noqa: F401 (fixtures)
-from test_hybrid_window_e2e import only_lower_tiers_keep
+from test_hybrid_window_e2e import hits_from_host_then_disk
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.local_model import HYBRID_DIR, build_qwen3_next
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -98,17 +98,7 @@ def test_gdn_hybrid_hits_from_host_and_disk_equal_the_plain_engines(plain_gdn, k
     for p in prompts:
         generate(kvbm_gdn, [p])
 
-    assert kvbm_gdn.reset_prefix_cache()
-    host = kvbm_counter("matched_tokens_host")
-    got, cached = generate(kvbm_gdn, prompts)  # one batch
-    assert got == want and cached == GDN_HITS
-    assert kvbm_counter("matched_tokens_host") - host == sum(GDN_HITS)
-
-    only_lower_tiers_keep(kvbm_gdn)
-    disk = kvbm_counter("matched_tokens_disk")
-    got, cached = generate(kvbm_gdn, prompts)
-    assert got == want and cached == GDN_HITS
-    assert kvbm_counter("matched_tokens_disk") - disk == sum(GDN_HITS)
+    hits_from_host_then_disk(kvbm_gdn, prompts, want, GDN_HITS)
 
 
 def test_gdn_hybrid_growing_conversation_equals_the_plain_engines(plain_gdn, kvbm_gdn):

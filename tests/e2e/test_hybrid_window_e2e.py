@@ -34,6 +34,21 @@ def only_lower_tiers_keep(llm, fillers: int = 3) -> None:
     assert llm.reset_prefix_cache()
 
 
+def hits_from_host_then_disk(llm, prompts, want, hits) -> None:
+    """``prompts`` (stored before) in one batch, vLLM's own cache cleared:
+    outputs ``want`` with ``hits`` tokens from the host tier; then again
+    from the disk tier once only the lower tiers keep them."""
+    for tier in ("host", "disk"):
+        if tier == "host":
+            assert llm.reset_prefix_cache()  # vLLM's own cache only
+        else:
+            only_lower_tiers_keep(llm)
+        before = kvbm_counter(f"matched_tokens_{tier}")
+        got, cached = generate(llm, prompts)
+        assert got == want and cached == hits
+        assert kvbm_counter(f"matched_tokens_{tier}") - before == sum(hits)
+
+
 def recomputed(plain, prompts):
     """Greedy outputs of the plain engine, its own prefix cache cleared first."""
     assert plain.reset_prefix_cache()
@@ -89,17 +104,7 @@ def test_sliding_window_model_stores_only_windows_and_hits_equal_recompute(plain
     settle(kvbm_g3)
     assert kvbm_counter("offload_blocks_d2h") - stored == G3_STORED_PAGES
 
-    assert kvbm_g3.reset_prefix_cache()  # vLLM's own cache only
-    host = kvbm_counter("matched_tokens_host")
-    got, cached = generate(kvbm_g3, prompts)  # one batch
-    assert got == want and cached == G3_HITS
-    assert kvbm_counter("matched_tokens_host") - host == sum(G3_HITS)
-
-    only_lower_tiers_keep(kvbm_g3)
-    disk = kvbm_counter("matched_tokens_disk")
-    got, cached = generate(kvbm_g3, prompts)
-    assert got == want and cached == G3_HITS
-    assert kvbm_counter("matched_tokens_disk") - disk == sum(G3_HITS)
+    hits_from_host_then_disk(kvbm_g3, prompts, want, G3_HITS)
 
 
 def test_sliding_window_model_growing_conversation_equals_recompute(plain_g3, kvbm_g3):
