@@ -3,7 +3,8 @@
 No model can be downloaded on the machines this project is developed and
 tested on, so the demo, tests and benchmarks use a model built here: a Llama,
 a Qwen3-Next-shaped hybrid (build_qwen3_next), a Gemma 3-shaped model with
-sliding-window layers (build_gemma3) and an Idefics3 vision-language model
+sliding-window layers (build_gemma3), a gpt-oss-shaped model with
+sliding-window layers and learned attention sinks (build_gpt_oss) and an Idefics3 vision-language model
 (build_idefics3). Each is a standard Hugging Face model directory: vLLM
 loads it like any real model, and everything that runs on it runs unchanged
 on a real model path.
@@ -176,6 +177,50 @@ def build_gemma3(out: str | os.PathLike = GEMMA3_DIR, layers: int = 6, hidden: i
     )), force)
 
 
+GPT_OSS_DIR = "models/kvbm-gpt-oss-4l"
+
+
+def build_gpt_oss(out: str | os.PathLike = GPT_OSS_DIR, layers: int = 4, hidden: int = 256,
+                  window: int = 128, vocab_size: int = 8000, seed: int = 0,
+                  force: bool = False) -> Path:
+    """A gpt-oss-shaped model: sliding-window layers (gpt-oss's 128-token
+    window) alternating with full-attention layers, a learned sink logit per
+    attention head, and a mixture of experts (4, two a token) in every layer;
+    64-dim heads, unquantized (gpt-oss ships MXFP4 experts, which vLLM's CPU
+    build does not run)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    recipe = dict(version=RECIPE_VERSION, arch="gpt_oss", layers=layers, hidden=hidden,
+                  vocab_size=vocab_size, seed=seed, window=window, head_dim=64, experts=4,
+                  sinks_std=2.0)
+
+    def make_model(tokenizer):
+        model = GptOssForCausalLM(GptOssConfig(
+            **_shared_config(tokenizer, hidden, layers),
+            # vLLM slides the even layers whatever the config says; so does gpt-oss
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                         for i in range(layers)],
+            sliding_window=window,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            # gpt-oss's YaRN, scaled to this model's 8192 positions
+            rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=2.0,
+                                 original_max_position_embeddings=4096, beta_fast=32.0,
+                                 beta_slow=1.0, truncate=False),
+            max_position_embeddings=8192,
+        ))
+        for layer in model.model.layers:
+            # Sink logits of a few units, so a head's sink takes a real share
+            # of its attention (the usual init, 0.1 wide, leaves it ~1/window).
+            layer.self_attn.sinks.data.normal_(0.0, recipe["sinks_std"])
+        return model
+
+    return _write(out, recipe, make_model, force)
+
+
 VL_DIR = "models/kvbm-idefics3-2l"
 IMAGE_TOKEN = "<image>"
 # Idefics3's other tokens around an image's placeholders.
@@ -278,11 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     builders = {"llama": (build, DEFAULT_DIR, 8, 512),
                 "qwen3-next": (build_qwen3_next, HYBRID_DIR, 4, 64),
                 "gemma3": (build_gemma3, GEMMA3_DIR, 6, 256),
+                "gpt_oss": (build_gpt_oss, GPT_OSS_DIR, 4, 256),
                 "idefics3": (build_idefics3, VL_DIR, 2, 256)}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=builders, default="llama",
                         help="llama (text), qwen3-next (hybrid attention), gemma3 (sliding "
-                             "window) or idefics3 (vision-language: images)")
+                             "window), gpt_oss (sliding window, attention sinks) or "
+                             "idefics3 (vision-language: images)")
     parser.add_argument("--out", help="default: models/<the arch's directory>")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
