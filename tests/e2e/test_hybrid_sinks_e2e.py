@@ -18,7 +18,7 @@ from helpers import ROOT
 from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt, shutdown
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import generate
-from test_hybrid_window_e2e import only_lower_tiers_keep, recomputed
+from test_hybrid_window_e2e import hits_from_host_then_disk, recomputed
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.local_model import GPT_OSS_DIR, build_gpt_oss
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -72,17 +72,7 @@ def test_sink_model_stores_only_windows_and_hits_equal_recompute(plain, kvbm):
     # A sink-specific spec would keep the model out of KVBM: nothing stored.
     assert kvbm_counter("offload_blocks_d2h") - stored == STORED_PAGES
 
-    assert kvbm.reset_prefix_cache()  # vLLM's own cache only
-    host = kvbm_counter("matched_tokens_host")
-    got, cached = generate(kvbm, prompts)  # one batch
-    assert got == want and cached == HITS
-    assert kvbm_counter("matched_tokens_host") - host == sum(HITS)
-
-    only_lower_tiers_keep(kvbm)
-    disk = kvbm_counter("matched_tokens_disk")
-    got, cached = generate(kvbm, prompts)
-    assert got == want and cached == HITS
-    assert kvbm_counter("matched_tokens_disk") - disk == sum(HITS)
+    hits_from_host_then_disk(kvbm, prompts, want, HITS)  # one batch each
 
 
 def test_sink_model_growing_conversation_equals_recompute(plain, kvbm):

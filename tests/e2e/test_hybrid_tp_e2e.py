@@ -16,7 +16,7 @@ from helpers import ROOT
 from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import generate
 from test_hybrid_window_e2e import (G3_HITS, G3_HOST_BLOCKS, G3_LENGTHS, G3_STORED_PAGES,
-                                    only_lower_tiers_keep)
+                                    hits_from_host_then_disk)
 from test_tiers_e2e import settle
 from test_tp_e2e import tp_env  # noqa: F401 (a fixture: one core per rank)
 from vllm_kvbm.tools.local_model import GEMMA3_DIR, build_gemma3
@@ -73,14 +73,4 @@ def test_tp2_sliding_window_model_host_and_disk_hits_equal_recompute(tp_kvbm, wa
     for rank in range(TP):
         assert len([f for f in files if f"@{TP}@{rank}@" in f]) == G3_STORED_PAGES
 
-    assert llm.reset_prefix_cache()  # vLLM's own cache only
-    host = kvbm_counter("matched_tokens_host")
-    got, cached = generate(llm, PROMPTS)  # one batch
-    assert got == want and cached == G3_HITS
-    assert kvbm_counter("matched_tokens_host") - host == sum(G3_HITS)
-
-    only_lower_tiers_keep(llm)
-    disk = kvbm_counter("matched_tokens_disk")
-    got, cached = generate(llm, PROMPTS)
-    assert got == want and cached == G3_HITS
-    assert kvbm_counter("matched_tokens_disk") - disk == sum(G3_HITS)
+    hits_from_host_then_disk(llm, PROMPTS, want, G3_HITS)  # one batch each
