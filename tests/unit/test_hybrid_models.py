@@ -113,9 +113,9 @@ def _stored(metas) -> list[tuple[list[int], list[int]]]:
     return [(job.block_ids, job.slots) for meta in metas for job in meta.stores]
 
 
-def _served(dense, shape, prompt_blocks: int):
+def _served(dense, shape, prompt_blocks: int, extra: int = 8):
     """A hybrid scheduler with a host tier large enough for the test's pages,
-    after one request of ``prompt_blocks`` blocks (and 8 tokens) ran to its
+    after one request of ``prompt_blocks`` blocks (and ``extra`` tokens) ran to its
     end (every store done within its step): (scheduler, its prompt, the
     store jobs' (block ids, slots))."""
     cfg, _, sched_config = kv_cache_configs(dense, shape())
@@ -124,7 +124,7 @@ def _served(dense, shape, prompt_blocks: int):
                   structured_output_manager=StructuredOutputManager(cfg),
                   block_size=BLOCK, log_stats=True)
     assert s.connector.kept_out is None and kvbm(s).groups is not None
-    prompt = tokens(prompt_blocks * BLOCK + 8, 1)
+    prompt = tokens(prompt_blocks * BLOCK + extra, 1)
     metas = run_to_end(s, make_request(prompt, max_tokens=2))
     assert all(job.before_next_step for meta in metas for job in meta.stores)
     return s, prompt, _stored(metas)
@@ -178,6 +178,18 @@ def test_sliding_window_groups_store_only_the_windows_a_hit_reads(dense):
     assert len(load.slots) == 40 + 5 * 4 and not load.refuse
     assert load.block_ids[:40] == groups[5][:40]
     assert sorted(load.block_ids[40:]) == sorted(b for g in range(5) for b in groups[g][36:40])
+
+
+def test_a_page_aligned_prompt_comes_back_with_the_window_before_its_last_page(dense):
+    """A 40-page prompt, no token after: the same prompt again hits 39 pages
+    (vLLM computes its last token itself), so the window before page 39 is
+    kept as well as the one before page 40 (the next turn's hit)."""
+    s, prompt, stores = _served(dense, gemma3_layers, 40, extra=0)
+    # windows before 39 and 40 (pages 35-39), before 16 and 32 (12-15, 28-31)
+    assert sum(len(slots) for _, slots in stores) == 40 + 5 * 13
+    load, groups = _load(s, prompt)
+    assert len(load.slots) == 39 + 5 * 4 and not load.refuse
+    assert sorted(load.block_ids[39:]) == sorted(b for g in range(5) for b in groups[g][35:39])
 
 
 @pytest.mark.parametrize("shape", [qwen3_next_layers, gemma3_layers])

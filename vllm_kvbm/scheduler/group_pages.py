@@ -14,7 +14,8 @@ boundary ``b`` reads it (as vLLM's OffloadingConnector does,
   be read as another's.
 - sliding window: the ``window`` tokens before ``b``. A window page is
   stored only when it lies in the window before a boundary a later hit may
-  end at: the prompt's last full page, and every ``WINDOW_HIT_SPACING``
+  end at: the prompt's last full page (and the page before its last token,
+  where the same prompt's hit ends), and every ``WINDOW_HIT_SPACING``
   windows; bytes stored for a sliding layer are about 1 / WINDOW_HIT_SPACING
   of a full layer's (plus the prompt's last window), not the whole prefix.
 - state (Mamba, Gated DeltaNet in vLLM's align mode): the block holding the
@@ -70,17 +71,21 @@ class GroupPages:
         """The first page a hit ending at page ``boundary`` reads of window group g."""
         return max(0, boundary * self.page_tokens - g.window) // self.page_tokens
 
-    def _window_kept(self, g: "GroupInfo", page: int, prompt_pages: int) -> bool:
+    def _window_kept(self, g: "GroupInfo", page: int, prompt_tokens: int) -> bool:
         """Whether page ``page`` of window group g lies in the window before a
-        boundary a hit may end at (the prompt's end, a multiple of the spacing)."""
-        if page < prompt_pages and self.first_window_page(g, prompt_pages) <= page:
-            return True
+        boundary a hit may end at: the prompt's last full page (the next
+        turn of a conversation), the page before its last token (the same
+        prompt again: vLLM computes at least that token), a multiple of the
+        spacing (a prompt sharing a prefix)."""
+        for end in {prompt_tokens // self.page_tokens, (prompt_tokens - 1) // self.page_tokens}:
+            if page < end and self.first_window_page(g, end) <= page:
+                return True
         spacing = self._spacing[g.index]
         boundary = (page // spacing + 1) * spacing  # the first one after the page
         return self.first_window_page(g, boundary) <= page
 
     def store_units(self, keys: list[PageKey], pages: range, group_blocks,
-                    prompt_pages: int) -> list[Unit]:
+                    prompt_tokens: int) -> list[Unit]:
         """The group pages to store of ``pages`` (completed this step):
         ``group_blocks[g]`` are group g's engine block ids for the request."""
         g_blocks, units = self.page_blocks, []
@@ -96,7 +101,7 @@ class GroupPages:
                         continue  # no state computed at this page's end
                     blocks = (SKIP,) * (g_blocks - 1) + blocks[-1:]
                 elif NULL_BLOCK in blocks or (
-                        g.kind == "window" and not self._window_kept(g, i, prompt_pages)):
+                        g.kind == "window" and not self._window_kept(g, i, prompt_tokens)):
                     continue
                 units.append(Unit(i, g.index, group_key(keys[i], g.index), blocks))
         return units

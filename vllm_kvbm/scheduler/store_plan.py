@@ -100,7 +100,7 @@ class StorePlanning:
         request, keys = state.request, state.chain.keys
         blocks = self._kv_cache_manager.get_blocks(request.request_id).get_block_ids()
         units = self.groups.store_units(keys, range(start, full), blocks,
-                                        request.num_prompt_tokens // self.page_tokens)
+                                        request.num_prompt_tokens)
         unit_keys = [u.key for u in units]
         positions, job_slots, stopped = self.host.allocate_missing(unit_keys, 0, len(units))
         self._note_backlog(state, units[stopped].page if stopped < len(units) else full,
