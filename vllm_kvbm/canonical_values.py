@@ -19,7 +19,10 @@ from typing import Any
 
 # Keys of a transformers config that cannot change what the model computes:
 # where it was read from and which transformers wrote it.
-HF_CONFIG_DROPPED = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
+# ... and the fields vLLM's model code rewrites in the worker process only,
+# named by the value the model runs with instead (identity.model_run_fields)
+HF_CONFIG_DROPPED = frozenset({"_name_or_path", "transformers_version", "_commit_hash",
+                               "attn_temperature_tuning"})
 
 
 def _drop_keys(value: Any, dropped: frozenset[str]) -> Any:

@@ -75,6 +75,23 @@ def kv_spec_identity(kv_cache_config: "KVCacheConfig") -> str:
     return json.dumps({"groups": groups, **rest}, sort_keys=True)
 
 
+def model_run_fields(model_config) -> dict:
+    """HF config fields vLLM's model code sets in the worker process only (so
+    the scheduler never sees them), as the model runs with them: derived here
+    alike in every process. Llama 4 scales the queries of its NoPE layers
+    when ``attn_temperature_tuning`` (from the generation config, else on
+    past 32k tokens of max_model_len), which changes the KV of every layer
+    after the first such."""
+    hf = model_config.hf_config
+    if not any(hasattr(c, "attn_temperature_tuning")
+               for c in (hf, getattr(hf, "text_config", None)) if c is not None):
+        return {}
+    generation = dict(model_config.try_get_generation_config() or {})
+    generation.update(model_config.override_generation_config or {})
+    return {"attn_temperature_tuning": bool(generation.get(
+        "attn_temperature_tuning", model_config.max_model_len > 32768))}
+
+
 def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
                   page_blocks: int, extra: str = "") -> KeyNamespace:
     """The namespace every key of this engine is derived in (keys.py)."""
@@ -112,6 +129,6 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         quantization=str(model.quantization or ""),
         model_fingerprint=weights,
         kv_spec=kv_spec_identity(kv_cache_config),
-        config=digest_json([config_identity(vllm_config), identity_env(),
-                            software_versions()]),
+        config=digest_json([config_identity(vllm_config), identity_env(), software_versions(),
+                            *filter(None, [model_run_fields(vllm_config.model_config)])]),
     )
