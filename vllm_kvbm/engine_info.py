@@ -59,12 +59,14 @@ def requested_kv_cache_layout(vllm_config) -> str | None:
 class GroupInfo:
     """One KV cache group of a hybrid model, as KVBM pages it
     (scheduler/group_pages.py): "full" (every page of the prefix), "window"
-    (a sliding window: the ``window`` tokens before a hit's end) or "state"
-    (Mamba / Gated DeltaNet state in vLLM's align mode: the block at a hit's end)."""
+    (a sliding window: the ``window`` tokens before a hit's end), "chunk"
+    (chunked-local attention: the hit's end's chunk of ``window`` tokens) or
+    "state" (Mamba / Gated DeltaNet state in vLLM's align mode: the block at a
+    hit's end)."""
 
     index: int
     kind: str
-    window: int = 0  # tokens before a boundary a "window" group's hit reads
+    window: int = 0  # a "window" group's window, a "chunk" group's chunk (tokens)
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,8 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
 def _group_kind(spec) -> GroupInfo | None:
     """How KVBM pages a group of this spec (index 0), or None: not served.
     By exact type: subclasses hold other data in their blocks."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, MambaSpec, MLAAttentionSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
+                                            MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
 
     kind = type(spec)
     if kind in (FullAttentionSpec, MLAAttentionSpec):
@@ -149,6 +151,9 @@ def _group_kind(spec) -> GroupInfo | None:
         # vLLM keeps the blocks of the tokens from num_computed - window + 1
         # (minus the ones retained for MTP) on: a hit at a boundary reads them.
         return GroupInfo(0, "window", spec.sliding_window - 1 + spec.extra_retained_tokens)
+    if kind is ChunkedLocalAttentionSpec:
+        # a token attends to its own chunk of this many tokens (Llama 4)
+        return GroupInfo(0, "chunk", spec.attention_chunk_size)
     if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "align":
         # align mode keeps the state at block boundaries, in the block that ends there
         return GroupInfo(0, "state")
@@ -229,8 +234,9 @@ def kept_out_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
                "layers as full attention, and KVBM stores their whole KV." if windowed else ""))
 
 
-_HYBRID_SERVED = ("groups of FullAttentionSpec beside groups of SlidingWindowSpec or "
-                  "MambaSpec in align mode, one spec per group, of one page size")
+_HYBRID_SERVED = ("groups of FullAttentionSpec beside groups of SlidingWindowSpec, "
+                  "ChunkedLocalAttentionSpec or MambaSpec in align mode, one spec per group, "
+                  "of one page size")
 
 
 def refuse_unproven_layers(specs: dict, layer_names) -> None:
@@ -244,7 +250,7 @@ def refuse_unproven_layers(specs: dict, layer_names) -> None:
         raise KVBMConfigError(
             f"KVBMConnector does not support these KV cache layers: {_layer_list(wrong)}. "
             f"It copies layers of {' or '.join(t.__name__ for t in proven)}, "
-            f"SlidingWindowSpec or MambaSpec (align mode) exactly. Run "
+            f"SlidingWindowSpec, ChunkedLocalAttentionSpec or MambaSpec (align mode) exactly. Run "
             f"this model without KVBMConnector (remove --kv-transfer-config).")
 
 

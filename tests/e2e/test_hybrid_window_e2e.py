@@ -1,14 +1,28 @@
-"""A Gemma 3-shaped model (five sliding-window layers with a 256-token
-window, then a full-attention layer; float32) with vLLM's hybrid allocator
-(HMA) on, served by KVBM group by group (scheduler/group_pages.py): its
-sliding layers store only the windows a hit reads, counted page by page, and
-greedy outputs with KV onboarded from the host and the disk tiers, in a batch
-and across a growing conversation, equal those of a plain engine (HMA on)
-that recomputed them. The model is built locally (tools/local_model), tiny
-and random.
+"""Models whose attention layers read a window of the prefix, with vLLM's
+hybrid allocator (HMA) on, served by KVBM group by group
+(scheduler/group_pages.py), float32:
+
+- Gemma 3-shaped: five sliding-window layers with a 256-token window, then a
+  full-attention layer;
+- gpt-oss-shaped: 128-token sliding-window layers alternating with full
+  attention, a learned sink logit per head, a mixture of experts. vLLM
+  declares its layers a plain SlidingWindowSpec and FullAttentionSpec: the
+  sinks are weights the attention kernel adds to each head's softmax, not
+  anything in the KV blocks;
+- Llama 4-shaped: three chunked-local attention layers (a token attends to
+  its own 256-token chunk), then a full-attention layer, experts in every
+  other layer.
+
+Their windowed layers store only the pages a hit reads, counted page by page,
+and greedy outputs with KV onboarded from the host and the disk tiers, in a
+batch and across a growing conversation, equal those of a plain engine (HMA
+on) that recomputed them. The models are built locally (tools/local_model),
+tiny and random.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -17,10 +31,10 @@ from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_pr
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import generate
 from test_tiers_e2e import settle
-from vllm_kvbm.tools.local_model import GEMMA3_DIR, build_gemma3
+from vllm_kvbm.tools import local_model
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1500)
 
 
 def only_lower_tiers_keep(llm, fillers: int = 3) -> None:
@@ -55,69 +69,88 @@ def recomputed(plain, prompts):
     return generate(plain, prompts)[0]
 
 
-# ---- Gemma 3: sliding-window groups ------------------------------------------
-
-G3_HOST_BLOCKS = 96  # every page of the four prompts (71)
-G3_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=4096)  # 128-token blocks, float32
-G3_LENGTHS = (129, 300, 1001, 2049)  # one page, past the window, four and eight windows
+ENGINE = dict(max_model_len=4096, max_num_batched_tokens=4096)  # 128-token blocks, float32
+LENGTHS = (129, 300, 1001, 2049)  # one page, past the window, 7 and 16 pages
 # The hit of each: its full pages but the one holding its last token
-G3_HITS = [128, 256, 896, 2048]
-# Pages of 128 tokens stored per prompt: every full-attention page; of each
-# of the five sliding groups only the pages in the 255 tokens (2 pages)
-# before the prompt's last full page and before every 8 pages (4 windows):
-# 129: 1 + 5*1, 300: 2 + 5*2, 1001: 7 + 5*2 (pages 5, 6), 2049: 16 + 5*4
-# (pages 6, 7, 14, 15). Stored whole (HMA off) they would be 6 * 26 = 156.
-G3_STORED_PAGES = 6 + 12 + 17 + 36
+HITS = [128, 256, 896, 2048]
+
+
+@dataclass(frozen=True)
+class Windowed:
+    build: str  # tools/local_model's builder
+    directory: str
+    # pages of 128 tokens the four prompts store, every group's together
+    stored_pages: int
+
+
+MODELS = {
+    # every full-attention page; of each of the five sliding groups only the
+    # pages in the 255 tokens (2 pages) before the prompt's last full page and
+    # before every 8 pages (4 windows): 129: 1 + 5*1, 300: 2 + 5*2, 1001:
+    # 7 + 5*2 (pages 5, 6), 2049: 16 + 5*4 (pages 6, 7, 14, 15). Stored whole
+    # (HMA off) they would be 6 * 26 = 156.
+    "gemma3": Windowed("build_gemma3", local_model.GEMMA3_DIR, 6 + 12 + 17 + 36),
+    # the sliding group (a 127-token window: one page) keeps the page before the
+    # prompt's last full page and before every 4 pages: 129: 1 + 1, 300: 2 + 1,
+    # 1001: 7 + 2 (pages 3, 6), 2049: 16 + 4 (pages 3, 7, 11, 15); whole: 52.
+    # A sink-specific spec would keep the model out of KVBM: nothing stored.
+    "gpt_oss": Windowed("build_gpt_oss", local_model.GPT_OSS_DIR, 2 + 3 + 9 + 20),
+    # each of the three chunked groups keeps the pages of the prompt's last
+    # chunk before its last full page (a hit at a chunk's start reads none):
+    # 129: 1 + 3*1, 300: 2 (its hit starts a chunk), 1001: 7 + 3*1 (page 6),
+    # 2049: 16; whole: 4 * 26 = 104.
+    "llama4": Windowed("build_llama4", local_model.LLAMA4_DIR, 4 + 2 + 10 + 16),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    spec = MODELS[request.param]
+    return spec, str(getattr(local_model, spec.build)(ROOT / spec.directory))
 
 
 @pytest.fixture(scope="module")
-def gemma3():
-    return str(build_gemma3(ROOT / GEMMA3_DIR))
-
-
-@pytest.fixture(scope="module")
-def plain_g3(gemma3, same_binding):  # noqa: F811
-    llm = make_llm(None, model=gemma3, **G3_ENGINE)
+def plain(model, same_binding):  # noqa: F811
+    llm = make_llm(None, model=model[1], **ENGINE)
     yield llm
     shutdown(llm)
 
 
 @pytest.fixture(scope="module")
-def kvbm_g3(gemma3, same_binding, tmp_path_factory):  # noqa: F811
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=G3_HOST_BLOCKS,
+def kvbm(model, same_binding, tmp_path_factory):  # noqa: F811
+    # every page of the four prompts, and fewer than three fillers store
+    llm = make_llm(kvbm_transfer_config(host_cache_blocks=model[0].stored_pages + 16,
                                         disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
                                         disk_cache_size="256MiB", **EVERY_PAGE_LOADED),
-                   model=gemma3, **G3_ENGINE)
+                   model=model[1], **ENGINE)
     yield llm
     shutdown(llm)
 
 
-
-def test_sliding_window_model_stores_only_windows_and_hits_equal_recompute(plain_g3, kvbm_g3):
-    config = kvbm_g3.llm_engine.vllm_config
-    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
-    prompts = [random_prompt(n, seed=9500 + n) for n in G3_LENGTHS]
-    want = recomputed(plain_g3, prompts)
+def test_windowed_layers_store_only_what_hits_read_and_hits_equal_recompute(model, plain,
+                                                                              kvbm):
+    spec = model[0]
+    assert kvbm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    prompts = [random_prompt(n, seed=9500 + n) for n in LENGTHS]
+    want = recomputed(plain, prompts)
     stored = kvbm_counter("offload_blocks_d2h")
     for p, w in zip(prompts, want):  # computed one by one, stored
-        assert generate(kvbm_g3, [p])[0] == [w]
-    settle(kvbm_g3)
-    assert kvbm_counter("offload_blocks_d2h") - stored == G3_STORED_PAGES
+        assert generate(kvbm, [p])[0] == [w]
+    settle(kvbm)
+    assert kvbm_counter("offload_blocks_d2h") - stored == spec.stored_pages
+    hits_from_host_then_disk(kvbm, prompts, want, HITS)
 
-    hits_from_host_then_disk(kvbm_g3, prompts, want, G3_HITS)
 
-
-def test_sliding_window_model_growing_conversation_equals_recompute(plain_g3, kvbm_g3):
+def test_windowed_model_growing_conversation_equals_recompute(plain, kvbm):
     """Each turn sends the last turn's prompt and answer and a new message:
-    its hit is the last prompt's pages, whose last window was stored."""
+    its hit is the last prompt's pages, whose last window (chunk) was stored."""
     conversation = random_prompt(700, seed=9601)
     for turn in range(3):
-        want = recomputed(plain_g3, [conversation])[0]
-        assert kvbm_g3.reset_prefix_cache()
-        got, cached = generate(kvbm_g3, [conversation])
+        want = recomputed(plain, [conversation])[0]
+        assert kvbm.reset_prefix_cache()
+        got, cached = generate(kvbm, [conversation])
         assert got[0] == want
         if turn:
             assert cached[0] == previous // 128 * 128
         previous = len(conversation)
         conversation = conversation + want + random_prompt(300, seed=9610 + turn)
-

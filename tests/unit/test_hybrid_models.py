@@ -47,6 +47,16 @@ SLIDING = kvi.SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
                                 dtype=torch.float16, sliding_window=64)
 
 
+CHUNKED = kvi.ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
+                                        dtype=torch.float16, attention_chunk_size=64)
+
+
+def llama4_layers(n: int = 8) -> dict:
+    """Three chunked-local attention layers, then one full-attention layer, repeated."""
+    return {f"model.layers.{i}.self_attn.attn": FULL if i % 4 == 3 else CHUNKED
+            for i in range(n)}
+
+
 def qwen3_next_layers(n: int = 8) -> dict:
     """Three GDN layers, then one full-attention layer, repeated."""
     return {f"model.layers.{i}.self_attn.attn" if i % 4 == 3
@@ -178,6 +188,20 @@ def test_sliding_window_groups_store_only_the_windows_a_hit_reads(dense):
     assert len(load.slots) == 40 + 5 * 4 and not load.refuse
     assert load.block_ids[:40] == groups[5][:40]
     assert sorted(load.block_ids[40:]) == sorted(b for g in range(5) for b in groups[g][36:40])
+
+
+def test_chunked_local_groups_store_and_load_only_the_last_chunk_of_the_prompt(dense):
+    """Three chunked-local groups (64-token chunks: 4 pages) and a full one.
+    A 42-page prompt: each chunked group stores the pages of the chunk its
+    hit ends in (40, 41), none before (a hit at a chunk's start reads none)."""
+    s, prompt, stores = _served(dense, llama4_layers, 42)
+    info = kvbm(s).info
+    assert [g.kind for g in info.groups] == ["chunk"] * 3 + ["full"]
+    assert sum(len(slots) for _, slots in stores) == 42 + 3 * 2
+    load, groups = _load(s, prompt)
+    assert len(load.slots) == 42 + 3 * 2 and not load.refuse
+    assert sorted(load.block_ids[42:]) == sorted(b for g in range(3) for b in groups[g][40:42])
+    assert all(b == 0 for g in range(3) for b in groups[g][:40])  # vLLM keeps only the chunk
 
 
 def test_a_page_aligned_prompt_comes_back_with_the_window_before_its_last_page(dense):

@@ -18,6 +18,9 @@ boundary ``b`` reads it (as vLLM's OffloadingConnector does,
   where the same prompt's hit ends), and every ``WINDOW_HIT_SPACING``
   windows; bytes stored for a sliding layer are about 1 / WINDOW_HIT_SPACING
   of a full layer's (plus the prompt's last window), not the whole prefix.
+- chunked-local attention (Llama 4): the hit's end's chunk, from its start;
+  kept like a window, before the prompt's end (a hit at a chunk's start
+  reads none of it).
 - state (Mamba, Gated DeltaNet in vLLM's align mode): the block holding the
   state at ``b``; vLLM computes it where a scheduled chunk ends on a block
   boundary (chunk ends, the prompt's last full block), and only there is it
@@ -43,6 +46,8 @@ if TYPE_CHECKING:
 # returning prompt's end can stop.
 WINDOW_HIT_SPACING = 4
 NULL_BLOCK = 0  # vLLM's null block: a block the group does not hold
+# Group kinds whose hit reads the pages from a first one to the hit's end
+WINDOWED = ("window", "chunk")
 
 
 @dataclass(frozen=True)
@@ -61,15 +66,24 @@ class GroupPages:
         self.others = tuple(g for g in info.groups if g.index != info.primary)
         self.page_tokens = info.page_tokens
         self.page_blocks = info.page_blocks
-        self._spacing = {g.index: WINDOW_HIT_SPACING * max(1, self._window_pages(g))
-                         for g in self.others if g.kind == "window"}
+        self._spacing = {g.index: self._hit_spacing(g) for g in self.others
+                         if g.kind in WINDOWED}
 
-    def _window_pages(self, g: "GroupInfo") -> int:
-        return -(-g.window // self.page_tokens)
+    def _hit_spacing(self, g: "GroupInfo") -> int:
+        """Pages between the boundaries, besides the prompt's end, before which
+        a window or chunk group's pages are kept: every chunk for a chunk
+        group whose chunks are whole pages (a hit at a chunk's start reads
+        none of it), else every WINDOW_HIT_SPACING windows."""
+        if g.kind == "chunk" and g.window % self.page_tokens == 0:
+            return g.window // self.page_tokens
+        return WINDOW_HIT_SPACING * max(1, -(-g.window // self.page_tokens))
 
     def first_window_page(self, g: "GroupInfo", boundary: int) -> int:
-        """The first page a hit ending at page ``boundary`` reads of window group g."""
-        return max(0, boundary * self.page_tokens - g.window) // self.page_tokens
+        """The first page a hit ending at page ``boundary`` reads of window or
+        chunk group g: the window before it, or the start of its chunk."""
+        end = boundary * self.page_tokens
+        first = end // g.window * g.window if g.kind == "chunk" else max(0, end - g.window)
+        return first // self.page_tokens
 
     def _window_kept(self, g: "GroupInfo", page: int, prompt_tokens: int) -> bool:
         """Whether page ``page`` of window group g lies in the window before a
@@ -101,7 +115,7 @@ class GroupPages:
                         continue  # no state computed at this page's end
                     blocks = (SKIP,) * (g_blocks - 1) + blocks[-1:]
                 elif NULL_BLOCK in blocks or (
-                        g.kind == "window" and not self._window_kept(g, i, prompt_tokens)):
+                        g.kind in WINDOWED and not self._window_kept(g, i, prompt_tokens)):
                     continue
                 units.append(Unit(i, g.index, group_key(keys[i], g.index), blocks))
         return units
@@ -117,7 +131,7 @@ class GroupPages:
         """The window and state groups' part of ``needed``."""
         out = []
         for g in self.others:
-            if g.kind == "window":
+            if g.kind in WINDOWED:
                 first = max(start, self.first_window_page(g, boundary))
                 out += [(i, g.index) for i in range(first, boundary)]
             elif g.kind == "state":

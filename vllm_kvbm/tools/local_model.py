@@ -221,6 +221,37 @@ def build_gpt_oss(out: str | os.PathLike = GPT_OSS_DIR, layers: int = 4, hidden:
     return _write(out, recipe, make_model, force)
 
 
+LLAMA4_DIR = "models/kvbm-llama4-4l"
+
+
+def build_llama4(out: str | os.PathLike = LLAMA4_DIR, layers: int = 4, hidden: int = 256,
+                 chunk: int = 256, vocab_size: int = 8000, seed: int = 0,
+                 force: bool = False) -> Path:
+    """A Llama 4-shaped text model: three chunked-local attention layers (a
+    token attends to its own ``chunk``-token chunk; Llama 4's is 8192), then
+    a full-attention layer without RoPE, repeated (Llama 4's 3:1 pattern);
+    a mixture of experts (4, one a token) in every other layer; 64-dim heads."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    recipe = dict(version=RECIPE_VERSION, arch="llama4_text", layers=layers, hidden=hidden,
+                  vocab_size=vocab_size, seed=seed, chunk=chunk, head_dim=64, experts=4)
+    return _write(out, recipe, lambda tokenizer: Llama4ForCausalLM(Llama4TextConfig(
+        **_shared_config(tokenizer, hidden, layers),
+        layer_types=["full_attention" if i % 4 == 3 else "chunked_attention"
+                     for i in range(layers)],
+        no_rope_layers=[0 if i % 4 == 3 else 1 for i in range(layers)],
+        attention_chunk_size=chunk,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size_mlp=2 * hidden,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=2,
+        max_position_embeddings=8192,
+    )), force)
+
+
 VL_DIR = "models/kvbm-idefics3-2l"
 IMAGE_TOKEN = "<image>"
 # Idefics3's other tokens around an image's placeholders.
@@ -324,12 +355,13 @@ def main(argv: list[str] | None = None) -> int:
                 "qwen3-next": (build_qwen3_next, HYBRID_DIR, 4, 64),
                 "gemma3": (build_gemma3, GEMMA3_DIR, 6, 256),
                 "gpt_oss": (build_gpt_oss, GPT_OSS_DIR, 4, 256),
+                "llama4": (build_llama4, LLAMA4_DIR, 4, 256),
                 "idefics3": (build_idefics3, VL_DIR, 2, 256)}
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=builders, default="llama",
                         help="llama (text), qwen3-next (hybrid attention), gemma3 (sliding "
-                             "window), gpt_oss (sliding window, attention sinks) or "
-                             "idefics3 (vision-language: images)")
+                             "window), gpt_oss (sliding window, attention sinks), llama4 "
+                             "(chunked-local attention) or idefics3 (vision-language: images)")
     parser.add_argument("--out", help="default: models/<the arch's directory>")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
