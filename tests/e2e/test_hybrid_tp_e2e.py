@@ -15,8 +15,7 @@ import pytest
 from helpers import ROOT
 from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import generate
-from test_hybrid_window_e2e import (G3_HITS, G3_HOST_BLOCKS, G3_LENGTHS, G3_STORED_PAGES,
-                                    hits_from_host_then_disk)
+from test_hybrid_window_e2e import HITS, LENGTHS, MODELS, hits_from_host_then_disk
 from test_tiers_e2e import settle
 from test_tp_e2e import tp_env  # noqa: F401 (a fixture: one core per rank)
 from vllm_kvbm.tools.local_model import GEMMA3_DIR, build_gemma3
@@ -27,7 +26,8 @@ pytestmark = pytest.mark.timeout(1200)
 TP = 2
 ENGINE = dict(tensor_parallel_size=TP, kv_cache_memory_bytes=256 << 20,
               max_model_len=4096, max_num_batched_tokens=4096)  # 128-token blocks, float32
-PROMPTS = [random_prompt(n, seed=9200 + n) for n in G3_LENGTHS]
+STORED_PAGES = MODELS["gemma3"].stored_pages  # as at TP=1: each rank a shard of each page
+PROMPTS = [random_prompt(n, seed=9200 + n) for n in LENGTHS]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def want(gemma3, tp_env):  # noqa: F811
 @pytest.fixture(scope="module")
 def tp_kvbm(gemma3, tp_env, want, tmp_path_factory):  # noqa: F811
     disk = tmp_path_factory.mktemp("disk")
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=G3_HOST_BLOCKS,
+    llm = make_llm(kvbm_transfer_config(host_cache_blocks=STORED_PAGES + 16,
                                         disk_cache_dir=str(disk), disk_cache_size="256MiB",
                                         **EVERY_PAGE_LOADED),
                    model=gemma3, **ENGINE)
@@ -67,10 +67,10 @@ def test_tp2_sliding_window_model_host_and_disk_hits_equal_recompute(tp_kvbm, wa
         assert generate(llm, [p])[0] == [w]
     settle(llm)
     # Pages counted once for both ranks: the same windows as at TP=1
-    assert kvbm_counter("offload_blocks_d2h") - stored == G3_STORED_PAGES
+    assert kvbm_counter("offload_blocks_d2h") - stored == STORED_PAGES
     # and written through to disk by each rank, its own shard of each
     files = [p.name for p in disk.glob("*.pt")]
     for rank in range(TP):
-        assert len([f for f in files if f"@{TP}@{rank}@" in f]) == G3_STORED_PAGES
+        assert len([f for f in files if f"@{TP}@{rank}@" in f]) == STORED_PAGES
 
-    hits_from_host_then_disk(llm, PROMPTS, want, G3_HITS)  # one batch each
+    hits_from_host_then_disk(llm, PROMPTS, want, HITS)  # one batch each
