@@ -321,16 +321,14 @@ class KVBMWorker:
         self._post_ready()
 
     def handle_preemptions(self, meta: KVBMConnectorMetadata) -> None:
-        """Preempted requests' blocks are reused by this very step: finish
-        reading them first."""
-        if meta.flush_req_ids:
-            req_ids = set(meta.flush_req_ids)
-            # An overdue one is reported failed and holds only host slots.
-            self._wait(lambda job, is_store: is_store and job.req_id in req_ids)
-        if self.info.hybrid:
-            # Sliding-window and state blocks the last steps stored may be
-            # freed and written by this one (a memory copy each, not a tier).
-            self._wait(lambda job, is_store: is_store and job.before_next_step)
+        """Preempted requests' blocks, and a hybrid model's sliding-window and
+        state blocks the last steps stored, may be reused by this very step:
+        finish reading them first (one wait; an overdue store is reported
+        failed and holds only host slots)."""
+        req_ids = set(meta.flush_req_ids)
+        if req_ids or self.info.hybrid:
+            self._wait(lambda job, is_store: is_store and (job.req_id in req_ids
+                                                          or job.before_next_step))
 
     def _refused(self, job: TransferJob, is_store: bool, weights_ok: bool = True) -> bool:
         """A job whose keys name other weights than this worker runs (the model's
