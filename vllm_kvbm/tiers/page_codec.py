@@ -14,6 +14,7 @@ import ctypes
 import hashlib
 import logging
 import struct
+import threading
 
 import torch
 
@@ -31,6 +32,19 @@ logger = logging.getLogger(__name__)
 
 def _nbytes(payload: "torch.Tensor | memoryview") -> int:
     return payload.numel() if isinstance(payload, torch.Tensor) else len(payload)
+
+
+# Decrypting "in place" goes through a buffer of this size per thread: small
+# enough to stay in the CPU's L2 cache, so the copy back costs little.
+_SCRATCH_BYTES = 256 << 10
+_local = threading.local()
+
+
+def _scratch() -> memoryview:
+    buf = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = memoryview(bytearray(_SCRATCH_BYTES))
+    return buf
 
 
 def _bytes_view(payload: "torch.Tensor | memoryview") -> memoryview:
@@ -246,13 +260,20 @@ class PageCheck:
     def update(self, chunk: memoryview) -> None:
         """The next stored bytes of the payload, where the payload is wanted
         (a memoryview: slicing one costs nothing, where a tensor slice costs
-        microseconds per chunk); a sealed page is decrypted in place."""
+        microseconds per chunk); a sealed page is decrypted in place (through
+        a scratch buffer: the cipher never writes over its own input)."""
         self._seen += len(chunk)
-        if self.opens:
-            if len(chunk):
-                self._ctx.update_into(chunk, chunk)
-        else:
+        if not self.opens:
             self._crc.update(chunk)
+            return
+        # cryptography >= 51 refuses overlapping input and output: decrypt a
+        # cache-sized piece into this thread's scratch, then copy it back.
+        scratch = _scratch()
+        for off in range(0, len(chunk), len(scratch)):
+            part = chunk[off:off + len(scratch)]
+            plain = scratch[:len(part)]
+            self._ctx.update_into(part, plain)
+            part[:] = plain
 
     def update_into(self, chunk: memoryview, out: memoryview) -> None:
         """update, for stored bytes read elsewhere: decrypted into ``out``
