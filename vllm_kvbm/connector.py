@@ -260,6 +260,16 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker is not None
         return self.worker.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]):
+        # What get_finished says, and the requests whose load failed (a model
+        # of several KV cache groups reports those, not block ids).
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_recving(recving) if self.worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.kept_out is not None:
             return set()

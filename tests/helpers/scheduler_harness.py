@@ -132,7 +132,8 @@ def kvbm(scheduler: Scheduler):
 
 def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed=(),
          spills_done=(), slots_held=(), slots_released=(), finished_recving=(),
-         finished_sending=(), invalid_block_ids=(), complete: bool = False, token: int = 7):
+         finished_sending=(), invalid_block_ids=(), failed_recving=(), complete: bool = False,
+         token: int = 7):
     """One engine step: schedule, then report what the fake worker finished.
 
     ``complete`` also reports everything this step's metadata asked for as
@@ -145,7 +146,8 @@ def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed
                         loads_failed=loads_failed, spills_done=spills_done,
                         slots_held=slots_held, slots_released=slots_released,
                         finished_recving=finished_recving, finished_sending=finished_sending,
-                        invalid_block_ids=invalid_block_ids, complete=complete, token=token)
+                        invalid_block_ids=invalid_block_ids, failed_recving=failed_recving,
+                        complete=complete, token=token)
     engine_outputs = scheduler.update_from_output(out, mro)
     return out, out.kv_connector_metadata, engine_outputs
 
@@ -183,7 +185,8 @@ def lookup(connector_scheduler, req: Request, timeout: float = 10.0):
 def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=(),
                   loads_failed=(), spills_done=(), slots_held=(), slots_released=(),
                   finished_recving=(), finished_sending=(), invalid_block_ids=(),
-                  complete: bool = False, token: int = 7) -> ModelRunnerOutput:
+                  failed_recving=(), complete: bool = False,
+                  token: int = 7) -> ModelRunnerOutput:
     """What the fake worker reports for scheduler output ``out`` (see ``step``)."""
     meta = out.kv_connector_metadata
     assert isinstance(meta, KVBMConnectorMetadata)
@@ -212,6 +215,7 @@ def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=()
     kv_out = KVConnectorOutput(finished_sending=set(finished_sending),
                                finished_recving=set(finished_recving),
                                invalid_block_ids=set(invalid_block_ids),
+                               failed_recving=set(failed_recving),
                                kv_connector_worker_meta=worker_meta)
     extra = {}
     if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM < 0.34

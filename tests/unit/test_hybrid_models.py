@@ -325,3 +325,37 @@ def test_a_preempted_hybrid_request_is_flushed_then_comes_back_with_its_state(de
     assert len(load.slots) == 8 + 3 and not load.refuse
     assert load.block_ids[:8] == groups[3][:8]
     assert load.block_ids[8:] == [groups[g][7] for g in range(3)]
+
+
+@pytest.mark.parametrize("shape", [qwen3_next_layers, gemma3_layers])
+def test_a_failed_hybrid_load_is_recomputed_whole_and_the_engine_goes_on(dense, shape):
+    """A hybrid hit whose load fails (a corrupt page, a tier gone, a refused
+    load...). vLLM stops the engine on block ids from a model of several KV
+    cache groups; the worker names the request in failed_recving instead, as
+    vLLM asks: vLLM frees its blocks and schedules it again, the connector
+    then answers "recompute" (no second load of the same pages), drops the
+    pages that may be bad, and stores them again as the request recomputes them."""
+    s, prompt, _ = _served(dense, shape, 12)
+    assert s.reset_prefix_cache()
+    req = make_request(prompt, max_tokens=2)
+    s.add_request(req)
+    _, meta, _ = step(s)
+    (load,) = meta.loads
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, loads_failed=[req.request_id], finished_recving=[req.request_id],
+         failed_recving=[req.request_id])
+    assert req.num_computed_tokens == 0  # vLLM recomputes it whole
+    assert kvbm(s).stats.total["load_error_blocks"] == load.num_blocks
+    host = kvbm(s).host
+    keys = keys_of(s, prompt)
+    assert not any(k in host for k in keys)  # its bytes may be bad: dropped
+    out, meta, _ = step(s, complete=True)
+    assert not meta.loads
+    (new,) = out.scheduled_new_reqs  # admitted again, from its first token
+    assert new.req_id == req.request_id and new.num_computed_tokens == 0
+    for _ in range(50):
+        if req.is_finished():
+            break
+        step(s, complete=True)
+    assert req.is_finished()
+    assert all(k in host for k in keys)  # recomputed, stored again

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -254,6 +255,38 @@ def test_failed_load_reports_recving_and_error_blocks(harness, gen):
     assert h.meta.loads_failed == Counter({"X": 1})
     assert h.meta.bytes_loaded == 6 * h.lay.block_bytes()
     for b in bbad:  # the failed load wrote nothing
+        assert torch.equal(h.lay.slot_bytes(b), h.lay.slot_bytes(b, before))
+    for b, src in zip(bl, bs_):
+        assert torch.equal(h.lay.slot_bytes(b), h.lay.slot_bytes(src))
+
+
+def test_a_hybrid_models_failed_load_is_a_failed_request_not_block_ids(harness, gen):
+    """vLLM takes no block ids from a model of several KV cache groups (they
+    are unique per group only: it stops the engine); a failed load names the
+    request instead (failed_recving), in the report that says it finished."""
+    from vllm_kvbm.engine_info import GroupInfo
+
+    h = harness()
+    h.worker.info = dataclasses.replace(h.worker.info, groups=(GroupInfo(0, "full"),
+                                                               GroupInfo(1, "window", 8)))
+    (bs_, ss), (bl, _), (bbad, _), (bref, _) = split(gen, 4, 6)
+    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", bs_, ss)]))
+    h.step_until(lambda: h.meta.stores_done[1] == 1)
+    before = h.lay.clone_raw()
+    h.worker.start_loads(KVBMConnectorMetadata(loads=[
+        TransferJob(2, "X", bbad, ss[:5] + [h.pool.shape[0] + 3]),  # cannot start
+        TransferJob(3, "Y", bl, ss),                                 # fine
+        TransferJob(4, "Z", bref, ss, refuse=True),                  # refused by the scheduler
+    ]))
+    failed: set[str] = set()
+    while not {"X", "Y", "Z"} <= set(h.recving):
+        _, recving = h.step()
+        failed |= h.worker.take_failed_recving(recving)
+        assert failed <= set(h.recving)  # never ahead of the finished report
+    assert failed == {"X", "Z"}
+    assert h.worker.get_block_ids_with_load_errors() == set()
+    assert h.worker.take_failed_recving({"X", "Y", "Z"}) == set()  # reported once
+    for b in bbad + bref:  # the failed loads wrote nothing
         assert torch.equal(h.lay.slot_bytes(b), h.lay.slot_bytes(b, before))
     for b, src in zip(bl, bs_):
         assert torch.equal(h.lay.slot_bytes(b), h.lay.slot_bytes(src))

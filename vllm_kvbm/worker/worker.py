@@ -83,6 +83,10 @@ class KVBMWorker(StreamedLoads):
         self._inflight: list[InFlight] = []
         self._awaiting_free: set[str] = set()
         self._load_error_blocks: set[int] = set()
+        # Failed loads of a model of several KV cache groups: vLLM takes no
+        # block ids then (they are unique per group only), but the request
+        # (failed_recving), and recomputes it whole.
+        self._failed_recving: set[str] = set()
         self._meta = KVBMWorkerMetadata()
         self._finished_recving: set[str] = set()
         # Lower tiers (disk, remote), each on a read and a write thread of its own.
@@ -203,7 +207,7 @@ class KVBMWorker(StreamedLoads):
         the landed pages, None when there are none (then the load is done)."""
         g = job.page_blocks
         self._meta.loads_cut.append((job.req_id, cut))
-        self._load_error_blocks.update(b for b in job.block_ids[cut * g:] if b >= 0)
+        self._load_failed(job.req_id, [b for b in job.block_ids[cut * g:] if b >= 0])
         if cut == 0:
             self._finished_recving.add(job.req_id)
             return None
@@ -281,7 +285,7 @@ class KVBMWorker(StreamedLoads):
                 meta.load_latencies.append(elapsed)
             else:
                 meta.loads_failed[job.req_id] += 1
-                self._load_error_blocks.update(block_rows(job)[0])
+                self._load_failed(job.req_id, block_rows(job)[0])
             # Reported even when failed: vLLM recomputes the failed blocks.
             self._finished_recving.add(job.req_id)
 
@@ -353,6 +357,14 @@ class KVBMWorker(StreamedLoads):
                 time.sleep(0.0005)
         return not any(match(f.job, f.is_store) for f in self._inflight)
 
+    def _load_failed(self, req_id: str, blocks: list[int]) -> None:
+        """``blocks`` of ``req_id``'s load hold no valid KV: vLLM recomputes
+        them (a hybrid model: the whole request)."""
+        if self.info.hybrid:
+            self._failed_recving.add(req_id)
+        else:
+            self._load_error_blocks.update(blocks)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         for job, ok, reading, cut in self.tier_io.poll(self._meta):
             fence, queued = self._fetching.pop(job.job_id, (DONE, time.perf_counter()))
@@ -379,6 +391,13 @@ class KVBMWorker(StreamedLoads):
         self._awaiting_free -= sending
         recving, self._finished_recving = self._finished_recving, set()
         return sending, recving
+
+    def take_failed_recving(self, recving: set[str]) -> set[str]:
+        """The requests of ``recving`` (just reported finished) whose load
+        failed; vLLM wants them in the same report."""
+        failed = self._failed_recving & recving
+        self._failed_recving -= failed
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_error_blocks = self._load_error_blocks, set()
