@@ -5,7 +5,7 @@ prefix, as canonical data the key namespace hashes.
 (identity_tables/: each field IDENTITY or HARMLESS, with the reason) and
 keeps the IDENTITY fields, canonical (canonical_values.py); a field the
 tables do not know counts as identity (logged once). ``identity_env`` adds
-the environment variables that select kernels, precision or the KV layout.
+every ``VLLM_*`` environment variable set and not reviewed as harmless.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm_kvbm.canonical_values import canonical
 from vllm_kvbm.identity_tables import FIELDS, ROOT_CLASS
+from vllm_kvbm.identity_tables.environment import HARMLESS_ENV
 from vllm_kvbm.identity_tables.rules import HARMLESS
 
 logger = logging.getLogger(__name__)
@@ -72,46 +73,14 @@ def config_identity(vllm_config: Any) -> dict:
 
 # ---- environment -----------------------------------------------------------------
 
-# vLLM environment variables (vllm/envs.py, 0.32-0.34) that select kernels,
-# precision or the KV layout. Set ones are identity; unset ones are the same
-# default on both sides. Threading, paths, logging and ports are not here.
-IDENTITY_ENV = (
-    "VLLM_KV_CACHE_LAYOUT",
-    "VLLM_BATCH_INVARIANT",
-    "VLLM_USE_V2_MODEL_RUNNER",
-    "VLLM_MLA_DISABLE",
-    "VLLM_DISABLED_KERNELS",
-    "VLLM_USE_TRITON_AWQ",
-    "VLLM_CPU_ATTN_SPLIT_KV",
-    "VLLM_CPU_INT4_W4A8",
-    "VLLM_MXFP8_EMULATION_DEQUANT_AT_LOAD",
-    "VLLM_MARLIN_USE_ATOMIC_ADD",
-    "VLLM_MARLIN_INPUT_DTYPE",
-    "VLLM_HUMMING_USE_F16_ACCUM",
-    "VLLM_USE_DEEP_GEMM",
-    "VLLM_MOE_USE_DEEP_GEMM",
-    "VLLM_USE_DEEP_GEMM_E8M0",
-    "VLLM_USE_FUSED_MOE_GROUPED_TOPK",
-    "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER",
-    "VLLM_USE_FLASHINFER_MOE_INT4",
-    "VLLM_ROCM_FP8_MFMA_PAGE_ATTN",
-    "VLLM_ROCM_FP8_PADDING",
-    "VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT",
-    "VLLM_ROCM_USE_SKINNY_GEMM",
-    "VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE",
-    "VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING",
-    "VLLM_USE_STANDALONE_COMPILE",
-    "VLLM_USE_AOT_COMPILE",
-)
-# Whole families that select kernels or precision.
-IDENTITY_ENV_PREFIXES = ("VLLM_ROCM_USE_AITER", "VLLM_FLASHINFER_MOE_", "VLLM_USE_FLASHINFER_MOE")
-
 
 def identity_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The set environment variables that change kernels, precision or layout."""
+    """The set ``VLLM_*`` variables not reviewed as harmless
+    (identity_tables/environment.py): one vLLM reads may select a kernel, a
+    precision or a routing, so a variable that table does not list counts."""
     environ = os.environ if environ is None else environ
     return {k: environ[k] for k in sorted(environ)
-            if k in IDENTITY_ENV or k.startswith(IDENTITY_ENV_PREFIXES)}
+            if k.startswith("VLLM_") and k not in HARMLESS_ENV}
 
 
 def identity_json(vllm_config: Any) -> str:

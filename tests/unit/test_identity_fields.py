@@ -359,20 +359,36 @@ def test_rope_override_reaches_the_effective_hf_config(model_dir):
     assert "12345.0" in json.dumps(hf)
 
 
-def test_env_selects_kernel_variables():
+def test_env_counts_every_vllm_variable_not_reviewed_as_harmless():
+    """Unreviewed VLLM_* variables change the namespace (both change the KV:
+    the MoE routing, the precision of float32 matmuls), so does one vLLM
+    adds later; the reviewed harmless ones and other programs' do not."""
     env = {"VLLM_KV_CACHE_LAYOUT": "HND", "VLLM_ROCM_USE_AITER": "1", "VLLM_PORT": "8000",
-           "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HOME": "/x"}
-    assert idf.identity_env(env) == {"VLLM_KV_CACHE_LAYOUT": "HND", "VLLM_ROCM_USE_AITER": "1"}
+           "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HOME": "/x",
+           "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random",
+           "VLLM_FLOAT32_MATMUL_PRECISION": "tf32", "VLLM_A_VARIABLE_OF_A_LATER_RELEASE": "1",
+           "VLLM_DIST_IDENT": "tmpab12cd", "TORCH_HOME": "/y"}
+    assert idf.identity_env(env) == {
+        "VLLM_A_VARIABLE_OF_A_LATER_RELEASE": "1", "VLLM_FLOAT32_MATMUL_PRECISION": "tf32",
+        "VLLM_KV_CACHE_LAYOUT": "HND", "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random",
+        "VLLM_ROCM_USE_AITER": "1"}
+    assert idf.identity_env({"VLLM_FLOAT32_MATMUL_PRECISION": "ieee"}) != idf.identity_env(
+        {"VLLM_FLOAT32_MATMUL_PRECISION": "tf32"})
 
 
-def test_env_names_exist_in_vllm():
-    """Every identity variable is one vLLM reads (a typo would never match)."""
+def test_env_harmless_names_exist_in_vllm_and_each_has_a_reason():
+    """Every variable reviewed as harmless is one vLLM reads (a typo would
+    count the real one as identity: safe, but a review lost)."""
     import vllm.envs as envs
 
-    names = set(envs.environment_variables)
-    assert set(idf.IDENTITY_ENV) <= names, set(idf.IDENTITY_ENV) - names
-    for prefix in idf.IDENTITY_ENV_PREFIXES:
-        assert any(n.startswith(prefix) for n in names), prefix
+    from vllm_kvbm.identity_tables.environment import HARMLESS_ENV, UNDECLARED_BY_VLLM
+
+    names = set(envs.environment_variables) | UNDECLARED_BY_VLLM
+    assert set(HARMLESS_ENV) <= names, set(HARMLESS_ENV) - names
+    assert all(name.startswith("VLLM_") and reason for name, reason in HARMLESS_ENV.items())
+    # the two measured to change the KV are not among them
+    assert not {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY",
+                "VLLM_FLOAT32_MATMUL_PRECISION"} & set(HARMLESS_ENV)
 
 
 def test_canonical_values():

@@ -20,7 +20,9 @@ identity even where the difference is only rounding, because a page computed
 one way and read by an engine running the other way is a mix vLLM itself
 never produces (its prefix cache lives inside one engine).
 
-The tables are split by config section (engine.py, kernels.py).
+The tables are split by config section (engine.py, kernels.py); the
+environment has its own (environment.py: the ``VLLM_*`` variables reviewed as
+harmless; every other one set counts as identity).
 tests/unit/test_identity_fields.py checks that every field of every release
 is classified here, and that the values behave (same build, same identity;
 hf_overrides, dtype, kv cache dtype or block size changed, another one).
