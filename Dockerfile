@@ -15,7 +15,8 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/vllm-kvbm
-COPY pyproject.toml README.md ./
+# constraints-cpu.txt: the lock setup.sh installs with, the versions CI tested
+COPY pyproject.toml README.md constraints-cpu.txt ./
 COPY scripts/ scripts/
 COPY vllm_kvbm/ vllm_kvbm/
 COPY deploy/serve.sh deploy/serve.sh
