@@ -33,7 +33,7 @@ import time
 
 import blake3
 
-from vllm_kvbm import weight_files
+from vllm_kvbm import opened_files, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,33 @@ def model_fingerprint(model: str, revision: str = "", *, download_dir: str | Non
         logger.warning("KVBM: %s; nothing proves which weights this engine runs, so its "
                        "pages are its own (shared with no other engine or restart)", why)
         return None
-    return files_fingerprint(directory, names)
+    # The files vLLM read in this process, as it picked them (opened_files.py):
+    # what is hashed must be them, unchanged, before and after the hash.
+    selection = opened_files.latest(model)
+    why = None if selection is None else _not_as_read(selection, directory, names)
+    fingerprint = files_fingerprint(directory, names) if why is None else None
+    if selection is not None and why is None:
+        why = opened_files.moved(selection)
+    if why is not None:
+        logger.warning("KVBM: the weight files vLLM loaded are not the ones at %s now (%s: "
+                       "a link moved or a file written while the engine started); nothing "
+                       "proves which weights this engine runs, so its pages are its own "
+                       "(shared with no other engine or restart)", model, why)
+        return None
+    return fingerprint
+
+
+def _not_as_read(selection: "opened_files.Selection", directory: str,
+                 names: list[str]) -> str | None:
+    """Why hashing ``names`` in ``directory`` would not hash the files vLLM
+    picked in ``selection``, or None."""
+    if selection.folder_real != directory:
+        return f"vLLM read {selection.folder_real}"
+    for path, _, _ in selection.files:
+        if (os.path.realpath(os.path.dirname(path)) != directory
+                or os.path.basename(path) not in names):
+            return f"vLLM read {path}, which KVBM does not hash"
+    return opened_files.moved(selection)
 
 
 def adapter_fingerprint(path: str) -> str:

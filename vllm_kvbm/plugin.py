@@ -58,6 +58,12 @@ def _log_through_vllm() -> None:
 
 def register() -> None:
     _log_through_vllm()
+    # Before vLLM loads a model in this process: which weight files it picks
+    # (the keys must name those, unchanged: opened_files.py). Patched when
+    # vLLM's loader is first imported, so costs nothing here.
+    from vllm_kvbm import opened_files
+
+    opened_files.install()
     # Only the factory is imported: the connector itself (and torch, NIXL)
     # loads when an engine asks for it, so a vLLM process that never uses
     # KVBM pays nothing for the plugin.
