@@ -3,9 +3,11 @@
 # real vLLM engines, real NIXL agents and real LMCache backends.
 #   scripts/test.sh          every test (tests/unit and tests/e2e; what CI runs)
 #   scripts/test.sh --fast   tests/unit only: no engine, no server process
-# Other arguments pass through to pytest.
+# Other arguments pass through to pytest. VENV=PATH: the venv to set up (if
+# needed) and test in, default .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export VENV=${VENV:-.venv}
 paths=()
 if [[ "${1:-}" == "--fast" ]]; then
     shift
@@ -15,7 +17,7 @@ fi
 # compose): apt, so not part of setup.sh, which the demo also runs.
 bash scripts/setup_tools.sh
 bash scripts/setup.sh
-.venv/bin/python -m vllm_kvbm.tools.local_model >/dev/null
+"$VENV/bin/python" -m vllm_kvbm.tools.local_model >/dev/null
 # KVBM_TEST_WORKERS (default 2, 0 on one core): pytest-xdist workers, a test file each at a time: while one
 # file's engine starts (mostly Python imports, one core) the other's computes. Tests marked
 # `timing` (they bound a wall-clock wait) then run alone, one at a time. 0: everything in one
@@ -23,7 +25,7 @@ bash scripts/setup.sh
 default_workers=2
 (( $(nproc) >= 2 )) || default_workers=0
 workers=${KVBM_TEST_WORKERS:-$default_workers}
-pytest=(.venv/bin/python -m pytest -p no:cacheprovider -q -rfEs --durations=25)
+pytest=("$VENV/bin/python" -m pytest -p no:cacheprovider -q -rfEs --durations=25)
 if [[ "$workers" == 0 ]]; then
     exec "${pytest[@]}" "${paths[@]}" "$@"
 fi

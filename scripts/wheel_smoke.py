@@ -10,13 +10,32 @@ from importlib.metadata import distribution, entry_points, requires
 from pathlib import Path
 
 
+def lock_pins() -> dict:
+    """canonical name -> version the lock pins (KVBM_SMOKE_LOCK; none: {})."""
+    import os
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    path = os.environ.get("KVBM_SMOKE_LOCK", "none")
+    if path == "none":
+        return {}
+    lines = [line.split("#")[0].strip() for line in open(path)]
+    reqs = [Requirement(line) for line in lines if line]
+    return {canonicalize_name(r.name): next(iter(r.specifier)).version for r in reqs}
+
+
 def check_declared_deps() -> None:
     """Every requirement of the wheel (and its [cpu] extra) is installed at a
-    version it allows: what `pip check` would say for this one package."""
+    version it allows: what `pip check` would say for this one package; and at
+    the version the lock pins, where setup.sh installed through one."""
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
 
+    pins = lock_pins()
     problems = []
     for line in requires("vllm-kvbm") or []:
         req = Requirement(line)
@@ -29,6 +48,9 @@ def check_declared_deps() -> None:
             continue
         if req.specifier and not req.specifier.contains(have, prereleases=True):
             problems.append(f"{req} (installed {have})")
+        pin = pins.get(canonicalize_name(req.name))
+        if pin is not None and Version(have) != Version(pin):
+            problems.append(f"{req.name} {have} (the lock pins =={pin})")
     if problems:
         sys.exit("wheel smoke: unmet requirements of vllm-kvbm: " + "; ".join(problems))
 
