@@ -119,23 +119,19 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
     def build_connector_meta(self, out: "SchedulerOutput") -> KVBMConnectorMetadata:
         self.held.next_step()
         self._spill_checked()
+        # Preempted requests first: vLLM freed their blocks in this schedule
+        # (and may have handed them out), so no backlog of theirs is drained.
+        flush = self._preempted(out.preempted_req_ids or ())
         backlog_stores = self._drain_backlogs()
         meta = KVBMConnectorMetadata(loads=self._loads,
                                      delayed_free_req_ids=self._delayed_free,
                                      spills=self._spills, weights=self.weights.meta())
+        meta.flush_req_ids += flush
         meta.stores += backlog_stores
         self._loads, self._delayed_free, self._spills = [], [], []
         now = self.split.clock()
         self._time_prefills(now)
         watched = self._watched
-        for req_id in out.preempted_req_ids or ():
-            state = self._reqs.get(req_id)
-            if state is not None:
-                watched[req_id] = state  # computes its prompt again
-                if state.store.jobs:
-                    meta.flush_req_ids.append(req_id)
-                if state.store.backlog is not None:  # its blocks are freed
-                    self._drop_backlog(state)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             state = watched.get(req_id)
             if state is not None and num_scheduled > 0:
@@ -146,6 +142,21 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
                 if self._settled(state, num_scheduled):
                     del watched[req_id]
         return meta
+
+    def _preempted(self, req_ids) -> list[str]:
+        """Requests vLLM preempted this step: watched again (they compute their
+        prompt again), their backlogs dropped (their blocks are freed); those
+        whose stores are in flight, which the workers finish first."""
+        flush = []
+        for req_id in req_ids:
+            state = self._reqs.get(req_id)
+            if state is not None:
+                self._watched[req_id] = state
+                if state.store.jobs:
+                    flush.append(req_id)
+                if state.store.backlog is not None:
+                    self._drop_backlog(state)
+        return flush
 
     def _settled(self, state: _ReqState, num_scheduled: int) -> bool:
         """After this step, nothing in its steps concerns the connector until
