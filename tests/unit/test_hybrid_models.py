@@ -287,18 +287,19 @@ def test_the_worker_refuses_a_layer_whose_spec_is_not_plain_kv(dense):
 
 
 def test_a_preempted_hybrid_request_is_flushed_then_comes_back_with_its_state(dense):
-    """24 blocks for two 132-token GDN-hybrid prompts decoding: vLLM preempts
+    """32 blocks for two 132-token GDN-hybrid prompts decoding: vLLM preempts
     one, freeing every group's blocks while their stores are in flight (the
-    step's metadata flushes them); it comes back through the host tier: its
-    attention pages and each GDN group's state at the prompt's end."""
+    step's metadata flushes them; the blocks they read stay held until they
+    are reported); it comes back through the host tier: its attention pages
+    and each GDN group's state at the prompt's end."""
     small = make_scheduler(max_model_len=256)
     cfg = vllm_config_for(small, qwen3_next_layers())
     cfg.kv_transfer_config.kv_connector_extra_config["host_cache_blocks"] = 256
-    worker = get_kv_cache_configs(cfg, [qwen3_next_layers()], [48 << 10])
+    worker = get_kv_cache_configs(cfg, [qwen3_next_layers()], [64 << 10])
     s = Scheduler(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config(worker),
                   structured_output_manager=StructuredOutputManager(cfg),
                   block_size=BLOCK, log_stats=True)
-    assert s.kv_cache_config.num_blocks == 24
+    assert s.kv_cache_config.num_blocks == 32
     reqs = [make_request(tokens(8 * BLOCK + 4, base), max_tokens=100) for base in (21, 22)]
     for req in reqs:
         s.add_request(req)

@@ -136,6 +136,8 @@ class _StoreJob:
     failed: bool = False
     # posted before a cache reset: its pages hold pre-reset KV, never serve them
     stale: bool = False
+    # the engine blocks it reads, held in vLLM's block pool until it is done
+    pinned: list = field(default_factory=list)
 
 
 class RequestKeys:

@@ -88,11 +88,24 @@ class StorePlanning:
     def _store_job(self, state: _ReqState, keys: list[PageKey], blocks: list[int],
                    slots: list[int], before_next_step: bool = False) -> TransferJob:
         job_id = next(self._job_ids)
+        pinned = self._pin(blocks) if self.groups is not None else []
         self._store_jobs[job_id] = _StoreJob(state.request.request_id, keys,
-                                             self.info.num_workers)
+                                             self.info.num_workers, pinned=pinned)
         state.store.jobs.add(job_id)
         return TransferJob(job_id, state.request.request_id, blocks, slots,
                            adapter=state.adapter, before_next_step=before_next_step)
+
+    def _pin(self, block_ids: list[int]) -> list:
+        """A hybrid store's blocks, held in vLLM's block pool (a reference,
+        as vLLM's own offloading holds its stores' blocks) until every
+        worker reported the store: vLLM frees window and state blocks as a
+        request moves on, and a preempted request's, and the next step may
+        zero them, copy into them or hand them out before the workers'
+        ``handle_preemptions`` runs (Model Runner V2 zeroes and copies first)."""
+        pool = self._kv_cache_manager.block_pool
+        blocks = [pool.blocks[b] for b in block_ids if b > 0]
+        pool.touch(blocks)
+        return blocks
 
     def _store_group_pages(self, state: _ReqState, start: int, full: int) -> TransferJob | None:
         """``_store_pages`` for a hybrid model: each group's pages of pages
@@ -124,6 +137,8 @@ class StorePlanning:
             if job.pending_workers > 0:
                 continue  # other TP ranks still copying their shard
             del self._store_jobs[job_id]
+            if job.pinned:  # the workers read them no more
+                self._kv_cache_manager.block_pool.free_blocks(job.pinned)
             state = self._reqs.get(job.req_id)
             if job.failed or job.stale:
                 for key in job.keys:
