@@ -221,9 +221,9 @@ def kept_out_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     kinds = [type(_scheduler_spec(g.kv_cache_spec)) for g in groups]
     if len(kinds) == 1 and kinds[0] in _proven_spec_types():
         return None
-    if hybrid_groups(groups):
-        return None
     model = getattr(vllm_config.model_config, "model", None)
+    if hybrid_groups(groups):
+        return _states_moved_reason(vllm_config, groups, model)
     windowed = any(kind.__name__ in _WINDOWED_SPECS for kind in kinds)
     return (f"KVBM: model {model!r} has KV cache groups KVBM does not serve yet "
             f"({_count_groups(groups)}): KVBM looks up and stores nothing for it, so no "
@@ -232,6 +232,51 @@ def kept_out_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
             f"{' or '.join(t.__name__ for t in _proven_spec_types())}, or {_HYBRID_SERVED}."
             + (" With --disable-hybrid-kv-cache-manager vLLM runs the sliding-window "
                "layers as full attention, and KVBM stores their whole KV." if windowed else ""))
+
+
+def vllm_hands_off_states() -> bool:
+    """Whether vLLM's scheduler names the block that holds each Mamba
+    "align" state it keeps, with its exact boundary
+    (``SchedulerOutput.kv_connector_block_state.boundary_state_offloads``,
+    vLLM 0.32): KVBM stores those blocks (scheduler/group_pages.py). Without
+    it, the state at a boundary is read from the block at its position."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return "kv_connector_block_state" in getattr(SchedulerOutput, "__dataclass_fields__", {})
+
+
+def _states_moved_reason(vllm_config: "VllmConfig", groups, model) -> str | None:
+    """Why a hybrid's Mamba state cannot be stored, or None. Without vLLM's
+    hand-offs a state is read from the block at its boundary's position, and
+    vLLM 0.32 keeps one elsewhere when speculative decoding (MTP, EAGLE)
+    gives a state group speculative blocks, which it relocates in the table,
+    or moves its prefill checkpoints a block back (EAGLE's block drop), and
+    when ``prefix_match_unit`` is below a state group's block size (states
+    at boundaries inside a block, checkpoints in the column before the
+    chunk's last, copies on write)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs = [_scheduler_spec(g.kv_cache_spec) for g in groups]
+    states = [s for s in specs if type(s) is MambaSpec]
+    if not states or vllm_hands_off_states():
+        return None
+    unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
+    spec_tokens = getattr(vllm_config, "num_speculative_tokens", 0) or 0
+    if spec_tokens or any(s.num_speculative_blocks for s in states):
+        setting = (f"speculative decoding (--speculative-config, {spec_tokens or 'some'} "
+                   f"speculative tokens)", "remove --speculative-config")
+    elif unit is not None and any(unit < s.block_size for s in states):
+        setting = (f"--prefix-match-unit {unit} (below the Mamba block size, "
+                   f"{min(s.block_size for s in states)} tokens)",
+                   "unset --prefix-match-unit")
+    else:
+        return None
+    return (f"KVBM: model {model!r}: with {setting[0]} vLLM keeps a Mamba state in another "
+            f"block than its boundary's, and this vLLM does not hand connectors the block of "
+            f"each boundary (SchedulerOutput.kv_connector_block_state): KVBM looks up and "
+            f"stores nothing for this model, so no prefix hits come from KVBM (vLLM's own "
+            f"prefix caching still works). To serve it, {setting[1]}, or run a vLLM whose "
+            f"scheduler hands them off (vLLM 0.32's does).")
 
 
 _HYBRID_SERVED = ("groups of FullAttentionSpec beside groups of SlidingWindowSpec, "

@@ -81,6 +81,9 @@ def vllm_config_for(dense, layers: dict):
         # as vLLM's MambaModelConfig sets them with prefix caching on
         cfg.cache_config.mamba_cache_mode = "align"
         cfg.cache_config.mamba_block_size = BLOCK
+        # vLLM keeps (and hands off) the state at every chunk's end, not only
+        # at each prompt's replay boundary (its default, 0: test_boundary_states.py)
+        cfg.cache_config.prefix_cache_retention_interval = None
     resolve_kv_cache_layout(cfg, [["LBHNC"]])  # the engine core does this first
     return cfg
 

@@ -22,9 +22,15 @@ boundary ``b`` reads it (as vLLM's OffloadingConnector does,
   kept like a window, before the prompt's end (a hit at a chunk's start
   reads none of it).
 - state (Mamba, Gated DeltaNet in vLLM's align mode): the block holding the
-  state at ``b``; vLLM computes it where a scheduled chunk ends on a block
-  boundary (chunk ends, the prompt's last full block), and only there is it
-  stored.
+  state at ``b``. vLLM's align-mode block tables are not positional (a
+  prefill checkpoint, EAGLE/MTP's speculative blocks and a
+  ``prefix_match_unit`` below the block size put a boundary's state in
+  another column), so the state stored for ``b`` is the block vLLM hands
+  off for exactly ``b`` tokens (``boundary_states``): the boundaries its
+  own prefix cache keeps (each prompt's replay boundary, shared-prefix
+  junctions, every ``--prefix-cache-retention-interval`` tokens). A vLLM
+  without hand-offs is read by position, and the settings that move a state
+  keep the model out of KVBM (engine_info.py).
 
 A hit is the longest prefix whose every group has what it reads; what a
 lookup found is checked again against the blocks vLLM allocates.
@@ -35,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from vllm_kvbm.engine_info import vllm_hands_off_states
 from vllm_kvbm.keys import PageKey, group_key
 from vllm_kvbm.messages import SKIP
 
@@ -68,6 +75,40 @@ class GroupPages:
         self.page_blocks = info.page_blocks
         self._spacing = {g.index: self._hit_spacing(g) for g in self.others
                          if g.kind in WINDOWED}
+        self._state_groups = frozenset(g.index for g in self.others if g.kind == "state")
+        # vLLM names the block of each state boundary (else: by position)
+        self.handed_off = vllm_hands_off_states()
+
+    def boundary_states(self, out, block_ids) -> dict[str, dict[tuple[int, int], int]]:
+        """The state blocks vLLM hands off in scheduler output ``out``, per
+        request: (page, group) -> block, for boundaries at a page's end.
+        vLLM records (group, block, boundary tokens) for each state its
+        prefix cache keeps, as it schedules the step whose forward computes
+        it (``SchedulerOutput.kv_connector_block_state``); a boundary inside
+        a page (a partial tail, copied on write) is not stored. A request
+        preempted or finished this step gave its blocks up, and a block no
+        longer in the request's table may be another's: both skipped (as
+        vLLM's own offloading does). ``block_ids(req_id)``: its blocks per
+        group, as vLLM's KV cache manager has them now."""
+        handoffs = getattr(getattr(out, "kv_connector_block_state", None),
+                           "boundary_state_offloads", None)
+        if not handoffs or not self._state_groups:
+            return {}
+        gone = set(out.preempted_req_ids or ()) | set(out.finished_req_ids or ())
+        states: dict[str, dict[tuple[int, int], int]] = {}
+        for req_id, entries in handoffs.items():
+            if req_id in gone:
+                continue
+            table = None
+            for group, block, boundary in entries:
+                if (group not in self._state_groups or block == NULL_BLOCK
+                        or boundary <= 0 or boundary % self.page_tokens):
+                    continue
+                table = table if table is not None else block_ids(req_id)
+                if block in table[group]:
+                    page = boundary // self.page_tokens - 1
+                    states.setdefault(req_id, {})[(page, group)] = block
+        return states
 
     def _hit_spacing(self, g: "GroupInfo") -> int:
         """Pages between the boundaries, besides the prompt's end, before which
@@ -99,10 +140,14 @@ class GroupPages:
         return self.first_window_page(g, boundary) <= page
 
     def store_units(self, keys: list[PageKey], pages: range, group_blocks,
-                    prompt_tokens: int) -> list[Unit]:
+                    prompt_tokens: int, states: dict[tuple[int, int], int] | None = None
+                    ) -> list[Unit]:
         """The group pages to store of ``pages`` (completed this step):
-        ``group_blocks[g]`` are group g's engine block ids for the request."""
+        ``group_blocks[g]`` are group g's engine block ids for the request,
+        ``states`` the state blocks vLLM handed off this step by (page,
+        group) (``boundary_states``; None: none)."""
         g_blocks, units = self.page_blocks, []
+        states = states or {}
         for i in pages:
             span = slice(i * g_blocks, (i + 1) * g_blocks)
             units.append(Unit(i, self.primary, keys[i], tuple(group_blocks[self.primary][span])))
@@ -111,9 +156,10 @@ class GroupPages:
                 if len(blocks) < g_blocks:
                     continue
                 if g.kind == "state":
-                    if blocks[-1] == NULL_BLOCK:
-                        continue  # no state computed at this page's end
-                    blocks = (SKIP,) * (g_blocks - 1) + blocks[-1:]
+                    state = states.get((i, g.index)) if self.handed_off else blocks[-1]
+                    if state is None or state == NULL_BLOCK:
+                        continue  # no state kept at this page's end
+                    blocks = (SKIP,) * (g_blocks - 1) + (state,)
                 elif NULL_BLOCK in blocks or (
                         g.kind in WINDOWED and not self._window_kept(g, i, prompt_tokens)):
                     continue

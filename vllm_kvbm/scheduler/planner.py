@@ -132,11 +132,13 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         now = self.split.clock()
         self._time_prefills(now)
         watched = self._watched
+        states = {} if self.groups is None else self.groups.boundary_states(
+            out, self._kv_cache_manager.get_block_ids)
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             state = watched.get(req_id)
             if state is not None and num_scheduled > 0:
                 self._watch_prefill(state, num_scheduled, now)
-                job = self._plan_store(state, num_scheduled)
+                job = self._plan_store(state, num_scheduled, states.get(req_id))
                 if job is not None:
                     meta.stores.append(job)
                 if self._settled(state, num_scheduled):

@@ -21,9 +21,11 @@ BACKLOG_TIMEOUT_STEPS = 20
 class StorePlanning:
     """Part of ``KVBMScheduler`` (planner.py, which holds the state): stores."""
 
-    def _plan_store(self, state: _ReqState, num_scheduled: int) -> TransferJob | None:
+    def _plan_store(self, state: _ReqState, num_scheduled: int,
+                    states: dict[tuple[int, int], int] | None = None) -> TransferJob | None:
         """Stores every full page this step completes that the host lacks
-        (after the request's backlog)."""
+        (after the request's backlog); ``states``: a hybrid's state blocks
+        vLLM handed off this step (GroupPages.boundary_states)."""
         request = state.request
         if state.no_store or not state.params.stores or (
                 not self.offload_decode_blocks
@@ -45,7 +47,7 @@ class StorePlanning:
         assert self._kv_cache_manager is not None
         start = state.store.cursor if state.store.backlog is None else state.store.backlog
         state.store.cursor = full
-        return self._store_pages(state, start, full)
+        return self._store_pages(state, start, full, states)
 
     def _drain_backlogs(self) -> list[TransferJob]:
         """Stores of backlogged pages, into the host slots freed since
@@ -61,13 +63,15 @@ class StorePlanning:
                 jobs.append(job)
         return jobs
 
-    def _store_pages(self, state: _ReqState, start: int, full: int) -> TransferJob | None:
+    def _store_pages(self, state: _ReqState, start: int, full: int,
+                     states: dict[tuple[int, int], int] | None = None) -> TransferJob | None:
         """A store of pages [start, full) the host lacks, into the host slots
         free or evictable now. Pages that find none wait as the request's
         backlog when lower tiers exist (stored as slots come free, vLLM
-        keeping a finished request's blocks meanwhile), else are skipped."""
+        keeping a finished request's blocks meanwhile), else are skipped
+        (a backlog's state pages too: vLLM handed their blocks off steps ago)."""
         if self.groups is not None:
-            return self._store_group_pages(state, start, full)
+            return self._store_group_pages(state, start, full, states)
         request, keys = state.request, state.chain.keys
         # Blocks the host has (stored, or being stored by another request)
         # are left out.
@@ -107,13 +111,14 @@ class StorePlanning:
         pool.touch(blocks)
         return blocks
 
-    def _store_group_pages(self, state: _ReqState, start: int, full: int) -> TransferJob | None:
+    def _store_group_pages(self, state: _ReqState, start: int, full: int,
+                           states: dict[tuple[int, int], int] | None) -> TransferJob | None:
         """``_store_pages`` for a hybrid model: each group's pages of pages
         [start, full) that its hits read (scheduler/group_pages.py)."""
         request, keys = state.request, state.chain.keys
         blocks = self._kv_cache_manager.get_blocks(request.request_id).get_block_ids()
         units = self.groups.store_units(keys, range(start, full), blocks,
-                                        request.num_prompt_tokens)
+                                        request.num_prompt_tokens, states)
         unit_keys = [u.key for u in units]
         positions, job_slots, stopped = self.host.allocate_missing(unit_keys, 0, len(units))
         self._note_backlog(state, units[stopped].page if stopped < len(units) else full,
