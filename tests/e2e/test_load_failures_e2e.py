@@ -27,10 +27,10 @@ import time
 import pytest
 
 from helpers import ROOT
-from helpers.engines import EVERY_PAGE_LOADED, generate_request, kvbm_counter, make_llm, random_prompt, shutdown
+from helpers.engines import (EVERY_PAGE_LOADED, generate_request, kvbm_counter, make_llm,
+                             random_prompt, shutdown)
 from helpers.read_fault_relay import ReadFaultRelay
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
-from test_engine_e2e import generate
 from test_hybrid_window_e2e import recomputed
 from test_redis_e2e import page_keys
 from test_redis_store import PASSWORD, RedisServer
