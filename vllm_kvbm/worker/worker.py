@@ -18,7 +18,11 @@ polled instead. What orders each kind of transfer:
 
 - store (engine -> host): after the fence, so after the kernels that write the
   step's KV. The engine blocks stay the request's until the store is reported
-  (delayed free, preemption flush), so nothing rewrites them meanwhile.
+  (delayed free, preemption flush), so nothing rewrites them meanwhile; a
+  hybrid model's stores also hold their blocks in vLLM's block pool until
+  reported (scheduler/store_plan.py), since vLLM frees a sliding window's and
+  a state's blocks as the request moves on, and Model Runner V2 zeroes and
+  copies new blocks before ``handle_preemptions``.
 - load (host -> engine): after the fence too. The blocks were just allocated
   to the request, but kernels queued earlier may still write them: vLLM's
   zeroing of newly allocated blocks (shipped in an earlier step for a block
