@@ -1,8 +1,11 @@
-"""The weights a worker runs, digested from its parameters and buffers
-(worker/loaded_weights.py), and the scheduler's weights epochs
-(scheduler/weights_epochs.py): real torch modules, no engine."""
+"""The weights a worker runs, as labels (worker/loaded_weights.py), and the
+scheduler's weights epochs (scheduler/weights_epochs.py): real torch modules,
+no engine. The changes vLLM makes through collective_rpc are in
+test_weight_changes.py."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -37,42 +40,34 @@ def _worker(model, rank: int = 0) -> LoadedWeights:
     return weights
 
 
-def test_a_worker_serves_only_jobs_keyed_under_its_weights():
-    model = _model()
-    worker = _worker(model)
-    assert worker.serves((0, ("",)))
+def test_unchanged_weights_keep_the_files_label_across_epochs():
+    worker = _worker(_model())
     assert worker.serves(None)  # nothing keyed yet
-    with torch.no_grad():
-        model[1].weight.mul_(2)
-    # Before a new epoch the worker cannot know (vLLM's cache is stale too);
-    # the epoch the next reset starts digests again.
-    assert not worker.serves((1, ("",)))
-    [(epoch, rank, label)] = worker.take_unreported()
-    assert (epoch, rank) == (1, 0) and label == weights_digest(model)
-    assert worker.serves((1, (label,)))
-    assert worker.take_unreported() == []
-    with torch.no_grad():
-        model[1].weight.div_(2)  # back to the weights as loaded
-    assert not worker.serves((2, (label,)))
-    assert worker.take_unreported() == [(2, 0, "")]
+    assert worker.serves((0, ("",)))
+    assert worker.serves((1, ("",))) and worker.take_unreported() == [(1, 0, "")]
     assert worker.serves((2, ("",)))
 
 
-def test_a_weight_change_vllm_makes_refuses_jobs_until_the_next_epoch():
-    class FakeVllmWorker:
-        def reload_weights(self):
-            with torch.no_grad():
-                model[0].bias.add_(1)
-
+def test_parameters_changed_with_no_call_seen_get_a_private_label_for_good():
+    """The digest of the parameters does not show all a model computes with
+    (vLLM's CPU build runs linear layers from packed copies outside them), so
+    a change no call showed is nobody else's: a private label, and weights
+    back to their digest at load do not give the files' label back."""
     model = _model()
-    weights = _worker(model)
-    vllm_worker = FakeVllmWorker()
-    weights.observe_changes(vllm_worker)
-    vllm_worker.reload_weights()
-    assert not weights.serves((0, ("",)))
-    assert not weights.serves((1, ("",)))
-    [(_, _, label)] = weights.take_unreported()
-    assert weights.serves((1, (label,)))
+    worker = _worker(model)
+    with torch.no_grad():
+        model[1].weight.mul_(2)
+    assert not worker.serves((1, ("",)))
+    [(epoch, rank, label)] = worker.take_unreported()
+    assert (epoch, rank) == (1, 0) and label.startswith("private:")
+    assert worker.serves((1, (label,)))
+    assert worker.serves((2, (label,)))  # no change since: the same label
+    assert worker.take_unreported() == [(2, 0, label)]
+    with torch.no_grad():
+        model[1].weight.div_(2)  # back to the digest at load
+    assert not worker.serves((3, (label,)))
+    [(_, _, back)] = worker.take_unreported()
+    assert back.startswith("private:") and back != label
 
 
 def test_without_the_model_each_epoch_is_new():
@@ -98,8 +93,36 @@ def test_engines_that_received_the_same_update_agree_on_the_keys():
     assert a.seed(base) == b.seed(base) != base
     a.new_epoch()
     assert not a.reported([(2, 0, "d0"), (2, 1, "d1")])  # the same weights: same keys
+    a.meta()
     a.new_epoch()
     assert a.reported([(3, 0, ""), (3, 1, "")]) and a.seed(base) == base
+
+
+def test_a_rank_that_changes_label_within_an_epoch_moves_the_keys_at_once():
+    """A change without a reset: the worker reports its new label in the
+    epoch it is in, and the keys follow without waiting for the other rank
+    (that rank refuses the jobs until its own report is in)."""
+    epochs = WeightsEpochs(2)
+    assert not epochs.reported([(0, 0, "")])
+    assert epochs.reported([(0, 1, "private:x")]) and epochs.labels == ("", "private:x")
+    assert epochs.reported([(0, 0, "private:y")]) and epochs.labels == ("private:y",
+                                                                          "private:x")
+
+
+def test_a_second_reset_while_the_workers_digest_starts_another_epoch():
+    """The first reset's epoch reached the workers (a step's metadata
+    carried it) and a large model's digest runs on a thread; the weights
+    change, and vLLM's cache is reset again: that reset is a new epoch, and
+    the first digest's report, taken of weights since changed, names no keys."""
+    epochs = WeightsEpochs(1)
+    epochs.new_epoch()
+    epochs.new_epoch()  # the same reset seen by both hooks: one epoch
+    assert epochs.meta() == (1, ("",))  # a step carried it to the workers
+    epochs.new_epoch()  # the second reset, before any report
+    assert epochs.meta() == (2, ("",))
+    assert not epochs.reported([(1, 0, "digest of the weights before")])
+    assert epochs.labels == ("",)
+    assert epochs.reported([(2, 0, "private:z")]) and epochs.labels == ("private:z",)
 
 
 def test_the_model_is_found_from_vllms_caller_and_an_unreadable_one_is_a_new_epoch_each_reset():
@@ -112,21 +135,48 @@ def test_the_model_is_found_from_vllms_caller_and_an_unreadable_one_is_a_new_epo
         def initialize_kv_cache(self):
             return LoadedWeights.from_vllm(0)
 
-    found = Runner(lambda: model).initialize_kv_cache()
+    class Executor:  # vLLM dispatches collective_rpc from its executor
+        driver_worker = None
+
+        def collective_rpc(self, method, *args):
+            return method()
+
+    found = Executor().collective_rpc(Runner(lambda: model).initialize_kv_cache)
+    assert found.serves((0, ("",)))
     with torch.no_grad():
         model[0].weight.add_(1)
     assert not found.serves((1, ("",)))
-    assert found.take_unreported() == [(1, 0, weights_digest(model))]
+    [(epoch, _, label)] = found.take_unreported()
+    assert epoch == 1 and label.startswith("private:")
 
     def unreadable():
         raise RuntimeError("no model")
-    fallback = Runner(unreadable).initialize_kv_cache()
+    fallback = Executor().collective_rpc(Runner(unreadable).initialize_kv_cache)
     assert fallback.serves((0, ("",))) and not fallback.serves((1, ("",)))
 
 
-def test_a_large_models_pass_runs_off_the_worker_thread_its_jobs_refused_meanwhile(monkeypatch):
-    import threading
+def test_an_engine_whose_calls_cannot_be_seen_keeps_its_pages_to_itself():
+    """No collective_rpc dispatch on the stack (an executor KVBM cannot
+    watch): a private label at once, and a new one at every epoch."""
+    model = _model()
 
+    class Runner:
+        def get_model(self):
+            return model
+
+        def initialize_kv_cache(self):
+            return LoadedWeights.from_vllm(0)
+
+    blind = Runner().initialize_kv_cache()
+    [(epoch, _, first)] = blind.take_unreported()
+    assert epoch == 0 and first.startswith("private:") and not blind.serves((0, ("",)))
+    assert blind.serves((0, (first,)))
+    blind.serves((1, (first,)))
+    [(epoch, _, second)] = blind.take_unreported()
+    assert epoch == 1 and second.startswith("private:") and second != first
+
+
+def test_a_large_models_pass_runs_off_the_worker_thread_its_jobs_refused_meanwhile(monkeypatch):
     from vllm_kvbm.worker import loaded_weights
 
     monkeypatch.setattr(loaded_weights, "INLINE_DIGEST_BYTES", 0)  # every model "large"
@@ -146,3 +196,30 @@ def test_a_large_models_pass_runs_off_the_worker_thread_its_jobs_refused_meanwhi
     while not (reports := worker.take_unreported()):
         release.wait(0.01)
     assert reports == [(1, 0, "")] and worker.serves((1, ("",)))
+
+
+def test_a_pass_overtaken_by_the_next_epoch_reports_nothing(monkeypatch):
+    """The worker side of a second reset during a threaded digest: the first
+    pass's result is dropped, the second epoch's pass reports."""
+    from vllm_kvbm.worker import loaded_weights
+
+    monkeypatch.setattr(loaded_weights, "INLINE_DIGEST_BYTES", 0)
+    first, digest = threading.Event(), loaded_weights.weights_digest
+    calls = []
+
+    def digest_once_slow(model, threads=None):
+        calls.append(1)
+        if len(calls) == 2:  # the first epoch's pass (the first call is at load)
+            first.wait()
+        return digest(model, threads)
+
+    monkeypatch.setattr(loaded_weights, "weights_digest", digest_once_slow)
+    model = _model()
+    worker = _worker(model)
+    assert not worker.serves((1, ("",)))
+    worker.serves((2, ("",)))  # the next epoch while the first pass runs
+    while not (reports := worker.take_unreported()):
+        threading.Event().wait(0.01)
+    first.set()
+    threading.Event().wait(0.05)
+    assert reports + worker.take_unreported() == [(2, 0, "")]

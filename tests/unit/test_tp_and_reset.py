@@ -6,7 +6,7 @@
 - a connector reset forgets the host tier and the stores in flight, and keys
   stay a function of the weights the workers run: a lower tier's pages of
   the same weights are served again, of other weights never (a real
-  DiskStore writes the files, real ``LoadedWeights`` digest real modules).
+  DiskStore writes the files, real ``LoadedWeights`` label real modules).
 """
 
 from __future__ import annotations
@@ -100,10 +100,10 @@ def test_after_a_reset_a_lower_tiers_pages_are_served_under_the_same_weights_onl
         assert keys_of(s, prompt)[:2] == old_keys
         assert lookup(k, make_request(prompt))[0] == 2 * BLOCK
 
-        # Weights changed in memory, then a reset: once the digest is in, the
-        # keys name it, and the pages of the weights before are never looked up.
-        with torch.no_grad():
-            model[1].weight.mul_(2)
+        # Weights updated in memory, then a reset: once the workers' labels
+        # are in, the keys name them, and the pages of the weights before are
+        # never looked up.
+        update(worker, model, 2.0)
         assert s.reset_prefix_cache(reset_connector=True)
         assert step_with_weights(s, [worker])[2] == [False]  # jobs under the old keys
         new_keys = keys_of(s, prompt)[:2]
@@ -114,9 +114,9 @@ def test_after_a_reset_a_lower_tiers_pages_are_served_under_the_same_weights_onl
         store_and_finish(s, prompt)
         assert all(k.host.is_ready(key) for key in new_keys)
 
-        # Back to the weights as loaded: the pages stored before are found again.
-        with torch.no_grad():
-            model[1].weight.div_(2)
+        # The files loaded at startup reloaded: the pages stored before are
+        # found again.
+        update(worker, model, 0.5, label="")
         assert s.reset_prefix_cache(reset_connector=True)
         step_with_weights(s, [worker])
         assert keys_of(s, prompt)[:2] == old_keys
@@ -162,13 +162,28 @@ def test_engines_that_received_the_same_update_and_reset_share_keys():
     for sched, scale in zip(engines, updates):
         model = _model()
         worker = worker_weights(model)
-        with torch.no_grad():
-            model[1].weight.mul_(scale)
+        update(worker, model, scale)
         assert sched.reset_prefix_cache(reset_connector=True)
         step_with_weights(sched, [worker])
     a, b, c = (keys_of(sched, prompt) for sched in engines)
     assert a == b  # the same update: shared pages
     assert a != before and c != a and c != before
+
+
+def update(worker, model, scale: float, label: str | None = None) -> None:
+    """An update KVBM identifies, as vLLM's update_weights runs it: the
+    model's LayerNorm weight scaled, loaded as a (name, tensor) pair the
+    worker digests (``label`` "": a reload of the files loaded at startup)."""
+    from vllm_kvbm.worker.weight_digests import LoadDigest
+
+    base = worker.begin_change("update_weights")
+    digest = LoadDigest()
+    with torch.no_grad():
+        for name, tensor in digest.passing([("1.weight", model[1].weight * scale)]):
+            model[1].weight.copy_(tensor)
+    if label is None:
+        label = worker.load_label(base, digest, [])
+    worker.end_change(label, "update_weights", digest.names)
 
 
 def test_a_reset_vllm_refused_is_refused_by_kvbm_too():

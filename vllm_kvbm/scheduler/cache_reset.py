@@ -1,6 +1,6 @@
 """Resets: the connector's (the host tier and the stores in flight
-forgotten), and vLLM's prefix-cache resets; each starts a weights epoch, after
-which the workers digest their weights again (scheduler/weights_epochs.py)."""
+forgotten), and vLLM's prefix-cache resets; each starts a weights epoch, on
+which the workers label their weights again (scheduler/weights_epochs.py)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ class CacheReset:
         Keys stay a function of what the KV depends on, the namespace's seed
         and the weights the workers run, never of the reset itself: the reset
         starts a weights epoch (as vLLM's own prefix-cache reset does; vLLM
-        may call this without or before that hook), the workers digest their
-        weights, and until their digests are in, every job is keyed under the
+        may call this without or before that hook), the workers label their
+        weights, and until their labels are in, every job is keyed under the
         weights known before and refused by a worker whose weights differ.
         So disk and remote pages of the same weights stay valid and are
         served again, here and on every engine that received the same update,
@@ -69,13 +69,13 @@ class CacheReset:
     def _watch_prefix_cache_resets(self, manager) -> None:
         """Each successful reset of vLLM's prefix cache (with or without
         ``reset_connector``: RL frameworks reset it after every weight sync)
-        starts a weights epoch: the workers digest their weights again."""
+        starts a weights epoch: the workers label their weights again."""
         reset = manager.reset_prefix_cache
 
         def reset_prefix_cache() -> bool:
             done = reset()
-            if done:
-                self.weights.new_epoch()
+            if done and self.weights.new_epoch():
+                self._new_keys()  # the labels the workers announced for it
             return done
         manager.reset_prefix_cache = reset_prefix_cache
 

@@ -1,33 +1,46 @@
-"""The weights this worker runs, as a digest of the parameters in memory.
+"""The weights this worker runs, as the label the keys name them by.
 
-Keys name the model's files as loaded (fingerprints.py), but vLLM can change
-the weights in memory afterwards: its weight-transfer API (``update_weights``),
-``reload_weights``, or any function sent through ``collective_rpc``. RL
-frameworks reset vLLM's prefix cache after such a sync; the scheduler side
-sees that reset and starts a new weights epoch, which the next connector
-metadata carries (scheduler/weights_epochs.py). On it, each worker digests
-its parameters and buffers again and reports a label: "" while they equal
-what it loaded (the keys name the files then), else their digest, which
-then joins the keys, so engines that received the same update share pages
-again. Until its digest of an epoch is done, and whenever the labels a job
-was keyed under are not its own, a worker refuses the job: a store is not
-cached, a load is recomputed.
+Keys name the model's files as loaded (fingerprints.py). vLLM can change the
+weights in memory afterwards, and always does it through ``collective_rpc``
+on the worker, which KVBM watches where vLLM dispatches it
+(weight_changes.py). A worker's label is one of:
 
-vLLM's own weight-changing methods on the worker (``update_weights``,
-``reload_weights``, ``wake_up``) are observed too: after one, every job is
-refused until the next prefix-cache reset (vLLM's own cache still holds the
-old weights' KV until then, and pages computed on top of it must not be
-named by the new weights).
+- ``""``: the files as loaded (the namespace's keys);
+- ``load:<digest>``: what identified updates loaded since (``reload_weights``,
+  vLLM's weight-transfer API), digested from the (name, tensor) pairs handed
+  to the model's ``load_weights`` and chained on the label before, so engines
+  that received the same updates share pages again; a ``reload_weights`` of
+  the very files loaded at startup (same paths and stats, nothing else
+  changed since) gives ``""`` back;
+- ``private:<random>``: a change KVBM cannot identify (a function sent
+  through ``collective_rpc``, an unknown method, a failed update), or the
+  weights while a change is under way: this engine's pages alone.
+
+A change moves the worker to a fresh private label at once, before it runs:
+the next step's worker metadata reports it (the scheduler's keys follow), and
+jobs keyed under another label are refused meanwhile (a store not cached, a
+load recomputed). The label stays private until vLLM's prefix cache is
+reset, because until then vLLM's own cache serves KV of the weights before,
+and pages computed on top of it are this engine's only. The reset starts a
+weights epoch (scheduler/weights_epochs.py); on it the worker takes the
+label the change earned (an identified load's, else a new private one),
+checks its parameters' digest against the last one (weights changed with no
+call seen, e.g. in the engine's own process: a new private label) and
+reports.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import logging
 import os
 import sys
 import threading
 from typing import Any, Callable
+
+from vllm_kvbm import opened_files
+from vllm_kvbm.worker import weight_changes
+from vllm_kvbm.worker.weight_digests import LoadDigest, weights_bytes, weights_digest
 
 logger = logging.getLogger(__name__)
 
@@ -36,58 +49,10 @@ logger = logging.getLogger(__name__)
 # at the CPU rates of docs/benchmarks.md); a larger model's runs on a thread
 # of its own, its jobs refused meanwhile.
 INLINE_DIGEST_BYTES = 256 << 20
-# Bytes copied from an accelerator to host memory at a time for hashing.
-_CHUNK_BYTES = 64 << 20
-# vLLM's worker methods that change the weights in memory (0.32 to 0.34).
-_WEIGHT_CHANGES = ("update_weights", "finish_weight_update", "reload_weights", "wake_up")
 
 
-def _flat_tensors(name: str, tensor) -> list[tuple[str, Any]]:
-    """The plain tensors holding ``tensor``'s bytes: a tensor subclass (e.g.
-    a quantized one) keeps them in inner tensors."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
-    if is_traceable_wrapper_subclass(tensor):
-        out = []
-        for attr in tensor.__tensor_flatten__()[0]:
-            out += _flat_tensors(f"{name}.{attr}", getattr(tensor, attr))
-        return out
-    return [(name, tensor)]
-
-
-def model_tensors(model) -> list[tuple[str, Any]]:
-    """Every parameter and buffer of ``model`` by name, in name order."""
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    out = []
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        out += _flat_tensors(name, tensor.detach())
-    return out
-
-
-def weights_bytes(model) -> int:
-    return sum(t.numel() * t.element_size() for _, t in model_tensors(model))
-
-
-def weights_digest(model, threads: int | None = None) -> str:
-    """BLAKE3 over each parameter's and buffer's name, dtype, shape and bytes
-    (on every core unless ``threads``)."""
-    import blake3
-    import torch
-
-    hasher = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
-    for name, tensor in model_tensors(model):
-        hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        data = tensor.contiguous().view(-1)
-        try:
-            data = data.view(torch.uint8)
-        except RuntimeError:  # a dtype whose bytes cannot be viewed (quantized)
-            data = torch.frombuffer(bytearray(data.cpu().untyped_storage()), dtype=torch.uint8)
-        if data.device.type == "cpu":
-            hasher.update(data.numpy())
-            continue
-        for start in range(0, data.numel(), _CHUNK_BYTES):
-            hasher.update(data[start:start + _CHUNK_BYTES].cpu().numpy())
-    return hasher.hexdigest()
+def private_label() -> str:
+    return "private:" + os.urandom(16).hex()
 
 
 def _caller_self(match: Callable[[Any], bool]) -> Any:
@@ -116,28 +81,36 @@ def _find_worker() -> Any:
 
 
 class LoadedWeights:
-    """This worker's weights: their digest at load and after each weights
-    epoch the scheduler starts, and whether jobs keyed under given labels
-    may run (``serves``)."""
+    """This worker's weights: their label, the changes vLLM makes to them,
+    each weights epoch the scheduler starts, and whether jobs keyed under
+    given labels may run (``serves``)."""
 
     def __init__(self, rank: int, model: Callable[[], Any] | None):
         self.rank = rank
         self._model = model  # returns the model vLLM runs now
         self._lock = threading.Lock()
         self.epoch = 0
-        # "": the weights as loaded; a digest: others; None: being digested
-        self.label: str | None = ""
-        self._loaded: str | None = None  # digest at load (None: none taken)
-        self._changed = False  # vLLM changed them since this epoch's digest
+        self.label = ""  # of the weights as they run now
+        self._next: str | None = None  # the label a change earned, from the next epoch
+        self._changes = 0  # changes seen begin or end
+        # (changes, parameters' digest) when last checked; None: not taken
+        self._basis: tuple[int, str | None] = (0, None)
+        self._checking = False  # this epoch's digest pass is running
+        self._tainted = False  # a change not identified since load
+        self._blind = False  # vLLM's calls cannot be seen: a new private label per epoch
+        self._touched: set[str] = set()  # names loaded by updates since the files' label
+        self._files: opened_files.Selection | None = None  # the files vLLM loaded
+        self.session: Any = None  # a weight-transfer update under way (weight_changes.py)
         self._unreported: list[tuple[int, int, str]] = []
-        self._refusing_logged = -1
+        self._refusing_logged: tuple[int, str] | None = None
 
     @classmethod
     def from_vllm(cls, rank: int) -> "LoadedWeights":
-        """Called while vLLM registers the KV cache: its model runner and
-        worker are found on the stack; without them, each new epoch gets a
-        random label (pages stored before a prefix-cache reset are then never
-        looked up again by this engine)."""
+        """Called while vLLM registers the KV cache: its model runner, worker
+        and collective_rpc dispatch are found on the stack. Without the
+        model, each new epoch gets a random label (pages stored before a
+        prefix-cache reset are then never looked up again by this engine);
+        without the dispatch, every label is private."""
         runner = find_model_runner()
         weights = cls(rank, runner.get_model if runner is not None else None)
         try:
@@ -150,78 +123,163 @@ class LoadedWeights:
             logger.warning("KVBM: without the model's parameters, each reset of vLLM's "
                            "prefix cache moves this engine's keys to a new epoch (pages are "
                            "not shared across a reset)")
-        weights.observe_changes(_find_worker())
+        worker = _find_worker()
+        model = getattr(getattr(getattr(worker, "vllm_config", None), "model_config", None),
+                        "model", None)
+        weights._files = opened_files.latest(model) if model else None
+        if weight_changes.watch(weights, worker) is None:
+            logger.warning("KVBM: cannot see the calls vLLM's executor runs on this worker "
+                           "(collective_rpc), so not whether they change the weights: this "
+                           "engine's pages are its own (shared with no other engine), and "
+                           "each reset of vLLM's prefix cache starts a new label")
+            weights.blind()
         return weights
 
+    def blind(self) -> None:
+        """No change can be seen: a private label from now on, a new one at
+        every epoch."""
+        with self._lock:
+            self._blind = self._tainted = True
+            self.label = private_label()
+            self._unreported.append((self.epoch, self.rank, self.label))
+
     def digest_at_load(self) -> None:
-        self._loaded = weights_digest(self._model())
+        self._basis = (self._changes, weights_digest(self._model()))
 
-    def observe_changes(self, worker: Any) -> None:
-        """Wraps the weight-changing methods of vLLM's ``worker`` (on the
-        instance): after one, jobs are refused until the next epoch."""
-        if worker is None:
-            return
-        for name in _WEIGHT_CHANGES:
-            method = getattr(worker, name, None)
-            if callable(method) and not getattr(method, "__kvbm_observed__", False):
-                setattr(worker, name, self._observed(name, method))
+    # ---- changes, as vLLM makes them (weight_changes.py) ---------------------------
 
-    def _observed(self, name: str, method):
-        @functools.wraps(method)
-        def changed(*args, **kwargs):
-            try:
-                return method(*args, **kwargs)
-            finally:
-                with self._lock:
-                    self._changed = True
-                logger.warning("KVBM: vLLM changed the weights in memory (%s): no KV is loaded "
-                               "or stored until vLLM's prefix cache is reset "
-                               "(reset_prefix_cache(), as after any weight update)", name)
-        changed.__kvbm_observed__ = True
-        return changed
+    def begin_change(self, what: str) -> str:
+        """vLLM starts changing the weights: a fresh private label at once.
+        Returns the label the weights had, which an identified load chains on."""
+        with self._lock:
+            base = self._next if self._next is not None else self.label
+            self._changes += 1
+            self.label = private_label()
+            self._unreported.append((self.epoch, self.rank, self.label))
+            if self.session is not None:
+                self.session.ok = False  # something else changed them mid-update
+        return base
+
+    def end_change(self, label: str | None, what: str, loaded: set[str] = frozenset()) -> None:
+        """The change is over: ``label`` is the weights' label from the next
+        epoch on (None: one KVBM cannot identify: a new private label)."""
+        with self._lock:
+            self._changes += 1
+            if label is None:
+                label, self._tainted = private_label(), True
+            self._touched = set() if label == "" else self._touched | set(loaded)
+            self._next = label
+            # announced for the next epoch: its first step's keys name it
+            self._unreported.append((self.epoch + 1, self.rank, label))
+        if label.startswith("private:"):
+            logger.warning("KVBM: %s changed the weights in a way KVBM cannot identify: this "
+                           "engine's pages are its own from now on (until a restart)", what)
+        else:
+            logger.info("KVBM: %s loaded %s: from the next reset of vLLM's prefix cache on, "
+                        "pages are keyed by them (until then, this engine's own)", what,
+                        "the weights' files as loaded" if not label else "other weights")
+
+    @contextlib.contextmanager
+    def unidentified(self, what: str):
+        """Around a call that may change the weights in ways KVBM cannot tell."""
+        self.begin_change(what)
+        try:
+            yield
+        finally:
+            self.end_change(None, what)
+
+    def load_label(self, base: str, digest: LoadDigest,
+                   selections: list[opened_files.Selection]) -> str | None:
+        """The label of the weights after a load of ``digest`` on weights
+        labelled ``base``: "" for a reload of exactly the files loaded at
+        startup (``selections``: the files it read) when only identified
+        loads of names it covers happened since; None when the pairs could
+        not all be digested, or none passed."""
+        if not digest or digest.failed:
+            return None
+        if self._reloads_the_files(digest, selections):
+            return ""
+        import blake3
+
+        return "load:" + blake3.blake3(f"{base}|{digest.hexdigest()}".encode()).hexdigest()
+
+    def _reloads_the_files(self, digest: LoadDigest,
+                           selections: list[opened_files.Selection]) -> bool:
+        if self._tainted or self._files is None or len(selections) != 1:
+            return False
+        [read] = selections
+        same = {f[1:] for f in read.files} == {f[1:] for f in self._files.files}
+        return same and opened_files.moved(read) is None and self._touched <= digest.names
+
+    # ---- epochs, as the scheduler starts them --------------------------------------
 
     def serves(self, weights: tuple[int, tuple[str, ...]] | None) -> bool:
         """Whether jobs keyed under ``weights`` (the scheduler's epoch and
         per-rank labels) hold KV of the weights this worker runs. A newer
-        epoch starts its digest pass."""
+        epoch starts the worker's check of its weights."""
         if weights is None:
             return True  # no job keyed yet
         epoch, labels = weights
         if epoch > self.epoch:
             self._start(epoch)
         with self._lock:
-            ok = (not self._changed and epoch == self.epoch and self.label is not None
-                  and self.rank < len(labels) and labels[self.rank] == self.label)
-        if not ok and self._refusing_logged != epoch:
-            self._refusing_logged = epoch
+            label = self.label
+            ok = (epoch == self.epoch and not self._checking and self.rank < len(labels)
+                  and labels[self.rank] == label)
+        if not ok and self._refusing_logged != (epoch, label):
+            self._refusing_logged = (epoch, label)
             logger.info("KVBM: weights epoch %d: this worker's weights are not (yet) the ones "
                         "the scheduler's keys name; loads and stores refused until they are",
                         epoch)
         return ok
 
     def _start(self, epoch: int) -> None:
+        """vLLM's prefix cache was reset: the label a change earned applies,
+        and the parameters are checked for changes no call showed."""
         with self._lock:
-            self.epoch, self.label, self._changed = epoch, None, False
+            self.epoch, self._checking = epoch, True
+            if self._next is not None:
+                self.label, self._next = self._next, None
+            if self._blind:
+                self.label = private_label()
+            changes = self._changes
         if self._model is None:
-            self._done(epoch, "unseen-" + os.urandom(16).hex())
+            self._checked(epoch, changes, None)
             return
         model = self._model()
         if weights_bytes(model) <= INLINE_DIGEST_BYTES:
-            self._done(epoch, weights_digest(model))
+            self._checked(epoch, changes, weights_digest(model))
             return
-        threading.Thread(target=lambda: self._done(epoch, weights_digest(model)),
+        threading.Thread(target=lambda: self._checked(epoch, changes, weights_digest(model)),
                          name="kvbm-weights-digest", daemon=True).start()
 
-    def _done(self, epoch: int, digest: str) -> None:
-        label = "" if digest == self._loaded else digest
+    def _checked(self, epoch: int, changes: int, digest: str | None) -> None:
+        unseen = False
         with self._lock:
             if epoch != self.epoch:
                 return  # a newer epoch started meanwhile: its pass reports
-            self.label = label
-            self._unreported.append((epoch, self.rank, label))
+            if digest is None:  # the parameters cannot be read: a label per epoch
+                self.label = "unseen:" + os.urandom(16).hex()
+            elif changes != self._changes:
+                self._basis = (-1, None)  # changed while read: the next pass takes it
+            elif self._basis[0] != changes or self._basis[1] is None:
+                self._basis = (changes, digest)  # the first check since a change seen
+            elif self._basis[1] != digest:
+                unseen = True  # changed with no call seen: nothing says how
+                self._changes += 1
+                self._basis = (self._changes, digest)
+                self.label, self._tainted = private_label(), True
+            self._checking = False
+            self._unreported.append((epoch, self.rank, self.label))
+        if unseen:
+            logger.warning("KVBM: the model's parameters changed without a call KVBM saw "
+                           "(not through collective_rpc): this engine's pages are its own "
+                           "from now on (until a restart)")
 
     def take_unreported(self) -> list[tuple[int, int, str]]:
-        """(epoch, rank, label) of each digest pass done since the last call."""
+        """(epoch, rank, label) of each label this worker took since the last
+        call (a change, an epoch's check), and of the label a change earned
+        for the next epoch (epoch + 1)."""
         with self._lock:
             taken, self._unreported = self._unreported, []
         return taken
