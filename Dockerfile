@@ -25,9 +25,10 @@ COPY deploy/serve.sh deploy/serve.sh
 ARG PIP_EXTRA_INDEX_URL=
 RUN VENV=/opt/venv KVBM_SETUP_TOOLS=0 PIP_EXTRA_INDEX_URL="$PIP_EXTRA_INDEX_URL" \
     PIP_NO_CACHE_DIR=1 bash scripts/setup.sh
-# No KVBM_* here: the connector lets those variables override
-# kv_connector_extra_config, so an image-level one would beat what compose and
-# .env configure (deploy/serve.sh has the defaults).
+# No KVBM_* here: a variable that sets a key kv_connector_extra_config also sets,
+# to another value, stops startup with an error naming both, so an image-level
+# one would clash with what compose and .env configure (deploy/serve.sh has the
+# defaults).
 ENV PATH=/opt/venv/bin:$PATH \
     MODEL=Qwen/Qwen2.5-0.5B-Instruct \
     MAX_MODEL_LEN=4096 \

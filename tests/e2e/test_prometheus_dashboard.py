@@ -7,7 +7,9 @@ cache) and A again (host-tier hit); a Prometheus started here scrapes it every
 second. The counters Prometheus holds must be what that workload must have
 caused. Then, with vLLM's and KVBM's memory caches reset, B again comes from
 the disk tier, and every PromQL expression of grafana/dashboards/kvbm.json
-must return data through Prometheus's query API.
+must return data through Prometheus's query API. The same Prometheus loads KVBM's
+alert rules (deploy/prometheus/kvbm-alerts.yml): every rule evaluates without an
+error on the real series, and none fires on this healthy workload.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from vllm_kvbm.tools.server import (Server, free_port, kvbm_transfer_config, sta
 pytestmark = pytest.mark.timeout(600)
 
 DASHBOARD = ROOT / "grafana" / "dashboards" / "kvbm.json"
+ALERT_RULES = ROOT / "deploy" / "prometheus" / "kvbm-alerts.yml"
 BLOCK = 128
 ENGINE_BLOCKS = 28
 HOST_CACHE = "1GiB"
@@ -121,6 +124,7 @@ class Prometheus:
         config.write_text(json.dumps({  # JSON is YAML
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
                        "evaluation_interval": "1s"},
+            "rule_files": [str(ALERT_RULES)],
             "scrape_configs": [{"job_name": "kvbm", "metrics_path": "/metrics",
                                 "static_configs": [{"targets": [target]}]}],
         }))
@@ -356,3 +360,33 @@ def test_counters_match_the_workload(scraped):
 
 def test_prometheus_holds_what_metrics_endpoint_served(scraped):
     assert scraped["values"] == scraped["served"]
+
+
+def test_the_alert_rules_evaluate_and_stay_quiet(scraped):
+    """Every rule of kvbm-alerts.yml evaluated by this Prometheus on the real
+    series: no evaluation error, and no alert pending or firing, since nothing
+    failed, dropped or waited in this workload and the remote tier is up."""
+    import yaml
+
+    prometheus = scraped["prometheus"]
+    names = {rule["alert"] for group in yaml.safe_load(ALERT_RULES.read_text())["groups"]
+             for rule in group["rules"]}
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=30) as resp:
+            groups = json.load(resp)["data"]["groups"]
+        rules = {rule["name"]: rule for group in groups for rule in group["rules"]}
+        if set(rules) == names and all(r.get("lastEvaluation", "").startswith("2")
+                                       and not r["lastEvaluation"].startswith("0001")
+                                       for r in rules.values()):
+            break
+        assert time.monotonic() < deadline, f"rules not evaluated: {sorted(rules)}"
+        time.sleep(1)
+    assert {r["type"] for r in rules.values()} == {"alerting"}
+    bad = {name: r.get("lastError") for name, r in rules.items() if r["health"] != "ok"}
+    assert not bad, bad
+    active = {name: r["state"] for name, r in rules.items() if r["state"] != "inactive"}
+    assert not active, active
+    # the series the rules read are there: the remote tier's state, the loads' histogram
+    assert prometheus.value('sum(kvbm_tier_up{tier="remote"})') == 1
+    assert prometheus.value("sum(kvbm_load_latency_seconds_count)") >= 1

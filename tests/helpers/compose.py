@@ -39,8 +39,12 @@ def compose_command() -> list[str]:
                 "(it installs the docker compose CLI plugin)")
 
 
-# What an operator puts in .env besides .env.example's values (it has no default).
+# What an operator puts in .env besides .env.example's values (they have no
+# default): a Grafana password, and the secret files scripts/compose_secrets.sh
+# writes and names.
 GRAFANA_PASSWORD = "a-password-for-the-test"
+SECRET_FILES = {"REDIS_PASSWORD_FILE": "./secrets/redis_password",
+                "PAGE_SECRET_FILE": "./secrets/kvbm_page_secret"}
 
 
 def render(*args: str, **env) -> subprocess.CompletedProcess:
@@ -54,7 +58,8 @@ def render(*args: str, **env) -> subprocess.CompletedProcess:
 
 
 def resolved(*args: str, **env) -> dict:
-    """The resolved compose file as JSON, with a Grafana password set."""
-    proc = render(*args, **{"GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD, **env})
+    """The resolved compose file as JSON, with a Grafana password and the
+    secret files set."""
+    proc = render(*args, **{"GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD, **SECRET_FILES, **env})
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)

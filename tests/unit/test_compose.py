@@ -1,7 +1,7 @@
 """docker-compose.yml, its .env.example, the Grafana provisioning and the images.
 
 No Docker engine runs here: `docker compose config` (Compose v2, installed by
-scripts/setup.sh) validates and resolves the file without one, and the checks
+scripts/setup_tools.sh) validates and resolves the file without one, and the checks
 read its resolved JSON (helpers/compose.py).
 """
 
@@ -22,8 +22,26 @@ from helpers.compose import dotenv, resolved
 pytestmark = pytest.mark.timeout(120)
 
 SERVICES = {"vllm", "prometheus", "grafana", "redis"}
+MIDDLEWARE = "vllm_kvbm.serve_middleware.check_kv_transfer_params"
+
+
 def kv_transfer_config(command: list[str]) -> dict:
     return json.loads(command[command.index("--kv-transfer-config") + 1])
+
+
+def in_container(environment: dict, folder: Path) -> dict:
+    """A vLLM service's environment as the connector reads it in its container,
+    here: the secret files compose mounts at /run/secrets/<name> stand in as
+    files of this machine (the secret as scripts/compose_secrets.sh writes it),
+    the disk volume's path (which exists only in the container) left out."""
+    environ = {k: v for k, v in environment.items() if v is not None}
+    for key, value in environ.items():
+        if value.startswith("/run/secrets/"):
+            stand_in = folder / Path(value).name
+            stand_in.write_text("0123456789abcdef" * 4)
+            environ[key] = str(stand_in)
+    environ["KVBM_DISK_CACHE_DIR"] = ""
+    return environ
 
 
 def test_compose_file_resolves_with_the_four_services():
@@ -42,6 +60,8 @@ def test_compose_file_resolves_with_the_four_services():
 
     load_config(kv["kv_connector_extra_config"], environ={})
     assert vllm["command"][vllm["command"].index("--port") + 1] == "8000"
+    # a bad kv_transfer_params is a 400 naming the field, not a request served without KVBM
+    assert vllm["command"][vllm["command"].index("--middleware") + 1] == MIDDLEWARE
     assert vllm["build"]["context"] == str(ROOT)
     assert (ROOT / vllm["build"]["dockerfile"]).is_file()
     assert {(p["target"], p["published"]) for p in vllm["ports"]} == {(8000, env["VLLM_PORT"])}
@@ -58,10 +78,29 @@ def test_compose_file_resolves_with_the_four_services():
 
     prometheus = config["services"]["prometheus"]
     mounts = {v["target"]: v["source"] for v in prometheus["volumes"]}
-    scrape = yaml.safe_load(Path(mounts["/etc/prometheus/prometheus.yml"]).read_text())
+    assert mounts["/etc/prometheus"] == str(ROOT / "deploy" / "prometheus")
+    scrape = yaml.safe_load((Path(mounts["/etc/prometheus"]) / "prometheus.yml").read_text())
     targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"]
                for t in sc["targets"]]
     assert targets == ["vllm:8000"]
+    # KVBM's alert rules, from the mounted directory (tests/unit/test_alert_rules.py)
+    assert scrape["rule_files"] == ["kvbm-alerts.yml"]
+    assert (Path(mounts["/etc/prometheus"]) / "kvbm-alerts.yml").is_file()
+
+
+def test_prometheus_accepts_its_config_and_the_alert_rules():
+    """promtool (Debian's prometheus package, scripts/setup_tools.sh) checks the
+    config as the compose Prometheus reads it, the rule file it names included."""
+    import shutil
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is not installed: run scripts/setup_tools.sh")
+    proc = subprocess.run([promtool, "check", "config", "prometheus.yml"],
+                          cwd=ROOT / "deploy" / "prometheus", capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 rule files found" in proc.stdout and "kvbm-alerts.yml" in proc.stdout
 
 
 def test_settings_come_from_the_environment_over_dotenv():
@@ -159,6 +198,7 @@ def test_image_default_command_serves_with_the_connector(tmp_path):
     kv = kv_transfer_config(args)
     assert kv["kv_connector"] == "KVBMConnector"
     assert kv["kv_connector_extra_config"] == {"host_cache_size": "3GiB"}
+    assert args[args.index("--middleware") + 1] == MIDDLEWARE
     assert args[-3:] == ["--enforce-eager", "--seed", "1"]
 
 
@@ -174,7 +214,7 @@ def test_default_up_starts_the_cpu_vllm_only():
     assert set(resolved(COMPOSE_PROFILES="")["services"]) == {"prometheus", "grafana", "redis"}
 
 
-def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
+def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest(tmp_path):
     env = dotenv()
     cpu = resolved()["services"]
     config = resolved("--profile", "cuda")
@@ -185,12 +225,16 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
     assert cuda["build"] == {"context": str(ROOT), "dockerfile": "Dockerfile.cuda"}
     assert (ROOT / "Dockerfile.cuda").is_file()
     assert cuda["image"] != cpu["vllm"]["image"]
+    # one GPU per tensor-parallel rank, not every GPU of the machine
     assert cuda["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": -1, "capabilities": ["gpu"]}]  # count: all
+        {"driver": "nvidia", "count": int(env["TENSOR_PARALLEL_SIZE"]), "capabilities": ["gpu"]}]
     assert cuda["ipc"] == "host"
+    # the pinned host tier needs locked memory without a cap
+    assert cuda["ulimits"] == {"memlock": -1}
 
     command = cuda["command"]
     assert command[:3] == ["vllm", "serve", env["MODEL"]]
+    assert command[command.index("--middleware") + 1] == MIDDLEWARE
     assert command[command.index("--gpu-memory-utilization") + 1] == \
         env["GPU_MEMORY_UTILIZATION"]
     assert command[command.index("--tensor-parallel-size") + 1] == env["TENSOR_PARALLEL_SIZE"]
@@ -198,8 +242,8 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
     assert kv == kv_transfer_config(cpu["vllm"]["command"])
     from vllm_kvbm.config import load_config
 
-    load_config(kv["kv_connector_extra_config"], environ=cuda["environment"] | {
-        "KVBM_DISK_CACHE_DIR": ""})  # the volume's path exists only in the container
+    load_config(kv["kv_connector_extra_config"],
+                environ=in_container(cuda["environment"], tmp_path))
 
     # the same tiers, volumes and port as the CPU service; CPU-only settings left out
     cpu_env = dict(cpu["vllm"]["environment"])
@@ -212,11 +256,20 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest():
     assert "lmcache-server-cuda" in cuda["depends_on"]
     assert not {"shm_size", "cap_add", "VLLM_CPU_KVCACHE_SPACE"} & set(cuda)
 
-    # Prometheus scrapes vllm:8000 (deploy/prometheus.yml): the CUDA service answers to it
+    # Prometheus scrapes vllm:8000 (deploy/prometheus/prometheus.yml): the CUDA
+    # service answers to it
     assert "vllm" in cuda["networks"]["default"]["aliases"]
     assert config["services"]["prometheus"] == cpu["prometheus"]
     assert config["services"]["grafana"] == cpu["grafana"]
     assert config["services"]["redis"] == cpu["redis"]
+
+
+def test_the_cuda_service_takes_as_many_gpus_as_tensor_parallel_ranks():
+    for tp in ("2", "8"):
+        cuda = resolved("--profile", "cuda", TENSOR_PARALLEL_SIZE=tp)["services"]["vllm-cuda"]
+        [devices] = cuda["deploy"]["resources"]["reservations"]["devices"]
+        assert devices["count"] == int(tp)
+        assert cuda["command"][cuda["command"].index("--tensor-parallel-size") + 1] == tp
 
 
 def test_each_profile_builds_only_its_own_image():
@@ -235,9 +288,10 @@ def test_each_profile_builds_only_its_own_image():
         assert len(images) == 1, images  # an LMCache server reuses the vLLM image
 
 
-def test_no_image_sets_a_kvbm_variable_that_would_override_compose():
-    """The connector lets KVBM_* variables override kv_connector_extra_config,
-    so an image-level ENV KVBM_HOST_CACHE_SIZE would beat .env's size."""
+def test_no_image_sets_a_kvbm_variable_that_would_clash_with_compose():
+    """A KVBM_* variable that sets a key kv_connector_extra_config also sets, to
+    another value, stops startup: an image-level ENV KVBM_HOST_CACHE_SIZE would
+    clash with .env's size the moment the operator changed it."""
     for name in ("Dockerfile", "Dockerfile.cuda"):
         text = (ROOT / name).read_text()
         env_lines = " ".join(re.findall(r"^ENV .*?(?<!\\)$", text, re.M | re.S))
@@ -245,7 +299,7 @@ def test_no_image_sets_a_kvbm_variable_that_would_override_compose():
 
 
 @pytest.mark.parametrize("profile,service", [("cpu", "vllm"), ("cuda", "vllm-cuda")])
-def test_the_connector_reads_the_sizes_dotenv_says(profile, service):
+def test_the_connector_reads_the_sizes_dotenv_says(profile, service, tmp_path):
     """What the connector's config will hold in each profile's vLLM container:
     its kv_connector_extra_config overlaid with the container's environment
     (exactly what load_config does in the container), from .env's values."""
@@ -254,15 +308,16 @@ def test_the_connector_reads_the_sizes_dotenv_says(profile, service):
     env = dotenv()
     svc = resolved("--profile", profile)["services"][service]
     kv = kv_transfer_config(svc["command"])
-    environ = {k: v for k, v in svc["environment"].items() if v is not None}
+    environ = in_container(svc["environment"], tmp_path)
     assert not {"KVBM_HOST_CACHE_SIZE", "KVBM_HOST_CACHE_GB", "DYN_KVBM_CPU_CACHE_GB",
                 "KVBM_HOST_CACHE_BLOCKS"} & set(environ)
-    environ["KVBM_DISK_CACHE_DIR"] = ""  # the volume's path exists only in the container
     config = load_config(kv["kv_connector_extra_config"], environ=environ)
     assert config.host_cache_bytes == parse_size("host", env["KVBM_HOST_CACHE_SIZE"])
     assert config.disk_cache_bytes == parse_size("disk", env["KVBM_DISK_CACHE_SIZE"])
     assert config.remote_url == env["KVBM_REMOTE_URL"] == "redis://redis:6379"
     assert svc["environment"]["KVBM_DISK_CACHE_DIR"] == "/kvbm-disk"
+    # the Redis password and the page secret, read from the mounted secret files
+    assert config.remote_password is not None and config.page_secret is not None
     assert {v["target"] for v in svc["volumes"]} >= {"/kvbm-disk"}
 
 

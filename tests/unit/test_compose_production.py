@@ -1,7 +1,9 @@
 """What docker-compose.yml and the images need to run unattended for weeks: a
-bounded remote tier, healthchecks that dependencies wait for, ports on loopback
-unless opened, Grafana without default credentials, caches on volumes, images
-as a non-root user without test tools, and no .env in git.
+bounded remote tier behind a password, pages sealed with a page secret, secrets
+as files, logs that rotate, healthchecks that dependencies wait for, ports on
+loopback unless opened, Grafana without default credentials, current pinned
+images, caches on volumes, images as a non-root user without test tools, and no
+.env or secret in git.
 
 Checked on `docker compose config`'s resolved JSON (no Docker engine needed) in
 every profile combination an operator can start.
@@ -10,13 +12,15 @@ every profile combination an operator can start.
 from __future__ import annotations
 
 import functools
+import os
 import re
+import stat
 import subprocess
 
 import pytest
 
 from helpers import ROOT
-from helpers.compose import GRAFANA_PASSWORD, dotenv, render, resolved
+from helpers.compose import GRAFANA_PASSWORD, SECRET_FILES, dotenv, render, resolved
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,10 +79,20 @@ def test_published_ports_bind_loopback_unless_the_operator_opens_them():
 
 
 def redis_options(command: list[str]) -> dict[str, str]:
-    assert command[0] == "redis-server"
-    flags = command[1:]
+    """The redis-server flags of the Redis service's command: `sh -c SCRIPT
+    redis FLAGS...`, the script reading the password file and starting
+    redis-server with the password on its standard input and these flags."""
+    assert command[:2] == ["sh", "-c"] and command[3] == "redis", command
+    assert "exec docker-entrypoint.sh redis-server - \"$$@\"" in command[2], command[2]
+    flags = command[4:]
     assert len(flags) % 2 == 0 and all(f.startswith("--") for f in flags[::2]), command
     return dict(zip(flags[::2], flags[1::2]))
+
+
+def size_bytes(value: str) -> int:
+    """A Redis or docker memory size (4gb, 5g: both 1024-based) in bytes."""
+    number, unit = re.fullmatch(r"(\d+)([kmg]?)b?", str(value).lower()).groups()
+    return int(number) * 1024 ** " kmg".index(unit or " ")
 
 
 def test_the_remote_tier_the_stack_starts_is_bounded():
@@ -96,8 +110,15 @@ def test_the_remote_tier_the_stack_starts_is_bounded():
         assert options["--maxmemory-policy"] == "allkeys-lru"
         assert options["--save"] == "" and options["--appendonly"] == "no"  # a cache
         assert "redis:" in services["redis"]["image"]
-    options = redis_options(resolved(REDIS_MAXMEMORY="64gb")["services"]["redis"]["command"])
-    assert options["--maxmemory"] == "64gb"
+        # the container is capped too, without swap, with room above maxmemory
+        # for Redis's buffers and fragmentation
+        redis = services["redis"]
+        assert int(redis["mem_limit"]) == size_bytes(env["REDIS_MEM_LIMIT"]) == 5 * 1024**3
+        assert int(redis["memswap_limit"]) == int(redis["mem_limit"])
+        assert size_bytes(options["--maxmemory"]) <= 0.8 * int(redis["mem_limit"])
+    redis = resolved(REDIS_MAXMEMORY="48gb", REDIS_MEM_LIMIT="60g")["services"]["redis"]
+    assert redis_options(redis["command"])["--maxmemory"] == "48gb"
+    assert int(redis["mem_limit"]) == 60 * 1024**3
 
 
 def test_the_lmcache_server_is_optional_and_memory_limited():
@@ -120,6 +141,153 @@ def test_the_lmcache_server_is_optional_and_memory_limited():
     vllm = resolved(*STACKS[2], KVBM_REMOTE_URL=url)["services"]["vllm"]
     assert load_config({}, environ={"KVBM_REMOTE_URL": vllm["environment"][
         "KVBM_REMOTE_URL"]}).remote_url == url
+
+
+def test_every_service_logs_to_a_rotated_file():
+    env = dotenv()
+    for args, services in stacks():
+        for name, svc in services.items():
+            assert svc["logging"] == {"driver": "json-file", "options": {
+                "max-size": env["LOG_MAX_SIZE"], "max-file": env["LOG_MAX_FILES"]}}, (args, name)
+    assert (env["LOG_MAX_SIZE"], env["LOG_MAX_FILES"]) == ("50m", "5")
+    services = resolved(LOG_MAX_SIZE="10m", LOG_MAX_FILES="3")["services"]
+    assert {svc["logging"]["options"]["max-size"] for svc in services.values()} == {"10m"}
+    assert {svc["logging"]["options"]["max-file"] for svc in services.values()} == {"3"}
+
+
+def unescape(text: str) -> str:
+    """A string of `docker compose config`'s output as the container gets it
+    (the output writes a literal $ as $$)."""
+    return text.replace("$$", "$")
+
+
+def test_redis_needs_the_password_from_its_secret_file():
+    config = resolved()
+    assert config["secrets"]["redis_password"]["file"] == str(ROOT / "secrets" / "redis_password")
+    for args, services in stacks():
+        redis = services["redis"]
+        assert [s["source"] for s in redis["secrets"]] == ["redis_password"], args
+        script = unescape(redis["command"][2])
+        # the password goes to redis-server on its standard input, as a config
+        # line: never on a command line (ps) or in the environment (inspect)
+        assert "pw=$(cat /run/secrets/redis_password)" in script
+        assert "<<EOF\nrequirepass $pw\nEOF" in script
+        assert "environment" not in redis
+        # an empty file stops it with the fix
+        assert "scripts/compose_secrets.sh" in script and "exit 1" in script
+        # the healthcheck authenticates the same way (REDISCLI_AUTH, not -a)
+        check = unescape(redis["healthcheck"]["test"][1])
+        assert check.startswith('REDISCLI_AUTH="$(cat /run/secrets/redis_password)" redis-cli ')
+        assert " -a " not in check
+        # and the engine reads the same file
+        [vllm] = [services[n] for n in VLLM_SERVICES if n in services]
+        assert vllm["environment"]["KVBM_REMOTE_PASSWORD_FILE"] == "/run/secrets/redis_password"
+        assert "redis_password" in [s["source"] for s in vllm["secrets"]]
+    # with the LMCache server (no password), the operator empties the variable
+    vllm = resolved(KVBM_REMOTE_PASSWORD_FILE="")["services"]["vllm"]
+    assert vllm["environment"]["KVBM_REMOTE_PASSWORD_FILE"] == ""
+
+
+def test_pages_are_sealed_with_the_page_secret_by_default():
+    config = resolved()
+    assert config["secrets"]["kvbm_page_secret"]["file"] == str(
+        ROOT / "secrets" / "kvbm_page_secret")
+    for args, services in stacks():
+        [vllm] = [services[n] for n in VLLM_SERVICES if n in services]
+        assert vllm["environment"]["KVBM_PAGE_SECRET_FILE"] == "/run/secrets/kvbm_page_secret"
+        assert "kvbm_page_secret" in [s["source"] for s in vllm["secrets"]], args
+        for name in {"redis", "prometheus", "grafana", *LMCACHE_SERVICES} & set(services):
+            assert "kvbm_page_secret" not in [s["source"] for s in
+                                              services[name].get("secrets", [])], name
+
+
+@pytest.mark.parametrize("variable", sorted(SECRET_FILES))
+def test_compose_refuses_to_render_without_the_secret_files(variable):
+    assert dotenv()[variable] == ""  # the example names none: the script sets them
+    for value in (None, ""):
+        env = {**SECRET_FILES, "GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD}
+        if value is None:
+            env.pop(variable)
+        else:
+            env[variable] = value
+        proc = render(**env)
+        assert proc.returncode != 0
+        assert variable in proc.stderr and "scripts/compose_secrets.sh" in proc.stderr
+
+
+def test_the_secrets_script_writes_each_secret_once_and_points_dotenv_at_them(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text((ROOT / ".env.example").read_text())
+    secrets = tmp_path / "secrets"
+
+    def run() -> subprocess.CompletedProcess:
+        proc = subprocess.run(["bash", str(ROOT / "scripts/compose_secrets.sh")],
+                              env={"PATH": os.environ["PATH"], "KVBM_ENV_FILE": str(env_file),
+                                   "KVBM_SECRETS_DIR": str(secrets)},
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    run()
+    values = {}
+    for name in ("redis_password", "kvbm_page_secret"):
+        path = secrets / name
+        values[name] = path.read_text()
+        # 32 random bytes as hex: one line a Redis config and the connector both read
+        assert re.fullmatch(r"[0-9a-f]{64}", values[name]), name
+        # readable by the containers' own users through the bind mount...
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, name
+    # ...and by nobody else on the host: the directory is its owner's only
+    assert stat.S_IMODE(secrets.stat().st_mode) == 0o700
+    assert values["redis_password"] != values["kvbm_page_secret"]
+    lines = env_file.read_text().splitlines()
+    assert f"REDIS_PASSWORD_FILE={secrets}/redis_password" in lines
+    assert f"PAGE_SECRET_FILE={secrets}/kvbm_page_secret" in lines
+    assert "REDIS_PASSWORD_FILE=" not in lines and "PAGE_SECRET_FILE=" not in lines
+
+    # again: nothing changes (a new page secret would make every stored page unreadable)
+    out = run().stdout
+    assert "kept" in out and "wrote" not in out
+    assert {n: (secrets / n).read_text() for n in values} == values
+    assert env_file.read_text().splitlines() == lines
+
+    # an empty file is written again; compose renders with the .env the script wrote
+    (secrets / "redis_password").write_text("")
+    run()
+    assert re.fullmatch(r"[0-9a-f]{64}", (secrets / "redis_password").read_text())
+    clean = {k: v for k, v in os.environ.items() if k not in dotenv()}
+    from helpers.compose import compose_command
+
+    proc = subprocess.run([*compose_command(), "--env-file", str(env_file), "config",
+                           "--format", "json"], cwd=ROOT,
+                          env={**clean, "GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    files = {name: s["file"] for name, s in json.loads(proc.stdout)["secrets"].items()}
+    assert files == {"redis_password": str(secrets / "redis_password"),
+                     "kvbm_page_secret": str(secrets / "kvbm_page_secret")}
+
+
+def test_the_secrets_script_needs_a_dotenv_first(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts/compose_secrets.sh")],
+                          env={"PATH": os.environ["PATH"],
+                               "KVBM_ENV_FILE": str(tmp_path / ".env"),
+                               "KVBM_SECRETS_DIR": str(tmp_path / "secrets")},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "cp .env.example" in proc.stderr
+    assert not (tmp_path / "secrets").exists()
+
+
+def test_images_are_pinned_to_current_releases():
+    """Exact releases, never a moving tag: Prometheus 3 and Grafana 13 (the
+    current majors; v2.53 and 11.1 were the first stack's)."""
+    images = {name: svc["image"] for name, svc in resolved()["services"].items()}
+    prometheus = re.fullmatch(r"prom/prometheus:v(\d+)\.(\d+)\.(\d+)", images["prometheus"])
+    assert prometheus and (int(prometheus[1]), int(prometheus[2])) >= (3, 16), images
+    grafana = re.fullmatch(r"grafana/grafana:(\d+)\.(\d+)\.(\d+)", images["grafana"])
+    assert grafana and (int(grafana[1]), int(grafana[2])) >= (13, 3), images
 
 
 def test_compose_refuses_to_render_without_a_grafana_password():
@@ -216,10 +384,11 @@ def test_the_cpu_image_installs_no_test_tools(tmp_path):
     assert not re.search(r"pytest|\[test\]|\[bench\]|setup\.sh", cuda)
 
 
-def test_dotenv_is_not_tracked_and_never_reaches_an_image():
-    tracked = subprocess.run(["git", "ls-files", "--", ".env", ".env.example"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.split()
+def test_dotenv_and_secrets_are_not_tracked_and_never_reach_an_image():
+    tracked = subprocess.run(["git", "ls-files", "--", ".env", ".env.example", "secrets"],
+                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     assert tracked == [".env.example"]
-    ignored = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT)
-    assert ignored.returncode == 0
-    assert ".env" in (ROOT / ".dockerignore").read_text().split()
+    for path in (".env", "secrets/redis_password", "secrets/kvbm_page_secret"):
+        ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)
+        assert ignored.returncode == 0, path
+    assert {".env", "secrets"} <= set((ROOT / ".dockerignore").read_text().split())
