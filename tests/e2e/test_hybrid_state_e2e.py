@@ -1,8 +1,8 @@
 """A Qwen3-Next-shaped hybrid (three Gated DeltaNet layers, then a
 full-attention layer; bf16, the only dtype vLLM's CPU build runs GDN in)
 with vLLM's hybrid allocator (HMA) on, served by KVBM group by group
-(scheduler/group_pages.py): a hit ends where vLLM computed the recurrent
-state (align mode) and loads that state with the prefix's attention KV.
+(scheduler/group_pages.py): a hit ends where vLLM kept the recurrent state
+(align mode) and loads that state with the prefix's attention KV.
 Greedy outputs with KV onboarded from the host tier, the disk tier and Redis
 (a second engine), in a batch and across a growing conversation, equal those
 of a plain engine (HMA on) that computed the same tokens from the same
@@ -38,14 +38,17 @@ pytestmark = pytest.mark.timeout(1200)
 # scheduled otherwise on the two engines.
 GDN_ENGINE = dict(dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=1024,
                   max_num_seqs=1, kv_cache_memory_bytes=512 << 20,
-                  block_size=None)  # vLLM picks 256
-GDN_HOST_BLOCKS = 32  # every page of the four prompts (27)
+                  block_size=None)  # vLLM picks 128 for this model (asserted)
+GDN_BLOCK = 128
 GDN_LENGTHS = (300, 700, 1100, 2100)
-# vLLM's align mode computes the state at the end of each 1024-token chunk
-# and at the prompt's last full block when it is a chunk of its own: 300 ->
-# 256; 700 runs as one chunk (no state at 512: no hit, as in vLLM's own
-# prefix cache); 1100 -> 1024; 2100 -> 2048.
-GDN_HITS = [256, 0, 1024, 2048]
+# vLLM's prefix cache keeps a prompt's state at its replay boundary (its last
+# full block before its last token; --prefix-cache-retention-interval 0, the
+# default), and KVBM stores the state vLLM hands off there: 300 -> 256,
+# 700 -> 640, 1100 -> 1024, 2100 -> 2048.
+GDN_HITS = [256, 640, 1024, 2048]
+# every page of the four prompts: 2 + 5 + 8 + 16 attention pages, and each of
+# the three GDN groups' state at each prompt's replay boundary (12)
+GDN_HOST_BLOCKS = 48
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +96,7 @@ def test_gdn_hybrid_hits_from_host_and_disk_equal_the_plain_engines(plain_gdn, k
     # vLLM kept its hybrid allocator on (without SupportsHMA this model stops at startup)
     assert kvbm_gdn.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     prompts = [random_prompt(n, seed=9700 + n) for n in GDN_LENGTHS]
+    assert plain_gdn.llm_engine.vllm_config.cache_config.block_size == GDN_BLOCK
     want, hits = from_own_cache(plain_gdn, prompts)
     assert hits == GDN_HITS  # vLLM's own cache hits where KVBM does
     for p in prompts:
@@ -114,7 +118,7 @@ def test_gdn_hybrid_growing_conversation_equals_the_plain_engines(plain_gdn, kvb
         got, cached = generate(kvbm_gdn, [conversation])
         assert got == want and cached == own
         if turn:  # the last prompt's state, at its last full block
-            assert cached[0] == previous // 256 * 256
+            assert cached[0] == previous // GDN_BLOCK * GDN_BLOCK
         previous = len(conversation)
         conversation = conversation + want[0] + random_prompt(500, seed=9810 + turn)
 
