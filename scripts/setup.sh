@@ -42,6 +42,13 @@ if all(have.get(norm(name), pin) == pin for name, pin in pins):
 PY
 }
 if "$VENV/bin/python" -c "import vllm, lmcache, nixl_cu12, vllm_kvbm, matplotlib, isal, xxhash, importlib.util as u; assert u.find_spec('fuse') and u.find_spec('xdist')" 2>/dev/null; then
+  # This package's metadata (its version: vllm_kvbm.__version__, kvbm_build_info)
+  # as pyproject.toml says now: a version bump reinstalls the editable package.
+  version() { "$VENV/bin/python" -c "$1" 2>/dev/null || true; }
+  if [ "$(version 'import importlib.metadata as m; print(m.version("vllm-kvbm"))')" != \
+       "$(version 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')" ]; then
+    "$VENV/bin/python" -m pip install -q ${PIN[@]+"${PIN[@]}"} --no-deps -e .
+  fi
   [ "$(cat "$STAMP" 2>/dev/null)" != "constraints $LOCK_ID" ] || exit 0
   if [ "$LOCK" != none ] && [ "$(at_pins)" = "at the lock's pins" ]; then
     stamp
