@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # KVBM's GPU check (benchmarks/gpu_check.py) on a machine with an NVIDIA GPU.
 #
-# Needs CUDA PyTorch, vLLM and vllm_kvbm with NIXL installed (pip install 'vllm_kvbm[cuda]',
-# or pip install -e '.[cuda]' in a clone). From the repository:
+# Needs CUDA PyTorch, vLLM and vllm_kvbm with NIXL installed (in a clone:
+# pip install -e ".[cuda]"; a release: docs/quickstart-gpu.md#install). From the repository:
 #
 #   bash scripts/gpu_check.sh [gpu_check.py options]       # about four minutes
 #

@@ -31,8 +31,11 @@ def missing_extra(cmd: str) -> str | None:
     missing = [m for m in NEEDS[cmd] if importlib.util.find_spec(m) is None]
     if not missing:
         return None
+    # The package is not on PyPI: the extra comes from this release's tag (or,
+    # in a checkout, pip install -e ".[bench]").
     return (f"kvbm-bench {cmd} needs {', '.join(missing)} (the [bench] extra): "
-            f'pip install "vllm-kvbm[bench]"')
+            f'pip install "vllm-kvbm[bench] @ git+https://github.com/vllm-kvbm/vllm-kvbm'
+            f'@v{version()}"')
 
 
 def main(argv: list[str] | None = None) -> int:
