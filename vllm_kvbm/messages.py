@@ -169,8 +169,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # (LoRA int id, fingerprint of the files read) of each adapter vLLM
     # loaded since the last report, per worker (worker/lora_loads.py)
     adapters_loaded: list[tuple[int, str]] = field(default_factory=list)
-    # (weights epoch, TP rank, label) of each digest of the weights a worker
-    # took since the last report (worker/loaded_weights.py)
+    # (weights epoch, TP rank, label) of each label a worker took since the
+    # last report: a change, an epoch's check; epoch + 1: the label a change
+    # earned from the next epoch on (worker/loaded_weights.py)
     weights_digested: list[tuple[int, int, str]] = field(default_factory=list)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":

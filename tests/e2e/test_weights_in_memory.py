@@ -1,12 +1,13 @@
 """Weights vLLM changes in memory, as an RL loop's weight sync does: one norm
-weight of layer 1 set through ``collective_rpc``, then vLLM's plain
-``reset_prefix_cache()`` (``reset_connector=False``). The workers digest the
-parameters they run after every prefix-cache reset (worker/loaded_weights.py):
-no page of the old weights is onboarded, and the new weights' pages are keyed
-by their digest, found again after the next reset (a second digest pass of
-the same weights agrees). A connector reset (``reset_connector=True``) only
-clears the host tier: the keys name the weights, so disk pages of the
-weights the workers run are served again, and none of other weights.
+weight of layer 1 set by a function sent through ``collective_rpc``, then
+vLLM's plain ``reset_prefix_cache()`` (``reset_connector=False``). KVBM cannot
+tell what a function did, so the workers move to a private label before it
+runs (worker/weight_changes.py): no page of the old weights is onboarded, and
+the engine's own pages under that label are found again after the next reset
+(nothing changed since). A connector reset (``reset_connector=True``) only
+clears the host tier: the keys name the weights, so the disk pages of the
+weights the workers run are served again, and none of other weights. Weights
+set back by another function stay private: KVBM cannot know they are back.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, shutdown
+from helpers.engines import BLOCK_SIZE, MODEL_DIR, kvbm_counter, make_llm, random_prompt, shutdown
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -31,9 +32,12 @@ NORM = "model.layers.1.input_layernorm.weight"
 PROMPT = random_prompt(4 * BLOCK_SIZE + 10, seed=2801)
 
 
-def _get_norm(worker) -> list[float]:
-    params = dict(worker.model_runner.get_model().named_parameters())
-    return params[NORM].detach().cpu().tolist()
+def _get_norm() -> list[float]:
+    """The norm weight as loaded, read from the checkpoint (a function sent
+    through collective_rpc to read it would count as a change)."""
+    from safetensors.torch import load_file
+
+    return load_file(str(MODEL_DIR / "model.safetensors"))[NORM].float().tolist()
 
 
 def _set_norm(worker, value: list[float]) -> None:
@@ -69,7 +73,7 @@ def _recomputed(llm) -> list[int]:
 
 def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     llm = updated_engine
-    [norm] = llm.collective_rpc(_get_norm)
+    norm = _get_norm()
     old_out, _ = generate(llm, [PROMPT])
     # The control: unchanged weights, a plain reset: the host tier serves it.
     assert llm.reset_prefix_cache()
@@ -90,8 +94,8 @@ def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     assert got == [want]
     assert want != old_out[0]  # the change shows in the answer: old pages would have
 
-    # The new weights' pages: keyed by their digest, stored, and found again
-    # after the next reset (the digest computed again agrees).
+    # The engine's own pages under its private label: stored, and found
+    # again after the next reset (nothing changed since).
     assert llm.reset_prefix_cache()
     stored, _ = generate(llm, [PROMPT])
     assert stored == [want]
@@ -113,9 +117,10 @@ def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     assert kvbm_counter("onboard_blocks_d2d") - loaded == expected_hit_tokens(
         len(PROMPT)) // BLOCK_SIZE
 
-    # The weights back to those loaded, then connector resets: the answer is
-    # the old one again (whatever was recomputed while the workers digested),
-    # and the first run's pages, still on disk under the files' keys, serve it.
+    # The weights set back to those loaded by another function, then
+    # connector resets: the answer is the old one again, recomputed under a
+    # new private label (KVBM cannot know the function restored them), and
+    # the pages computed so serve it after the next reset.
     _update(llm, norm)
     assert llm.reset_prefix_cache(reset_connector=True)
     back, _ = generate(llm, [PROMPT])
