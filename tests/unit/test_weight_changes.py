@@ -218,10 +218,14 @@ def test_a_weight_transfer_update_is_labelled_by_its_chunks(checkpoints, monkeyp
 
     pairs = [(k, v * 2) for k, v in load_file(f"{orig}/model.safetensors").items()]
     labels = []
-    for engine in sorted(LOADING_TRANSFER_ENGINES)[:1] + ["a.DirectCopyEngine"]:
+    nccl = "vllm.distributed.weight_transfer.nccl_engine.NCCLWeightTransferEngine"
+    assert nccl in LOADING_TRANSFER_ENGINES
+    # (vLLM 0.34's use_load_plan loads planned updates past load_weights)
+    for engine, plan in [(nccl, None), ("a.DirectCopyEngine", None), (nccl, ["a plan"])]:
         worker = Worker(Model(), orig)
         module, name = engine.rsplit(".", 1)
-        worker.weight_transfer_engine = type(name, (), {"__module__": module})()
+        worker.weight_transfer_engine = type(name, (), {"__module__": module,
+                                                        "_plan_metadata": plan})()
         rpc, weights = _multiproc(worker)
         rpc("start_weight_update")
         for pair in pairs:  # one chunk per tensor
@@ -230,7 +234,8 @@ def test_a_weight_transfer_update_is_labelled_by_its_chunks(checkpoints, monkeyp
         assert weights.label.startswith("private:")
         rpc("finish_weight_update")
         labels.append(_reset(weights, 1))
-    assert labels[0].startswith("load:") and labels[1].startswith("private:")
+    assert labels[0].startswith("load:")
+    assert labels[1].startswith("private:") and labels[2].startswith("private:")
     # the same tensors reloaded: the same label as the update's
     rpc, weights = _uniproc(Worker(Model(), orig))
     rpc("reload_weights", kwargs={"weights_iterator": iter(pairs)})

@@ -92,9 +92,9 @@ IDENTIFIED = frozenset({"reload_weights", "start_weight_update", "update_weights
                         "finish_weight_update"})
 
 # Weight-transfer engines (vllm/distributed/weight_transfer/) that hand every
-# weight they receive to the model's load_weights; others (sparse deltas,
-# direct copies into parameters) change the weights where KVBM cannot see
-# what: a private label.
+# weight they receive to the model's load_weights (the NCCL one unless vLLM
+# 0.34's use_load_plan is on); others (sparse deltas, direct copies into
+# parameters) change the weights where KVBM cannot see what: a private label.
 LOADING_TRANSFER_ENGINES = frozenset({
     "vllm.distributed.weight_transfer.nccl_engine.NCCLWeightTransferEngine",
     "vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferEngine",

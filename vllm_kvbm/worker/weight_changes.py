@@ -167,13 +167,17 @@ def _start_weight_update(weights: "LoadedWeights", worker: Any, method: Callable
         weights = held[0]
         engine = getattr(worker, "weight_transfer_engine", None)
         kind = f"{type(engine).__module__}.{type(engine).__qualname__}"
+        # vLLM 0.34's NCCL engine with use_load_plan copies planned updates
+        # straight into the parameters, past load_weights
+        identified = kind in LOADING_TRANSFER_ENGINES and not any(
+            getattr(engine, attr, None) is not None for attr in ("_plan", "_plan_metadata"))
         base = weights.begin_change("start_weight_update")
         try:
             out = method(*args, **kwargs)
         except BaseException:
             weights.end_change(None, "start_weight_update")
             raise
-        weights.session = _Session(base, kind in LOADING_TRANSFER_ENGINES)
+        weights.session = _Session(base, identified)
         return out
     start_weight_update.__kvbm_weights__ = held
     return start_weight_update
