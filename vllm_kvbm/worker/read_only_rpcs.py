@@ -9,9 +9,10 @@ call that may change them moves the worker to a private label at once
 counts as such a change. The methods whose loads KVBM can identify are in
 ``IDENTIFIED``: their pages get a label of what they loaded.
 
-The table is checked against the methods vLLM's engine calls while it starts
-and serves (tests/e2e/test_weights_as_they_run.py), so none of them costs a
-step more than a set lookup or moves an engine off its files' keys.
+Every method name vLLM 0.32-0.34 sends through ``collective_rpc`` is either
+here or in ``NOT_READ_ONLY`` (tests/unit/test_weight_watch_compat.py reads
+their sources), so none that vLLM's engine calls while it starts and serves
+costs a step more than a set lookup or moves an engine off its files' keys.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ ASK = "answers a question about the worker"
 LORA = ("LoRA adapters: the base weights are untouched, and each adapter's own weights "
         "are identified per request (worker/lora_loads.py)")
 CACHES = "clears a cache of inputs or outputs, not of weights"
+KV_MEMORY = "the KV cache's memory (vLLM 0.34's extensible KV cache), not the weights"
 READS = "reads the weights (checksums, an inspection, a save to files)"
 TRANSFER = ("connects to or disconnects from a trainer: the weights change only in "
             "update_weights, between start_weight_update and finish_weight_update")
@@ -44,6 +46,12 @@ READ_ONLY: dict[str, str] = {
     "supports_draft_weight_updates": ASK,
     "get_cache_block_size_bytes": ASK,
     "get_encoder_timing_stats": ASK,
+    "get_simple_cpu_offload_num_cpu_blocks": ASK,
+    "has_incomplete_weight_update": ASK,
+    "extensible_kv_cache_unsupported_reason": ASK,
+    "extend_kv_cache": KV_MEMORY,
+    "disable_extensible_kv_cache": KV_MEMORY,
+    "set_kv_cache_reclaimable": KV_MEMORY,
     "check_health": ASK,
     "synchronize_device": ASK,
     "profile": "profiling only",
