@@ -14,23 +14,35 @@ per rank on one thread, so the chunks are registered by several threads at
 once. Those threads run on the CPUs of the GPU's NUMA node (from
 ``/sys/bus/pci/devices/<bdf>/numa_node``), so the pages they fault in are
 allocated there (the kernel's default first-touch policy) and the copy
-engines read local memory. The mapping asks for huge pages (``MAP_HUGETLB``,
-where the system reserved enough) and otherwise marks itself for transparent
-huge pages: fewer pages to lock and fewer TLB misses. A failed registration
-unregisters every chunk already registered and clears CUDA's sticky error
-(``cudaGetLastError``), so the pool stays pageable (slower DMA, still
-correct) rather than half pinned, and the next CUDA call does not fail.
+engines read local memory. Registration always runs on those helper
+threads, never the caller's (vLLM's engine thread keeps its CPUs). The
+mapping asks for huge pages (``MAP_HUGETLB``, where the system reserved
+enough) and otherwise marks itself for transparent huge pages: fewer pages to
+lock and fewer TLB misses.
+
+A failed registration unregisters every chunk already registered, so the pool
+stays pageable (slower DMA, still correct) rather than half pinned. The
+failed call also leaves its error as the CUDA runtime's last error *of that
+thread*, which PyTorch's next kernel-launch check on the thread would raise;
+it is cleared there with ``cudaGetLastError``. PyTorch's runtime binding
+(``torch.cuda.cudart()``) has no such function, so it is called through
+ctypes in the libcudart PyTorch already loaded (as vLLM's own host
+registration does, through its ``CudaRTLibrary``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import math
 import mmap
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -104,66 +116,127 @@ def _code(err) -> int:
     return int(getattr(err, "value", err))
 
 
+def loaded_library(prefix: str, maps: str = "/proc/self/maps") -> str | None:
+    """Path of the first library named ``prefix``* mapped into this process."""
+    try:
+        with open(maps) as f:
+            for line in f:
+                fields = line.split(None, 5)  # address perms offset dev inode [path]
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if os.path.basename(path).startswith(prefix) and ".so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_get_last_error(maps: str = "/proc/self/maps") -> Callable[[], int] | None:
+    """``cudaGetLastError`` of the libcudart already loaded (PyTorch's), or None.
+
+    Never a second copy loaded from elsewhere: a runtime of its own would
+    clear its own error, not PyTorch's."""
+    path = loaded_library("libcudart", maps)
+    if path is None:
+        return None
+    try:
+        fn = ctypes.CDLL(path).cudaGetLastError
+    except (OSError, AttributeError):
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return fn
+
+
+def clear_last_error() -> int | None:
+    """Clears the calling thread's last CUDA runtime error; its code, or None
+    where no loaded libcudart was found (then it is said once)."""
+    fn = runtime_get_last_error()
+    if fn is None:
+        if not _said_no_runtime.is_set():
+            _said_no_runtime.set()
+            logger.warning("KVBM: no libcudart loaded in this process (PyTorch without CUDA, "
+                           "or linked statically): a refused cudaHostRegister's error cannot "
+                           "be cleared; the next CUDA call on its thread may report it")
+        return None
+    return fn()
+
+
+_said_no_runtime = threading.Event()
+
+
 def register_chunks(cudart, base: int, total: int, chunk: int, threads: int = 1,
-                    cpus: set[int] | None = None, setup=None) -> list[int]:
+                    cpus: set[int] | None = None, setup=None,
+                    clear_error: Callable[[], int | None] = clear_last_error) -> list[int]:
     """Registers [base, base + total) in ``chunk``-byte pieces on ``threads``
-    threads bound to ``cpus`` (each first calls ``setup``: the CUDA device);
-    the registered addresses. On a failure every registered chunk is
-    unregistered, CUDA's error cleared, and HostPinError raised."""
+    helper threads bound to ``cpus`` (each first calls ``setup``: the CUDA
+    device); the registered addresses. The caller's thread registers nothing:
+    its CPU affinity and its CUDA error state stay as they were. After a
+    refusal no further chunk is tried; every registered chunk is then
+    unregistered and HostPinError raised."""
     offsets = list(range(0, total, chunk))
+    refused = threading.Event()
+    raised: list[Exception] = []
 
-    def register(offset: int) -> tuple[int, int]:
-        if cpus:
-            os.sched_setaffinity(0, cpus)  # this thread only: pages land on the GPU's node
-        if setup is not None:
-            setup()
-        return offset, _code(cudart.cudaHostRegister(base + offset,
-                                                     min(chunk, total - offset), 0))
+    def register(offset: int) -> tuple[int, int | None]:
+        if refused.is_set():
+            return offset, None  # not tried
+        try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # this thread only: pages land on the GPU's node
+            if setup is not None:
+                setup()
+            code = _code(cudart.cudaHostRegister(base + offset, min(chunk, total - offset), 0))
+        except Exception as err:  # noqa: BLE001 - undone below as a refusal is
+            raised.append(err)
+            refused.set()
+            return offset, -1
+        if code:
+            refused.set()
+            clear_error()  # the error is this thread's: cleared here
+        return offset, code
 
-    if threads > 1 and len(offsets) > 1:
-        with ThreadPoolExecutor(min(threads, len(offsets)), "kvbm-pin") as pool:
-            results = list(pool.map(register, offsets))
-    else:
-        results = []
-        for offset in offsets:  # one at a time: stop at the first refusal
-            results.append(register(offset))
-            if results[-1][1]:
-                break
+    with ThreadPoolExecutor(max(1, min(threads, len(offsets))), "kvbm-pin") as pool:
+        results = list(pool.map(register, offsets))  # one thread: in order, one at a time
     done = [base + off for off, code in results if code == 0]
-    failed = [(off, code) for off, code in results if code != 0]
+    failed = [(off, code) for off, code in results if code]
     if failed:
-        cudart.cudaGetLastError()  # clears the sticky error of the failed call
-        unregister(cudart, done)
+        unregister(cudart, done, clear_error)
         off, code = failed[0]
+        why = f"{type(raised[0]).__name__}: {raised[0]}" if code == -1 else f"CUDA error {code}"
         raise HostPinError(
-            f"cudaHostRegister failed (CUDA error {code}) for the host tier at "
+            f"cudaHostRegister failed ({why}) for the host tier at "
             f"{off / 1024**3:.2f} of {total / 1024**3:.2f} GiB; the {len(done)} chunks "
             f"registered were unregistered. Lower host_cache_size or raise the locked-"
             f"memory limit (ulimit -l, the container's memlock)")
     return done
 
 
-def unregister(cudart, addrs: list[int]) -> None:
+def unregister(cudart, addrs: list[int],
+               clear_error: Callable[[], int | None] = clear_last_error) -> None:
     for addr in reversed(sorted(addrs)):
         err = cudart.cudaHostUnregister(addr)
         if _code(err) != 0:
-            cudart.cudaGetLastError()
-            logger.warning("KVBM: cudaHostUnregister failed (%s)", err)
+            clear_error()  # this thread's (the caller's): its next CUDA call must not see it
+            logger.warning("KVBM: cudaHostUnregister failed (CUDA error %d)", _code(err))
 
 
 class HostPool:
-    """``cudart``: the CUDA runtime (torch.cuda.cudart() by default; a fake in
-    tests). ``device``: the GPU whose NUMA node the pages go to."""
+    """``cudart``: PyTorch's CUDA runtime binding (torch.cuda.cudart() by
+    default) and ``clear_error`` the runtime's cudaGetLastError (through
+    libcudart by default): fakes in tests. ``device``: the GPU whose NUMA
+    node the pages go to."""
 
     def __init__(self, num_slots: int, slot_bytes: int, pin: bool,
                  max_register_bytes: int = MAX_REGISTER_BYTES, cudart=None,
-                 device: torch.device | None = None, threads: int = MAX_REGISTER_THREADS):
+                 device: torch.device | None = None, threads: int = MAX_REGISTER_THREADS,
+                 clear_error: Callable[[], int | None] = clear_last_error):
         total = num_slots * slot_bytes
         self._mapping, self.pages = anonymous_mapping(total)
         self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8,
                                        count=total).view(num_slots, slot_bytes)
         self._registered: list[int] = []
         self._cudart = cudart
+        self._clear_error = clear_error
         if pin:
             self._pin(slot_bytes, max_register_bytes, device, threads)
 
@@ -183,7 +256,7 @@ class HostPool:
             self._registered = register_chunks(
                 cudart, base, total, chunk, threads, cpus,
                 setup=None if self._cudart or device is None else
-                lambda: torch.cuda.set_device(device))
+                lambda: torch.cuda.set_device(device), clear_error=self._clear_error)
         except HostPinError as err:
             logger.warning("KVBM: %s; the host tier stays pageable: transfers stay correct "
                            "but slower", err)
@@ -197,5 +270,5 @@ class HostPool:
         """Unregisters the pinned ranges. Only once no transfer can touch them."""
         if not self._registered:
             return
-        unregister(self._cudart or torch.cuda.cudart(), self._registered)
+        unregister(self._cudart or torch.cuda.cudart(), self._registered, self._clear_error)
         self._registered = []
