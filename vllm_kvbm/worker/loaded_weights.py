@@ -103,6 +103,7 @@ class LoadedWeights:
         self.session: Any = None  # a weight-transfer update under way (weight_changes.py)
         self._unreported: list[tuple[int, int, str]] = []
         self._refusing_logged: tuple[int, str] | None = None
+        self._warned = False
 
     @classmethod
     def from_vllm(cls, rank: int) -> "LoadedWeights":
@@ -172,8 +173,11 @@ class LoadedWeights:
             # announced for the next epoch: its first step's keys name it
             self._unreported.append((self.epoch + 1, self.rank, label))
         if label.startswith("private:"):
-            logger.warning("KVBM: %s changed the weights in a way KVBM cannot identify: this "
-                           "engine's pages are its own from now on (until a restart)", what)
+            # once as a warning: an RL loop may send such a change every step
+            log = logger.info if self._warned else logger.warning
+            self._warned = True
+            log("KVBM: %s changed the weights in a way KVBM cannot identify: this engine's "
+                "pages are its own from now on (until a restart)", what)
         else:
             logger.info("KVBM: %s loaded %s: from the next reset of vLLM's prefix cache on, "
                         "pages are keyed by them (until then, this engine's own)", what,

@@ -26,7 +26,6 @@ wrap, so an engine on it keeps its pages to itself (``watch`` returns False).
 from __future__ import annotations
 
 import functools
-import logging
 import sys
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -36,8 +35,6 @@ from vllm_kvbm.worker.weight_digests import LoadDigest, loads_digested
 
 if TYPE_CHECKING:
     from vllm_kvbm.worker.loaded_weights import LoadedWeights
-
-logger = logging.getLogger(__name__)
 
 _STACK_DEPTH = 64
 

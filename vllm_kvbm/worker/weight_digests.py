@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from typing import Any, Iterable
-
-logger = logging.getLogger(__name__)
 
 # Bytes copied from an accelerator to host memory at a time for hashing.
 _CHUNK_BYTES = 64 << 20
