@@ -36,7 +36,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 import torch  # noqa: E402
 
 from helpers.kv_layouts import agent_name, vllm_layout  # noqa: E402
-from vllm_kvbm.worker.copy_engine import CopyEngineMover  # noqa: E402
+from vllm_kvbm.worker.copy_engine import CopyEngineMover, CopyHandle  # noqa: E402
 from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT  # noqa: E402
 
 PREFILL_TOKENS = 8192
@@ -50,12 +50,12 @@ class TakesTheBatch:
 
     name = "a stand-in stream"
 
-    def submit(self, src, dst, sizes, to_host):
+    def submit(self, src, dst, sizes, to_host, after=None, timed=False):
         class Done:
             def query(self):
                 return True
 
-        return Done(), (src, dst, sizes)
+        return CopyHandle(Done(), (src, dst, sizes))
 
 
 def median_ms(fn, repeats: int) -> float:

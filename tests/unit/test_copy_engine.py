@@ -1,63 +1,36 @@
-"""The copy-engine path (worker/copy_engine.py) on CPU, with a fake CUDA stream.
+"""The copy-engine path (worker/copy_engine.py) on CPU: the real CudaCopies over a fake CUDA.
 
-The fake stands for what has no CPU equivalent: a stream that runs the
-batch later than it is queued and an event that says when. It moves the
-real bytes (PyTorch copies over the same views the CUDA fallback uses) only
-when the test lets the "GPU" run, so a poll before that must say PROC and a
-copy queued before the compute stream's work must be seen waiting for it.
-The copy counts are asserted at a 70B model's geometry (80 layers, 8 KV
-heads of 128, bf16, 16-token blocks, 256-token pages) at TP=1 and TP=8.
+No GPU here: ``helpers.fake_cuda.FakeCuda`` stands in for torch.cuda's streams
+and events. It orders nothing by itself: each stream queues what the code
+asked for, and the test runs the queued work copy streams first wherever
+the code's waits allow it, so a copy the code did not order after a kernel
+runs before it and copies the bytes from before (a control with the wait
+left out shows it). Copies move the real bytes by address when they run.
+vLLM's batch copy and PyTorch's per-copy fallback are both run. The copy
+counts are asserted at a 70B model's geometry (80 layers, 8 KV heads of 128,
+bf16, 16-token blocks, 256-token pages) at TP=1 and TP=8.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
 import torch
 
+from helpers.fake_cuda import BYTES_PER_S, FakeCuda
 from helpers.kv_layouts import VLLM_LAYOUTS, random_fill, vllm_layout
-from vllm_kvbm.worker.copy_engine import CopyEngineMover, SpanViews
+from vllm_kvbm.worker import copy_engine
+from vllm_kvbm.worker.copy_engine import CopyEngineMover, CudaCopies, SpanViews
 from vllm_kvbm.worker.copy_path import nixl_page_copies
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs, merge_runs, page_copies
+from vllm_kvbm.worker.fence import CudaFence
 from vllm_kvbm.worker.kv_regions import block_regions
 from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT
 
 NB = 40
-
-
-class FakeEvent:
-    def __init__(self, stream: "FakeStream"):
-        self.stream, self.done = stream, False
-
-    def query(self) -> bool:
-        return self.done
-
-
-class FakeStream:
-    """A copy stream: batches run only when ``run()`` is called, in order,
-    each after the compute work queued before it (``compute_pending``)."""
-
-    name = "fake CUDA stream"
-
-    def __init__(self, spans: SpanViews):
-        self.spans = spans
-        self.queued: list[tuple] = []
-        self.log: list[str] = []
-        self.compute_pending = 0  # kernels queued on the compute stream
-
-    def submit(self, src, dst, sizes, to_host):
-        self.log.append(f"wait compute ({self.compute_pending} kernels)")
-        event = FakeEvent(self)
-        self.queued.append((self.compute_pending, src, dst, sizes, event))
-        self.log.append(f"batch of {len(sizes)} copies")
-        return event, (src, dst, sizes)
-
-    def run(self) -> None:
-        for after, src, dst, sizes, event in self.queued:
-            assert after <= 0 or self.compute_pending == 0, "copy ran before the compute"
-            torch._foreach_copy_(self.spans.views(dst, sizes), self.spans.views(src, sizes))
-            event.done = True
-        self.queued = []
+CPU = torch.device("cpu")
 
 
 def layout(name: str, gen, layers=3, heads=2, block_size=4, head_size=8, nb=NB):
@@ -65,13 +38,29 @@ def layout(name: str, gen, layers=3, heads=2, block_size=4, head_size=8, nb=NB):
                        head_size=head_size, gen=gen, dtype=torch.bfloat16)
 
 
-def mover_for(lay, slots: int, gen, page_blocks: int = 1):
+def copies_for(cuda: FakeCuda, spans: SpanViews, batch: bool = True, cls=CudaCopies):
+    """The real CudaCopies over the fake: vLLM's batch copy, or the fallback."""
+    found = (cuda.swap_blocks_batch, "") if batch else (None, "no batch copy (test)")
+    return cls(CPU, spans, cuda=cuda, find_batch=lambda: found,
+               foreach_copy=cuda.foreach_copy)
+
+
+def mover_for(lay, slots: int, gen, page_blocks: int = 1, batch: bool = True,
+              cls=CudaCopies):
     pool = torch.empty(slots, lay.block_bytes(), dtype=torch.uint8)
     random_fill(pool, gen)  # garbage: an unwanted write shows
-    stream = FakeStream(SpanViews([*lay.caches.values(), pool]))
-    m = CopyEngineMover(lay.caches, lay.num_blocks, pool, lay.block_dims, copies=stream,
+    cuda = FakeCuda()
+    copies = copies_for(cuda, SpanViews([*lay.caches.values(), pool]), batch, cls)
+    m = CopyEngineMover(lay.caches, lay.num_blocks, pool, lay.block_dims, copies=copies,
                         page_blocks=page_blocks)
-    return m, pool, stream
+    return m, pool, cuda
+
+
+class Unordered(CudaCopies):
+    """The control: copies that wait for nothing. What the fake must catch."""
+
+    def order(self, stream, after) -> None:
+        pass
 
 
 @pytest.fixture
@@ -79,22 +68,23 @@ def gen():
     return torch.Generator().manual_seed(7)
 
 
+@pytest.mark.parametrize("batch", [True, False], ids=["swap_blocks_batch", "foreach_copy"])
 @pytest.mark.parametrize("name", sorted(set(VLLM_LAYOUTS) - {"BHLNC"}))  # BHLNC: refused
-def test_store_then_load_moves_exact_bytes_only_when_the_stream_ran(name, gen):
+def test_store_then_load_moves_exact_bytes_only_when_the_stream_ran(name, batch, gen):
     lay = layout(name, gen)
-    m, pool, stream = mover_for(lay, 8, gen)
+    m, pool, cuda = mover_for(lay, 8, gen, batch=batch)
     blocks, slots = [3, 4, 5, 9], [6, 0, 1, 2]
     h = m.post(True, blocks, slots)
     assert m.poll(h) == "PROC"  # queued, not run: nothing may be reported
     assert not torch.equal(pool[6], lay.slot_bytes(3))
-    stream.run()
-    assert m.poll(h) == "DONE"
+    cuda.run()
+    assert m.poll(h) == "DONE" and h.keep == ()
     for b, s in zip(blocks, slots):
         assert torch.equal(pool[s], lay.slot_bytes(b)), (name, b)
     before = lay.clone_raw()
     dst = [20, 21, 22, 30]
     h = m.post(False, dst, slots)
-    stream.run()
+    cuda.run()
     assert m.poll(h) == "DONE"
     expected = [r.clone() for r in before]
     for s_blk, d_blk in zip(blocks, dst):
@@ -102,39 +92,176 @@ def test_store_then_load_moves_exact_bytes_only_when_the_stream_ran(name, gen):
     assert torch.equal(lay.raw[0], expected[0])  # the loaded blocks, nothing else
 
 
-def test_copies_wait_for_the_compute_stream_and_polls_follow_the_step(gen):
+@pytest.mark.parametrize("batch", [True, False], ids=["swap_blocks_batch", "foreach_copy"])
+def test_a_store_reads_its_blocks_after_the_forward_the_fence_follows(batch, gen):
+    """The forward pass is launched, then wait_for_save records the fence and
+    posts at once: the copy stream waits for the fence's event, so the host
+    page holds the KV the forward wrote. Without the wait (the control), the
+    fake runs the copy first and the page is stale."""
+    for cls, fresh in ((CudaCopies, True), (Unordered, False)):
+        lay = layout("LBNHC", gen)
+        m, pool, cuda = mover_for(lay, 8, gen, batch=batch, cls=cls)
+        cuda.launch(lambda: lay.fill_block(3, gen), "forward writes block 3")
+        fence = CudaFence(CPU, cuda)  # wait_for_save, right after the launch
+        h = m.post(True, [3], [0], after=fence)
+        assert ("stream1: wait_event event0" in cuda.log) == fresh, cuda.log
+        cuda.run()
+        assert m.poll(h) == "DONE"
+        assert torch.equal(pool[0], lay.slot_bytes(3)) == fresh, cls.__name__
+
+
+def test_the_wait_is_for_the_fence_not_for_work_queued_after_it(gen):
+    lay = layout("BLHNC", gen)
+    m, pool, cuda = mover_for(lay, 8, gen)
+    cuda.launch(lambda: lay.fill_block(3, gen), "forward writes block 3")
+    fence = CudaFence(CPU, cuda)
+    h = m.post(True, [3], [0], after=fence)
+    cuda.launch(lambda: lay.fill_block(3, gen), "the next step's forward")
+    assert cuda.log == ["compute: kernel forward writes block 3", "compute: record event0",
+                        "stream1: wait_event event0", "stream1: kernel batch of 1 copies",
+                        "stream1: record event1", "compute: kernel the next step's forward"]
+    cuda.run(until=lambda: m.poll(h) == "DONE")
+    assert cuda.compute.queue  # the next step's forward has not run: nothing waited for it
+    kv_at_fence = lay.slot_bytes(3)  # what the first forward wrote
+    cuda.run()
+    assert not torch.equal(lay.slot_bytes(3), kv_at_fence)  # rewritten after the copy
+
+
+def test_a_load_lands_after_the_kernels_queued_before_start_load_kv(gen):
     lay = layout("LBNHC", gen)
-    m, pool, stream = mover_for(lay, 8, gen)
-    stream.compute_pending = 1  # the forward pass that writes block 3 is queued
-    h = m.post(True, [3], [0])
-    assert stream.log == ["wait compute (1 kernels)", "batch of 3 copies"]
-    polls = 0
-    for step in range(5):  # engine steps: one poll each
-        polls += 1
-        if m.poll(h) == "DONE":
-            break
-        if step == 2:  # the compute finished, then the copy ran
-            stream.compute_pending = 0
-            stream.run()
-    assert polls == 4 and m.poll(h) == "DONE"
-    assert torch.equal(pool[0], lay.slot_bytes(3))
+    m, pool, cuda = mover_for(lay, 8, gen)
+    h = m.post(True, [3], [0])  # a stored page
+    cuda.run()
+    want = pool[0].clone()
+    for cls, lands in ((CudaCopies, True), (Unordered, False)):
+        m.copies = copies_for(cuda, m.copies._spans, True, cls)
+        cuda.launch(lambda: lay.zero_block(7), "zeroing of newly allocated block 7")
+        h = m.post(False, [7], [0], after=CudaFence(CPU, cuda))  # start_load_kv
+        cuda.run()
+        assert m.poll(h) == "DONE"
+        assert torch.equal(lay.slot_bytes(7), want) == lands, cls.__name__
+
+
+def test_a_load_does_not_queue_behind_a_store(gen):
+    """Stores and loads have a stream each: a load whose fence is passed runs
+    while a store still waits for a long forward pass."""
+    lay = layout("BLHNC", gen)
+    m, pool, cuda = mover_for(lay, 8, gen)
+    h = m.post(True, [1], [1])
+    cuda.run()
+    load_fence = CudaFence(CPU, cuda)  # start_load_kv: nothing pending on its blocks
+    cuda.launch(lambda: lay.fill_block(3, gen), "a long forward", seconds=1.0)
+    store = m.post(True, [3], [0], after=CudaFence(CPU, cuda))  # wait_for_save
+    load = m.post(False, [9], [1], after=load_fence)
+    cuda.run(until=lambda: m.poll(load) == "DONE")
+    assert m.poll(store) == "PROC" and cuda.compute.queue  # the forward is still running
+    assert torch.equal(lay.slot_bytes(9), pool[1])
+    cuda.run()
+    assert m.poll(store) == "DONE" and torch.equal(pool[0], lay.slot_bytes(3))
+    streams = {line.split(":")[0] for line in cuda.log if "batch" in line}
+    assert len(streams) == 2
+
+
+def test_a_post_without_a_fence_waits_for_everything_queued_on_the_engines_stream(gen):
+    lay = layout("LBNHC", gen)
+    m, pool, cuda = mover_for(lay, 8, gen)
+    cuda.launch(lambda: lay.fill_block(5, gen), "a kernel writing block 5")
+    h = m.post(True, [5], [2])  # the startup round trip: no step, no fence
+    assert "stream1: wait_stream compute" in cuda.log
+    cuda.run()
+    assert m.poll(h) == "DONE" and torch.equal(pool[2], lay.slot_bytes(5))
+
+
+def test_timed_copies_report_their_time_on_the_gpu(gen):
+    lay = layout("BLHNC", gen)
+    m, pool, cuda = mover_for(lay, 8, gen)
+    h = m.post(True, [0, 1, 2, 3], [0, 1, 2, 3], timed=True)
+    assert m.post(True, [4], [4]).seconds() is None  # untimed
+    cuda.run()
+    assert m.poll(h) == "DONE"
+    assert h.seconds() == pytest.approx(4 * lay.block_bytes() / BYTES_PER_S)
+
+
+def test_the_worker_posts_at_once_and_the_gpu_orders_the_copies(gen):
+    """KVBMWorker with the copy engines: wait_for_save's stores are posted in
+    that call with the step's fence (no host poll of it, nothing pending),
+    and they copy what the forward launched before wrote, not what the next
+    step's forward writes later."""
+    from helpers.kv_layouts import agent_name
+    from vllm_kvbm.engine_info import EngineInfo
+    from vllm_kvbm.keys import KeyNamespace
+    from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
+    from vllm_kvbm.worker.worker import KVBMWorker
+
+    lay = layout(BLOCK_MAJOR_LAYOUT, gen)
+    bb = lay.block_bytes()
+    ns = KeyNamespace(model="m@", dtype="torch.bfloat16", kv_layout="x", block_size=4,
+                      page_bytes=bb, tp_size=1)
+    w = KVBMWorker(EngineInfo(4, bb, lay.num_layers, 1, ns), 8, "UCX", agent_name("kvbm-ce"))
+    w.register_kv_caches(lay.caches, NB, lay.block_dims)  # CPU KV: NIXL, replaced here
+    w.mover.close()
+    cuda = FakeCuda()
+    rows = w.host_pool.view(-1, bb)
+    w.mover = CopyEngineMover(lay.caches, NB, rows, lay.block_dims,
+                              copies=copies_for(cuda, SpanViews([*lay.caches.values(), rows])))
+    w.make_fence = lambda: CudaFence(CPU, cuda)
+    cuda.launch(lambda: [lay.fill_block(b, gen) for b in (3, 4)], "forward")
+    w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "A", [3, 4], [0, 1])],
+                                         delayed_free_req_ids=["A"]))
+    assert not w._pending and len(w._inflight) == 1  # posted at once
+    cuda.launch(lambda: [lay.fill_block(b, gen) for b in (3, 4)], "the next step's forward")
+    assert w.get_finished(set()) == (set(), set())  # nothing ran: the store is in flight
+    cuda.run(until=lambda: w.mover.poll(w._inflight[0].handle) == "DONE")
+    written = [lay.slot_bytes(b) for b in (3, 4)]
+    assert w.get_finished(set()) == ({"A"}, set())
+    cuda.run()
+    assert all(torch.equal(rows[s], x) for s, x in zip((0, 1), written))
+    assert not any(torch.equal(rows[s], lay.slot_bytes(b)) for s, b in ((0, 3), (1, 4)))
+    meta = w.build_worker_meta()
+    assert meta is not None and meta.stores_done[1] == 1
+    w.shutdown()
+
+
+def test_the_per_copy_fallback_is_said_once_with_what_is_missing(gen, caplog):
+    copy_engine._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.worker.copy_engine"):
+        for _ in range(2):
+            m, _, _ = mover_for(layout("LBNHC", gen), 8, gen, page_blocks=4, batch=False)
+            assert "PyTorch _foreach_copy_" in m.path
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1, warnings
+    assert "no batch copy (test)" in warnings[0] and "cudaMemcpyAsync of its own" in warnings[0]
+    assert "a 4-block page is 12 copies" in warnings[0]  # 3 layers x 4 blocks
+    copy_engine._warned.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.worker.copy_engine"):
+        caplog.clear()
+        mover_for(layout("LBNHC", gen), 8, gen, batch=True)
+    assert not caplog.records
+
+
+def test_this_vllm_builds_batch_copy_is_found_or_its_missing_part_named():
+    fn, missing = copy_engine.vllm_swap_blocks_batch()
+    if fn is None:  # vLLM's CPU build: the op is not registered
+        assert "swap_blocks_batch" in missing, missing
+    else:
+        assert missing == ""
 
 
 def test_out_of_range_post_raises_before_queuing(gen):
     lay = layout("LBNHC", gen)
-    m, _, stream = mover_for(lay, 8, gen)
+    m, _, cuda = mover_for(lay, 8, gen)
     for blocks, slots in (([NB], [0]), ([0], [8]), ([-1], [0]), ([0, 1], [0])):
         with pytest.raises((IndexError, ValueError)):
             m.post(True, blocks, slots)
-    assert stream.queued == []
+    assert cuda.log == [] and cuda.idle()
 
 
 def test_consecutive_blocks_merge_into_one_copy_in_a_block_major_cache(gen):
     lay = layout("BLNHC", gen)
-    m, pool, stream = mover_for(lay, 8, gen, page_blocks=4)
+    m, pool, cuda = mover_for(lay, 8, gen, page_blocks=4)
     h = m.post(True, [4, 5, 6, 7], [0, 1, 2, 3])
-    assert stream.log[-1] == "batch of 1 copies"
-    stream.run()
+    assert "stream1: kernel batch of 1 copies" in cuda.log
+    cuda.run()
     assert m.poll(h) == "DONE"
     assert all(torch.equal(pool[i], lay.slot_bytes(4 + i)) for i in range(4))
     assert (m.page_copies.best, m.page_copies.worst) == (1, 4)
@@ -225,9 +352,9 @@ def test_a_page_under_the_block_major_layout_is_the_same_bytes_and_identity_as_l
             view.copy_(lays["LBHNC"].caches[layer])  # the same KV, logically
     pages, prints = {}, {}
     for name, lay in lays.items():
-        m, pool, stream = mover_for(lay, 8, gen)
+        m, pool, cuda = mover_for(lay, 8, gen)
         m.post(True, [1, 2, 5], [0, 1, 2])
-        stream.run()
+        cuda.run()
         pages[name] = pool[:3].clone()
         prints[name] = layout_fingerprint(lay.caches, NB, lay.block_dims)
     assert torch.equal(pages[BLOCK_MAJOR_LAYOUT], pages["LBHNC"])
@@ -267,7 +394,7 @@ def test_the_chosen_path_is_logged_with_a_measured_round_trip(gen, caplog):
 
 def test_a_cuda_error_on_the_event_ends_the_transfer_err(gen, caplog):
     lay = layout("LBNHC", gen)
-    m, _, stream = mover_for(lay, 8, gen)
+    m, _, cuda = mover_for(lay, 8, gen)
     h = m.post(True, [3], [0])
 
     def broken():

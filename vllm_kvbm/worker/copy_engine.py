@@ -4,12 +4,21 @@ As vLLM's own CPU offloading does (v1/kv_offload/cpu/gpu_worker.py), every
 copy of a job is submitted at once on a CUDA stream of the mover's own: with
 vLLM's ``swap_blocks_batch`` (one ``cuMemcpyBatchAsync`` on CUDA 12.8+)
 where the installed vLLM has it, else PyTorch's ``_foreach_copy_`` over views
-of the same bytes. The stream first waits for the compute stream, so a copy
-never starts before the kernels queued ahead of it (the forward pass that
-wrote a stored block, the zeroing of a loaded one): the same order the
-worker's step fence (fence.py) already guarantees, kept exact here. An event
-recorded after the copies is queried at each ``poll``; a load is reported
-(and the request's attention launched) only once it is done.
+of the same bytes (one ``cudaMemcpyAsync`` per copy: a warning says so once).
+Stores and loads have a stream each, so a load never queues behind a store.
+
+Order, on the GPU, not by the host: the worker posts a step's jobs when the
+connector is called, with the step's fence (fence.py: an event recorded on
+vLLM's current stream at that call), and the copy stream waits for that
+event (``wait_event``). So a store never reads a block before the forward
+pass launched ahead of ``wait_for_save`` wrote it, and a load never lands
+before the kernels queued ahead of ``start_load_kv`` on its blocks (the
+zeroing of new blocks, a step still running for their last owner); nothing
+queued after the call delays the copy. A post without a fence (the startup
+round trip, a fetched load whose fence is gone) waits for everything queued
+on the engine's stream so far (``wait_stream``). An event recorded after the
+copies is queried at each ``poll``; a load is reported (and the request's
+attention launched) only once it is done.
 
 NIXL stays the path for disk, remote and host-to-host copies (page_mover.py).
 """
@@ -27,20 +36,25 @@ from vllm_kvbm.worker.kv_regions import block_regions, checked_ids
 
 logger = logging.getLogger(__name__)
 
+_warned: set[str] = set()
+
 
 def vllm_swap_blocks_batch():
-    """vLLM's batched block copy (``_custom_ops.swap_blocks_batch``), or None
-    where this vLLM build has none (the CPU build registers no such op)."""
+    """(vLLM's batched block copy ``_custom_ops.swap_blocks_batch``, "") or
+    (None, which part of it this vLLM lacks)."""
     try:
         from vllm import _custom_ops as ops
-    except Exception:  # noqa: BLE001 - no vLLM, or one that fails to import here
-        return None
+    except Exception as err:  # noqa: BLE001 - no vLLM, or one that fails to import here
+        return None, f"vllm._custom_ops does not import ({type(err).__name__}: {err})"
     fn = getattr(ops, "swap_blocks_batch", None)
+    if fn is None:
+        return None, "vllm._custom_ops has no swap_blocks_batch (the Python wrapper)"
     try:
         torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018 - registered by vLLM's CUDA build
     except (AttributeError, RuntimeError):
-        return None
-    return fn
+        return None, ("torch.ops._C_cache_ops.swap_blocks_batch is not registered (vLLM's "
+                      "CUDA build registers it)")
+    return fn, ""
 
 
 class SpanViews:
@@ -63,42 +77,71 @@ class SpanViews:
                 for i, o, n in zip(idx.tolist(), offs.tolist(), sizes.tolist())]
 
 
-class CudaCopies:
-    """The copy stream: waits for the compute stream, runs a batch, records an event."""
+class CopyHandle:
+    """A posted job: the event recorded after its copies, what must stay
+    alive until it is done, and (timed) an event recorded before them."""
 
-    def __init__(self, device: torch.device, spans: SpanViews):
+    __slots__ = ("event", "keep", "start")
+
+    def __init__(self, event, keep, start=None):
+        self.event, self.keep, self.start = event, keep, start
+
+    def seconds(self) -> float | None:
+        """The copies' time on the GPU, once done; None unless timed."""
+        if self.start is None:
+            return None
+        return self.start.elapsed_time(self.event) / 1e3
+
+
+class CudaCopies:
+    """The copy streams (stores, loads): each batch waits for the engine's
+    stream (the fence's event), runs, and records an event.
+
+    ``cuda``: torch.cuda's stream and event API; ``find_batch`` what finds
+    vLLM's batch copy; ``foreach_copy`` PyTorch's: fakes in tests."""
+
+    def __init__(self, device: torch.device, spans: SpanViews, cuda=torch.cuda,
+                 find_batch=vllm_swap_blocks_batch, foreach_copy=torch._foreach_copy_):
         self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self._batch = vllm_swap_blocks_batch()
+        self._cuda = cuda
+        self.streams = {True: cuda.Stream(device), False: cuda.Stream(device)}
+        self._batch, self.missing = find_batch()
+        self._foreach_copy = foreach_copy
         self._spans = spans
         self.name = ("vLLM swap_blocks_batch" if self._batch is not None
                      else "PyTorch _foreach_copy_")
 
-    def submit(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, to_host: bool):
-        """Queues the copies after the compute stream's work; returns
-        (event, what must stay alive until it is done)."""
-        keep: tuple = ()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
+    def order(self, stream, after) -> None:
+        """``stream``'s next work waits for ``after`` (an event on the engine's
+        stream), or for all work queued on the engine's stream now."""
+        if after is None:
+            stream.wait_stream(self._cuda.current_stream(self.device))
+        else:
+            stream.wait_event(after)
+
+    def submit(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, to_host: bool,
+               after=None, timed: bool = False) -> CopyHandle:
+        """Queues the copies after ``after``; returns their handle."""
+        stream = self.streams[to_host]
+        self.order(stream, after)
+        start = None
+        with self._cuda.stream(stream):
+            if timed:
+                start = self._cuda.Event(enable_timing=True)
+                start.record(stream)
             if self._batch is not None:
-                keep = tuple(torch.from_numpy(a) for a in (src, dst, sizes))
+                keep = tuple(torch.from_numpy(np.require(a, np.int64, ("C", "W")))
+                             for a in (src, dst, sizes))
                 # Host -> GPU reads memory no stream writes: the driver may
                 # prefetch it out of order (as vLLM does for loads).
                 self._batch(*keep, is_src_access_order_any=not to_host)
             else:
                 d, s = self._spans.views(dst, sizes), self._spans.views(src, sizes)
-                torch._foreach_copy_(d, s, non_blocking=True)
+                self._foreach_copy(d, s, non_blocking=True)
                 keep = (d, s)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return event, keep
-
-
-class _Copy:
-    __slots__ = ("event", "keep")
-
-    def __init__(self, event, keep):
-        self.event, self.keep = event, keep
+            event = self._cuda.Event(enable_timing=timed)
+            event.record(stream)
+        return CopyHandle(event, keep, start)
 
 
 class CopyEngineMover:
@@ -108,6 +151,9 @@ class CopyEngineMover:
     device by default; a fake one in tests)."""
 
     path = "copy engine"
+    # The worker posts at once, with the step's fence: the copies wait for it
+    # on the GPU (NIXL's posts wait for it on the host instead).
+    orders_on_gpu = True
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                  host_pool: torch.Tensor, block_dims: dict[str, int] | None = None,
@@ -126,20 +172,32 @@ class CopyEngineMover:
         first = next(iter(kv_caches.values()))
         self.copies = copies or CudaCopies(first.device,
                                            SpanViews([*kv_caches.values(), host_pool]))
-        self.path = f"copy engine ({self.copies.name}, a stream of its own)"
+        self.path = f"copy engine ({self.copies.name}, a stream each for stores and loads)"
         self.page_copies = page_copies(self.table, page_blocks)
+        missing = getattr(self.copies, "missing", "")
+        if missing and missing not in _warned:
+            _warned.add(missing)
+            logger.warning(
+                "KVBM: vLLM's batched block copy is missing here: %s. Each copy is a "
+                "cudaMemcpyAsync of its own through PyTorch's _foreach_copy_, with a tensor "
+                "view made per copy on the engine thread (%s), where vLLM's swap_blocks_batch "
+                "posts a job in one call; install vLLM's CUDA wheels", missing,
+                self.page_copies)
 
     def _runs(self, to_host: bool, block_ids, slots):
         blocks, rows = checked_ids(block_ids, slots, self.num_blocks, self.num_slots)
         return copy_runs(self.table, self._host_base, blocks, rows, to_host)
 
-    def post(self, to_host: bool, block_ids: list[int], slots: list[int]) -> _Copy:
-        """Queues the copies of blocks to or from host pool rows; returns a
-        handle for ``poll``. Raises on failure (nothing was queued)."""
+    def post(self, to_host: bool, block_ids: list[int], slots: list[int], after=None,
+             timed: bool = False) -> CopyHandle:
+        """Queues the copies of blocks to or from host pool rows after
+        ``after`` (a step fence: its CUDA event); returns a handle for
+        ``poll``. Raises on failure (nothing was queued)."""
         src, dst, sizes = self._runs(to_host, block_ids, slots)
-        return _Copy(*self.copies.submit(src, dst, sizes, to_host))
+        return self.copies.submit(src, dst, sizes, to_host,
+                                  after=getattr(after, "event", None), timed=timed)
 
-    def poll(self, handle: _Copy) -> str:
+    def poll(self, handle: CopyHandle) -> str:
         """"DONE", "PROC" or "ERR" (a CUDA error the event reports)."""
         try:
             done = handle.event.query()

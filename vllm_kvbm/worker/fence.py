@@ -4,11 +4,13 @@ vLLM launches a step's forward pass and returns: on CUDA the kernels that
 write the step's KV (and the zeroing of newly allocated blocks, and any
 earlier step still running under async scheduling) are only *queued* on the
 current stream when the connector's ``start_load_kv`` / ``wait_for_save``
-run. NIXL copies on streams of its own, so nothing orders a copy posted at
-that moment after those kernels. A ``StepFence`` is recorded on the current
-stream when the connector is called; the worker posts the step's transfers
-only once ``done()`` (polled, never blocking the engine thread), and a
-preemption flush or shutdown, which must wait anyway, calls ``wait()``.
+run. A ``StepFence`` is recorded on the current stream when the connector
+is called. The copy engines (GPU KV) get it with the post, at once, and
+their stream waits for its event on the GPU (copy_engine.py). NIXL copies on
+streams of its own, so nothing would order a NIXL copy posted at that moment
+after those kernels: the worker posts a NIXL transfer only once ``done()``
+(polled, never blocking the engine thread), and a preemption flush or
+shutdown, which must wait anyway, calls ``wait()``.
 
 On CPU the forward pass has run to completion before the connector is
 called, so the fence is always done.
@@ -43,11 +45,13 @@ DONE = DoneFence()
 
 
 class CudaFence:
-    """A CUDA event recorded on the device's current stream."""
+    """A CUDA event recorded on the device's current stream. The copy engines
+    wait for ``event`` on the GPU; NIXL's posts wait for ``done()``.
+    ``cuda``: torch.cuda's event API (a fake in tests)."""
 
-    def __init__(self, device: torch.device):
-        self.event = torch.cuda.Event()
-        self.event.record(torch.cuda.current_stream(device))
+    def __init__(self, device: torch.device, cuda=torch.cuda):
+        self.event = cuda.Event()
+        self.event.record(cuda.current_stream(device))
 
     def done(self) -> bool:
         return bool(self.event.query())

@@ -9,12 +9,13 @@ Stream order (CUDA). vLLM 0.32 calls ``wait_for_save`` right after it
 *launches* the step's forward pass (``start_load_kv`` too, unless a load of
 the step is synchronous: then just before it, after the zeroing of new
 blocks), and NIXL copies on streams of its own, so each step's transfers wait for a ``StepFence`` recorded on the current
-stream when the connector was called, and are posted only once it is done
-(see ``_post_ready``): a store never reads a page before the forward pass has
-written it. vLLM's own offloading orders its copies the same way, with a copy
-stream that waits for the current one (v1/kv_offload/cpu/gpu_worker.py,
-v1/simple_kv_offload/worker.py); a NIXL post takes no stream, so the event is
-polled instead. What orders each kind of transfer:
+stream when the connector was called: a store never reads a page before the
+forward pass has written it. The copy engines (GPU KV) get the fence with
+the post, made at once, and their stream waits for its event on the GPU, as
+vLLM's own offloading's copy stream waits for the current one
+(v1/kv_offload/cpu/gpu_worker.py, v1/simple_kv_offload/worker.py); a NIXL
+post takes no stream, so NIXL transfers are posted only once the event is
+polled done (see ``_post_ready``). What orders each kind of transfer:
 
 - store (engine -> host): after the fence, so after the kernels that write the
   step's KV. The engine blocks stay the request's until the store is reported
@@ -141,10 +142,15 @@ class KVBMWorker(StreamedLoads):
 
     # ---- posting ----------------------------------------------------------
 
-    def _post(self, job: TransferJob, is_store: bool, started: float) -> None:
+    def _post(self, job: TransferJob, is_store: bool, started: float,
+              fence: StepFence | None = None) -> None:
+        """``fence``: for a mover that orders the copies after it on the GPU."""
         assert self.mover is not None
         try:
-            handle = self.mover.post(is_store, *block_rows(job))
+            if fence is None:
+                handle = self.mover.post(is_store, *block_rows(job))
+            else:
+                handle = self.mover.post(is_store, *block_rows(job), after=fence)
         except Exception as err:
             logger.warning("KVBM: could not start %s of %d blocks for %s: %s",
                            "store" if is_store else "load", len(job.block_ids),
@@ -155,9 +161,13 @@ class KVBMWorker(StreamedLoads):
 
     def _queue(self, job: TransferJob, is_store: bool, fence: StepFence,
                queued: float | None = None) -> None:
-        """Posts ``job`` once ``fence`` is done (see the module docstring)."""
-        self._pending.append(Pending(job, is_store, fence,
-                                     time.perf_counter() if queued is None else queued))
+        """Posts ``job`` once ``fence`` is done (see the module docstring); at
+        once, with the fence, to a mover that orders it on the GPU."""
+        queued = time.perf_counter() if queued is None else queued
+        if getattr(self.mover, "orders_on_gpu", False):
+            self._post(job, is_store, queued, fence)
+            return
+        self._pending.append(Pending(job, is_store, fence, queued))
 
     def _post_ready(self) -> None:
         """Posts the queued transfers whose fence is done. Never blocks."""
