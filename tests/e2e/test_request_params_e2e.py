@@ -150,7 +150,12 @@ def test_llm_sampling_params_carry_them(kvbm_llm):
     assert llm_generate(kvbm_llm, p, {"max_load_tokens": BLOCK_SIZE}).num_cached_tokens \
         == BLOCK_SIZE
     kvbm_llm.reset_prefix_cache()
-    # Refused params: no KVBM for it, and its output says why.
+    # A refused store field: it still loads (and stores nothing); its output says why.
     out = llm_generate(kvbm_llm, p, {"max_offload_tokens": "all"})
-    assert out.num_cached_tokens == 0
+    assert out.num_cached_tokens == 3 * BLOCK_SIZE
     assert "max_offload_tokens: expected a whole number" in out.kv_transfer_params["kvbm_error"]
+    # A refused load field: nothing loaded.
+    kvbm_llm.reset_prefix_cache()
+    out = llm_generate(kvbm_llm, p, {"max_load_tokens": "all"})
+    assert out.num_cached_tokens == 0
+    assert "max_load_tokens: expected a whole number" in out.kv_transfer_params["kvbm_error"]

@@ -15,7 +15,7 @@ from helpers.scheduler_harness import (BLOCK, admit, kvbm, keys_of, lookup, make
                                        make_scheduler, run_to_end, store_and_finish, tokens)
 from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
 from vllm_kvbm.scheduler.request_params import (ALL, RequestParams, RequestParamsError, parse,
-                                                report)
+                                                parse_apart, report)
 from vllm_kvbm.serve_middleware import check_kv_transfer_params
 
 # ---- parsing ------------------------------------------------------------------
@@ -220,7 +220,7 @@ def test_store_tiers_keep_stores_to_those_tiers(disk_sched):
     assert spilled_tiers(sched, both) == ["disk"]
 
 
-def test_bad_params_neither_load_nor_store_and_say_why(caplog):
+def test_a_bad_load_field_turns_loading_off_and_still_stores(caplog):
     sched = make_scheduler(host_blocks=16)
     toks = tokens(3 * BLOCK + 3, 48)
     store_and_finish(sched, toks)
@@ -228,7 +228,32 @@ def test_bad_params_neither_load_nor_store_and_say_why(caplog):
     bad = with_params(toks, {"kv_load_tiers": ["gpu"]})
     with caplog.at_level(logging.WARNING, logger="vllm_kvbm"):
         assert lookup(kvbm(sched), bad) == (0, False)
-    assert f"request {bad.request_id}: kv_load_tiers: unknown tier 'gpu'" in caplog.text
+    assert (f"request {bad.request_id}: kv_load_tiers: unknown tier 'gpu'" in caplog.text
+            and "(it loads no KV)" in caplog.text)
     fresh = tokens(2 * BLOCK + 3, 49)
-    assert stored_keys(run_to_end(sched, with_params(fresh, {"max_offload_tokens": -1})),
+    assert stored_keys(run_to_end(sched, with_params(fresh, {"max_load_tokens": -1})),
+                       kvbm(sched)) == 2
+
+
+def test_a_bad_store_field_turns_storing_off_and_still_loads(caplog):
+    sched = make_scheduler(host_blocks=16)
+    toks = tokens(3 * BLOCK + 3, 50)
+    store_and_finish(sched, toks)
+    assert sched.reset_prefix_cache()
+    bad = with_params(toks, {"max_offload_tokens": -1, "kv_load_tiers": ["host"]})
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm"):
+        assert lookup(kvbm(sched), bad) == (3 * BLOCK, True)
+    assert "max_offload_tokens: expected a whole number" in caplog.text
+    assert "(it stores no KV)" in caplog.text
+    fresh = tokens(2 * BLOCK + 3, 51)
+    assert stored_keys(run_to_end(sched, with_params(fresh, {"kv_store_tiers": ["disk"]})),
                        kvbm(sched)) == 0
+
+
+def test_both_halves_bad_are_both_off_and_both_named():
+    params = {"kv_load_tiers": "host", "lmcache.skip_save": "yes"}
+    got, errors = parse_apart(params)
+    assert not got.loads and not got.stores and len(errors) == 2
+    assert report(params) == {"kvbm_error": "; ".join(errors)}
+
+

@@ -10,8 +10,10 @@ Other keys are left alone: the same params may carry other connectors' keys.
 vLLM gives a connector no way to refuse a request before it reaches the
 engine, and an exception on the scheduler's thread stops the engine; so a
 bad value is reported (a warning naming the field and the fix, and
-``kvbm_error`` in the response's ``kv_transfer_params``), and the request
-neither loads nor stores: whatever it meant to restrict stays restricted.
+``kvbm_error`` in the response's ``kv_transfer_params``), and the half it
+belongs to is off for that request: a bad load field, no load; a bad store
+field, no store (the other half as asked). Whatever it meant to restrict
+stays restricted.
 """
 
 from __future__ import annotations
@@ -89,13 +91,40 @@ ALL = RequestParams()
 
 
 def parse(params: Mapping[str, Any] | None) -> RequestParams:
-    """The request's limits, or RequestParamsError naming the bad field."""
+    """The request's limits, or RequestParamsError naming the (first) bad field."""
+    result, errors = parse_apart(params)
+    if errors:
+        raise RequestParamsError(errors[0])
+    return result
+
+
+def parse_apart(params: Mapping[str, Any] | None) -> tuple[RequestParams, list[str]]:
+    """The request's limits and what was wrong with them: a bad load field
+    turns loading off and leaves storing as asked, a bad store field the
+    reverse (a typo in one must not cost the other)."""
     if not params:
-        return ALL
+        return ALL, []
     if not isinstance(params, Mapping):
-        raise RequestParamsError(
-            f"kv_transfer_params: expected an object, got {type(params).__name__}; "
-            f"send e.g. {{\"{LOAD_TIERS}\": [\"host\"]}}")
+        err = (f"kv_transfer_params: expected an object, got {type(params).__name__}; "
+               f"send e.g. {{\"{LOAD_TIERS}\": [\"host\"]}}")
+        return RequestParams(load_tiers=frozenset(), store_tiers=frozenset(), error=err), [err]
+    errors = []
+    try:
+        load_tiers, max_load = _tiers(params, LOAD_TIERS), _tokens(params, MAX_LOAD)
+    except RequestParamsError as err:
+        errors.append(str(err))
+        load_tiers, max_load = frozenset(), None
+    try:
+        store_tiers, max_store = _store_fields(params)
+    except RequestParamsError as err:
+        errors.append(str(err))
+        store_tiers, max_store = frozenset(), None
+    return RequestParams(load_tiers=load_tiers, store_tiers=store_tiers,
+                         max_load_tokens=max_load, max_store_tokens=max_store,
+                         error="; ".join(errors) or None), errors
+
+
+def _store_fields(params: Mapping[str, Any]) -> tuple[frozenset[str] | None, int | None]:
     skip = params.get(SKIP_SAVE)
     if skip is not None and not isinstance(skip, bool):
         raise RequestParamsError(f"{SKIP_SAVE}: expected true or false, got {skip!r}")
@@ -104,31 +133,27 @@ def parse(params: Mapping[str, Any] | None) -> RequestParams:
         raise RequestParamsError(
             f"{STORE_TIERS}: {sorted(store_tiers)} leaves out \"host\", through which "
             f"every store passes; add \"host\", or send [] to store nothing")
-    return RequestParams(
-        load_tiers=_tiers(params, LOAD_TIERS),
-        store_tiers=frozenset() if skip else store_tiers,
-        max_load_tokens=_tokens(params, MAX_LOAD),
-        max_store_tokens=_tokens(params, MAX_STORE))
+    max_store = _tokens(params, MAX_STORE)
+    return (frozenset() if skip else store_tiers), max_store
 
 
 def for_request(request) -> RequestParams:
-    """``parse`` of the request's params; refused ones log a warning once
-    and give a request that neither loads nor stores."""
-    try:
-        return parse(request.kv_transfer_params)
-    except RequestParamsError as err:
-        logger.warning("request %s: %s (it neither loads nor stores KV)",
-                       request.request_id, err)
-        return RequestParams(load_tiers=frozenset(), store_tiers=frozenset(), error=str(err))
+    """``parse_apart`` of the request's params; a refused half (loading or
+    storing) logs a warning once and is off for this request, the other half
+    as asked."""
+    params, errors = parse_apart(request.kv_transfer_params)
+    if errors:
+        off = " and ".join(what for what, on in (("loads", params.loads),
+                                                  ("stores", params.stores)) if not on)
+        logger.warning("request %s: %s (it %s no KV)", request.request_id, "; ".join(errors),
+                       off or "moves")
+    return params
 
 
 def report(params: Mapping[str, Any] | None) -> dict[str, str] | None:
     """What the response's kv_transfer_params says of refused params."""
-    try:
-        parse(params)
-    except RequestParamsError as err:
-        return {ERROR_KEY: str(err)}
-    return None
+    _, errors = parse_apart(params)
+    return {ERROR_KEY: "; ".join(errors)} if errors else None
 
 
 def _tokens(params: Mapping[str, Any], name: str) -> int | None:
@@ -142,7 +167,7 @@ def _tokens(params: Mapping[str, Any], name: str) -> int | None:
 
 
 def _tiers(params: Mapping[str, Any], name: str) -> frozenset[str] | None:
-    """A list of tier names ("host", "disk", "remote") or of vLLM's tier
+    """A list of tier names ("host", "pool", "disk", "remote") or of vLLM's tier
     matchers ({"medium": "CPU"|"STORAGE", "locality": "LOCAL"|"REMOTE"}):
     the tiers it names. [] names none."""
     raw = params.get(name)
