@@ -372,26 +372,6 @@ def test_page_copies_log_line():
                       "(scattered), the smallest 640 KiB")
 
 
-
-def test_the_chosen_path_is_logged_with_a_measured_round_trip(gen, caplog):
-    from helpers.kv_layouts import agent_name
-    from vllm_kvbm.worker.copy_path import make_mover
-
-    lay = layout("LBHNC", gen)  # vLLM's CPU layout: host memory, so NIXL's self transport
-    pool = torch.zeros(8, lay.block_bytes(), dtype=torch.uint8)
-    before = lay.clone_raw()
-    with caplog.at_level("INFO", logger="vllm_kvbm.worker.copy_path"):
-        m = make_mover(lay.caches, NB, pool, "UCX", agent_name(), lay.block_dims, 4)
-    try:
-        line = caplog.messages[-1]
-        assert "copies by NIXL (nixl_cu" in line and "UCX self transport" in line, line
-        assert "a 4-block page is 12 copies" in line and " GB/s (4 blocks each way)" in line
-        assert torch.equal(lay.raw[0], before[0])  # the round trip left the KV as it was
-        assert all(torch.equal(pool[b], lay.slot_bytes(b)) for b in range(4))
-    finally:
-        m.close()
-
-
 def test_a_cuda_error_on_the_event_ends_the_transfer_err(gen, caplog):
     lay = layout("LBNHC", gen)
     m, _, cuda = mover_for(lay, 8, gen)

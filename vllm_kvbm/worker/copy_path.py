@@ -8,8 +8,16 @@ emulated 8 KiB pieces where there is no RDMA NIC). A KV cache in host memory
 remote tiers never go through either: they read and write host slots.
 
 The log line gives the path, how a page is cut into copies, and the GB/s of
-one page stored and loaded back at startup (the blocks keep their bytes;
-nothing runs on the engine yet).
+a round trip at startup, before the engine runs anything: a one-page warm-up
+each way, then ``ROUND_TRIP_PAGES`` pages stored into host rows and loaded
+back, timed by CUDA events on the copy engines (their time on the GPU) and
+by perf_counter until each transfer is done for NIXL (which copies inside
+its post on CPU). Every byte is checked: the stored rows against the
+engine's blocks read through PyTorch, then the bitwise complement of those
+rows loaded into the blocks, then the rows loaded back (the blocks end with
+the bytes they had). A path that moves a wrong byte, fails a transfer or
+leaves one unfinished is a startup error naming what failed: a cache that
+copies wrong bytes must not start.
 """
 
 from __future__ import annotations
@@ -20,21 +28,27 @@ import time
 import numpy as np
 import torch
 
-from vllm_kvbm.worker.copy_runs import PageCopies
+from vllm_kvbm.worker.copy_runs import PageCopies, RegionTable
 from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT, MAX_BLOCK_MAJOR_TOKENS
 
 logger = logging.getLogger(__name__)
 
-# Bound on the startup round trip: a copy path that cannot move one page in
-# this long is reported, and the engine starts anyway.
+# Pages the startup round trip times, each way, after a one-page warm-up.
+ROUND_TRIP_PAGES = 4
+# Bound on one transfer of the round trip.
 ROUND_TRIP_TIMEOUT_S = 10.0
-_POLL_S = 0.001
+_POLL_S = 0.0002
+
+
+class CopyPathError(RuntimeError):
+    """The startup round trip found the copy path broken; the engine stops."""
 
 
 def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: torch.Tensor,
                backend: str, name: str, block_dims: dict[str, int] | None,
                page_blocks: int):
-    """The mover for this KV cache's memory, with its choice logged."""
+    """The mover for this KV cache's memory, with its choice logged after a
+    checked round trip (CopyPathError if it fails)."""
     first = next(iter(kv_caches.values()))
     if first.is_cuda:
         from vllm_kvbm.worker.copy_engine import CopyEngineMover
@@ -55,8 +69,15 @@ def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: t
                 f"asks vLLM for, makes a page of consecutive blocks one copy (vLLM keeps its "
                 f"own when VLLM_KV_CACHE_LAYOUT is set, an attention backend refuses "
                 f"{BLOCK_MAJOR_LAYOUT}, or blocks exceed {MAX_BLOCK_MAJOR_TOKENS} tokens)")
-    logger.info("KVBM worker: engine<->host copies by %s; %s; one-page round trip %s%s",
-                mover.path, copies, round_trip(mover, page_blocks), hint)
+    try:
+        measured = round_trip(mover, kv_caches, host_rows, page_blocks)
+    except Unfinished:
+        raise  # a transfer may still write: nothing is released under it
+    except Exception:
+        mover.close()
+        raise
+    logger.info("KVBM worker: engine<->host copies by %s; %s; %s%s",
+                mover.path, copies, measured, hint)
     return mover
 
 
@@ -66,23 +87,106 @@ def nixl_page_copies(regions, page_blocks: int) -> PageCopies:
     return PageCopies(page_blocks, n, n, min(r.layer_block_bytes for r in regions))
 
 
-def round_trip(mover, page_blocks: int) -> str:
-    """One page stored into host rows and loaded back into the same blocks,
-    polled every millisecond: "N GB/s", or why it could not be measured."""
-    n = min(page_blocks, mover.num_blocks, mover.num_slots)
-    blocks = list(range(n))
+class Unfinished(CopyPathError):
+    """A round-trip transfer did not finish in time (it may still write)."""
+
+
+class BlockBytes:
+    """The engine's blocks' bytes as host rows lay them out (the regions
+    side by side), read through PyTorch's views: not through the path
+    under test."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], regions):
+        from vllm_kvbm.worker.copy_engine import SpanViews
+
+        self._spans = SpanViews(list(kv_caches.values()))
+        self._table = RegionTable.of(regions)  # runs that continue each other joined
+        self._sizes = [r.layer_block_bytes for r in regions]
+        self._offsets = np.concatenate(([0], np.cumsum(self._sizes)))
+
+    def read(self, block: int) -> torch.Tensor:
+        t = self._table
+        row = torch.empty(t.row_bytes, dtype=torch.uint8)
+        views = self._spans.views(t.kv_base + block * t.kv_stride, t.sizes)
+        for view, off, n in zip(views, t.host_offset.tolist(), t.sizes.tolist()):
+            row[off:off + n].copy_(view)  # device -> host, in the engine stream's order
+        return row
+
+    def where(self, byte: int) -> str:
+        i = int(np.searchsorted(self._offsets, byte, side="right")) - 1
+        return (f"byte {byte - int(self._offsets[i])} of layer block region {i + 1} of "
+                f"{len(self._sizes)} ({self._sizes[i]} bytes)")
+
+
+def _transfer(mover, to_host: bool, blocks: list[int], rows: list[int], what: str) -> float:
+    """One transfer, waited for: its seconds (CUDA events where the mover
+    records them, else perf_counter from the post to its completion)."""
+    timed = getattr(mover, "orders_on_gpu", False)
     start = time.perf_counter()
     try:
-        for to_host in (True, False):
-            handle = mover.post(to_host, blocks, blocks)
-            while (state := mover.poll(handle)) == "PROC":
-                if time.perf_counter() - start > ROUND_TRIP_TIMEOUT_S:
-                    return f"not measured: no completion within {ROUND_TRIP_TIMEOUT_S:g} s"
-                time.sleep(_POLL_S)
-            if state != "DONE":
-                return f"not measured: the copy ended {state}"
-    except Exception as err:  # noqa: BLE001 - said at startup; the first job says it again
-        return f"not measured: {type(err).__name__}: {err}"
-    elapsed = max(time.perf_counter() - start, 1e-9)
-    nbytes = 2 * n * int(np.sum([r.layer_block_bytes for r in mover.regions]))
-    return f"{nbytes / elapsed / 1e9:.2f} GB/s ({n} blocks each way)"
+        handle = mover.post(to_host, blocks, rows, timed=True) if timed else mover.post(
+            to_host, blocks, rows)
+    except Exception as err:
+        raise CopyPathError(f"{what}: the post failed: {type(err).__name__}: {err}") from err
+    while (state := mover.poll(handle)) == "PROC":
+        if time.perf_counter() - start > ROUND_TRIP_TIMEOUT_S:
+            raise Unfinished(f"{what}: not finished within {ROUND_TRIP_TIMEOUT_S:g} s")
+        time.sleep(_POLL_S)
+    elapsed = time.perf_counter() - start
+    if state != "DONE":
+        raise CopyPathError(f"{what}: the transfer ended {state}")
+    gpu = handle.seconds() if timed else None
+    return elapsed if gpu is None else gpu
+
+
+def _pages(mover, to_host: bool, blocks: list[int], rows: list[int], g: int,
+           what: str) -> float:
+    """``blocks`` moved page by page; the seconds they took."""
+    return sum(_transfer(mover, to_host, blocks[i:i + g], rows[i:i + g], what)
+               for i in range(0, len(blocks), g))
+
+
+def _check(reader: BlockBytes, blocks: list[int], rows: list[int], want: torch.Tensor,
+           what: str) -> None:
+    """Each engine block of ``blocks`` holds its row of ``want``."""
+    for b, r, w in zip(blocks, rows, want):
+        got = reader.read(b)
+        if not torch.equal(got, w):
+            byte = int(torch.nonzero(got != w)[0])
+            raise CopyPathError(f"{what}: engine block {b} and host row {r} differ first at "
+                                f"{reader.where(byte)}")
+
+
+def round_trip(mover, kv_caches: dict[str, torch.Tensor], host_rows: torch.Tensor,
+               page_blocks: int, pages: int = ROUND_TRIP_PAGES) -> str:
+    """``pages`` pages stored into host rows and loaded back, every byte
+    checked (see the module docstring): "round trip ... GB/s", or
+    CopyPathError naming what failed."""
+    n = min(pages * page_blocks, mover.num_blocks, host_rows.shape[0] // 2)
+    if n < 1:
+        return "round trip not measured: fewer than 2 host rows"
+    g = min(page_blocks, n)
+    blocks, saved, probe = list(range(n)), list(range(n)), list(range(n, 2 * n))
+    reader = BlockBytes(kv_caches, mover.regions)
+    try:
+        _pages(mover, True, blocks[:g], saved[:g], g, "warm-up store")
+        _pages(mover, False, blocks[:g], saved[:g], g, "warm-up load")  # the same bytes back
+        store_s = _pages(mover, True, blocks, saved, g, "store")
+        _check(reader, blocks, saved, host_rows[:n], "store")
+        torch.bitwise_not(host_rows[:n], out=host_rows[n:2 * n])  # every byte differs
+        load_s = _pages(mover, False, blocks, probe, g, "load")
+        _check(reader, blocks, probe, ~host_rows[:n], "load")
+        _pages(mover, False, blocks, saved, g, "load back")
+        _check(reader, blocks, saved, host_rows[:n], "load back")
+    except CopyPathError as err:
+        raise type(err)(
+            f"KVBM: the startup round trip of pages between the KV cache and the host tier "
+            f"through {mover.path} failed: {err}. A cache that copies wrong bytes would serve "
+            f"wrong KV, so the engine does not start; on a GPU, bash scripts/gpu_check.sh "
+            f"checks each KV layout and copy path on this machine") from err
+    nbytes = n * int(np.sum([r.layer_block_bytes for r in mover.regions]))
+    how = "CUDA events" if getattr(mover, "orders_on_gpu", False) else "until done"
+    return (f"round trip of {n} blocks ({nbytes / 2**20:.1f} MiB) each way, every byte "
+            f"checked: store {nbytes / max(store_s, 1e-9) / 1e9:.2f} GB/s, load "
+            f"{nbytes / max(load_s, 1e-9) / 1e9:.2f} GB/s ({how}, page by page, after a "
+            f"one-page warm-up)")
