@@ -137,14 +137,15 @@ def failed_then_recomputed(llm, prompt, want, tier: str, counter: str) -> None:
     assert kvbm_counter("load_error_blocks") > errors
 
 
-def serves_again(llm, plain, seed: int) -> None:
+def serves_again(llm, plain, seed: int, tier: str = "disk") -> None:
     """The engine is alive and its tiers work: another prompt hits from
-    disk and equals the recompute."""
-    prompt, want = stored_only_below(llm, plain, seed, "disk")
-    matched = kvbm_counter("matched_tokens_disk")
-    out = generate_request(llm, {"prompt_token_ids": prompt}, {"kv_load_tiers": ["disk"]})
+    ``tier`` (sealed under the page secret) and equals the recompute."""
+    prompt, want = stored_only_below(llm, plain, seed, tier)
+    settle(llm)
+    matched = kvbm_counter(f"matched_tokens_{tier}")
+    out = generate_request(llm, {"prompt_token_ids": prompt}, {"kv_load_tiers": [tier]})
     assert list(out.outputs[0].token_ids) == want
-    assert kvbm_counter("matched_tokens_disk") - matched == 896
+    assert kvbm_counter(f"matched_tokens_{tier}") - matched == 896
 
 
 def test_a_corrupt_disk_page_is_recomputed(kvbm, plain, disk_dir):
@@ -172,7 +173,7 @@ def test_a_page_moved_on_the_remote_does_not_open_and_is_recomputed(kvbm, plain,
         for name, value in zip(pages, values[1:] + values[:1]):
             c.set(name, value)
     failed_then_recomputed(kvbm, prompt, want, "remote", "page_auth_failures")
-    serves_again(kvbm, plain, seed=9812)
+    serves_again(kvbm, plain, 9812, "remote")
 
 
 def test_pages_evicted_between_lookup_and_read_are_recomputed(kvbm, plain, redis_server,
@@ -187,7 +188,7 @@ def test_pages_evicted_between_lookup_and_read_are_recomputed(kvbm, plain, redis
     relay.arm(evict)
     failed_then_recomputed(kvbm, prompt, want, "remote", "tier_read_misses")
     assert relay.fired.is_set()
-    serves_again(kvbm, plain, seed=9822)
+    serves_again(kvbm, plain, 9822, "remote")
 
 
 def test_a_read_past_the_remote_timeout_is_recomputed(kvbm, plain, relay):
