@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TIERS = ("host", "disk", "remote")
-LOWER_TIERS = ("disk", "remote")
+TIERS = ("host", "pool", "disk", "remote")
+LOWER_TIERS = ("pool", "disk", "remote")
 # The tier of a series is given where it is counted (``add(..., tier=...)``).
 GIVEN = "*"
 
@@ -98,13 +98,14 @@ FAMILIES = _families(
            ("host",)),
     Family("kvbm_cache_capacity_blocks", "gauge", "Capacity in blocks", ("host",)),
     Family("kvbm_cache_used_bytes", "gauge",
-           "Bytes held or being received, per worker (the disk: as its LRU charges them)",
-           ("host", "disk")),
+           "Bytes held or being received, per worker (the disk: as its LRU charges them; "
+           "the pool: its file's slots holding a page, whichever engine wrote them)",
+           ("host", "pool", "disk")),
     Family("kvbm_cache_capacity_bytes", "gauge", "Capacity in bytes, per worker",
-           ("host", "disk")),
+           ("host", "pool", "disk")),
     Family("kvbm_evicted_pages", "counter",
            "Pages (slots) evicted, least recently used first, to make room", ("host",)),
-    # -- the lower tiers (disk, remote)
+    # -- the lower tiers (pool, disk, remote)
     Family("kvbm_tier_read_blocks", "counter",
            "Blocks read from a lower tier for loads into the engine", LOWER_TIERS),
     Family("kvbm_tier_write_blocks", "counter",
@@ -171,8 +172,10 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "load_error_blocks": ("kvbm_onboard_failed_blocks", None),
     "transfer_timeouts": ("kvbm_transfer_timeouts", None),
     "host_evictions": ("kvbm_evicted_pages", "host"),
+    "onboard_blocks_pool": ("kvbm_tier_read_blocks", "pool"),
     "onboard_blocks_d2d": ("kvbm_tier_read_blocks", "disk"),
     "onboard_blocks_remote": ("kvbm_tier_read_blocks", "remote"),
+    "offload_blocks_pool": ("kvbm_tier_write_blocks", "pool"),
     "offload_blocks_h2d": ("kvbm_tier_write_blocks", "disk"),
     "offload_blocks_remote": ("kvbm_tier_write_blocks", "remote"),
     "tier_write_errors": ("kvbm_tier_write_failed_pages", GIVEN),
@@ -201,6 +204,8 @@ GAUGES: dict[str, tuple[str, str | None]] = {
     "host_cache_capacity_blocks": ("kvbm_cache_capacity_blocks", "host"),
     "host_cache_used_bytes": ("kvbm_cache_used_bytes", "host"),
     "host_cache_capacity_bytes": ("kvbm_cache_capacity_bytes", "host"),
+    "pool_cache_used_bytes": ("kvbm_cache_used_bytes", "pool"),
+    "pool_cache_capacity_bytes": ("kvbm_cache_capacity_bytes", "pool"),
     "disk_cache_used_bytes": ("kvbm_cache_used_bytes", "disk"),
     "disk_cache_capacity_bytes": ("kvbm_cache_capacity_bytes", "disk"),
     **{f"{tier}_cache_hit_rate": ("kvbm_recent_hit_ratio", tier) for tier in TIERS},

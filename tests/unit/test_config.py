@@ -60,7 +60,10 @@ def test_defaults():
     assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",
-                             "offload_decode_blocks", "page_secret_file", "page_tokens", "remote_password_file",
+                             "offload_decode_blocks", "page_secret_file", "page_tokens",
+                             "peer_read_timeout_s", "pool_cache_size", "pool_dir",
+                             "pool_serve_host", "pool_serve_port", "pool_socket",
+                             "remote_password_file",
                              "remote_timeout_s", "remote_tls_ca_file", "remote_url",
                              "tier_read_timeout_s", "tier_write_queue_pages"]
 
@@ -274,6 +277,12 @@ ENV_EXAMPLES = {
     "namespace": ("tenant-b", "namespace", "tenant-b"),
     "page_secret_file": (None, "page_secret", None),  # a file, below
     "load_split": ("false", "load_split", False),
+    "pool_cache_size": ("8GiB", "pool_cache_bytes", 8 * GiB),
+    "pool_dir": (None, "pool_dir", None),  # tmp_path
+    "pool_socket": ("/run/kvbm/pool.sock", "pool_socket", "/run/kvbm/pool.sock"),
+    "pool_serve_port": ("7200", "pool_serve_port", 7200),
+    "pool_serve_host": ("10.0.0.5", "pool_serve_host", "10.0.0.5"),
+    "peer_read_timeout_s": ("0.5", "peer_read_timeout_s", 0.5),
 }
 
 
@@ -285,7 +294,7 @@ def test_every_key_has_its_env_variable_and_it_parses(key, tmp_path):
     assert _ENV.get(env, (None,))[0] == key, f"{key} has no environment variable {env}"
     text, field, expected = ENV_EXAMPLES[key]
     extra = {}
-    if key == "disk_cache_dir":
+    if key in ("disk_cache_dir", "pool_dir"):
         text = expected = str(tmp_path)
     elif key.endswith("_file"):
         path = tmp_path / key
@@ -294,6 +303,8 @@ def test_every_key_has_its_env_variable_and_it_parses(key, tmp_path):
         text = str(path)
         extra = {"remote_url": ("rediss://h:6379" if key == "remote_tls_ca_file"
                                 else "redis://h:6379")}
+    if key.startswith("pool_") and key != "pool_cache_size":
+        extra = {"pool_cache_size": "1GiB"}  # the pool's other keys need a pool
     cfg = load(extra, **{env: text})
     got = getattr(cfg, field)
     if key.endswith("_file"):
@@ -537,6 +548,12 @@ BAD_INPUT = {
     "remote_url": [5, "http://127.0.0.1:1234", "lm://h:0", "redis://h:0", "redis+cluster://h:1/2"],
     "tier_read_timeout_s": ["soon", True, 0, -1, float("nan")],
     "tier_write_queue_pages": [0, "lots", 2.5, True],
+    "pool_cache_size": [[1], "lots", "-1GiB"],
+    "pool_dir": [5, "/nonexistent/kvbm-pool"],
+    "pool_socket": [5, "", ["/run/kvbm/pool.sock"]],
+    "pool_serve_port": ["http", 0, 70000],
+    "pool_serve_host": [127, "", "local host"],
+    "peer_read_timeout_s": ["soon", True, 0, float("inf")],
 }
 
 

@@ -25,7 +25,9 @@ SCHEDULER_TIERS = {"vllm_kvbm.tiers", "vllm_kvbm.tiers.base", "vllm_kvbm.tiers.r
                    "vllm_kvbm.tiers.reconnect", "vllm_kvbm.tiers.disk", "vllm_kvbm.tiers.disk.view",
                    "vllm_kvbm.tiers.lm", "vllm_kvbm.tiers.lm.view", "vllm_kvbm.tiers.lm.protocol",
                    "vllm_kvbm.tiers.redis", "vllm_kvbm.tiers.redis.view",
-                   "vllm_kvbm.tiers.redis.connection"}
+                   "vllm_kvbm.tiers.redis.connection", "vllm_kvbm.tiers.pool",
+                   "vllm_kvbm.tiers.pool.view", "vllm_kvbm.tiers.pool.layout",
+                   "vllm_kvbm.tiers.pool.pool_file"}
 
 
 def imports(path: Path) -> set[str]:
@@ -73,9 +75,9 @@ def test_scheduler_side_tier_modules_import_no_store():
 def test_each_medium_folder_has_a_view_and_a_store_in_the_registry():
     from vllm_kvbm.tiers import registry
 
-    media = [registry.DISK, *registry.REMOTE.values()]
+    media = [registry.POOL, registry.DISK, *registry.REMOTE.values()]
     folders = {p.parent.name for p in (PKG / "tiers").glob("*/__init__.py")}
-    assert folders == {"disk", "lm", "redis"}
+    assert folders == {"pool", "disk", "lm", "redis"}
     for folder in folders:
         view = f"vllm_kvbm.tiers.{folder}.view"
         store = f"vllm_kvbm.tiers.{folder}.store"
@@ -103,7 +105,8 @@ import sys
 sys.path.insert(0, {str(Path(__file__).parents[1])!r})
 from helpers.scheduler_harness import make_scheduler
 s = make_scheduler(disk_cache_dir={str(tmp_path)!r}, disk_cache_size="64MiB",
-                   remote_url="lm://127.0.0.1:9")
+                   remote_url="lm://127.0.0.1:9", pool_cache_size="64MiB",
+                   pool_dir={str(tmp_path)!r})
 assert s.connector.sched is not None
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "nixl_cu12",
                                                            "nixl_cu13", "vllm_kvbm")))
@@ -115,6 +118,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "n
     assert "vllm_kvbm.scheduler.planner" in loaded
     assert not [m for m in loaded if m.startswith(("lmcache", "nixl", "vllm_kvbm.worker"))], loaded
     assert "vllm_kvbm.tiers.lm.view" in loaded and "vllm_kvbm.tiers.disk.view" in loaded
+    assert "vllm_kvbm.tiers.pool.view" in loaded
     tiers = {m for m in loaded if m.startswith("vllm_kvbm.tiers")}
     assert tiers <= SCHEDULER_TIERS | SHARED, tiers - SCHEDULER_TIERS - SHARED
 

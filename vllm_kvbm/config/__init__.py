@@ -26,7 +26,8 @@ from vllm_kvbm.config.dynamo import DYN_ENV, apply_dyn_metrics, dynamo_env_not_r
 from vllm_kvbm.config.errors import KVBMConfigError
 from vllm_kvbm.config.parsing import (parse_bool, parse_choice, parse_dir, parse_host,
                                       parse_int, parse_nixl_backend, parse_port,
-                                      parse_seconds, parse_size, parse_str)
+                                      parse_seconds, parse_size, parse_socket_path,
+                                      parse_str)
 from vllm_kvbm.config.secrets import (MIN_PAGE_SECRET_BYTES, Secret, page_secret_env,
                                       parse_page_secret_file, parse_password_file,
                                       remote_password_env)
@@ -88,6 +89,20 @@ class KVBMConfig:
     # (vLLM recomputes them): a frozen filesystem or a hung read costs a
     # hit, never a request that waits forever.
     tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S
+    # Shared page pool (tiers/pool/): pages in a file in memory per worker,
+    # in pool_dir, that outlives the engine and is shared by the engines of
+    # one model on the machine and read by peers (None: no pool tier).
+    pool_cache_bytes: int | None = None
+    pool_dir: str = "/dev/shm"
+    # The kvbm-pool process's Unix socket: it keeps the pool files (and serves
+    # them to peers) while engines restart. None: each worker keeps its own.
+    pool_socket: str | None = None
+    # Serve this engine's pool to peers: the control endpoint's port for TP
+    # rank 0 (rank r: port + r), bound on pool_serve_host. None: not served.
+    pool_serve_port: int | None = None
+    pool_serve_host: str = "0.0.0.0"
+    # Bound on one batch of reads from a peer's pool; past it: recomputed.
+    peer_read_timeout_s: float = 2.0
     # Password of a redis:// / valkey:// remote tier (requirepass or the ACL
     # user's), from remote_password_file or KVBM_REMOTE_PASSWORD. Never logged.
     remote_password: Secret | None = field(default=None, repr=False)
@@ -135,6 +150,20 @@ class KVBMConfig:
             raise disk_tier_too_small(self.disk_cache_bytes, per_block)
         return blocks
 
+    def pool_slots(self, page_bytes: int) -> int:
+        """Pages the pool file holds per worker (0 when there is no pool tier)."""
+        if self.pool_cache_bytes is None:
+            return 0
+        from vllm_kvbm.tiers.page_format import HEADER_BYTES
+        from vllm_kvbm.tiers.pool.layout import Geometry
+
+        geometry = Geometry.for_capacity(self.pool_cache_bytes, HEADER_BYTES + page_bytes)
+        if geometry is None:
+            from vllm_kvbm.tiers.pool.pool_file import pool_too_small
+
+            raise pool_too_small(self.pool_cache_bytes, HEADER_BYTES + page_bytes)
+        return geometry.nslots
+
     def host_slots(self, page_bytes: int, page_blocks: int = 1) -> int:
         """Number of whole pages the host tier holds; at least one or an error."""
         if self.host_cache_blocks is not None:
@@ -161,6 +190,10 @@ class KVBMConfig:
         host = host_slots * page_bytes
         text = (f"host tier {_gib(host)} per worker x {workers} worker(s) = "
                 f"{_gib(host * workers)} of host RAM")
+        if self.pool_cache_bytes is not None:
+            text += (f"; pool tier {_gib(self.pool_cache_bytes)} per worker x {workers} = "
+                     f"up to {_gib(self.pool_cache_bytes * workers)} of memory in "
+                     f"{self.pool_dir}")
         if self.disk_cache_dir is not None:
             text += (f"; disk tier {_gib(self.disk_cache_bytes)} per worker x {workers} = "
                      f"up to {_gib(self.disk_cache_bytes * workers)} in {self.disk_cache_dir}")
@@ -179,7 +212,7 @@ def _shown(key: str, value: Any) -> str:
     secret, sizes in bytes and GiB."""
     if isinstance(value, Secret):
         return "<set>"
-    if key in ("host_cache_size", "disk_cache_size"):
+    if key in ("host_cache_size", "disk_cache_size", "pool_cache_size"):
         return f"{value} bytes ({_gib(value)})"
     return repr(value) if isinstance(value, str) else str(value)
 
@@ -207,6 +240,12 @@ _KEYS = {
     "remote_timeout_s": ("remote_timeout_s", parse_seconds),
     "tier_write_queue_pages": ("tier_write_queue_pages", lambda k, v: parse_int(k, v, 1)),
     "tier_read_timeout_s": ("tier_read_timeout_s", parse_seconds),
+    "pool_cache_size": ("pool_cache_bytes", parse_size),
+    "pool_dir": ("pool_dir", parse_dir),
+    "pool_socket": ("pool_socket", parse_socket_path),
+    "pool_serve_port": ("pool_serve_port", parse_port),
+    "pool_serve_host": ("pool_serve_host", parse_host),
+    "peer_read_timeout_s": ("peer_read_timeout_s", parse_seconds),
     "remote_password_file": ("remote_password", parse_password_file),
     "remote_tls_ca_file": ("remote_tls_ca_file", parse_ca_file),
     "metrics_port": ("metrics_port", parse_port),
@@ -234,6 +273,12 @@ _ENV = {
     "KVBM_REMOTE_TIMEOUT_S": ("remote_timeout_s", str),
     "KVBM_TIER_WRITE_QUEUE_PAGES": ("tier_write_queue_pages", str),
     "KVBM_TIER_READ_TIMEOUT_S": ("tier_read_timeout_s", str),
+    "KVBM_POOL_CACHE_SIZE": ("pool_cache_size", str),
+    "KVBM_POOL_DIR": ("pool_dir", str),
+    "KVBM_POOL_SOCKET": ("pool_socket", str),
+    "KVBM_POOL_SERVE_PORT": ("pool_serve_port", str),
+    "KVBM_POOL_SERVE_HOST": ("pool_serve_host", str),
+    "KVBM_PEER_READ_TIMEOUT_S": ("peer_read_timeout_s", str),
     "KVBM_REMOTE_PASSWORD_FILE": ("remote_password_file", str),
     "KVBM_REMOTE_TLS_CA_FILE": ("remote_tls_ca_file", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),
@@ -294,10 +339,24 @@ def load_config(extra: Mapping[str, Any] | None,
         raise KVBMConfigError(
             f"host_cache_blocks (from {shown['host_cache_blocks']}) and host_cache_size (from "
             f"{shown['host_cache_size']}) both size the host tier; set only one of them")
+    _check_pool(shown)
     page_secret_env(environ, kwargs, sources)
     remote_password_env(environ, kwargs, sources)
     check_remote_tls(kwargs, sources)
     return KVBMConfig(**kwargs, sources=shown)
+
+
+def _check_pool(shown: dict[str, str]) -> None:
+    """The pool's other keys mean nothing without a pool: an error, not a
+    setting silently ignored."""
+    if "pool_cache_size" in shown:
+        return
+    for key in ("pool_dir", "pool_socket", "pool_serve_port", "pool_serve_host"):
+        if key in shown:
+            raise KVBMConfigError(
+                f"{key} (from {shown[key]}) is set but pool_cache_size is not: the pool tier "
+                f"is off; set pool_cache_size (e.g. \"8GiB\" per worker) to use it, or "
+                f"remove {key}")
 
 
 def _parse(key: str, source: str, raw: Any) -> Any:

@@ -105,6 +105,15 @@ def parse_dir(key: str, value: Any) -> str:
     return os.path.abspath(path)
 
 
+def parse_socket_path(key: str, value: Any) -> str:
+    """A Unix socket's path (it need not exist yet: the process serving it
+    may start later); made absolute."""
+    path = parse_str(key, value).strip()
+    if not path or "\0" in path:
+        raise KVBMConfigError(f"{key}: expected the path of a Unix socket, got {value!r}")
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def parse_seconds(key: str, value: Any) -> float:
     try:
         seconds = float(value)

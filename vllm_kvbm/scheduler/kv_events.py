@@ -55,10 +55,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MEDIUM = {"host": "CPU", "disk": "DISK", "remote": "EXTERNAL"}
+MEDIUM = {"host": "CPU", "pool": "CPU", "disk": "DISK", "remote": "EXTERNAL"}
 # vLLM's optional ``locality`` field (vLLM >= 0.33's tiers set it): a remote
 # store is shared, not this replica's own.
-_LOCALITY = {"host": None, "disk": "LOCAL", "remote": "REMOTE"}
+_LOCALITY = {"host": None, "pool": "LOCAL", "disk": "LOCAL", "remote": "REMOTE"}
 # Lower-tier pages remembered per tier for their removal events.
 LOWER_PAGES = 1 << 20
 
@@ -258,6 +258,7 @@ class KVEvents(NoKVEvents):
         medium = MEDIUM[tier]
         last = self._events[-1] if self._events else None
         if (isinstance(last, self._ev.BlockStored) and last.medium == medium
+                and getattr(last, "locality", None) == self._locality(tier)
                 and page.parent is not None and last.block_hashes[-1] == page.parent
                 and last.lora_name == page.lora_name):
             # the next page of the same prompt: one event, as vLLM makes one
@@ -276,10 +277,17 @@ class KVEvents(NoKVEvents):
         self._events.append(self._ev.BlockStored(
             **{k: v for k, v in fields.items() if k in self._stored_fields}))
 
+    def _locality(self, tier: str) -> str | None:
+        """The locality an event of ``tier`` carries (None where this vLLM's
+        events have no such field): the host tier and the pool share the
+        medium CPU, and are not merged into one event."""
+        return _LOCALITY[tier] if "locality" in self._stored_fields else None
+
     def _removed(self, hashes: list, tier: str) -> None:
         medium = MEDIUM[tier]
         last = self._events[-1] if self._events else None
-        if isinstance(last, self._ev.BlockRemoved) and last.medium == medium:
+        if (isinstance(last, self._ev.BlockRemoved) and last.medium == medium
+                and getattr(last, "locality", None) == self._locality(tier)):
             last.block_hashes.extend(hashes)
             return
         fields = dict(block_hashes=list(hashes), medium=medium, group_idx=self.group_idx,

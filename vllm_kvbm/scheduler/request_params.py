@@ -24,10 +24,12 @@ from typing import Any, Mapping
 
 logger = logging.getLogger(__name__)
 
-TIERS = ("host", "disk", "remote")
+TIERS = ("host", "pool", "disk", "remote")
 # Each tier as vLLM's TierMatcher sees it: (medium, locality); a remote
-# server's medium is its own business (None matches every medium).
-_MATCHED_AS = {"host": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"), "remote": (None, "REMOTE")}
+# server's medium is its own business (None matches every medium). The pool
+# is host memory of this machine.
+_MATCHED_AS = {"host": ("CPU", "LOCAL"), "pool": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"),
+               "remote": (None, "REMOTE")}
 _MEDIUMS = ("CPU", "STORAGE")
 _LOCALITIES = ("LOCAL", "REMOTE")
 

@@ -1,6 +1,6 @@
-"""Scheduler-side policy for the tiers below the host tier (disk, remote).
+"""Scheduler-side policy for the tiers below the host tier (pool, disk, remote).
 
-Where a block is looked for (host first, then disk, then remote), which
+Where a block is looked for (host first, then the pool, disk, remote), which
 host blocks are written down to which tier (write-through, with an
 admission filter for the disk), and how the worker's reports turn into
 counters. The stores themselves run in the workers (``vllm_kvbm.tiers``); the
@@ -189,7 +189,8 @@ class LowerTiers:
 
     @staticmethod
     def onboard_counter(tier: str) -> str:
-        return {"disk": "onboard_blocks_d2d", "remote": "onboard_blocks_remote"}[tier]
+        return {"pool": "onboard_blocks_pool", "disk": "onboard_blocks_d2d",
+                "remote": "onboard_blocks_remote"}[tier]
 
     def record(self, events: Counter, stats, page_blocks: int = 1,
                num_workers: int = 1) -> None:
@@ -202,7 +203,8 @@ class LowerTiers:
         (the greatest). The offload counters are in engine blocks
         (``page_blocks`` per page), as the onboard ones are; the others
         count pages."""
-        names = {"stored": {"disk": "offload_blocks_h2d", "remote": "offload_blocks_remote"},
+        names = {"stored": {"pool": "offload_blocks_pool", "disk": "offload_blocks_h2d",
+                            "remote": "offload_blocks_remote"},
                  "refused": "tier_write_errors", "dropped": "tier_write_drops",
                  "miss": "tier_read_misses",
                  "corrupt": "checksum_failures", "error": "tier_read_errors",

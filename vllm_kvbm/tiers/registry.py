@@ -1,6 +1,7 @@
 """Which store (worker side) and view (scheduler side) serve each configured tier.
 
-One line per medium: the disk directory (``disk_cache_dir``) and each
+One line per medium: the shared page pool (``pool_cache_size``), the disk
+directory (``disk_cache_dir``) and each
 ``remote_url`` scheme config accepts (config's ``parse_remote_url``) name a
 medium's folder. Classes are imported only when a tier is opened, so the
 scheduler importing a view never imports its store (LMCache, NIXL).
@@ -36,6 +37,7 @@ class Medium:
         return _load(self.store)
 
 
+POOL = Medium("vllm_kvbm.tiers.pool.view:PoolView", "vllm_kvbm.tiers.pool.store:PoolStore")
 DISK = Medium("vllm_kvbm.tiers.disk.view:DiskView", "vllm_kvbm.tiers.disk.store:DiskStore")
 _LM = Medium("vllm_kvbm.tiers.lm.view:RemoteView", "vllm_kvbm.tiers.lm.store:RemoteStore")
 _REDIS = Medium("vllm_kvbm.tiers.redis.view:RedisView",
@@ -49,8 +51,11 @@ REMOTE: dict[str, Medium] = {
 
 
 def configured(config: "KVBMConfig") -> list[Medium]:
-    """The media of the configured lower tiers, in lookup order (disk, then remote)."""
+    """The media of the configured lower tiers, in lookup order (the pool in
+    memory, then disk, then remote)."""
     media = []
+    if config.pool_cache_bytes is not None:
+        media.append(POOL)
     if config.disk_cache_dir is not None:
         media.append(DISK)
     if config.remote_url is not None:
