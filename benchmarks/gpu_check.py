@@ -1,33 +1,43 @@
-"""GPU check of KVBM's worker side: stream order, exact bytes, both copy paths' speed.
+"""GPU check of KVBM's worker side: stream order, exact bytes, the copy paths' speed, a vLLM run.
 
 Runs on a CUDA machine with PyTorch, NIXL and this repository (scripts/gpu_check.sh
 runs it, also without network); ``--device cpu`` runs the same logic on CPU tensors.
 A probe (a pinned ``copy_``) first sizes the cases to finish within ``--budget-s``
-(four minutes); every row is printed and flushed as it is made; transfers are
-polled once per engine step (``--step-s``), as vLLM polls them.
+(four minutes); every row is printed and flushed as it is made; cases not started
+when the budget is spent are skipped with a row saying so.
 
-For each KV layout of vLLM 0.32's CUDA attention backends (laid out exactly as
-vLLM's create_kv_cache_views does, tests/helpers/kv_layouts.py: FlashAttention
-LBNHC, FlashInfer LBHNC (HND), a packed BLHNC, MLA, blocks split into smaller
-kernel blocks), with the real KVBMWorker and its copy path:
+Cases, in the order they run (what KVBM runs in production first, NIXL last):
 
-1. stores: a kernel rewrites every KV byte and, at once, as vLLM's wait_for_save
-   does right after launching the forward pass, the stores start; the host pages
-   must equal the KV *after* the kernel. The same without the fence is run as a
-   control (informational: whether the race is real on this machine).
-2. loads: a kernel zeroes the destination blocks and the loads start at once;
-   they must hold the stored pages, every other KV byte unchanged.
-3. bandwidth: offload and onboard through the worker against a pinned ``copy_``.
+- "packed-blhnc", then (after the paths and vllm cases) "flash-attn", "flashinfer-hnd",
+  "mla", "kernel-split" and "mla-v2-lite": a KV layout of vLLM 0.32's CUDA attention
+  backends (laid out exactly as vLLM's create_kv_cache_views does,
+  tests/helpers/kv_layouts.py: BLHNC, what KVBM asks vLLM for; FlashAttention LBNHC;
+  FlashInfer LBHNC (HND); MLA; blocks split into smaller kernel blocks; DeepSeek-V2-Lite's
+  MLA geometry), with the real KVBMWorker and its copy path, driven as vLLM drives it
+  (transfers polled once per engine step, ``--step-s``):
 
-"pages": pages of 16 blocks stored whole and loaded with the first block
-skipped (a page that begins inside vLLM's own hit); "70b-pages" the same at a
-70B model's page (80 layers, 8 KV heads of 128, bf16, 16-token blocks, 256-token
-pages: 80 MiB; GEOMETRY_70B). "paths-70b-tp1" and "-tp8" (gpu_check_paths.py):
-the copy engines and NIXL side by side against ``copy_``, with UCX's protocol.
-"gds" (gpu_check_gds.py): a file read into GPU memory by NIXL's GDS plugins.
-"mla-v2-lite": the mla case at DeepSeek-V2-Lite's geometry (GEOMETRY_V2_LITE).
-"hybrid" (gpu_check_hybrid.py): the KV cache of vLLM's hybrid allocator, where a
-layer of each KV cache group views one shared tensor (Qwen3-Next, Gemma 3).
+  1. stores: a kernel rewrites every KV byte and, at once, as vLLM's wait_for_save does
+     right after launching the forward pass, the stores start; the host pages must equal
+     the KV *after* the kernel. The control (CUDA): the same copies with no wait at all,
+     which must read stale KV: it shows the race is there for the fence to prevent, i.e.
+     that the check above can fail.
+  2. loads: a kernel zeroes the destination blocks and the loads start at once; they must
+     hold the stored pages, every other KV byte unchanged.
+  3. bandwidth: offload and onboard through the worker's mover against a pinned ``copy_``
+     (gpu_check_paths.py: CUDA events on both where the copy engines run).
+
+- "paths-70b-tp1", "-tp8" (gpu_check_paths.py): the copy engines at a 70B model's page
+  geometry, BLHNC then LBNHC, the same bytes at both TPs, against ``copy_``.
+- "vllm" (gpu_check_vllm.py): an offline vLLM engine with KVBM at block size 16: vLLM takes
+  BLHNC, a prompt onboarded from the host tier equals its recompute.
+- "pages": pages of 16 blocks stored whole and loaded with the first block skipped (a page
+  that begins inside vLLM's own hit); "70b-pages" the same at a 70B model's page (80
+  layers, 8 KV heads of 128, bf16, 16-token blocks, 256-token pages: 80 MiB; GEOMETRY_70B).
+- "hybrid" (gpu_check_hybrid.py): the KV cache of vLLM's hybrid allocator, where a layer of
+  each KV cache group views one shared tensor (Qwen3-Next, Gemma 3).
+- "nixl-70b-tp1", "-tp8" (gpu_check_paths.py): NIXL at the same geometry, with UCX's
+  protocol; "gds" (gpu_check_gds.py): a file read into GPU memory by NIXL's GDS plugins.
+
 The exit status is 0 only if every check passed.
 """
 
@@ -37,8 +47,6 @@ import argparse
 import os
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,16 +54,15 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 import torch  # noqa: E402
 
-from helpers.kv_layouts import KVLayout, agent_name, vllm_layout  # noqa: E402
-from vllm_kvbm.engine_info import EngineInfo  # noqa: E402
-from vllm_kvbm.keys import KeyNamespace  # noqa: E402
-from vllm_kvbm.messages import SKIP, KVBMConnectorMetadata, TransferJob  # noqa: E402
-from vllm_kvbm.worker.fence import DONE, fence_maker  # noqa: E402
-from vllm_kvbm.worker.worker import KVBMWorker  # noqa: E402
+from helpers.kv_layouts import KVLayout, vllm_layout  # noqa: E402
+from vllm_kvbm.messages import SKIP  # noqa: E402
 
+from gpu_check_harness import (  # noqa: E402
+    CASE_GEOMETRY, GEOMETRY_70B, Geometry, Report, Worker, delay, rewrite_kv, slot_pages_equal)
 from gpu_check_gds import run_gds, sync  # noqa: E402
 from gpu_check_hybrid import run_hybrid  # noqa: E402
-from gpu_check_paths import report_bandwidth, run_paths, torch_copy_seconds  # noqa: E402
+from gpu_check_paths import copy_seconds, report_bandwidth, run_paths  # noqa: E402
+from gpu_check_vllm import CASE_S, run_vllm  # noqa: E402
 
 # name -> (vLLM KVCacheLayout, MLA, kernel blocks per block)
 CASES = {
@@ -66,148 +73,36 @@ CASES = {
     "kernel-split": ("LBNHC", False, 2),
     "mla-v2-lite": ("LBNHC", True, 1),  # at its model's geometry: CASE_GEOMETRY
 }
-EXTRA_CASES = ["pages", "70b-pages", "paths-70b-tp1", "paths-70b-tp8", "gds", "hybrid"]
+EXTRA_CASES = ["pages", "70b-pages", "paths-70b-tp1", "paths-70b-tp8", "vllm", "hybrid",
+               "nixl-70b-tp1", "nixl-70b-tp8", "gds"]
+# BLHNC and the copy engines first, then a vLLM engine, the other layouts, NIXL last.
+ORDER = ["packed-blhnc", "paths-70b-tp1", "paths-70b-tp8", "vllm", "flash-attn",
+         "flashinfer-hnd", "mla", "kernel-split", "mla-v2-lite", "pages", "70b-pages", "hybrid",
+         "nixl-70b-tp1", "nixl-70b-tp8", "gds"]
 BUDGET_S = 240.0  # the whole run, sized by the probe
-TRANSFER_S = 0.05  # copy_ time of one transfer the probe sizes the cases to
+TRANSFER_S = 0.02  # copy_ time of one transfer the probe sizes the cases to
 
 
-@dataclass(frozen=True)
-class Geometry:
-    """A KV cache's page geometry (K and V, every layer, one page)."""
-
-    layers: int
-    kv_heads: int
-    head_size: int
-    block_size: int  # tokens per vLLM block
-    page_blocks: int  # blocks per page
-    dtype_bytes: int = 2  # bf16
-    mla: bool = False  # one latent per token (kv_heads 1), no separate V
-
-    @property
-    def block_bytes(self) -> int:
-        per_token = (1 if self.mla else 2) * self.kv_heads * self.head_size * self.dtype_bytes
-        return self.layers * per_token * self.block_size
-
-    @property
-    def page_bytes(self) -> int:
-        return self.block_bytes * self.page_blocks
-
-    @property
-    def page_tokens(self) -> int:
-        return self.block_size * self.page_blocks
-
-    def gpu_bytes(self, pages: int) -> int:
-        """KV the pages case allocates: the stored pages and as many to load into."""
-        return 2 * pages * self.page_bytes
-
-
-# Llama-3-70B (and 3.1/3.3): 80 layers, 8 KV heads of 128, bf16; vLLM's
-# CUDA block size 16; 256-token pages.
-GEOMETRY_70B = Geometry(layers=80, kv_heads=8, head_size=128, block_size=16, page_blocks=16)
-# DeepSeek-V2-Lite: 27 MLA layers, one latent of kv_lora_rank 512 + qk_rope_head_dim 64, bf16.
-GEOMETRY_V2_LITE = Geometry(layers=27, kv_heads=1, head_size=576, block_size=16, page_blocks=1,
-                            mla=True)
-# Cases run at a model's geometry instead of the command line's.
-CASE_GEOMETRY = {"mla-v2-lite": GEOMETRY_V2_LITE}
-
-
-@dataclass
-class Report:
-    """Each row is printed and flushed as it is made: a run cut short (a
-    timeout, a crash, a lost machine) still leaves every row it produced."""
-
-    rows: list[tuple[str, str, str, str]] = field(default_factory=list)
-
-    def _add(self, row: tuple[str, str, str, str]) -> None:
-        self.rows.append(row)
-        print(f"{row[0]:<15} {row[1]:<48} {row[2]:<5} {row[3]}", flush=True)
-
-    def check(self, case: str, what: str, ok: bool, detail: str) -> bool:
-        self._add((case, what, "PASS" if ok else "FAIL", detail))
-        return ok
-
-    def info(self, case: str, what: str, detail: str) -> None:
-        self._add((case, what, "info", detail))
-
-    @property
-    def failed(self) -> int:
-        return sum(r[2] == "FAIL" for r in self.rows)
-
-    @property
-    def passed(self) -> int:
-        return sum(r[2] == "PASS" for r in self.rows)
-
-
-class Worker:
-    """A KVBMWorker driven as vLLM drives it, with its metadata summed."""
-
-    def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float,
-                 page_blocks: int = 1, step_s: float = 0.005, **info):
-        """``info``: EngineInfo's further fields (a hybrid model's groups)."""
-        bb = lay.block_bytes()
-        ns = KeyNamespace(model="gpu-check@", dtype="torch.bfloat16", kv_layout="check",
-                          block_size=block_size, page_blocks=page_blocks,
-                          page_bytes=bb * page_blocks, tp_size=1)
-        self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns, page_blocks, **info),
-                            num_slots, "UCX", agent_name("kvbm-gpu-check"))
-        self.w.register_kv_caches(lay.caches, lay.num_blocks, lay.block_dims)
-        self.done: Counter = Counter()
-        self.failed: Counter = Counter()
-        self.recving: set[str] = set()
-        self.timeout_s = timeout_s
-        self.step_s = step_s
-        self._ids = iter(range(1, 10**9))
-
-    def step(self) -> None:
-        _, recving = self.w.get_finished(set())
-        self.recving |= recving
-        m = self.w.build_worker_meta()
-        if m is not None:
-            self.done.update(m.stores_done)
-            self.failed.update(m.stores_failed)
-            self.failed.update(m.loads_failed)
-
-    def until(self, cond) -> float:
-        """Steps until ``cond``, one step per ``step_s`` as vLLM's engine loop
-        polls (a tight loop would show progress the engine never gives)."""
+def unordered_stores(mover, lay: KVLayout, pool: torch.Tensor, blocks: list[int],
+                     slots: list[int], device: torch.device, args) -> int:
+    """The control: a kernel rewrites the KV and the same store is posted at
+    once on the copy engine's stream with its wait left out (the mistake the
+    fence prevents); how many host pages it left stale."""
+    copies = mover.copies
+    copies.order = lambda stream, after: None  # waits for nothing
+    try:
+        delay(device, args.kernel_delay)
+        rewrite_kv(lay, 2)
+        handle = mover.post(True, blocks, slots)
         start = time.perf_counter()
-        self.step()
-        while not cond():
-            if time.perf_counter() - start > self.timeout_s:
-                raise TimeoutError("transfers did not finish")
-            time.sleep(self.step_s)
-            self.step()
-        return time.perf_counter() - start
-
-    def store(self, blocks: list[int], slots: list[int]) -> int:
-        job = next(self._ids)
-        self.w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(job, "r", blocks,
-                                                                      slots)]))
-        return job
-
-    def load(self, blocks: list[int], slots: list[int]) -> str:
-        req = f"load-{next(self._ids)}"
-        self.w.start_loads(KVBMConnectorMetadata(loads=[TransferJob(0, req, blocks, slots)]))
-        return req
-
-
-def delay(device: torch.device, seconds: float) -> None:
-    """Keeps the stream busy for about ``seconds`` before the next kernel."""
-    if device.type == "cuda" and seconds > 0:
-        torch.cuda._sleep(int(seconds * 2e9))  # cycles; ~1-2 GHz clocks
-
-
-def rewrite_kv(lay: KVLayout, step: int) -> None:
-    """The 'forward pass': a kernel that rewrites every byte of the KV cache."""
-    u8 = lay.raw[0].view(torch.uint8)
-    u8.bitwise_xor_(step * 37 % 255 + 1)  # never 0: every byte changes
-
-
-def slot_pages_equal(pool: torch.Tensor, lay: KVLayout, kv_cpu: list[torch.Tensor],
-                     blocks: list[int], slots: list[int]) -> int:
-    """How many of ``blocks`` are NOT byte-equal in their host slot."""
-    return sum(not torch.equal(pool[s], lay.slot_bytes(b, kv_cpu))
-               for b, s in zip(blocks, slots))
+        while mover.poll(handle) == "PROC":
+            if time.perf_counter() - start > args.timeout:
+                raise TimeoutError("the control's copies did not finish")
+            time.sleep(0.001)
+    finally:
+        del copies.order  # ordered again
+    sync(device)
+    return slot_pages_equal(pool, lay, [lay.raw[0].cpu()], blocks, slots)
 
 
 def run_case(name: str, args, device: torch.device, report: Report) -> None:
@@ -261,20 +156,16 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
         report.check(name, "stores copy the KV after the forward", not bad and wk.done[job],
                      f"{n - bad}/{n} host pages byte-equal; done in {waited * 1e3:.0f} ms")
 
-        # control: the same without the fence (the behaviour before the fix)
-        if device.type == "cuda":
-            wk.w.make_fence = lambda: DONE
-            delay(device, args.kernel_delay)
-            rewrite_kv(lay, 2)
-            job = wk.store(blocks, slots)
-            wk.until(lambda: wk.done[job] or wk.failed[job])
-            sync(device)
-            stale = slot_pages_equal(pool, lay, [lay.raw[0].cpu()], blocks, slots)
-            report.info(name, "control: stores without the fence",
-                        f"{stale}/{n} host pages stale (the race the fence prevents)")
-            wk.w.make_fence = fence_maker(device)  # the real fence again
-            # store again with the fence, so the pool holds the current KV
-            job = wk.store(blocks, slots)
+        # control: the same copies waiting for nothing must read stale KV, or the
+        # check above could not have failed
+        if getattr(wk.w.mover, "orders_on_gpu", False):
+            stale = unordered_stores(wk.w.mover, lay, pool, blocks, slots, device, args)
+            report.info(name, "control: copies that wait for nothing",
+                        f"{stale}/{n} host pages stale: the race the fence prevents is real "
+                        f"here, so the check above can fail" if stale else
+                        f"0/{n} host pages stale: the kernel finished before the copies began, "
+                        f"so the check above proves less here (raise --kernel-delay)")
+            job = wk.store(blocks, slots)  # with the fence again: the pool holds the KV
             wk.until(lambda: wk.done[job] or wk.failed[job])
             sync(device)
 
@@ -304,8 +195,9 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
                      f"{n - bad}/{n} blocks byte-equal, rest of KV untouched: {whole}; "
                      f"{waited * 1e3:.0f} ms")
 
-        # 3. bandwidth through the worker against PyTorch's pinned copy_
-        report_bandwidth(report, name, wk, blocks, others, slots, n * bb, device, args.repeats)
+        # 3. bandwidth through the worker's mover against PyTorch's pinned copy_
+        report_bandwidth(report, name, wk.w.mover, blocks, others, slots, n * bb, device,
+                         args.repeats, args.timeout)
         report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()
@@ -373,8 +265,9 @@ def run_pages(args, device: torch.device, report: Report, name: str = "pages",
                      f"{len(dst) - 1} blocks loaded, 1 skipped; failed: {dict(wk.failed)}")
         del kv_cpu, expected, kv_before
 
-        report_bandwidth(report, name, wk, src, dst, slots, n * geo.page_bytes, device,
-                         args.repeats)
+        rows = [s * g + i for s in slots for i in range(g)]  # the mover's rows: a block each
+        report_bandwidth(report, name, wk.w.mover, src, dst, rows, n * geo.page_bytes,
+                         device, args.repeats, args.timeout)
         report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()
@@ -387,7 +280,7 @@ def probe(args, device: torch.device, report: Report) -> None:
     copying per transfer and the whole run fits ``--budget-s``."""
     cuda = device.type == "cuda"
     n = (64 if cuda else 4) << 20
-    off, on = torch_copy_seconds(n, device, 2)
+    off, on = copy_seconds(n, device, 2)
     gbps = n / max(off, on) / 1e9
     # The slower path (NIXL over TCP: ~1.8 GB/s) may be ~25x slower than copy_.
     target = int(min(max(gbps * 1e9 * TRANSFER_S, 16 << 20), 1 << 30))
@@ -399,11 +292,12 @@ def probe(args, device: torch.device, report: Report) -> None:
     pages = max(1, min(8, target // page_70b)) if cuda else 1  # CPU: the logic only
     args.pages_70b = args.pages_70b or pages
     args.paths_pages = args.paths_pages or pages
-    args.gds_mib = args.gds_mib or max(16, min(2048, target >> 20))
+    args.gds_mib = args.gds_mib or max(16, min(512, target >> 20))
     report.info("probe", "pinned copy_ GB/s", f"{n / off / 1e9:.1f} d2h, {n / on / 1e9:.1f} h2d; "
                 f"about {target >> 20} MiB per transfer: {args.blocks} blocks of "
-                f"{args.layers} layers, {args.pages_70b} 70B pages, {args.paths_pages} in the "
-                f"paths cases, {args.gds_mib} MiB read by gds; budget {args.budget_s:.0f} s")
+                f"{args.layers} layers, {args.pages_70b} 70B pages, {args.paths_pages} at TP=1 "
+                f"in the paths and nixl cases (x8 at TP=8: the same bytes), {args.gds_mib} MiB "
+                f"read by gds; budget {args.budget_s:.0f} s")
 
 
 def run(name: str, args, device: torch.device, report: Report, deadline: float) -> None:
@@ -413,8 +307,11 @@ def run(name: str, args, device: torch.device, report: Report, deadline: float) 
         geo = Geometry(args.layers_70b, GEOMETRY_70B.kv_heads, GEOMETRY_70B.head_size,
                        GEOMETRY_70B.block_size, GEOMETRY_70B.page_blocks)
         run_pages(args, device, report, name, geo, args.pages_70b)
-    elif name.startswith("paths-70b-tp"):
-        run_paths(args, device, report, int(name.rsplit("tp", 1)[1]), deadline)
+    elif name.startswith(("paths-70b-tp", "nixl-70b-tp")):
+        run_paths(args, device, report, int(name.rsplit("tp", 1)[1]), deadline,
+                  "NIXL" if name.startswith("nixl") else "copy engine")
+    elif name == "vllm":
+        run_vllm(args, device, report, deadline)
     elif name == "gds":
         run_gds(args, device, report)
     elif name == "hybrid":
@@ -426,8 +323,8 @@ def run(name: str, args, device: torch.device, report: Report, deadline: float) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--cases", nargs="+", default=[*CASES, *EXTRA_CASES],
-                   choices=[*CASES, *EXTRA_CASES])
+    p.add_argument("--cases", nargs="+", default=ORDER, choices=ORDER,
+                   help="which cases, in this order (default: all, in the order listed)")
     p.add_argument("--budget-s", type=float, default=BUDGET_S,
                    help="the run's time budget: the probe sizes the cases to it, and cases "
                         "not started when it is spent are skipped (rows say so)")
@@ -457,6 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel-delay", type=float, default=0.05,
                    help="seconds the stream stays busy before the KV-writing kernel")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--vllm-model", default=None,
+                   help="model of the vllm case (default: a small random-weight Llama built "
+                        "here, offline, in models/)")
+    p.add_argument("--vllm-cpu", action="store_true",
+                   help="run the vllm case on vLLM's CPU build too (minutes; skipped on CPU)")
+    p.add_argument("--vllm-timeout-s", type=float, default=CASE_S,
+                   help="the vllm case's engine run ends after this long at most")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -482,9 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     total = report.passed + report.failed
     elapsed = time.perf_counter() - start
     if report.failed:
-        print(f"gpu_check: {report.failed} of {total} checks FAILED ({elapsed:.0f} s)")
+        print(f"gpu_check: {report.failed} of {total} checks FAILED ({elapsed:.0f} s)",
+              flush=True)
         return 1
-    print(f"gpu_check: all {total} checks passed ({elapsed:.0f} s)")
+    print(f"gpu_check: all {total} checks passed ({elapsed:.0f} s)", flush=True)
     return 0
 
 

@@ -187,7 +187,8 @@ def run_hybrid(args, device: torch.device, report, worker) -> None:
         del kv
         wk.step()
 
-        report_bandwidth(report, NAME, wk, blocks, others, slots, n * bb, device, args.repeats)
+        report_bandwidth(report, NAME, wk.w.mover, blocks, others, slots, n * bb, device,
+                         args.repeats, args.timeout)
         report.check(NAME, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()

@@ -16,6 +16,8 @@
 #   bash DIR/src/scripts/gpu_check.sh --offline DIR [gpu_check.py options]
 #       # installs DIR/wheels into DIR/site (no network) and runs the check from DIR/src
 #
+# Its vllm case starts an offline vLLM engine with KVBM (a small random-weight model built into
+# models/ without network, or --vllm-model PATH); without vLLM installed it is skipped.
 # It prints one row per check as it runs (case, check, PASS/FAIL/info, detail), then
 # "gpu_check: all N checks passed" or "N of M checks FAILED"; the exit status is 0 only when
 # every check passed. KVBM_GPU_CHECK_LOG=FILE keeps a copy of the output. PYTHON picks the
