@@ -120,12 +120,14 @@ def test_gpu_check_passes_on_cpu_with_only_the_gpu_machines_packages():
     assert "GDS disk -> GPU" in gds and "skipped: no CUDA device" in gds, gds
 
 
-def test_gpu_check_killed_mid_run_leaves_the_rows_it_made():
+def test_gpu_check_killed_mid_run_leaves_the_rows_it_made(tmp_path):
     """Rows are printed and flushed as they are made: a run killed in its
-    second case (a timeout, a lost machine) has already shown the first."""
+    second case (a timeout, a lost machine) has already shown the first.
+    (Its file goes under tmp_path: a killed run cannot remove it.)"""
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--cases", "flash-attn", "gds",
-         "--layers", "2", "--blocks", "8", "--repeats", "1", "--gds-mib", "64"],
+         "--layers", "2", "--blocks", "8", "--repeats", "1", "--gds-mib", "64",
+         "--gds-dir", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     watchdog = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
     watchdog.start()
