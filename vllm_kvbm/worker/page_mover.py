@@ -41,8 +41,8 @@ from vllm_kvbm.config import KVBMConfigError
 # Re-exported: where callers have always found them.
 from vllm_kvbm.worker.kv_regions import (BlockRegion, block_dim_of,  # noqa: F401
                                          block_regions, block_view, checked_ids)
-from vllm_kvbm.worker.nixl_api import (NixlBuildError, _nixl_api, load_nixl,  # noqa: F401
-                                       nixl_builds_for)
+from vllm_kvbm.nixl_api import (NixlBuildError, _nixl_api, load_nixl,  # noqa: F401
+                                nixl_builds_for)
 
 logger = logging.getLogger(__name__)
 

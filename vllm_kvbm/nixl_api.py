@@ -1,5 +1,9 @@
 """Which NIXL build this process can load: one wheel per CUDA major, matched
-to the CUDA runtime PyTorch uses (the two cannot share a process)."""
+to the CUDA runtime PyTorch uses (the two cannot share a process).
+
+Used by the worker's page mover (worker/page_mover.py) and by the peer tier's
+agents (tiers/peer/), in the worker and in the kvbm-pool process; never by the
+scheduler process."""
 
 from __future__ import annotations
 

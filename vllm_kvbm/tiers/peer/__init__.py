@@ -1,0 +1,1 @@
+"""Reading other machines' pools (store.py) and serving this one's (server.py) through NIXL."""

@@ -1,0 +1,383 @@
+"""Reading pages from a peer's pool (``PeerStore``, the tier named "peer").
+
+A peer is another machine's worker or kvbm-pool process serving its pool
+files (server.py). A read names the peer by its control endpoint (the rank-0
+``tcp://HOST:PORT`` a router names; this worker's rank is added to the
+port), and for a batch of pages:
+
+1. ``hello`` (when the peer is new, failed, or its answer is older than
+   ``hello_every_s``): the peer's NIXL agent metadata (``add_remote_agent``),
+   where its pool file's mapping lies, its geometry, and its incarnation.
+   Another incarnation at the endpoint (the peer restarted) replaces the old
+   agent entry (``remove_remote_agent``, a new generation), and a peer whose
+   pages do not match ours (another scope) is refused;
+2. one READ of each page's set of slot entries into a landing slot
+   (landing.py), the key's slot picked from it;
+3. one READ of each picked slot's page into its landing slot;
+4. one READ of each picked entry again: the slot's generation and key must
+   be the same as in (2) (the seqlock, pool/layout.py), else it is a miss;
+5. the page copied into ``out`` and checked there (key, namespace scope, TP
+   rank, layout, CRC, or the seal under the page secret): only "ok" is used.
+
+Each step is one NIXL transfer for the whole batch, posted and polled on the
+calling thread (TierIO's reader thread for this tier: on one machine UCX's
+cma transport copies inside ``transfer()``), never on vLLM's. Every batch
+has a deadline (``read_timeout_s``): past it the pages are "error" (vLLM
+recomputes them), the READ's landing slots are quarantined until it ends,
+and the peer is not asked again for ``retry_s``. A peer that dies mid-read
+is reported by NIXL within a fraction of a second: "error", no hang.
+Idle peers are dropped after ``idle_s``.
+
+The store never writes to a peer: ``put`` refuses, ``remove`` does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from vllm_kvbm.tiers.base import TierStore
+from vllm_kvbm.tiers.page_codec import PageCodec
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, valid_key, valid_page
+from vllm_kvbm.tiers.peer import protocol
+from vllm_kvbm.tiers.peer.agent import NixlCallError, PeerAgent
+from vllm_kvbm.tiers.peer.control import ControlLink
+from vllm_kvbm.tiers.peer.landing import LandingSlots
+from vllm_kvbm.tiers.pool import layout
+from vllm_kvbm.tiers.pool.layout import ENTRY_BYTES, MAX_WAYS, Geometry
+
+if TYPE_CHECKING:
+    from vllm_kvbm.config import KVBMConfig
+    from vllm_kvbm.engine_info import EngineInfo
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_READ_TIMEOUT_S = 2.0
+LANDING_PAGES = 4
+_generations = itertools.count(1)
+
+
+@dataclass
+class _Peer:
+    endpoint: str  # this rank's
+    link: ControlLink
+    generation: int = field(default_factory=lambda: next(_generations))
+    remote: str | None = None  # the loaded agent's name
+    incarnation: str = ""
+    metadata_version: int = -1
+    geometry: Geometry | None = None
+    base: int = 0
+    hello_at: float = -1e9
+    used_at: float = field(default_factory=time.monotonic)
+    down_until: float = 0.0
+    said: str = ""  # the last failure logged
+
+
+class PeerStore(TierStore):
+    """``codec``: this worker's PageCodec; ``rank``: its TP rank (which
+    peer port and pool file it reads)."""
+
+    name = "peer"
+
+    def __init__(self, codec: PageCodec, rank: int, world_size: int, scope: bytes,
+                 file_name: str, *, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+                 landing_pages: int = LANDING_PAGES, hello_every_s: float = 5.0,
+                 idle_s: float = 300.0, retry_s: float | None = None):
+        self._codec, self.rank, self.world_size = codec, rank, world_size
+        self.page_bytes = codec.page_bytes
+        self.scope, self.file_name = scope, file_name
+        self.read_timeout_s = read_timeout_s
+        self.hello_every_s, self.idle_s = hello_every_s, idle_s
+        self.retry_s = 2 * read_timeout_s if retry_s is None else retry_s
+        self._agent = PeerAgent("kvbm-peer-reader")
+        self.landing = LandingSlots(self._agent, codec.stored_bytes, landing_pages, MAX_WAYS)
+        self._peers: dict[str, _Peer] = {}
+        self._live_generations: set[int] = set()
+        self._quarantine_marks: set[int] = set()  # landing slots _xfer quarantined
+        self.torn_reads = 0  # pages rewritten while read (misses by the seqlock)
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
+                    secret: bytes | None, layout_fp: str) -> "PeerStore":
+        world = info.key_namespace.tp_size
+        codec = PageCodec(info.tier_namespace, info.page_bytes, secret, rank=rank,
+                          world_size=world, layout=layout_fp)
+        digest = layout.name_digest(info.tier_namespace, info.page_bytes, rank, world)
+        return cls(codec, rank, world,
+                   layout.scope_digest(info.tier_namespace, info.page_bytes, rank, world,
+                                       layout_fp),
+                   layout.file_name(digest, rank, world),
+                   read_timeout_s=config.peer_read_timeout_s)
+
+    # -- TierStore ---------------------------------------------------------------
+    def put(self, key: bytes, page: torch.Tensor) -> bool:
+        return False  # a peer's pool is its own: never written from here
+
+    def contains(self, key: bytes) -> bool:
+        return False  # which peer: get_many_into names it
+
+    def remove(self, key: bytes) -> None:
+        pass
+
+    def get_into(self, key: bytes, out: torch.Tensor, endpoint: str | None = None) -> str:
+        return self.get_many_into([(key, out)], endpoint=endpoint)[0]
+
+    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]], stop=None,
+                      endpoint: str | None = None) -> list[str]:
+        """Reads each ``(key, out)`` from the peer at ``endpoint`` (its rank-0
+        control endpoint); the statuses in order. Without an endpoint, or
+        for a peer that cannot be asked now: "miss" / "error"."""
+        if not items:
+            return []
+        if endpoint is None or self._closed:
+            return ["miss"] * len(items)
+        try:
+            self.landing.reap(self._gone)
+            self._forget_idle()
+            peer = self._peer(protocol.rank_endpoint(endpoint, self.rank))
+        except Exception as err:  # noqa: BLE001 - a store must not take the engine down
+            logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
+            return ["error"] * len(items)
+        if peer is None:
+            return ["error"] * len(items)
+        statuses: list[str] = []
+        for start in range(0, len(items), self.landing.count):
+            part = items[start:start + self.landing.count]
+            if stop is not None and stop():
+                statuses += ["skipped"] * len(part)
+                continue
+            if peer.remote is None or time.monotonic() < peer.down_until:
+                statuses += ["error"] * len(part)  # failed earlier in this call
+                continue
+            try:
+                statuses += self._read_batch(peer, part)
+            except Exception as err:  # noqa: BLE001
+                logger.warning("KVBM: peer tier: read from %s failed: %s", peer.endpoint, err)
+                statuses += ["error"] * len(part)
+        return statuses
+
+    def lookup(self, endpoint: str, keys: list[bytes]) -> list[bool]:
+        """Which of ``keys`` the peer holds (its control endpoint answers from
+        its own table: no NIXL)."""
+        from vllm_kvbm.tiers.peer.control import peer_lookup
+
+        return peer_lookup(protocol.rank_endpoint(endpoint, self.rank), self.file_name,
+                           self.scope, [layout.table_key(self._codec.names, k) for k in keys],
+                           self.read_timeout_s)
+
+    # -- peers -------------------------------------------------------------------
+    def _peer(self, endpoint: str) -> _Peer | None:
+        now = time.monotonic()
+        peer = self._peers.get(endpoint)
+        if peer is None:
+            peer = self._peers[endpoint] = _Peer(endpoint, ControlLink(endpoint))
+        peer.used_at = now
+        if now < peer.down_until:
+            return None
+        if peer.remote is not None and now - peer.hello_at < self.hello_every_s:
+            return peer
+        try:
+            self._hello(peer, now + self.read_timeout_s)
+            peer.said = ""
+            return peer
+        except (TimeoutError, ValueError, KeyError, TypeError, NixlCallError) as err:
+            self._down(peer, f"{type(err).__name__}: {err}", refused=isinstance(err, ValueError))
+            return None
+
+    def _hello(self, peer: _Peer, deadline: float) -> None:
+        known = [peer.incarnation, peer.metadata_version]
+        reply, metadata = peer.link.request(
+            {"op": "hello", "file": self.file_name, "scope": self.scope.hex(), "known": known},
+            deadline - time.monotonic())
+        if not reply.get("ok"):
+            raise ValueError(str(reply.get("error")))
+        g = Geometry(int(reply["stored_bytes"]), int(reply["nslots"]), int(reply["ways"]))
+        if (g.stored_bytes != self._codec.stored_bytes or not 0 < g.ways <= MAX_WAYS
+                or g.nslots % g.ways or g.stride != reply["stride"]
+                or g.table_off != reply["table_off"] or g.data_off != reply["data_off"]
+                or int(reply["length"]) < g.file_bytes):
+            raise ValueError("the peer's pool file has another page size or layout")
+        if [reply["incarnation"], reply["metadata_version"]] != known:
+            if metadata is None:
+                raise ValueError("the peer sent no NIXL metadata")
+            if reply["incarnation"] != peer.incarnation:
+                # another process answers at the endpoint: the old one is gone,
+                # and so are its transfers (quarantined ones included); a new
+                # generation, so nothing of the old one is taken for the new
+                if peer.remote is not None:
+                    self._unload(peer, gone=True)
+                self._live_generations.discard(peer.generation)
+                peer.generation = next(_generations)
+            elif peer.remote is not None:
+                self._unload(peer, gone=False)  # more files registered: new metadata
+            name = self._agent.call("add_remote_agent", "add_remote_agent", metadata)
+            peer.remote = name.decode() if isinstance(name, bytes) else str(name)
+            while not self._agent.call("check_remote_metadata", "check_remote_metadata",
+                                       peer.remote):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the peer's NIXL metadata did not load")
+                time.sleep(0.001)
+            peer.incarnation = reply["incarnation"]
+            peer.metadata_version = reply["metadata_version"]
+            self._live_generations.add(peer.generation)
+        peer.geometry, peer.base = g, int(reply["base"])
+        peer.hello_at = time.monotonic()
+
+    def _unload(self, peer: _Peer, gone: bool) -> None:
+        """Removes the peer's agent entry; ``gone``: its process is known to
+        be gone (its quarantined transfers with it)."""
+        if gone:
+            self._live_generations.discard(peer.generation)
+        try:
+            self._agent.call("remove_remote_agent", "remove_remote_agent", peer.remote)
+        except NixlCallError as err:
+            logger.debug("KVBM: peer tier: %s", err)
+        peer.remote = None
+
+    def _gone(self, generation: int) -> bool:
+        return generation not in self._live_generations
+
+    def _down(self, peer: _Peer, why: str, refused: bool = False,
+              dead: bool = False) -> None:
+        """Not asked again for ``retry_s`` (a refusal: a minute); a peer NIXL
+        reports dead is forgotten (its transfers ended)."""
+        peer.down_until = time.monotonic() + (60.0 if refused else self.retry_s)
+        peer.hello_at = -1e9
+        if peer.said != why:
+            peer.said = why
+            logger.warning("KVBM: peer tier: %s: %s; its pages are recomputed (asked again in "
+                           "%g s)", peer.endpoint, why, 60.0 if refused else self.retry_s)
+        if dead:
+            if peer.remote is not None:
+                self._unload(peer, gone=True)
+            self._live_generations.discard(peer.generation)
+            peer.incarnation, peer.metadata_version = "", -1
+
+    def _forget_idle(self) -> None:
+        now = time.monotonic()
+        for endpoint, peer in list(self._peers.items()):
+            if now - peer.used_at > self.idle_s:
+                if peer.remote is not None:
+                    self._unload(peer, gone=False)
+                peer.link.close()
+                del self._peers[endpoint]
+
+    # -- one batch ---------------------------------------------------------------
+    def _read_batch(self, peer: _Peer, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
+        slots = self.landing.take(len(items))
+        statuses = ["error"] * len(items)  # past the landing slots free: recomputed
+        if not slots:
+            return statuses
+        deadline = time.monotonic() + self.read_timeout_s
+        try:
+            self._read_into(peer, items[:len(slots)], slots, statuses, deadline)
+        finally:
+            if slots and not self._quarantined(slots):
+                self.landing.give(slots)
+        return statuses
+
+    def _read_into(self, peer: _Peer, items, slots: list[int], statuses: list[str],
+                   deadline: float) -> None:
+        g, land, base = peer.geometry, self.landing, peer.base
+        tkeys = [layout.table_key(self._codec.names, bytes(key)) for key, _ in items]
+        set_bytes = g.ways * ENTRY_BYTES
+        firsts = [g.set_of(t) * g.ways for t in tkeys]
+        if not self._xfer(peer, slots, deadline,
+                          [(land.set_off(s), base + g.entry_off(f), set_bytes)
+                           for s, f in zip(slots, firsts)]):
+            return
+        picked: list[tuple[int, int, int]] = []  # (item, slot in the pool, generation)
+        for i, (s, t) in enumerate(zip(slots, tkeys)):
+            hit = layout.find_in_set(land.view, land.set_off(s), g.ways, t)
+            if hit is None:
+                statuses[i] = "miss"
+            else:
+                picked.append((i, firsts[i] + hit[0], hit[1]))
+        if not picked:
+            return
+        if not self._xfer(peer, slots, deadline,
+                          [(land.page_off(slots[i]), base + g.slot_off(slot), g.stored_bytes)
+                           for i, slot, _ in picked]):
+            return
+        if not self._xfer(peer, slots, deadline,
+                          [(land.again_off(slots[i]), base + g.entry_off(slot), ENTRY_BYTES)
+                           for i, slot, _ in picked]):
+            return
+        for i, _, gen in picked:
+            s = slots[i]
+            if layout.read_head(land.view, land.again_off(s)) != (gen, tkeys[i]):
+                statuses[i] = "miss"  # written while read: torn, never used
+                self.torn_reads += 1
+                continue
+            key, out = items[i]
+            if not (valid_key(key) and valid_page(out, self.page_bytes)
+                    and out.is_contiguous()):
+                continue  # "error"
+            off = land.page_off(s)
+            hdr = bytes(land.view[off:off + HEADER_BYTES])
+            # copied, then checked where it lies: a late write into the
+            # landing slot cannot change what was checked
+            ctypes.memmove(out.data_ptr(), land.addr + off + HEADER_BYTES, self.page_bytes)
+            statuses[i] = self._codec.verify(hdr, bytes(key), out)
+
+    def _xfer(self, peer: _Peer, slots: list[int], deadline: float,
+              spans: list[tuple[int, int, int]]) -> bool:
+        """One READ of (landing offset, remote address, length) spans, polled
+        until done or ``deadline``; False on failure or timeout (the peer
+        then down; the landing slots quarantined on a timeout)."""
+        land = self.landing
+        handle = None
+        try:
+            local = self._agent.descs([(land.addr + off, n) for off, _, n in spans])
+            remote = self._agent.descs([(addr, n) for _, addr, n in spans])
+            handle = self._agent.call("initialize_xfer", "initialize_xfer", "READ", local,
+                                      remote, peer.remote)
+            state = self._agent.call("transfer", "transfer", handle)
+            pause = 0.0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    land.quarantine(slots, handle, peer.generation)
+                    self._quarantine_marks.update(slots)
+                    handle = None  # released when it ends (landing.reap)
+                    self._down(peer, f"no answer to a READ within {self.read_timeout_s:g} s "
+                                     f"(peer_read_timeout_s)")
+                    return False
+                time.sleep(pause)
+                pause = min(0.0005, pause + 0.0001)
+                state = self._agent.call("check_xfer_state", "check_xfer_state", handle)
+            if state != "DONE":
+                self._down(peer, f"a READ ended {state}")
+                return False
+            return True
+        except NixlCallError as err:
+            self._down(peer, str(err), dead=err.disconnected)
+            return False
+        finally:
+            if handle is not None:
+                try:
+                    self._agent.call("release_xfer_handle", "release_xfer_handle", handle)
+                except NixlCallError as err:
+                    logger.debug("KVBM: peer tier: %s", err)
+
+    def _quarantined(self, slots: list[int]) -> bool:
+        hit = bool(self._quarantine_marks & set(slots))
+        self._quarantine_marks -= set(slots)
+        return hit
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for peer in self._peers.values():
+            if peer.remote is not None and not self.landing.quarantined:
+                self._unload(peer, gone=False)
+            peer.link.close()
+        self._peers.clear()
+        self.landing.close()
