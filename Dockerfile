@@ -36,10 +36,11 @@ ENV PATH=/opt/venv/bin:$PATH \
 
 # Run as kvbm, not root. It owns the mount points of docker-compose.yml's named
 # volumes (a new volume takes the owner of its mount point in the image): the HF
-# cache, the disk tier and the weight fingerprints' cache (KVBM_CACHE_DIR).
+# cache, the disk tier, the weight fingerprints' cache (KVBM_CACHE_DIR) and the
+# shared page pool (a tmpfs volume mounted with uid 10001).
 RUN useradd --create-home --uid 10001 --user-group kvbm \
- && mkdir -p /home/kvbm/.cache/huggingface /kvbm-disk /kvbm-cache \
- && chown -R kvbm:kvbm /home/kvbm /kvbm-disk /kvbm-cache
+ && mkdir -p /home/kvbm/.cache/huggingface /kvbm-disk /kvbm-cache /kvbm-pool \
+ && chown -R kvbm:kvbm /home/kvbm /kvbm-disk /kvbm-cache /kvbm-pool
 USER kvbm
 
 EXPOSE 8000

@@ -279,13 +279,16 @@ def test_each_profile_builds_only_its_own_image():
                              (("--profile", "cuda"), "Dockerfile.cuda"),
                              (("--profile", "cpu", "--profile", "lmcache"), "Dockerfile"),
                              (("--profile", "cuda", "--profile", "lmcache-cuda"),
+                              "Dockerfile.cuda"),
+                             (("--profile", "cpu", "--profile", "pool"), "Dockerfile"),
+                             (("--profile", "cuda", "--profile", "pool-cuda"),
                               "Dockerfile.cuda")):
         services = resolved(*args)["services"]
         built = {name: svc["build"].get("dockerfile", "Dockerfile")
                  for name, svc in services.items() if "build" in svc}
         assert built and set(built.values()) == {dockerfile}, (args, built)
         images = {svc["image"] for svc in services.values() if "build" in svc}
-        assert len(images) == 1, images  # an LMCache server reuses the vLLM image
+        assert len(images) == 1, images  # an LMCache server, kvbm-pool reuse the vLLM image
 
 
 def test_no_image_sets_a_kvbm_variable_that_would_clash_with_compose():
@@ -349,3 +352,47 @@ def test_cuda_image_installs_the_cuda_extra_and_the_matching_nixl():
     assert vllm.name == "vllm"
     spec = SpecifierSet(str(vllm.specifier))
     assert "0.32.0" in spec and "0.35.0" not in spec and "0.31.0" not in spec
+
+
+# ---- the pool profile -------------------------------------------------------------
+
+@pytest.mark.parametrize("profile,service,pool,pool_service", [
+    ("cpu", "vllm", "pool", "kvbm-pool"), ("cuda", "vllm-cuda", "pool-cuda", "kvbm-pool-cuda")])
+def test_the_pool_profile_shares_its_files_with_vllm(profile, service, pool, pool_service,
+                                                     tmp_path):
+    """kvbm-pool and vLLM mount one tmpfs volume: the pool files and the
+    socket; the engine's pool settings are off until KVBM_POOL_CACHE_SIZE is
+    set, then they name that volume and that socket."""
+    from vllm_kvbm.config import load_config
+    from vllm_kvbm.tools.pool import main as pool_main
+
+    config = resolved("--profile", profile, "--profile", pool)
+    services = config["services"]
+    kvbm_pool, vllm = services[pool_service], services[service]
+    assert kvbm_pool["command"][0] == "kvbm-pool"
+    assert vllm["depends_on"][pool_service]["required"] is False
+    volume = config["volumes"]["kvbm-pool"]
+    assert volume["driver_opts"]["type"] == "tmpfs"
+    assert "size=8g" in volume["driver_opts"]["o"] and "uid=10001" in volume["driver_opts"]["o"]
+    for svc in (kvbm_pool, vllm):
+        assert {(v["source"], v["target"]) for v in svc["volumes"]} >= {
+            ("kvbm-pool", "/kvbm-pool")}
+    args = kvbm_pool["command"][1:]
+    assert args[args.index("--dir") + 1] == "/kvbm-pool"
+    sock = args[args.index("--socket") + 1]
+    assert kvbm_pool["healthcheck"]["test"] == ["CMD", "kvbm-pool", "--check", "--socket",
+                                                sock]
+    with pytest.raises(SystemExit) as done:  # the command line it runs parses
+        pool_main([*args, "--help"])
+    assert done.value.code == 0
+    # off by default: the engine takes no pool
+    kv = kv_transfer_config(vllm["command"])["kv_connector_extra_config"]
+    off = load_config(kv, environ=in_container(vllm["environment"], tmp_path))
+    assert off.pool_cache_bytes is None
+    on = resolved("--profile", profile, "--profile", pool,
+                  KVBM_POOL_CACHE_SIZE="2GiB")["services"][service]
+    environ = in_container(on["environment"], tmp_path)
+    environ["KVBM_POOL_DIR"] = str(tmp_path)  # /kvbm-pool exists in the container only
+    cfg = load_config(kv, environ=environ)
+    assert cfg.pool_cache_bytes == 2 << 30 and cfg.pool_socket == sock
+    assert on["environment"]["KVBM_POOL_DIR"] == "/kvbm-pool"

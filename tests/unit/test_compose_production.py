@@ -24,10 +24,12 @@ from helpers.compose import GRAFANA_PASSWORD, SECRET_FILES, dotenv, render, reso
 
 pytestmark = pytest.mark.timeout(120)
 
-# Each vLLM build alone, and with its optional LMCache server.
+# Each vLLM build alone, with its optional LMCache server, and with kvbm-pool.
 STACKS = [("--profile", "cpu"), ("--profile", "cuda"),
           ("--profile", "cpu", "--profile", "lmcache"),
-          ("--profile", "cuda", "--profile", "lmcache-cuda")]
+          ("--profile", "cuda", "--profile", "lmcache-cuda"),
+          ("--profile", "cpu", "--profile", "pool"),
+          ("--profile", "cuda", "--profile", "pool-cuda")]
 VLLM_SERVICES = ("vllm", "vllm-cuda")
 LMCACHE_SERVICES = ("lmcache-server", "lmcache-server-cuda")
 
@@ -348,7 +350,7 @@ def test_images_run_as_a_non_root_user_who_owns_the_volumes(dockerfile, service)
     profile = "cpu" if service == "vllm" else "cuda"
     svc = resolved("--profile", profile)["services"][service]
     targets = [v["target"] for v in svc["volumes"] if v["type"] == "volume"]
-    assert len(targets) == 3
+    assert len(targets) == 4
     for target in targets:
         assert target in chown.group(0), (dockerfile, target)
     assert f"/home/{user}/.cache/huggingface" in targets  # where the HF hub writes

@@ -82,6 +82,11 @@ class PeerServer:
         """The rank-0 endpoint peers name (this machine's host name for a wildcard bind)."""
         return protocol.endpoint_of(self.host, self.ports[0])
 
+    @property
+    def served(self) -> set[str]:
+        """Names of the pool files it answers for."""
+        return set(self._files)
+
     # -- commands, run on the serving thread -----------------------------------
     def serve(self, pool, timeout_s: float = 60.0) -> None:
         """Registers ``pool``'s mapping and answers for its file from now on."""

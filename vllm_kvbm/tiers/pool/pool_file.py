@@ -255,7 +255,8 @@ def _create(spec: PoolSpec, lock_fd: int) -> PoolFile:
         os.pwrite(fd, sb.pack(), 0)
         os.rename(tmp, spec.path)
         fcntl.flock(fd, fcntl.LOCK_SH)
-        logger.info("KVBM: created pool file %s: %d slots of %d bytes (%.2f GiB)", spec.path,
+        # said by the caller, in its own startup line
+        logger.debug("KVBM: created pool file %s: %d slots of %d bytes (%.2f GiB)", spec.path,
                     g.nslots, g.stride, g.file_bytes / 1024**3)
         return PoolFile(spec.path, fd, lock_fd, sb)
     except BaseException:
