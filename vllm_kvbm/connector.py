@@ -54,9 +54,23 @@ def extensible_kv_cache_note(cache_config) -> str | None:
     if not getattr(cache_config, "enable_extensible_kv_cache", False):
         return None
     return ("KVBM: vLLM's extensible KV cache is on: KVBM registers none of its memory and "
-            "copies only the blocks vLLM hands it; releasing that memory "
-            "(release_kv_cache_memory(), a weight update borrowing it) is refused: start "
-            "with --no-enable-extensible-kv-cache to update weights layer by layer")
+            "copies only the blocks vLLM hands it; while vLLM releases that memory (sleep, "
+            "release_kv_cache_memory(), a weight update borrowing it) KVBM's copies are "
+            "finished first and none start until it is back")
+
+
+def sleep_mode_refusal() -> str | None:
+    """Why KVBM cannot follow vLLM's sleep mode on this platform (None: it
+    can). On CUDA and ROCm the workers copy GPU KV by address and vLLM's
+    cumem allocator keeps the addresses across sleep; on the CPU build sleep
+    frees nothing. Elsewhere the KV memory would be NIXL's to register."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike() or current_platform.is_cpu():
+        return None
+    return (f"enable_sleep_mode: KVBMConnector follows vLLM's sleep mode on CUDA and ROCm GPUs "
+            f"and vLLM's CPU build, not on {current_platform.device_name}; start vLLM "
+            f"without --enable-sleep-mode")
 
 
 class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
@@ -84,10 +98,11 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: "KVTransferConfig") -> bool:
-        # The workers register the engine's KV memory with NIXL; sleep mode
-        # unmaps and remaps it, which would leave that registration stale.
-        # vLLM >= 0.33 refuses --enable-sleep-mode with KVBM; on 0.32, __init__ does.
-        return False
+        # The workers drain and stop their copies while the KV memory is
+        # released (unregister_kv_caches) and go on at the same addresses
+        # once it is back (restore_kv_caches); on 0.32 (which never asks)
+        # __init__ refuses where this is False.
+        return sleep_mode_refusal() is None
 
     @classmethod
     def supports_lookahead_block_hashes(cls, kv_transfer_config: "KVTransferConfig") -> bool:
@@ -109,10 +124,8 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
                  kv_cache_config: "KVCacheConfig"):
         check_vllm_version()
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):
-            raise KVBMConfigError(
-                "enable_sleep_mode: KVBMConnector does not support vLLM's sleep mode "
-                "(its workers register the KV cache memory with NIXL, which sleep "
-                "mode unmaps); start vLLM without --enable-sleep-mode")
+            if (refusal := sleep_mode_refusal()) is not None:
+                raise KVBMConfigError(refusal)
         super().__init__(vllm_config, role, kv_cache_config)
         self.config = load_config(self._kv_transfer_config.kv_connector_extra_config)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
@@ -209,22 +222,31 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.add_tier(store, rank)
         # vLLM registers the KV cache once the weights are loaded: their
         # digest now is what "as loaded" means (worker/loaded_weights.py).
-        self.worker.weights = LoadedWeights.from_vllm(rank)
+        # Sleep mode's calls on this worker are followed from here on
+        # (worker/sleep_mode.py): the same release and restore as below.
+        self.worker.weights = LoadedWeights.from_vllm(rank, kv=self.worker)
+        if (getattr(self._vllm_config.model_config, "enable_sleep_mode", False)
+                and not self.worker.weights.follows_sleep):
+            raise KVBMConfigError(
+                "enable_sleep_mode: KVBM cannot find vLLM's worker to follow its sleep calls "
+                "(its copies could run while the KV memory is released); start vLLM "
+                "without --enable-sleep-mode")
 
     def unregister_kv_caches(self) -> None:
-        # vLLM >= 0.33 calls this right before it frees the KV cache's memory:
-        # sleep mode (refused at startup), release_kv_cache_memory(), and in 0.34
-        # layerwise weight updates with the extensible KV cache
-        # (tests/unit/test_extensible_kv_cache.py reads those call sites). Copies
-        # the workers queued behind a step fence, and NIXL's registration of host
-        # KV memory, cannot follow it: refuse while nothing is freed, rather than
-        # copy into freed memory later.
-        if self.kept_out is not None:
-            return  # nothing registered, nothing copied
-        raise RuntimeError(
-            "KVBMConnector cannot release the KV cache's memory: its workers may still "
-            "copy into it. For weight updates start vLLM with "
-            "--no-enable-extensible-kv-cache, and do not call release_kv_cache_memory()")
+        # vLLM >= 0.33 calls this right before it frees the KV cache's memory
+        # (sleep, discard, release_kv_cache_memory(), 0.34's weight updates
+        # that borrow the extensible KV cache: tests/unit/test_extensible_kv_cache.py
+        # reads those call sites); on 0.32 the worker's sleep mode calls make
+        # the same call (worker/sleep_mode.py). The worker's copies end first,
+        # and none starts until restore_kv_caches; one that outlived its
+        # timeout raises here, before anything is freed (worker/kv_release.py).
+        if self.worker is not None:  # (the scheduler side and a model kept out copy nothing)
+            self.worker.release_kv("vLLM releases the KV cache's memory")
+
+    def restore_kv_caches(self) -> None:
+        # The KV memory is mapped again, at the addresses it had.
+        if self.worker is not None:
+            self.worker.restore_kv()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.kept_out is not None:

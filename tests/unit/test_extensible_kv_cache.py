@@ -1,7 +1,8 @@
 """vLLM 0.34's extensible KV cache against KVBM, read from 0.34's own worker sources.
 
-KVBMConnector.unregister_kv_caches refuses (connector.py): that is safe only
-if vLLM calls it before it frees anything, in every place it is called. The
+KVBMConnector.unregister_kv_caches drains the workers' copies and stops them
+(worker/kv_release.py), raising if one outlived its timeout: that is safe
+only if vLLM calls it before it frees anything, in every place it is called. The
 sources come from the release's wheel on PyPI as tools/vllm_wheels.py reads
 them (cached; the same network policy as tests/unit/test_vllm_compat.py).
 """
@@ -59,14 +60,14 @@ def test_vllm_034_tells_the_connector_before_it_frees_the_kv_cache():
         "vllm/v1/worker/gpu_worker.py:sleep",
     ]
     for where, (unregister, frees) in sites.items():
-        # Refusing there stops vLLM before any memory is released.
+        # Draining (or raising) there comes before any memory is released.
         assert frees is not None and unregister < frees, where
 
 
-def test_connector_needs_no_single_allocation_and_says_what_it_refuses():
+def test_connector_needs_no_single_allocation_and_says_what_it_does():
     """The workers register no GPU KV memory (copy engines, by address), so
     KVBM asks nothing of the extensible KV cache's allocation; with it on,
-    the startup line says what is refused and how to opt out."""
+    the startup line says what happens while vLLM releases its memory."""
     from types import SimpleNamespace
 
     import vllm_kvbm.connector as connector
@@ -76,7 +77,7 @@ def test_connector_needs_no_single_allocation_and_says_what_it_refuses():
     assert "KVCacheAccess.IN_PROCESS" in ast.unparse(fn)
     assert "KVCacheAccess.REGISTERS" not in ast.unparse(fn)
     on = connector.extensible_kv_cache_note(SimpleNamespace(enable_extensible_kv_cache=True))
-    assert "registers none of its memory" in on and "--no-enable-extensible-kv-cache" in on
+    assert "registers none of its memory" in on and "none start until it is back" in on
     assert connector.extensible_kv_cache_note(SimpleNamespace()) is None  # vLLM 0.32, 0.33
     assert connector.extensible_kv_cache_note(
         SimpleNamespace(enable_extensible_kv_cache=False)) is None

@@ -183,9 +183,9 @@ def test_a_large_models_pass_runs_off_the_worker_thread_its_jobs_refused_meanwhi
     release = threading.Event()
     digest = loaded_weights.weights_digest
 
-    def slow_digest(model, threads=None):
+    def slow_digest(model, threads=None, stop=None):
         release.wait()
-        return digest(model, threads)
+        return digest(model, threads, stop)
 
     model = _model()
     worker = _worker(model)
@@ -207,11 +207,11 @@ def test_a_pass_overtaken_by_the_next_epoch_reports_nothing(monkeypatch):
     first, digest = threading.Event(), loaded_weights.weights_digest
     calls = []
 
-    def digest_once_slow(model, threads=None):
+    def digest_once_slow(model, threads=None, stop=None):
         calls.append(1)
         if len(calls) == 2:  # the first epoch's pass (the first call is at load)
             first.wait()
-        return digest(model, threads)
+        return digest(model, threads, stop)
 
     monkeypatch.setattr(loaded_weights, "weights_digest", digest_once_slow)
     model = _model()

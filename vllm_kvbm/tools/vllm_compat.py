@@ -56,6 +56,7 @@ HMA_CLASS = "SupportsHMA"
 ADDED_IN: dict[str, tuple[int, int]] = {
     "supports_sleep_mode": (0, 33),
     "unregister_kv_caches": (0, 33),
+    "restore_kv_caches": (0, 33),
     "supports_lookahead_block_hashes": (0, 34),
     "kv_cache_access": (0, 34),
     "may_load_async": (0, 34),
@@ -86,7 +87,6 @@ DEFAULTS_KEPT: dict[str, str] = {
     "requires_piecewise_for_cudagraph": "no layer-wise load or save",
     "get_finished_count": "every TP worker reports its own completions",
     "supports_divergent_local_hybrid_hits": "hybrid (Mamba) models are not cached",
-    "restore_kv_caches": "never reached: unregister_kv_caches refuses to release the memory",
     "set_xfer_handshake_metadata": "no P/D handshake",
     "set_xfer_handshake_metadata_pp_aware": "no P/D handshake",
 }

@@ -27,6 +27,12 @@ label the change earned (an identified load's, else a new private one),
 checks its parameters' digest against the last one (weights changed with no
 call seen, e.g. in the engine's own process: a new private label) and
 reports.
+
+vLLM's sleep mode (sleep_mode.py): a level-1 sleep keeps the label (the
+same bytes come back); a level-2 sleep drops the weights, so the label turns
+private at once and follows only an identified load that writes every
+parameter dropped (``dropped``). A digest pass running on a thread stops
+before the weights' memory goes and runs again once it is back.
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ import threading
 from typing import Any, Callable
 
 from vllm_kvbm import opened_files
-from vllm_kvbm.worker import weight_changes
-from vllm_kvbm.worker.weight_digests import LoadDigest, weights_bytes, weights_digest
+from vllm_kvbm.worker import sleep_mode, weight_changes
+from vllm_kvbm.worker.weight_digests import (DigestStopped, LoadDigest, weights_bytes,
+                                             weights_digest)
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +111,23 @@ class LoadedWeights:
         self._unreported: list[tuple[int, int, str]] = []
         self._refusing_logged: tuple[int, str] | None = None
         self._warned = False
+        # Weights vLLM dropped (level-2 sleep): the label they had, and the
+        # parameters a load must write for the label to follow what it loaded.
+        self._dropped: tuple[str, frozenset[str]] | None = None
+        # This epoch's digest pass on a thread: (thread, its stop event, epoch).
+        self._pass: tuple[threading.Thread, threading.Event, int] | None = None
+        self._rerun: int | None = None  # the epoch of a pass stopped by sleep
+        self.follows_sleep = False  # the worker's sleep mode calls are wrapped (sleep_mode.py)
 
     @classmethod
-    def from_vllm(cls, rank: int) -> "LoadedWeights":
+    def from_vllm(cls, rank: int, kv: Any = None) -> "LoadedWeights":
         """Called while vLLM registers the KV cache: its model runner, worker
         and collective_rpc dispatch are found on the stack. Without the
         model, each new epoch gets a random label (pages stored before a
         prefix-cache reset are then never looked up again by this engine);
-        without the dispatch, every label is private."""
+        without the dispatch, every label is private. ``kv``: the KVBMWorker,
+        whose KV release and restore run around the worker's sleep mode
+        calls (sleep_mode.py)."""
         runner = find_model_runner()
         weights = cls(rank, runner.get_model if runner is not None else None)
         try:
@@ -128,7 +144,10 @@ class LoadedWeights:
         model = getattr(getattr(getattr(worker, "vllm_config", None), "model_config", None),
                         "model", None)
         weights._files = opened_files.latest(model) if model else None
-        if weight_changes.watch(weights, worker) is None:
+        followed = (sleep_mode.follow(weights, worker, kv)
+                    if worker is not None and kv is not None else frozenset())
+        weights.follows_sleep = "sleep" in followed
+        if weight_changes.watch(weights, worker, followed) is None:
             logger.warning("KVBM: cannot see the calls vLLM's executor runs on this worker "
                            "(collective_rpc), so not whether they change the weights: this "
                            "engine's pages are its own (shared with no other engine), and "
@@ -154,6 +173,8 @@ class LoadedWeights:
         Returns the label the weights had, which an identified load chains on."""
         with self._lock:
             base = self._next if self._next is not None else self.label
+            if self._dropped is not None:  # what a load after a level-2 sleep chains on
+                base = self._dropped[0]
             self._changes += 1
             self.label = private_label()
             self._unreported.append((self.epoch, self.rank, self.label))
@@ -161,11 +182,18 @@ class LoadedWeights:
                 self.session.ok = False  # something else changed them mid-update
         return base
 
-    def end_change(self, label: str | None, what: str, loaded: set[str] = frozenset()) -> None:
+    def end_change(self, label: str | None, what: str, loaded: set[str] = frozenset(),
+                   params: set[str] | None = None) -> None:
         """The change is over: ``label`` is the weights' label from the next
-        epoch on (None: one KVBM cannot identify: a new private label)."""
+        epoch on (None: one KVBM cannot identify: a new private label).
+        ``params``: the parameters the load wrote (None: not known); after a
+        level-2 sleep the label holds only if they are all it dropped."""
         with self._lock:
             self._changes += 1
+            if self._dropped is not None:
+                if label is not None and (params is None or not self._dropped[1] <= params):
+                    label = None  # some dropped parameters hold what the memory had
+                self._dropped = None
             if label is None:
                 label, self._tainted = private_label(), True
             self._touched = set() if label == "" else self._touched | set(loaded)
@@ -182,6 +210,38 @@ class LoadedWeights:
             logger.info("KVBM: %s loaded %s: from the next reset of vLLM's prefix cache on, "
                         "pages are keyed by them (until then, this engine's own)", what,
                         "the weights' files as loaded" if not label else "other weights")
+
+    def dropped(self, params: frozenset[str], what: str) -> None:
+        """vLLM drops the weights' memory (level-2 sleep, ``discard``): a
+        private label at once, and for good unless the first change after is
+        an identified load of every parameter in ``params`` (the ones dropped):
+        then the label of what it loaded, chained on the label they had."""
+        base = self.begin_change(what)
+        with self._lock:
+            if self._dropped is None:
+                self._dropped = (base, frozenset(params))
+            self._next = None  # what an earlier change earned is gone with them
+            self._unreported.append((self.epoch + 1, self.rank, self.label))
+
+    def suspend_checks(self) -> None:
+        """Before vLLM releases the weights' memory (sleep): a digest pass
+        reading the parameters on a thread stops first; ``resume_checks``
+        runs it again once they are back (its epoch's jobs wait for it)."""
+        running, self._pass = self._pass, None
+        if running is None:
+            return
+        thread, stop, epoch = running
+        stop.set()
+        thread.join()
+        with self._lock:
+            if self._checking and self.epoch == epoch:
+                self._rerun = epoch
+
+    def resume_checks(self) -> None:
+        """The weights' memory is back (wake-up): a pass sleep stopped runs again."""
+        epoch, self._rerun = self._rerun, None
+        if epoch is not None and epoch == self.epoch:
+            self._check(epoch)
 
     @contextlib.contextmanager
     def unidentified(self, what: str):
@@ -246,6 +306,11 @@ class LoadedWeights:
                 self.label, self._next = self._next, None
             if self._blind:
                 self.label = private_label()
+        self._check(epoch)
+
+    def _check(self, epoch: int) -> None:
+        """The epoch's digest of the parameters (``_checked`` takes it)."""
+        with self._lock:
             changes = self._changes
         if self._model is None:
             self._checked(epoch, changes, None)
@@ -254,8 +319,18 @@ class LoadedWeights:
         if weights_bytes(model) <= INLINE_DIGEST_BYTES:
             self._checked(epoch, changes, weights_digest(model))
             return
-        threading.Thread(target=lambda: self._checked(epoch, changes, weights_digest(model)),
-                         name="kvbm-weights-digest", daemon=True).start()
+        stop = threading.Event()
+
+        def run() -> None:
+            try:
+                digest = weights_digest(model, stop=stop)
+            except DigestStopped:
+                return  # sleep stopped it: resume_checks runs it again
+            self._checked(epoch, changes, digest)
+
+        thread = threading.Thread(target=run, name="kvbm-weights-digest", daemon=True)
+        self._pass = (thread, stop, epoch)
+        thread.start()
 
     def _checked(self, epoch: int, changes: int, digest: str | None) -> None:
         unseen = False

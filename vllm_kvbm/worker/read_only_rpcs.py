@@ -10,7 +10,7 @@ counts as such a change. The methods whose loads KVBM can identify are in
 ``IDENTIFIED``: their pages get a label of what they loaded.
 
 Every method name vLLM 0.32-0.34 sends through ``collective_rpc`` is either
-here or in ``NOT_READ_ONLY`` (tests/unit/test_weight_watch_compat.py reads
+here, in ``SLEEP_MODE`` or in ``NOT_READ_ONLY`` (tests/unit/test_weight_watch_compat.py reads
 their sources), so none that vLLM's engine calls while it starts and serves
 costs a step more than a set lookup or moves an engine off its files' keys.
 """
@@ -79,9 +79,6 @@ NOT_READ_ONLY: dict[str, str] = {
     "apply_model": "runs a user's function on the model (LLM.apply_model)",
     "reset_weights": "zeroes the weights (the RL weight checker's reset)",
     "start_draft_weight_update": "updates the draft model's weights, which KVBM does not digest",
-    "sleep": "releases the weights' memory (sleep mode is refused at startup)",
-    "wake_up": "restores the weights (sleep mode is refused at startup)",
-    "discard": "drops a sleeping engine's weights",
     "load_model": "loads the weights (at startup, before KVBM watches)",
     "update_max_model_len": "may rebuild length-dependent tables (at startup, before KVBM "
                             "watches)",
@@ -91,6 +88,16 @@ NOT_READ_ONLY: dict[str, str] = {
     "elastic_ep_execute": "elastic expert parallelism moves experts between ranks: unreviewed",
     "adjust_rank": "Ray executor (which KVBM cannot watch)",
     "reinitialize_distributed": "Ray executor (which KVBM cannot watch)",
+}
+
+# vLLM's sleep mode: followed by wrappers of the worker's methods
+# (sleep_mode.py), which release and restore the KV memory and keep or drop
+# the weights' label by what each call does to the weights.
+SLEEP_MODE: dict[str, str] = {
+    "sleep": "level 1 keeps the weights in host memory and maps the same bytes back: the "
+             "label stays; level 2 drops them: private until an identified load of them all",
+    "wake_up": "maps the memory back (the weights a level-1 sleep kept)",
+    "discard": "drops the weights' or the KV cache's memory: for the weights, as level 2",
 }
 
 # Weight changes KVBM identifies by what they load (the (name, tensor) pairs

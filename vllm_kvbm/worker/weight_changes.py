@@ -12,6 +12,9 @@ KV cache, and sorts each call by its method:
 
 - reviewed as read-only (read_only_rpcs.READ_ONLY: every step, startup,
   LoRA, health): passed on, at the cost of a set lookup;
+- sleep mode's (read_only_rpcs.SLEEP_MODE: ``sleep``, ``wake_up``,
+  ``discard``): the worker's methods are wrapped (sleep_mode.py), which
+  keep the label across a level-1 sleep and drop it at level 2;
 - identified (read_only_rpcs.IDENTIFIED): the worker's method is wrapped
   (``instrument``) so that the (name, tensor) pairs it hands to the model's
   ``load_weights`` are digested as they pass (weight_digests.py), and the
@@ -39,15 +42,17 @@ if TYPE_CHECKING:
 _STACK_DEPTH = 64
 
 
-def watch(weights: "LoadedWeights", worker: Any) -> str | None:
+def watch(weights: "LoadedWeights", worker: Any,
+          followed: frozenset = frozenset()) -> str | None:
     """Routes this process's collective_rpc calls through ``weights`` and
     instruments ``worker``'s identified methods; the dispatch place wrapped
-    (None: none found, nothing wrapped)."""
+    (None: none found, nothing wrapped). ``followed``: methods of ``worker``
+    already wrapped to follow what they do (sleep_mode.py), passed on."""
     owner, kind = _find_dispatch()
     if owner is None:
         return None
-    passing = frozenset(READ_ONLY) | (instrument(weights, worker) if worker is not None
-                                      else frozenset())
+    passing = frozenset(READ_ONLY) | followed | (instrument(weights, worker)
+                                                 if worker is not None else frozenset())
     if kind == "WorkerProc":
         _wrap(owner, "_execute_worker_rpc", weights, passing, lambda request: request[0])
     else:
@@ -151,7 +156,7 @@ def _reload_weights(weights: "LoadedWeights", worker: Any, method: Callable) -> 
             label = weights.load_label(base, digest, opened_files.since(mark))
             return out
         finally:
-            weights.end_change(label, "reload_weights", digest.names)
+            weights.end_change(label, "reload_weights", digest.names, digest.params)
     reload_weights.__kvbm_weights__ = held
     return reload_weights
 
@@ -217,7 +222,8 @@ def _finish_weight_update(weights: "LoadedWeights", worker: Any, method: Callabl
                 label = weights.load_label(session.base, session.digest, [])
             return out
         finally:
-            weights.end_change(label, "a weight update", session.digest.names)
+            weights.end_change(label, "a weight update", session.digest.names,
+                               session.digest.params)
     finish_weight_update.__kvbm_weights__ = held
     return finish_weight_update
 

@@ -8,7 +8,10 @@ quantizes them: what vLLM keeps outside its parameters (packed copies of
 linear weights on its CPU build, MXFP4 expert weights on Hopper) does not
 matter, and engines that received the same update get the same digest. The
 order of the names does not matter either (a checkpoint's files are listed
-in directory order); a name loaded twice counts both, in order.
+in directory order); a name loaded twice counts both, in order. What each
+call of ``load_weights`` returns (vLLM's models return the names of the
+parameters they loaded) says whether a load after a level-2 sleep wrote
+every parameter the sleep dropped.
 """
 
 from __future__ import annotations
@@ -49,8 +52,13 @@ def weights_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for _, t in model_tensors(model))
 
 
-def _update(hasher, name: str, tensor) -> None:
-    """Feeds one plain tensor's name, dtype, shape and bytes to ``hasher``."""
+class DigestStopped(Exception):
+    """A digest pass was asked to stop (the weights' memory is about to go)."""
+
+
+def _update(hasher, name: str, tensor, stop=None) -> None:
+    """Feeds one plain tensor's name, dtype, shape and bytes to ``hasher``;
+    ``stop`` (a threading.Event) set: DigestStopped before the next chunk."""
     import torch
 
     hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
@@ -63,18 +71,29 @@ def _update(hasher, name: str, tensor) -> None:
         hasher.update(data.numpy())
         return
     for start in range(0, data.numel(), _CHUNK_BYTES):
+        if stop is not None and stop.is_set():
+            raise DigestStopped
         hasher.update(data[start:start + _CHUNK_BYTES].cpu().numpy())
 
 
-def weights_digest(model, threads: int | None = None) -> str:
+def weights_digest(model, threads: int | None = None, stop=None) -> str:
     """BLAKE3 over each parameter's and buffer's name, dtype, shape and bytes
-    (on every core unless ``threads``)."""
+    (on every core unless ``threads``). ``stop``: a threading.Event that ends
+    the pass (DigestStopped) before it reads another tensor or chunk."""
     import blake3
 
     hasher = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
     for name, tensor in model_tensors(model):
-        _update(hasher, name, tensor)
+        if stop is not None and stop.is_set():
+            raise DigestStopped
+        _update(hasher, name, tensor, stop)
     return hasher.hexdigest()
+
+
+def parameter_name(name: str) -> str:
+    """A parameter's name as vLLM's loaders report it (a LoRA layer's base
+    weights under the base layer's name)."""
+    return name.replace(".base_layer.", ".")
 
 
 class LoadDigest:
@@ -83,6 +102,18 @@ class LoadDigest:
     def __init__(self) -> None:
         self._pairs: dict[str, list[str]] = {}  # name -> digest of each tensor
         self.failed: str | None = None  # why a pair could not be digested
+        # The parameters the model's load_weights calls said they loaded
+        # (vLLM's models return their names); None: a call did not say.
+        self.params: set[str] | None = set()
+
+    def wrote(self, loaded) -> None:
+        """What one call of the model's ``load_weights`` returned."""
+        if self.params is None:
+            return
+        try:
+            self.params |= {parameter_name(str(name)) for name in loaded}
+        except TypeError:  # None, or not a collection of names
+            self.params = None
 
     def add(self, name: str, tensor) -> None:
         import blake3
@@ -137,7 +168,9 @@ def loads_digested(model, digest: LoadDigest):
             kwargs["weights"] = digest.passing(kwargs["weights"])
         elif args:
             args = (digest.passing(args[0]),) + args[1:]
-        return load(*args, **kwargs)
+        loaded = load(*args, **kwargs)
+        digest.wrote(loaded)
+        return loaded
 
     model.load_weights = load_weights
     try:

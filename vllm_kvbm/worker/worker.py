@@ -56,6 +56,7 @@ from vllm_kvbm.worker.host_pool import HostPool
 from vllm_kvbm.worker import lora_loads
 from vllm_kvbm.worker.loaded_weights import LoadedWeights
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
+from vllm_kvbm.worker.kv_release import KVRelease
 from vllm_kvbm.worker.streamed_loads import StreamedLoads
 from vllm_kvbm.worker.streaming import StagingSlots, StreamedLoad, needs_streaming, staging_slots
 from vllm_kvbm.worker.tier_io import TierIO
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class KVBMWorker(StreamedLoads):
+class KVBMWorker(StreamedLoads, KVRelease):
     def __init__(self, info: "EngineInfo", num_host_slots: int, nixl_backend: str,
                  agent_name: str, transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
                  tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
@@ -144,8 +145,12 @@ class KVBMWorker(StreamedLoads):
 
     def _post(self, job: TransferJob, is_store: bool, started: float,
               fence: StepFence | None = None) -> None:
-        """``fence``: for a mover that orders the copies after it on the GPU."""
+        """``fence``: for a mover that orders the copies after it on the GPU.
+        Every transfer that touches the engine's KV memory starts here: none
+        while that memory is released (kv_release.py)."""
         assert self.mover is not None
+        if self._refused_released(job, is_store, started):
+            return
         try:
             if fence is None:
                 handle = self.mover.post(is_store, *block_rows(job))
