@@ -1,12 +1,43 @@
 """Resets: the connector's (the host tier and the stores in flight
-forgotten), and vLLM's prefix-cache resets; each starts a weights epoch, on
-which the workers label their weights again (scheduler/weights_epochs.py)."""
+forgotten; the host tier kept when the reset is part of a pause or sleep),
+and vLLM's prefix-cache resets; each starts a weights epoch, on which the
+workers label their weights again (scheduler/weights_epochs.py)."""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
+
+# Frames between the connector's reset and vLLM's EngineCore._reset_caches
+# (connector, Scheduler.reset_connector_cache, .reset_prefix_cache,
+# EngineCore.reset_prefix_cache), with room to spare.
+_STACK_DEPTH = 16
+
+
+def part_of_a_pause() -> bool:
+    """Whether this reset is the one vLLM makes as it completes a pause of
+    its own: ``EngineCore._reset_caches`` (sleep at level >= 1, a pause with
+    ``clear_cache``, ``release_kv_cache_memory()``) calling, with the engine's
+    scheduler paused. An explicit ``reset_prefix_cache(reset_connector=True)``
+    reaches the connector without it; anything not recognised counts as explicit."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except Exception:  # noqa: BLE001 - no vLLM engine here: not vLLM's pause
+        return False
+    frame = sys._getframe(1)
+    for _ in range(_STACK_DEPTH):
+        if frame is None:
+            return False
+        engine = frame.f_locals.get("self")
+        if frame.f_code.co_name == "_reset_caches" and isinstance(engine, EngineCore):
+            try:
+                return bool(engine.is_scheduler_paused())
+            except Exception:  # noqa: BLE001 - unsure: as an explicit reset
+                return False
+        frame = frame.f_back
+    return False
 
 
 class CacheReset:
@@ -17,6 +48,12 @@ class CacheReset:
         and stores in flight are dropped when they land (their KV may be of
         the weights before an update). False (and nothing forgotten) when
         vLLM's own prefix cache was not reset.
+
+        The reset vLLM makes as it completes a pause (``part_of_a_pause``:
+        sleep at level >= 1 calls it) keeps the host tier: its pages are
+        keyed by the weights they were computed with, so after a level-1
+        sleep they hit again, and after new weights they are never looked up
+        (they age out). Stores in flight are dropped all the same.
 
         Keys stay a function of what the KV depends on, the namespace's seed
         and the weights the workers run, never of the reset itself: the reset
@@ -39,17 +76,20 @@ class CacheReset:
                            "(blocks still in use); retry when requests finish, or reset with "
                            "reset_running_requests=True")
             return False
-        dropped = self.host.clear()
-        self.events.host_cleared()
+        paused = part_of_a_pause()
+        if paused:
+            kept = "the host tier kept (a pause's reset)"
+        else:
+            kept = f"{self.host.clear()} host pages dropped"
+            self.events.host_cleared()
         # Stores still being written are not cleared; drop them when they land.
         for job in self._store_jobs.values():
             job.stale = True
         self.weights.new_epoch()
         self._new_keys()
-        logger.info("KVBM: cache reset dropped %d host pages and %d stores in flight; weights "
-                    "epoch %d: disk and remote pages are served again where the workers' "
-                    "weights are those they were stored under", dropped, len(self._store_jobs),
-                    self.weights.epoch)
+        logger.info("KVBM: cache reset: %s, %d stores in flight dropped; weights epoch %d: "
+                    "pages are served again where the workers' weights are those they were "
+                    "stored under", kept, len(self._store_jobs), self.weights.epoch)
         return True
 
     def _new_keys(self) -> None:
