@@ -238,3 +238,27 @@ def test_the_systemd_unit_runs_kvbm_pool_where_engines_look(tmp_path):
     proc = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
+
+
+def test_a_serve_port_in_use_costs_peers_not_the_engine(shm, caplog):
+    """pool_serve_port taken by another process: one warning, the engine keeps
+    its pool (peers cannot read it)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "L", CAPACITY)
+        config = load_config({"pool_cache_size": CAPACITY, "pool_dir": shm,
+                              "pool_serve_port": port, "pool_serve_host": "127.0.0.1"},
+                             environ={})
+        with caplog.at_level(logging.WARNING, logger="vllm_kvbm"):
+            pool, server = open_engine_pool(config, spec, 0)
+        try:
+            assert server is None and pool.path == spec.path
+            [line] = [r.getMessage() for r in caplog.records
+                      if r.name.startswith("vllm_kvbm.tiers.pool")]
+            assert f"cannot serve {spec.path} to peers on 127.0.0.1:{port}" in line
+        finally:
+            pool.close()

@@ -9,6 +9,7 @@ import multiprocessing as mp
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -291,4 +292,24 @@ def test_a_second_process_reads_and_writes_the_same_file(shm):
         if proc is not None and proc.is_alive():
             proc.kill()
             proc.join(10)
+        s.close()
+
+
+def test_a_writer_stuck_holding_the_lock_costs_writes_not_reads(shm):
+    """Another engine stopped in the middle of a write holds the pool's lock:
+    this store's writes wait a bounded time and are refused (written again
+    when reused); its reads take no lock and go on."""
+    s = store(shm)
+    other = store(shm)  # another engine's mapping of the same file
+    try:
+        s._lock_wait_s = 0.3
+        assert s.put(key(1), page(1, PAGE))
+        with other.pool.write_lock():
+            began = time.monotonic()
+            assert not s.put(key(2), page(2, PAGE))
+            assert 0.25 < time.monotonic() - began < 3.0
+            assert read(s, key(1))[0] == "ok"
+        assert s.put(key(2), page(2, PAGE)) and read(other, key(2))[0] == "ok"
+    finally:
+        other.close()
         s.close()
