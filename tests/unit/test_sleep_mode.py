@@ -94,8 +94,8 @@ def test_a_transfer_past_its_timeout_fails_the_release_and_nothing_is_released(h
     h = harness()
     stuck = StuckNixl(h.worker, timeout_s=0.1)
     (b, s), = split(gen, 1, 16)
+    t = time.perf_counter()  # (the store's timeout runs from its post)
     _stores(h, (1, "S", b, s))
-    t = time.perf_counter()
     with pytest.raises(KVMemoryBusy, match=r"\(sleep\(level=2\)\): 1 transfer\(s\) .* still "
                                            r"running after the transfer timeout \(0\.1 s.*"
                                            r"request S\)\. Nothing was released.*restart"):
@@ -272,7 +272,8 @@ def _update(rpc, pairs) -> None:
     rpc("finish_weight_update")
 
 
-def test_after_level_2_a_partial_unidentified_or_missing_load_is_private(checkpoints):
+def test_after_level_2_a_partial_unidentified_or_missing_load_is_private(checkpoints,
+                                                                         monkeypatch):
     from safetensors.torch import load_file
 
     orig, new = checkpoints
@@ -301,6 +302,15 @@ def test_after_level_2_a_partial_unidentified_or_missing_load_is_private(checkpo
     assert _reset(weights, 1).startswith("private:")  # woken up with nothing loaded
     # A model whose load_weights does not say which parameters it loaded.
     rpc, weights = slept(model=QuietModel)
+    _update(rpc, pairs)
+    assert _reset(weights, 1).startswith("private:")
+    # Parameters that cannot be listed at sleep: the sleep goes on, the label stays private.
+    from vllm_kvbm.worker import sleep_mode
+
+    def unlistable(worker):
+        raise RuntimeError("no model runner")
+    monkeypatch.setattr(sleep_mode, "_dropped_parameters", unlistable)
+    rpc, weights = slept()
     _update(rpc, pairs)
     assert _reset(weights, 1).startswith("private:")
 

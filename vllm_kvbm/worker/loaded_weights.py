@@ -113,7 +113,7 @@ class LoadedWeights:
         self._warned = False
         # Weights vLLM dropped (level-2 sleep): the label they had, and the
         # parameters a load must write for the label to follow what it loaded.
-        self._dropped: tuple[str, frozenset[str]] | None = None
+        self._dropped: tuple[str, frozenset[str] | None] | None = None
         # This epoch's digest pass on a thread: (thread, its stop event, epoch).
         self._pass: tuple[threading.Thread, threading.Event, int] | None = None
         self._rerun: int | None = None  # the epoch of a pass stopped by sleep
@@ -191,7 +191,8 @@ class LoadedWeights:
         with self._lock:
             self._changes += 1
             if self._dropped is not None:
-                if label is not None and (params is None or not self._dropped[1] <= params):
+                need = self._dropped[1]
+                if label is not None and (need is None or params is None or not need <= params):
                     label = None  # some dropped parameters hold what the memory had
                 self._dropped = None
             if label is None:
@@ -211,15 +212,16 @@ class LoadedWeights:
                         "pages are keyed by them (until then, this engine's own)", what,
                         "the weights' files as loaded" if not label else "other weights")
 
-    def dropped(self, params: frozenset[str], what: str) -> None:
+    def dropped(self, params: frozenset[str] | None, what: str) -> None:
         """vLLM drops the weights' memory (level-2 sleep, ``discard``): a
         private label at once, and for good unless the first change after is
-        an identified load of every parameter in ``params`` (the ones dropped):
-        then the label of what it loaded, chained on the label they had."""
+        an identified load of every parameter in ``params`` (the ones dropped;
+        None: not known): then the label of what it loaded, chained on the
+        label they had."""
         base = self.begin_change(what)
         with self._lock:
             if self._dropped is None:
-                self._dropped = (base, frozenset(params))
+                self._dropped = (base, params)
             self._next = None  # what an earlier change earned is gone with them
             self._unreported.append((self.epoch + 1, self.rank, self.label))
 

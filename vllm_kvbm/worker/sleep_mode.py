@@ -58,11 +58,21 @@ def follow(weights: "LoadedWeights", worker: Any, kv: Any) -> frozenset:
     return frozenset(done)
 
 
-def dropped_parameters(worker: Any) -> frozenset[str]:
+def dropped_parameters(worker: Any) -> frozenset[str] | None:
     """The parameters a level-2 sleep drops, as vLLM picks them
     (``Worker._get_sleep_parameters``): the model's, and a draft model's
     (``draft.`` names) not shared with it, less those that
-    ``sleep_preserve_parameter_names`` keeps. Names only: nothing is read."""
+    ``sleep_preserve_parameter_names`` keeps. Names only: nothing is read.
+    None where they cannot be listed (then no load can earn a label)."""
+    try:
+        return _dropped_parameters(worker)
+    except Exception as err:  # noqa: BLE001 - the sleep goes on; the label stays private
+        logger.warning("KVBM: cannot list the parameters sleep drops (%s): this engine's "
+                       "pages are its own from now on", err)
+        return None
+
+
+def _dropped_parameters(worker: Any) -> frozenset[str]:
     model = worker.model_runner.get_model()
     params = dict(model.named_parameters())
     get_draft = getattr(worker, "get_draft_model", None)
@@ -88,10 +98,10 @@ def _sleep(worker: Any, method: Callable, held: list) -> Callable:
         level = _arg(args, kwargs, "level", 1)
         what = f"sleep(level={level})"
         kv.release_kv(what)  # raises, before anything changes, if it cannot
-        weights.suspend_checks()
-        if level >= 2:
-            weights.dropped(dropped_parameters(worker), what)
         try:
+            weights.suspend_checks()
+            if level >= 2:
+                weights.dropped(dropped_parameters(worker), what)
             return method(*args, **kwargs)
         except BaseException:
             # vLLM's executor counts a failed sleep as awake and runs on
