@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
+import queue
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -63,25 +65,45 @@ def start(directory: str, socket_path: str, page_bytes: int, pages: int, capacit
            str(capacity), "--layout", layout_fp]
     if serve_port is not None:
         cmd += ["--serve-port", str(serve_port)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+    # its log in a file, not a pipe nobody reads while it runs (a full pipe blocks it)
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                            text=True, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(HERE.parents[1]),
                                  **(env or {})})
-    return proc, wait_line(proc, "wrote ", timeout)
+    try:
+        return proc, wait_line(proc, "wrote ", timeout)
+    except RuntimeError as err:
+        log.seek(0)
+        raise RuntimeError(f"{err}: {log.read()[-2000:]}") from None
 
 
 def wait_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
+    """The rest of the first line of ``proc``'s stdout that starts with
+    ``prefix`` (other lines, NIXL's log among them, skipped); the process is
+    killed if none comes within ``timeout``. Lines are read on a thread: a
+    select on the pipe misses lines already in the reader's buffer."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            line = proc.stdout.readline()
-            if line.startswith(prefix):
-                return line[len(prefix):].strip()
-            if not line:
-                break
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        if line.startswith(prefix):
+            return line[len(prefix):].strip()
     proc.kill()
-    _, err = proc.communicate(timeout=10)
-    raise RuntimeError(f"{proc.args[1]} never said {prefix!r}: {err[-2000:]}")
+    proc.wait(10)
+    raise RuntimeError(f"{proc.args[1]} never said {prefix!r} (exit {proc.returncode})")
 
 
 if __name__ == "__main__":

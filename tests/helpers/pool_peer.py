@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -64,19 +62,9 @@ def start(directory: str, port: int, page_bytes: int, pages: int, env: dict | No
          "--page-bytes", str(page_bytes), "--pages", str(pages)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(HERE.parents[1]), **(env or {})})
-    deadline = time.monotonic() + timeout
-    line = ""
-    while time.monotonic() < deadline and proc.poll() is None:
-        left = deadline - time.monotonic()
-        if select.select([proc.stdout], [], [], max(0.0, left))[0]:
-            line = proc.stdout.readline()
-            if line.startswith("ready ") or not line:
-                break
-    if not line.startswith("ready "):
-        proc.kill()
-        proc.wait(10)
-        raise RuntimeError(f"pool peer did not start (exit {proc.returncode}): {line!r}")
-    return proc, line.split()[1]
+    from helpers.pool_engine import wait_line
+
+    return proc, wait_line(proc, "ready ", timeout)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from vllm_kvbm.tiers.page_codec import PageCodec
 from vllm_kvbm.tiers.peer.store import PeerStore
 from vllm_kvbm.tiers.pool import layout
 from vllm_kvbm.tiers.pool.store import PoolStore
-from vllm_kvbm.tools.server import free_port
+from vllm_kvbm.tools.server import free_port, freeze_process
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -191,7 +191,7 @@ def test_a_stopped_peer_costs_a_deadline_and_quarantines_until_its_read_ends(shm
     try:
         assert w.put(key(1), page(1, PAGE)) and w.put(key(2), page(2, PAGE))
         assert r.get_many_into(items, endpoint=endpoint) == ["ok", "ok"]  # connected
-        os.killpg(proc.pid, signal.SIGSTOP)
+        freeze_process(proc, "the peer")  # every thread stopped before the read
         began = time.monotonic()
         assert r.get_many_into(items, endpoint=endpoint) == ["error", "error"]
         took = time.monotonic() - began
@@ -229,7 +229,7 @@ def test_a_peer_killed_mid_read_is_a_failure_not_a_hang(shm, procs, transport):
         for i in (1, 2, 3):
             assert w.put(key(i), page(i, PAGE))
         assert r.get_many_into(items, endpoint=endpoint) == ["ok"] * 3
-        os.killpg(proc.pid, signal.SIGSTOP)  # its READs in flight (TCP) when it dies
+        freeze_process(proc, "the peer")  # its READs in flight (TCP) when it dies
         result: list = []
         thread = threading.Thread(
             target=lambda: result.append(r.get_many_into(items, endpoint=endpoint)))

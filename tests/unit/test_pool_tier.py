@@ -313,3 +313,15 @@ def test_a_writer_stuck_holding_the_lock_costs_writes_not_reads(shm):
     finally:
         other.close()
         s.close()
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+def test_evicted_pages_are_reported_under_their_keys(shm, secret):
+    s = store(shm, secret, pages=2)  # one set of two
+    try:
+        for i in (1, 2, 3):
+            assert s.put(key(i), page(i, PAGE))
+        assert s.take_removed() == [key(1)] and s.take_removed() == []
+        assert len(s._keys) <= 2 * s.pool.geometry.nslots
+    finally:
+        s.close()

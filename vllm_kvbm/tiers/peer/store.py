@@ -98,6 +98,9 @@ class PeerStore(TierStore):
         self._agent = PeerAgent("kvbm-peer-reader")
         self.landing = LandingSlots(self._agent, codec.stored_bytes, landing_pages, MAX_WAYS)
         self._peers: dict[str, _Peer] = {}
+        import zmq
+
+        self._zmq_context = zmq.Context()  # one I/O thread for every peer's control link
         self._live_generations: set[int] = set()
         self._quarantine_marks: set[int] = set()  # landing slots _xfer quarantined
         self.torn_reads = 0  # pages rewritten while read (misses by the seqlock)
@@ -177,7 +180,8 @@ class PeerStore(TierStore):
         now = time.monotonic()
         peer = self._peers.get(endpoint)
         if peer is None:
-            peer = self._peers[endpoint] = _Peer(endpoint, ControlLink(endpoint))
+            peer = self._peers[endpoint] = _Peer(endpoint,
+                                                 ControlLink(endpoint, self._zmq_context))
         peer.used_at = now
         if now < peer.down_until:
             return None
@@ -380,4 +384,5 @@ class PeerStore(TierStore):
                 self._unload(peer, gone=False)
             peer.link.close()
         self._peers.clear()
+        self._zmq_context.term()
         self.landing.close()

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -62,10 +63,13 @@ class PoolStore(TierStore):
         self.page_bytes = codec.page_bytes
         self._g = pool.geometry
         self._lock_wait_s = lock_wait_s
-        # keys of pages this store wrote or read, by table key: a page this
-        # store evicts is reported (take_removed) under its page key, which a
-        # keyed table key does not give back
-        self._keys: dict[bytes, bytes] = {}
+        # Under a page secret, the page keys of pages this store wrote or
+        # read, by table key (a keyed hash does not give the key back), so a
+        # page it evicts is reported (take_removed) under its key; bounded:
+        # pages other engines evicted are never reported here.
+        self._keys: OrderedDict[bytes, bytes] = OrderedDict()
+        self._keys_max = 2 * pool.geometry.nslots
+        self._keys_lock = threading.Lock()  # the read and the write thread; memory only
         self._removed: deque[bytes] = deque()
         self._closed = False
         self._writes_failing = False
@@ -114,7 +118,7 @@ class PoolStore(TierStore):
         g, view = self._g, self.pool.view
         first = g.set_of(tkey) * g.ways
         if layout.find(view, g, tkey) is not None:
-            self._keys[tkey] = key
+            self._note_key(tkey, key)
             return True  # another engine (or this one) has written it
         slot, gen, old = self._victim(first)
         e = g.entry_off(slot)
@@ -127,7 +131,7 @@ class PoolStore(TierStore):
             self.pool.add_used(1)
         else:
             self._evicted(old)
-        self._keys[tkey] = key
+        self._note_key(tkey, key)
         return True
 
     def _victim(self, first: int) -> tuple[int, int, bytes]:
@@ -159,8 +163,21 @@ class PoolStore(TierStore):
                 out[:] = chunk
         dst[:HEADER_BYTES] = signer.header()
 
+    def _note_key(self, tkey: bytes, key: bytes) -> None:
+        if not self._codec.keyed:
+            return  # the table key is the page key
+        with self._keys_lock:
+            self._keys[tkey] = key
+            self._keys.move_to_end(tkey)
+            while len(self._keys) > self._keys_max:
+                self._keys.popitem(last=False)
+
     def _evicted(self, tkey: bytes) -> None:
-        key = self._keys.pop(tkey, None)
+        if self._codec.keyed:
+            with self._keys_lock:
+                key = self._keys.pop(tkey, None)
+        else:
+            key = tkey
         if key is not None:
             self._removed.append(key)
 
@@ -200,7 +217,7 @@ class PoolStore(TierStore):
         status = self._codec.verify(hdr, key, out)
         if status == "ok":
             layout.write_u64(view, e + LAST_USE_OFF, time.monotonic_ns())
-            self._keys[tkey] = key
+            self._note_key(tkey, key)
         elif status in ("corrupt", "unauthenticated"):
             logger.warning("pool tier: %s page removed from %s", status, self.pool.path)
             self._drop(tkey, slot, gen)
@@ -235,7 +252,8 @@ class PoolStore(TierStore):
             view[e + 8:e + 8 + 32] = EMPTY_KEY
             layout.write_u64(view, e, gen + 2)
             self.pool.add_used(-1)
-        self._keys.pop(tkey, None)
+        with self._keys_lock:
+            self._keys.pop(tkey, None)
 
     # -- the rest ------------------------------------------------------------
     def usage(self) -> tuple[int, int]:
