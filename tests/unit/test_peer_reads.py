@@ -114,6 +114,13 @@ def test_pages_read_from_a_peer_are_verified(shm, procs, transport):
         assert got == ["ok", "ok", "ok", "miss"]
         assert all(torch.equal(out[i], page(i + 1, PAGE)) for i in range(3))
         assert r.lookup(endpoint, [key(1), key(4)]) == [True, False]
+        # a scheduler asks without NIXL and without knowing the KV layout
+        from vllm_kvbm.tiers.peer.control import peer_lookup
+
+        tkeys = [layout.table_key(r._codec.names, k) for k in (key(2), key(5))]
+        assert peer_lookup(endpoint, r.file_name, None, tkeys, 5.0) == [True, False]
+        with pytest.raises(ValueError, match="scope mismatch"):
+            peer_lookup(endpoint, r.file_name, b"x" * 32, tkeys, 5.0)
         assert r.landing.free == r.landing.count and r.landing.quarantined == 0
         # a page damaged in the peer's pool is refused, not used
         slot, _ = layout.find(w.pool.view, w.pool.geometry,

@@ -62,18 +62,23 @@ class ControlLink:
             self._ctx.term()
 
 
-def peer_lookup(endpoint: str, file: str, scope: bytes, table_keys: list[bytes],
-                timeout_s: float) -> list[bool]:
+def peer_lookup(endpoint: str, file: str, scope: bytes | None, table_keys: list[bytes],
+                timeout_s: float, link: ControlLink | None = None) -> list[bool]:
     """Which of ``table_keys`` the pool file ``file`` at ``endpoint`` (the
-    endpoint of this rank: protocol.rank_endpoint) holds now. Raises
-    TimeoutError, ValueError (a refusal: another scope, no such file)."""
-    link = ControlLink(endpoint)
+    endpoint of this rank: protocol.rank_endpoint) holds now. ``scope``: the
+    file's scope digest, or None where it is not known (a scheduler: no KV
+    layout). ``link``: a ControlLink to reuse (else one for this call).
+    Raises TimeoutError, ValueError (a refusal: another scope, no such file)."""
+    own = link is None
+    link = ControlLink(endpoint) if own else link
     try:
         found: list[bool] = []
         for start in range(0, len(table_keys), 4096):
             part = table_keys[start:start + 4096]
-            reply, _ = link.request({"op": "lookup", "file": file, "scope": scope.hex(),
-                                     "keys": [k.hex() for k in part]}, timeout_s)
+            message = {"op": "lookup", "file": file, "keys": [k.hex() for k in part]}
+            if scope is not None:
+                message["scope"] = scope.hex()
+            reply, _ = link.request(message, timeout_s)
             if not reply.get("ok"):
                 raise ValueError(f"{endpoint}: {reply.get('error')}")
             answer = reply.get("found")
@@ -82,4 +87,5 @@ def peer_lookup(endpoint: str, file: str, scope: bytes, table_keys: list[bytes],
             found += [bool(x) for x in answer]
         return found
     finally:
-        link.close()
+        if own:
+            link.close()

@@ -15,9 +15,10 @@ metadata as a second frame:
   world), ``scope`` its scope digest in hex (layout.scope_digest: what its
   pages verify against, the KV layout included): a file of another scope is
   refused (``ok: false``, ``error``), as is one the peer does not hold.
-- ``lookup {file, scope, keys}`` -> ``{ok, found}``: which of the table keys
+- ``lookup {file, scope?, keys}`` -> ``{ok, found}``: which of the table keys
   (hex) the file holds now (memory reads on the peer): what a scheduler may
-  ask without NIXL.
+  ask without NIXL. The scope may be left out (a scheduler knows no KV
+  layout; the table is readable by any peer anyway).
 
 Nothing secret crosses it: table keys are keyed hashes under a page secret,
 and the metadata is what any NIXL peer publishes. What it gives access to is

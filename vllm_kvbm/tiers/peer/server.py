@@ -184,7 +184,10 @@ class PeerServer:
         served = self._files.get(name) if isinstance(name, str) else None
         if served is None:
             return {"ok": False, "error": f"no pool file {name!r} served here"}, None
-        if scope != served.scope_hex:
+        # A lookup may leave the scope out: a scheduler knows no KV layout, and
+        # whoever reaches this endpoint can READ the table anyway. A hello,
+        # which reads pages next, must name it.
+        if scope != served.scope_hex and not (op == "lookup" and scope is None):
             if (name, str(scope)) not in self._refused:
                 self._refused.add((name, str(scope)))
                 logger.warning("KVBM: peer server: refused a peer whose pages do not match "

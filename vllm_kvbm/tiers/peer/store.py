@@ -142,7 +142,7 @@ class PeerStore(TierStore):
         if endpoint is None or self._closed:
             return ["miss"] * len(items)
         try:
-            self.landing.reap(self._gone)
+            self.reap()
             self._forget_idle()
             peer = self._peer(protocol.rank_endpoint(endpoint, self.rank))
         except Exception as err:  # noqa: BLE001 - a store must not take the engine down
@@ -165,6 +165,17 @@ class PeerStore(TierStore):
                 logger.warning("KVBM: peer tier: read from %s failed: %s", peer.endpoint, err)
                 statuses += ["error"] * len(part)
         return statuses
+
+    def reap(self) -> int:
+        """Frees the landing slots of quarantined READs that ended since (or
+        whose peer is known gone); the slots freed. Each read does it first;
+        call it on the same thread as the reads."""
+        return self.landing.reap(self._gone)
+
+    @property
+    def quarantined(self) -> int:
+        """Landing slots out of use behind a READ past its deadline."""
+        return self.landing.quarantined
 
     def lookup(self, endpoint: str, keys: list[bytes]) -> list[bool]:
         """Which of ``keys`` the peer holds (its control endpoint answers from
