@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 # Tier of a hit -> vLLM's label for it (vllm:prompt_tokens_cached_by_source).
 # vLLM 0.32 to 0.34 have no member for a remote cache server.
-_HIT_SOURCE = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+_HIT_SOURCE = {"host": CacheHitSource.HOST, "pool": CacheHitSource.HOST,
+               "disk": CacheHitSource.DISK, "peer": CacheHitSource.P2P}
 
 
 def extensible_kv_cache_note(cache_config) -> str | None:

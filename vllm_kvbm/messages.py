@@ -68,6 +68,9 @@ class TransferJob:
     # Loads only: the blocks vLLM allocated do not match what the lookup
     # found (scheduler/group_pages.py): fails without copying, recomputed.
     refuse: bool = False
+    # Loads only: the control endpoint of the peer whose pool its "peer"
+    # pages are read from (the request's hint; "" when it has none).
+    peer: str = ""
 
     @property
     def page_blocks(self) -> int:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TIERS = ("host", "pool", "disk", "remote")
-LOWER_TIERS = ("pool", "disk", "remote")
+TIERS = ("host", "pool", "disk", "peer", "remote")
+LOWER_TIERS = ("pool", "disk", "peer", "remote")
 # The tier of a series is given where it is counted (``add(..., tier=...)``).
 GIVEN = "*"
 
@@ -174,6 +174,7 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "host_evictions": ("kvbm_evicted_pages", "host"),
     "onboard_blocks_pool": ("kvbm_tier_read_blocks", "pool"),
     "onboard_blocks_d2d": ("kvbm_tier_read_blocks", "disk"),
+    "onboard_blocks_peer": ("kvbm_tier_read_blocks", "peer"),
     "onboard_blocks_remote": ("kvbm_tier_read_blocks", "remote"),
     "offload_blocks_pool": ("kvbm_tier_write_blocks", "pool"),
     "offload_blocks_h2d": ("kvbm_tier_write_blocks", "disk"),

@@ -61,7 +61,7 @@ def test_defaults():
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",
                              "offload_decode_blocks", "page_secret_file", "page_tokens",
-                             "peer_read_timeout_s", "pool_cache_size", "pool_dir",
+                             "peer_read_timeout_s", "peer_reads", "pool_cache_size", "pool_dir",
                              "pool_serve_host", "pool_serve_port", "pool_socket",
                              "remote_password_file",
                              "remote_timeout_s", "remote_tls_ca_file", "remote_url",
@@ -283,6 +283,7 @@ ENV_EXAMPLES = {
     "pool_serve_port": ("7200", "pool_serve_port", 7200),
     "pool_serve_host": ("10.0.0.5", "pool_serve_host", "10.0.0.5"),
     "peer_read_timeout_s": ("0.5", "peer_read_timeout_s", 0.5),
+    "peer_reads": ("true", "peer_reads", True),
 }
 
 
@@ -554,6 +555,7 @@ BAD_INPUT = {
     "pool_serve_port": ["http", 0, 70000],
     "pool_serve_host": [127, "", "local host"],
     "peer_read_timeout_s": ["soon", True, 0, float("inf")],
+    "peer_reads": [[1], "sometimes"],
 }
 
 

@@ -27,10 +27,9 @@ SCHEDULER_TIERS = {"vllm_kvbm.tiers", "vllm_kvbm.tiers.base", "vllm_kvbm.tiers.r
                    "vllm_kvbm.tiers.redis", "vllm_kvbm.tiers.redis.view",
                    "vllm_kvbm.tiers.redis.connection", "vllm_kvbm.tiers.pool",
                    "vllm_kvbm.tiers.pool.view", "vllm_kvbm.tiers.pool.layout",
-                   "vllm_kvbm.tiers.pool.pool_file"}
-# Folders under tiers/ the registry does not open from the configuration:
-# the peer tier is read from the peer a request's hint names.
-NOT_REGISTERED = {"peer"}
+                   "vllm_kvbm.tiers.pool.pool_file", "vllm_kvbm.tiers.peer",
+                   "vllm_kvbm.tiers.peer.view", "vllm_kvbm.tiers.peer.protocol",
+                   "vllm_kvbm.tiers.peer.control"}
 
 
 def imports(path: Path) -> set[str]:
@@ -78,10 +77,10 @@ def test_scheduler_side_tier_modules_import_no_store():
 def test_each_medium_folder_has_a_view_and_a_store_in_the_registry():
     from vllm_kvbm.tiers import registry
 
-    media = [registry.POOL, registry.DISK, *registry.REMOTE.values()]
+    media = [registry.POOL, registry.DISK, registry.PEER, *registry.REMOTE.values()]
     folders = {p.parent.name for p in (PKG / "tiers").glob("*/__init__.py")}
     assert folders == {"pool", "disk", "lm", "redis", "peer"}
-    for folder in folders - NOT_REGISTERED:
+    for folder in folders:
         view = f"vllm_kvbm.tiers.{folder}.view"
         store = f"vllm_kvbm.tiers.{folder}.store"
         assert view in SCHEDULER_TIERS and store not in SCHEDULER_TIERS

@@ -47,7 +47,7 @@ def rates(stats: KVBMStats) -> tuple[float | None, ...]:
 
 def test_gauges_say_what_they_measure_and_that_they_are_per_replica():
     family = FAMILIES["kvbm_recent_hit_ratio"]
-    assert family.kind == "gauge" and family.tiers == ("host", "pool", "disk", "remote")
+    assert family.kind == "gauge" and family.tiers == ("host", "pool", "disk", "peer", "remote")
     assert "tokens found in the tier / tokens looked up" in family.doc
     assert f"last {metrics.HIT_RATE_WINDOW} admitted requests" in family.doc
     assert "Per replica" in family.doc and "divide the token counters" in family.doc
@@ -121,7 +121,8 @@ def test_rates_on_the_standalone_metrics_port():
             text = resp.read().decode()
         values = {tier: float(value) for tier, value in
                   re.findall(r'^kvbm_recent_hit_ratio\{tier="(\w+)"\} (\S+)$', text, re.M)}
-        assert values == {"host": 128 / 512, "pool": 0.0, "disk": 64 / 512, "remote": 32 / 512}
+        assert values == {"host": 128 / 512, "pool": 0.0, "disk": 64 / 512, "peer": 0.0,
+                          "remote": 32 / 512}
         assert "# TYPE kvbm_recent_hit_ratio gauge" in text
     finally:
         sink.close()

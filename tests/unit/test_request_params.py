@@ -29,12 +29,14 @@ CPU, STORAGE, REMOTE = {"medium": "CPU"}, {"medium": "STORAGE"}, {"locality": "R
     ({"do_remote_prefill": False, "lmcache.tag.user": "a"}, ALL),  # others' keys left alone
     ({"kv_load_tiers": ["host", "disk"]}, RequestParams(load_tiers=frozenset({"host", "disk"}))),
     ({"kv_load_tiers": []}, RequestParams(load_tiers=frozenset())),
-    ({"kv_load_tiers": [CPU]}, RequestParams(load_tiers=frozenset({"host", "pool", "remote"}))),
+    ({"kv_load_tiers": [CPU]},
+     RequestParams(load_tiers=frozenset({"host", "pool", "peer", "remote"}))),
     ({"kv_load_tiers": [{"medium": "storage", "locality": "local"}]},
      RequestParams(load_tiers=frozenset({"disk"}))),
-    ({"kv_load_tiers": [REMOTE, "host"]}, RequestParams(load_tiers=frozenset({"remote", "host"}))),
+    ({"kv_load_tiers": [REMOTE, "host"]},
+     RequestParams(load_tiers=frozenset({"remote", "peer", "host"}))),
     ({"kv_load_tiers": [{}]},
-     RequestParams(load_tiers=frozenset({"host", "pool", "disk", "remote"}))),
+     RequestParams(load_tiers=frozenset({"host", "pool", "disk", "peer", "remote"}))),
     ({"kv_load_tiers": ["host", "pool"]}, RequestParams(load_tiers=frozenset({"host", "pool"}))),
     ({"kv_store_tiers": ["host", "disk"]},
      RequestParams(store_tiers=frozenset({"host", "disk"}))),
@@ -46,6 +48,15 @@ CPU, STORAGE, REMOTE = {"medium": "CPU"}, {"medium": "STORAGE"}, {"locality": "R
     ({"max_load_tokens": 0}, RequestParams(max_load_tokens=0)),
     ({"max_load_tokens": 256}, RequestParams(max_load_tokens=256)),
     ({"max_offload_tokens": 128}, RequestParams(max_store_tokens=128)),
+    # where a router says the prefix is (scheduler/router_hints.py)
+    ({"router_hint": {"source_control_endpoint": "tcp://10.0.0.7:5600", "block_hashes": [1, 2]}},
+     RequestParams(peer="tcp://10.0.0.7:5600")),
+    ({"kv_hint": {"protocol_version": "0.1", "actions": [
+        {"action_type": "kv.fetch", "action_version": "1.0",
+         "payload": {"source_control_endpoint": "tcp://h:7000", "block_hashes": [3]}}]}},
+     RequestParams(peer="tcp://h:7000")),
+    ({"remote_kv_source": {"remote_host": "::1", "remote_port": 5710, "kv_request_id": "x"}},
+     RequestParams(peer="tcp://[::1]:5710")),
 ])
 def test_parse(params, expected):
     assert parse(params) == expected
@@ -55,8 +66,16 @@ def test_parse(params, expected):
     ([1], "kv_transfer_params: expected an object, got list"),
     ({"kv_load_tiers": "host"}, "kv_load_tiers: expected a list, got 'host'; send a list of"),
     ({"kv_load_tiers": ["gpu"]}, "kv_load_tiers: unknown tier 'gpu'; send a list of "
-                                 "['host', 'pool', 'disk', 'remote']"),
+                                 "['host', 'pool', 'disk', 'peer', 'remote']"),
     ({"kv_load_tiers": [3]}, "kv_load_tiers: entry 3 is neither a tier nor a matcher"),
+    ({"router_hint": {"source_control_endpoint": "http://h:1"}},
+     "router_hint.source_control_endpoint: 'http://h:1' is not a peer control endpoint"),
+    ({"router_hint": {"source_control_endpoint": "tcp://h:1", "block_hashes": [-1]}},
+     "router_hint.block_hashes: expected a list of unsigned 64-bit integers"),
+    ({"kv_hint": {"actions": [{"action_type": "kv.fetch", "action_version": "2.0"}]}},
+     "kv_hint: kv.fetch action_version '2.0' is not 1.x"),
+    ({"remote_kv_source": {"remote_host": "h"}},
+     "remote_kv_source: expected remote_host (a string) and remote_port (an integer)"),
     ({"kv_load_tiers": [{"medium": "GPU"}]},
      "kv_load_tiers: medium 'GPU' is not one of ['CPU', 'STORAGE']"),
     ({"kv_load_tiers": [{"locality": 1}]},
@@ -259,3 +278,10 @@ def test_both_halves_bad_are_both_off_and_both_named():
     assert report(params) == {"kvbm_error": "; ".join(errors)}
 
 
+
+
+def test_a_bad_hint_is_ignored_and_the_request_loads_and_stores_as_asked():
+    got, errors = parse_apart({"router_hint": 5, "kv_load_tiers": ["host", "disk"]})
+    assert got.peer is None and got.loads and got.stores
+    assert got.load_tiers == frozenset({"host", "disk"})
+    assert errors == [str(errors[0])] and errors[0].startswith("router_hint: expected an object")

@@ -101,6 +101,9 @@ class KVBMConfig:
     # rank 0 (rank r: port + r), bound on pool_serve_host. None: not served.
     pool_serve_port: int | None = None
     pool_serve_host: str = "0.0.0.0"
+    # Read pages from other engines' pools (the peer tier) for requests
+    # whose kv_transfer_params name the peer (a router's hint).
+    peer_reads: bool = False
     # Bound on one batch of reads from a peer's pool; past it: recomputed.
     peer_read_timeout_s: float = 2.0
     # Password of a redis:// / valkey:// remote tier (requirepass or the ACL
@@ -245,6 +248,7 @@ _KEYS = {
     "pool_socket": ("pool_socket", parse_socket_path),
     "pool_serve_port": ("pool_serve_port", parse_port),
     "pool_serve_host": ("pool_serve_host", parse_host),
+    "peer_reads": ("peer_reads", parse_bool),
     "peer_read_timeout_s": ("peer_read_timeout_s", parse_seconds),
     "remote_password_file": ("remote_password", parse_password_file),
     "remote_tls_ca_file": ("remote_tls_ca_file", parse_ca_file),
@@ -278,6 +282,7 @@ _ENV = {
     "KVBM_POOL_SOCKET": ("pool_socket", str),
     "KVBM_POOL_SERVE_PORT": ("pool_serve_port", str),
     "KVBM_POOL_SERVE_HOST": ("pool_serve_host", str),
+    "KVBM_PEER_READS": ("peer_reads", str),
     "KVBM_PEER_READ_TIMEOUT_S": ("peer_read_timeout_s", str),
     "KVBM_REMOTE_PASSWORD_FILE": ("remote_password_file", str),
     "KVBM_REMOTE_TLS_CA_FILE": ("remote_tls_ca_file", str),

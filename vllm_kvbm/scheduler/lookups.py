@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.keys import PageKey
 from vllm_kvbm.scheduler.tier_policy import LowerTiers
-from vllm_kvbm.tiers.registry import open_views
+from vllm_kvbm.tiers.registry import open_peer_view, open_views
 
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
@@ -66,15 +66,18 @@ class BackgroundLookups:
         self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
-    def ask(self, req_id: str, keys: list[PageKey], start: int,
-            end: int) -> tuple[list[str], int] | None:
+    def ask(self, req_id: str, keys: list[PageKey], start: int, end: int,
+            peer: str | None = None) -> tuple[list[str], int] | None:
         """The lower tiers of the longest run held of ``keys[start:end]``, as
         (run, offset): block ``start + k`` is in tier ``run[offset + k]`` for
-        ``offset + k < len(run)``. None: asked, not answered yet."""
+        ``offset + k < len(run)``. None: asked, not answered yet. ``peer``:
+        the control endpoint of the peer the request's hint names (its pool
+        is asked after the tiers of this machine)."""
         with self._lock:
             q = self._entries.get(req_id)
             if (q is not None and q.start <= start < q.start + q.count
                     and keys[q.start] == q.first  # same chain: same blocks
+                    and q.peer == peer
                     # an answer whose run ends before ``start`` says nothing of it
                     and (q.run is None or start - q.start <= len(q.run))):
                 if q.run is None:
@@ -83,8 +86,9 @@ class BackgroundLookups:
                     q.asking = True
                     self._queue.put((req_id, q, keys[q.start:q.start + q.count]))
                 return q.run, start - q.start
-            q = self._entries[req_id] = _Question(start, keys[start], end - start)
-            late = self._late_answer(keys, start, end)
+            q = self._entries[req_id] = _Question(start, keys[start], end - start, peer=peer)
+            # (an answer that named a peer's pages is the hinted request's own)
+            late = self._late_answer(keys, start, end) if peer is None else None
             if late is not None:
                 # Another request went on without this answer: it serves at
                 # once, and is asked again (it is old) at the next ask.
@@ -94,7 +98,8 @@ class BackgroundLookups:
         self._queue.put((req_id, q, keys[start:end]))
         return None
 
-    def ask_each(self, req_id: str, keys: list[PageKey]) -> list[str | None] | None:
+    def ask_each(self, req_id: str, keys: list[PageKey],
+                 peer: str | None = None) -> list[str | None] | None:
         """The first lower tier holding each of ``keys`` (None: none does),
         for a hybrid model's group pages (scheduler/group_pages.py); None:
         asked, not answered yet. The question is ``req_id``'s second one,
@@ -102,9 +107,9 @@ class BackgroundLookups:
         qid, first = req_id + _EACH, hashlib.sha256(b"".join(keys)).digest()
         with self._lock:
             q = self._entries.get(qid)
-            if q is not None and q.first == first:
+            if q is not None and q.first == first and q.peer == peer:
                 return q.run  # type: ignore[return-value]
-            q = self._entries[qid] = _Question(0, first, len(keys), each=True)
+            q = self._entries[qid] = _Question(0, first, len(keys), each=True, peer=peer)
         self._queue.put((qid, q, list(keys)))
         return None
 
@@ -181,14 +186,14 @@ class BackgroundLookups:
                 if self._entries.get(req_id) is not q:
                     continue  # forgotten or asked again meanwhile
             try:
-                run = (self._lower.find_each(keys) if q.each
-                       else self._lower.find_run_doubling(keys))
+                run = (self._lower.find_each(keys, q.peer) if q.each
+                       else self._lower.find_run_doubling(keys, q.peer))
             except Exception as err:  # a view must not kill the thread: a miss
                 logger.warning("KVBM: lower-tier lookup failed: %s", err)
                 run = []
             with self._lock:
                 q.run, q.answered_at, q.asking = run, time.monotonic(), False
-                if q.abandoned:
+                if q.abandoned and q.peer is None:
                     self._late.pop((q.start, q.first), None)
                     self._late[(q.start, q.first)] = (keys, run, q.answered_at)
                     while len(self._late) > LATE_ANSWERS:
@@ -213,6 +218,7 @@ class _Question:
     asking: bool = True  # queued or being answered
     abandoned: bool = False  # its request went on without it
     each: bool = False  # ask_each's: a tier or None per key, not a run
+    peer: str | None = None  # the hinted peer's control endpoint, asked last
 
 
 # ask_each's question id: the request's id and this
@@ -220,6 +226,7 @@ _EACH = "\0groups"
 
 
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
-    """The scheduler's views of the configured disk and remote tiers (tiers/registry.py)."""
+    """The scheduler's views of the configured pool, disk and remote tiers,
+    and of peers' pools (tiers/registry.py)."""
     return LowerTiers(open_views(config, info), config.disk_admission,
-                      config.disk_admission_min_uses)
+                      config.disk_admission_min_uses, peer_view=open_peer_view(config, info))

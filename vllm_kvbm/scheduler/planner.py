@@ -79,7 +79,8 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self.events = kv_events or NoKVEvents()
         self.events.watch(self.host)
         self.stats = KVBMStats(metrics_sink)
-        self.stats.declare(["host"] + [view.name for view in self.lower.views])
+        self.stats.declare(["host"] + [view.name for view in self.lower.views]
+                           + (["peer"] if self.lower.peer_view is not None else []))
         # The namespace's seed, and the keys' seed: that one as the weights
         # the workers run derive it (the same on every engine they run on)
         self._base_seed = info.key_namespace.seed()

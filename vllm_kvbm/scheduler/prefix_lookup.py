@@ -113,7 +113,8 @@ class PrefixLookup:
         keys = state.chain.keys
         if len(keys) < i + n:
             state.chain.extend_to(state.request.all_token_ids, i + n)
-        answer = self._background.ask(state.request.request_id, keys, i, i + n)
+        answer = self._background.ask(state.request.request_id, keys, i, i + n,
+                                      state.params.peer)
         if answer is None:
             if self._waited_enough(state, i, n):
                 # Goes on with what is known: the host part; the answer,
@@ -151,7 +152,7 @@ class PrefixLookup:
         if boundary < end and self._background is not None:
             missing = [u for u in names if u not in found]
             answer = self._background.ask_each(state.request.request_id,
-                                               [names[u] for u in missing])
+                                               [names[u] for u in missing], state.params.peer)
             if answer is None:
                 if not self._waited_enough(state, start, len(sources)):
                     return None

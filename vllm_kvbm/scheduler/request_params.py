@@ -22,14 +22,16 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from vllm_kvbm.scheduler.router_hints import HintError, peer_endpoint
+
 logger = logging.getLogger(__name__)
 
-TIERS = ("host", "pool", "disk", "remote")
+TIERS = ("host", "pool", "disk", "peer", "remote")
 # Each tier as vLLM's TierMatcher sees it: (medium, locality); a remote
 # server's medium is its own business (None matches every medium). The pool
-# is host memory of this machine.
+# is host memory of this machine, a peer's pool another machine's.
 _MATCHED_AS = {"host": ("CPU", "LOCAL"), "pool": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"),
-               "remote": (None, "REMOTE")}
+               "peer": ("CPU", "REMOTE"), "remote": (None, "REMOTE")}
 _MEDIUMS = ("CPU", "STORAGE")
 _LOCALITIES = ("LOCAL", "REMOTE")
 
@@ -53,6 +55,8 @@ class RequestParams:
     store_tiers: frozenset[str] | None = None
     max_load_tokens: int | None = None
     max_store_tokens: int | None = None
+    # the control endpoint of the peer a router names (router_hints.py)
+    peer: str | None = None
     # the params were refused: neither load nor store (error says why)
     error: str | None = None
 
@@ -121,8 +125,13 @@ def parse_apart(params: Mapping[str, Any] | None) -> tuple[RequestParams, list[s
     except RequestParamsError as err:
         errors.append(str(err))
         store_tiers, max_store = frozenset(), None
+    try:  # a bad hint is ignored: it only says where else to look
+        peer = peer_endpoint(params)
+    except HintError as err:
+        errors.append(str(err))
+        peer = None
     return RequestParams(load_tiers=load_tiers, store_tiers=store_tiers,
-                         max_load_tokens=max_load, max_store_tokens=max_store,
+                         max_load_tokens=max_load, max_store_tokens=max_store, peer=peer,
                          error="; ".join(errors) or None), errors
 
 
@@ -147,8 +156,8 @@ def for_request(request) -> RequestParams:
     if errors:
         off = " and ".join(what for what, on in (("loads", params.loads),
                                                   ("stores", params.stores)) if not on)
-        logger.warning("request %s: %s (it %s no KV)", request.request_id, "; ".join(errors),
-                       off or "moves")
+        logger.warning("request %s: %s (%s)", request.request_id, "; ".join(errors),
+                       f"it {off} no KV" if off else "the hint is ignored")
     return params
 
 

@@ -37,8 +37,11 @@ class _BoundedCounter(OrderedDict):
 
 class LowerTiers:
     def __init__(self, views: list[TierView], disk_admission: str = "always",
-                 disk_min_uses: int = 2):
+                 disk_min_uses: int = 2, peer_view=None):
         self.views = views
+        # peers' pools (tiers/peer/view.py), asked for requests whose hint
+        # names one, after this machine's tiers; never written
+        self.peer_view = peer_view
         self.disk_admission = disk_admission
         self.disk_min_uses = disk_min_uses
         self._uses = _BoundedCounter()
@@ -54,48 +57,59 @@ class LowerTiers:
         self._counted: Counter = Counter()
 
     def __bool__(self) -> bool:
-        return bool(self.views)
+        return bool(self.views) or self.peer_view is not None
 
-    def find_run_doubling(self, keys: list[PageKey]) -> list[str]:
+    def find_run_doubling(self, keys: list[PageKey], peer: str | None = None) -> list[str]:
         """``find_run`` asked in runs of 1, 2, 4, ... keys: a miss at the
         first block costs one small question, a long hit a few."""
         run: list[str] = []
         size = 1
         while len(run) < len(keys):
             part = keys[len(run):len(run) + size]
-            found = self.find_run(part)
+            found = self.find_run(part, peer)
             run += found
             if len(found) < len(part):
                 break
             size *= 2
         return run
 
-    def find_run(self, keys: list[PageKey]) -> list[str]:
+    def find_run(self, keys: list[PageKey], peer: str | None = None) -> list[str]:
         """The tier of each key of the longest leading run of ``keys`` held
         below the host tier (the first tier, in lookup order, that has it)."""
         run: list[str] = []
-        for tier in self.find_each(keys):
+        for tier in self.find_each(keys, peer):
             if tier is None:
                 break
             run.append(tier)
         return run
 
-    def find_each(self, keys: list[PageKey]) -> list[str | None]:
+    def find_each(self, keys: list[PageKey], peer: str | None = None) -> list[str | None]:
         """The first tier (in lookup order) holding each of ``keys``, None
         where none does. Each tier is asked once for all the keys the tiers
-        before it lack (``contains_many``: one round trip to a server)."""
+        before it lack (``contains_many``: one round trip to a server); the
+        pool of ``peer`` (a control endpoint) after this machine's tiers and
+        before a remote server."""
         found: list[str | None] = [None] * len(keys)
-        for view in self.views:
+        for view in self._in_order(peer):
             todo = [i for i, tier in enumerate(found) if tier is None]
             if not todo:
                 break
             batch = [keys[i] for i in todo]
             with self.calls.timed(view, sample=True):
-                hits = view.contains_many(batch)
+                hits = (view.contains_many_at(peer, batch) if view is self.peer_view
+                        else view.contains_many(batch))
             for i, hit in zip(todo, hits):
                 if hit:
                     found[i] = view.name
         return found
+
+    def _in_order(self, peer: str | None) -> list:
+        """The views to ask, in lookup order: a peer's host memory, read
+        over the network, before a remote server's."""
+        if peer is None or self.peer_view is None:
+            return self.views
+        local = [v for v in self.views if v.name != "remote"]
+        return local + [self.peer_view] + [v for v in self.views if v.name == "remote"]
 
     def writes_fresh_pages(self) -> bool:
         """Whether a page stored for the first time is written to some tier
@@ -190,7 +204,7 @@ class LowerTiers:
     @staticmethod
     def onboard_counter(tier: str) -> str:
         return {"pool": "onboard_blocks_pool", "disk": "onboard_blocks_d2d",
-                "remote": "onboard_blocks_remote"}[tier]
+                "peer": "onboard_blocks_peer", "remote": "onboard_blocks_remote"}[tier]
 
     def record(self, events: Counter, stats, page_blocks: int = 1,
                num_workers: int = 1) -> None:

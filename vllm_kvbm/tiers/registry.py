@@ -39,6 +39,8 @@ class Medium:
 
 POOL = Medium("vllm_kvbm.tiers.pool.view:PoolView", "vllm_kvbm.tiers.pool.store:PoolStore")
 DISK = Medium("vllm_kvbm.tiers.disk.view:DiskView", "vllm_kvbm.tiers.disk.store:DiskStore")
+# Other engines' pools: read on a router's hint (peer_reads), never written.
+PEER = Medium("vllm_kvbm.tiers.peer.view:PeerView", "vllm_kvbm.tiers.peer.store:PeerStore")
 _LM = Medium("vllm_kvbm.tiers.lm.view:RemoteView", "vllm_kvbm.tiers.lm.store:RemoteStore")
 _REDIS = Medium("vllm_kvbm.tiers.redis.view:RedisView",
                 "vllm_kvbm.tiers.redis.store:RedisStore")
@@ -80,13 +82,22 @@ def open_views(config: "KVBMConfig", info: "EngineInfo") -> list["TierView"]:
     return [m.view_class().from_config(config, info, secret) for m in configured(config)]
 
 
+def open_peer_view(config: "KVBMConfig", info: "EngineInfo"):
+    """The scheduler's view of peers' pools (None: peer_reads off). Not one of
+    open_views': it answers only for a request whose hint names the peer."""
+    if not config.peer_reads:
+        return None
+    return PEER.view_class().from_config(config, info, page_secret(config))
+
+
 def open_stores(config: "KVBMConfig", info: "EngineInfo", rank: int,
                 layout: str = "") -> list["TierStore"]:
-    """This worker's stores of the configured lower tiers. ``layout``:
-    layout_fingerprint of this worker's KV cache ("" where unknown)."""
+    """This worker's stores of the configured lower tiers, and its reader of
+    peers' pools with peer_reads. ``layout``: layout_fingerprint of this
+    worker's KV cache ("" where unknown)."""
     secret = page_secret(config)
-    return [m.store_class().from_config(config, info, rank, secret, layout)
-            for m in configured(config)]
+    media = configured(config) + ([PEER] if config.peer_reads else [])
+    return [m.store_class().from_config(config, info, rank, secret, layout) for m in media]
 
 
 def _load(path: str) -> type:

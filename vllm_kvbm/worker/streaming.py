@@ -84,4 +84,5 @@ def part(load: StreamedLoad, part_id: int, indexes: list[int],
                       [b for i in indexes for b in job.block_ids[i * g:(i + 1) * g]],
                       slots if slots is not None else [job.slots[i] for i in indexes])
     sub.fetch = [(p, *fetch[i]) for p, i in enumerate(indexes) if i in fetch]
+    sub.peer = job.peer
     return sub

@@ -180,8 +180,10 @@ class TierIO:
             fetch.landed[i] = False
         for tier, items in by_tier.items():
             store = self.tiers.get(tier)
+            # a peer's pages: from the peer the request's hint names
+            peer = {"endpoint": job.peer or None} if tier == "peer" else {}
 
-            def read(store=store, tier=tier, items=items):
+            def read(store=store, tier=tier, items=items, peer=peer):
                 # A group of pages per call (the disk reads several in flight),
                 # the fetch's progress noted after each.
                 results, start, size = [], 0, 1
@@ -192,7 +194,7 @@ class TierIO:
                     try:
                         statuses = store.get_many_into(
                             [(key, host_pool[job.slots[i]]) for i, key in group],
-                            stop=fetch.stopped)
+                            stop=fetch.stopped, **peer)
                     except Exception as err:  # a store must not take the engine down
                         logger.warning("KVBM: %s read failed: %s", tier, err)
                         statuses = ["error"] * len(group)
