@@ -233,7 +233,9 @@ def scraped(model_dir, tmp_path_factory):
     lmcache = start_lmcache_server(remote_port)
     kv = kvbm_transfer_config(host_cache_size=HOST_CACHE, disk_cache_dir=str(workdir / "disk"),
                               disk_cache_size=DISK_CACHE,
-                              remote_url=f"lm://127.0.0.1:{remote_port}")
+                              remote_url=f"lm://127.0.0.1:{remote_port}",
+                              # the peer row's series (no peer is asked: no request names one)
+                              peer_reads=True)
     try:
         with vllm_server(str(MODEL_DIR), kv, SERVE_ARGS, log_path=workdir / "vllm.log",
                          env={"VLLM_SERVER_DEV_MODE": "1"}, startup_timeout=400) as server:
