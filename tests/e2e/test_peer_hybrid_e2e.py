@@ -9,9 +9,6 @@ them: greedy outputs equal a plain engine's (hybrid allocator on) recompute.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-
 import pytest
 
 from helpers import ROOT
@@ -20,9 +17,9 @@ from helpers.engines import (EVERY_PAGE_LOADED, generate_request, kvbm_counter, 
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import generate
 from test_hybrid_window_e2e import ENGINE, HITS, LENGTHS, recomputed
-from test_peer_e2e import hint, settle
+from test_peer_e2e import hint, port, settle, shm  # noqa: F401 (port, shm: fixtures)
 from vllm_kvbm.tools import local_model
-from vllm_kvbm.tools.server import free_port, kvbm_transfer_config
+from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -30,18 +27,6 @@ pytestmark = pytest.mark.timeout(1200)
 @pytest.fixture(scope="module")
 def gemma3():
     return str(local_model.build_gemma3(ROOT / local_model.GEMMA3_DIR))
-
-
-@pytest.fixture(scope="module")
-def shm():
-    d = tempfile.mkdtemp(prefix="kvbm-e2e-peer-hybrid-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def port():
-    return free_port()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +55,7 @@ def engine_b(gemma3, engine_a, same_binding):  # noqa: F811
 
 
 def test_a_hybrid_prefix_is_read_group_by_group_from_a_peers_pool(plain, engine_a, engine_b,
-                                                                   port):
+                                                                   port):  # noqa: F811
     assert engine_b.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager \
         is False
     prompts = [random_prompt(n, seed=9400 + n) for n in LENGTHS]

@@ -18,9 +18,15 @@ _CHUNK = 64 * 1024
 
 
 class ThrottledProxy:
-    def __init__(self, target_port: int, rate: float | None, target_host: str = "127.0.0.1"):
+    """``before_send(data)``, if given, runs on a connection's thread before
+    each chunk the client sends goes on to the server (a fault at a given
+    request: helpers/read_fault_relay.py)."""
+
+    def __init__(self, target_port: int, rate: float | None, target_host: str = "127.0.0.1",
+                 before_send=None):
         self.target = (target_host, target_port)
         self.rate = rate
+        self._before_send = before_send
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._socks: list[socket.socket] = []
@@ -54,6 +60,8 @@ class ThrottledProxy:
                 data = src.recv(_CHUNK)
                 if not data:
                     break
+                if not paced and self._before_send is not None:
+                    self._before_send(data)
                 dst.sendall(data)
                 rate = self.rate
                 if paced and rate:
