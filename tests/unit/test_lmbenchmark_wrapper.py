@@ -30,6 +30,16 @@ def run(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+def vllm_stub(base: Path) -> Path:
+    """An executable standing in for vllm that notes any call: the tests that
+    stop before a server starts run without the repository's .venv (CI's
+    clean clone has .ci-venv) and prove nothing was started."""
+    stub = base / "vllm-stub"
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {base / 'vllm-called'}\nexit 1\n")
+    stub.chmod(0o755)
+    return stub
+
+
 def fake_checkout(base: Path, client: str = 'raise SystemExit("not the real client")\n'):
     qa = base / "synthetic-multi-round-qa"
     qa.mkdir(parents=True)
@@ -87,8 +97,9 @@ def test_missing_client_requirements_fail_loudly_without_installing(tmp_path):
     bare = tmp_path / "bare-venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
     out = run("some-model", cwd=tmp_path, LMBENCHMARK_DIR="lmb", INSTALL_CLIENT_DEPS="0",
-              CLIENT_PYTHON=str(bare / "bin" / "python"))
+              CLIENT_PYTHON=str(bare / "bin" / "python"), VLLM=str(vllm_stub(tmp_path)))
     assert out.returncode == 1
+    assert not (tmp_path / "vllm-called").exists()
     assert "LMBenchmark's client needs openai pandas" in out.stderr
     assert str(bare / "bin" / "python") in out.stderr
 
@@ -107,8 +118,9 @@ def test_a_client_that_cannot_start_stops_the_run_before_any_server(tmp_path):
         (site / name).mkdir()
         (site / name / "__init__.py").write_text("")
     out = run("some-model", cwd=tmp_path, LMBENCHMARK_DIR="lmb", OUT="res",
-              CLIENT_PYTHON=str(venv / "bin" / "python"))
+              CLIENT_PYTHON=str(venv / "bin" / "python"), VLLM=str(vllm_stub(tmp_path)))
     assert out.returncode == 1
+    assert not (tmp_path / "vllm-called").exists()
     assert "LMBenchmark's client does not start" in out.stderr
     assert "client broken: no utils.py" in out.stderr
     assert (tmp_path / "res" / "client-check.log").exists()
