@@ -23,10 +23,38 @@ from typing import Iterator
 from vllm_kvbm.tools.compute_dtype import compute_dtype
 
 
-def free_port() -> int:
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes a connection's local port from."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(span: int = 1) -> int:
+    """A port on which ``span`` consecutive ports are free now, picked below the
+    kernel's ephemeral range: a port the kernel hands out is also what any
+    outgoing connection on the machine may take before the caller binds it (a
+    server of the tests then failed with "Address already in use")."""
+    lo, hi = _ephemeral_ports()
+    top = lo - span if lo - span > 10000 else 65535 - span
+    bottom = 10000 if top < lo else hi + 1
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(bottom, top)
+        if all(_bindable(p) for p in range(port, port + span)):
+            return port
+    raise RuntimeError(f"no {span} free consecutive ports in {bottom}-{top}")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def kvbm_transfer_config(**extra) -> dict:
