@@ -176,6 +176,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # last report: a change, an epoch's check; epoch + 1: the label a change
     # earned from the next epoch on (worker/loaded_weights.py)
     weights_digested: list[tuple[int, int, str]] = field(default_factory=list)
+    # the rank-0 endpoint peers read this engine's pool at, said once by TP
+    # rank 0's worker ("": not served; None: nothing said)
+    pool_served_at: str | None = None
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVBMWorkerMetadata":
         assert isinstance(other, KVBMWorkerMetadata)
@@ -201,6 +204,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             loads_cut=self.loads_cut + other.loads_cut,
             adapters_loaded=self.adapters_loaded + other.adapters_loaded,
             weights_digested=self.weights_digested + other.weights_digested,
+            pool_served_at=(self.pool_served_at if self.pool_served_at is not None
+                            else other.pool_served_at),
         )
 
     def is_empty(self) -> bool:
@@ -208,4 +213,5 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
                     or self.spills_done or self.tier_events or self.transfers_overdue
                     or self.slots_held or self.slots_released or self.removed_pages
                     or self.loads_cut or self.adapters_loaded or self.weights_digested
-                    or self.tier_read_seconds or self.tier_write_seconds or self.tier_usage)
+                    or self.tier_read_seconds or self.tier_write_seconds or self.tier_usage
+                    or self.pool_served_at is not None)

@@ -31,8 +31,9 @@ from vllm_kvbm.config.parsing import (parse_bool, parse_choice, parse_dir, parse
 from vllm_kvbm.config.secrets import (MIN_PAGE_SECRET_BYTES, Secret, page_secret_env,
                                       parse_page_secret_file, parse_password_file,
                                       remote_password_env)
-from vllm_kvbm.config.urls import (RemoteTarget, check_remote_tls, check_remote_url,
-                                   parse_ca_file, parse_lm_url, parse_remote_url)
+from vllm_kvbm.config.urls import (RemoteTarget, check_directory_url, check_remote_tls,
+                                   check_remote_url, parse_ca_file, parse_lm_url,
+                                   parse_remote_url)
 from vllm_kvbm.config.versions import SUPPORTED_VLLM, check_vllm_version, vllm_release
 
 # What callers import from vllm_kvbm.config; the rest lives in the concern's module.
@@ -106,6 +107,13 @@ class KVBMConfig:
     peer_reads: bool = False
     # Bound on one batch of reads from a peer's pool; past it: recomputed.
     peer_read_timeout_s: float = 2.0
+    # Which peer's pool holds which page, for requests without a router's
+    # hint (tiers/peer/directory.py): a Redis/Valkey server (its password is
+    # the remote tier's). Engines serving their pool write it, peer_reads
+    # engines read it. None: no directory.
+    peer_directory_url: str | None = None
+    # A directory entry lives this long unless its holder writes it again.
+    peer_directory_ttl_s: float = 300.0
     # Password of a redis:// / valkey:// remote tier (requirepass or the ACL
     # user's), from remote_password_file or KVBM_REMOTE_PASSWORD. Never logged.
     remote_password: Secret | None = field(default=None, repr=False)
@@ -250,6 +258,8 @@ _KEYS = {
     "pool_serve_host": ("pool_serve_host", parse_host),
     "peer_reads": ("peer_reads", parse_bool),
     "peer_read_timeout_s": ("peer_read_timeout_s", parse_seconds),
+    "peer_directory_url": ("peer_directory_url", check_directory_url),
+    "peer_directory_ttl_s": ("peer_directory_ttl_s", parse_seconds),
     "remote_password_file": ("remote_password", parse_password_file),
     "remote_tls_ca_file": ("remote_tls_ca_file", parse_ca_file),
     "metrics_port": ("metrics_port", parse_port),
@@ -284,6 +294,8 @@ _ENV = {
     "KVBM_POOL_SERVE_HOST": ("pool_serve_host", str),
     "KVBM_PEER_READS": ("peer_reads", str),
     "KVBM_PEER_READ_TIMEOUT_S": ("peer_read_timeout_s", str),
+    "KVBM_PEER_DIRECTORY_URL": ("peer_directory_url", str),
+    "KVBM_PEER_DIRECTORY_TTL_S": ("peer_directory_ttl_s", str),
     "KVBM_REMOTE_PASSWORD_FILE": ("remote_password_file", str),
     "KVBM_REMOTE_TLS_CA_FILE": ("remote_tls_ca_file", str),
     "KVBM_METRICS_PORT": ("metrics_port", str),
@@ -345,6 +357,7 @@ def load_config(extra: Mapping[str, Any] | None,
             f"host_cache_blocks (from {shown['host_cache_blocks']}) and host_cache_size (from "
             f"{shown['host_cache_size']}) both size the host tier; set only one of them")
     _check_pool(shown)
+    _check_directory(kwargs, shown)
     page_secret_env(environ, kwargs, sources)
     remote_password_env(environ, kwargs, sources)
     check_remote_tls(kwargs, sources)
@@ -362,6 +375,34 @@ def _check_pool(shown: dict[str, str]) -> None:
                 f"{key} (from {shown[key]}) is set but pool_cache_size is not: the pool tier "
                 f"is off; set pool_cache_size (e.g. \"8GiB\" per worker) to use it, or "
                 f"remove {key}")
+
+
+def _check_directory(kwargs: dict, shown: dict[str, str]) -> None:
+    """The directory needs an engine that reads it (peer_reads) or writes
+    it (a pool served to peers); its TTL needs the directory."""
+    if "peer_directory_url" not in shown:
+        if "peer_directory_ttl_s" in shown:
+            raise KVBMConfigError(
+                f"peer_directory_ttl_s (from {shown['peer_directory_ttl_s']}) is set but "
+                f"peer_directory_url is not; set peer_directory_url (redis://HOST:PORT) or "
+                f"remove peer_directory_ttl_s")
+        return
+    if not (kwargs.get("peer_reads") or "pool_serve_port" in shown or "pool_socket" in shown):
+        raise KVBMConfigError(
+            f"peer_directory_url (from {shown['peer_directory_url']}) is set, but this engine "
+            f"neither reads peers' pools (peer_reads) nor serves its own pool to peers "
+            f"(pool_serve_port, or pool_socket with kvbm-pool --serve-port); set one of them, "
+            f"or remove peer_directory_url")
+    ttl = kwargs.get("peer_directory_ttl_s", KVBMConfig.peer_directory_ttl_s)
+    if ttl < MIN_DIRECTORY_TTL_S:
+        raise KVBMConfigError(
+            f"peer_directory_ttl_s: {ttl:g} s is shorter than {MIN_DIRECTORY_TTL_S:g} s (the "
+            f"holder refreshes its entries every third of it); set it to a few minutes, e.g. "
+            f"300")
+
+
+# The shortest directory entry TTL: entries are refreshed every third of it.
+MIN_DIRECTORY_TTL_S = 3.0
 
 
 def _parse(key: str, source: str, raw: Any) -> Any:

@@ -110,7 +110,9 @@ def remote_password_env(environ: Mapping[str, str], kwargs: dict, sources: dict)
         kwargs["remote_password"] = Secret(text.rstrip("\r\n"), "KVBM_REMOTE_PASSWORD")
     password = kwargs.get("remote_password")
     url = kwargs.get("remote_url")
-    if password is not None and url is not None and not parse_remote_url("remote_url", url).resp:
+    # (the peer directory, a Redis/Valkey server, takes the same password)
+    if (password is not None and url is not None and kwargs.get("peer_directory_url") is None
+            and not parse_remote_url("remote_url", url).resp):
         raise KVBMConfigError(
             f"{password.source.split()[0]}: a password is set, but remote_url {url!r} is an "
             f"LMCache server, which has no authentication; remove it or use a redis:// URL")

@@ -168,6 +168,19 @@ def parse_remote_url(key: str, value: Any) -> RemoteTarget:
     return RemoteTarget(scheme, tuple(nodes), cluster, db, username)
 
 
+def check_directory_url(key: str, value: Any) -> str:
+    """``value`` unchanged once it names one Redis/Valkey server (the peer
+    directory: ``redis://[USER@]HOST[:PORT][/DB]``, ``rediss://`` with TLS);
+    a password in it is refused as in remote_url."""
+    target = parse_remote_url(key, value)
+    if not target.resp or target.cluster:
+        raise KVBMConfigError(
+            f"{key}: {redact_url(str(value))!r} is not one Redis or Valkey server; write it as "
+            f"\"redis://[USER@]HOST[:PORT][/DB]\" (rediss:// with TLS; valkey:// and "
+            f"valkeys:// mean the same); the directory is small: one server, not a cluster")
+    return value
+
+
 def parse_ca_file(key: str, value: Any) -> str:
     path = parse_str(key, value)
     if not path or not os.path.isfile(os.path.expanduser(path)):
@@ -180,13 +193,15 @@ def parse_ca_file(key: str, value: Any) -> str:
 
 
 def check_remote_tls(kwargs: dict, sources: dict) -> None:
-    """A CA file needs a TLS remote_url (``kwargs``: the parsed fields)."""
+    """A CA file needs a TLS remote_url or peer_directory_url (``kwargs``:
+    the parsed fields); it applies to both."""
     url = kwargs.get("remote_url")
-    if kwargs.get("remote_tls_ca_file") is not None and not (
-            url is not None and parse_remote_url("remote_url", url).tls):
+    directory = kwargs.get("peer_directory_url")
+    if kwargs.get("remote_tls_ca_file") is not None and not any(
+            u is not None and parse_remote_url("remote_url", u).tls for u in (url, directory)):
         source = sources["remote_tls_ca_file"]
         if source != "remote_tls_ca_file":
             source += " (sets remote_tls_ca_file)"
         raise KVBMConfigError(
-            f"{source}: it only applies to a TLS remote_url (rediss://, valkeys://, "
-            f"...+cluster://), not {url!r}; use one or remove it")
+            f"{source}: it only applies to a TLS remote_url or peer_directory_url (rediss://, "
+            f"valkeys://, ...+cluster://), not {url!r}; use one or remove it")

@@ -26,6 +26,14 @@ remote tiers (the names Dynamo's router maps to its Disk and External tiers,
 ``StorageTier::from_kv_medium``; llm-d takes the lower-cased medium as the
 tier name its ``kvCacheBackendConfigs`` weigh).
 
+Pool pages served to peers (pool_serve_port, or kvbm-pool's --serve-port)
+name their holder: ``ownership`` is the rank-0 control endpoint peers read
+them at (``tcp://HOST:PORT``, what a router puts in a request's
+``router_hint.source_control_endpoint`` to send another engine there), on
+the pool's BlockStored and BlockRemoved (vLLM's field for which offloading
+tier holds a block; the workers say the endpoint once they run). Other
+tiers' events, and a pool not served, carry none.
+
 A page whose request has no vLLM block hashes covering it publishes nothing.
 Memory: per host page its event's payload (hashes, parent, tokens: a
 thousandth of the page's bytes or less), kept so its write-through can be
@@ -79,6 +87,8 @@ class NoKVEvents:
     """KV events off (the default): every hook costs a call and nothing else."""
 
     enabled = False
+    # the endpoint peers read this engine's pool at (None: not served)
+    pool_owner: str | None = None
 
     def watch(self, host: "SlotIndex") -> None:
         pass
@@ -259,6 +269,7 @@ class KVEvents(NoKVEvents):
         last = self._events[-1] if self._events else None
         if (isinstance(last, self._ev.BlockStored) and last.medium == medium
                 and getattr(last, "locality", None) == self._locality(tier)
+                and getattr(last, "ownership", None) == self._owner(tier, self._stored_fields)
                 and page.parent is not None and last.block_hashes[-1] == page.parent
                 and last.lora_name == page.lora_name):
             # the next page of the same prompt: one event, as vLLM makes one
@@ -273,7 +284,8 @@ class KVEvents(NoKVEvents):
                       token_ids=page.tokens.tolist(), block_size=self.block_size,
                       lora_id=page.lora_id, medium=medium, lora_name=page.lora_name,
                       extra_keys=list(page.extra_keys) if page.extra_keys else None,
-                      group_idx=self.group_idx, locality=_LOCALITY[tier])
+                      group_idx=self.group_idx, locality=_LOCALITY[tier],
+                      ownership=self._owner(tier, self._stored_fields))
         self._events.append(self._ev.BlockStored(
             **{k: v for k, v in fields.items() if k in self._stored_fields}))
 
@@ -283,15 +295,21 @@ class KVEvents(NoKVEvents):
         medium CPU, and are not merged into one event."""
         return _LOCALITY[tier] if "locality" in self._stored_fields else None
 
+    def _owner(self, tier: str, fields: set) -> str | None:
+        """The ownership an event of ``tier`` carries: the pool's endpoint."""
+        return self.pool_owner if tier == "pool" and "ownership" in fields else None
+
     def _removed(self, hashes: list, tier: str) -> None:
         medium = MEDIUM[tier]
         last = self._events[-1] if self._events else None
+        owner = self._owner(tier, self._removed_fields)
         if (isinstance(last, self._ev.BlockRemoved) and last.medium == medium
-                and getattr(last, "locality", None) == self._locality(tier)):
+                and getattr(last, "locality", None) == self._locality(tier)
+                and getattr(last, "ownership", None) == owner):
             last.block_hashes.extend(hashes)
             return
         fields = dict(block_hashes=list(hashes), medium=medium, group_idx=self.group_idx,
-                      locality=_LOCALITY[tier])
+                      locality=_LOCALITY[tier], ownership=owner)
         self._events.append(self._ev.BlockRemoved(
             **{k: v for k, v in fields.items() if k in self._removed_fields}))
 

@@ -54,7 +54,8 @@ class LoadPlanning:
         host_slots = iter(self.host.pin(host_keys))
         job = TransferJob(next(self._job_ids), request.request_id, block_ids, [],
                           adapter=state.adapter,
-                          peer=(state.params.peer or "") if "peer" in sources else "")
+                          peer=(state.lookup.peer or state.params.peer or "")
+                          if "peer" in sources else "")
         for i, (key, src) in enumerate(zip(keys, sources)):
             if src == "host":
                 job.slots.append(next(host_slots))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.keys import PageKey
-from vllm_kvbm.scheduler.tier_policy import LowerTiers
+from vllm_kvbm.scheduler.tier_policy import LowerTiers, PeerTarget
 from vllm_kvbm.tiers.registry import open_peer_view, open_views
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ class BackgroundLookups:
         self.checks_pending = 0  # disk checks queued or being answered
         # (start, first key) -> (keys asked, run, answered at) of answers that
         # came after their request went on (``went_on``), newest last
-        self._late: dict[tuple[int, PageKey], tuple[list[PageKey], list[str], float]] = {}
+        self._late: dict[tuple[int, PageKey],
+                         tuple[list[PageKey], list[str], float, str | None]] = {}
         self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
@@ -73,6 +74,14 @@ class BackgroundLookups:
         ``offset + k < len(run)``. None: asked, not answered yet. ``peer``:
         the control endpoint of the peer the request's hint names (its pool
         is asked after the tiers of this machine)."""
+        got = self.ask_at(req_id, keys, start, end, peer)
+        return None if got is None else (got[0], got[1])
+
+    def ask_at(self, req_id: str, keys: list[PageKey], start: int, end: int,
+               peer: str | None = None) -> tuple[list[str], int, str | None] | None:
+        """``ask``'s (run, offset) and the endpoint of the peer its "peer"
+        pages are at: the hint's, or without one the peer the directory
+        named (None: the run names no peer page)."""
         with self._lock:
             q = self._entries.get(req_id)
             if (q is not None and q.start <= start < q.start + q.count
@@ -85,16 +94,16 @@ class BackgroundLookups:
                 if not q.asking and time.monotonic() - q.answered_at > REFRESH_S:
                     q.asking = True
                     self._queue.put((req_id, q, keys[q.start:q.start + q.count]))
-                return q.run, start - q.start
+                return q.run, start - q.start, q.found_peer
             q = self._entries[req_id] = _Question(start, keys[start], end - start, peer=peer)
             # (an answer that named a peer's pages is the hinted request's own)
             late = self._late_answer(keys, start, end) if peer is None else None
             if late is not None:
                 # Another request went on without this answer: it serves at
                 # once, and is asked again (it is old) at the next ask.
-                q.run, q.answered_at = late
+                q.run, q.answered_at, q.found_peer = late
                 q.asking = False
-                return q.run, 0
+                return q.run, 0, q.found_peer
         self._queue.put((req_id, q, keys[start:end]))
         return None
 
@@ -104,11 +113,18 @@ class BackgroundLookups:
         for a hybrid model's group pages (scheduler/group_pages.py); None:
         asked, not answered yet. The question is ``req_id``'s second one,
         forgotten with it."""
+        got = self.ask_each_at(req_id, keys, peer)
+        return None if got is None else got[0]
+
+    def ask_each_at(self, req_id: str, keys: list[PageKey], peer: str | None = None
+                    ) -> tuple[list[str | None], str | None] | None:
+        """``ask_each``'s answer and the endpoint of the peer its "peer"
+        pages are at (as ``ask_at``)."""
         qid, first = req_id + _EACH, hashlib.sha256(b"".join(keys)).digest()
         with self._lock:
             q = self._entries.get(qid)
             if q is not None and q.first == first and q.peer == peer:
-                return q.run  # type: ignore[return-value]
+                return None if q.run is None else (q.run, q.found_peer)  # type: ignore
             q = self._entries[qid] = _Question(0, first, len(keys), each=True, peer=peer)
         self._queue.put((qid, q, list(keys)))
         return None
@@ -132,21 +148,21 @@ class BackgroundLookups:
                 q.abandoned = True
 
     def _late_answer(self, keys: list[PageKey], start: int,
-                     end: int) -> tuple[list[str], float] | None:
+                     end: int) -> tuple[list[str], float, str | None] | None:
         """A recent answer to a question some request went on without, if it
         asked about the same pages: the same start page (so the same prefix)
         and the same keys as far as its run and the page after it."""
         hit = self._late.get((start, keys[start]))
         if hit is None:
             return None
-        asked, run, answered_at = hit
+        asked, run, answered_at, found_peer = hit
         if time.monotonic() - answered_at > LATE_ANSWER_S:
             del self._late[(start, keys[start])]
             return None
         m = min(len(run) + 1, len(asked), end - start)
         if keys[start:start + m] != asked[:m]:
             return None
-        return run, answered_at
+        return run, answered_at, found_peer
 
     def forget(self, req_id: str) -> None:
         with self._lock:
@@ -185,17 +201,21 @@ class BackgroundLookups:
             with self._lock:
                 if self._entries.get(req_id) is not q:
                     continue  # forgotten or asked again meanwhile
+            target = PeerTarget(q.peer)  # the directory may name one (no hint)
             try:
-                run = (self._lower.find_each(keys, q.peer) if q.each
-                       else self._lower.find_run_doubling(keys, q.peer))
+                run = (self._lower.find_each(keys, target) if q.each
+                       else self._lower.find_run_doubling(keys, target))
             except Exception as err:  # a view must not kill the thread: a miss
                 logger.warning("KVBM: lower-tier lookup failed: %s", err)
                 run = []
+            # the peer a load reads this answer's peer pages from
+            found = target.endpoint if "peer" in (run or ()) else None
             with self._lock:
                 q.run, q.answered_at, q.asking = run, time.monotonic(), False
+                q.found_peer = found
                 if q.abandoned and q.peer is None:
                     self._late.pop((q.start, q.first), None)
-                    self._late[(q.start, q.first)] = (keys, run, q.answered_at)
+                    self._late[(q.start, q.first)] = (keys, run, q.answered_at, found)
                     while len(self._late) > LATE_ANSWERS:
                         del self._late[next(iter(self._late))]
 
@@ -219,6 +239,7 @@ class _Question:
     abandoned: bool = False  # its request went on without it
     each: bool = False  # ask_each's: a tier or None per key, not a run
     peer: str | None = None  # the hinted peer's control endpoint, asked last
+    found_peer: str | None = None  # the peer its run's "peer" pages are at
 
 
 # ask_each's question id: the request's id and this

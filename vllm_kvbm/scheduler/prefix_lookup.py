@@ -41,6 +41,7 @@ class PrefixLookup:
         found.local_hit_blocks = local
         found.tokens = request.num_tokens - num_computed_tokens
         found.hit_sources = []
+        found.peer = None
         found.split_dropped = 0
         if found.recompute_only and _preemptions(request) > found.failed_at_preemption:
             found.recompute_only = False
@@ -113,8 +114,8 @@ class PrefixLookup:
         keys = state.chain.keys
         if len(keys) < i + n:
             state.chain.extend_to(state.request.all_token_ids, i + n)
-        answer = self._background.ask(state.request.request_id, keys, i, i + n,
-                                      state.params.peer)
+        answer = self._background.ask_at(state.request.request_id, keys, i, i + n,
+                                         state.params.peer)
         if answer is None:
             if self._waited_enough(state, i, n):
                 # Goes on with what is known: the host part; the answer,
@@ -123,7 +124,7 @@ class PrefixLookup:
                 return sources
             return None  # asked: vLLM asks again next step
         state.lookup.waiting_since = None
-        lower, offset = answer
+        lower, offset, state.lookup.peer = answer
         for j in range(i, i + n):
             key = keys[j]
             if self.host.is_ready(key):
@@ -151,14 +152,18 @@ class PrefixLookup:
         boundary = groups.longest_hit(start, end, found.__contains__)
         if boundary < end and self._background is not None:
             missing = [u for u in names if u not in found]
-            answer = self._background.ask_each(state.request.request_id,
-                                               [names[u] for u in missing], state.params.peer)
+            # the primary pages' peer, if any: a load reads from one peer
+            answer = self._background.ask_each_at(state.request.request_id,
+                                                  [names[u] for u in missing],
+                                                  state.lookup.peer or state.params.peer)
             if answer is None:
                 if not self._waited_enough(state, start, len(sources)):
                     return None
             else:
-                found.update((u, tier) for u, tier in zip(missing, answer)
+                tiers, peer = answer
+                found.update((u, tier) for u, tier in zip(missing, tiers)
                              if tier and (allowed is None or tier in allowed))
+                state.lookup.peer = state.lookup.peer or peer
                 boundary = groups.longest_hit(start, end, found.__contains__)
         state.lookup.group_sources = {u: found[u] for u in groups.needed(start, boundary)
                                       if u in found}

@@ -31,6 +31,9 @@ class _Lookup:
     hit_sources: list[str] = field(default_factory=list)
     # a hybrid model's other groups' pages of the hit: (page, group) -> tier
     group_sources: dict[tuple[int, int], str] = field(default_factory=dict)
+    # the endpoint of the peer its "peer" pages are read from: the hint's, or
+    # the one the peer directory named (None: no peer page)
+    peer: str | None = None
     # tokens asked about; counted when vLLM admits the request (None: nothing
     # to count), as vLLM counts its own cache queries
     tokens: int | None = None

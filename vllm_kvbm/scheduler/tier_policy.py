@@ -23,6 +23,10 @@ from vllm_kvbm.tiers.base import TierView
 _MEMORY = 1 << 16
 
 
+def _target(peer: "str | PeerTarget | None") -> "PeerTarget":
+    return peer if isinstance(peer, PeerTarget) else PeerTarget(peer)
+
+
 class _BoundedCounter(OrderedDict):
     """Counts per key hash for the most recently seen ``_MEMORY`` keys."""
 
@@ -33,6 +37,19 @@ class _BoundedCounter(OrderedDict):
         if len(self) > _MEMORY:
             self.popitem(last=False)
         return value
+
+
+class PeerTarget:
+    """The peer one question asks: the endpoint its request's hint names, or,
+    without a hint, the one the peer directory names for its first pages
+    asked (``endpoint`` is set then, and kept for the rest of the question:
+    a load reads its peer pages from one peer)."""
+
+    __slots__ = ("endpoint", "hinted")
+
+    def __init__(self, endpoint: str | None = None):
+        self.endpoint = endpoint
+        self.hinted = endpoint is not None
 
 
 class LowerTiers:
@@ -59,11 +76,13 @@ class LowerTiers:
     def __bool__(self) -> bool:
         return bool(self.views) or self.peer_view is not None
 
-    def find_run_doubling(self, keys: list[PageKey], peer: str | None = None) -> list[str]:
+    def find_run_doubling(self, keys: list[PageKey],
+                          peer: "str | PeerTarget | None" = None) -> list[str]:
         """``find_run`` asked in runs of 1, 2, 4, ... keys: a miss at the
         first block costs one small question, a long hit a few."""
         run: list[str] = []
         size = 1
+        peer = _target(peer)  # one peer for the whole question
         while len(run) < len(keys):
             part = keys[len(run):len(run) + size]
             found = self.find_run(part, peer)
@@ -73,7 +92,8 @@ class LowerTiers:
             size *= 2
         return run
 
-    def find_run(self, keys: list[PageKey], peer: str | None = None) -> list[str]:
+    def find_run(self, keys: list[PageKey],
+                 peer: "str | PeerTarget | None" = None) -> list[str]:
         """The tier of each key of the longest leading run of ``keys`` held
         below the host tier (the first tier, in lookup order, that has it)."""
         run: list[str] = []
@@ -83,33 +103,47 @@ class LowerTiers:
             run.append(tier)
         return run
 
-    def find_each(self, keys: list[PageKey], peer: str | None = None) -> list[str | None]:
+    def find_each(self, keys: list[PageKey],
+                  peer: "str | PeerTarget | None" = None) -> list[str | None]:
         """The first tier (in lookup order) holding each of ``keys``, None
         where none does. Each tier is asked once for all the keys the tiers
         before it lack (``contains_many``: one round trip to a server); the
-        pool of ``peer`` (a control endpoint) after this machine's tiers and
-        before a remote server."""
+        pool of ``peer`` (a control endpoint, or a PeerTarget: without an
+        endpoint, the peer directory names one for the keys left) after this
+        machine's tiers and before a remote server."""
+        target = _target(peer)
         found: list[str | None] = [None] * len(keys)
-        for view in self._in_order(peer):
+        for view in self._in_order(target):
             todo = [i for i, tier in enumerate(found) if tier is None]
             if not todo:
                 break
             batch = [keys[i] for i in todo]
             with self.calls.timed(view, sample=True):
-                hits = (view.contains_many_at(peer, batch) if view is self.peer_view
-                        else view.contains_many(batch))
+                if view is not self.peer_view:
+                    hits = view.contains_many(batch)
+                else:
+                    if target.endpoint is None:
+                        target.endpoint = view.locate(batch)
+                    hits = ([False] * len(batch) if target.endpoint is None
+                            else view.contains_many_at(target.endpoint, batch))
             for i, hit in zip(todo, hits):
                 if hit:
                     found[i] = view.name
         return found
 
-    def _in_order(self, peer: str | None) -> list:
+    def _in_order(self, peer: PeerTarget) -> list:
         """The views to ask, in lookup order: a peer's host memory, read
         over the network, before a remote server's."""
-        if peer is None or self.peer_view is None:
+        if self.peer_view is None or (peer.endpoint is None
+                                      and getattr(self.peer_view, "directory", None) is None):
             return self.views
         local = [v for v in self.views if v.name != "remote"]
         return local + [self.peer_view] + [v for v in self.views if v.name == "remote"]
+
+    def set_own_endpoint(self, endpoint: str | None) -> None:
+        """This engine's pool is served at ``endpoint``: never asked as a peer."""
+        if hasattr(self.peer_view, "set_own"):
+            self.peer_view.set_own(endpoint)
 
     def writes_fresh_pages(self) -> bool:
         """Whether a page stored for the first time is written to some tier

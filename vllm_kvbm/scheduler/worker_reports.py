@@ -31,6 +31,11 @@ class WorkerReports:
                 ranks = self._tier_usage[tier].values()
                 self.stats.set_gauge(f"{tier}_cache_used_bytes", max(u for u, _ in ranks))
                 self.stats.set_gauge(f"{tier}_cache_capacity_bytes", max(c for _, c in ranks))
+            if meta.pool_served_at is not None:
+                # this engine's pool endpoint: never asked as a peer, and
+                # named in its pool pages' KV events
+                self.lower.set_own_endpoint(meta.pool_served_at or None)
+                self.events.pool_owner = meta.pool_served_at or None
             self.stats.add("transfer_timeouts", meta.transfers_overdue)
             # Held before the failed stores drop their keys, so those slots
             # never reach the free list while a late write may land in them.

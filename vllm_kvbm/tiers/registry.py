@@ -84,7 +84,8 @@ def open_views(config: "KVBMConfig", info: "EngineInfo") -> list["TierView"]:
 
 def open_peer_view(config: "KVBMConfig", info: "EngineInfo"):
     """The scheduler's view of peers' pools (None: peer_reads off). Not one of
-    open_views': it answers only for a request whose hint names the peer."""
+    open_views': it answers only for a request whose hint names the peer, or,
+    with peer_directory_url, the peer the directory names."""
     if not config.peer_reads:
         return None
     return PEER.view_class().from_config(config, info, page_secret(config))

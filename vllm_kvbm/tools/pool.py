@@ -2,6 +2,7 @@
 
     kvbm-pool --dir /dev/shm --socket /run/kvbm/pool.sock [--serve-port 7300]
               [--serve-host 0.0.0.0] [--max-bytes 64GiB]
+              [--directory-url redis://HOST:6379 [--directory-ttl 300]]
     kvbm-pool --check --socket /run/kvbm/pool.sock     # exit 0 when it answers
 
 Engines started with ``pool_socket`` ask it for the pool file of their
@@ -17,6 +18,12 @@ or ``rm``).
 
 Only processes of its own user may attach (``SO_PEERCRED``): the files are
 0600. The socket is created 0600 in a directory made 0700.
+
+With ``--directory-url`` (the engines' peer_directory_url; the password from
+``--directory-password-file`` or KVBM_REMOTE_PASSWORD) it keeps its
+endpoint's liveness key in the peer directory while it serves, and renews
+the entries of the rank-0 pool files it holds (tiers/peer/directory.py), so
+they stay listed while their engine restarts.
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ _CLIENT_TIMEOUT_S = 10.0
 
 class PoolService:
     def __init__(self, directory: str, socket_path: str, serve_host: str = "0.0.0.0",
-                 serve_port: int | None = None, max_bytes: int | None = None):
+                 serve_port: int | None = None, max_bytes: int | None = None,
+                 peer_directory: dict | None = None):
         self.directory = os.path.abspath(directory)
         if not os.path.isdir(self.directory) or not os.access(self.directory, os.W_OK):
             raise KVBMConfigError(f"--dir: {self.directory!r} is not a writable directory")
@@ -60,7 +68,39 @@ class PoolService:
             from vllm_kvbm.tiers.peer.server import PeerServer
 
             self.server = PeerServer(serve_host, serve_port)
-        self._listener = _listen(self.socket_path)
+        # the peer directory: (link, ttl_s), its liveness and per rank-0 file its writer
+        self._directory = None
+        self._liveness = None
+        self._writers: dict = {}
+        try:
+            if peer_directory is not None:
+                self._open_directory(**peer_directory)
+            self._listener = _listen(self.socket_path)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_directory(self, url: str, password=None, ttl_s: float = 300.0,
+                        tls_ca_file: str | None = None, timeout_s: float = 2.0) -> None:
+        from vllm_kvbm.tiers.peer.directory import Liveness, open_link
+
+        if self.server is None:
+            raise KVBMConfigError("--directory-url: it lists the pool files served to peers, "
+                                  "and none are: set --serve-port too")
+        link = open_link(url, password, timeout_s, "for kvbm-pool", tls_ca_file)
+        self._directory = (link, ttl_s)
+        self._liveness = Liveness(link, self.endpoint, self.server.incarnation)
+        logger.info("kvbm-pool: its liveness and its rank-0 pool files' pages listed in the "
+                    "peer directory at %s", link.target)
+
+    @property
+    def endpoint(self) -> str | None:
+        """The rank-0 endpoint peers read its files at (None: not served)."""
+        if self.server is None:
+            return None
+        from vllm_kvbm.tiers.peer.protocol import endpoint_of
+
+        return endpoint_of(self.serve_host, self.serve_port)
 
     # -- files ---------------------------------------------------------------------
     def adopt_existing(self) -> int:
@@ -95,7 +135,24 @@ class PoolService:
             except Exception as err:  # noqa: BLE001 - the file still serves its engines
                 logger.warning("kvbm-pool: cannot serve %s to peers on port %d: %s",
                                spec.path, self.serve_port + rank, err)
+            else:
+                self._list(pool, rank)
         return pool
+
+    def _list(self, pool: PoolFile, rank: int) -> None:
+        """Renews the directory entries of a rank-0 file it serves (its
+        engines write them as pages come and go; this keeps them while the
+        engines restart)."""
+        if self._directory is None or rank != 0:
+            return
+        from vllm_kvbm.tiers.peer.directory import DirectoryWriter
+
+        link, ttl_s = self._directory
+        old = self._writers.pop(pool.name, None)
+        if old is not None:
+            old.close()
+        self._writers[pool.name] = DirectoryWriter(link, pool.name, self.endpoint, ttl_s,
+                                                   pool=pool)
 
     def attach(self, message: dict, uid: int) -> dict:
         """The reply to one engine's attach request."""
@@ -184,9 +241,20 @@ class PoolService:
             logger.warning("kvbm-pool: a client: %s", err)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._listener.close()
-            os.unlink(self.socket_path)
+        listener = getattr(self, "_listener", None)
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.close()
+                os.unlink(self.socket_path)
+        if self._liveness is not None:
+            self._liveness.close()  # peers stop counting its entries at once
+            self._liveness = None
+        for writer in self._writers.values():
+            writer.close()
+        self._writers.clear()
+        if self._directory is not None:
+            self._directory[0].close()
+            self._directory = None
         if self.server is not None:
             self.server.close()
         for pool in self.files.values():
@@ -224,6 +292,34 @@ def _listen(path: str) -> socket.socket:
     return sock
 
 
+def _directory_args(args) -> dict | None:
+    """The peer directory's settings from the command line; KVBMConfigError
+    naming the option and the fix."""
+    if args.directory_url is None:
+        for name in ("directory_password_file", "directory_tls_ca_file"):
+            if getattr(args, name) is not None:
+                raise KVBMConfigError(f"--{name.replace('_', '-')} needs --directory-url")
+        return None
+    from vllm_kvbm.config import MIN_DIRECTORY_TTL_S
+    from vllm_kvbm.config.secrets import Secret, parse_password_file
+    from vllm_kvbm.config.urls import check_directory_url, parse_ca_file
+
+    url = check_directory_url("--directory-url", args.directory_url)
+    if not args.directory_ttl >= MIN_DIRECTORY_TTL_S:
+        raise KVBMConfigError(f"--directory-ttl: at least {MIN_DIRECTORY_TTL_S:g} seconds "
+                              f"(entries are renewed every third of it), e.g. 300")
+    env = os.environ.get("KVBM_REMOTE_PASSWORD", "")
+    if args.directory_password_file is not None and env.strip():
+        raise KVBMConfigError("KVBM_REMOTE_PASSWORD and --directory-password-file are both "
+                              "set; set only one of them")
+    password = (parse_password_file("--directory-password-file", args.directory_password_file)
+                if args.directory_password_file is not None
+                else Secret(env.rstrip("\r\n"), "KVBM_REMOTE_PASSWORD") if env.strip() else None)
+    ca = (parse_ca_file("--directory-tls-ca-file", args.directory_tls_ca_file)
+          if args.directory_tls_ca_file is not None else None)
+    return {"url": url, "password": password, "ttl_s": args.directory_ttl, "tls_ca_file": ca}
+
+
 def check(socket_path: str, timeout_s: float = 5.0) -> int:
     """0 when the kvbm-pool at ``socket_path`` answers (a healthcheck), else 1."""
     try:
@@ -250,6 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-host", default="0.0.0.0", help="address to serve peers on")
     p.add_argument("--max-bytes", default=None,
                    help="most bytes of pool files to hold, e.g. 64GiB (default: no cap)")
+    p.add_argument("--directory-url", default=None,
+                   help="the peer directory (the engines' peer_directory_url, redis://HOST:PORT): "
+                        "keep this process's liveness there and renew its files' entries")
+    p.add_argument("--directory-ttl", type=float, default=300.0,
+                   help="seconds a directory entry lives (the engines' peer_directory_ttl_s)")
+    p.add_argument("--directory-password-file", default=None,
+                   help="a file holding the directory's password (or KVBM_REMOTE_PASSWORD)")
+    p.add_argument("--directory-tls-ca-file", default=None,
+                   help="CA certificates (PEM) a rediss:// directory's certificate chains to")
     p.add_argument("--check", action="store_true", help="ask a running kvbm-pool and exit")
     args = p.parse_args(argv)
     if args.check:
@@ -260,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         max_bytes = None if args.max_bytes is None else parse_size("--max-bytes",
                                                                   args.max_bytes)
         service = PoolService(args.dir, args.socket, args.serve_host, args.serve_port,
-                              max_bytes)
+                              max_bytes, _directory_args(args))
     except KVBMConfigError as err:
         print(f"kvbm-pool: {err}", file=sys.stderr)
         return 2

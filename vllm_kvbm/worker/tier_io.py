@@ -158,6 +158,7 @@ class TierIO:
         self._read_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
         self._write_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
         self._usage_sent: dict[str, tuple[int, int]] = {}
+        self._served_said = False  # pool_served_at reported
         self._dropped: list[tuple[str, bytes]] = []
         self._unreported, self._warned_at = 0, -1e9
 
@@ -307,6 +308,11 @@ class TierIO:
             usage = store.usage()
             if usage is not None and usage != self._usage_sent.get(name):
                 meta.tier_usage[(name, self.rank)] = self._usage_sent[name] = usage
+        if not self._served_said and self.rank == 0 and "pool" in self.tiers:
+            # where peers read this engine's pool (KV events, the peer directory)
+            pool = getattr(self.tiers["pool"], "pool", None)
+            meta.pool_served_at = getattr(pool, "served_at", None) or ""
+            self._served_said = True
         for times, out in ((self._read_times, meta.tier_read_seconds),
                            (self._write_times, meta.tier_write_seconds)):
             while times:

@@ -8,6 +8,11 @@ hint (scheduler/router_hints.py), on the lookup thread. A page is held when
 every TP rank's pool file at the peer holds it. A peer that does not answer
 within ``timeout_s`` is a miss for that question and is not asked again for
 ``retry_s``, so a dead peer costs one timeout, not one per request.
+
+For a request without a hint, ``locate(keys)`` asks the peer directory
+(peer_directory_url, directory.py) which live peer holds the longest run of
+its pages, never this engine's own endpoint nor a peer that failed lately;
+that peer is then asked as if a hint named it, so a stale entry is a miss.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ class PeerView:
 
     def __init__(self, namespace: str, page_bytes: int, world_size: int,
                  secret: bytes | None = None, timeout_s: float = 1.0,
-                 retry_s: float | None = None):
+                 retry_s: float | None = None, directory=None,
+                 own: str | None = None):
         self._names = PageNames(namespace, page_bytes, secret)
         self._files = [layout.file_name(layout.name_digest(namespace, page_bytes, r, world_size),
                                         r, world_size) for r in range(world_size)]
@@ -47,12 +53,30 @@ class PeerView:
         self._down_until: dict[str, float] = {}
         self._context = None
         self.down = False  # the last question failed (TierCalls reads it)
+        # the peer directory's reader (directory.py DirectoryReader; None: none)
+        self.directory = directory
+        # this engine's own pool endpoint: never asked (set_own)
+        self.own = own
 
     @classmethod
     def from_config(cls, config: "KVBMConfig", info: "EngineInfo",
                     secret: bytes | None) -> "PeerView":
+        directory = None
+        if config.peer_directory_url is not None:
+            from vllm_kvbm.tiers.peer.directory import DirectoryReader, config_link
+
+            directory = DirectoryReader(config_link(config, "for lookups"),
+                                        layout.file_name(layout.name_digest(
+                                            info.tier_namespace, info.page_bytes, 0,
+                                            info.key_namespace.tp_size), 0,
+                                            info.key_namespace.tp_size))
+        own = None
+        if config.pool_serve_port is not None and config.pool_socket is None:
+            # what its worker serves on (the workers say so once they run:
+            # kvbm-pool's endpoint, or none when the server did not start)
+            own = protocol.endpoint_of(config.pool_serve_host, config.pool_serve_port)
         return cls(info.tier_namespace, info.page_bytes, info.key_namespace.tp_size, secret,
-                   timeout_s=config.peer_read_timeout_s)
+                   timeout_s=config.peer_read_timeout_s, directory=directory, own=own)
 
     @property
     def link(self):
@@ -63,6 +87,25 @@ class PeerView:
 
     def contains_many(self, keys: list[PageKey]) -> list[bool]:
         return [False] * len(keys)
+
+    def set_own(self, endpoint: str | None) -> None:
+        """This engine's pool is served at ``endpoint`` (None: not served)."""
+        self.own = endpoint
+
+    def locate(self, keys: list[PageKey]) -> str | None:
+        """The endpoint of the live peer the directory says holds the longest
+        run of ``keys`` from the first (None: no directory, none, or it did
+        not answer)."""
+        if self.directory is None or not keys:
+            return None
+        now = time.monotonic()
+        exclude = {e for e, until in self._down_until.items() if now < until}
+        if self.own is not None:
+            exclude.add(self.own)
+        tkeys = [layout.table_key(self._names, key) for key in keys]
+        endpoint = self.directory.locate(tkeys, frozenset(exclude))
+        self.down = self.directory.down
+        return endpoint
 
     def contains_many_at(self, endpoint: str, keys: list[PageKey]) -> list[bool]:
         """Which of ``keys`` every TP rank's pool file at ``endpoint`` (the
@@ -120,6 +163,8 @@ class PeerView:
                 link.close()
 
     def close(self) -> None:
+        if self.directory is not None:
+            self.directory.close()
         for link in self._links.values():
             link.close()
         self._links = {}

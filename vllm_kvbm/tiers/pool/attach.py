@@ -118,6 +118,7 @@ def open_engine_pool(config: "KVBMConfig", spec: PoolSpec, rank: int):
     if config.pool_socket is not None:
         try:
             pool, endpoint = attach(config.pool_socket, spec, rank)
+            pool.served_at = _valid_endpoint(endpoint)  # kvbm-pool's, rank 0's
             logger.info("KVBM: pool tier: attached to kvbm-pool at %s: %s (%d slots); %s",
                         config.pool_socket, pool.path, pool.geometry.nslots,
                         f"served to peers by kvbm-pool at {endpoint}" if endpoint
@@ -133,6 +134,10 @@ def open_engine_pool(config: "KVBMConfig", spec: PoolSpec, rank: int):
     try:
         if serve is not None:
             server = start_server(pool, config.pool_serve_host, serve + rank)
+            if server is not None:
+                from vllm_kvbm.tiers.peer.protocol import endpoint_of
+
+                pool.served_at = endpoint_of(config.pool_serve_host, serve)
         if config.pool_socket is None:
             logger.info("KVBM: pool tier: %s (%d slots of %d bytes)%s", pool.path,
                         pool.geometry.nslots, pool.geometry.stride,
@@ -141,6 +146,19 @@ def open_engine_pool(config: "KVBMConfig", spec: PoolSpec, rank: int):
         pool.close()
         raise
     return pool, server
+
+
+def _valid_endpoint(endpoint: str | None) -> str | None:
+    """kvbm-pool's endpoint (its --serve-port: rank 0's), if it is one."""
+    if endpoint is None:
+        return None
+    from vllm_kvbm.tiers.peer.protocol import parse_endpoint
+
+    try:
+        parse_endpoint(endpoint)
+    except ValueError:
+        return None
+    return endpoint
 
 
 def start_server(pool: PoolFile, host: str, port: int):

@@ -103,6 +103,10 @@ class PoolFile:
         self.view = memoryview(self._map)
         self._thread_lock = threading.Lock()  # flock does not exclude threads of one process
         self.closed = False
+        # the rank-0 control endpoint peers read this file's pages at (the
+        # worker's own server or kvbm-pool's; None: not served), for the
+        # peer directory's entries (tiers/peer/directory.py)
+        self.served_at: str | None = None
 
     @property
     def name(self) -> str:

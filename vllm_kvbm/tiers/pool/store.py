@@ -48,18 +48,21 @@ class PoolStore(TierStore):
     """``pool``: a PoolFile (held until close); ``codec``: this worker's
     PageCodec (namespace, rank, layout, page secret). ``server``: the peer
     server this worker runs for the file (None: kvbm-pool serves it, or no
-    one does); closed with the store."""
+    one does); ``directory``: what lists the file's pages in the peer
+    directory (tiers/peer/directory.py; None: no directory, or not rank 0);
+    both closed with the store."""
 
     name = "pool"
     write_inflight = 1  # writes into one file take turns under its lock anyway
 
     def __init__(self, pool: PoolFile, codec: PageCodec, server=None,
-                 lock_wait_s: float = 5.0):
+                 lock_wait_s: float = 5.0, directory=None):
         if pool.geometry.stored_bytes != codec.stored_bytes:
             raise ValueError(f"pool file {pool.path} holds pages of "
                              f"{pool.geometry.stored_bytes} bytes, this engine's are "
                              f"{codec.stored_bytes}")
         self.pool, self._codec, self.server = pool, codec, server
+        self.directory = directory
         self.page_bytes = codec.page_bytes
         self._g = pool.geometry
         self._lock_wait_s = lock_wait_s
@@ -85,9 +88,17 @@ class PoolStore(TierStore):
         spec = PoolSpec.for_worker(config.pool_dir, info.tier_namespace, info.page_bytes,
                                    rank, world, layout_fp, config.pool_cache_bytes)
         pool, server = open_engine_pool(config, spec, rank)
+        directory = None
         try:
-            return cls(pool, codec, server)
+            from vllm_kvbm.tiers.peer.directory import pool_directory
+
+            directory = pool_directory(config, pool, server, rank)
+            return cls(pool, codec, server, directory=directory)
         except BaseException:
+            if directory is not None:
+                directory.close()
+            if server is not None:
+                server.close()
             pool.close()
             raise
 
@@ -119,6 +130,7 @@ class PoolStore(TierStore):
         first = g.set_of(tkey) * g.ways
         if layout.find(view, g, tkey) is not None:
             self._note_key(tkey, key)
+            self._listed(tkey)  # written again: its directory entry renewed
             return True  # another engine (or this one) has written it
         slot, gen, old = self._victim(first)
         e = g.entry_off(slot)
@@ -132,7 +144,12 @@ class PoolStore(TierStore):
         else:
             self._evicted(old)
         self._note_key(tkey, key)
+        self._listed(tkey)
         return True
+
+    def _listed(self, tkey: bytes) -> None:
+        if self.directory is not None:
+            self.directory.stored(tkey)  # queued: the directory's thread writes it
 
     def _victim(self, first: int) -> tuple[int, int, bytes]:
         """(slot, even generation to write from, key it held) in the set
@@ -173,6 +190,8 @@ class PoolStore(TierStore):
                 self._keys.popitem(last=False)
 
     def _evicted(self, tkey: bytes) -> None:
+        if self.directory is not None:
+            self.directory.removed(tkey)
         if self._codec.keyed:
             with self._keys_lock:
                 key = self._keys.pop(tkey, None)
@@ -252,6 +271,8 @@ class PoolStore(TierStore):
             view[e + 8:e + 8 + 32] = EMPTY_KEY
             layout.write_u64(view, e, gen + 2)
             self.pool.add_used(-1)
+        if self.directory is not None:
+            self.directory.removed(tkey)
         with self._keys_lock:
             self._keys.pop(tkey, None)
 
@@ -271,6 +292,8 @@ class PoolStore(TierStore):
         if self._closed:
             return
         self._closed = True
+        if self.directory is not None:
+            self.directory.close()  # its sweep reads the mapping: first
         if self.server is not None:
             self.server.close()
         self.pool.close()

@@ -51,7 +51,7 @@ class RedisLink:
 
     def __init__(self, target: RemoteTarget, password: Secret | None, timeout_s: float,
                  retry_interval_s: float = 2.0, role: str = "",
-                 tls_ca_file: str | None = None):
+                 tls_ca_file: str | None = None, what: str = "remote tier"):
         if not target.resp:
             raise ValueError(f"{target} is not a Redis/Valkey URL")
         if not timeout_s > 0:
@@ -59,7 +59,8 @@ class RedisLink:
         self.target = target
         self._password = password
         self._timeout_s = float(timeout_s)
-        self._retry = Reconnect(retry_interval_s, "remote tier", str(target), role)
+        self._what = what  # what the log names it: "remote tier", "peer directory"
+        self._retry = Reconnect(retry_interval_s, what, str(target), role)
         self._tls_ca_file = tls_ca_file
         self._lock = threading.Lock()
         self._client = None
@@ -200,8 +201,8 @@ class RedisLink:
                     if len(self._warned) > 64:
                         self._warned.clear()
                     self._warned[text] = now
-                    logger.warning("KVBM: remote tier %s: %s failed: %s (said at most once a "
-                                   "minute)", self.target, what, text)
+                    logger.warning("KVBM: %s %s: %s failed: %s (said at most once a "
+                                   "minute)", self._what, self.target, what, text)
             return fail
         except Exception as err:  # noqa: BLE001 - timeout, reset, cluster moved, ...
             self._drop(client, err)
