@@ -60,7 +60,19 @@ def parse_size(key: str, value: Any) -> int:
         raise KVBMConfigError(f"{key}: size must be a finite number of bytes, got {value!r}")
     if number < 0:
         raise KVBMConfigError(f"{key}: size must not be negative, got {value!r}")
+    if not unit and 0 < number < MIN_UNITLESS_BYTES:
+        # vLLM's --kv-offloading-size 16 and LMCache's max_local_cpu_size: 16 mean
+        # GiB; read as bytes, 16 would start an engine whose tier holds nothing.
+        shown = f"{number:g}"
+        raise KVBMConfigError(
+            f"{key}: {value!r} has no unit, so it reads as {shown} bytes, less than 1 MiB; "
+            f"write the unit: \"{shown}GiB\" (what vLLM's --kv-offloading-size {shown} and "
+            f"LMCache's max_local_cpu_size: {shown} mean), or a byte count of at least {MIN_UNITLESS_BYTES}")
     return int(number * scale)
+
+
+# A size without a unit below this is refused (see parse_size).
+MIN_UNITLESS_BYTES = 1 << 20
 
 
 def parse_int(key: str, value: Any, minimum: int) -> int:
