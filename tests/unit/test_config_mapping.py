@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from vllm_kvbm.config import load_config
-from vllm_kvbm.config import _KEYS as KVBM_KEYS
+from vllm_kvbm.config import _KEYS as CONFIG_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +52,7 @@ def test_every_row_names_real_settings():
             if re.fullmatch(r"[a-z_]+", name) and not name.startswith(("kv_", "lmcache")):
                 if name in ("true", "false"):
                     continue
-                assert name in KVBM_KEYS, (name, kvbm)
+                assert name in CONFIG_KEYS, (name, kvbm)
 
 
 @pytest.mark.parametrize("lmcache_gb", [5, 0.5])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from vllm_kvbm.config.dynamo import DYN_ENV, apply_dyn_metrics, dynamo_env_not_read
+from vllm_kvbm.config.env_names import misspelt_env
 from vllm_kvbm.config.errors import KVBMConfigError
 from vllm_kvbm.config.parsing import (parse_bool, parse_choice, parse_dir, parse_host,
                                       parse_int, parse_nixl_backend, parse_port,
@@ -334,6 +335,8 @@ def load_config(extra: Mapping[str, Any] | None,
         logger.warning("KVBM: %s %s Dynamo's and not read by vllm_kvbm (no KVBM setting means "
                        "the same; docs/configuration.md, Dynamo's variables)", ", ".join(ignored),
                        "is" if len(ignored) == 1 else "are")
+    for line in misspelt_env(environ, [*_ENV, "KVBM_REMOTE_PASSWORD", "KVBM_PAGE_SECRET"]):
+        logger.warning("KVBM: %s", line)
     kwargs: dict[str, Any] = {}
     sources: dict[str, str] = {}  # key -> its first source (the key itself: extra_config)
     shown: dict[str, str] = {}    # key -> its sources, as describe() names them
