@@ -17,7 +17,8 @@ from vllm_kvbm.config.env_names import OTHER_KVBM_ENV, misspelt_env
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = ("KVBM_REMOTE_PASSWORD", "KVBM_PAGE_SECRET")
 # KVBM_* words in the repository that are not environment variables
-NOT_ENV = {"KVBM_CONFIG"}  # examples/lmbenchmark/run.sh: a shell variable
+NOT_ENV = {"KVBM_CONFIG",           # examples/lmbenchmark/run.sh: a shell variable
+           "KVBM_HOST_CACHE_SIZ"}   # configuration.md: the warning's example
 
 
 def warnings_of(environ: dict, caplog) -> list[str]:
