@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from vllm_kvbm.tools.compute_dtype import compute_dtype
 
@@ -96,39 +97,21 @@ class Server:
     def stream_completion(self, prompt, max_tokens: int = 16,
                           timeout: float = 600) -> tuple[float, float, str]:
         """Greedy streaming completion: (ttft seconds, total seconds, text)."""
-        body = json.dumps({
-            "model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-        }).encode()
-        req = urllib.request.Request(f"{self.url}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        start = time.perf_counter()
-        ttft = None
-        text = []
-        try:
-            resp = urllib.request.urlopen(req, timeout=timeout)
-        except urllib.error.HTTPError as err:
-            raise RuntimeError(f"{self.url} answered {err.code}: "
-                               f"{err.read().decode(errors='replace')[:500]}") from None
-        with resp:
-            for raw in resp:
-                line = raw.decode().strip()
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[5:])
-                piece = chunk["choices"][0].get("text", "")
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                text.append(piece)
-        total = time.perf_counter() - start
-        return (ttft if ttft is not None else total), total, "".join(text)
+        from vllm_kvbm.tools.completions import stream_sync
+
+        out = stream_sync(self.url, self.model, prompt, max_tokens, timeout)
+        return out.ttft, out.total, "".join(out.text)
 
 
 @contextmanager
 def vllm_server(model: str, kv_transfer_config: dict | None = None,
                 extra_args: list[str] | None = None, env: dict | None = None,
                 log_path: str | os.PathLike | None = None,
-                startup_timeout: float = 600, port: int | None = None) -> Iterator[Server]:
+                startup_timeout: float = 600, port: int | None = None,
+                on_wait: Callable[[float, str], None] | None = None) -> Iterator[Server]:
+    """A running ``vllm serve``, stopped on exit. ``on_wait(seconds, line)``
+    is called about once a second while it starts, with the last line of its
+    log (a caller's progress display)."""
     port = port or free_port()
     extra_args = list(extra_args or [])
     if not any(a == "--dtype" or a.startswith("--dtype=") for a in extra_args):
@@ -146,7 +129,8 @@ def vllm_server(model: str, kv_transfer_config: dict | None = None,
     try:
         wait_for_http(f"{server.url}/health", proc, startup_timeout, "vllm serve",
                       on_exit=lambda: f"errors in {log_path}:\n{_errors(log_path)}",
-                      on_timeout=lambda: f"log: {log_path}\n{_tail(log_path)}")
+                      on_timeout=lambda: f"log: {log_path}\n{_tail(log_path)}",
+                      on_poll=on_wait and (lambda s: on_wait(s, last_line(log_path))))
         yield server
     finally:
         _stop(proc)
@@ -154,10 +138,14 @@ def vllm_server(model: str, kv_transfer_config: dict | None = None,
 
 
 def wait_for_http(url: str, proc: subprocess.Popen, timeout: float, what: str,
-                  on_exit=lambda: "", on_timeout=lambda: "") -> None:
-    """Waits until ``url`` answers 200, failing early if ``proc`` exits."""
-    deadline = time.monotonic() + timeout
+                  on_exit=lambda: "", on_timeout=lambda: "", on_poll=None) -> None:
+    """Waits until ``url`` answers 200, failing early if ``proc`` exits;
+    ``on_poll(seconds waited)`` between tries."""
+    start = time.monotonic()
+    deadline = start + timeout
     while True:
+        if on_poll is not None:
+            on_poll(time.monotonic() - start)
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.returncode} during startup; "
                                f"{on_exit()}")
@@ -249,6 +237,24 @@ def _errors(path: Path, limit: int = 12) -> str:
         if ("Error:" in text or "Exception:" in text) and text not in seen:
             seen.append(text)
     return "\n".join(seen[:limit]) or _tail(path)
+
+
+def last_line(path: Path, width: int = 100) -> str:
+    """The last non-empty line of a log, without vLLM's level, time and
+    source prefix, cut to ``width``: what a server is doing as it starts."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
+        text = re.sub(r"^(\([\w ]+ pid=\d+\)\s*)?(\w+ \d\d-\d\d \d\d:\d\d:\d\d "
+                      r"\[[^\]]*\]\s*)?", "", text)
+        if text:
+            return text if len(text) <= width else text[:width - 3] + "..."
+    return ""
 
 
 def _tail(path: Path, lines: int = 30) -> str:
