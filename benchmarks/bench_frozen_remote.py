@@ -28,44 +28,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from vllm_kvbm.tools.completions import Streamed as Stream
+from vllm_kvbm.tools.completions import async_client, stream_into
+
+# each chunk's token count (return_token_ids): a chunk of several tokens is one gap
+stream = partial(stream_into, token_ids=True)
 
 BLOCK_SIZE = 128
-
-
-@dataclass
-class Stream:
-    """One streamed completion: when it was sent, when each chunk arrived, and
-    how many tokens each chunk held."""
-    sent: float
-    stamps: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    done: bool = False
-
-    @property
-    def ttft(self) -> float:
-        return self.stamps[0] - self.sent
-
-
-def token_chunks(line: bytes) -> int | None:
-    """Tokens in one SSE line of a streamed completion (``return_token_ids``),
-    None for a line that is no token chunk (keep-alives, usage, ``[DONE]``)."""
-    text = line.decode(errors="replace").strip()
-    if not text.startswith("data:") or text == "data: [DONE]":
-        return None
-    chunk = json.loads(text[5:])
-    choices = chunk.get("choices") or []
-    if not choices:
-        return None
-    ids = choices[0].get("token_ids")
-    return len(ids) if ids is not None else 1
 
 
 def gaps_within(streams: list[Stream], start: float, end: float) -> list[float]:
@@ -75,29 +54,6 @@ def gaps_within(streams: list[Stream], start: float, end: float) -> list[float]:
     for s in streams:
         out += [b - a for a, b in zip(s.stamps, s.stamps[1:]) if start <= b <= end]
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
-
-
-async def stream(session, url: str, model: str, prompt: list[int], max_tokens: int,
-                 out: Stream, timeout: float) -> None:
-    import aiohttp
-
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    async with session.post(f"{url}/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            n = token_chunks(raw)
-            if n:
-                out.stamps.append(time.perf_counter())
-                out.tokens.append(n)
-    out.done = True
 
 
 async def wait_until(cond, timeout: float, what: str) -> None:
@@ -112,12 +68,10 @@ async def phase(url: str, model: str, args, rng: random.Random, freeze=None, tha
     """Decoders stream; newcomers arrive every ``args.gap`` s. Returns the
     decoders' gaps over the window (from the first newcomer sent, ``args.window``
     seconds or until the last newcomer finished) and the newcomers' TTFTs."""
-    import aiohttp
-
-    async with aiohttp.ClientSession() as session:
+    async with async_client(url, args.request_timeout) as client:
         decoders = [Stream(time.perf_counter()) for _ in range(args.decoders)]
         tasks = [asyncio.create_task(stream(
-            session, url, model, [rng.randrange(10, 7000) for _ in range(32)],
+            client, model, [rng.randrange(10, 7000) for _ in range(32)],
             args.decode_tokens, d, args.request_timeout)) for d in decoders]
         try:
             await wait_until(lambda: all(len(d.stamps) >= 8 for d in decoders) or
@@ -141,8 +95,7 @@ async def phase(url: str, model: str, args, rng: random.Random, freeze=None, tha
                     prompt = [rng.randrange(10, 7000)
                               for _ in range(args.newcomer_blocks * BLOCK_SIZE + 1)]
                     sent.append(asyncio.create_task(stream(
-                        session, url, model, prompt, args.newcomer_tokens, s,
-                        args.request_timeout)))
+                        client, model, prompt, args.newcomer_tokens, s, args.request_timeout)))
                 done, _ = await asyncio.wait(sent, timeout=args.request_timeout)
                 # A window of one length in every phase, so that each holds
                 # the same prefills and the mean ITLs compare.
@@ -175,13 +128,14 @@ async def phase(url: str, model: str, args, rng: random.Random, freeze=None, tha
 def row(name: str, gaps: list[float], ref: list[float] | None) -> str:
     mean = statistics.fmean(gaps)
     ratio = f"{mean / statistics.fmean(ref):.2f}x" if ref else "1.00x"
-    return (f"| {name} | {len(gaps)} | {mean * 1e3:.1f} ms | {percentile(gaps, 50) * 1e3:.1f} ms "
-            f"| {percentile(gaps, 99) * 1e3:.1f} ms | {max(gaps) * 1e3:.1f} ms | {ratio} |")
+    p50, p99 = np.percentile(gaps, [50, 99])
+    return (f"| {name} | {len(gaps)} | {mean * 1e3:.1f} ms | {p50 * 1e3:.1f} ms "
+            f"| {p99 * 1e3:.1f} ms | {max(gaps) * 1e3:.1f} ms | {ratio} |")
 
 
 def main(argv: list[str] | None = None) -> int:
     from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server
-    from vllm_kvbm.bench.cores import read_binding
+    from vllm_kvbm.bench.cores import process_binding
     from vllm_kvbm.tools.server import freeze_process, start_lmcache_server, stop_process
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -258,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(args.settle)  # the thawed server answers its backlog
             del phases[0]  # the warm-up
             log = server.log_path.read_text(errors="replace")
-            binding = read_binding(server.log_path)
+            binding = process_binding(server.process.pid)
     finally:
         lm.send_signal(signal.SIGCONT)
         stop_process(lm)
@@ -291,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     mean = statistics.fmean(frozen) / statistics.fmean(healthy)
     print(f"ITL frozen / healthy: mean {mean:.2f}x, "
-          f"p50 {percentile(frozen, 50) / percentile(healthy, 50):.2f}x, "
-          f"p99 {percentile(frozen, 99) / percentile(healthy, 99):.2f}x, "
+          f"p50 {np.percentile(frozen, 50) / np.percentile(healthy, 50):.2f}x, "
+          f"p99 {np.percentile(frozen, 99) / np.percentile(healthy, 99):.2f}x, "
           f"max {max(frozen) / max(healthy):.2f}x")
     # Healthy newcomers are misses (fresh prompts): their TTFT is the recompute's.
     ttfts = {kind: [t for name, r in phases if name == kind for t in r["ttft"]]
@@ -305,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gaps >= remote_timeout_s ({args.remote_timeout} s, what one lookup on the scheduler "
           f"thread would add to its step): healthy {slow[0]}, frozen {slow[1]}")
     print(f"decoder chunks holding more than one token: {chunky}; engine on "
-          f"{binding.describe() if binding else 'cores not logged'}")
+          f"{binding.describe() if binding else 'cores not read'}")
     print("engine log: remote tier unavailable for lookups: "
           f"{'unavailable for lookups' in log}, reachable again: {'reachable again' in log}")
     return 0

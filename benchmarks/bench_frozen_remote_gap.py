@@ -100,12 +100,12 @@ def offline_run(model: str, kv: dict, args, results) -> None:
 
 
 async def serve_workload(server, args) -> dict:
-    import aiohttp
+    from vllm_kvbm.tools.completions import async_client
 
     decoder_prompt, newcomers = prompts(args)
-    async with aiohttp.ClientSession() as session:
+    async with async_client(server.url, args.request_timeout) as client:
         decoder = Stream(time.perf_counter())
-        task = asyncio.create_task(stream(session, server.url, server.model, decoder_prompt,
+        task = asyncio.create_task(stream(client, server.model, decoder_prompt,
                                           4000, decoder, args.request_timeout))
         sent, start = [], None
         try:
@@ -118,7 +118,7 @@ async def serve_workload(server, args) -> dict:
                 start = start or time.perf_counter()
                 s = Stream(time.perf_counter())
                 sent.append((s, asyncio.create_task(stream(
-                    session, server.url, server.model, prompt, 4, s, args.request_timeout))))
+                    client, server.model, prompt, 4, s, args.request_timeout))))
             await asyncio.gather(*(t for _, t in sent))
             want = len(decoder.stamps) + args.every
             while len(decoder.stamps) < want and not task.done():

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import tempfile
 import time
 
 BLOCK_SIZE = 128
@@ -31,9 +30,11 @@ def ttft(llm, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def bench_ttft(model: str, lengths: list[int]) -> list[tuple]:
+def bench_ttft(model: str, lengths: list[int]) -> tuple[list[tuple], object]:
+    """The rows, and the cores the engine ran on (read while it runs)."""
     from vllm import LLM
 
+    from vllm_kvbm.bench.cores import process_binding
     from vllm_kvbm.tools.server import kvbm_transfer_config
 
     longest = max(lengths)
@@ -44,6 +45,7 @@ def bench_ttft(model: str, lengths: list[int]) -> list[tuple]:
               kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.3,
               kv_transfer_config=kvbm_transfer_config(host_cache_size="4GiB"))
     ttft(llm, [11] * 64)  # warm up
+    binding = process_binding(os.getpid())  # this process's engine core and its workers
     rows = []
     for n in lengths:
         rng = random.Random(n)
@@ -55,7 +57,7 @@ def bench_ttft(model: str, lengths: list[int]) -> list[tuple]:
         host = ttft(llm, prompt)       # onboarded from the host tier
         rows.append((n, miss, local, host))
     llm.llm_engine.engine_core.shutdown()
-    return rows
+    return rows, binding
 
 
 def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 10,
@@ -184,18 +186,15 @@ def main() -> None:
     # Bandwidth first: after an engine ran in this process, torch's own copy
     # threads are configured for the engine and the comparison is skewed.
     nbytes, bw = bench_bandwidth()
-    from vllm_kvbm.bench.cores import fair_cpu_env, read_binding, teed_output
+    from vllm_kvbm.bench.cores import fair_cpu_env
 
     cpu_env = fair_cpu_env()
     os.environ.update(cpu_env)
-    log = tempfile.NamedTemporaryFile(prefix="bench-host-tier-", suffix=".log", delete=False)
-    with teed_output(log.name):
-        rows = bench_ttft(args.model, args.lengths)
-    binding = read_binding(log.name)
+    rows, binding = bench_ttft(args.model, args.lengths)
     print()
-    print(f"engine: {binding.describe() if binding else 'cores unknown (no binding line)'}, "
+    print(f"engine: {binding.describe() if binding else 'cores not read'}, "
           f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
-          f"on {os.cpu_count()} cores; log {log.name}")
+          f"on {os.cpu_count()} cores")
     print()
     print("| prompt tokens | miss (recompute) | vLLM prefix hit | KVBM host hit | miss / host hit | host hit / vLLM hit |")
     print("|---:|---:|---:|---:|---:|---:|")

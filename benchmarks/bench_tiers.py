@@ -207,24 +207,23 @@ def main() -> None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
-    from vllm_kvbm.bench.cores import fair_cpu_env, read_binding, teed_output
+    from vllm_kvbm.bench.cores import fair_cpu_env
 
     cpu_env = fair_cpu_env()
     os.environ.update(cpu_env)
-    log = tempfile.NamedTemporaryFile(prefix="bench-tiers-", suffix=".log", delete=False)
-    with teed_output(log.name):
-        t = measure(args)
-    binding = read_binding(log.name)
+    t, binding = measure(args)
     print()
-    print(f"engine: {binding.describe() if binding else 'cores unknown (no binding line)'}, "
+    print(f"engine: {binding.describe() if binding else 'cores not read'}, "
           f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
-          f"on {os.cpu_count()} cores; log {log.name}")
+          f"on {os.cpu_count()} cores")
     report(args, t)
 
 
-def measure(args) -> dict:
+def measure(args) -> tuple[dict, object]:
+    """The TTFT of each path, and the cores the engine ran on."""
     from vllm import LLM
 
+    from vllm_kvbm.bench.cores import process_binding
     from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
     from vllm_kvbm.tools.server import stop_process as stop
 
@@ -242,6 +241,7 @@ def measure(args) -> dict:
                       host_cache_blocks=host_blocks, disk_cache_dir=str(disk),
                       disk_cache_size="4GiB", remote_url=f"lm://127.0.0.1:{port}"))
         ttft(llm, [11] * 64)
+        binding = process_binding(os.getpid())  # this process's engine core and its workers
         rng = random.Random(args.tokens)
         prompt = [rng.randrange(10, 7000) for _ in range(args.tokens)]
         before = set(disk.glob("*.pt"))
@@ -259,7 +259,7 @@ def measure(args) -> dict:
         llm.llm_engine.engine_core.shutdown()
     finally:
         stop(server)
-    return t
+    return t, binding
 
 
 def report(args, t: dict) -> None:

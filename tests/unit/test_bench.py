@@ -1,43 +1,113 @@
-"""kvbm-bench's parts that need no server: the core checks on real `vllm serve`
-logs, the comparison report, arrival pacing (tests/e2e/test_bench_e2e.py runs
-the client against a real server)."""
+"""kvbm-bench's parts that need no server: the core checks on process trees
+laid out as `vllm serve`'s, the comparison report, arrival pacing, the serve
+arguments as vLLM parses them, the plots (tests/e2e/test_bench_e2e.py runs
+the client and compare against a real server)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from vllm_kvbm.bench.client import Result, arrival_gaps, concurrency, summarize
-from vllm_kvbm.bench.compare import ConfigRun, report, unequal_cores
+from vllm_kvbm.bench.compare import ConfigRun, unequal_cores
+from vllm_kvbm.bench.cores import Binding, check_equal, fair_cpu_env, process_binding
 from vllm_kvbm.bench.lmbenchmark import lmbenchmark_problem
-from vllm_kvbm.bench.cores import check_equal, fair_cpu_env, parse_binding, read_binding
+from vllm_kvbm.bench.report import report
 
 pytestmark = pytest.mark.timeout(300)
 
 # ---- fair comparisons: the cores each configuration ran on ------------------------------
 
 DATA = Path(__file__).resolve().parents[1] / "data"
+CPUS = sorted(os.sched_getaffinity(0))
+
+# A process of the tree `vllm serve` starts (API server -> VLLM::EngineCore ->
+# VLLM::Worker[_TPn], titled as vLLM titles them). argv: its spec (JSON), this
+# source. A worker pins as vLLM's CPU worker does: its first thread to the
+# first OpenMP core, one thread to each further core; other threads pinned to
+# several cores (KVBM's I/O threads widen themselves to the machine).
+NODE = """
+import json, os, subprocess, sys, threading, time
+spec, source = json.loads(sys.argv[1]), sys.argv[2]
+for child in spec.get("children", []):
+    subprocess.Popen([child["title"], "-c", source, json.dumps(child), source],
+                     executable=child["exe"])
+pins = [{int(c) for c in p.split(",")} for p in spec.get("pins", "").split(";") if p]
+if pins:
+    os.sched_setaffinity(0, pins[0])
+def pinned(cpus):
+    os.sched_setaffinity(0, cpus)
+    time.sleep(300)
+for cpus in pins[1:]:
+    threading.Thread(target=pinned, args=(cpus,), daemon=True).start()
+if spec.get("ready"):
+    time.sleep(0.2)
+    open(spec["ready"], "w").close()
+time.sleep(300)
+"""
 
 
-def test_core_check_catches_unequal_cores_in_real_server_logs():
-    """Real `vllm serve` logs (vLLM CPU 0.32, 2 cores): by default the engine
-    with a kv_transfer_config got both cores and the plain one got one."""
-    plain = read_binding(DATA / "vllm-serve-plain-auto.log")
-    kvbm = read_binding(DATA / "vllm-serve-kvbm-auto.log")
-    fair = read_binding(DATA / "vllm-serve-kvbm-reserved1.log")
-    assert plain.cores == ((0,),) and plain.reserved == (1,) and plain.reserve == 1
-    assert kvbm.cores == ((0, 1),) and kvbm.reserved == () and kvbm.reserve == 2
-    assert fair.cores == ((0,),) and fair.threads == 1
+@pytest.fixture
+def engine_tree(tmp_path):
+    """Starts a `vllm serve`-shaped process tree, one worker per pins
+    argument (TP ranks); returns its root pid once every worker pinned."""
+    started = []
+
+    def start(*pins: str) -> int:
+        workers = [{"title": f"VLLM::Worker{f'_TP{i}' if len(pins) > 1 else ''}", "pins": p,
+                    "ready": str(tmp_path / f"ready-{len(started)}-{i}"), "exe": sys.executable}
+                   for i, p in enumerate(pins)]
+        spec = {"children": [{"title": "VLLM::EngineCore", "children": workers,
+                              "exe": sys.executable}]}
+        proc = subprocess.Popen([sys.executable, "-c", NODE, json.dumps(spec), NODE],
+                                start_new_session=True)
+        started.append(proc)
+        deadline = time.monotonic() + 60
+        while not all(Path(w["ready"]).exists() for w in workers):
+            assert time.monotonic() < deadline and proc.poll() is None, "no workers started"
+            time.sleep(0.05)
+        return proc.pid
+
+    yield start
+    for proc in started:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs to pin to")
+def test_core_check_catches_unequal_cores_of_running_engines(engine_tree):
+    """Process trees laid out and pinned as vLLM CPU 0.32 lays them out on 2
+    cores: by default the engine with a kv_transfer_config got both cores and
+    the plain one got one (tests/e2e/test_bench_e2e.py reads a real server)."""
+    a, b = CPUS[:2]
+    rest = tuple(c for c in CPUS if c not in (a, b))
+    plain = process_binding(engine_tree(f"{a}"))
+    kvbm = process_binding(engine_tree(f"{a};{b}"))
+    # the fair binding: one OpenMP core; KVBM's I/O threads span both
+    fair = process_binding(engine_tree(f"{a};{a},{b};{a},{b}"))
+    assert plain.cores == ((a,),) and plain.reserved == (b, *rest)
+    assert kvbm.cores == ((a, b),) and kvbm.reserved == rest
+    assert fair.cores == ((a,),) and fair.threads == 1
     problem = check_equal({"vllm": plain, "kvbm-host": kvbm})
-    assert "vllm: cores 0 (1 OMP thread)" in problem
-    assert "kvbm-host: cores 0,1 (2 OMP threads)" in problem
+    assert f"vllm: cores {a} (1 OMP thread)" in problem
+    assert f"kvbm-host: cores {a},{b} (2 OMP threads)" in problem
     assert check_equal({"vllm": plain, "kvbm-host": fair}) == ""
-    # a log without the binding line cannot vouch for its cores
+    # an engine whose processes were not found cannot vouch for its cores
     assert "unknown" in check_equal({"vllm": plain, "kvbm-host": None})
-    assert parse_binding("INFO no binding here\n") is None
+    assert check_equal({"vllm": plain, "remote": None}, unknown_ok=True) == ""
+    tp2 = process_binding(engine_tree(f"{a}", f"{b}"))
+    assert tp2.cores == ((a,), (b,)) and tp2.describe() == f"cores {a} | {b} (2 OMP threads)"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(timeout=30)
+    assert process_binding(gone.pid) is None
 
 
 def test_compare_report_marks_unequal_cores_and_prints_them(tmp_path):
@@ -47,18 +117,18 @@ def test_compare_report_marks_unequal_cores_and_prints_them(tmp_path):
         lmbenchmark_dir=None)
     result = Result(10, 2, 0.5, 0.1, 0, 0, 100.0, 100.6)
     runs = []
-    for name, log in (("vllm", "vllm-serve-plain-auto.log"),
-                      ("kvbm-host", "vllm-serve-kvbm-auto.log")):
+    # as vLLM bound them on 2 cores by default (test above)
+    for name, binding in (("vllm", Binding(((0,),), (1,))), ("kvbm-host", Binding(((0, 1),)))):
         runs.append(ConfigRun(name, "ok", summary=summarize([result]), results=[result],
                               counters={"prefix_hits": 0, "prefix_queries": 0,
-                                        "kvbm_host_tokens": 0, "kvbm_disk_tokens": 0},
-                              binding=read_binding(DATA / log)))
+                                        "kvbm_tokens": {"host": 0, "disk": 0}},
+                              binding=binding))
     text = report(runs, args, "kvbm-bench compare")
     assert text.splitlines()[2].startswith("**NOT COMPARABLE: the configurations did not "
                                            "run on the same cores")
     assert "| vLLM prefix caching | ok | cores 0 (1 OMP thread) |" in text
     assert "| vLLM + KVBM (host) | ok | cores 0,1 (2 OMP threads) |" in text
-    runs[1].binding = read_binding(DATA / "vllm-serve-kvbm-reserved1.log")
+    runs[1].binding = Binding(((0,),))  # with VLLM_CPU_NUM_OF_RESERVED_CPU=1
     fair = report(runs, args, "kvbm-bench compare")
     assert "NOT COMPARABLE" not in fair and unequal_cores(runs) == ""
     assert "| vLLM + KVBM (host) | ok | cores 0 (1 OMP thread) |" in fair
@@ -211,7 +281,7 @@ def test_configurations_this_platform_cannot_run_are_marked_not_raced(tmp_path, 
     """On vLLM's CPU build, vLLM's own offloading (CUDA/XPU only) and LMCache's
     connector (CUDA only) are marked "not supported on CPU" with the reason and
     never started: no server log, no row of failed-start timings."""
-    from vllm_kvbm.bench.compare import main
+    from vllm_kvbm.bench.__main__ import main
     from vllm_kvbm.bench.platforms import unsupported_here
     from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
@@ -221,7 +291,7 @@ def test_configurations_this_platform_cannot_run_are_marked_not_raced(tmp_path, 
     for name in ("vllm", "kvbm-host", "kvbm-host-disk"):
         assert unsupported_here(name) == ""
     out = tmp_path / "compare"
-    rc = main(["--model", str(build(DEFAULT_DIR)), "--configs", *unsupported,
+    rc = main(["compare", "--model", str(build(DEFAULT_DIR)), "--configs", *unsupported,
                "--out-dir", str(out), "--num-users", "1", "--num-rounds", "1"])
     assert rc == 2 and "no configuration asked for runs on this platform" in \
         capsys.readouterr().err
@@ -231,3 +301,76 @@ def test_configurations_this_platform_cannot_run_are_marked_not_raced(tmp_path, 
     assert ("| vLLM + LMCacheConnectorV1 | not supported on CPU: LMCacheConnectorV1 moves KV "
             "with a CUDA GPU |") in text
     assert "did not start" not in text and not list(out.glob("server-*.log"))
+
+
+# ---- the serve arguments of started servers --------------------------------------------
+
+def _serve_namespace(*given: str, profile: str | None = "cpu", blocks=None, block_size=None):
+    return argparse.Namespace(serve_defaults=profile, engine_kv_blocks=blocks,
+                              block_size=block_size, serve_arg=[], serve_passthrough=list(given))
+
+
+def _as_vllm_reads(flags: list[str]):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(["--model", "m", *flags])
+
+
+def test_serve_defaults_are_the_cpu_demos_and_each_can_be_replaced():
+    from vllm_kvbm.bench.serve_args import serve_args
+
+    cpu = _as_vllm_reads(serve_args(_serve_namespace()))
+    assert (cpu.block_size, cpu.num_gpu_blocks_override, cpu.max_model_len,
+            cpu.max_num_batched_tokens) == (128, 48, 47 * 128, 47 * 128)
+    assert cpu.gpu_memory_utilization == 0.3 and cpu.enforce_eager and cpu.seed == 0
+    # after --: each replaces its default, whatever its spelling
+    flags = serve_args(_serve_namespace("--gpu-memory-utilization", "0.9", "--no-enforce-eager",
+                                        "--max_model_len=8192", "--kv-cache-dtype", "auto"))
+    gpu = _as_vllm_reads(flags)
+    assert gpu.gpu_memory_utilization == 0.9 and not gpu.enforce_eager
+    assert gpu.max_model_len == 8192 and gpu.num_gpu_blocks_override == 48
+    assert flags.count("--enforce-eager") == 0 and "0.3" not in flags
+    # --serve-arg, split as a shell would, does the same
+    args = _serve_namespace()
+    args.serve_arg = ["--max-model-len 1024", "--seed=7"]
+    assert _as_vllm_reads(serve_args(args)).seed == 7
+    assert serve_args(args)[-3:] == ["--max-model-len", "1024", "--seed=7"]
+    # elsewhere vLLM's own defaults; a cache size asked for comes with its model length
+    assert serve_args(_serve_namespace(profile="none")) == ["--seed", "0"]
+    sized = _as_vllm_reads(serve_args(_serve_namespace(profile="none", blocks=100,
+                                                       block_size=16)))
+    assert (sized.num_gpu_blocks_override, sized.max_model_len, sized.block_size) == \
+        (100, 99 * 16, 16)
+    assert sized.gpu_memory_utilization != 0.3 and not sized.enforce_eager
+
+
+def test_percentiles_are_numpys_linear_interpolation():
+    rows = [Result(1, 1, t, 0.1, 0, 0, 0.0, 1.0) for t in (0.1, 0.2, 0.3, 0.4)]
+    s = summarize(rows)
+    # between the two nearest ranks: p50 of 4 values is the mean of the middle two
+    assert s["ttft_p50_s"] == pytest.approx(0.25) and s["ttft_p90_s"] == pytest.approx(0.37)
+    assert s["ttft_p99_s"] == pytest.approx(0.397)
+
+
+def test_plots_answer_one_question_each_at_a_readable_size(tmp_path):
+    from PIL import Image
+
+    from vllm_kvbm.bench.plots import plots
+    from vllm_kvbm.bench.report import hit_tokens
+
+    rows = [Result(2000, 8, t, 0.1, u, q, 100.0 + q, 100.5 + q)
+            for u in (0, 1) for q, t in enumerate((0.5, 0.2, 0.1))]
+    runs = [ConfigRun("vllm", "ok", summary=summarize(rows), results=rows,
+                      counters={"prefix_hits": 3000, "prefix_queries": 12000}),
+            ConfigRun("kvbm-host", "ok", summary=summarize(rows), results=rows,
+                      counters={"prefix_hits": 3000, "prefix_queries": 12000,
+                                "kvbm_tokens": {"host": 6000, "disk": 0, "pool": 512}}),
+            ConfigRun("lmcache", "did not start")]
+    assert hit_tokens(runs[1]) == "host 6000, disk 0, pool 512" and hit_tokens(runs[0]) == "-"
+    paths = plots(runs, tmp_path, "multi-round")
+    assert [p.name for p in paths] == ["ttft_per_round.png", "hit_tokens.png",
+                                      "ttft_distribution.png"]
+    for path in paths:
+        with Image.open(path) as image:
+            assert image.size == (1200, 675), path.name

@@ -1,8 +1,9 @@
 """LMBenchmark-style load generation against any OpenAI-compatible endpoint.
 
-``client``: the synthetic multi-round QA and long document QA workloads, driven
-over async HTTP (aiohttp, streaming, so TTFT is measured at the first token);
-per-request CSV plus a summary. ``compare``: one invocation that starts and
-stops each server configuration in turn on the same model and workload and
-writes a Markdown table and PNG plots. Console entry point: ``kvbm-bench``.
+``client``: the synthetic multi-round QA and long document QA workloads, sent
+through the openai client (streaming, so TTFT is measured at the first token);
+per-request CSV plus a summary. ``compare``: one invocation that runs the same
+workload against several servers, started in turn or given by URL, and writes
+a Markdown report and PNG plots. ``cli``: the options. Console entry point:
+``kvbm-bench``.
 """

@@ -1,22 +1,16 @@
-"""``kvbm-bench``: multi-round | doc-qa | compare."""
+"""``kvbm-bench``: multi-round | doc-qa | compare (``cli.py`` holds the options)."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 
-USAGE = ("usage: kvbm-bench [--version] {multi-round,doc-qa,compare} [options]\n"
-         "  multi-round  synthetic multi-round QA against --base-url\n"
-         "  doc-qa       long document QA against --base-url\n"
-         "  compare      start each server configuration in turn and compare them\n"
-         "each subcommand takes --help")
-
-# Modules of the [bench] extra each subcommand imports (tqdm comes with vLLM,
-# but a plain install of the package need not have it).
+# Modules of the [bench] extra each subcommand imports (openai, psutil and tqdm
+# come with vLLM, but a plain install of the package need not have them).
 NEEDS = {
-    "multi-round": ("aiohttp", "tqdm"),
-    "doc-qa": ("aiohttp", "tqdm"),
-    "compare": ("aiohttp", "tqdm", "matplotlib"),
+    "multi-round": ("openai", "tqdm"),
+    "doc-qa": ("openai", "tqdm"),
+    "compare": ("openai", "tqdm", "psutil", "matplotlib"),
 }
 
 
@@ -39,30 +33,46 @@ def missing_extra(cmd: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_kvbm.bench.cli import build_parser, finish
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    if argv[0] in ("-V", "--version"):
+    # what follows the first -- goes to every vllm serve compare starts
+    own, passthrough = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
+        if "--" in argv else (argv, [])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(own)  # bad arguments: usage, the error, 2; --help: 0
+    except SystemExit as exit_:
+        return exit_.code or 0
+    if args.version:
         print(f"kvbm-bench {version()}")
         return 0
-    cmd, rest = argv[0], argv[1:]
-    if cmd not in NEEDS:
-        print(f"unknown command {cmd!r}\n{USAGE}", file=sys.stderr)
+    if args.command is None:
+        parser.print_usage(sys.stderr)
+        print("kvbm-bench: error: name a command (multi-round, doc-qa or compare); "
+              "kvbm-bench --help lists them, with examples", file=sys.stderr)
         return 2
     # Checked before anything starts: compare would otherwise run every
     # configuration and fail only when it draws the plots.
-    problem = missing_extra(cmd)
+    problem = missing_extra(args.command)
     if problem:
         print(problem, file=sys.stderr)
         return 2
-    if cmd == "compare":
-        from vllm_kvbm.bench.compare import main as compare_main
+    try:
+        finish(parser.commands[args.command], args, passthrough)
+    except SystemExit as exit_:
+        return exit_.code or 0
+    try:
+        if args.command == "compare":
+            from vllm_kvbm.bench.compare import main as compare_main
 
-        return compare_main(rest)
-    from vllm_kvbm.bench.client import main as client_main
+            return compare_main(args, argv[1:])
+        from vllm_kvbm.bench.client import main as client_main
 
-    return client_main(rest, cmd)
+        return client_main(args)
+    except KeyboardInterrupt:
+        print(f"kvbm-bench {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,20 +1,21 @@
-"""Async OpenAI-compatible client: drives a workload, writes CSV and summary.
+"""The workloads' client: drives one OpenAI-compatible server, writes CSV and summary.
 
-    kvbm-bench multi-round --base-url http://127.0.0.1:8000 --model M \
+    kvbm-bench multi-round --base-url http://127.0.0.1:8000 \
         --num-users 6 --num-rounds 4 --qps 0.5 --shared-system-prompt 1536 \
         --user-history-prompt 512 --answer-len 32 --output out.csv
-    kvbm-bench doc-qa --base-url ... --model M --num-documents 4 \
+    kvbm-bench doc-qa --base-url ... --num-documents 4 \
         --document-length 2000 --repeat-count 2 --hit-ratio 0.5 --output docs.csv
 
-Every request is a greedy streaming completion with ``ignore_eos``; TTFT is
-the time to the first streamed token. Every wait is bounded. Multi-round QA
-paces users as LMBenchmark does (``arrival_gaps``), so requests of several
-users overlap; the summary says how many were in flight at most.
+Every request is a greedy streaming completion with ``ignore_eos``, sent by the
+openai client (``vllm_kvbm/tools/completions.py``); TTFT is the time to the
+first streamed token. Every wait is bounded. Multi-round QA paces users as
+LMBenchmark does (``arrival_gaps``), so requests of several users overlap; the
+summary says how many were in flight at most. Percentiles are numpy's default
+(linear interpolation between the two nearest ranks).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import csv
 import json
@@ -26,9 +27,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
-import aiohttp
+import numpy as np
 
 from vllm_kvbm.bench.workloads import MultiRoundQA, TextSource, long_doc_qa
+from vllm_kvbm.tools import completions
 
 COLUMNS = ["prompt_tokens", "generation_tokens", "ttft", "generation_time",
            "user_id", "question_id", "launch_time", "finish_time"]
@@ -52,39 +54,14 @@ class RunOutput:
     errors: list[str]
 
 
-async def stream_completion(session: aiohttp.ClientSession, base_url: str, model: str,
-                            prompt, max_tokens: int, timeout: float):
+async def _one(client, model: str, prompt, max_tokens: int, timeout: float):
     """One streamed completion: (launch unix time, ttft, total seconds, text,
     prompt tokens, generated tokens)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
-    launch = time.time()
-    start = time.perf_counter()
-    ttft = None
-    pieces: list[str] = []
-    usage = None
-    async with session.post(f"{base_url.rstrip('/')}/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or []:
-                if ttft is None:
-                    ttft = time.perf_counter() - start
-                pieces.append(choice.get("text") or "")
-    total = time.perf_counter() - start
-    if ttft is None:
-        raise RuntimeError("the stream ended without a token")
-    prompt_tokens = (usage or {}).get("prompt_tokens", -1)
-    gen_tokens = (usage or {}).get("completion_tokens", len(pieces))
-    return launch, ttft, total, "".join(pieces), prompt_tokens, gen_tokens
+    out = await completions.stream(client, model, prompt, max_tokens, timeout)
+    prompt_tokens = out.prompt_tokens if out.prompt_tokens is not None else -1
+    gen_tokens = (out.completion_tokens if out.completion_tokens is not None
+                  else sum(out.tokens))
+    return out.launch, out.ttft, out.total, "".join(out.text), prompt_tokens, gen_tokens
 
 
 async def _paced(items_ready: Callable, launch: Callable, qps: float, duration: float,
@@ -133,9 +110,10 @@ async def run_multi_round(base_url: str, model: str, workload: MultiRoundQA, qps
     results: list[Result] = []
     errors: list[str] = []
     round_gap, join_gap = arrival_gaps(workload.num_users, workload.num_rounds, qps)
-    start = time.monotonic()
 
-    async with aiohttp.ClientSession() as session:
+    async with completions.async_client(base_url, request_timeout) as client:
+        start = time.monotonic()  # after the client is made (the first one imports openai)
+
         async def user_loop(user):
             next_at = start + user.user_id * join_gap
             while user.rounds_done < workload.num_rounds:
@@ -146,9 +124,9 @@ async def run_multi_round(base_url: str, model: str, workload: MultiRoundQA, qps
                     return
                 launched = time.monotonic()
                 try:
-                    launch_t, ttft, total, text, ptok, gtok = await stream_completion(
-                        session, base_url, model, workload.prompt(user),
-                        workload.answer_tokens, request_timeout)
+                    launch_t, ttft, total, text, ptok, gtok = await _one(
+                        client, model, workload.prompt(user), workload.answer_tokens,
+                        request_timeout)
                 except Exception as err:  # noqa: BLE001 - recorded, the run goes on
                     errors.append(f"user {user.user_id} round {user.rounds_done}: "
                                   f"{type(err).__name__}: {err}")
@@ -176,11 +154,11 @@ async def run_doc_qa(base_url: str, model: str, requests, answer_tokens: int, qp
     results: list[Result] = []
     errors: list[str] = []
     queue = deque(requests)
-    async with aiohttp.ClientSession() as session:
+    async with completions.async_client(base_url, request_timeout) as client:
         async def launch(req):
             try:
-                launch_t, ttft, total, _, ptok, gtok = await stream_completion(
-                    session, base_url, model, req.prompt, answer_tokens, request_timeout)
+                launch_t, ttft, total, _, ptok, gtok = await _one(
+                    client, model, req.prompt, answer_tokens, request_timeout)
                 r = Result(ptok, gtok, ttft, total - ttft, req.doc_id, req.pass_index,
                            launch_t, launch_t + total)
                 results.append(r)
@@ -196,16 +174,6 @@ async def run_doc_qa(base_url: str, model: str, requests, answer_tokens: int, qp
             await asyncio.wait(tasks, timeout=request_timeout + 30)
     results.sort(key=lambda r: r.launch_time)
     return RunOutput(results, errors)
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def concurrency(results: list[Result]) -> tuple[int, float]:
@@ -236,9 +204,8 @@ def summarize(results: list[Result], errors: list[str] | None = None) -> dict:
         "errors": len(errors or []),
         "duration_s": span,
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p90_s": percentile(ttfts, 90),
-        "ttft_p99_s": percentile(ttfts, 99),
+        **{f"ttft_p{q}_s": float(np.percentile(ttfts, q)) if ttfts else math.nan
+           for q in (50, 90, 99)},
         "input_tokens_per_s": sum(r.prompt_tokens for r in results) / span if results else 0.0,
         "output_tokens_per_s": (sum(r.generation_tokens for r in results) / span
                                 if results else 0.0),
@@ -279,50 +246,57 @@ def load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
-def _no_default(action) -> bool:
-    # `is`, not `in`: a default of 0 equals False
-    return action.default is None or action.default is False or \
-        action.default is argparse.SUPPRESS
+class Unusable(Exception):
+    """A server or model that cannot be used as given: the message names the
+    flag and the fix; ``code`` is the exit code (1: not reached, 2: the
+    arguments)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, except where its help already says it."""
-
-    def _format_action(self, action):
-        # argparse prints nothing after an option without help, not even its default
-        if action.help is None and action.option_strings and not _no_default(action):
-            action.help = "(default: %(default)s)"
-        return super()._format_action(action)
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default:" in text or _no_default(action):
-            return text
-        return super()._get_help_string(action)
+def served_models(base_url: str, flag: str, timeout: float = 30) -> list[tuple[str, str]]:
+    """(name, root) of each model the server lists (vLLM's root: the path or
+    repository it loaded); Unusable when it does not answer."""
+    try:
+        with completions.sync_client(base_url, timeout) as client:
+            return [(m.id, getattr(m, "root", None) or m.id) for m in client.models.list()]
+    except Exception as err:  # noqa: BLE001 - every way of not answering is one message
+        raise Unusable(f"{flag}: cannot reach the server at {base_url} ({type(err).__name__}: "
+                       f"{err}); is it running, and is this its root URL (without /v1)?",
+                       1) from None
 
 
-def add_workload_args(p: argparse.ArgumentParser, workload: str) -> None:
-    p.add_argument("--qps", type=float, default=0.5,
-                   help="requests per second over all users (multi-round: LMBenchmark's "
-                   "pacing, a user's rounds num_users/qps seconds apart)")
-    p.add_argument("--time", "--duration", dest="duration", type=float, default=600,
-                   help="stop launching new requests after this many seconds")
-    p.add_argument("--request-timeout", type=float, default=300)
-    p.add_argument("--seed", type=int, default=0)
-    if workload == "multi-round":
-        p.add_argument("--num-users", type=int, default=6)
-        p.add_argument("--num-rounds", type=int, default=4)
-        p.add_argument("--shared-system-prompt", type=int, default=1536,
-                       help="tokens of the system prompt shared by all users")
-        p.add_argument("--user-history-prompt", type=int, default=512,
-                       help="tokens of each user's own history before round 0")
-        p.add_argument("--answer-len", type=int, default=32)
-    else:
-        p.add_argument("--num-documents", type=int, default=4)
-        p.add_argument("--document-length", type=int, default=2000)
-        p.add_argument("--repeat-count", type=int, default=2)
-        p.add_argument("--hit-ratio", type=float, default=0.5)
-        p.add_argument("--answer-len", type=int, default=16)
+def pick_model(base_url: str, model: str | None, flag: str) -> tuple[str, str]:
+    """(name to request, where its tokenizer is) for ``--model`` (or what the
+    server lists when it is not given)."""
+    listed = served_models(base_url, flag)
+    names = [n for n, _ in listed]
+    if model is None:
+        if len(listed) != 1:
+            raise Unusable(f"--model: the server at {base_url} ({flag}) serves "
+                           f"{', '.join(names) or 'no model'}: name one", 2)
+        return listed[0]
+    for name, root in listed:
+        if model in (name, root):
+            return name, root
+    raise Unusable(f"--model {model}: the server at {base_url} ({flag}) serves "
+                   f"{', '.join(names) or 'no model'}; give one of those", 2)
+
+
+def tokenizer_for(tokenizer: str | None, model: str, root: str):
+    """The tokenizer that builds the prompts: ``--tokenizer``, else the
+    model's name, else the path the server loaded it from."""
+    tried = [tokenizer] if tokenizer else list(dict.fromkeys([model, root]))
+    errors = []
+    for name in tried:
+        try:
+            return load_tokenizer(name)
+        except Exception as err:  # noqa: BLE001 - the next name may load
+            errors.append(f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+    raise Unusable("--tokenizer: cannot load a tokenizer (" + "; ".join(errors) + "); give "
+                   "--tokenizer PATH_OR_HF_NAME of the model the server runs", 2)
 
 
 def run_workload(args, base_url: str, model: str, tokenizer,
@@ -347,23 +321,22 @@ def workload_size(args) -> int:
     return args.num_documents * (args.repeat_count + 1)
 
 
-def main(argv: list[str] | None = None, workload: str = "multi-round") -> int:
-    p = argparse.ArgumentParser(prog=f"kvbm-bench {workload}",
-                                description=f"{workload} workload against an "
-                                "OpenAI-compatible endpoint", formatter_class=HelpFormatter)
-    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    p.add_argument("--model", required=True, help="model name the server serves")
-    p.add_argument("--tokenizer", default=None, help="tokenizer to build prompts (default: model)")
-    p.add_argument("--output", default=f"{workload}.csv", help="per-request CSV; the summary "
-                   "goes next to it as .summary.json")
-    add_workload_args(p, workload)
-    args = p.parse_args(argv)
-    args.workload = workload
+def main(args) -> int:
+    """multi-round or doc-qa, with the arguments cli.py parsed and checked."""
     from tqdm import tqdm
 
-    tokenizer = load_tokenizer(args.tokenizer or args.model)
-    with tqdm(total=workload_size(args), desc=workload, unit="req") as bar:
-        out = run_workload(args, args.base_url, args.model, tokenizer,
+    args.workload = args.command
+    try:
+        model, root = pick_model(args.base_url, args.model, "--base-url")
+        tokenizer = tokenizer_for(args.tokenizer, model, root)
+    except Unusable as err:
+        print(f"kvbm-bench {args.command}: {err}", file=sys.stderr)
+        return err.code
+    # not timed: the server's and the client's one-off costs (the client's
+    # first request in a process takes tens of milliseconds more)
+    completions.stream_sync(args.base_url, model, "warm up", max_tokens=2, timeout=120)
+    with tqdm(total=workload_size(args), desc=args.workload, unit="req") as bar:
+        out = run_workload(args, args.base_url, model, tokenizer,
                            on_result=lambda r: bar.update(1))
     write_csv(args.output, out.results)
     summary = summarize(out.results, out.errors)
@@ -372,4 +345,8 @@ def main(argv: list[str] | None = None, workload: str = "multi-round") -> int:
     print(format_summary(summary))
     for e in out.errors[:5]:
         print("error:", e, file=sys.stderr)
-    return 0 if out.results and not out.errors else 1
+    planned = workload_size(args)
+    if len(out.results) < planned and not out.errors:
+        print(f"error: {len(out.results)} of {planned} requests done within --time "
+              f"{args.duration:g} s", file=sys.stderr)
+    return 0 if len(out.results) == planned and not out.errors else 1

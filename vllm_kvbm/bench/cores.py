@@ -1,46 +1,53 @@
-"""The cores and OpenMP threads a vLLM CPU engine ran on, read from its log.
+"""The cores a vLLM engine's OpenMP threads run on, read from its processes.
 
-vLLM CPU (0.32, ``vllm/utils/ompmultiprocessing.py``) binds the worker's OpenMP
-threads to ``VLLM_CPU_OMP_THREADS_BIND`` ("auto" by default) and, with "auto",
-keeps ``reserve_cpu_num`` cores free for the frontend: one per rank, plus one
-more per rank for an engine with a ``kv_transfer_config``. When the machine has
-no more cores than that, nothing is reserved. On 2 cores a plain engine gets
-``core ids=[0]`` and a KVBM engine ``[0, 1]``: twice the compute for the same
-prefill. Every comparison here therefore runs each configuration with the same
-binding environment (``fair_cpu_env``) and checks the log (``check_equal``).
-The worker's OMP_NUM_THREADS is the number of its core ids. Offline benchmarks
-read their engine's log through ``teed_output``.
+vLLM CPU (0.32, ``vllm/utils/ompmultiprocessing.py``) binds each worker's
+OpenMP threads to ``VLLM_CPU_OMP_THREADS_BIND`` ("auto" by default) and, with
+"auto", keeps ``reserve_cpu_num`` cores free for the frontend: one per rank,
+plus one more per rank for an engine with a ``kv_transfer_config``. When the
+machine has no more cores than that, nothing is reserved. On 2 cores a plain
+engine gets core 0 and a KVBM engine cores 0 and 1: twice the compute for the
+same prefill. Every comparison here therefore runs each configuration with the
+same binding environment (``fair_cpu_env``) and checks the running engine
+(``check_equal``).
 
-    python -m vllm_kvbm.bench.cores LOG [LOG ...]   # print each; exit 1 if they differ
+The cores are read from the live processes (psutil): a server's worker
+processes (``VLLM::Worker...``; an in-process engine's own threads otherwise),
+and in each the CPUs its threads are pinned to. A worker process's own
+``cpu_affinity()`` is its first thread's, which vLLM pins to the first OpenMP
+core only, so every thread is read: each OpenMP thread is pinned to one core;
+threads pinned to several (KVBM's I/O threads widen themselves to the whole
+machine, threads started before the binding keep it) are not OpenMP's. A
+process with no thread pinned to one core (``VLLM_CPU_OMP_THREADS_BIND=nobind``,
+a GPU server) runs on its own affinity.
+
+    python -m vllm_kvbm.bench.cores PID [PID ...]   # print each; exit 1 if they differ
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
+from urllib.parse import urlsplit
+
+import psutil
 
 BIND_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclass(frozen=True)
 class Binding:
-    bind: str                    # VLLM_CPU_OMP_THREADS_BIND as the engine saw it
-    reserve: int                 # reserve_cpu_num
-    cores: tuple[tuple[int, ...], ...]  # per local rank: the OpenMP threads' cores
-    reserved: tuple[int, ...]
+    cores: tuple[tuple[int, ...], ...]  # per worker process (rank order): its OpenMP cores
+    reserved: tuple[int, ...] = ()      # cores the server may use that no worker took
 
     @property
     def threads(self) -> int:
         return sum(len(c) for c in self.cores)
 
     def describe(self) -> str:
-        ranks = " | ".join(",".join(map(str, c)) for c in self.cores) or "none (nobind)"
+        ranks = " | ".join(",".join(map(str, c)) for c in self.cores) or "none"
         return f"cores {ranks} ({self.threads} OMP thread{'s' * (self.threads != 1)})"
 
 
@@ -53,53 +60,83 @@ def fair_cpu_env(environ: dict | None = None, reserved: int = 1) -> dict[str, st
     return mine or {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(reserved)}
 
 
-def parse_binding(text: str) -> Binding | None:
-    """The OpenMP binding info vLLM logged at engine start (the last one in
-    ``text``), or None when the log has none."""
-    at = text.rfind("OpenMP thread binding info")
-    if at < 0:
-        return None
-    block = _ANSI.sub("", text[at:])
-    end = block.find("reserved_cpus=")
-    block = block[:block.find("\n", end) if end >= 0 else len(block)]
-    bind = re.search(r"VLLM_CPU_OMP_THREADS_BIND='([^']*)'", block)
-    reserve = re.search(r"reserve_cpu_num=(\d+)", block)
-    cores = re.findall(r"local_rank=\d+, core ids=\[([\d, ]*)\]", block)
-    reserved = re.search(r"reserved_cpus=\[([\d, ]*)\]", block)
-    if bind is None or reserve is None:
-        return None
-
-    def ids(s: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in s.replace(" ", "").split(",") if x)
-
-    return Binding(bind.group(1), int(reserve.group(1)), tuple(ids(c) for c in cores),
-                   ids(reserved.group(1)) if reserved else ())
-
-
-def read_binding(path: str | os.PathLike) -> Binding | None:
+def _title(proc: psutil.Process) -> str:
     try:
-        return parse_binding(Path(path).read_text(errors="replace"))
-    except OSError:
+        return (proc.cmdline() or [""])[0]
+    except psutil.Error:
+        return ""
+
+
+def pinned_cores(proc: psutil.Process) -> tuple[int, ...]:
+    """The cores ``proc``'s threads are pinned to one by one (its OpenMP
+    threads'), else the process's affinity."""
+    cores: set[int] = set()
+    for thread in proc.threads():
+        try:
+            cpus = psutil.Process(thread.id).cpu_affinity()
+        except psutil.Error:
+            continue  # the thread ended meanwhile
+        if len(cpus) == 1:
+            cores.update(cpus)
+    return tuple(sorted(cores)) if cores else tuple(sorted(proc.cpu_affinity()))
+
+
+def process_binding(pid: int) -> Binding | None:
+    """The binding of the engine whose process tree starts at ``pid`` (a
+    ``vllm serve``, or a process running an offline engine), or None when it
+    is gone or not readable."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+        for kind in ("::Worker", "::EngineCore"):
+            procs = sorted((p for p in tree if kind in _title(p)), key=lambda p: (_title(p), p.pid))
+            if procs:
+                break
+        else:
+            procs = [root]
+        cores = tuple(pinned_cores(p) for p in procs)
+        allowed = set(root.cpu_affinity())
+    except psutil.Error:
         return None
+    used = {c for rank in cores for c in rank}
+    return Binding(cores, tuple(sorted(allowed - used)))
 
 
-def check_equal(bindings: dict[str, Binding | None]) -> str:
+def listening_pid(url: str) -> int | None:
+    """The process of this machine listening on ``url``'s port when its host
+    is this machine, else None (a server elsewhere: its cores are not read)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    if parts.hostname not in ("localhost", "127.0.0.1", "::1", "0.0.0.0"):
+        return None
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return None
+    return next((c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.pid
+                 and c.laddr.port == port), None)
+
+
+def check_equal(bindings: dict[str, Binding | None], unknown_ok: bool = False) -> str:
     """'' when every configuration ran its OpenMP threads on the same cores;
-    otherwise a message naming each one's cores."""
-    seen = {name: b.cores if b else None for name, b in bindings.items()}
+    otherwise a message naming each one's cores. With ``unknown_ok`` a
+    configuration whose cores could not be read (a server on another machine)
+    is left out of the check."""
+    known = {n: b for n, b in bindings.items() if b is not None or not unknown_ok}
+    seen = {name: b.cores if b else None for name, b in known.items()}
     if len(set(seen.values())) <= 1 and None not in seen.values():
         return ""
     return "the configurations did not run on the same cores: " + "; ".join(
-        f"{name}: {b.describe() if b else 'unknown (no OpenMP binding line in its log)'}"
-        for name, b in bindings.items())
+        f"{name}: {b.describe() if b else 'unknown (its worker processes were not found)'}"
+        for name, b in known.items())
 
 
 @contextmanager
 def teed_output(path: str | os.PathLike):
-    """Copies what this process and its children (an offline engine's core)
-    write to stdout and stderr into ``path`` too, through ``tee``: the engine
-    logs its binding there. Keep the engine's whole life inside: a child
-    writing to a closed pipe would die."""
+    """Copies what this process and its children write to stdout and stderr
+    into ``path`` too, through ``tee`` (what C libraries print, such as UCX's
+    protocol choice in benchmarks/gpu_check_paths.py). Keep every child's
+    whole life inside: a child writing to a closed pipe would die."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -123,13 +160,13 @@ def teed_output(path: str | os.PathLike):
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = list(sys.argv[1:] if argv is None else argv)
-    if not paths:
+    pids = list(sys.argv[1:] if argv is None else argv)
+    if not pids or not all(p.isdigit() for p in pids):
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
-    bindings = {p: read_binding(p) for p in paths}
+    bindings = {p: process_binding(int(p)) for p in pids}
     for p, b in bindings.items():
-        print(f"{p}: {b.describe() if b else 'no OpenMP binding line'}")
+        print(f"{p}: {b.describe() if b else 'no such process'}")
     problem = check_equal(bindings)
     if problem:
         print(f"NOT COMPARABLE: {problem}", file=sys.stderr)

@@ -17,7 +17,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from vllm_kvbm.bench.cores import read_binding
+from vllm_kvbm.bench.cores import process_binding
 from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
 from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
@@ -68,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Starting vllm serve {args.model} with KVBMConnector ...", flush=True)
     with vllm_server(args.model, kv_config, serve_args) as server:
         server.stream_completion(doc_warm, max_tokens=2)
-        binding = read_binding(server.log_path)
         ttft_miss, _, _ = server.stream_completion(doc_a)
         server.stream_completion(doc_b)  # evicts A from the engine's prefix cache
         local_hits_before = server.metric("vllm:prefix_cache_hits_total")
@@ -77,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         offloaded = server.metric("kvbm_offload_blocks_total")
         onboarded = server.metric("kvbm_onboard_blocks_total")
         matched = server.metric("kvbm_matched_tokens_total")
+        binding = process_binding(server.process.pid)  # its OpenMP cores, read while it runs
 
     print()
     print(f"prompt: ~{args.prompt_tokens} tokens; engine KV cache: "
