@@ -57,6 +57,7 @@ def test_defaults():
     assert cfg == KVBMConfig()
     assert cfg.host_cache_bytes == 4 * GiB and cfg.host_cache_blocks is None
     assert cfg.nixl_backend == "UCX" and cfg.namespace == ""
+    assert cfg.metrics_host == "127.0.0.1"  # a metrics port is opened on purpose only
     assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",

@@ -124,7 +124,7 @@ class KVBMConfig:
     # Serve the kvbm_* metrics on their own HTTP port from the engine process
     # (offline LLM use, where there is no vllm serve /metrics). None: off.
     metrics_port: int | None = None
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # a metrics port is for this machine unless opened
     # NIXL backend moving pages between the engine's KV cache and the host tier.
     nixl_backend: str = "UCX"
     # Extra text mixed into every block key: engines that must never share
