@@ -278,7 +278,7 @@ ENV_EXAMPLES = {
     "remote_password_file": (None, "remote_password", None),  # a file, below
     "remote_tls_ca_file": (None, "remote_tls_ca_file", None),  # a file, below
     "metrics_port": ("7100", "metrics_port", 7100),
-    "metrics_host": ("127.0.0.1", "metrics_host", "127.0.0.1"),
+    "metrics_host": ("0.0.0.0", "metrics_host", "0.0.0.0"),
     "nixl_backend": ("ucx", "nixl_backend", "UCX"),
     "namespace": ("tenant-b", "namespace", "tenant-b"),
     "page_secret_file": (None, "page_secret", None),  # a file, below
