@@ -62,6 +62,7 @@ def test_defaults():
                              "disk_cache_size", "host_cache_blocks", "host_cache_size",
                              "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",
                              "offload_decode_blocks", "page_secret_file", "page_tokens",
+                             "peer_directory_ttl_s", "peer_directory_url",
                              "peer_read_timeout_s", "peer_reads", "pool_cache_size", "pool_dir",
                              "pool_serve_host", "pool_serve_port", "pool_socket",
                              "remote_password_file",
@@ -290,6 +291,9 @@ ENV_EXAMPLES = {
     "pool_serve_host": ("10.0.0.5", "pool_serve_host", "10.0.0.5"),
     "peer_read_timeout_s": ("0.5", "peer_read_timeout_s", 0.5),
     "peer_reads": ("true", "peer_reads", True),
+    "peer_directory_url": ("redis://dir.example:6379/1", "peer_directory_url",
+                           "redis://dir.example:6379/1"),
+    "peer_directory_ttl_s": ("60", "peer_directory_ttl_s", 60.0),
 }
 
 
@@ -312,6 +316,10 @@ def test_every_key_has_its_env_variable_and_it_parses(key, tmp_path):
                                 else "redis://h:6379")}
     if key.startswith("pool_") and key != "pool_cache_size":
         extra = {"pool_cache_size": "1GiB"}  # the pool's other keys need a pool
+    if key.startswith("peer_directory"):  # a directory needs a reader (or a served pool)
+        extra = {"peer_reads": True}
+        if key != "peer_directory_url":
+            extra["peer_directory_url"] = "redis://h:1"
     cfg = load(extra, **{env: text})
     got = getattr(cfg, field)
     if key.endswith("_file"):
@@ -520,6 +528,40 @@ def test_remote_tls_ca_file_needs_a_tls_url(tmp_path):
     assert msg.startswith("KVBM_REMOTE_TLS_CA_FILE (sets remote_tls_ca_file): "), msg
 
 
+def test_peer_directory_needs_an_engine_that_reads_or_writes_it(tmp_path):
+    url = "redis://dir:6379"
+    assert load({"peer_directory_url": url, "peer_reads": True}).peer_directory_ttl_s == 300
+    served = {"peer_directory_url": url, "pool_cache_size": "1GiB"}
+    assert load({**served, "pool_serve_port": 7300}).peer_directory_url == url
+    assert load({**served, "pool_socket": "/run/kvbm/pool.sock"}).peer_directory_url == url
+    msg = _err(served)  # a pool nobody reads from: nothing to list
+    assert msg.startswith("peer_directory_url (from kv_connector_extra_config) is set, but "), msg
+    assert "peer_reads" in msg and "pool_serve_port" in msg, msg
+    msg = _err({"peer_directory_ttl_s": 60})
+    assert msg.startswith("peer_directory_ttl_s") and "peer_directory_url" in msg, msg
+    msg = _err({"peer_directory_url": url, "peer_reads": True, "peer_directory_ttl_s": 2})
+    assert msg.startswith("peer_directory_ttl_s: 2 s is shorter than 3 s"), msg
+
+
+def test_peer_directory_url_refuses_a_password_and_takes_the_remote_tiers(tmp_path):
+    msg = _err({"peer_directory_url": "redis://u:hunter2x@dir:6379", "peer_reads": True})
+    assert msg.startswith("peer_directory_url: ") and "hunter2x" not in msg, msg
+    assert "remote_password_file" in msg and "KVBM_REMOTE_PASSWORD" in msg, msg
+    # an lm:// remote tier has no password, the directory does: accepted
+    cfg = load({"remote_url": "lm://h:1", "peer_directory_url": "redis://dir:1",
+                "peer_reads": True}, KVBM_REMOTE_PASSWORD="pw")
+    assert cfg.remote_password.reveal() == "pw"
+    msg = _err({"remote_url": "lm://h:1"}, KVBM_REMOTE_PASSWORD="pw")
+    assert "LMCache server" in msg, msg
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    assert load({"peer_directory_url": "rediss://dir:1", "peer_reads": True,
+                 "remote_tls_ca_file": str(ca)}).remote_tls_ca_file == str(ca)
+    msg = _err({"peer_directory_url": "redis://dir:1", "peer_reads": True,
+                "remote_tls_ca_file": str(ca)})
+    assert msg.startswith("remote_tls_ca_file: ") and "peer_directory_url" in msg, msg
+
+
 @pytest.mark.parametrize("raw", [0, -1, "soon", float("nan"), True])
 def test_remote_timeout_must_be_positive_seconds(raw):
     with pytest.raises(KVBMConfigError, match="remote_timeout_s"):
@@ -562,6 +604,8 @@ BAD_INPUT = {
     "pool_serve_host": [127, "", "local host"],
     "peer_read_timeout_s": ["soon", True, 0, float("inf")],
     "peer_reads": [[1], "sometimes"],
+    "peer_directory_url": [5, "http://h:1", "lm://h:1", "redis+cluster://h:1", "redis://h:0"],
+    "peer_directory_ttl_s": ["soon", True, 0, float("nan")],
 }
 
 
