@@ -222,3 +222,34 @@ def test_a_page_of_several_blocks_names_each_block_and_waits_for_every_worker():
     host.drop(b"p1")
     [gone] = events.take()
     assert gone.medium == "CPU" and gone.block_hashes == external(req, slice(2, 4))
+
+
+def test_pool_pages_served_to_peers_name_their_holder_as_ownership():
+    """A pool page's events carry the endpoint peers read it at (vLLM's
+    ``ownership``) once the workers said it; host and disk pages carry none."""
+    endpoint = "tcp://10.0.0.7:7300"
+    events = KVEvents(BLOCK, 1, num_workers=1)
+    host = SlotIndex(4)
+    events.watch(host)
+    req = make_request(tokens(3 * BLOCK + 1, 9))
+    keys = [b"p0", b"p1", b"p2"]
+    host.allocate_missing(keys, 0, 3)
+    events.describe(req, keys, [0, 1, 2])
+    host.commit(keys)
+    [stored] = events.take()
+    assert stored.medium == "CPU" and stored.ownership is None
+    events.spilling(["pool", "disk"], keys)
+    events.lower_stored([("pool", b"p0")])  # before the workers said where: no owner
+    [first] = events.take()
+    assert first.medium == "CPU" and first.ownership is None
+    events.pool_owner = endpoint
+    events.lower_stored([("pool", b"p1"), ("pool", b"p2"), ("disk", b"p0")])
+    pool, disk = events.take()  # the owner changed: not merged into the first event
+    assert pool.medium == "CPU" and pool.ownership == endpoint
+    assert pool.block_hashes == external(req, slice(1, 3))
+    assert disk.medium == "DISK" and disk.ownership is None
+    events.lower_removed("pool", b"p1")
+    events.lower_removed("pool", b"p0")  # (announced before the workers said: now named)
+    [gone] = events.take()
+    assert gone.medium == "CPU" and gone.ownership == endpoint
+    assert gone.block_hashes == external(req, slice(1, 2)) + external(req, slice(0, 1))
