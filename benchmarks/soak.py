@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
-import json
 import random
 import sys
 import time
@@ -169,42 +169,45 @@ def reference_outputs(prompts: list[list[int]], max_tokens: int, llm=None,
     return want
 
 
-async def _one(session, url: str, model: str, req: SoakRequest,
+async def _one(link: "Link", model: str, req: SoakRequest,
                timeout: float) -> tuple[list[int], float]:
-    import aiohttp
+    from vllm_kvbm.tools.completions import stream
 
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True,
-            "return_token_ids": True}
-    start = time.perf_counter()
-    tokens: list[int] = []
-    async with session.post(f"{url}/v1/completions", json=body,
-                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            for choice in chunk.get("choices", ()):
-                tokens.extend(choice.get("token_ids") or ())
-    return tokens, time.perf_counter() - start
+    out = await stream(link.client, model, req.prompt, req.max_tokens, timeout,
+                       token_ids=True)
+    return out.token_ids, out.total
+
+
+@dataclass
+class Link:
+    """The openai client the completions go through, and its HTTP client
+    (the resets: not an OpenAI route)."""
+    client: object
+    http: object
+
+
+@contextlib.asynccontextmanager
+async def _link(url: str, timeout: float):
+    from openai import DefaultAsyncHttpxClient
+
+    from vllm_kvbm.tools.completions import async_client
+
+    http = DefaultAsyncHttpxClient()
+    async with async_client(url, timeout, http_client=http) as client:
+        yield Link(client, http)
 
 
 async def _run_requests(url: str, model: str, reqs: list[SoakRequest],
                         cfg: SoakConfig) -> SoakResult:
-    import aiohttp
+    from openai import APITimeoutError
 
     result = SoakResult(reqs, [None] * len(reqs), [0.0] * len(reqs), {}, set(), 0.0)
     sem = asyncio.Semaphore(cfg.concurrency)
 
-    async def worker(session, i: int) -> None:
+    async def worker(link: Link, i: int) -> None:
         req = reqs[i]
         async with sem:
-            task = asyncio.ensure_future(_one(session, url, model, req, cfg.request_timeout))
+            task = asyncio.ensure_future(_one(link, model, req, cfg.request_timeout))
             # A cancelled request's client closes the connection: vLLM aborts it.
             done, _ = await asyncio.wait({task}, timeout=req.cancel_after)
             if task not in done:
@@ -214,16 +217,15 @@ async def _run_requests(url: str, model: str, reqs: list[SoakRequest],
                 return
             try:
                 result.outputs[i], result.latencies[i] = task.result()
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, APITimeoutError):
                 result.errors[i] = f"no answer within {cfg.request_timeout:.0f} s (hang)"
             except Exception as err:  # noqa: BLE001 - every failure is reported
                 result.errors[i] = f"{type(err).__name__}: {err}"
 
     start = time.perf_counter()
-    connector = aiohttp.TCPConnector(limit=cfg.concurrency + 1)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        tasks = [asyncio.ensure_future(worker(session, i)) for i in range(len(reqs))]
-        resetter = (asyncio.ensure_future(_reset_loop(session, url, cfg, result))
+    async with _link(url, cfg.request_timeout) as link:
+        tasks = [asyncio.ensure_future(worker(link, i)) for i in range(len(reqs))]
+        resetter = (asyncio.ensure_future(_reset_loop(link, url, cfg, result))
                     if cfg.reset_every > 0 else None)
         _, pending = await asyncio.wait(tasks, timeout=cfg.duration_limit)
         for t in pending:
@@ -253,17 +255,13 @@ RESET_QUERIES = ("reset_running_requests=true&reset_external=true",
 VLLM_PENDING_LOAD_REFUSAL = "waiting for remote KV transfer, which is not supported yet"
 
 
-async def _reset(session, url: str, query: str) -> str:
-    import aiohttp
-
-    async with session.post(f"{url}/reset_prefix_cache?{query}",
-                            timeout=aiohttp.ClientTimeout(total=60)) as resp:
-        if resp.status != 200:
-            body = await resp.text()
-            if VLLM_PENDING_LOAD_REFUSAL in body:
-                return "refused"  # vLLM's own limit; it preempted, then gave up
-            return f"HTTP {resp.status}: {body[:200]}"
-        return "ok" if (await resp.json()).get("success") else "refused"
+async def _reset(link: Link, url: str, query: str) -> str:
+    resp = await link.http.post(f"{url}/reset_prefix_cache?{query}", timeout=60)
+    if resp.status_code != 200:
+        if VLLM_PENDING_LOAD_REFUSAL in resp.text:
+            return "refused"  # vLLM's own limit; it preempted, then gave up
+        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+    return "ok" if resp.json().get("success") else "refused"
 
 
 # A refused reset is tried again this many times, RESET_RETRY_S apart, as a
@@ -274,13 +272,13 @@ RESET_TRIES = 5
 RESET_RETRY_S = 0.2
 
 
-async def _reset_loop(session, url: str, cfg: SoakConfig, result: SoakResult) -> None:
+async def _reset_loop(link: Link, url: str, cfg: SoakConfig, result: SoakResult) -> None:
     for n in itertools.count():  # until cancelled with the traffic
         await asyncio.sleep(cfg.reset_every)
         query = RESET_QUERIES[n % len(RESET_QUERIES)]
         for _ in range(RESET_TRIES):
             try:
-                outcome = await _reset(session, url, query)
+                outcome = await _reset(link, url, query)
             except Exception as err:  # noqa: BLE001 - recorded, judged by check()
                 outcome = f"{type(err).__name__}: {err}"
             if outcome != "refused":
@@ -293,15 +291,13 @@ def _check_after_reset(server, model: str, req: SoakRequest, want: list[int]) ->
     """Resets every cache on the idle engine and repeats a prompt: it must be
     computed from scratch (nothing onboarded from before the reset) and
     correct. Returns what went wrong, or ""."""
-    import aiohttp
-
     async def go():
-        async with aiohttp.ClientSession() as session:
-            outcome = await _reset(session, server.url, RESET_QUERIES[0])
+        async with _link(server.url, 120) as link:
+            outcome = await _reset(link, server.url, RESET_QUERIES[0])
             if outcome != "ok":
                 return f"final reset on the idle engine: {outcome}"
             before = server.metric("kvbm_onboard_blocks_total")
-            tokens, _ = await _one(session, server.url, model, req, 120)
+            tokens, _ = await _one(link, model, req, 120)
             # The connector's counters reach /metrics at vLLM's logging interval.
             await asyncio.sleep(12)
             onboarded = server.metric("kvbm_onboard_blocks_total") - before
