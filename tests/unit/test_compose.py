@@ -175,9 +175,12 @@ def test_dashboard_hard_codes_no_datasource_uid():
     [source] = yaml.safe_load((ROOT / "grafana/provisioning/datasources/prometheus.yml")
                               .read_text())["datasources"]
     assert source["uid"] == ds["current"]["value"]
-    # Grafana's import dialog asks for a Prometheus datasource
-    [inp] = dashboard["__inputs"]
-    assert inp["type"] == "datasource" and inp["pluginId"] == "prometheus"
+    # An import input must be used where it is declared: Grafana's import dialog
+    # asks for each and substitutes ${NAME}; one no panel reads was asked for and
+    # ignored. The datasource variable picks the Prometheus instead.
+    text = (ROOT / "grafana/dashboards/kvbm.json").read_text()
+    for inp in dashboard.get("__inputs", []):
+        assert "${%s}" % inp["name"] in text.replace(json.dumps(inp), ""), inp
     assert {"type": "datasource", "id": "prometheus"}.items() <= next(
         r for r in dashboard["__requires"] if r["type"] == "datasource").items()
 

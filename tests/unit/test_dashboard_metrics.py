@@ -50,7 +50,7 @@ def test_every_metric_has_a_panel():
 def test_rows_cover_the_operators_questions():
     rows = [p["title"] for p in load()["panels"] if p["type"] == "row"]
     for word in ("hit rate", "Offload D2H", "Onboard H2D", "Lower tiers", "Latency",
-                 "Host tier", "Evictions", "learned costs"):
+                 "Host tier", "Evictions", "learned costs", "time to first token"):
         assert any(word.lower() in row.lower() for row in rows), (word, rows)
 
 
