@@ -295,3 +295,47 @@ def test_cpulist_and_numa_node_from_sysfs(tmp_path, monkeypatch):
     (dev / "numa_node").write_text("-1\n")  # a single-node machine
     assert host_pool.gpu_numa_cpus(torch.device("cuda", 0), sysfs=str(tmp_path)) == (-1, set())
     assert host_pool.gpu_numa_cpus(torch.device("cpu")) == (-1, set())
+
+
+def _resident_bytes(addr: int) -> int:
+    """Rss of the mapping that starts at ``addr`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        start = line.split("-", 1)[0]
+        if all(c in "0123456789abcdef" for c in start) and int(start, 16) == addr:
+            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {addr:#x}")
+
+
+@pytest.mark.parametrize("kernel", ["populate_write", "before 5.14"])
+def test_a_pool_that_is_not_pinned_is_resident_before_the_first_store(kernel, monkeypatch,
+                                                                       caplog):
+    """Left to the first store into each slot, faulting the pages in ran on the
+    engine's thread inside its step. A kernel without MADV_POPULATE_WRITE
+    (EINVAL, made here with an advice no kernel knows) gets a write per page."""
+    if kernel != "populate_write":
+        monkeypatch.setattr(host_pool, "_MADV_POPULATE_WRITE", 0x7FFF)
+    slots, slot_bytes = 24, 3 * 1024**2 + 4096  # not a multiple of a huge page
+    with caplog.at_level(logging.INFO, logger="vllm_kvbm.worker.host_pool"):
+        pool = HostPool(slots, slot_bytes, pin=False)
+    addr = pool.tensor.data_ptr()
+    assert _resident_bytes(addr) >= slots * slot_bytes
+    how = "MADV_POPULATE_WRITE" if kernel == "populate_write" else "a write per page"
+    assert "host tier populated: 0.07 GiB in" in caplog.text and how in caplog.text
+    assert int(pool.tensor.sum()) == 0  # still the kernel's zeros
+
+
+def test_a_pool_larger_than_the_memory_available_is_refused_naming_the_key(monkeypatch):
+    """Populated at startup, a pool past MemAvailable would have the kernel kill
+    the engine (a fault not made for real here: the machine's memory)."""
+    monkeypatch.setattr(host_pool, "available_memory", lambda: 32 * 1024**2)
+    from vllm_kvbm.config import KVBMConfigError
+
+    with pytest.raises(KVBMConfigError) as err:
+        HostPool(24, 2 * 1024**2, pin=False)
+    msg = str(err.value)
+    assert msg.startswith("host_cache_size: the host tier needs 0.05 GiB on this worker and "
+                          "0.03 GiB of memory is available"), msg
+    assert "lower host_cache_size" in msg
+    assert host_pool.available_memory() > 0  # the real one reads /proc/meminfo

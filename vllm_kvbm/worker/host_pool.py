@@ -20,6 +20,16 @@ mapping asks for huge pages (``MAP_HUGETLB``, where the system reserved
 enough) and otherwise marks itself for transparent huge pages: fewer pages to
 lock and fewer TLB misses.
 
+A pool that is not pinned (vLLM's CPU build, or a refused registration) is
+populated instead, at startup, on helper threads: every page faulted in with
+``MADV_POPULATE_WRITE`` (or one write per page where the kernel predates it).
+Left to be faulted in by the first store into each slot, the kernel's zeroing
+and page-table work ran inside the engine's step, on its thread: a first
+touch of fresh memory copied at a tenth of a warm copy's speed or less
+(0.8 against 10 GB/s on a 2-core VM; docs/benchmarks.md), and every store
+into a slot not yet used (the first host-tier-full of traffic) slowed the
+miss that made it.
+
 A failed registration unregisters every chunk already registered, so the pool
 stays pageable (slower DMA, still correct) rather than half pinned. The
 failed call also leaves its error as the CUDA runtime's last error *of that
@@ -220,6 +230,45 @@ def unregister(cudart, addrs: list[int],
             logger.warning("KVBM: cudaHostUnregister failed (CUDA error %d)", _code(err))
 
 
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+
+
+def populate(base: int, total: int, chunk: int = 256 * 1024**2, threads: int = 2) -> str:
+    """Faults in every page of [base, base + total) on ``threads`` helper
+    threads (the caller's thread keeps its CPU binding); how it was done."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    step = mmap.PAGESIZE
+    how = ["MADV_POPULATE_WRITE"]
+
+    def one(offset: int) -> None:
+        size = min(chunk, total - offset)
+        if how[0] == "MADV_POPULATE_WRITE" and madvise(base + offset, size,
+                                                       _MADV_POPULATE_WRITE) == 0:
+            return
+        how[0] = "a write per page"  # EINVAL: a kernel before 5.14
+        view = (ctypes.c_char * size).from_address(base + offset)
+        for i in range(0, size, step):
+            view[i] = view[i]
+
+    with ThreadPoolExecutor(max(1, min(threads, -(-total // chunk))), "kvbm-populate") as pool:
+        list(pool.map(one, range(0, total, chunk)))
+    return how[0]
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes; None where it cannot be read."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class HostPool:
     """``cudart``: PyTorch's CUDA runtime binding (torch.cuda.cudart() by
     default) and ``clear_error`` the runtime's cudaGetLastError (through
@@ -239,6 +288,22 @@ class HostPool:
         self._clear_error = clear_error
         if pin:
             self._pin(slot_bytes, max_register_bytes, device, threads)
+        if not self._registered and total:
+            free = available_memory()
+            if free is not None and total > free:
+                from vllm_kvbm.config import KVBMConfigError
+
+                raise KVBMConfigError(
+                    f"host_cache_size: the host tier needs {total / 1024**3:.2f} GiB on this "
+                    f"worker and {free / 1024**3:.2f} GiB of memory is available "
+                    f"(MemAvailable); lower host_cache_size (or host_cache_blocks), or free "
+                    f"memory: populating it would have the kernel kill the engine")
+            start = time.perf_counter()
+            how = populate(self.tensor.data_ptr(), total,
+                           threads=max(1, min(threads, os.cpu_count() or 1)))
+            took = time.perf_counter() - start
+            logger.info("KVBM: host tier populated: %.2f GiB in %.1f s (%.1f GB/s, %s), %s",
+                        total / 1024**3, took, total / max(took, 1e-9) / 1e9, how, self.pages)
 
     @property
     def pinned(self) -> bool:
