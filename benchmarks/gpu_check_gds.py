@@ -17,10 +17,14 @@ import os
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from helpers.kv_layouts import agent_name
+
+if TYPE_CHECKING:
+    from gpu_check_harness import Report
 
 
 def sync(device: torch.device) -> None:

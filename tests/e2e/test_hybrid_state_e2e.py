@@ -112,6 +112,7 @@ def test_gdn_hybrid_growing_conversation_equals_the_plain_engines(plain_gdn, kvb
     (no answer crosses a block boundary: 1100, 1616, 2132 tokens)."""
     assert plain_gdn.reset_prefix_cache()
     conversation = random_prompt(1100, seed=9801)
+    previous = 0  # the length of the last turn's prompt
     for turn in range(3):
         want, own = generate(plain_gdn, [conversation])
         assert kvbm_gdn.reset_prefix_cache()

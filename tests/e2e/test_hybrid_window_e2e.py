@@ -145,6 +145,7 @@ def test_windowed_model_growing_conversation_equals_recompute(plain, kvbm):
     """Each turn sends the last turn's prompt and answer and a new message:
     its hit is the last prompt's pages, whose last window (chunk) was stored."""
     conversation = random_prompt(700, seed=9601)
+    previous = 0  # the length of the last turn's prompt
     for turn in range(3):
         want = recomputed(plain, [conversation])[0]
         assert kvbm.reset_prefix_cache()

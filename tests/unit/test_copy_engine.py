@@ -147,7 +147,7 @@ def test_a_load_does_not_queue_behind_a_store(gen):
     while a store still waits for a long forward pass."""
     lay = layout("BLHNC", gen)
     m, pool, cuda = mover_for(lay, 8, gen)
-    h = m.post(True, [1], [1])
+    m.post(True, [1], [1])  # a store that ran: its stream has been used
     cuda.run()
     load_fence = CudaFence(CPU, cuda)  # start_load_kv: nothing pending on its blocks
     cuda.launch(lambda: lay.fill_block(3, gen), "a long forward", seconds=1.0)
