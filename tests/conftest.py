@@ -8,13 +8,14 @@ is started once per test session and shared; tests read counter deltas.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from helpers.engines import HOST_BLOCKS, KVBM_METRICS_PORT, MODEL_DIR, make_llm, shutdown
-from helpers.system import Ext4, umount
+from helpers.system import Ext4, shm_dir, umount
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -141,3 +142,22 @@ def ext4(tmp_path):
         # Lazily: fixtures set up earlier (a worker and its disk tier) are torn
         # down after this one and may still hold files open here.
         umount(mnt)
+
+
+@pytest.fixture
+def shm():
+    with shm_dir() as d:
+        yield d
+
+
+@pytest.fixture
+def procs():
+    """Processes a test started (each its own session), always killed after it,
+    a stopped one included."""
+    started: list = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -56,13 +55,6 @@ def srv(tmp_path):
     server = RedisServer(tmp_path).start()
     yield server
     server.kill()
-
-
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="kvbm-test-dir-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -11,12 +11,11 @@ peer; a hint naming a peer that is gone costs a recompute, never a hang.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 
 import pytest
 
+from helpers.system import shm_dir
 from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, generate_request, kvbm_counter,
                              make_llm, random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens, generate, reference
@@ -30,9 +29,8 @@ OTHER = random_prompt(6 * BLOCK_SIZE + 3, seed=9302)
 
 @pytest.fixture(scope="module")
 def shm():
-    d = tempfile.mkdtemp(prefix="kvbm-e2e-peer-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shm_dir("kvbm-e2e-peer-") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 
 import pytest
 
+from helpers.system import shm_dir
 from helpers.engines import MODEL_DIR, RECOMPUTE, random_prompt
 from test_request_params_e2e import PAGE, SERVE_ARGS, Client
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server
@@ -54,9 +53,8 @@ def complete(client: Client, prompt: list[int], params: dict | None) -> tuple[li
 
 @pytest.fixture(scope="module")
 def shm():
-    d = tempfile.mkdtemp(prefix="kvbm-e2e-peer-serve-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shm_dir("kvbm-e2e-peer-serve-") as d:
+        yield d
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,11 @@ pool's slot table out of the worker's memory, as another machine would.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 
 import pytest
 
+from helpers.system import shm_dir
 from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,
                              random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens, generate, reference
@@ -29,9 +28,8 @@ PROMPT = random_prompt(10 * BLOCK_SIZE + 40, seed=9101)
 
 @pytest.fixture(scope="module")
 def shm():
-    d = tempfile.mkdtemp(prefix="kvbm-e2e-pool-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    with shm_dir("kvbm-e2e-pool-") as d:
+        yield d
 
 
 def pool_config(shm: str, **extra) -> dict:

@@ -4,7 +4,10 @@ filesystems, a frozen ext4, a server whose every thread is stopped."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,3 +53,13 @@ class Ext4:
         if self.frozen:
             subprocess.run(["fsfreeze", "-u", str(self.path)], check=True, timeout=20)
             self.frozen = False
+
+
+@contextmanager
+def shm_dir(prefix: str = "kvbm-test-"):
+    """A directory on /dev/shm (the real memory filesystem), removed after."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/dev/shm")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

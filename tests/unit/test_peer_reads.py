@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
-import tempfile
 import threading
 import time
 
@@ -36,25 +34,6 @@ pytestmark = pytest.mark.timeout(300)
 PAGE = 1 << 20  # ~1 ms per page over TCP here: a read is in flight long enough to hit
 NS, SECRET = "ns-peer", b"k" * 32
 TRANSPORTS = {"tcp": {"UCX_TLS": "tcp"}, "default": {}}
-
-
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="kvbm-test-peer-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def procs():
-    """Peer processes started by a test, always killed."""
-    started: list = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGCONT)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
 
 
 @pytest.fixture(params=sorted(TRANSPORTS))

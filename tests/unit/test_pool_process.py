@@ -37,23 +37,6 @@ CAPACITY = 8 << 20  # about 30 pages
 NS, SECRET = pool_engine.NS, pool_engine.SECRET
 
 
-@pytest.fixture
-def shm():
-    d = tempfile.mkdtemp(prefix="kvbm-test-poolproc-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture
-def procs():
-    started: list = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 def start_pool(shm: str, serve_port: int | None, procs: list, timeout: float = 60.0):
     sock = os.path.join(shm, "run", "pool.sock")
     cmd = [sys.executable, "-m", "vllm_kvbm.tools.pool", "--dir", shm, "--socket", sock,

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
-import tempfile
 import time
 
 import pytest
@@ -29,14 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 PAGE = 64 * 1024 + 7  # odd: slots are 4 KiB aligned anyway
 NS = "ns-pool"
 SECRET = b"s" * 32
-
-
-@pytest.fixture
-def shm():
-    """A directory on /dev/shm (the real memory filesystem), removed after."""
-    d = tempfile.mkdtemp(prefix="kvbm-test-pool-", dir="/dev/shm")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def spec(directory, pages=32, rank=0, world=1, layout_fp="L", ns=NS, page_bytes=PAGE):
