@@ -298,7 +298,7 @@ def test_one_page_size_formula_for_config_and_store(disk, block):
 
     s = disk(block=block)
     assert s._phys == phys(block)
-    cfg = load_config({"disk_cache_dir": s.directory, "disk_cache_size": 10 * phys(block)})
+    cfg = load_config({"disk_cache_dir": s.directory, "disk_cache_size": f"{10 * phys(block)}B"})
     assert cfg.disk_blocks(block) == 10
 
 

@@ -29,7 +29,7 @@ SCHEDULER_TIERS = {"vllm_kvbm.tiers", "vllm_kvbm.tiers.base", "vllm_kvbm.tiers.r
                    "vllm_kvbm.tiers.pool.view", "vllm_kvbm.tiers.pool.layout",
                    "vllm_kvbm.tiers.pool.pool_file", "vllm_kvbm.tiers.peer",
                    "vllm_kvbm.tiers.peer.view", "vllm_kvbm.tiers.peer.protocol",
-                   "vllm_kvbm.tiers.peer.control"}
+                   "vllm_kvbm.tiers.peer.control", "vllm_kvbm.tiers.peer.directory"}
 
 
 def imports(path: Path) -> set[str]:
