@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from vllm_kvbm.tiers.peer.protocol import parse_endpoint
 from vllm_kvbm.tiers.pool.layout import EMPTY_KEY, ENTRY_BYTES
+from vllm_kvbm.tiers.redis.connection import OnRedisLink
 
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
@@ -273,20 +274,12 @@ class Liveness:
         self._link.call(lambda c: c.eval(_DEL_IF, 1, self._key, self.token), None, "liveness")
 
 
-class DirectoryReader:
+class DirectoryReader(OnRedisLink):
     """Which live peer holds a run of pages, by rank 0's pool file ``file_name``."""
 
     def __init__(self, link: "RedisLink", file_name: str):
         self._link, self.file_name = link, file_name
         self.asked = self.found = 0  # lookups, and those that named a peer
-
-    @property
-    def down(self) -> bool:
-        return not self._link.up
-
-    @property
-    def link(self):
-        return self._link.reconnect
 
     def locate(self, tkeys: list[bytes], exclude=frozenset()) -> str | None:
         """The endpoint whose entries name the longest run of ``tkeys`` (table

@@ -45,6 +45,21 @@ _AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM", "AUTH", "invalid password",
                  "invalid username-password")
 
 
+class OnRedisLink:
+    """What a reader over a RedisLink (``self._link``) says of its server: the
+    remote tier's view and the peer directory's reader alike."""
+
+    _link: "RedisLink"
+
+    @property
+    def down(self) -> bool:
+        return not self._link.up
+
+    @property
+    def link(self):
+        return self._link.reconnect
+
+
 class RedisLink:
     """One redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``),
     replaced whole after a failure. ``call(fn, fail)`` runs ``fn(client)``."""

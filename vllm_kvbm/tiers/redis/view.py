@@ -8,14 +8,14 @@ from vllm_kvbm.config import parse_remote_url
 from vllm_kvbm.keys import PageKey
 from vllm_kvbm.tiers.base import TierView
 from vllm_kvbm.tiers.page_names import page_namer
-from vllm_kvbm.tiers.redis.connection import RedisLink
+from vllm_kvbm.tiers.redis.connection import OnRedisLink, RedisLink
 
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
     from vllm_kvbm.engine_info import EngineInfo
 
 
-class RedisView(TierView):
+class RedisView(OnRedisLink, TierView):
     """EXISTS on every TP rank's page, in one pipelined round trip.
 
     A page exists only if all ranks' pages do (an LRU server evicts them one
@@ -44,14 +44,6 @@ class RedisView(TierView):
         return cls(config.remote_url, config.remote_password, info.tier_namespace,
                    info.page_bytes, info.key_namespace.tp_size, config.remote_timeout_s,
                    tls_ca_file=config.remote_tls_ca_file, secret=secret)
-
-    @property
-    def down(self) -> bool:
-        return not self._link.up
-
-    @property
-    def link(self):
-        return self._link.reconnect
 
     def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
