@@ -10,6 +10,7 @@ import asyncio
 import csv
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import pytest
 
 from helpers.engines import MODEL_DIR
 from vllm_kvbm.bench.__main__ import main as kvbm_bench
-from vllm_kvbm.bench.client import COLUMNS, read_csv, run_doc_qa, run_multi_round, summarize, write_csv
+from vllm_kvbm.bench.client import (ARRIVAL_COLUMNS, COLUMNS, read_csv, run_doc_qa,
+                                    run_multi_round, summarize, write_csv)
 from vllm_kvbm.bench.cores import process_binding
 from vllm_kvbm.bench.workloads import MultiRoundQA, TextSource, long_doc_qa
 from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
@@ -31,9 +33,15 @@ SERVE_ARGS = ["--enforce-eager", "--block-size", "128", "--max-model-len", "2048
 def _check(path, results, expected_rows, summary):
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        assert reader.fieldnames == COLUMNS
+        assert reader.fieldnames == COLUMNS + ARRIVAL_COLUMNS
         rows = list(reader)
     assert len(rows) == expected_rows == len(results)
+    # queued: sent while another request of the run had not finished
+    for row in rows:
+        others = sum(float(o["launch_time"]) <= float(row["launch_time"]) < float(o["finish_time"])
+                     for o in rows if o is not row)
+        assert int(row["others_in_flight"]) == others, row
+        assert row["arrival"] == ("queued" if others else "alone"), row
     for r in read_csv(path):
         total = r.finish_time - r.launch_time
         assert 0 < r.ttft < total, r
@@ -120,16 +128,27 @@ def test_bench_client_against_vllm_serve(model_dir, tmp_path, capsys):
     assert rc == 0, compared.err[-3000:]
     report = (out_dir / "report.md").read_text()
     cores = binding.describe()
+    # TTFT per round and arrival: 2 requests a round, a's and b's side by side
+    assert "| round | arrival | a requests | mean | p50 | p90 | b requests |" in report, report
+    for key in ("round 0", "round 1"):
+        assert re.search(rf"^\| {key} \| all \| 2 \| \d+ \| \d+ \| \d+ \| 2 \| "
+                         r"\d+ \| \d+ \| \d+ \| \d+\.\dx \|$", report, re.M), report
+    assert re.search(r"^\| every round \| all \| 4 \| ", report, re.M), report
     for name in ("a", "b"):
         assert f"| {name} | ok | {cores} | 4/4 |" in report, report
         summary = json.loads((out_dir / f"{name}.summary.json").read_text())
         assert summary["url"] == server.url and summary["requests"] == 4
+        split = summary["ttft_by_round_arrival"]
+        assert list(split) == ["0", "1", "all"]
+        for by in split.values():
+            assert by["alone"]["requests"] + by["queued"]["requests"] == by["all"]["requests"]
+        assert split["all"]["all"]["ttft_mean_s"] == pytest.approx(summary["ttft_mean_s"])
         assert summary["counters"]["prefix_queries"] > 0
         assert "host" in summary["counters"]["kvbm_tokens"]  # a server with KVBM
     assert f"servers kvbm-bench did not start: a {server.url}, b {server.url}" in report
     assert not list(out_dir.glob("server-*.log"))  # nothing was started
     assert {p.name for p in out_dir.glob("*.png")} == {
-        "ttft_per_round.png", "hit_tokens.png", "ttft_distribution.png"}
+        "ttft_per_round.png", "ttft_by_arrival.png", "hit_tokens.png", "ttft_distribution.png"}
     # bench_frozen_remote's ITL reads the real stream: each generated token once,
     # the final chunk (no new token), usage and [DONE] not counted as tokens
     assert itl_stream.done and sum(itl_stream.tokens) == 6, itl_stream

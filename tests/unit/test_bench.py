@@ -369,8 +369,8 @@ def test_plots_answer_one_question_each_at_a_readable_size(tmp_path):
             ConfigRun("lmcache", "did not start")]
     assert hit_tokens(runs[1]) == "host 6000, disk 0, pool 512" and hit_tokens(runs[0]) == "-"
     paths = plots(runs, tmp_path, "multi-round")
-    assert [p.name for p in paths] == ["ttft_per_round.png", "hit_tokens.png",
-                                      "ttft_distribution.png"]
+    assert [p.name for p in paths] == ["ttft_per_round.png", "ttft_by_arrival.png",
+                                      "hit_tokens.png", "ttft_distribution.png"]
     for path in paths:
         with Image.open(path) as image:
             assert image.size == (1200, 675), path.name

@@ -10,8 +10,10 @@ Every request is a greedy streaming completion with ``ignore_eos``, sent by the
 openai client (``vllm_kvbm/tools/completions.py``); TTFT is the time to the
 first streamed token. Every wait is bounded. Multi-round QA paces users as
 LMBenchmark does (``arrival_gaps``), so requests of several users overlap; the
-summary says how many were in flight at most. Percentiles are numpy's default
-(linear interpolation between the two nearest ranks).
+summary says how many were in flight at most, and splits TTFT by round and by
+arrival (alone or queued behind another request in flight, ``arrivals.py``).
+Percentiles are numpy's default (linear interpolation between the two nearest
+ranks).
 """
 
 from __future__ import annotations
@@ -29,11 +31,15 @@ from typing import Callable
 
 import numpy as np
 
+from vllm_kvbm.bench.arrivals import (ALONE, QUEUED, arrival_classes, others_in_flight,
+                                     ttft_by_round_arrival)
 from vllm_kvbm.bench.workloads import MultiRoundQA, TextSource, long_doc_qa
 from vllm_kvbm.tools import completions
 
 COLUMNS = ["prompt_tokens", "generation_tokens", "ttft", "generation_time",
            "user_id", "question_id", "launch_time", "finish_time"]
+# after LMBenchmark's columns, from the launch and finish times (arrivals.py)
+ARRIVAL_COLUMNS = ["others_in_flight", "arrival"]
 
 
 @dataclass
@@ -199,6 +205,7 @@ def summarize(results: list[Result], errors: list[str] | None = None) -> dict:
     per_round: dict[int, list[float]] = {}
     for r in results:
         per_round.setdefault(r.question_id, []).append(r.ttft)
+    classes = arrival_classes(results)
     return {
         "requests": len(results),
         "errors": len(errors or []),
@@ -212,15 +219,20 @@ def summarize(results: list[Result], errors: list[str] | None = None) -> dict:
         "max_in_flight": peak,
         "mean_in_flight": mean_in_flight,
         "ttft_mean_by_round_s": {str(k): sum(v) / len(v) for k, v in sorted(per_round.items())},
+        "arrivals": {ALONE: classes.count(ALONE), QUEUED: classes.count(QUEUED)},
+        "ttft_by_round_arrival": ttft_by_round_arrival(results),
     }
 
 
 def write_csv(path: str | Path, results: list[Result]) -> None:
+    """LMBenchmark's columns, then how many other requests were in flight when
+    each was sent and its arrival class (alone or queued)."""
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=COLUMNS + ARRIVAL_COLUMNS)
         writer.writeheader()
-        for r in results:
-            writer.writerow(asdict(r))
+        for r, n in zip(results, others_in_flight(results)):
+            writer.writerow({**asdict(r), "others_in_flight": n,
+                             "arrival": QUEUED if n else ALONE})
 
 
 def read_csv(path: str | Path) -> list[Result]:
@@ -237,7 +249,9 @@ def format_summary(s: dict) -> str:
             f"p90 {s['ttft_p90_s']:.3f}, p99 {s['ttft_p99_s']:.3f}; "
             f"input {s['input_tokens_per_s']:.0f} tok/s, "
             f"output {s['output_tokens_per_s']:.1f} tok/s; "
-            f"in flight: max {s.get('max_in_flight', 0)}, mean {s.get('mean_in_flight', 0):.2f}")
+            f"in flight: max {s.get('max_in_flight', 0)}, mean {s.get('mean_in_flight', 0):.2f}; "
+            f"arrived alone {s.get('arrivals', {}).get(ALONE, 0)}, "
+            f"queued {s.get('arrivals', {}).get(QUEUED, 0)}")
 
 
 def load_tokenizer(name: str):

@@ -3,6 +3,9 @@
 - ``ttft_per_round.png``: does TTFT fall as prompts return? Mean TTFT per
   round (multi-round: a user's n-th question) or pass (doc-qa), per
   configuration;
+- ``ttft_by_arrival.png``: what does a hit save apart from queueing? The same
+  per round, in two panels: requests that arrived alone, and those queued
+  behind another request in flight (``arrivals.py``);
 - ``hit_tokens.png``: where did the prompt tokens come from? Per
   configuration, the tokens vLLM's own prefix cache served, those each KVBM
   tier (or LMCache) served, and those computed;
@@ -12,6 +15,8 @@
 from __future__ import annotations
 
 from pathlib import Path
+
+from vllm_kvbm.bench.arrivals import ALL, ALONE, QUEUED
 
 SIZE, DPI = (8, 4.5), 150
 
@@ -58,6 +63,33 @@ def ttft_per_round(plt, runs, path: Path, workload: str) -> Path | None:
     ax.set_xticks(sorted({int(k) for r in ok for k in r.summary["ttft_mean_by_round_s"]}))
     ax.grid(alpha=0.3)
     ax.legend()
+    return _save(fig, path)
+
+
+def ttft_by_arrival(plt, runs, path: Path, workload: str) -> Path | None:
+    ok = [r for r in runs if r.summary.get("ttft_by_round_arrival")]
+    if not ok:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=SIZE, sharey=True)
+    values, rounds = [], set()
+    for i, r in enumerate(ok):
+        split = r.summary["ttft_by_round_arrival"]
+        for ax, cls in zip(axes, (ALONE, QUEUED)):
+            pts = sorted((int(k), by[cls]["ttft_mean_s"] * 1000) for k, by in split.items()
+                         if k != ALL and by[cls]["requests"])
+            ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", color=f"C{i}",
+                    label=r.label)
+            values += [v for _, v in pts]
+            rounds |= {k for k, _ in pts}
+    scale = _log_if_wide(axes[0], values)
+    what = "round" if workload == "multi-round" else "pass"
+    for ax, title in zip(axes, ("arrived alone", "queued behind a request in flight")):
+        ax.set_title(title)
+        ax.set_xlabel(f"{what} (0: first time)")
+        ax.set_xticks(sorted(rounds))
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"mean TTFT (ms{scale})")
+    axes[0].legend()
     return _save(fig, path)
 
 
@@ -112,6 +144,8 @@ def plots(runs, out_dir: Path, workload: str) -> list[Path]:
     plt = _pyplot()
     made = []
     for draw in (lambda: ttft_per_round(plt, runs, out_dir / "ttft_per_round.png", workload),
+                 lambda: ttft_by_arrival(plt, runs, out_dir / "ttft_by_arrival.png",
+                                         workload),
                  lambda: hit_tokens(plt, runs, out_dir / "hit_tokens.png"),
                  lambda: ttft_distribution(plt, runs, out_dir / "ttft_distribution.png")):
         path = draw()

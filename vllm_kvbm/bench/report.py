@@ -1,11 +1,13 @@
 """``kvbm-bench compare``'s report: one Markdown table of every configuration,
-TTFT per round, both clients side by side, and why each failure happened."""
+TTFT per round and arrival (alone or queued, ``arrivals.py``), both clients
+side by side, and why each failure happened."""
 
 from __future__ import annotations
 
 import math
 import os
 
+from vllm_kvbm.bench.arrivals import ALL, CLASSES
 from vllm_kvbm.bench.client import workload_size
 from vllm_kvbm.bench.compare import (NATIVE_CONNECTORS, ConfigRun, config_serve_args,
                                      offload_bytes, unequal_cores)
@@ -74,6 +76,45 @@ def _row(r: ConfigRun, args) -> str:
             "| - | - | - | - | - | - |")
 
 
+def by_round_arrival(runs: list[ConfigRun], workload: str) -> list[str]:
+    """TTFT per round (or pass) and arrival class, every configuration side
+    by side, and the baseline's mean over each other configuration's (vLLM's
+    own prefix cache when it ran, else the first configuration)."""
+    ran = [r for r in runs if r.summary.get("ttft_by_round_arrival")]
+    if not ran:
+        return []
+    base = next((r for r in ran if r.name == "vllm"), ran[0])
+    others = [r for r in ran if r is not base]
+    what = "round" if workload == "multi-round" else "pass"
+    keys = list(dict.fromkeys(k for r in ran for k in r.summary["ttft_by_round_arrival"]))
+    lines = ["", f"TTFT (ms) per {what} (`question_id`) and arrival: **alone**, sent while no "
+             "other request of the run was in flight; **queued**, sent while at least one was "
+             "(sent, its last token not yet received), so its prefill waited or shared the "
+             "engine's steps. Each configuration's classes come from its own run's timings. "
+             f"{base.label} / X: {base.label}'s mean TTFT over X's.", "",
+             f"| {what} | arrival | " + " | ".join(f"{r.label} requests | mean | p50 | p90"
+                                                   for r in ran)
+             + "".join(f" | {base.name} / {r.name}" for r in others) + " |",
+             "|---|---|" + "---:|" * (4 * len(ran) + len(others))]
+    for key in keys:
+        for cls in CLASSES:
+            cells = [r.summary["ttft_by_round_arrival"].get(key, {}).get(cls, {}) for r in ran]
+            if not any(c.get("requests") for c in cells):
+                continue
+            row = [f"{what} {key}" if key != ALL else f"every {what}", cls]
+            for c in cells:
+                row += [str(c.get("requests", 0)), _ms(c.get("ttft_mean_s")),
+                        _ms(c.get("ttft_p50_s")), _ms(c.get("ttft_p90_s"))]
+            b = cells[ran.index(base)].get("ttft_mean_s")
+            row += [_ratio(b, c.get("ttft_mean_s")) for r, c in zip(ran, cells) if r is not base]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def _ratio(base: float | None, x: float | None) -> str:
+    return f"{base / x:.1f}x" if base and x else "-"
+
+
 def _lmbenchmark(runs: list[ConfigRun], args) -> list[str]:
     base = next((r for r in runs if r.name == "vllm"), None)
     lines = ["", f"Both clients against the same servers: kvbm-bench's run above, then "
@@ -132,18 +173,7 @@ def report(runs: list[ConfigRun], args, command: str) -> str:
               "| vLLM prefix hit rate | connector hit tokens |",
               "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [_row(r, args) for r in runs]
-    rounds = sorted({q for r in runs for q in r.summary.get("ttft_mean_by_round_s", {})},
-                    key=int)
-    if rounds:
-        what = "round" if args.workload == "multi-round" else "pass"
-        lines += ["", f"Mean TTFT (ms) per {what} (`question_id`):", "",
-                  "| configuration | " + " | ".join(f"{what} {q}" for q in rounds) + " |",
-                  "|---|" + "---:|" * len(rounds)]
-        for r in runs:
-            by = r.summary.get("ttft_mean_by_round_s", {})
-            if by:
-                lines.append(f"| {r.label} | "
-                             + " | ".join(_ms(by.get(q, math.nan)) for q in rounds) + " |")
+    lines += by_round_arrival(runs, args.workload)
     if args.lmbenchmark_dir:
         lines += _lmbenchmark(runs, args)
     lines += _failures(runs)
