@@ -128,18 +128,24 @@ class _Clock:
 
 
 def _outage_waits(seed: int, attempts: int = 8) -> list[float]:
-    """The waits between reconnect attempts of one outage, on a fake clock."""
+    """The waits between reconnect attempts of one outage, on a fake clock, with
+    the jitter's ``random`` seeded (its state is put back after)."""
     clock = _Clock()
-    r = Reconnect(2.0, "remote tier", "redis://h:1", rng=random.Random(seed), clock=clock)
-    r.failed("refused")
-    waits = []
-    for _ in range(attempts):
-        waits.append(r.wait_s())
-        assert not r.may_try()
-        clock.now += waits[-1]
-        assert r.may_try()
+    state = random.getstate()
+    random.seed(seed)
+    try:
+        r = Reconnect(2.0, "remote tier", "redis://h:1", clock=clock)
         r.failed("refused")
-        r.failed("refused again")  # calls failing together are one failed attempt
+        waits = []
+        for _ in range(attempts):
+            waits.append(r.wait_s())
+            assert not r.may_try()
+            clock.now += waits[-1]
+            assert r.may_try()
+            r.failed("refused")
+            r.failed("refused again")  # calls failing together are one failed attempt
+    finally:
+        random.setstate(state)
     return waits
 
 
@@ -153,7 +159,7 @@ def test_reconnect_backoff_doubles_with_jitter_to_a_bound_and_resets_on_an_answe
     assert all(a != b for a, b in zip(waits, _outage_waits(seed=8)))
     # an answer resets it: the next outage starts from the first step again
     clock = _Clock()
-    r = Reconnect(2.0, "remote tier", "redis://h:1", rng=random.Random(7), clock=clock)
+    r = Reconnect(2.0, "remote tier", "redis://h:1", clock=clock)
     for _ in range(5):
         r.failed("refused")
         clock.now += r.wait_s()

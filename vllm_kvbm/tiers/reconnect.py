@@ -2,29 +2,37 @@
 
 One policy for every link to a server (the lm:// views and stores, the
 Redis/Valkey client): after a failure calls miss at once while the link is
-re-made on a jittered exponential backoff: the n-th attempt of an outage
-waits a delay drawn from the upper half of ``retry_interval_s * 2**(n-1)``,
-capped at ``MAX_BACKOFF_FACTOR * retry_interval_s``, and an answer resets
-it. The jitter keeps a fleet of engines that lost one server together from
-reconnecting in step. The outage is logged once when it starts and once when
+re-made on a jittered exponential backoff (redis-py's ``EqualJitterBackoff``):
+the n-th attempt of an outage waits a delay drawn from the upper half of
+``retry_interval_s * 2**(n-1)``, capped at ``MAX_BACKOFF_FACTOR *
+retry_interval_s``, and an answer resets it. The jitter keeps a fleet of
+engines that lost one server together from reconnecting in step. The outage is logged once when it starts and once when
 the server answers again (an answer, not a connect: a frozen server still
 accepts connections, the kernel completes them). Imports neither LMCache nor
 NIXL: the scheduler's views use it too.
+
+The schedule is kept here rather than in redis-py's ``Retry``:
+``Retry.call_with_retry`` sleeps on the thread that calls it, and the lm://
+links ask ``may_try`` on vLLM's threads, which must never wait; the Redis
+link's reconnect thread waits on its close event instead, so closing it ends
+the wait at once.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from typing import Callable
+
+from redis.backoff import EqualJitterBackoff
 
 logger = logging.getLogger(__name__)
 
 # The longest wait between two attempts, in retry intervals (16 s for 2 s).
 MAX_BACKOFF_FACTOR = 8
-# Each delay is drawn from [1 - JITTER, 1] times its step of the doubling.
+# Each delay is drawn from [1 - JITTER, 1] times its step of the doubling
+# (EqualJitterBackoff's half).
 JITTER = 0.5
 
 
@@ -34,18 +42,19 @@ class Reconnect:
     ``what`` and ``target`` name it in the log ("remote tier", the URL);
     ``role`` says which of its links ("for reads", "for lookups", "").
     ``why`` passed to ``failed`` must be safe to log (no password).
-    ``rng`` and ``clock`` are for tests (a seeded ``random.Random``, a fake
-    monotonic clock).
+    ``clock`` is for tests (a fake monotonic clock); the jitter draws from the
+    ``random`` module, which a test seeds.
     """
 
     def __init__(self, retry_interval_s: float, what: str, target: str, role: str = "", *,
-                 rng: random.Random | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.retry_s = float(retry_interval_s)
         self.max_s = self.retry_s * MAX_BACKOFF_FACTOR
         self._what, self._target = what, target
         self._role = f" {role}" if role else ""
-        self._rng = rng if rng is not None else random.Random()
+        # compute(n) is drawn from the upper half of min(cap, base * 2**n):
+        # base = retry_s / 2 makes attempt 1's step retry_s.
+        self._backoff = EqualJitterBackoff(cap=self.max_s, base=self.retry_s / 2)
         self._clock = clock
         self._lock = threading.Lock()
         self._next_try = 0.0
@@ -56,8 +65,7 @@ class Reconnect:
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt`` (1, 2, ...) of an outage."""
-        step = min(self.max_s, self.retry_s * 2 ** min(attempt - 1, 62))
-        return step * (1 - JITTER * self._rng.random())
+        return self._backoff.compute(attempt)
 
     def may_try(self) -> bool:
         """True if a reconnect may start now; it then counts as an attempt (the
