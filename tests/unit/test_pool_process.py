@@ -119,6 +119,82 @@ def test_pages_outlive_the_engine_and_the_pool_restarts_serving_them(shm, procs,
         r.close()
 
 
+def attached_store(shm: str, sock: str) -> PoolStore:
+    """This process attached to kvbm-pool as an engine's worker: the writer of its file."""
+    spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "L", CAPACITY)
+    config = load_config({"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock},
+                         environ={})
+    mapped, server = open_engine_pool(config, spec, 0)
+    assert server is None  # attached: kvbm-pool serves it
+    return PoolStore(mapped, PageCodec(NS, PAGE, SECRET, layout="L"), server)
+
+
+def test_a_page_evicted_between_a_peers_lookup_and_its_read_is_a_miss_never_another(
+        shm, procs, monkeypatch):
+    """kvbm-pool serves the file; the engine's writes evict a page a peer's
+    lookup found, before and while the peer reads it: each read is a miss or
+    that page, verified, never the page that took its slot."""
+    import random
+    import threading
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    port = free_port()
+    _, sock = start_pool(shm, port, procs)
+    w = attached_store(shm, sock)
+    r = reader()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    out = torch.zeros(PAGE, dtype=torch.uint8)
+    fresh = iter(range(2, 1 << 30))
+
+    def evict_page_1() -> int:
+        """Pages written until page 1's slot is taken: how many."""
+        n = 0
+        while w.contains(key(1)):
+            i = next(fresh)
+            assert w.put(key(i), page(i, PAGE))
+            n += 1
+        return n
+
+    try:
+        assert w.put(key(1), page(1, PAGE))
+        assert read_all(r, endpoint, 1)  # connected
+        assert r.lookup(endpoint, [key(1)]) == [True]  # a scheduler's lookup: held
+        assert evict_page_1() > 0
+        assert r.get_many_into([(key(1), out)], endpoint=endpoint) == ["miss"]
+        # and while it reads: page 1 written and evicted again and again
+        stop = threading.Event()
+
+        def churn():
+            # paced at random: some reads find page 1, some its slot taken, some
+            # fall across its eviction
+            rng = random.Random(0)
+            while not stop.is_set():
+                assert w.put(key(1), page(1, PAGE))
+                time.sleep(rng.uniform(0, 0.02))
+                evict_page_1()
+                time.sleep(rng.uniform(0, 0.02))
+
+        thread = threading.Thread(target=churn, daemon=True)
+        thread.start()
+        counts = {"ok": 0, "miss": 0}
+        deadline = time.monotonic() + 20
+        try:
+            while time.monotonic() < deadline and min(counts.values()) < 3:
+                out.zero_()
+                (status,) = r.get_many_into([(key(1), out)], endpoint=endpoint)
+                assert status in counts, status
+                counts[status] += 1
+                if status == "ok":
+                    assert torch.equal(out, page(1, PAGE))
+        finally:
+            stop.set()
+            thread.join(10)
+        assert min(counts.values()) >= 1, counts
+    finally:
+        r.close()
+        w.close()
+
+
 def test_an_engine_that_cannot_attach_keeps_its_own_file_in_one_line(shm, caplog):
     sock = os.path.join(shm, "nobody-listens.sock")
     spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "L", CAPACITY)
