@@ -366,6 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("no CUDA device; use --device cpu")
+    if cuda and device.index is None:
+        # with its index: HostPool's registering threads set it as their device, and
+        # torch.cuda.set_device refuses a CUDA device without one (nothing was pinned)
+        device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     deadline = start + args.budget_s
     print(f"gpu_check: torch {torch.__version__} (CUDA {torch.version.cuda}), device "
