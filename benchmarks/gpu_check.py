@@ -37,6 +37,9 @@ Cases, in the order they run (what KVBM runs in production first, NIXL last):
   each KV cache group views one shared tensor (Qwen3-Next, Gemma 3).
 - "nixl-70b-tp1", "-tp8" (gpu_check_paths.py): NIXL at the same geometry, with UCX's
   protocol; "gds" (gpu_check_gds.py): a file read into GPU memory by NIXL's GDS plugins.
+- "peer-read" (gpu_check_peer.py), in a child process of its own: a real kvbm-pool process
+  serves pages; this machine's peer reader reads them into pinned host memory, every byte
+  checked, against a raw NIXL READ on the same transport, then copies them to the GPU.
 
 The exit status is 0 only if every check passed.
 """
@@ -62,6 +65,7 @@ from gpu_check_harness import (  # noqa: E402
 from gpu_check_gds import run_gds, sync  # noqa: E402
 from gpu_check_hybrid import run_hybrid  # noqa: E402
 from gpu_check_paths import copy_seconds, report_bandwidth, run_paths  # noqa: E402
+from gpu_check_peer import CASE_S as PEER_CASE_S, peer_pages, run_peer  # noqa: E402
 from gpu_check_vllm import CASE_S, run_vllm  # noqa: E402
 
 # name -> (vLLM KVCacheLayout, MLA, kernel blocks per block)
@@ -74,11 +78,12 @@ CASES = {
     "mla-v2-lite": ("LBNHC", True, 1),  # at its model's geometry: CASE_GEOMETRY
 }
 EXTRA_CASES = ["pages", "70b-pages", "paths-70b-tp1", "paths-70b-tp8", "vllm", "hybrid",
-               "nixl-70b-tp1", "nixl-70b-tp8", "gds"]
-# BLHNC and the copy engines first, then a vLLM engine, the other layouts, NIXL last.
+               "nixl-70b-tp1", "nixl-70b-tp8", "gds", "peer-read"]
+# BLHNC and the copy engines first, then a vLLM engine, the other layouts, NIXL last
+# (the peer read between two processes, in a child, the very last).
 ORDER = ["packed-blhnc", "paths-70b-tp1", "paths-70b-tp8", "vllm", "flash-attn",
          "flashinfer-hnd", "mla", "kernel-split", "mla-v2-lite", "pages", "70b-pages", "hybrid",
-         "nixl-70b-tp1", "nixl-70b-tp8", "gds"]
+         "nixl-70b-tp1", "nixl-70b-tp8", "gds", "peer-read"]
 BUDGET_S = 240.0  # the whole run, sized by the probe
 TRANSFER_S = 0.02  # copy_ time of one transfer the probe sizes the cases to
 
@@ -293,11 +298,13 @@ def probe(args, device: torch.device, report: Report) -> None:
     args.pages_70b = args.pages_70b or pages
     args.paths_pages = args.paths_pages or pages
     args.gds_mib = args.gds_mib or max(16, min(512, target >> 20))
+    args.peer_pages = args.peer_pages or peer_pages(target, args.peer_page_kib)
     report.info("probe", "pinned copy_ GB/s", f"{n / off / 1e9:.1f} d2h, {n / on / 1e9:.1f} h2d; "
                 f"about {target >> 20} MiB per transfer: {args.blocks} blocks of "
                 f"{args.layers} layers, {args.pages_70b} 70B pages, {args.paths_pages} at TP=1 "
                 f"in the paths and nixl cases (x8 at TP=8: the same bytes), {args.gds_mib} MiB "
-                f"read by gds; budget {args.budget_s:.0f} s")
+                f"read by gds, {args.peer_pages} pages of {args.peer_page_kib} KiB by peer-read; "
+                f"budget {args.budget_s:.0f} s")
 
 
 def run(name: str, args, device: torch.device, report: Report, deadline: float) -> None:
@@ -314,6 +321,8 @@ def run(name: str, args, device: torch.device, report: Report, deadline: float) 
         run_vllm(args, device, report, deadline)
     elif name == "gds":
         run_gds(args, device, report)
+    elif name == "peer-read":
+        run_peer(args, device, report, deadline)
     elif name == "hybrid":
         run_hybrid(args, device, report, Worker)
     else:
@@ -342,6 +351,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="file size of the gds case (default: sized by the probe)")
     p.add_argument("--gds-dir", default=None,
                    help="directory of the gds case's file (default: the system's temp dir)")
+    p.add_argument("--peer-pages", type=int, default=None,
+                   help="pages kvbm-pool serves to the peer-read case (default: by the probe)")
+    p.add_argument("--peer-page-kib", type=int, default=4096, help="their size")
+    p.add_argument("--peer-ucx-tls", default=None,
+                   help="UCX_TLS of the peer-read case's two processes (tcp: as between "
+                        "machines; default: UCX's choice, or UCX_TLS as set)")
+    p.add_argument("--peer-timeout-s", type=float, default=PEER_CASE_S,
+                   help="the peer-read case's child is killed after this long at most")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--blocks", type=int, default=None, help="engine KV blocks")
     p.add_argument("--slots", type=int, default=None, help="host tier slots")

@@ -47,7 +47,7 @@ PAGE_TOKENS = 256  # KVBM's default page at blocks under 128 tokens
 PROMPT_TOKENS = 1000
 MAX_TOKENS = 16
 CASE_S = 150.0  # at most, of the check's budget
-LEFT_FOR_OTHERS_S = 40.0  # of the budget, for the cases after this one
+LEFT_FOR_OTHERS_S = 70.0  # of the budget, for the cases after this one (peer-read: 20-30 s)
 # A request's kv_transfer_params that neither load nor store: a recompute.
 RECOMPUTE = {"max_load_tokens": 0, "lmcache.skip_save": True}
 
@@ -76,9 +76,13 @@ def child_command(args, device) -> list[str]:
     return cmd + (["--model", args.vllm_model] if args.vllm_model else [])
 
 
-def report_child(report, cmd: list[str], timeout: float) -> None:
-    """Runs ``cmd``, reporting its rows as they come; killed after ``timeout``."""
-    log = tempfile.NamedTemporaryFile(prefix="kvbm-gpu-check-vllm-", suffix=".log", delete=False)
+def report_child(report, cmd: list[str], timeout: float, name: str = NAME,
+                 finished: str = "engine run finished") -> None:
+    """Runs ``cmd``, reporting its rows as they come (as case ``name``); killed
+    after ``timeout`` (with its process group: what it started too). The last
+    row, ``finished``, says whether it ended by itself with exit status 0."""
+    log = tempfile.NamedTemporaryFile(prefix=f"kvbm-gpu-check-{name}-", suffix=".log",
+                                      delete=False)
     env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout: the rows
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get(
                "PYTHONPATH")])])}
@@ -95,12 +99,12 @@ def report_child(report, cmd: list[str], timeout: float) -> None:
             line = rows.get(timeout=max(0.05, end - time.perf_counter()))
         except queue.Empty:
             os.killpg(proc.pid, signal.SIGKILL)
-            report.check(NAME, "engine run finished", False, f"killed after {timeout:.0f} s; "
+            report.check(name, finished, False, f"killed after {timeout:.0f} s; "
                          f"{_tail(log.name)}")
             break
         if line is None:
             rc = proc.wait()
-            report.check(NAME, "engine run finished", rc == 0 and seen > 0,
+            report.check(name, finished, rc == 0 and seen > 0,
                          f"exit status {rc}" + (f"; {_tail(log.name)}" if rc else ""))
             break
         parts = line.rstrip("\n").split("\t")
@@ -111,9 +115,9 @@ def report_child(report, cmd: list[str], timeout: float) -> None:
             seen += 1
             _, what, status, detail = parts
             if status == "info":
-                report.info(NAME, what, detail)
+                report.info(name, what, detail)
             else:
-                report.check(NAME, what, status == "PASS", detail)
+                report.check(name, what, status == "PASS", detail)
     proc.wait()
     log.close()
     os.unlink(log.name)
