@@ -18,6 +18,8 @@
 #
 # Its vllm case starts an offline vLLM engine with KVBM (a small random-weight model built into
 # models/ without network, or --vllm-model PATH); without vLLM installed it is skipped.
+# Its last case, peer-read, starts a kvbm-pool process (a free local port, its pool file in
+# /dev/shm or the temp dir) and reads its pages into pinned memory; it needs pyzmq (vLLM's).
 # It prints one row per check as it runs (case, check, PASS/FAIL/info, detail), then
 # "gpu_check: all N checks passed" or "N of M checks FAILED"; the exit status is 0 only when
 # every check passed. KVBM_GPU_CHECK_LOG=FILE keeps a copy of the output. PYTHON picks the
