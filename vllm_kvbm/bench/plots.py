@@ -75,12 +75,15 @@ def ttft_by_arrival(plt, runs, path: Path, workload: str) -> Path | None:
     for i, r in enumerate(ok):
         split = r.summary["ttft_by_round_arrival"]
         for ax, cls in zip(axes, (ALONE, QUEUED)):
-            pts = sorted((int(k), by[cls]["ttft_mean_s"] * 1000) for k, by in split.items()
-                         if k != ALL and by[cls]["requests"])
-            ax.plot([k for k, _ in pts], [v for _, v in pts], marker="o", color=f"C{i}",
-                    label=r.label)
-            values += [v for _, v in pts]
-            rounds |= {k for k, _ in pts}
+            pts = sorted((int(k), by[cls]["ttft_mean_s"] * 1000, by[cls]["requests"])
+                         for k, by in split.items() if k != ALL and by[cls]["requests"])
+            ax.plot([k for k, _, _ in pts], [v for _, v, _ in pts], marker="o",
+                    color=f"C{i}", label=r.label)
+            for k, v, n in pts:  # the classes' sizes differ between configurations
+                ax.annotate(f"{n}", (k, v), textcoords="offset points", xytext=(5, 4),
+                            fontsize=7, color=f"C{i}")
+            values += [v for _, v, _ in pts]
+            rounds |= {k for k, _, _ in pts}
     scale = _log_if_wide(axes[0], values)
     what = "round" if workload == "multi-round" else "pass"
     for ax, title in zip(axes, ("arrived alone", "queued behind a request in flight")):
@@ -88,7 +91,7 @@ def ttft_by_arrival(plt, runs, path: Path, workload: str) -> Path | None:
         ax.set_xlabel(f"{what} (0: first time)")
         ax.set_xticks(sorted(rounds))
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"mean TTFT (ms{scale})")
+    axes[0].set_ylabel(f"mean TTFT (ms{scale}; beside each point: requests)")
     axes[0].legend()
     return _save(fig, path)
 
