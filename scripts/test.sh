@@ -31,7 +31,13 @@ if [[ "$workers" == 0 ]]; then
 fi
 # Exit code 5 is "no test selected" (a pass whose tests the arguments filtered out).
 rc=0
-"${pytest[@]}" -n "$workers" --dist loadfile -m "not timing" "${paths[@]}" "$@" || rc=$?
+# --no-loadscope-reorder: files go out in collection order, tests/e2e (engines, minutes a file)
+# before tests/unit (seconds a file), so the unit files fill the end of the run on whichever
+# worker is free. xdist's default order sends files with more tests first, which left the
+# one-test e2e files (a soak, engines started inside the test) for last: a worker could end
+# minutes after the other, its queue holding two or three of them.
+"${pytest[@]}" -n "$workers" --dist loadfile --no-loadscope-reorder -m "not timing" \
+    "${paths[@]}" "$@" || rc=$?
 [[ $rc == 5 ]] && rc=0
 echo "== tests that bound a wall-clock wait, alone =="
 rc2=0
