@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--model", help="default: the local Gemma 3-shaped model (built if missing)")
     args = p.parse_args(argv)
-    from vllm_kvbm.tools.local_model import GEMMA3_DIR, build_gemma3
+    from vllm_kvbm.tools.local_model_archs import GEMMA3_DIR, build_gemma3
 
     model = args.model or str(build_gemma3(REPO / GEMMA3_DIR))
     cores = len(os.sched_getaffinity(0))

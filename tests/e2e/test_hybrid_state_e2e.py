@@ -25,7 +25,7 @@ from test_engine_e2e import generate
 from test_redis_e2e import password_file, redis_server  # noqa: F401 (fixtures)
 from test_hybrid_window_e2e import hits_from_host_then_disk
 from test_tiers_e2e import settle
-from vllm_kvbm.tools.local_model import HYBRID_DIR, build_qwen3_next
+from vllm_kvbm.tools.local_model_archs import HYBRID_DIR, build_qwen3_next
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1200)

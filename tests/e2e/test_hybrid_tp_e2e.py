@@ -18,7 +18,7 @@ from test_engine_e2e import generate
 from test_hybrid_window_e2e import HITS, LENGTHS, MODELS, hits_from_host_then_disk
 from test_tiers_e2e import settle
 from test_tp_e2e import tp_env  # noqa: F401 (a fixture: one core per rank)
-from vllm_kvbm.tools.local_model import GEMMA3_DIR, build_gemma3
+from vllm_kvbm.tools.local_model_archs import GEMMA3_DIR, build_gemma3
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1200)

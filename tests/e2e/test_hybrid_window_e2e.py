@@ -31,7 +31,7 @@ from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_pr
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import generate
 from test_tiers_e2e import settle
-from vllm_kvbm.tools import local_model
+from vllm_kvbm.tools import local_model_archs
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1500)
@@ -77,7 +77,7 @@ HITS = [128, 256, 896, 2048]
 
 @dataclass(frozen=True)
 class Windowed:
-    build: str  # tools/local_model's builder
+    build: str  # tools/local_model_archs's builder
     directory: str
     # pages of 128 tokens the four prompts store, every group's together
     stored_pages: int
@@ -89,24 +89,24 @@ MODELS = {
     # before every 8 pages (4 windows): 129: 1 + 5*1, 300: 2 + 5*2, 1001:
     # 7 + 5*2 (pages 5, 6), 2049: 16 + 5*4 (pages 6, 7, 14, 15). Stored whole
     # (HMA off) they would be 6 * 26 = 156.
-    "gemma3": Windowed("build_gemma3", local_model.GEMMA3_DIR, 6 + 12 + 17 + 36),
+    "gemma3": Windowed("build_gemma3", local_model_archs.GEMMA3_DIR, 6 + 12 + 17 + 36),
     # the sliding group (a 127-token window: one page) keeps the page before the
     # prompt's last full page and before every 4 pages: 129: 1 + 1, 300: 2 + 1,
     # 1001: 7 + 2 (pages 3, 6), 2049: 16 + 4 (pages 3, 7, 11, 15); whole: 52.
     # A sink-specific spec would keep the model out of KVBM: nothing stored.
-    "gpt_oss": Windowed("build_gpt_oss", local_model.GPT_OSS_DIR, 2 + 3 + 9 + 20),
+    "gpt_oss": Windowed("build_gpt_oss", local_model_archs.GPT_OSS_DIR, 2 + 3 + 9 + 20),
     # each of the three chunked groups keeps the pages of the prompt's last
     # chunk before its last full page (a hit at a chunk's start reads none):
     # 129: 1 + 3*1, 300: 2 (its hit starts a chunk), 1001: 7 + 3*1 (page 6),
     # 2049: 16; whole: 4 * 26 = 104.
-    "llama4": Windowed("build_llama4", local_model.LLAMA4_DIR, 4 + 2 + 10 + 16),
+    "llama4": Windowed("build_llama4", local_model_archs.LLAMA4_DIR, 4 + 2 + 10 + 16),
 }
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request):
     spec = MODELS[request.param]
-    return spec, str(getattr(local_model, spec.build)(ROOT / spec.directory))
+    return spec, str(getattr(local_model_archs, spec.build)(ROOT / spec.directory))
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ block hashes, which name each image's content hash, so KV onboarded from the
 host or disk tier equals a recompute, and the same text with another image
 shares only the pages before the image.
 
-The model is the local Idefics3 (tools/local_model.build_idefics3: a small
+The model is the local Idefics3 (tools/local_model_archs.build_idefics3: a small
 vision tower, 16 tokens an image, and a Llama). One engine with host and disk
 tiers; each reference is that engine's own recompute: a request sent with
 loads and stores off through its ``kv_transfer_params``.
@@ -19,7 +19,7 @@ from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, RECOMPUTE, generate_
                              kvbm_counter, make_llm, random_prompt, shutdown)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host, settle
-from vllm_kvbm.tools.local_model import (IMAGE_SIZE, IMAGE_TOKEN, IMAGE_TOKENS, VL_DIR,
+from vllm_kvbm.tools.local_model_archs import (IMAGE_SIZE, IMAGE_TOKEN, IMAGE_TOKENS, VL_DIR,
                                          build_idefics3)
 from vllm_kvbm.tools.server import kvbm_transfer_config
 

@@ -36,7 +36,7 @@ from test_redis_e2e import page_keys
 from test_redis_store import PASSWORD, RedisServer
 from test_tiers_e2e import settle
 from vllm_kvbm.tiers.page_format import HEADER_BYTES
-from vllm_kvbm.tools import local_model
+from vllm_kvbm.tools import local_model_archs
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1500)
@@ -47,7 +47,7 @@ LENGTH = 1001  # 7 full pages of 128 tokens: a hit of 896
 ENGINE = dict(max_model_len=4096, max_num_batched_tokens=4096)
 MODELS = {
     "dense": lambda: None,  # the suite's Llama (helpers.engines.MODEL_DIR)
-    "hybrid": lambda: str(local_model.build_gemma3(ROOT / local_model.GEMMA3_DIR)),
+    "hybrid": lambda: str(local_model_archs.build_gemma3(ROOT / local_model_archs.GEMMA3_DIR)),
 }
 
 

@@ -18,7 +18,7 @@ from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on
 from test_engine_e2e import generate
 from test_hybrid_window_e2e import ENGINE, HITS, LENGTHS, recomputed
 from test_peer_e2e import hint, port, settle, shm  # noqa: F401 (port, shm: fixtures)
-from vllm_kvbm.tools import local_model
+from vllm_kvbm.tools import local_model_archs
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(1200)
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(1200)
 
 @pytest.fixture(scope="module")
 def gemma3():
-    return str(local_model.build_gemma3(ROOT / local_model.GEMMA3_DIR))
+    return str(local_model_archs.build_gemma3(ROOT / local_model_archs.GEMMA3_DIR))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from helpers.engines import EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_pr
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host
-from vllm_kvbm.tools.local_model import GEMMA3_DIR, build_gemma3
+from vllm_kvbm.tools.local_model_archs import GEMMA3_DIR, build_gemma3
 
 pytestmark = pytest.mark.timeout(900)
 
