@@ -13,6 +13,17 @@ import time
 from bench_disk_io import ALIGN, MiB, Path, aligned_u8, files_in, view_of
 
 
+def page_format_of(block: int, namespace: str, secret: bytes | None):
+    """The tier's page format and LMCache keys (an LMCacheStore's codec, key and
+    metadata) for driving LMCache's own backends; the store's methods are unused."""
+    from vllm_kvbm.tiers.lmcache_store import LMCacheStore
+
+    class PageFormat(LMCacheStore):
+        put = get_into = contains = remove = close = None  # not a store: LMCache's backend is
+
+    return PageFormat(block, namespace, 0, 1, secret)
+
+
 class DiskPaths:
     """Mixed into bench_disk.Bench: its pages, slots, keys, pool and root."""
 
@@ -174,10 +185,10 @@ class DiskPaths:
         import torch
         from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
-        from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore
+        from vllm_kvbm.tiers.lmcache_store import GIB
         from vllm_kvbm.tiers.page_format import flat_u8
 
-        base = LMCacheStore(self.block, "bench-lm", 0, 1, self.secret)
+        base = page_format_of(self.block, "bench-lm", self.secret)
         d = os.path.join(self.root, "lmdisk")
         open_, state, close = self.lmcache_backend(
             d, base._md, "bench-lmdisk", lambda cfg, loop, staging: LocalDiskBackend(
@@ -220,7 +231,7 @@ class DiskPaths:
     def lmcache_nixl(self) -> None:
         import torch
 
-        from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore
+        from vllm_kvbm.tiers.lmcache_store import GIB
         from vllm_kvbm.tiers.page_format import flat_u8
 
         label = "LMCache NixlStorageBackend (POSIX)"
@@ -231,7 +242,7 @@ class DiskPaths:
         except Exception as e:  # noqa: BLE001
             path.note = f"cannot run: {e}"
             return
-        base = LMCacheStore(self.block, "bench-nixl", 0, 1, self.secret)
+        base = page_format_of(self.block, "bench-nixl", self.secret)
         d = os.path.join(self.root, "nixl")
         open_, state, close = self.lmcache_backend(
             d, base._md, "bench-nixl", lambda cfg, loop, staging:
