@@ -18,6 +18,8 @@ from vllm_kvbm.tools import vllm_wheels as wheels
 # The connector's scheduler-side tests, which need vLLM's Scheduler but no
 # compiled vLLM code: they also run on the other supported releases.
 SCHEDULER_TESTS = ["tests/e2e/test_hit_sources.py", "tests/unit/test_scheduler_unit.py",
+                   "tests/unit/test_scheduler_store_load.py",
+                   "tests/unit/test_scheduler_free_and_preempt.py", "tests/unit/test_keys.py",
                    "tests/unit/test_tier_policy.py"]
 
 
