@@ -313,7 +313,7 @@ COUNTERS = {
     "kvbm_matched_tokens_total": "kvbm matched tokens",
     "kvbm_onboard_blocks_total": "blocks onboarded",
     "kvbm_offload_blocks_total": "blocks offloaded",
-    "kvbm_evicted_pages_total": "host evictions",
+    "kvbm_evicted_blocks_total": "host evictions",
     "kvbm_offload_skipped_blocks_total": "stores skipped",
     "kvbm_offload_failed_transfers_total": "store errors",
     "kvbm_onboard_failed_blocks_total": "load error blocks",
@@ -392,7 +392,7 @@ def summary(result: SoakResult, cfg: SoakConfig) -> str:
         + (f", engine not idle after the run: {result.not_idle}" if result.not_idle else ""),
         f"host-tier hits: {c.get('kvbm_onboard_blocks_total', 0):.0f} blocks onboarded "
         f"({c.get('vllm:external_prefix_cache_hits_total', 0):.0f} tokens); "
-        f"evictions {c.get('kvbm_evicted_pages_total', 0):.0f}",
+        f"evictions {c.get('kvbm_evicted_blocks_total', 0):.0f}",
         "; ".join(f"{label} {c.get(name, 0):.0f}" for name, label in COUNTERS.items()),
     ]
     if result.resets:
@@ -434,7 +434,7 @@ def check(result: SoakResult, cfg: SoakConfig) -> list[str]:
         c = result.counters
         if c.get("kvbm_onboard_blocks_total", 0) <= 0:
             problems.append("no block was onboarded from the host tier")
-        if c.get("kvbm_evicted_pages_total", 0) <= 0:
+        if c.get("kvbm_evicted_blocks_total", 0) <= 0:
             problems.append("the host tier never evicted")
         if c.get("kvbm_onboard_failed_blocks_total", 0) != 0:
             problems.append("load errors happened")

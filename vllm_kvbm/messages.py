@@ -161,9 +161,13 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # (tier, TP rank) -> (bytes used, capacity) of a store that counts them,
     # when it changed
     tier_usage: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
-    # transfers past their timeout; host slots that an overdue store may
-    # still write (each once per worker), and those it no longer can
-    transfers_overdue: int = 0
+    # (tier, TP rank) -> what a store counts of itself (TierStore.counts),
+    # when it changed
+    tier_counts: dict[tuple[str, int], dict[str, int]] = field(default_factory=dict)
+    # transfers past their timeout, by event (metric_names.TIMEOUT_EVENTS);
+    # host slots that an overdue store may still write (each once per
+    # worker), and those it no longer can
+    transfer_timeouts: Counter = field(default_factory=Counter)
     slots_held: Counter = field(default_factory=Counter)
     slots_released: Counter = field(default_factory=Counter)
     # (req id, pages landed) of loads cut for running late, per worker: the
@@ -198,7 +202,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             tier_read_seconds=self.tier_read_seconds + other.tier_read_seconds,
             tier_write_seconds=self.tier_write_seconds + other.tier_write_seconds,
             tier_usage={**self.tier_usage, **other.tier_usage},
-            transfers_overdue=self.transfers_overdue + other.transfers_overdue,
+            tier_counts={**self.tier_counts, **other.tier_counts},
+            transfer_timeouts=self.transfer_timeouts + other.transfer_timeouts,
             slots_held=self.slots_held + other.slots_held,
             slots_released=self.slots_released + other.slots_released,
             loads_cut=self.loads_cut + other.loads_cut,
@@ -210,8 +215,9 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
 
     def is_empty(self) -> bool:
         return not (self.stores_done or self.stores_failed or self.loads_failed
-                    or self.spills_done or self.tier_events or self.transfers_overdue
+                    or self.spills_done or self.tier_events or self.transfer_timeouts
                     or self.slots_held or self.slots_released or self.removed_pages
                     or self.loads_cut or self.adapters_loaded or self.weights_digested
                     or self.tier_read_seconds or self.tier_write_seconds or self.tier_usage
+                    or self.tier_counts
                     or self.pool_served_at is not None)

@@ -5,7 +5,13 @@ this table maps each key to the Prometheus series it feeds, named by the
 Prometheus conventions: the unit as the suffix (``_tokens_total``,
 ``_blocks_total``, ``_bytes``, ``_seconds``), and one family with a ``tier``
 label where one quantity spans tiers (``kvbm_matched_tokens_total{tier="disk"}``)
-instead of a name per tier. Imports neither vLLM nor prometheus_client.
+instead of a name per tier; the same for other labels of bounded values
+(``event``, ``param``). Related series count one unit: what moves between
+the engine's KV cache and the host tier, and the host tier's capacity and
+evictions, in engine blocks (vLLM's, as ``host_cache_blocks`` configures
+it); what the lower tiers write, read, drop or fail, in pages, the unit they
+store (``kvbm_page_size_blocks`` converts). Imports neither vLLM nor
+prometheus_client.
 """
 
 from __future__ import annotations
@@ -14,6 +20,13 @@ from dataclasses import dataclass
 
 TIERS = ("host", "pool", "disk", "peer", "remote")
 LOWER_TIERS = ("pool", "disk", "peer", "remote")
+# kvbm_transfer_timeouts_total's events (the worker counts them by these names)
+TIMEOUT_EVENTS = ("not_started", "overdue", "no_staging_slot")
+# kvbm_refused_param_requests_total's parts (request_params.RequestParams.refused)
+REFUSED_PARAMS = ("load", "store", "hint", "object")
+# the peer directory's lookups (DirectoryReader) and entries (DirectoryWriter)
+LOOKUP_RESULTS = ("found", "missed")
+ENTRY_RESULTS = ("written", "deleted", "dropped", "failed")
 # The tier of a series is given where it is counted (``add(..., tier=...)``).
 GIVEN = "*"
 
@@ -30,13 +43,20 @@ _SLOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 @dataclass(frozen=True)
 class Family:
-    """One Prometheus metric; ``tiers``: the values of its ``tier`` label (empty: none)."""
+    """One Prometheus metric; ``values``: those of its one label, ``label``
+    (empty: it has none)."""
 
     name: str  # counters without the _total the client appends
     kind: str  # "counter" | "gauge" | "histogram"
     doc: str
-    tiers: tuple[str, ...] = ()
+    values: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    label: str = "tier"
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The values of its ``tier`` label (empty: none)."""
+        return self.values if self.label == "tier" else ()
 
     @property
     def sample(self) -> str:
@@ -90,26 +110,38 @@ FAMILIES = _families(
     Family("kvbm_onboard_failed_blocks", "counter",
            "Blocks whose load failed and were recomputed by vLLM"),
     Family("kvbm_transfer_timeouts", "counter",
-           "NIXL transfers still running after 30 s (stores are dropped, their host slots "
-           "held until the copy ends), and streamed loads that got no staging slot within "
-           "tier_read_timeout_s (recomputed)"),
+           "Copies between the engine's KV cache and the host tier past their timeout, by "
+           "event: not_started (the engine's stream never reached it within 30 s: failed, "
+           "touching no memory), overdue (running after 30 s: a store is not cached and its "
+           "host slots are held until the copy ends; a load keeps its request waiting), "
+           "no_staging_slot (a streamed load that got no staging slot within "
+           "tier_read_timeout_s: recomputed)", TIMEOUT_EVENTS, label="event"),
+    Family("kvbm_refused_param_requests", "counter",
+           "Requests whose kv_transfer_params KVBM refused, by the part refused: load (a "
+           "load field: the request loads nothing), store (a store field: it stores "
+           "nothing), hint (a peer hint: ignored), object (not an object: neither); "
+           "counted when the engine first sees the request", REFUSED_PARAMS, label="param"),
     # -- capacity
-    Family("kvbm_cache_used_blocks", "gauge", "Blocks held or being received, per worker",
-           ("host",)),
-    Family("kvbm_cache_capacity_blocks", "gauge", "Capacity in blocks", ("host",)),
+    Family("kvbm_cache_used_blocks", "gauge",
+           "Engine blocks held or being received, per worker", ("host",)),
+    Family("kvbm_cache_capacity_blocks", "gauge", "Capacity in engine blocks", ("host",)),
+    Family("kvbm_page_size_blocks", "gauge",
+           "Engine blocks in one page (page_tokens / the engine's block size): the lower "
+           "tiers count pages, the engine's KV cache and the host tier blocks"),
     Family("kvbm_cache_used_bytes", "gauge",
            "Bytes held or being received, per worker (the disk: as its LRU charges them; "
            "the pool: its file's slots holding a page, whichever engine wrote them)",
            ("host", "pool", "disk")),
     Family("kvbm_cache_capacity_bytes", "gauge", "Capacity in bytes, per worker",
            ("host", "pool", "disk")),
-    Family("kvbm_evicted_pages", "counter",
-           "Pages (slots) evicted, least recently used first, to make room", ("host",)),
+    Family("kvbm_evicted_blocks", "counter",
+           "Engine blocks evicted (whole pages), least recently used first, to make room",
+           ("host",)),
     # -- the lower tiers (pool, disk, remote)
-    Family("kvbm_tier_read_blocks", "counter",
-           "Blocks read from a lower tier for loads into the engine", LOWER_TIERS),
-    Family("kvbm_tier_write_blocks", "counter",
-           "Blocks written from the host tier down to a lower tier (write-through)",
+    Family("kvbm_tier_read_pages", "counter",
+           "Pages read from a lower tier for loads into the engine", LOWER_TIERS),
+    Family("kvbm_tier_write_pages", "counter",
+           "Pages written from the host tier down to a lower tier (write-through)",
            LOWER_TIERS),
     Family("kvbm_tier_read_latency_seconds", "histogram",
            "Time to read one load's pages from the tier (its first read call to its last), "
@@ -141,6 +173,18 @@ FAMILIES = _families(
     Family("kvbm_tier_reconnects", "counter",
            "Outages of the scheduler's link to the tier's server that ended (the server "
            "answered again)", ("remote",)),
+    # -- the peer tier's directory and reads (tiers/peer)
+    Family("kvbm_peer_directory_lookups", "counter",
+           "Lookups in the peer directory (which live peer holds a run of pages), by result: "
+           "found (it named a peer), missed (none did, or the directory did not answer)",
+           LOOKUP_RESULTS, label="result"),
+    Family("kvbm_peer_directory_entries", "counter",
+           "Entries of this engine's served pool sent to the peer directory, by result: "
+           "written, deleted, dropped (its queue was full), failed (the directory did not "
+           "answer)", ENTRY_RESULTS, label="result"),
+    Family("kvbm_peer_quarantined_slots", "gauge",
+           "Landing slots of peer reads past their deadline, kept out of use until the read "
+           "ends or its peer is known gone (per worker: the fullest rank's)"),
     # -- what load_split learned
     Family("kvbm_block_load_estimate_seconds", "gauge",
            "Learned time to load one block from the tier into the engine (admission to "
@@ -170,15 +214,17 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "store_skipped_blocks": ("kvbm_offload_skipped_blocks", None),
     "store_errors": ("kvbm_offload_failed_transfers", None),
     "load_error_blocks": ("kvbm_onboard_failed_blocks", None),
-    "transfer_timeouts": ("kvbm_transfer_timeouts", None),
-    "host_evictions": ("kvbm_evicted_pages", "host"),
-    "onboard_blocks_pool": ("kvbm_tier_read_blocks", "pool"),
-    "onboard_blocks_d2d": ("kvbm_tier_read_blocks", "disk"),
-    "onboard_blocks_peer": ("kvbm_tier_read_blocks", "peer"),
-    "onboard_blocks_remote": ("kvbm_tier_read_blocks", "remote"),
-    "offload_blocks_pool": ("kvbm_tier_write_blocks", "pool"),
-    "offload_blocks_h2d": ("kvbm_tier_write_blocks", "disk"),
-    "offload_blocks_remote": ("kvbm_tier_write_blocks", "remote"),
+    "transfer_timeouts": ("kvbm_transfer_timeouts", GIVEN),
+    "refused_params": ("kvbm_refused_param_requests", GIVEN),
+    "host_evictions": ("kvbm_evicted_blocks", "host"),
+    # (keys of 0.1.0, when these families counted blocks: they count pages now)
+    "onboard_blocks_pool": ("kvbm_tier_read_pages", "pool"),
+    "onboard_blocks_d2d": ("kvbm_tier_read_pages", "disk"),
+    "onboard_blocks_peer": ("kvbm_tier_read_pages", "peer"),
+    "onboard_blocks_remote": ("kvbm_tier_read_pages", "remote"),
+    "offload_blocks_pool": ("kvbm_tier_write_pages", "pool"),
+    "offload_blocks_h2d": ("kvbm_tier_write_pages", "disk"),
+    "offload_blocks_remote": ("kvbm_tier_write_pages", "remote"),
     "tier_write_errors": ("kvbm_tier_write_failed_pages", GIVEN),
     "tier_write_drops": ("kvbm_tier_write_dropped_pages", GIVEN),
     "tier_read_misses": ("kvbm_tier_read_missing_pages", GIVEN),
@@ -186,6 +232,8 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "checksum_failures": ("kvbm_checksum_failed_pages", GIVEN),
     "page_auth_failures": ("kvbm_unauthenticated_pages", GIVEN),
     "tier_reconnects": ("kvbm_tier_reconnects", GIVEN),
+    "peer_directory_lookups": ("kvbm_peer_directory_lookups", GIVEN),
+    "peer_directory_entries": ("kvbm_peer_directory_entries", GIVEN),
 }
 # Internal totals that are the sum of one family over its tiers (not exported
 # themselves: ``sum(kvbm_matched_tokens_total)`` is the same number).
@@ -203,6 +251,7 @@ HISTOGRAMS: dict[str, tuple[str, str | None]] = {
 GAUGES: dict[str, tuple[str, str | None]] = {
     "host_cache_used_blocks": ("kvbm_cache_used_blocks", "host"),
     "host_cache_capacity_blocks": ("kvbm_cache_capacity_blocks", "host"),
+    "page_size_blocks": ("kvbm_page_size_blocks", None),
     "host_cache_used_bytes": ("kvbm_cache_used_bytes", "host"),
     "host_cache_capacity_bytes": ("kvbm_cache_capacity_bytes", "host"),
     "pool_cache_used_bytes": ("kvbm_cache_used_bytes", "pool"),
@@ -213,6 +262,7 @@ GAUGES: dict[str, tuple[str, str | None]] = {
     **_per_tier("load_seconds_per_block_", "kvbm_block_load_estimate_seconds"),
     "recompute_seconds_per_block": ("kvbm_block_recompute_estimate_seconds", None),
     "tier_up": ("kvbm_tier_up", GIVEN),
+    "peer_quarantined_slots": ("kvbm_peer_quarantined_slots", None),
 }
 
 KEYS = {**COUNTERS, **HISTOGRAMS, **GAUGES}
@@ -221,9 +271,10 @@ KEYS = {**COUNTERS, **HISTOGRAMS, **GAUGES}
 def series_key(name: str, tier: str | None = None) -> str:
     """The key of one series in the stats payload: ``name`` or ``name@tier``."""
     family, fixed = KEYS[name]
-    if fixed == GIVEN:
-        if tier not in FAMILIES[family].tiers:
-            raise ValueError(f"{name}: tier must be one of {FAMILIES[family].tiers}, got {tier!r}")
+    if fixed == GIVEN:  # ``tier``: the value of the family's label, whichever it is
+        values, label = FAMILIES[family].values, FAMILIES[family].label
+        if tier not in values:
+            raise ValueError(f"{name}: {label} must be one of {values}, got {tier!r}")
         return f"{name}@{tier}"
     if tier is not None:
         raise ValueError(f"{name} is counted for one tier only ({fixed}), not {tier!r}")
@@ -240,7 +291,7 @@ def series_of(key: str) -> tuple[str, dict[str, str]]:
     name, _, tier = key.partition("@")
     family, fixed = KEYS[name]
     if tier:
-        return family, {"tier": tier}
+        return family, {FAMILIES[family].label: tier}
     return family, ({"tier": fixed} if fixed not in (None, GIVEN) else {})
 
 
@@ -280,4 +331,12 @@ RENAMED = {
     "kvbm_load_seconds_per_block_disk": 'kvbm_block_load_estimate_seconds{tier="disk"}',
     "kvbm_load_seconds_per_block_remote": 'kvbm_block_load_estimate_seconds{tier="remote"}',
     "kvbm_recompute_seconds_per_block": "kvbm_block_recompute_estimate_seconds",
+}
+
+# Renamed since 0.2.0 -> their names now (CHANGELOG.md's [Unreleased] lists
+# them; a test checks it does): one unit per group of related series.
+RENAMED_SINCE_0_2 = {
+    "kvbm_tier_read_blocks_total": "kvbm_tier_read_pages_total",
+    "kvbm_tier_write_blocks_total": "kvbm_tier_write_pages_total",
+    "kvbm_evicted_pages_total": "kvbm_evicted_blocks_total",
 }

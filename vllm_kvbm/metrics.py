@@ -37,8 +37,10 @@ def declared_keys(tiers: "list[str] | tuple[str, ...]") -> list[str]:
         for name, (family, fixed) in table.items():
             if fixed is None:
                 keys.append(name)
-            elif fixed == GIVEN:
-                keys += [series_key(name, t) for t in FAMILIES[family].tiers if t in tiers]
+            elif fixed == GIVEN:  # a tier label: the engine's tiers; another: all its values
+                f = FAMILIES[family]
+                keys += [series_key(name, v) for v in f.values
+                         if f.label != "tier" or v in tiers]
             elif fixed in tiers:
                 keys.append(name)
     return keys
@@ -204,7 +206,7 @@ class _Families:
         for family in FAMILIES.values():
             if family.name == "kvbm_build_info":
                 continue
-            names = labelnames + (["tier"] if family.tiers else [])
+            names = labelnames + ([family.label] if family.values else [])
             self._metrics[family.name] = make(family, names)
         self._children: list[dict[str, Any]] = [{} for _ in base_values]
         for name, (family, fixed) in KEYS.items():

@@ -72,7 +72,7 @@ def test_host_tier_events_match_the_connector_counters(model_dir, tmp_path):
                 stored = sub.hashes(BlockStored, "CPU")
                 removed = sub.hashes(BlockRemoved, "CPU")
                 offloaded = server.metric("kvbm_offload_blocks_total")
-                evicted = server.metric("kvbm_evicted_pages_total")
+                evicted = server.metric("kvbm_evicted_blocks_total")
                 if offloaded == 9 and evicted == 5 and (len(stored), len(removed)) == (9, 5):
                     break
                 assert time.monotonic() < deadline, (

@@ -27,6 +27,8 @@ from helpers.tier_pages import key, page
 from test_redis_store import PASSWORD, RedisServer
 from vllm_kvbm.config import load_config
 from vllm_kvbm.config.secrets import Secret
+from vllm_kvbm.messages import KVBMWorkerMetadata
+from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.lookups import BackgroundLookups
 from vllm_kvbm.scheduler.tier_policy import LowerTiers, PeerTarget
 from vllm_kvbm.tiers.page_codec import PageCodec
@@ -37,6 +39,7 @@ from vllm_kvbm.tiers.pool import layout
 from vllm_kvbm.tiers.pool.pool_file import open_pool
 from vllm_kvbm.tiers.pool.store import PoolStore
 from vllm_kvbm.tools.server import free_port
+from vllm_kvbm.worker.tier_io import TierIO
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -234,7 +237,15 @@ def test_the_reader_picks_the_live_holder_of_the_longest_run_and_never_its_own(s
         assert reader.locate(tkeys) == OTHER
         c.set(pd.entry_key("f0", tkeys[0]), b"\xff not an endpoint")
         assert reader.locate(tkeys[:1]) is None
-    assert reader.asked == 7 and reader.found == 4
+    assert reader.asked == 7 and reader.found == 4 and reader.missed == 3
+    # the scheduler side counts them by result (kvbm_peer_directory_lookups_total)
+    stats = KVBMStats()
+    lower = LowerTiers([], peer_view=PeerView(NS, PAGE, 1, directory=reader))
+    lower.report_links(stats)
+    assert reader.locate(tkeys[5:]) is None
+    lower.report_links(stats)
+    assert stats.take()["counters"] == {"peer_directory_lookups@found": 4,
+                                        "peer_directory_lookups@missed": 4}
 
 
 def test_a_full_queue_drops_and_counts_entries_and_no_caller_waits(srv, shm, closing):
@@ -259,6 +270,14 @@ def test_a_full_queue_drops_and_counts_entries_and_no_caller_waits(srv, shm, clo
     assert writer.flush()
     pages = held(store, 8)
     assert len(pages) == 8 and not pages & set(listed(srv, store.pool.name))
+    # what the worker reports of them each poll (kvbm_peer_directory_entries_total)
+    counts = store.counts()
+    assert counts["dropped"] == 100 and counts["written"] >= 1 and counts["failed"] == 0
+    io, meta = TierIO(), KVBMWorkerMetadata()
+    io.add(store)
+    closing.append(io)
+    io.poll(meta)
+    assert meta.tier_counts == {("pool", 0): counts}
     writer.sweep_now()  # the next sweep lists what was dropped
     assert wait_for(lambda: pages <= set(listed(srv, store.pool.name)), timeout=15)
 

@@ -64,10 +64,12 @@ def series(family: str, tier: str | None = None) -> str:
 # Zero in this workload: nothing evicted, skipped or failed; nothing read
 # from a lower tier (A's hit is in the host tier), no outage.
 ZERO = ([series(f) for f in ("kvbm_offload_skipped_blocks", "kvbm_offload_failed_transfers",
-                             "kvbm_onboard_failed_blocks", "kvbm_transfer_timeouts")]
-        + [series("kvbm_evicted_pages", "host"), series("kvbm_tier_reconnects", "remote")]
+                             "kvbm_onboard_failed_blocks", "kvbm_transfer_timeouts",
+                             "kvbm_refused_param_requests", "kvbm_peer_directory_lookups",
+                             "kvbm_peer_directory_entries", "kvbm_peer_quarantined_slots")]
+        + [series("kvbm_evicted_blocks", "host"), series("kvbm_tier_reconnects", "remote")]
         + [series(f, tier) for tier in ("disk", "remote")
-           for f in ("kvbm_matched_tokens", "kvbm_tier_read_blocks",
+           for f in ("kvbm_matched_tokens", "kvbm_tier_read_pages",
                      "kvbm_tier_write_failed_pages", "kvbm_tier_write_dropped_pages",
                      "kvbm_tier_read_missing_pages", "kvbm_tier_read_failed_pages",
                      "kvbm_checksum_failed_pages", "kvbm_unauthenticated_pages")])
@@ -83,9 +85,9 @@ METRICS = ZERO + [
     series("kvbm_cache_used_bytes", "disk"), series("kvbm_cache_capacity_bytes", "disk"),
     *[series("kvbm_recent_hit_ratio", tier) for tier in ("host", "disk", "remote")],
     *[series(f, tier) for tier in ("disk", "remote")
-      for f in ("kvbm_tier_write_blocks", "kvbm_lookup_latency_seconds",
+      for f in ("kvbm_tier_write_pages", "kvbm_lookup_latency_seconds",
                 "kvbm_tier_write_latency_seconds")],
-    series("kvbm_tier_up", "remote"),
+    series("kvbm_tier_up", "remote"), series("kvbm_page_size_blocks"),
     f'kvbm_build_info{{version="{vllm_kvbm.__version__}"}}',
     "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
     "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
@@ -342,7 +344,7 @@ def test_counters_match_the_workload(scraped):
     # Written through to the disk and remote tiers (each page once at most),
     # each write timed; both tiers were asked for A's and B's pages
     for tier in ("disk", "remote"):
-        assert 0 < v[f'kvbm_tier_write_blocks_total{{tier="{tier}"}}'] <= offloaded, tier
+        assert 0 < v[f'kvbm_tier_write_pages_total{{tier="{tier}"}}'] <= offloaded, tier
         assert v[f'kvbm_tier_write_latency_seconds_count{{tier="{tier}"}}'] >= 1, tier
         assert v[f'kvbm_lookup_latency_seconds_count{{tier="{tier}"}}'] >= 1, tier
     assert v['kvbm_tier_up{tier="remote"}'] == 1
@@ -356,6 +358,7 @@ def test_counters_match_the_workload(scraped):
     assert v['kvbm_cache_capacity_bytes{tier="disk"}'] == 512 << 20
     assert 0 < v['kvbm_cache_used_bytes{tier="disk"}'] <= 512 << 20
     assert v[f'kvbm_build_info{{version="{vllm_kvbm.__version__}"}}'] == 1
+    assert v["kvbm_page_size_blocks"] == 1  # pages of one block: pages and blocks agree
     for name in ZERO:
         assert v[name] == 0, name
 

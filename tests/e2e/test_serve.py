@@ -68,7 +68,7 @@ def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
         wait_for(lambda: server.metric("kvbm_tier_write_failed_pages_total") >= 3, 60,
                  "failed remote writes counted")
         assert server.metric("kvbm_onboard_blocks_total") == 3  # the host tier hit
-        assert server.metric("kvbm_tier_write_blocks_total", tier="remote") == 0
+        assert server.metric("kvbm_tier_write_pages_total", tier="remote") == 0
         assert server.metric("kvbm_tier_up", tier="remote") == 0
         assert server.metric("kvbm_tier_reconnects_total", tier="remote") == 0
         assert f"remote tier {url} unavailable" in server.log_path.read_text()
@@ -79,7 +79,7 @@ def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
             def remote_written() -> bool:
                 server.stream_completion(random_prompt(2 * 128 + 3, seed=next(fresh)),
                                          max_tokens=1, timeout=120)
-                return server.metric("kvbm_tier_write_blocks_total", tier="remote") > 0
+                return server.metric("kvbm_tier_write_pages_total", tier="remote") > 0
             wait_for(remote_written, 90, "remote tier used once its server answers")
             assert f"remote tier {url} reachable again" in server.log_path.read_text()
 

@@ -211,7 +211,8 @@ def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=()
         worker_meta.spills_done[job_id] += 1
     worker_meta.slots_held.update(slots_held)
     worker_meta.slots_released.update(slots_released)
-    worker_meta.transfers_overdue = 1 if slots_held else 0
+    if slots_held:
+        worker_meta.transfer_timeouts["overdue"] = 1
     kv_out = KVConnectorOutput(finished_sending=set(finished_sending),
                                finished_recving=set(finished_recving),
                                invalid_block_ids=set(invalid_block_ids),

@@ -125,12 +125,12 @@ def test_each_alert_fires_on_its_fault_and_stays_quiet_when_healthy(tmp_path):
         ("kvbm_cache_used_bytes" + per_tier["host"], "99x120"),
         ("kvbm_cache_capacity_bytes" + per_tier["host"], "100x120"),
         ("kvbm_cache_capacity_blocks" + per_tier["host"], "50x120"),
-        ("kvbm_evicted_pages_total" + per_tier["host"], "0+1x120"),
+        ("kvbm_evicted_blocks_total" + per_tier["host"], "0+1x120"),
         (f"kvbm_offload_blocks_total{{{BAD}}}", "0+2x120"),
         ("kvbm_cache_used_bytes" + good_tier["host"], "99x120"),
         ("kvbm_cache_capacity_bytes" + good_tier["host"], "100x120"),
         ("kvbm_cache_capacity_blocks" + good_tier["host"], "50x120"),
-        ("kvbm_evicted_pages_total" + good_tier["host"], "0+1x120"),
+        ("kvbm_evicted_blocks_total" + good_tier["host"], "0+1x120"),
         (f"kvbm_offload_blocks_total{{{GOOD}}}", "0+0.5x120"),
         # loads of 1-2.5 s on one replica, under 0.5 s on the other
         *[(f'kvbm_load_latency_seconds_bucket{{{BAD}, le="{le}"}}', values)

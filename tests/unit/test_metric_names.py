@@ -14,15 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vllm_kvbm
 from helpers import ROOT
-from vllm_kvbm.metric_names import (COUNTERS, FAMILIES, GAUGES, GIVEN, HISTOGRAMS, RENAMED, SUMS,
-                                    series_key, series_of)
+from vllm_kvbm.metric_names import (COUNTERS, FAMILIES, GAUGES, GIVEN, HISTOGRAMS, RENAMED,
+                                    RENAMED_SINCE_0_2, SUMS, series_key, series_of)
 from vllm_kvbm.metrics import KVBMPromMetrics, KVBMStats, StandaloneMetrics
 from vllm_kvbm.tools.server import free_port
 
 UNITS = {"counter": ("_tokens", "_blocks", "_bytes", "_pages", "_transfers", "_timeouts",
-                     "_reconnects"),
+                     "_reconnects", "_requests", "_lookups", "_entries"),
          "histogram": ("_seconds",),
-         "gauge": ("_blocks", "_bytes", "_seconds", "_ratio", "_info", "_up")}
+         "gauge": ("_blocks", "_bytes", "_seconds", "_ratio", "_info", "_up", "_slots")}
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -47,8 +47,8 @@ def test_every_key_feeds_a_family_and_every_family_is_fed():
     for table, kind in ((COUNTERS, "counter"), (HISTOGRAMS, "histogram"), (GAUGES, "gauge")):
         for name, (family, tier) in table.items():
             assert FAMILIES[family].kind == kind, name
-            assert tier is None or tier == GIVEN or tier in FAMILIES[family].tiers, name
-            assert (tier is None) == (not FAMILIES[family].tiers), name
+            assert tier is None or tier == GIVEN or tier in FAMILIES[family].values, name
+            assert (tier is None) == (not FAMILIES[family].values), name
             fed.add(family)
     assert fed == set(FAMILIES)
     assert series_of("matched_tokens") == ("kvbm_matched_tokens", {})
@@ -56,6 +56,9 @@ def test_every_key_feeds_a_family_and_every_family_is_fed():
     assert series_of("tier_write_errors@remote") == ("kvbm_tier_write_failed_pages",
                                                      {"tier": "remote"})
     assert all(FAMILIES[family].tiers for family in SUMS.values())
+    assert series_of("transfer_timeouts@no_staging_slot") == (
+        "kvbm_transfer_timeouts", {"event": "no_staging_slot"})
+    assert series_of("refused_params@hint") == ("kvbm_refused_param_requests", {"param": "hint"})
 
 
 def test_a_tier_is_named_where_the_family_has_several():
@@ -66,6 +69,23 @@ def test_a_tier_is_named_where_the_family_has_several():
         series_key("tier_read_errors", "host")  # the host tier is never read from
     with pytest.raises(ValueError, match="one tier only"):
         series_key("offload_blocks_h2d", "remote")
+    assert series_key("transfer_timeouts", "overdue") == "transfer_timeouts@overdue"
+    with pytest.raises(ValueError, match="event must be one of"):
+        series_key("transfer_timeouts", "disk")
+
+
+def test_related_series_count_one_unit():
+    """A tier's writes, reads and failures count pages; what moves to and from
+    the engine's KV cache, and the host tier's capacity and evictions, count
+    blocks; kvbm_page_size_blocks converts."""
+    tier_io = [f for f in FAMILIES if f.startswith(("kvbm_tier_write_", "kvbm_tier_read_"))
+               and FAMILIES[f].kind == "counter"]
+    assert len(tier_io) == 6 and all(f.endswith("_pages") for f in tier_io), tier_io
+    host = [f for f in FAMILIES if "host" in FAMILIES[f].tiers and FAMILIES[f].kind != "histogram"
+            and not f.endswith(("_bytes", "_tokens", "_ratio", "_seconds"))]
+    assert sorted(host) == ["kvbm_cache_capacity_blocks", "kvbm_cache_used_blocks",
+                            "kvbm_evicted_blocks"]
+    assert FAMILIES["kvbm_page_size_blocks"].kind == "gauge"
 
 
 def test_standalone_port_serves_tiers_as_labels_and_build_info():
@@ -92,7 +112,7 @@ def test_standalone_port_serves_tiers_as_labels_and_build_info():
     assert got[("kvbm_lookup_tokens_total", ())] == 256
     assert got[("kvbm_matched_tokens_total", tier("host"))] == 128
     assert got[("kvbm_matched_tokens_total", tier("disk"))] == 64
-    assert got[("kvbm_tier_write_blocks_total", tier("disk"))] == 3
+    assert got[("kvbm_tier_write_pages_total", tier("disk"))] == 3
     assert got[("kvbm_tier_write_failed_pages_total", tier("disk"))] == 2
     assert got[("kvbm_tier_read_latency_seconds_count", tier("disk"))] == 1
     assert got[("kvbm_load_latency_seconds_count", ())] == 2
@@ -100,7 +120,11 @@ def test_standalone_port_serves_tiers_as_labels_and_build_info():
     assert got[("kvbm_recent_hit_ratio", tier("disk"))] == 64 / 256
     assert got[("kvbm_build_info", (("version", vllm_kvbm.__version__),))] == 1
     # declared at 0: a configured tier's series exist before their first count
-    assert got[("kvbm_tier_read_blocks_total", tier("disk"))] == 0
+    assert got[("kvbm_tier_read_pages_total", tier("disk"))] == 0
+    # labels other than the tier: every value, whatever the engine's tiers
+    for event in ("not_started", "overdue", "no_staging_slot"):
+        assert got[("kvbm_transfer_timeouts_total", (("event", event),))] == 0
+    assert got[("kvbm_refused_param_requests_total", (("param", "store"),))] == 0
     assert got[("kvbm_lookup_latency_seconds_count", tier("disk"))] == 0
     # and no series of a tier this engine does not have, nor old names
     assert not [key for key in got if ("tier", "remote") in key[1]]
@@ -184,4 +208,13 @@ def test_changelog_lists_every_old_name_with_its_replacement():
     for old, new in RENAMED.items():
         line = next((ln for ln in section.splitlines() if f"`{old}`" in ln), None)
         assert line is not None, f"{old} is not in the 0.2.0 section of CHANGELOG.md"
+        assert f"`{new}`" in line, (old, new, line)
+
+
+def test_changelog_lists_the_names_changed_since_0_2():
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    section = changelog.split("## [Unreleased]", 1)[1].split("\n## ", 1)[0]
+    for old, new in RENAMED_SINCE_0_2.items():
+        line = next((ln for ln in section.splitlines() if f"`{old}`" in ln), None)
+        assert line is not None, f"{old} is not in the [Unreleased] section of CHANGELOG.md"
         assert f"`{new}`" in line, (old, new, line)

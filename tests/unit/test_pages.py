@@ -44,6 +44,18 @@ def test_a_page_is_stored_whole_and_the_partial_page_is_not():
     assert k.stats.gauges["host_cache_used_blocks"] == 4
 
 
+def test_evictions_count_blocks_as_the_host_tiers_capacity_does():
+    """Evicted pages count their blocks (kvbm_evicted_blocks_total), in the
+    unit of kvbm_cache_capacity_blocks; kvbm_page_size_blocks says a page's."""
+    s = make_scheduler(page_tokens=PAGE)
+    k = kvbm(s)
+    for i in range(18):  # 2 pages each; the harness's 64 blocks hold 32 pages
+        store_and_finish(s, tokens(5 * BLOCK + 8, 200 + i))
+    assert k.host.evictions > 0
+    assert k.stats.total["host_evictions"] == 2 * k.host.evictions
+    assert k.stats.gauges["page_size_blocks"] == 2
+
+
 def stored_pages(base: int):
     """A scheduler with two-block pages that stored a 5-block prompt (2
     pages) and forgot it in vLLM's own cache: (scheduler, its KVBMScheduler,

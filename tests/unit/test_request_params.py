@@ -285,3 +285,21 @@ def test_a_bad_hint_is_ignored_and_the_request_loads_and_stores_as_asked():
     assert got.peer is None and got.loads and got.stores
     assert got.load_tiers == frozenset({"host", "disk"})
     assert errors == [str(errors[0])] and errors[0].startswith("router_hint: expected an object")
+
+
+def test_refused_parts_are_counted_once_per_request_by_part():
+    """kvbm_refused_param_requests_total{param}: each refused part of a
+    request's params, once, when the scheduler first sees the request."""
+    sched = make_scheduler(host_blocks=16)
+    k = kvbm(sched)
+    for i, params in enumerate([{"kv_load_tiers": ["gpu"]},
+                                {"max_offload_tokens": -1, "router_hint": 5},
+                                {"kv_load_tiers": ["host"]}]):
+        req = with_params(tokens(2 * BLOCK + 3, 60 + i), params)
+        lookup(k, req)
+        lookup(k, req)  # asked again (a later step): counted once
+    counters = k.stats.take()["counters"]
+    assert {key: n for key, n in counters.items() if key.startswith("refused_params@")} == {
+        "refused_params@load": 1, "refused_params@store": 1, "refused_params@hint": 1,
+        "refused_params@object": 0}
+    assert parse_apart(["host"])[0].refused == ("object",)

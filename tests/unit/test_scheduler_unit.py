@@ -155,11 +155,15 @@ def test_overdue_store_slots_are_not_reused_until_released():
     s.add_request(r1)
     _, meta, _ = step(s)
     (stuck,) = meta.stores
+    counted, add = [], k.stats.add
+    k.stats.add = lambda name, value=1, tier=None: (counted.append((name, value, tier)),
+                                                    add(name, value, tier))
     step(s, stores_failed=[stuck.job_id], slots_held=stuck.slots,
          finished_sending=[r1.request_id])
     assert r1.request_id not in s.requests  # its engine blocks are free to reuse
     assert len(k.host) == 0 and k.host.used_slots == 2
     assert k.stats.total["transfer_timeouts"] == 1 and k.stats.total["store_errors"] == 1
+    assert ("transfer_timeouts", 1, "overdue") in counted  # by the event the worker named
     # Other prompts churn the 2 remaining slots and never get the held ones.
     for base in (43, 44, 45):
         _, metas = store_and_finish(s, tokens(40, base), max_tokens=1)

@@ -73,3 +73,30 @@ def test_the_scheduler_side_labels_them_by_tier():
     assert counters == {"offload_blocks_h2d": 2, "checksum_failures@disk": 1,
                         "checksum_failures@remote": 3, "tier_read_errors@remote": 1}
     assert stats.total["checksum_failures"] == 4
+
+
+def test_a_stores_own_counts_become_the_peer_series():
+    """TierStore.counts as the workers report them: the pool's peer-directory
+    entries (running totals, per rank: only what grew is counted) and the peer
+    tier's quarantined landing slots (the fullest rank's)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from helpers.scheduler_harness import kvbm, make_scheduler
+
+    k = kvbm(make_scheduler())
+    assert k.stats.gauges["peer_quarantined_slots"] == 0  # exported from the start
+
+    def report(counts):
+        k.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=KVBMWorkerMetadata(tier_counts=counts)))
+
+    pool = {"written": 5, "deleted": 1, "dropped": 2, "failed": 0}
+    report({("pool", 0): pool, ("peer", 0): {"quarantined": 2},
+            ("peer", 1): {"quarantined": 3}})
+    report({("pool", 0): {**pool, "written": 7, "failed": 4}, ("peer", 1): {"quarantined": 0}})
+    assert k.stats.total["peer_directory_entries"] == 7 + 1 + 2 + 4
+    counters = k.stats.take()["counters"]
+    assert {key: n for key, n in counters.items() if key.startswith("peer_directory_entries")} \
+        == {"peer_directory_entries@written": 7, "peer_directory_entries@deleted": 1,
+            "peer_directory_entries@dropped": 2, "peer_directory_entries@failed": 4}
+    assert k.stats.gauges["peer_quarantined_slots"] == 2  # rank 0's, rank 1's back to 0

@@ -82,19 +82,19 @@ def test_worker_events_become_counters():
                                   tier_read_misses=1, tier_write_errors=5)
 
 
-def test_a_page_counts_once_across_ranks_and_offloads_in_blocks():
+def test_a_page_counts_once_across_ranks_and_writes_count_pages():
     """TP=2: each rank writes or reads its shard of a page and reports it. A
     page is stored once both ranks stored it, failed once either failed;
-    with 4-block pages the offload counters count 4 blocks per page, as
-    onboarding does."""
+    writes count pages, as the failures beside them do (not blocks: with
+    4-block pages, 4 blocks written against 1 page failed)."""
     stats, tiers = KVBMStats(), LowerTiers([])
     tiers.record(Counter({("disk", "stored", 0): 2, ("disk", "stored", 1): 1,
-                          ("disk", "corrupt", 1): 1}), stats, 4, 2)
-    assert stats.total == Counter(offload_blocks_h2d=4, checksum_failures=1)
+                          ("disk", "corrupt", 1): 1}), stats, 2)
+    assert stats.total == Counter(offload_blocks_h2d=1, checksum_failures=1)
     tiers.record(Counter({("disk", "stored", 1): 1, ("disk", "corrupt", 0): 1,
-                          ("remote", "refused", 0): 1}), stats, 4, 2)
+                          ("remote", "refused", 0): 1}), stats, 2)
     # rank 0's corrupt page is the one rank 1 found corrupt: still one failure
-    assert stats.total == Counter(offload_blocks_h2d=8, checksum_failures=1,
+    assert stats.total == Counter(offload_blocks_h2d=2, checksum_failures=1,
                                   tier_write_errors=1)
 
 

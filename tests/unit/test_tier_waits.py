@@ -184,6 +184,7 @@ def test_a_streamed_load_waiting_for_staging_slots_fails_at_its_deadline(mount, 
         assert staging.free == 0 and h.worker._streams_waiting  # R1 waits for slots
         h.step_until(lambda: "R1" in h.recving, timeout=5)
         assert h.meta.loads_failed == {"R1": 1}
+        assert h.meta.transfer_timeouts == {"no_staging_slot": 1}
         assert "R0" not in h.recving  # still streaming
         assert h.worker.get_block_ids_with_load_errors() == set(jobs[1].block_ids)
     h.step_until(lambda: "R0" in h.recving, timeout=60)

@@ -283,11 +283,12 @@ def test_overdue_store_fails_and_holds_its_slots_until_it_ends(harness, gen):
     # Failed, so its blocks are not cached and the request's blocks may be
     # freed; the host slots it may still write are held back.
     assert h.sending == ["S"]
-    assert h.meta.transfers_overdue == 1 and not h.meta.stores_done
+    assert h.meta.transfer_timeouts == Counter(overdue=1) and not h.meta.stores_done
     assert h.meta.slots_held == Counter(s) and not h.meta.slots_released
     for _ in range(5):
         h.step()
-    assert h.meta.transfers_overdue == 1 and not h.meta.slots_released  # reported once
+    assert h.meta.transfer_timeouts == Counter(overdue=1)  # reported once
+    assert not h.meta.slots_released
     stuck.end()
     h.step_until(lambda: h.meta.slots_released == Counter(s))
     assert h.meta.stores_failed == Counter({1: 1}) and not h.meta.stores_done
@@ -307,7 +308,7 @@ def test_overdue_load_keeps_its_request_waiting_until_it_ends(harness, gen):
         h.step()
     # Its engine blocks may still be written: never reported, never failed
     # (a recompute into them could be overwritten by the late copy).
-    assert h.recving == [] and h.meta.transfers_overdue == 1
+    assert h.recving == [] and h.meta.transfer_timeouts == Counter(overdue=1)
     assert not h.meta.loads_failed and not h.worker.get_block_ids_with_load_errors()
     stuck.end()
     h.step_until(lambda: h.recving == ["L"])
@@ -450,7 +451,7 @@ def test_a_fence_that_never_completes_drops_its_transfers_unposted(harness, gen)
     time.sleep(0.06)
     h.step_until(lambda: h.meta.stores_failed[1] == 1 and "L" in h.recving)
     # never posted, so nothing holds host slots; vLLM recomputes the load
-    assert h.meta.transfers_overdue == 2 and not h.meta.slots_held
+    assert h.meta.transfer_timeouts == Counter(not_started=2) and not h.meta.slots_held
     assert h.sending == ["S"] and h.meta.loads_failed == Counter({"L": 1})
     assert h.worker.get_block_ids_with_load_errors() == set(bl)
     fence.is_done = True  # too late: it is never posted

@@ -146,7 +146,7 @@ class LoadPlanning:
             fetched = Counter(streamed)
             fetched.update(tier for _, tier in promoted)
             for tier, pages in fetched.items():
-                self.stats.add(self.lower.onboard_counter(tier), pages * self.page_blocks)
+                self.stats.add(self.lower.onboard_counter(tier), pages)
             self._spill(keys, reused=True)
         self._maybe_forget(state)
 
@@ -162,7 +162,7 @@ class LoadPlanning:
                 self.host.drop(key)  # its slot was never filled: its reads ended
         self.host.commit([key for key, _ in promoted if key in landed])
         for tier, pages in Counter(tier for key, tier in promoted if key in landed).items():
-            self.stats.add(self.lower.onboard_counter(tier), pages * self.page_blocks)
+            self.stats.add(self.lower.onboard_counter(tier), pages)
         self.stats.add("recompute_chosen_tokens", (len(load.page_keys) - cut) * self.page_tokens)
         self.stats.add("onboard_blocks_h2d", cut * self.page_blocks)
         # What the cut says of the tier: the whole load at the pace its

@@ -106,6 +106,10 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self._tier_usage: defaultdict[str, dict[int, tuple[int, int]]] = defaultdict(dict)
         self.stats.set_gauge("host_cache_capacity_blocks", num_host_slots * info.page_blocks)
         self.stats.set_gauge("host_cache_capacity_bytes", num_host_slots * info.page_bytes)
+        self.stats.set_gauge("page_size_blocks", info.page_blocks)
+        self.stats.set_gauge("peer_quarantined_slots", 0)
+        # (tier, TP rank) -> a store's own counts last reported (TierStore.counts)
+        self._tier_counts: dict[tuple[str, int], dict[str, int]] = {}
         for name in ([f"load_seconds_per_block_{tier}" for tier in self.stats.tiers]
                      + ["recompute_seconds_per_block"]):
             self.stats.set_gauge(name, 0.0)  # not learned yet

@@ -59,6 +59,8 @@ class RequestParams:
     peer: str | None = None
     # the params were refused: neither load nor store (error says why)
     error: str | None = None
+    # the parts refused (metric_names.REFUSED_PARAMS), counted per request
+    refused: tuple[str, ...] = ()
 
     @property
     def loads(self) -> bool:
@@ -113,26 +115,30 @@ def parse_apart(params: Mapping[str, Any] | None) -> tuple[RequestParams, list[s
     if not isinstance(params, Mapping):
         err = (f"kv_transfer_params: expected an object, got {type(params).__name__}; "
                f"send e.g. {{\"{LOAD_TIERS}\": [\"host\"]}}")
-        return RequestParams(load_tiers=frozenset(), store_tiers=frozenset(), error=err), [err]
-    errors = []
+        return RequestParams(load_tiers=frozenset(), store_tiers=frozenset(), error=err,
+                             refused=("object",)), [err]
+    errors, refused = [], []
     try:
         load_tiers, max_load = _tiers(params, LOAD_TIERS), _tokens(params, MAX_LOAD)
     except RequestParamsError as err:
         errors.append(str(err))
+        refused.append("load")
         load_tiers, max_load = frozenset(), None
     try:
         store_tiers, max_store = _store_fields(params)
     except RequestParamsError as err:
         errors.append(str(err))
+        refused.append("store")
         store_tiers, max_store = frozenset(), None
     try:  # a bad hint is ignored: it only says where else to look
         peer = peer_endpoint(params)
     except HintError as err:
         errors.append(str(err))
+        refused.append("hint")
         peer = None
     return RequestParams(load_tiers=load_tiers, store_tiers=store_tiers,
                          max_load_tokens=max_load, max_store_tokens=max_store, peer=peer,
-                         error="; ".join(errors) or None), errors
+                         error="; ".join(errors) or None, refused=tuple(refused)), errors
 
 
 def _store_fields(params: Mapping[str, Any]) -> tuple[frozenset[str] | None, int | None]:

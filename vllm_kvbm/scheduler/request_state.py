@@ -171,6 +171,8 @@ class RequestKeys:
             state = _ReqState(request, chain, salt,
                               None if lora is None else (lora.int_id, lora.fingerprint))
             state.params = for_request(request)
+            for part in state.params.refused:
+                self.stats.add("refused_params", 1, part)
             self._reqs[request.request_id] = state
             self._watched[request.request_id] = state
         return state

@@ -69,6 +69,7 @@ class LowerTiers:
         self._written = {view.name: _BoundedCounter() for view in views}
         self.calls = TierCalls()  # how long each call into a view takes
         self._outages_seen: dict[str, int] = {}  # per tier: link outages counted
+        self._lookups_seen = {"found": 0, "missed": 0}  # the peer directory's, counted
         # (tier, outcome) -> pages reported by each TP rank, and counted so far
         self._rank_totals: defaultdict[tuple[str, str], Counter] = defaultdict(Counter)
         self._counted: Counter = Counter()
@@ -240,17 +241,15 @@ class LowerTiers:
         return {"pool": "onboard_blocks_pool", "disk": "onboard_blocks_d2d",
                 "peer": "onboard_blocks_peer", "remote": "onboard_blocks_remote"}[tier]
 
-    def record(self, events: Counter, stats, page_blocks: int = 1,
-               num_workers: int = 1) -> None:
+    def record(self, events: Counter, stats, num_workers: int = 1) -> None:
         """Turns the workers' (tier, outcome, rank) page counts into counters.
 
         Every worker reports its own shard of each page (with tensor
         parallelism, one report per rank), so per (tier, outcome) each
         rank's running total is kept: a page is stored once every rank
         stored its shard (the least total), and failed once any rank failed
-        (the greatest). The offload counters are in engine blocks
-        (``page_blocks`` per page), as the onboard ones are; the others
-        count pages."""
+        (the greatest). All count pages, the unit a tier stores (the
+        engine-side counters count blocks: ``kvbm_page_size_blocks``)."""
         names = {"stored": {"pool": "offload_blocks_pool", "disk": "offload_blocks_h2d",
                             "remote": "offload_blocks_remote"},
                  "refused": "tier_write_errors", "dropped": "tier_write_drops",
@@ -273,15 +272,22 @@ class LowerTiers:
             new, self._counted[(tier, outcome)] = pages - self._counted[(tier, outcome)], pages
             if new:
                 if outcome == "stored":  # the family of its name is the tier's
-                    stats.add(name, new * page_blocks)
+                    stats.add(name, new)
                 else:
                     stats.add(name, new, tier=tier)
 
     def report_links(self, stats) -> None:
-        """The lookup thread's call times, and each server tier's link state
-        (up, and outages ended), into ``stats``; on the scheduler thread."""
+        """The lookup thread's call times, the peer directory's lookups, and
+        each server tier's link state (up, and outages ended), into
+        ``stats``; on the scheduler thread."""
         for tier, seconds in self.calls.take_samples():
             stats.observe("lookup_latency_seconds", [seconds], tier)
+        directory = getattr(self.peer_view, "directory", None)
+        if directory is not None:  # counted on the lookup thread; each only grows
+            for result in ("found", "missed"):
+                total = getattr(directory, result)
+                stats.add("peer_directory_lookups", total - self._lookups_seen[result], result)
+                self._lookups_seen[result] = total
         for view in self.views:
             link = view.link
             if link is None:

@@ -31,12 +31,15 @@ class WorkerReports:
                 ranks = self._tier_usage[tier].values()
                 self.stats.set_gauge(f"{tier}_cache_used_bytes", max(u for u, _ in ranks))
                 self.stats.set_gauge(f"{tier}_cache_capacity_bytes", max(c for _, c in ranks))
+            for (tier, rank), counts in meta.tier_counts.items():
+                self._store_counts(tier, rank, counts)
             if meta.pool_served_at is not None:
                 # this engine's pool endpoint: never asked as a peer, and
                 # named in its pool pages' KV events
                 self.lower.set_own_endpoint(meta.pool_served_at or None)
                 self.events.pool_owner = meta.pool_served_at or None
-            self.stats.add("transfer_timeouts", meta.transfers_overdue)
+            for event, count in meta.transfer_timeouts.items():
+                self.stats.add("transfer_timeouts", count, event)
             # Held before the failed stores drop their keys, so those slots
             # never reach the free list while a late write may land in them.
             self.host.hold(meta.slots_held.elements())
@@ -44,8 +47,7 @@ class WorkerReports:
             self._finish_stores(meta.stores_failed, ok=False)
             self.host.release(meta.slots_released.elements())
             self._finish_spills(meta.spills_done)
-            self.lower.record(meta.tier_events, self.stats, self.page_blocks,
-                              self.info.num_workers)
+            self.lower.record(meta.tier_events, self.stats, self.info.num_workers)
             for int_id, fingerprint in meta.adapters_loaded:
                 self.adapters.loaded(int_id, fingerprint)
             if meta.weights_digested and self.weights.reported(meta.weights_digested):
@@ -75,9 +77,26 @@ class WorkerReports:
             if state is None or not state.load.in_flight():
                 continue
             self._finish_load(state)
-        self.stats.add("host_evictions", self.host.evictions - self._evictions_seen)
+        self.stats.add("host_evictions",
+                       (self.host.evictions - self._evictions_seen) * self.page_blocks)
         self._evictions_seen = self.host.evictions
         self._update_gauges()
+
+    def _store_counts(self, tier: str, rank: int, counts: dict[str, int]) -> None:
+        """A store's own counts (TierStore.counts) into the metrics: the
+        pool's peer-directory entries (running totals: what grew since the
+        rank's last report), the peer tier's quarantined landing slots (the
+        fullest rank's)."""
+        last = self._tier_counts.get((tier, rank), {})
+        self._tier_counts[(tier, rank)] = counts
+        if tier == "pool":
+            for result in ("written", "deleted", "dropped", "failed"):
+                grew = counts.get(result, 0) - last.get(result, 0)
+                if grew > 0:
+                    self.stats.add("peer_directory_entries", grew, result)
+        elif tier == "peer":
+            self.stats.set_gauge("peer_quarantined_slots", max(
+                c.get("quarantined", 0) for (t, _), c in self._tier_counts.items() if t == "peer"))
 
     def _update_gauges(self) -> None:
         used = self.host.used_slots

@@ -73,6 +73,12 @@ class TierStore(ABC):
         store keeps that count (the disk); None otherwise (a server's is its own)."""
         return None
 
+    def counts(self) -> dict[str, int]:
+        """What the store counts of itself for the metrics, by name (running
+        totals, or a level such as ``quarantined``); read on vLLM's worker
+        thread every step, so memory reads only. Empty: nothing."""
+        return {}
+
     def take_removed(self) -> list[bytes]:
         """Keys of pages this store deleted on its own (eviction, damage) since
         last asked, so the scheduler may write them again when they are hot."""

@@ -67,7 +67,7 @@ class StreamedLoads:
             logger.error("KVBM: streamed load of %d pages for %s got no staging slot for "
                          "%g s (tier_read_timeout_s); vLLM recomputes it",
                          len(load.pending), load.job.req_id, limit)
-            self._meta.transfers_overdue += 1
+            self._meta.transfer_timeouts["no_staging_slot"] += 1
             load.ok, load.pending = False, []
             self._streams_waiting.remove(load)
             if load.done:

@@ -158,6 +158,7 @@ class TierIO:
         self._read_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
         self._write_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
         self._usage_sent: dict[str, tuple[int, int]] = {}
+        self._counts_sent: dict[str, dict[str, int]] = {}
         self._served_said = False  # pool_served_at reported
         self._dropped: list[tuple[str, bytes]] = []
         self._unreported, self._warned_at = 0, -1e9
@@ -308,6 +309,9 @@ class TierIO:
             usage = store.usage()
             if usage is not None and usage != self._usage_sent.get(name):
                 meta.tier_usage[(name, self.rank)] = self._usage_sent[name] = usage
+            counts = store.counts()
+            if counts and counts != self._counts_sent.get(name):
+                meta.tier_counts[(name, self.rank)] = self._counts_sent[name] = counts
         if not self._served_said and self.rank == 0 and "pool" in self.tiers:
             # where peers read this engine's pool (KV events, the peer directory)
             pool = getattr(self.tiers["pool"], "pool", None)

@@ -190,7 +190,7 @@ class KVBMWorker(StreamedLoads, KVRelease):
                              "reach it within %g s; dropped",
                              "store" if p.is_store else "load", len(p.job.block_ids),
                              p.job.req_id, self.transfer_timeout_s)
-                self._meta.transfers_overdue += 1
+                self._meta.transfer_timeouts["not_started"] += 1
                 self._complete(p.job, p.is_store, ok=False, started=p.queued)
             else:
                 still.append(p)
@@ -334,19 +334,20 @@ class KVBMWorker(StreamedLoads, KVRelease):
     def _overdue(self, f: InFlight) -> None:
         """A transfer still running after the timeout.
 
-        NIXL cannot be trusted to cancel it: releasing a running UCX transfer
-        returns success and then crashes UCX at close (an arbiter assertion),
-        so the handle is kept and polled until NIXL ends it.
+        It is never cancelled (NIXL cannot be trusted to: releasing a running
+        UCX transfer returns success and then crashes UCX at close, an arbiter
+        assertion), so the handle is kept and polled until the mover (NIXL or
+        the copy engine) ends it.
         Meanwhile nothing it may still write is handed out: a store is
         reported failed (the blocks are not cached, and vLLM may free or reuse
         the engine blocks it reads) and its host slots are held back from the
         host tier until it ends; a load keeps its request waiting, because
         the engine blocks it writes must not be given to anyone else.
         """
-        self._meta.transfers_overdue += 1
+        self._meta.transfer_timeouts["overdue"] += 1
         if f.is_store:
             logger.error("KVBM: store of %d blocks for %s not finished after %g s; not "
-                         "cached, its host slots held until NIXL ends it",
+                         "cached, its host slots held until the copy ends",
                          len(f.job.block_ids), f.job.req_id, self.transfer_timeout_s)
             self._meta.slots_held.update(f.job.slots)
             self._complete(f.job, True, ok=False, started=f.started)

@@ -279,7 +279,9 @@ class DirectoryReader(OnRedisLink):
 
     def __init__(self, link: "RedisLink", file_name: str):
         self._link, self.file_name = link, file_name
-        self.asked = self.found = 0  # lookups, and those that named a peer
+        # lookups, those that named a peer and those that did not (each
+        # counted once answered: the scheduler reads them from another thread)
+        self.asked = self.found = self.missed = 0
 
     def locate(self, tkeys: list[bytes], exclude=frozenset()) -> str | None:
         """The endpoint whose entries name the longest run of ``tkeys`` (table
@@ -290,6 +292,14 @@ class DirectoryReader(OnRedisLink):
         if not tkeys:
             return None
         self.asked += 1
+        best = self._locate(tkeys, exclude)
+        if best is None:
+            self.missed += 1
+        else:
+            self.found += 1
+        return best
+
+    def _locate(self, tkeys: list[bytes], exclude) -> str | None:
         names = [entry_key(self.file_name, t) for t in tkeys[:MGET_MAX]]
         values = self._link.call(lambda c: c.mget(names), None, "directory lookup")
         if values is None:
@@ -324,8 +334,6 @@ class DirectoryReader(OnRedisLink):
                     break
             if run > best_run:
                 best, best_run = e, run
-        if best is not None:
-            self.found += 1
         return best
 
     def close(self) -> None:

@@ -177,6 +177,9 @@ class PeerStore(TierStore):
         """Landing slots out of use behind a READ past its deadline."""
         return self.landing.quarantined
 
+    def counts(self) -> dict[str, int]:
+        return {"quarantined": self.landing.quarantined}  # kvbm_peer_quarantined_slots
+
     def lookup(self, endpoint: str, keys: list[bytes]) -> list[bool]:
         """Which of ``keys`` the peer holds (its control endpoint answers from
         its own table: no NIXL)."""

@@ -282,6 +282,15 @@ class PoolStore(TierStore):
         g = self._g
         return self.pool.used_slots * g.stride, g.nslots * g.stride
 
+    def counts(self) -> dict[str, int]:
+        """The peer directory's entries sent for this pool (rank 0's, where
+        a directory is set): kvbm_peer_directory_entries_total."""
+        if self.directory is None:
+            return {}
+        w = self.directory.writer
+        return {"written": w.written, "deleted": w.deleted, "dropped": w.dropped,
+                "failed": w.failed}
+
     def take_removed(self) -> list[bytes]:
         keys = []
         while self._removed:
