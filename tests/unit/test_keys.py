@@ -13,7 +13,7 @@ import pytest
 from vllm_kvbm.keys import KeyChain, KeyNamespace, LoRAIdentity, request_salt
 
 
-# ---- 9. keys --------------------------------------------------------------------
+# ---- keys --------------------------------------------------------------------
 
 _NS = dict(model="m@", dtype="torch.float16", kv_layout="NHD", block_size=16,
            page_bytes=4096, tp_size=1, extra="")

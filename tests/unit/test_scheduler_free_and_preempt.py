@@ -21,7 +21,7 @@ def store_job_ids(meta) -> list[int]:
     return [job.job_id for job in meta.stores]
 
 
-# ---- 4. delayed free ------------------------------------------------------------
+# ---- 1. delayed free ------------------------------------------------------------
 
 
 def test_finish_with_stores_in_flight_delays_block_free():
@@ -79,7 +79,7 @@ def test_stores_reported_in_the_finishing_step_still_need_finished_sending():
     assert not kvbm(s).has_pending_work() and not kvbm(s)._reqs
 
 
-# ---- 5. preemption --------------------------------------------------------------
+# ---- 2. preemption --------------------------------------------------------------
 
 
 def test_memory_pressure_preempts_running_requests_never_one_whose_load_is_in_flight():

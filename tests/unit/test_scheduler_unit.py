@@ -21,7 +21,7 @@ def store_job_ids(meta) -> list[int]:
     return [job.job_id for job in meta.stores]
 
 
-# ---- 6. host tier LRU -----------------------------------------------------------
+# ---- 1. host tier LRU -----------------------------------------------------------
 
 
 def test_lru_eviction_order_and_counter():
@@ -79,7 +79,7 @@ def test_pinned_slots_are_never_evicted():
     assert not any(key in k.host for key in keys_of(s, p1))
 
 
-# ---- 7. transfer failures -------------------------------------------------------
+# ---- 2. transfer failures -------------------------------------------------------
 
 
 def test_failed_store_leaves_no_entry():
@@ -278,7 +278,7 @@ def test_a_reset_refused_for_a_delayed_free_keeps_its_stores_until_a_granted_one
     assert not any(k.host.is_ready(key) for key in keys_of(s, tokens(40, 48)))
 
 
-# ---- 8. edge cases --------------------------------------------------------------
+# ---- 3. edge cases --------------------------------------------------------------
 
 
 def test_prompt_shorter_than_a_block():
