@@ -41,7 +41,9 @@ class TierStore(ABC):
 
         Only "ok" makes ``out`` usable: on anything else its content is
         undefined (a store may check a page where it lands), and the caller
-        never serves it."""
+        never serves it. "late" (a store that reads by DMA: its read missed
+        its deadline and may still write ``out``): nor may the caller reuse
+        ``out`` before take_ended_writes names its address."""
 
     def get_many_into(self, items: list[tuple[bytes, "torch.Tensor"]],
                       stop: "Callable[[], bool] | None" = None) -> list[str]:
@@ -59,6 +61,16 @@ class TierStore(ABC):
             except Exception:  # noqa: BLE001 - a store must not take the engine down
                 statuses.append("error")
         return statuses
+
+    def reads_into(self, memory: "torch.Tensor") -> None:
+        """The memory every ``out`` of get_many_into lies in (the host tier's
+        slots), once before the first read, on the tier's read thread: a
+        store that reads by DMA registers it and reads in place."""
+
+    def take_ended_writes(self) -> list[int]:
+        """Addresses (``data_ptr``) of "late" ``out``s whose read has ended
+        since last asked; called on the tier's read thread."""
+        return []
 
     @abstractmethod
     def contains(self, key: bytes) -> bool:

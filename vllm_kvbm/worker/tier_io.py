@@ -20,7 +20,11 @@ recomputes instead of waiting on a frozen filesystem or a hung read. A read
 cannot be cancelled once in a syscall, so the fetch stays tracked as
 "reading" until it ends: its slots are not reused before that (see
 KVBMWorker), and reads of it not started yet are cancelled: its read
-thread stops at the next page. Shutdown waits ``read_timeout_s`` at most for
+thread stops at the next page. A store that reads by DMA (the peer tier)
+reports a page whose read missed its own deadline "late": the read may
+still write its host slot, so its fetch fails and stays "reading" the same
+way until the store names the slot's read ended (take_ended_writes, asked
+on the tier's read thread every _REAP_S while any is pending). Shutdown waits ``read_timeout_s`` at most for
 reads and writes in progress (io_threads.py).
 """
 
@@ -82,6 +86,8 @@ _READ_GROUP = 32
 _GROUP_S = 0.05
 # Read and write timings kept between two polls, at most (the metrics).
 _MAX_TIMINGS = 10_000
+# How often a tier with "late" reads is asked which ended (seconds).
+_REAP_S = 0.05
 
 
 @dataclass
@@ -103,6 +109,9 @@ class _Fetch:
     # pages landed when it was cut for running late (None: not cut); its
     # reads stop at their next page
     cut_at: int | None = None
+    # (tier, host slot address) of its "late" reads not known ended: written
+    # on the read thread, read by poll only once its reads are done
+    late: set[tuple[str, int]] = field(default_factory=set)
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -162,11 +171,18 @@ class TierIO:
         self._served_said = False  # pool_served_at reported
         self._dropped: list[tuple[str, bytes]] = []
         self._unreported, self._warned_at = 0, -1e9
+        # late reads: the tiers' answers (which ended) pending and taken
+        self._reaping: dict[str, Future] = {}
+        self._reaped_at: dict[str, float] = {}
+        self._writes_ended: set[tuple[str, int]] = set()
 
-    def add(self, store: "TierStore") -> None:
+    def add(self, store: "TierStore", host_memory: torch.Tensor | None = None) -> None:
+        """``host_memory``: the host tier's slots, where fetches land."""
         name = store.name
         self.tiers[name] = store
         self._reader[name] = IOThreads(1, f"kvbm-{name}-read", widen_thread_affinity)
+        if host_memory is not None:  # first in the read thread's queue
+            self._reader[name].submit(store.reads_into, host_memory)
         self._writer[name] = IOThreads(max(1, store.write_inflight), f"kvbm-{name}-write",
                                        widen_thread_affinity)
         self.queues[name] = _WriteQueue(self.write_queue_pages)
@@ -200,11 +216,14 @@ class TierIO:
                     except Exception as err:  # a store must not take the engine down
                         logger.warning("KVBM: %s read failed: %s", tier, err)
                         statuses = ["error"] * len(group)
-                    results += [(tier, key, status) for (_, key), status in zip(group, statuses)]
                     for (i, _), status in zip(group, statuses):
                         if status == "ok":
                             fetch.landed[i] = True
                             fetch.fetched += 1
+                        elif status == "late":  # its slot may still be written
+                            fetch.late.add((tier, host_pool[job.slots[i]].data_ptr()))
+                    results += [(tier, key, "error" if status == "late" else status)
+                                for (_, key), status in zip(group, statuses)]
                     fetch.progress = time.monotonic()
                     if fetch.first_at is None:
                         fetch.first_at, fetch.first_pages = fetch.progress, fetch.fetched
@@ -251,26 +270,45 @@ class TierIO:
         not loaded, the reads having ended, and the pages before are intact)."""
         ready, still = [], []
         now = time.monotonic()
+        self._reap_late(now)
         for fetch in self._fetching:
             job = fetch.job
             done = fetch.done()
             if not done and fetch.runs_late(now):
                 self._cut(fetch)
                 done = fetch.done()
+            if done and fetch.late:
+                ended = fetch.late & self._writes_ended
+                fetch.late -= ended
+                self._writes_ended -= ended
             if not done and not fetch.overdue and now - fetch.progress > self.read_timeout_s:
                 self._overdue(fetch, meta)  # cancels its reads not started yet
                 done = fetch.done()
-                ready.append((job, False, not done, None))
-                if not done:
+                ready.append((job, False, not done or bool(fetch.late), None))
+                if not done or fetch.late:
                     still.append(fetch)  # until its reads end (take_ended)
                 continue
-            if not done:
+            if not done or (fetch.overdue and fetch.late):
                 still.append(fetch)
                 continue
             if fetch.overdue:
                 self._ended.append(job)  # reported failed already
                 continue
             results = [r for f in fetch.futures if not f.cancelled() for r in f.result()]
+            if fetch.late:
+                # failed, its slots held until its late reads end: even when
+                # cut, the pages after the cut are in slots they may write
+                for tier, key, status in results:
+                    meta.tier_events[(tier, status, self.rank)] += 1
+                meta.bad_pages.extend((t, k) for t, k, status in results if status != "ok")
+                logger.warning("KVBM: reading %d pages for %s: %d reads missed their "
+                               "deadline; vLLM recomputes the pages, their host slots wait "
+                               "for those reads to end", len(results), job.req_id,
+                               len(fetch.late))
+                fetch.overdue = True
+                ready.append((job, False, True, None))
+                still.append(fetch)
+                continue
             if fetch.cut_at is not None:
                 cut = fetch.landed_prefix()  # reads that landed since count too
                 for tier, _, status in results:
@@ -322,6 +360,24 @@ class TierIO:
             while times:
                 out.append(times.popleft())
         return ready
+
+    def _reap_late(self, now: float) -> None:
+        """Asks each tier with late reads of done fetches which ended (on its
+        read thread, every _REAP_S at most); takes the answers that came."""
+        for tier, future in list(self._reaping.items()):
+            if future.done():
+                del self._reaping[tier]
+                if not future.cancelled() and future.exception() is None:
+                    self._writes_ended.update((tier, a) for a in future.result())
+        tiers = {t for f in self._fetching if f.late and f.done() for t, _ in f.late}
+        for tier in tiers - self._reaping.keys():
+            if now - self._reaped_at.get(tier, -1e9) >= _REAP_S:
+                self._reaped_at[tier] = now
+                try:
+                    self._reaping[tier] = self._reader[tier].submit(
+                        self.tiers[tier].take_ended_writes)
+                except RuntimeError:  # closing
+                    pass
 
     def _cut(self, fetch: _Fetch) -> None:
         """Stops a fetch that runs late: reads not started are cancelled, the

@@ -111,7 +111,7 @@ class KVBMWorker(StreamedLoads, KVRelease):
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
         self.tier_io.rank = rank
-        self.tier_io.add(store)
+        self.tier_io.add(store, self.host_pool)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
                            block_dims: dict[str, int] | None = None) -> None:

@@ -1,19 +1,21 @@
-"""Where a peer's pages land: a small pool of the reader's own, and its quarantine.
+"""Where a peer's reads land: a small pool of the reader's own, and the quarantine.
 
-A peer READ never writes into a host slot or a vLLM block: it lands in a
-landing slot (one page, plus room for a set of slot entries and one entry
-read again), registered with the reader's NIXL agent once. The page is then
-copied into its host slot and checked there (store.py): what is checked is
-what is used, whatever arrives in the landing slot afterwards.
+A landing slot holds a set of slot entries, one entry read again and a
+page's header, registered with the reader's NIXL agent once. A page's
+payload is READ straight into its host slot (memory the store registered,
+``PeerStore.reads_into``) and checked there (store.py); a page for memory
+not registered lands whole in the landing slot and is copied out first.
 
 A READ still running at its deadline cannot be called back: measured with
 UCX over TCP, a READ from a stopped peer, cancelled (``release_xfer_handle``
 OK), its peer's agent removed and the memory deregistered, still landed
-about 1 GB in the destination once the peer went on. So a landing slot whose
-READ missed its deadline is quarantined: not used again until that transfer
-reached a terminal state (DONE or ERR, polled here; its handle released only
-then), or its peer is known gone (NIXL reported it disconnected, or another
-incarnation answers at its endpoint). A store closed with slots still
+about 1 GB in the destination once the peer went on. So the landing slots and the
+host slots (``dests``) a READ past its deadline may still write are
+quarantined: not used again until that transfer reached a terminal state
+(DONE or ERR, polled here; its handle released only then), or its peer is
+known gone (NIXL reported it disconnected, or another incarnation answers at
+its endpoint). The host slots' addresses are then handed to the store's
+caller (``take_ended``), which held them out of use meanwhile (TierIO). A store closed with slots still
 quarantined leaves their memory mapped (and registered) for the rest of the
 process, never unmapped under a transfer.
 """
@@ -39,6 +41,7 @@ class _Stuck:
     handle: object
     slots: list[int]
     peer: int  # the peer's generation (store.py)
+    dests: list[int] = field(default_factory=list)  # host slots' addresses it may write
     since: float = field(default_factory=time.monotonic)
 
 
@@ -60,6 +63,7 @@ class LandingSlots:
         self._reg = agent.register(self.addr, size)
         self._free = list(range(count))
         self._stuck: list[_Stuck] = []
+        self._ended: list[int] = []  # dests whose transfer ended, not taken yet
 
     # -- where things land -------------------------------------------------------
     def page_off(self, slot: int) -> int:
@@ -88,11 +92,23 @@ class LandingSlots:
     def free(self) -> int:
         return len(self._free)
 
-    def quarantine(self, slots: list[int], handle, peer: int) -> None:
-        self._stuck.append(_Stuck(handle, list(slots), peer))
+    @property
+    def quarantined_dests(self) -> int:
+        """Host slots a transfer past its deadline may still write."""
+        return sum(len(s.dests) for s in self._stuck)
+
+    def quarantine(self, slots: list[int], handle, peer: int,
+                   dests: list[int] | None = None) -> None:
+        self._stuck.append(_Stuck(handle, list(slots), peer, list(dests or ())))
         logger.warning("KVBM: peer tier: a READ missed its deadline; %d landing slot(s) "
-                       "quarantined until it ends or its peer is known gone (%d of %d now)",
-                       len(slots), self.quarantined, self.count)
+                       "(%d of %d now) and %d host slot(s) quarantined until it ends or its "
+                       "peer is known gone", len(slots), self.quarantined, self.count,
+                       len(dests or ()))
+
+    def take_ended(self) -> list[int]:
+        """The ``dests`` of quarantined transfers that ended since last asked."""
+        ended, self._ended = self._ended, []
+        return ended
 
     def reap(self, gone=lambda peer: False) -> int:
         """Frees the slots of quarantined transfers that ended, or whose peer
@@ -112,9 +128,11 @@ class LandingSlots:
             if ended:
                 self._release(stuck.handle)
                 self._free.extend(stuck.slots)
+                self._ended.extend(stuck.dests)
                 freed += len(stuck.slots)
-                logger.info("KVBM: peer tier: %d landing slot(s) out of quarantine after "
-                            "%.1f s", len(stuck.slots), time.monotonic() - stuck.since)
+                logger.info("KVBM: peer tier: %d landing and %d host slot(s) out of "
+                            "quarantine after %.1f s", len(stuck.slots), len(stuck.dests),
+                            time.monotonic() - stuck.since)
             else:
                 still.append(stuck)
         self._stuck = still

@@ -13,18 +13,28 @@ port), and for a batch of pages:
    pages do not match ours (another scope) is refused;
 2. one READ of each page's set of slot entries into a landing slot
    (landing.py), the key's slot picked from it;
-3. one READ of each picked slot's page into its landing slot;
+3. one READ of each picked slot's page: its header into the landing slot,
+   its payload straight into ``out`` where ``out`` lies in memory registered
+   with ``reads_into`` (the host tier's slots; else the whole page into the
+   landing slot, then copied into ``out``);
 4. one READ of each picked entry again: the slot's generation and key must
    be the same as in (2) (the seqlock, pool/layout.py), else it is a miss;
-5. the page copied into ``out`` and checked there (key, namespace scope, TP
-   rank, layout, CRC, or the seal under the page secret): only "ok" is used.
+5. the page checked in ``out`` (key, namespace scope, TP rank, layout, CRC,
+   or the seal under the page secret): only "ok" is used. While another
+   batch follows, a helper thread checks it (the checks need no landing
+   slot) as the next batch's READs run: on one machine cma copies on the
+   reading thread, so the copy and the check take a core each. Every check
+   ends before the call returns.
 
 Each step is one NIXL transfer for the whole batch, posted and polled on the
 calling thread (TierIO's reader thread for this tier: on one machine UCX's
 cma transport copies inside ``transfer()``), never on vLLM's. Every batch
 has a deadline (``read_timeout_s``): past it the pages are "error" (vLLM
 recomputes them), the READ's landing slots are quarantined until it ends,
-and the peer is not asked again for ``retry_s``. A peer that dies mid-read
+and the peer is not asked again for ``retry_s``. A page whose payload READ
+into ``out`` missed the deadline is "late": ``out`` may still be written
+until ``take_ended_writes`` names its address, and the caller must neither
+use nor reuse it until then (TierIO holds its host slot). A peer that dies mid-read
 is reported by NIXL within a fraction of a second: "error", no hang.
 Idle peers are dropped after ``idle_s``.
 
@@ -37,11 +47,14 @@ import ctypes
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_kvbm.cpus import widen_thread_affinity
+from vllm_kvbm.io_threads import IOThreads
 from vllm_kvbm.tiers.base import TierStore
 from vllm_kvbm.tiers.page_codec import PageCodec
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, valid_key, valid_page
@@ -84,6 +97,9 @@ class PeerStore(TierStore):
     peer port and pool file it reads)."""
 
     name = "peer"
+    # check a batch on the helper thread while the next one is read (False:
+    # on the reading thread, for measuring what the overlap buys)
+    check_ahead = True
 
     def __init__(self, codec: PageCodec, rank: int, world_size: int, scope: bytes,
                  file_name: str, *, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
@@ -103,6 +119,10 @@ class PeerStore(TierStore):
         self._zmq_context = zmq.Context()  # one I/O thread for every peer's control link
         self._live_generations: set[int] = set()
         self._quarantine_marks: set[int] = set()  # landing slots _xfer quarantined
+        # memory READ into in place (reads_into): (start, end, registration)
+        self._memory: list[tuple[int, int, object]] = []
+        self._checker = IOThreads(1, "kvbm-peer-check", widen_thread_affinity)
+        self._checks: list[Future] = []  # this call's checks on the helper
         self.torn_reads = 0  # pages rewritten while read (misses by the seqlock)
         self._closed = False
 
@@ -150,21 +170,52 @@ class PeerStore(TierStore):
             return ["error"] * len(items)
         if peer is None:
             return ["error"] * len(items)
-        statuses: list[str] = []
-        for start in range(0, len(items), self.landing.count):
-            part = items[start:start + self.landing.count]
-            if stop is not None and stop():
-                statuses += ["skipped"] * len(part)
-                continue
-            if peer.remote is None or time.monotonic() < peer.down_until:
-                statuses += ["error"] * len(part)  # failed earlier in this call
-                continue
-            try:
-                statuses += self._read_batch(peer, part)
-            except Exception as err:  # noqa: BLE001
-                logger.warning("KVBM: peer tier: read from %s failed: %s", peer.endpoint, err)
-                statuses += ["error"] * len(part)
-        return statuses
+        statuses: list = []  # a status, or the Future of a page's check
+        try:
+            for start in range(0, len(items), self.landing.count):
+                part = items[start:start + self.landing.count]
+                if stop is not None and stop():
+                    statuses += ["skipped"] * len(part)
+                    continue
+                if peer.remote is None or time.monotonic() < peer.down_until:
+                    statuses += ["error"] * len(part)  # failed earlier in this call
+                    continue
+                try:
+                    statuses += self._read_batch(peer, part,
+                                                 ahead=self.check_ahead
+                                                 and start + len(part) < len(items))
+                except Exception as err:  # noqa: BLE001
+                    logger.warning("KVBM: peer tier: read from %s failed: %s",
+                                   peer.endpoint, err)
+                    statuses += ["error"] * len(part)
+        finally:
+            # none outlives the call: a check may decrypt in place into ``out``
+            checks, self._checks = self._checks, []
+            for check in checks:
+                check.exception()
+        return [_outcome(s) if isinstance(s, Future) else s for s in statuses]
+
+    def reads_into(self, memory: torch.Tensor) -> None:
+        """Registers ``memory`` (the host tier's slots) with this store's NIXL
+        agent: a page whose ``out`` lies in it is READ in place, not copied
+        out of a landing slot. Call it on the thread that reads (a failure
+        is logged: pages then land in landing slots)."""
+        addr, n = memory.data_ptr(), memory.numel() * memory.element_size()
+        try:
+            self._memory.append((addr, addr + n, self._agent.register(addr, n)))
+        except NixlCallError as err:
+            logger.warning("KVBM: peer tier: pages are copied through landing slots: the "
+                           "host tier's memory could not be registered (%s)", err)
+
+    def _in_place(self, out: torch.Tensor) -> bool:
+        start = out.data_ptr()
+        return any(lo <= start and start + self.page_bytes <= hi for lo, hi, _ in self._memory)
+
+    def take_ended_writes(self) -> list[int]:
+        """Addresses of "late" ``out``s whose READ has ended since last asked
+        (they may be used again). Call it on the thread that reads."""
+        self.reap()
+        return self.landing.take_ended()
 
     def reap(self) -> int:
         """Frees the landing slots of quarantined READs that ended since (or
@@ -288,31 +339,38 @@ class PeerStore(TierStore):
                 del self._peers[endpoint]
 
     # -- one batch ---------------------------------------------------------------
-    def _read_batch(self, peer: _Peer, items: list[tuple[bytes, torch.Tensor]]) -> list[str]:
+    def _read_batch(self, peer: _Peer, items: list[tuple[bytes, torch.Tensor]],
+                    ahead: bool = False) -> list:
         slots = self.landing.take(len(items))
         statuses = ["error"] * len(items)  # past the landing slots free: recomputed
         if not slots:
             return statuses
         deadline = time.monotonic() + self.read_timeout_s
         try:
-            self._read_into(peer, items[:len(slots)], slots, statuses, deadline)
+            self._read_into(peer, items[:len(slots)], slots, statuses, deadline, ahead)
         finally:
             if slots and not self._quarantined(slots):
                 self.landing.give(slots)
         return statuses
 
-    def _read_into(self, peer: _Peer, items, slots: list[int], statuses: list[str],
-                   deadline: float) -> None:
+    def _read_into(self, peer: _Peer, items, slots: list[int], statuses: list,
+                   deadline: float, ahead: bool = False) -> None:
+        """``ahead``: another batch follows: the pages are checked on the
+        helper thread meanwhile (their statuses Futures)."""
         g, land, base = peer.geometry, self.landing, peer.base
         tkeys = [layout.table_key(self._codec.names, bytes(key)) for key, _ in items]
         set_bytes = g.ways * ENTRY_BYTES
         firsts = [g.set_of(t) * g.ways for t in tkeys]
-        if not self._xfer(peer, slots, deadline,
-                          [(land.set_off(s), base + g.entry_off(f), set_bytes)
-                           for s, f in zip(slots, firsts)]):
+        if self._xfer(peer, slots, deadline,
+                      [(land.addr + land.set_off(s), base + g.entry_off(f), set_bytes)
+                       for s, f in zip(slots, firsts)]) != "done":
             return
         picked: list[tuple[int, int, int]] = []  # (item, slot in the pool, generation)
         for i, (s, t) in enumerate(zip(slots, tkeys)):
+            key, out = items[i]
+            if not (valid_key(key) and valid_page(out, self.page_bytes)
+                    and out.is_contiguous()):
+                continue  # "error"
             hit = layout.find_in_set(land.view, land.set_off(s), g.ways, t)
             if hit is None:
                 statuses[i] = "miss"
@@ -320,14 +378,27 @@ class PeerStore(TierStore):
                 picked.append((i, firsts[i] + hit[0], hit[1]))
         if not picked:
             return
-        if not self._xfer(peer, slots, deadline,
-                          [(land.page_off(slots[i]), base + g.slot_off(slot), g.stored_bytes)
-                           for i, slot, _ in picked]):
+        spans, dests = [], []
+        for i, slot, _ in picked:
+            at, out = land.addr + land.page_off(slots[i]), items[i][1]
+            if self._in_place(out):  # the header lands, the payload goes to its slot
+                spans += [(at, base + g.slot_off(slot), HEADER_BYTES),
+                          (out.data_ptr(), base + g.slot_off(slot) + HEADER_BYTES,
+                           self.page_bytes)]
+                dests.append(i)
+            else:
+                spans.append((at, base + g.slot_off(slot), g.stored_bytes))
+        state = self._xfer(peer, slots, deadline, spans,
+                           [items[i][1].data_ptr() for i in dests])
+        if state == "late":
+            for i in dests:
+                statuses[i] = "late"  # its slot may still be written: held by the caller
+        if state != "done" or self._xfer(
+                peer, slots, deadline,
+                [(land.addr + land.again_off(slots[i]), base + g.entry_off(slot), ENTRY_BYTES)
+                 for i, slot, _ in picked]) != "done":
             return
-        if not self._xfer(peer, slots, deadline,
-                          [(land.again_off(slots[i]), base + g.entry_off(slot), ENTRY_BYTES)
-                           for i, slot, _ in picked]):
-            return
+        in_place = set(dests)
         for i, _, gen in picked:
             s = slots[i]
             if layout.read_head(land.view, land.again_off(s)) != (gen, tkeys[i]):
@@ -335,25 +406,31 @@ class PeerStore(TierStore):
                 self.torn_reads += 1
                 continue
             key, out = items[i]
-            if not (valid_key(key) and valid_page(out, self.page_bytes)
-                    and out.is_contiguous()):
-                continue  # "error"
             off = land.page_off(s)
             hdr = bytes(land.view[off:off + HEADER_BYTES])
-            # copied, then checked where it lies: a late write into the
-            # landing slot cannot change what was checked
-            ctypes.memmove(out.data_ptr(), land.addr + off + HEADER_BYTES, self.page_bytes)
-            statuses[i] = self._codec.verify(hdr, bytes(key), out)
+            if i not in in_place:
+                # copied, then checked where it lies: a late write into the
+                # landing slot cannot change what was checked
+                ctypes.memmove(out.data_ptr(), land.addr + off + HEADER_BYTES,
+                               self.page_bytes)
+            if ahead:
+                self._checks.append(check := self._checker.submit(
+                    self._codec.verify, hdr, bytes(key), out))
+                statuses[i] = check
+            else:
+                statuses[i] = self._codec.verify(hdr, bytes(key), out)
 
     def _xfer(self, peer: _Peer, slots: list[int], deadline: float,
-              spans: list[tuple[int, int, int]]) -> bool:
-        """One READ of (landing offset, remote address, length) spans, polled
-        until done or ``deadline``; False on failure or timeout (the peer
-        then down; the landing slots quarantined on a timeout)."""
+              spans: list[tuple[int, int, int]], dests: list[int] | None = None) -> str:
+        """One READ of (local address, remote address, length) spans, polled
+        until done or ``deadline``: "done"; "failed" (the peer then down;
+        an error NIXL reports ends the transfer); "late": past the deadline,
+        the peer down and the transfer quarantined with the landing
+        ``slots`` and the host slots at ``dests`` it may still write."""
         land = self.landing
         handle = None
         try:
-            local = self._agent.descs([(land.addr + off, n) for off, _, n in spans])
+            local = self._agent.descs([(addr, n) for addr, _, n in spans])
             remote = self._agent.descs([(addr, n) for _, addr, n in spans])
             handle = self._agent.call("initialize_xfer", "initialize_xfer", "READ", local,
                                       remote, peer.remote)
@@ -361,22 +438,22 @@ class PeerStore(TierStore):
             pause = 0.0
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    land.quarantine(slots, handle, peer.generation)
+                    land.quarantine(slots, handle, peer.generation, dests)
                     self._quarantine_marks.update(slots)
                     handle = None  # released when it ends (landing.reap)
                     self._down(peer, f"no answer to a READ within {self.read_timeout_s:g} s "
                                      f"(peer_read_timeout_s)")
-                    return False
+                    return "late"
                 time.sleep(pause)
                 pause = min(0.0005, pause + 0.0001)
                 state = self._agent.call("check_xfer_state", "check_xfer_state", handle)
             if state != "DONE":
                 self._down(peer, f"a READ ended {state}")
-                return False
-            return True
+                return "failed"
+            return "done"
         except NixlCallError as err:
             self._down(peer, str(err), dead=err.disconnected)
-            return False
+            return "failed"
         finally:
             if handle is not None:
                 try:
@@ -399,4 +476,17 @@ class PeerStore(TierStore):
             peer.link.close()
         self._peers.clear()
         self._zmq_context.term()
-        self.landing.close()
+        self._checker.shutdown(wait=False)
+        self.landing.close()  # reaps first
+        if not self.landing.quarantined_dests:  # else left registered: a late READ may still write there
+            for _, _, reg in self._memory:
+                self._agent.deregister(reg)
+        self._memory = []
+
+
+def _outcome(check: Future) -> str:
+    try:
+        return check.result()
+    except Exception as err:  # noqa: BLE001 - a store must not take the engine down
+        logger.warning("KVBM: peer tier: checking a page failed: %s", err)
+        return "error"
