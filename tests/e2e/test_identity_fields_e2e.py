@@ -3,8 +3,8 @@
 The scheduler process and every worker process compute the same identity,
 after the workers loaded the model (TP=2, eager) or compiled it (TP=1):
 values vLLM resolves in one process only are harmless, or the two sides
-would name every page differently. An engine with --hf-overrides on a plain engine's disk
-directory loads none of its pages."""
+would name every page differently. (An engine with --hf-overrides on another
+engine's disk directory loads none of its pages: test_identity_e2e.)"""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ import json
 
 import pytest
 
-from helpers.engines import BLOCK_SIZE, kvbm_counter, make_llm, random_prompt, shutdown
+from helpers.engines import make_llm, random_prompt, shutdown
 from test_engine_e2e import generate
-from test_tiers_e2e import settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -44,42 +43,3 @@ def test_scheduler_and_workers_agree(model_dir, tmp_path, monkeypatch, eager, tp
                    if scheduler["config"][k] != identity["config"].get(k)}
         assert identity == scheduler, (name, differs)
     assert scheduler["config"]["parallel_config"]["tensor_parallel_size"] == tp
-
-
-# The test model's RoPE base is 500000; another base changes every K.
-ROPE = {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
-
-
-def _disk_engine(disk, **overrides):
-    kv = kvbm_transfer_config(host_cache_size="256MiB", disk_cache_dir=str(disk),
-                              disk_cache_size="1GiB")
-    return make_llm(kv, **overrides)
-
-
-def _run(llm, prompt):
-    try:
-        return generate(llm, [prompt])
-    finally:
-        shutdown(llm)
-
-
-def test_hf_overrides_on_one_disk_directory_misses(model_dir, tmp_path):
-    """An engine with --hf-overrides (another RoPE base: same files, same
-    config.json, other K) finds none of a plain engine's pages on a shared
-    disk directory, and its own recompute differs from the first engine's answer."""
-    prompt = random_prompt(8 * BLOCK_SIZE + 40, seed=2030)
-    first = _disk_engine(tmp_path)
-    try:
-        base, _ = generate(first, [prompt])
-        settle(first)
-    finally:
-        shutdown(first)
-    assert sum(1 for p in tmp_path.rglob("*") if p.is_file()) >= 8  # the pages are there
-
-    before = kvbm_counter("onboard_blocks_d2d")
-    got, cached = _run(_disk_engine(tmp_path, hf_overrides=ROPE), prompt)
-    loaded = kvbm_counter("onboard_blocks_d2d") - before
-    assert loaded == 0 and cached[0] == 0
-    # Nothing was loaded, so `got` is the override's own recompute, and the
-    # override changes the model's answer: sharing would have shown.
-    assert got != base
