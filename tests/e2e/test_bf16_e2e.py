@@ -74,20 +74,13 @@ def _password_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kvbm_disk(model_dir, same_binding, disk_dir):
-    """Host and disk tiers."""
+def kvbm(model_dir, same_binding, disk_dir, redis_server, tmp_path_factory):
+    """Host, disk and Redis tiers in one engine (one start for every case): a
+    prompt stored to every tier comes back from disk, the lower tier looked up
+    first; one stored to the host tier and Redis only (kv_store_tiers) comes
+    back from Redis."""
     config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk_dir),
-                                  disk_cache_size="256MiB", **EVERY_PAGE_LOADED)
-    llm = make_llm(config, **BF16)
-    yield llm
-    shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def kvbm_redis(model_dir, same_binding, redis_server, tmp_path_factory, request):
-    """Host tier and Redis; the disk engine has exited (one KVBM engine at a time)."""
-    shutdown(request.getfixturevalue("kvbm_disk"))
-    config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, remote_url=redis_server.url,
+                                  disk_cache_size="256MiB", remote_url=redis_server.url,
                                   remote_password_file=str(_password_file(tmp_path_factory)),
                                   remote_timeout_s=2, **EVERY_PAGE_LOADED)
     llm = make_llm(config, **BF16)
@@ -105,34 +98,43 @@ def cached_reference(plain, prompt):
     return got
 
 
-def test_bf16_engine_runs_bf16(kvbm_disk):
-    assert str(kvbm_disk.llm_engine.vllm_config.model_config.dtype) == "torch.bfloat16"
+def test_bf16_engine_runs_bf16(kvbm):
+    assert str(kvbm.llm_engine.vllm_config.model_config.dtype) == "torch.bfloat16"
 
 
-def test_bf16_onboard_from_host(kvbm_disk, plain_bf16):
+def test_bf16_onboard_from_host(kvbm, plain_bf16):
     prompt = random_prompt(LENGTH, seed=27001)
     want = cached_reference(plain_bf16, prompt)
-    generate(kvbm_disk, [prompt])
-    kvbm_disk.reset_prefix_cache()  # vLLM's own cache only: the host tier keeps it
+    generate(kvbm, [prompt])
+    kvbm.reset_prefix_cache()  # vLLM's own cache only: the host tier keeps it
     before = kvbm_counter("onboard_blocks_h2d")
-    got, cached = generate(kvbm_disk, [prompt])
+    got, cached = generate(kvbm, [prompt])
     assert got == want
     assert cached[0] == expected_hit_tokens(LENGTH)
     assert kvbm_counter("onboard_blocks_h2d") - before == cached[0] // BLOCK_SIZE
 
 
-@pytest.mark.parametrize("tier,engine,counter", [
-    ("disk", "kvbm_disk", "onboard_blocks_d2d"),
-    ("redis", "kvbm_redis", "onboard_blocks_remote"),
-])
-def test_bf16_onboard_from_a_lower_tier(tier, engine, counter, plain_bf16, request):
-    llm = request.getfixturevalue(engine)
+def stored_to(llm, prompt, tiers: list[str] | None) -> None:
+    """Computes ``prompt`` and stores it to the host tier and ``tiers`` (every
+    tier: None)."""
+    from vllm import SamplingParams
+
+    extra = None if tiers is None else {"kv_transfer_params": {"kv_store_tiers": tiers}}
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, extra_args=extra)
+    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("tier,store_tiers,counter", [
+    ("disk", None, "onboard_blocks_d2d"),
+    ("redis", ["host", "remote"], "onboard_blocks_remote"),
+], ids=["disk", "redis"])
+def test_bf16_onboard_from_a_lower_tier(tier, store_tiers, counter, kvbm, plain_bf16):
     prompt = random_prompt(LENGTH, seed=27002 if tier == "disk" else 27003)
     want = cached_reference(plain_bf16, prompt)
-    generate(llm, [prompt])
-    clear_engine_and_host(llm, HOST_BLOCKS)  # only the lower tier keeps the prompt
+    stored_to(kvbm, prompt, store_tiers)
+    clear_engine_and_host(kvbm, HOST_BLOCKS)  # only the lower tier keeps the prompt
     before = kvbm_counter(counter)
-    got, cached = generate(llm, [prompt])
+    got, cached = generate(kvbm, [prompt])
     assert got == want
     assert cached[0] == expected_hit_tokens(LENGTH)
     assert kvbm_counter(counter) - before == cached[0] // BLOCK_SIZE
