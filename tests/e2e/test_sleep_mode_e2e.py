@@ -54,16 +54,18 @@ def checkpoints(tmp_path_factory, model_dir):
 
 
 @pytest.fixture(scope="module")
-def plain(checkpoints):
+def plain(checkpoints, plain_llm):
     """A plain engine's answer (no KVBM, no sleep) on each checkpoint, before
-    the KVBM engine starts (the engine started last owns the metrics read)."""
-    answers = {}
-    for name, path in zip(("orig", "new"), checkpoints):
-        llm = make_llm(None, model=path)
-        try:
-            answers[name] = generate(llm, [PROMPT])[0][0]
-        finally:
-            shutdown(llm)
+    the KVBM engine starts (the engine started last owns the metrics read).
+    The original checkpoint is the test model's, byte for byte: the session's
+    plain engine answers for it (one engine start fewer)."""
+    assert plain_llm.reset_prefix_cache()  # recomputed, as the fresh engine would
+    answers = {"orig": generate(plain_llm, [PROMPT])[0][0]}
+    llm = make_llm(None, model=checkpoints[1])
+    try:
+        answers["new"] = generate(llm, [PROMPT])[0][0]
+    finally:
+        shutdown(llm)
     assert answers["orig"] != answers["new"]  # the changed k_proj shows in the answer
     return answers
 
