@@ -390,7 +390,7 @@ BAD_INPUT = {
     "namespace": [5, ["a"]],  # any string is a namespace
     "nixl_backend": [3, "rdma"],
     "offload_decode_blocks": [[1], "sometimes"],
-    "page_secret_file": [5, "/nonexistent/kvbm-page-secret"],  # more: test_page_auth.py
+    "page_secret_file": [5, "/nonexistent/kvbm-page-secret"],  # more: test_page_secret.py
     "page_tokens": [0, "many", 2.5, True],  # not a multiple of --block-size: test_pages.py
     "remote_timeout_s": ["soon", True, 0, float("inf")],
     "remote_password_file": [5, "", "/nonexistent/kvbm-redis-password"],
