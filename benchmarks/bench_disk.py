@@ -140,7 +140,7 @@ class Bench(DiskPaths):
         t = {raw.name: 0.0, p.name: 0.0}
         for j, start in enumerate(range(0, self.n, WRITE_BATCH)):
             batch = range(start, min(start + WRITE_BATCH, self.n))
-            for q in ((raw, p) if (rep + j) % 2 == 0 else (p, raw)):
+            for q in (raw, p) if (rep + j) % 2 == 0 else (p, raw):
                 t[q.name] += timed(lambda: q.write(batch))
         for q in (raw, p):
             q.finish()
@@ -221,20 +221,27 @@ class Bench(DiskPaths):
             signer = codec.signer(bytes(32))
             signer.seal(memoryview(page.numpy()), sealed)
             signer.header()
+
         t_mac = per_page(seal)
         copy = per_page(lambda: copy_bytes(dst, page))
         raw = self.gbps(self.paths[0], "warm")
         t_raw = self.stored / (raw * 1e9) if raw else float("nan")
-        return (f"per page: raw warm read {t_raw * 1e6:.0f} us, {page_checksum.checksum_name()} "
-                f"{crc * 1e6:.0f} us, "
-                f"page seal (AES-256-GCM) {t_mac * 1e6:.0f} us, memcpy {copy * 1e6:.0f} us")
+        return (
+            f"per page: raw warm read {t_raw * 1e6:.0f} us, {page_checksum.checksum_name()} "
+            f"{crc * 1e6:.0f} us, "
+            f"page seal (AES-256-GCM) {t_mac * 1e6:.0f} us, memcpy {copy * 1e6:.0f} us"
+        )
 
     def report(self) -> bool:
-        print(f"\n{self.n} pages of {self.block / MiB:g} MiB (+{self.header} B header) = "
-              f"{self.total / MiB:.0f} MiB in {self.root}")
-        print(f"filesystem: {fs_type(self.root)}; cold = {self.cache.how}; median of "
-              f"{self.args.reps} passes, each next to a raw 1 file pass; page MAC: "
-              f"{'on' if self.secret else 'off'}")
+        print(
+            f"\n{self.n} pages of {self.block / MiB:g} MiB (+{self.header} B header) = "
+            f"{self.total / MiB:.0f} MiB in {self.root}"
+        )
+        print(
+            f"filesystem: {fs_type(self.root)}; cold = {self.cache.how}; median of "
+            f"{self.args.reps} passes, each next to a raw 1 file pass; page MAC: "
+            f"{'on' if self.secret else 'off'}"
+        )
         print(self.split())
         cols = ["write", "warm", "cold"]
         print(f"\n{'path':<36}" + "".join(f"{c + ' GB/s':>12}{'x raw':>7}" for c in cols))
@@ -244,15 +251,31 @@ class Bench(DiskPaths):
                 v = self.gbps(p, c)
                 line += f"{'-':>12}{'':>7}" if v is None else f"{v:>12.2f}{self.ratio(p, c):>7.2f}"
             print(line + (f"  {p.note}" if p.note else ""))
-        print(f"\nbars (against raw 1 file): read >= {READ_BAR}x (warm and cold), "
-              f"write >= {WRITE_BAR}x; the tier as TierIO drives it:")
+        print(
+            f"\nbars (against raw 1 file): read >= {READ_BAR}x (warm and cold), "
+            f"write >= {WRITE_BAR}x; the tier as TierIO drives it:"
+        )
         ok = True
-        bars = [(f"DiskStore, {self.args.inflight} in flight", "write", WRITE_BAR,
-                 "writes (TierIO's writers)"),
-                (f"DiskStore, {self.args.inflight} in flight", "warm", READ_BAR,
-                 "warm reads (get_many_into)"),
-                (f"DiskStore, {self.args.inflight} in flight", "cold", READ_BAR,
-                 "cold reads (get_many_into)")]
+        bars = [
+            (
+                f"DiskStore, {self.args.inflight} in flight",
+                "write",
+                WRITE_BAR,
+                "writes (TierIO's writers)",
+            ),
+            (
+                f"DiskStore, {self.args.inflight} in flight",
+                "warm",
+                READ_BAR,
+                "warm reads (get_many_into)",
+            ),
+            (
+                f"DiskStore, {self.args.inflight} in flight",
+                "cold",
+                READ_BAR,
+                "cold reads (get_many_into)",
+            ),
+        ]
         for name, c, bar, what in bars:
             [p] = [q for q in self.paths if q.name == name]
             r = self.ratio(p, c)

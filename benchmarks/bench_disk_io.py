@@ -14,6 +14,7 @@ ALIGN = 4096
 
 # ------------------------------------------------------------------ helpers
 
+
 def aligned_u8(n: int):
     """A page-aligned uint8 tensor of n bytes (anonymous mmap), for O_DIRECT."""
     import torch
@@ -43,8 +44,11 @@ class Cache:
 
     def __init__(self):
         self.global_drop = can_drop_caches()
-        self.how = ("echo 1 > /proc/sys/vm/drop_caches" if self.global_drop
-                    else "posix_fadvise(POSIX_FADV_DONTNEED) per file")
+        self.how = (
+            "echo 1 > /proc/sys/vm/drop_caches"
+            if self.global_drop
+            else "posix_fadvise(POSIX_FADV_DONTNEED) per file"
+        )
 
     def drop(self, paths) -> None:
         os.sync()  # dirty pages cannot be dropped
@@ -81,7 +85,7 @@ def warm(paths) -> None:
                 os.fdatasync(fd)
                 os.posix_fadvise(fd, start, len(data), os.POSIX_FADV_DONTNEED)
                 for off in range(0, len(data), MiB):
-                    os.pwrite(fd, data[off:off + MiB], start + off)
+                    os.pwrite(fd, data[off : off + MiB], start + off)
         finally:
             os.close(fd)
     os.sync()
@@ -109,12 +113,22 @@ def read_all(fd: int, view: memoryview, offset: int = 0) -> int:
 
 # -------------------------------------------------------------------- paths
 
+
 class Path:
     """One way of writing and reading the pages: write() (None: reads another
     path's files), read() (None: write only), files() (what a cold pass drops)."""
 
-    def __init__(self, name, write=None, read=None, files=None, warm=True, close=None,
-                 prepare=None, finish=None):
+    def __init__(
+        self,
+        name,
+        write=None,
+        read=None,
+        files=None,
+        warm=True,
+        close=None,
+        prepare=None,
+        finish=None,
+    ):
         self.name, self.write, self.read, self.files = name, write, read, files
         # Untimed, before each write pass: an empty directory (and a fresh
         # store), so a pass times the writes alone, not deleting the last

@@ -54,8 +54,9 @@ class DiskPaths:
                     f.readinto(sv)
 
         self.raw1_path = path
-        self.paths.append(Path("raw 1 file", write, read, lambda: [path], prepare=prepare,
-                               finish=finish))
+        self.paths.append(
+            Path("raw 1 file", write, read, lambda: [path], prepare=prepare, finish=finish)
+        )
 
     def raw_per_page(self) -> None:
         d = self.fresh("rawN")
@@ -121,8 +122,16 @@ class DiskPaths:
         def prepare():
             close()
             shutil.rmtree(d, ignore_errors=True)
-            state["s"] = DiskStore(d, 2 * self.total + 64 * MiB, self.block, "bench", 0, 1,
-                                   page_secret=self.secret, read_inflight=k)
+            state["s"] = DiskStore(
+                d,
+                2 * self.total + 64 * MiB,
+                self.block,
+                "bench",
+                0,
+                1,
+                page_secret=self.secret,
+                read_inflight=k,
+            )
 
         def put_all(pages):
             s = state["s"]
@@ -178,6 +187,7 @@ class DiskPaths:
             staging = LocalCPUBackend(cfg, md)
             state["b"] = (loop, thread, staging, make(cfg, loop, staging))
             return state["b"][2], state["b"][3]
+
         return open_, state, close
 
     # -- LMCache LocalDiskBackend, as the tier used it ------------------------
@@ -191,15 +201,25 @@ class DiskPaths:
         base = page_format_of(self.block, "bench-lm", self.secret)
         d = os.path.join(self.root, "lmdisk")
         open_, state, close = self.lmcache_backend(
-            d, base._md, "bench-lmdisk", lambda cfg, loop, staging: LocalDiskBackend(
-                cfg, loop, staging, dst_device="cpu", metadata=base._md))
+            d,
+            base._md,
+            "bench-lmdisk",
+            lambda cfg, loop, staging: LocalDiskBackend(
+                cfg, loop, staging, dst_device="cpu", metadata=base._md
+            ),
+        )
 
         def prepare():
             # Staging as the tier had it: max_inflight (8) + 2 pages.
-            open_(base._Config.from_defaults(
-                chunk_size=1, local_cpu=False,
-                max_local_cpu_size=(10 * base._phys + 8 * MiB) / GIB,
-                local_disk=d, max_local_disk_size=2 * self.total / GIB))
+            open_(
+                base._Config.from_defaults(
+                    chunk_size=1,
+                    local_cpu=False,
+                    max_local_cpu_size=(10 * base._phys + 8 * MiB) / GIB,
+                    local_disk=d,
+                    max_local_disk_size=2 * self.total / GIB,
+                )
+            )
 
         def write(pages):
             _, _, staging, disk = state["b"]
@@ -207,8 +227,7 @@ class DiskPaths:
                 done = threading.Event()
                 mo = staging.allocate(base._shape, torch.uint8, base._fmt, busy_loop=True)
                 base._codec.encode_into(flat_u8(mo.tensor), k, p)
-                disk.submit_put_task(base._ckey(k), mo,
-                                     on_complete_callback=lambda *_: done.set())
+                disk.submit_put_task(base._ckey(k), mo, on_complete_callback=lambda *_: done.set())
                 mo.ref_count_down()
                 if not done.wait(60):
                     raise RuntimeError("LocalDiskBackend write never finished")
@@ -224,8 +243,16 @@ class DiskPaths:
                 if st != "ok":
                     raise RuntimeError(f"LocalDiskBackend page {st}")
 
-        self.paths.append(Path("LMCache LocalDiskBackend", write, read,
-                               lambda: files_in(d), close=close, prepare=prepare))
+        self.paths.append(
+            Path(
+                "LMCache LocalDiskBackend",
+                write,
+                read,
+                lambda: files_in(d),
+                close=close,
+                prepare=prepare,
+            )
+        )
 
     # -- LMCache NixlStorageBackend (NIXL POSIX) -------------------------------
     def lmcache_nixl(self) -> None:
@@ -245,17 +272,32 @@ class DiskPaths:
         base = page_format_of(self.block, "bench-nixl", self.secret)
         d = os.path.join(self.root, "nixl")
         open_, state, close = self.lmcache_backend(
-            d, base._md, "bench-nixl", lambda cfg, loop, staging:
-            NixlStorageBackend.CreateNixlStorageBackend(cfg, loop, base._md, staging))
+            d,
+            base._md,
+            "bench-nixl",
+            lambda cfg, loop, staging: NixlStorageBackend.CreateNixlStorageBackend(
+                cfg, loop, base._md, staging
+            ),
+        )
 
         def prepare():
             # Staging for every page at once: its gets are batched, so every
             # page is in flight in one NIXL transfer.
-            open_(base._Config.from_defaults(
-                chunk_size=1, local_cpu=False, max_local_cpu_size=(self.n + 2) * self.stored / GIB,
-                nixl_buffer_device="cpu",
-                extra_config={"enable_nixl_storage": True, "nixl_backend": "POSIX",
-                              "nixl_pool_size": self.n, "nixl_path": d, "use_direct_io": False}))
+            open_(
+                base._Config.from_defaults(
+                    chunk_size=1,
+                    local_cpu=False,
+                    max_local_cpu_size=(self.n + 2) * self.stored / GIB,
+                    nixl_buffer_device="cpu",
+                    extra_config={
+                        "enable_nixl_storage": True,
+                        "nixl_backend": "POSIX",
+                        "nixl_pool_size": self.n,
+                        "nixl_path": d,
+                        "use_direct_io": False,
+                    },
+                )
+            )
 
         def write(pages):
             _, _, staging, nixl = state["b"]
@@ -304,6 +346,7 @@ class DiskPaths:
             def run():
                 files[:] = self.tier_files()
                 read()
+
             return run
 
         def one(i):
@@ -323,10 +366,12 @@ class DiskPaths:
         def many():
             list(self.pool.map(one, range(self.n)))
 
-        self.paths.append(Path("preadv into slots, 1 at a time", None, passing(serial),
-                               self.tier_files))
-        self.paths.append(Path(f"preadv into slots, {k} in flight", None, passing(many),
-                               self.tier_files))
+        self.paths.append(
+            Path("preadv into slots, 1 at a time", None, passing(serial), self.tier_files)
+        )
+        self.paths.append(
+            Path(f"preadv into slots, {k} in flight", None, passing(many), self.tier_files)
+        )
 
         # O_DIRECT: the whole file into an aligned bounce buffer, then the payload
         # to the slot (the header puts the payload off the 4 KiB alignment).
@@ -347,6 +392,12 @@ class DiskPaths:
                 raise RuntimeError("short read")
             ctypes.memmove(self.slots[i].data_ptr(), buf.data_ptr() + self.header, self.block)
 
-        self.paths.append(Path(f"O_DIRECT + copy, {k} in flight", None,
-                               passing(lambda: list(self.pool.map(one_direct, range(self.n)))),
-                               self.tier_files, warm=False))
+        self.paths.append(
+            Path(
+                f"O_DIRECT + copy, {k} in flight",
+                None,
+                passing(lambda: list(self.pool.map(one_direct, range(self.n)))),
+                self.tier_files,
+                warm=False,
+            )
+        )

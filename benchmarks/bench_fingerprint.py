@@ -119,11 +119,11 @@ def startup(model):
         first = timed(fp.model_fingerprint, model)
         fp.clear_memory_cache()
         cached = timed(fp.model_fingerprint, model)
-        entries = len([n for n in os.listdir(os.path.join(cache, "fingerprints"))
-                       if n.endswith(".json")])
+        entries = len(
+            [n for n in os.listdir(os.path.join(cache, "fingerprints")) if n.endswith(".json")]
+        )
     del os.environ["KVBM_CACHE_DIR"]
-    size = sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model)
-               if fp.counts(n))
+    size = sum(os.path.getsize(os.path.join(model, n)) for n in os.listdir(model) if fp.counts(n))
     return size, first, cached, entries
 
 
@@ -191,22 +191,25 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--model", default="models/kvbm-llama-8l")
     parser.add_argument("--lora-mb", type=int, default=64)
-    parser.add_argument("--lora-only", action="store_true",
-                        help="only the LoRA figures (4 and 5)")
+    parser.add_argument("--lora-only", action="store_true", help="only the LoRA figures (4 and 5)")
     args = parser.parse_args()
     if args.lora_only:
         lora_figures(args)
         return
     if not os.path.isdir(args.model):
-        sys.exit(f"--model {args.model} not found: build it with "
-                 ".venv/bin/python -m vllm_kvbm.tools.local_model")
+        sys.exit(
+            f"--model {args.model} not found: build it with "
+            ".venv/bin/python -m vllm_kvbm.tools.local_model"
+        )
 
     print(f"cores: {os.cpu_count()}, blake3 {blake3.__version__}")
     size, first, cached, entries = startup(args.model)
     print(f"\nStartup on {args.model} ({size / 1e6:.1f} MB of config and weights):")
     print(f"  empty digest cache, files not in the page cache:{first * 1e3:8.1f} ms")
-    print(f"  filled digest cache ({entries} entr{'y' if entries == 1 else 'ies'}):"
-          f"         {cached * 1e3:8.2f} ms")
+    print(
+        f"  filled digest cache ({entries} entr{'y' if entries == 1 else 'ies'}):"
+        f"         {cached * 1e3:8.2f} ms"
+    )
 
     size = int(args.size_gb * (1 << 30))
     path = make_file(args.dir, size)
@@ -214,8 +217,10 @@ def main():
         rows = throughput(path, size, args.reps)
     finally:
         os.unlink(path)
-    print(f"\nThroughput on one {size / GB:.2f} GB file under {args.dir} "
-          f"(median of {args.reps}; cold = its cached pages dropped first):")
+    print(
+        f"\nThroughput on one {size / GB:.2f} GB file under {args.dir} "
+        f"(median of {args.reps}; cold = its cached pages dropped first):"
+    )
     print(f"  {'method':34s} {'warm GB/s':>10s} {'cold GB/s':>10s}")
     for name, (warm, cold) in rows.items():
         print(f"  {name:34s} {warm:10.2f} {cold:10.2f}")
@@ -228,8 +233,10 @@ def main():
     print(f"  at this host's cold rate ({cold:.2f} GB/s): {140 / cold:7.0f} s")
     for nvme in (3.5, 7.0, 14.0):
         cores = nvme / one_thread
-        print(f"  at NVMe {nvme:4.1f} GB/s: {140 / nvme:7.0f} s (hashing keeps up with "
-              f"{cores:.1f}+ cores at this host's {one_thread:.2f} GB/s per core)")
+        print(
+            f"  at NVMe {nvme:4.1f} GB/s: {140 / nvme:7.0f} s (hashing keeps up with "
+            f"{cores:.1f}+ cores at this host's {one_thread:.2f} GB/s per core)"
+        )
 
     lora_figures(args)
 
@@ -237,13 +244,18 @@ def main():
 def lora_figures(args):
     with tempfile.TemporaryDirectory() as tmp:
         per_call, per_stat = lora_per_request(os.path.join(tmp, "lora"))
-        first, other, same = lora_loads_cost(os.path.join(tmp, "lora-load"), args.lora_mb,
-                                             args.reps)
+        first, other, same = lora_loads_cost(
+            os.path.join(tmp, "lora-load"), args.lora_mb, args.reps
+        )
     print("\nLoRA adapter (2 files), per new request once its fingerprint is known:")
-    print(f"  adapter_fingerprint: {per_call * 1e6:6.1f} us   (of which the stat of its "
-          f"files: {per_stat * 1e6:.1f} us)")
-    print(f"\nWorker, per adapter load by vLLM ({args.lora_mb} MiB adapter in the page cache, "
-          f"median of {args.reps}):")
+    print(
+        f"  adapter_fingerprint: {per_call * 1e6:6.1f} us   (of which the stat of its "
+        f"files: {per_stat * 1e6:.1f} us)"
+    )
+    print(
+        f"\nWorker, per adapter load by vLLM ({args.lora_mb} MiB adapter in the page cache, "
+        f"median of {args.reps}):"
+    )
     print(f"  first on the host (files hashed): {first * 1e3:8.2f} ms")
     print(f"  another process (on-disk digest): {other * 1e3:8.2f} ms")
     print(f"  same process (digest in memory):  {same * 1e3:8.2f} ms")

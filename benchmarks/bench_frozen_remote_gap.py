@@ -40,16 +40,25 @@ KINDS = ("no remote tier", "frozen remote")
 def engine_args(args) -> dict:
     from vllm_kvbm.tools.compute_dtype import compute_dtype
 
-    return dict(dtype=compute_dtype(), max_model_len=8192, max_num_batched_tokens=8192,
-                block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
-                gpu_memory_utilization=0.25, kv_cache_memory_bytes=1 << 30)
+    return dict(
+        dtype=compute_dtype(),
+        max_model_len=8192,
+        max_num_batched_tokens=8192,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.25,
+        kv_cache_memory_bytes=1 << 30,
+    )
 
 
 def prompts(args) -> tuple[list[int], list[list[int]]]:
     rng = random.Random(7)
     decoder = [rng.randrange(10, 7000) for _ in range(32)]
-    return decoder, [[rng.randrange(10, 7000) for _ in range(args.newcomer_tokens)]
-                     for _ in range(args.newcomers)]
+    return decoder, [
+        [rng.randrange(10, 7000) for _ in range(args.newcomer_tokens)]
+        for _ in range(args.newcomers)
+    ]
 
 
 def gaps_of(stamps: list[float], start: float, end: float) -> list[float]:
@@ -59,8 +68,12 @@ def gaps_of(stamps: list[float], start: float, end: float) -> list[float]:
 def said(front: str, kind: str, r: dict) -> None:
     """Each run's figures as it ends (a long run keeps what it measured)."""
     gaps = gaps_of(r["stamps"], r["start"], r["end"])
-    print(f"{front}, {kind}: {len(gaps)} gaps, mean {statistics.fmean(gaps) * 1e3:.0f} ms, "
-          f"longest {max(gaps) * 1e3:.0f} ms", file=sys.stderr, flush=True)
+    print(
+        f"{front}, {kind}: {len(gaps)} gaps, mean {statistics.fmean(gaps) * 1e3:.0f} ms, "
+        f"longest {max(gaps) * 1e3:.0f} ms",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def offline_run(model: str, kv: dict, args, results) -> None:
@@ -69,18 +82,25 @@ def offline_run(model: str, kv: dict, args, results) -> None:
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = LLMEngine.from_engine_args(EngineArgs(model=model, kv_transfer_config=kv,
-                                                   **engine_args(args)))
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(model=model, kv_transfer_config=kv, **engine_args(args))
+    )
     decoder, newcomers = prompts(args)
-    engine.add_request("decoder", TokensPrompt(prompt_token_ids=decoder),
-                       SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0))
+    engine.add_request(
+        "decoder",
+        TokensPrompt(prompt_token_ids=decoder),
+        SamplingParams(max_tokens=4000, ignore_eos=True, temperature=0),
+    )
     stamps, firsts, sent, start, end_at = [], {}, 0, None, None
     next_at = args.warmup
     while end_at is None or len(stamps) < end_at:
         if sent < len(newcomers) and len(stamps) >= next_at:
             start = start or time.perf_counter()
-            engine.add_request(f"new{sent}", TokensPrompt(prompt_token_ids=newcomers[sent]),
-                               SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))
+            engine.add_request(
+                f"new{sent}",
+                TokensPrompt(prompt_token_ids=newcomers[sent]),
+                SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+            )
             sent += 1
             next_at = len(stamps) + args.every
         outs = engine.step()
@@ -93,9 +113,16 @@ def offline_run(model: str, kv: dict, args, results) -> None:
                 firsts[out.request_id] = now
         if end_at is None and len(firsts) == len(newcomers):
             end_at = len(stamps) + args.every
-    results.put({"stamps": stamps, "start": start, "end": now,
-                 "firsts_per_step": max(sum(t == f for f in firsts.values())
-                                        for t in set(firsts.values()))})
+    results.put(
+        {
+            "stamps": stamps,
+            "start": start,
+            "end": now,
+            "firsts_per_step": max(
+                sum(t == f for f in firsts.values()) for t in set(firsts.values())
+            ),
+        }
+    )
     engine.engine_core.shutdown()  # its engine-core process would outlive this one
 
 
@@ -105,8 +132,9 @@ async def serve_workload(server, args) -> dict:
     decoder_prompt, newcomers = prompts(args)
     async with async_client(server.url, args.request_timeout) as client:
         decoder = Stream(time.perf_counter())
-        task = asyncio.create_task(stream(client, server.model, decoder_prompt,
-                                          4000, decoder, args.request_timeout))
+        task = asyncio.create_task(
+            stream(client, server.model, decoder_prompt, 4000, decoder, args.request_timeout)
+        )
         sent, start = [], None
         try:
             for prompt in newcomers:
@@ -117,8 +145,14 @@ async def serve_workload(server, args) -> dict:
                     await asyncio.sleep(0.002)
                 start = start or time.perf_counter()
                 s = Stream(time.perf_counter())
-                sent.append((s, asyncio.create_task(stream(
-                    client, server.model, prompt, 4, s, args.request_timeout))))
+                sent.append(
+                    (
+                        s,
+                        asyncio.create_task(
+                            stream(client, server.model, prompt, 4, s, args.request_timeout)
+                        ),
+                    )
+                )
             await asyncio.gather(*(t for _, t in sent))
             want = len(decoder.stamps) + args.every
             while len(decoder.stamps) < want and not task.done():
@@ -131,8 +165,7 @@ async def serve_workload(server, args) -> dict:
 
 def with_frozen_server(kind: str, run):
     """Runs ``run(kv_extra)`` with the remote tier of ``kind``."""
-    from vllm_kvbm.tools.server import (free_port, freeze_process, start_lmcache_server,
-                                        stop_process)
+    from vllm_kvbm.tools.server import free_port, freeze_process, start_lmcache_server, stop_process
 
     extra = {"host_cache_blocks": 64}
     if kind == "no remote tier":
@@ -152,11 +185,13 @@ def offline(model: str, args) -> dict:
 
     out = {}
     for kind in KINDS:
+
         def run(extra):
             ctx = multiprocessing.get_context("spawn")
             results = ctx.Queue()
-            proc = ctx.Process(target=offline_run,
-                               args=(model, kvbm_transfer_config(**extra), args, results))
+            proc = ctx.Process(
+                target=offline_run, args=(model, kvbm_transfer_config(**extra), args, results)
+            )
             proc.start()
             try:
                 return results.get(timeout=args.startup_timeout + args.request_timeout)
@@ -164,6 +199,7 @@ def offline(model: str, args) -> dict:
                 proc.join(60)
                 if proc.is_alive():
                     proc.kill()
+
         out[kind] = with_frozen_server(kind, run)
         said("offline engine", kind, out[kind])
     return out
@@ -173,16 +209,33 @@ def serve(model: str, args) -> dict:
     from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 
     a = engine_args(args)
-    serve_args = ["--enforce-eager", "--block-size", str(BLOCK_SIZE), "--dtype", a["dtype"],
-                  "--max-num-batched-tokens", str(a["max_num_batched_tokens"]),
-                  "--max-model-len", str(a["max_model_len"]), "--gpu-memory-utilization",
-                  "0.25", "--kv-cache-memory-bytes", str(a["kv_cache_memory_bytes"])]
+    serve_args = [
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--dtype",
+        a["dtype"],
+        "--max-num-batched-tokens",
+        str(a["max_num_batched_tokens"]),
+        "--max-model-len",
+        str(a["max_model_len"]),
+        "--gpu-memory-utilization",
+        "0.25",
+        "--kv-cache-memory-bytes",
+        str(a["kv_cache_memory_bytes"]),
+    ]
     out = {}
     for kind in KINDS:
+
         def run(extra):
-            with vllm_server(model, kvbm_transfer_config(**extra), serve_args,
-                             startup_timeout=args.startup_timeout) as server:
+            with vllm_server(
+                model,
+                kvbm_transfer_config(**extra),
+                serve_args,
+                startup_timeout=args.startup_timeout,
+            ) as server:
                 return asyncio.run(serve_workload(server, args))
+
         out[kind] = with_frozen_server(kind, run)
         said("vllm serve", kind, out[kind])
     return out
@@ -193,10 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--newcomers", type=int, default=6)
     parser.add_argument("--newcomer-tokens", type=int, default=1200)
-    parser.add_argument("--every", type=int, default=10,
-                        help="decoder tokens (engine steps) between newcomers")
-    parser.add_argument("--warmup", type=int, default=20,
-                        help="decoder tokens before the first newcomer")
+    parser.add_argument(
+        "--every", type=int, default=10, help="decoder tokens (engine steps) between newcomers"
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=20, help="decoder tokens before the first newcomer"
+    )
     parser.add_argument("--only", choices=("offline", "serve"), default=None)
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
@@ -211,8 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = {name: front(args.model, args) for name, front in fronts.items()}
 
     print()
-    print(f"1 request decoding; {args.newcomers} newcomers with fresh {args.newcomer_tokens}-token "
-          f"prompts, one every {args.every} of its tokens; remote_timeout_s 2")
+    print(
+        f"1 request decoding; {args.newcomers} newcomers with fresh {args.newcomer_tokens}-token "
+        f"prompts, one every {args.every} of its tokens; remote_timeout_s 2"
+    )
     print("| front-end | remote tier | decoder gaps | mean | longest | longest / no remote tier |")
     print("|---|---|---:|---:|---:|---:|")
     ratios = {}
@@ -222,16 +279,22 @@ def main(argv: list[str] | None = None) -> int:
             gaps = gaps_of(r["stamps"], r["start"], r["end"])
             longest[kind] = max(gaps)
             ratio = longest[kind] / longest[KINDS[0]]
-            print(f"| {name} | {kind} | {len(gaps)} | {statistics.fmean(gaps) * 1e3:.0f} ms "
-                  f"| {max(gaps) * 1e3:.0f} ms | {ratio:.2f}x |")
+            print(
+                f"| {name} | {kind} | {len(gaps)} | {statistics.fmean(gaps) * 1e3:.0f} ms "
+                f"| {max(gaps) * 1e3:.0f} ms | {ratio:.2f}x |"
+            )
         ratios[name] = longest[KINDS[1]] / longest[KINDS[0]]
     print()
     for name, by_kind in runs.items():
         if "firsts_per_step" in by_kind[KINDS[1]]:
-            print(f"{name}: most newcomers whose first token came in one step: "
-                  + ", ".join(f"{k} {r['firsts_per_step']}" for k, r in by_kind.items()))
-    print("decoder's longest gap, frozen remote / no remote tier: "
-          + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()))
+            print(
+                f"{name}: most newcomers whose first token came in one step: "
+                + ", ".join(f"{k} {r['firsts_per_step']}" for k, r in by_kind.items())
+            )
+    print(
+        "decoder's longest gap, frozen remote / no remote tier: "
+        + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items())
+    )
     return 0
 
 

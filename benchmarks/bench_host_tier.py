@@ -39,29 +39,38 @@ def bench_ttft(model: str, lengths: list[int]) -> tuple[list[tuple], object]:
 
     longest = max(lengths)
     from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
+
     print(f"dtype: {describe()}", flush=True)
-    llm = LLM(model=model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
-              max_model_len=longest + BLOCK_SIZE, max_num_batched_tokens=8192,
-              kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.3,
-              kv_transfer_config=kvbm_transfer_config(host_cache_size="4GiB"))
+    llm = LLM(
+        model=model,
+        dtype=compute_dtype(),
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=longest + BLOCK_SIZE,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_bytes=2 << 30,
+        gpu_memory_utilization=0.3,
+        kv_transfer_config=kvbm_transfer_config(host_cache_size="4GiB"),
+    )
     ttft(llm, [11] * 64)  # warm up
     binding = process_binding(os.getpid())  # this process's engine core and its workers
     rows = []
     for n in lengths:
         rng = random.Random(n)
         prompt = [rng.randrange(10, 7000) for _ in range(n)]
-        miss = ttft(llm, prompt)       # computes everything, offloads it
-        time.sleep(0.5)                # let the stores of the last blocks land
-        local = ttft(llm, prompt)      # vLLM's own prefix cache
+        miss = ttft(llm, prompt)  # computes everything, offloads it
+        time.sleep(0.5)  # let the stores of the last blocks land
+        local = ttft(llm, prompt)  # vLLM's own prefix cache
         llm.reset_prefix_cache()
-        host = ttft(llm, prompt)       # onboarded from the host tier
+        host = ttft(llm, prompt)  # onboarded from the host tier
         rows.append((n, miss, local, host))
     llm.llm_engine.engine_core.shutdown()
     return rows, binding
 
 
-def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 10,
-                    rounds: int = 7) -> tuple[int, dict[str, dict[str, tuple[float, float]]]]:
+def bench_bandwidth(
+    num_blocks: int = 128, layers: int = 8, page: int = 256 << 10, rounds: int = 7
+) -> tuple[int, dict[str, dict[str, tuple[float, float]]]]:
     """Host pool <-> KV cache layout (8 layers of one page per block), in
     interleaved rounds so that other work on the machine hits every path
     alike: a single-threaded memcpy of the same bytes (one contiguous run),
@@ -91,8 +100,11 @@ def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 1
 
     # The same pages as the transfers, one memmove each (glibc picks its store
     # kind by size: one 256 MiB run and 256 KiB pieces copy differently).
-    pages = [(kv_u8[i, b].data_ptr(), pool_pages[s, i].data_ptr())
-             for b, s in zip(blocks, slots) for i in range(layers)]
+    pages = [
+        (kv_u8[i, b].data_ptr(), pool_pages[s, i].data_ptr())
+        for b, s in zip(blocks, slots)
+        for i in range(layers)
+    ]
 
     def memcpy_pages(to_host: bool):
         for kv_ptr, host_ptr in pages:
@@ -115,20 +127,33 @@ def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 1
         while mover.poll(handle) == "PROC":
             time.sleep(0.0002)
 
-    movers = {"NIXL before (UCX default: cma, loads READ)":
-              PageMover(caches, num_blocks, pool, name="bench-default", loopback="default"),
-              "NIXL now (UCX self, loads WRITE, in the posting thread)":
-              PageMover(caches, num_blocks, pool, name="bench-self", loopback="self"),
-              "NIXL self posted from a copy thread (copy_thread=True)":
-              PageMover(caches, num_blocks, pool, name="bench-thread", copy_thread=True)}
-    paths = {"memcpy (one thread, same bytes, contiguous)": {"load": memcpy, "store": memcpy},
-             "memcpy per page (one thread, the same pages)": {
-                 "load": lambda: memcpy_pages(False), "store": lambda: memcpy_pages(True)},
-             "torch copy_ per block": {"load": lambda: torch_copy(False),
-                                       "store": lambda: torch_copy(True)}}
+    movers = {
+        "NIXL before (UCX default: cma, loads READ)": PageMover(
+            caches, num_blocks, pool, name="bench-default", loopback="default"
+        ),
+        "NIXL now (UCX self, loads WRITE, in the posting thread)": PageMover(
+            caches, num_blocks, pool, name="bench-self", loopback="self"
+        ),
+        "NIXL self posted from a copy thread (copy_thread=True)": PageMover(
+            caches, num_blocks, pool, name="bench-thread", copy_thread=True
+        ),
+    }
+    paths = {
+        "memcpy (one thread, same bytes, contiguous)": {"load": memcpy, "store": memcpy},
+        "memcpy per page (one thread, the same pages)": {
+            "load": lambda: memcpy_pages(False),
+            "store": lambda: memcpy_pages(True),
+        },
+        "torch copy_ per block": {
+            "load": lambda: torch_copy(False),
+            "store": lambda: torch_copy(True),
+        },
+    }
     for label, mover in movers.items():
-        paths[label] = {"load": lambda m=mover: nixl_copy(m, False),
-                        "store": lambda m=mover: nixl_copy(m, True)}
+        paths[label] = {
+            "load": lambda m=mover: nixl_copy(m, False),
+            "store": lambda m=mover: nixl_copy(m, True),
+        }
     times: dict[tuple[str, str], list[float]] = {}
     for label, fns in paths.items():
         for direction, fn in fns.items():
@@ -147,33 +172,42 @@ def bench_bandwidth(num_blocks: int = 128, layers: int = 8, page: int = 256 << 1
     results: dict[str, dict[str, tuple[float, float]]] = {}
     for (label, direction), ts in times.items():
         ts.sort()
-        results.setdefault(label, {})[direction] = (nbytes / ts[0] / 1e9,
-                                                    nbytes / ts[len(ts) // 2] / 1e9)
+        results.setdefault(label, {})[direction] = (
+            nbytes / ts[0] / 1e9,
+            nbytes / ts[len(ts) // 2] / 1e9,
+        )
     return nbytes, results
 
 
 def print_bandwidth(nbytes: int, results: dict[str, dict[str, tuple[float, float]]]) -> None:
     flat = results["memcpy (one thread, same bytes, contiguous)"]["load"][1]
     paged = results["memcpy per page (one thread, the same pages)"]
-    print(f"host pool <-> KV cache, {nbytes / 2**20:.0f} MiB per transfer in {BLOCK_SIZE}-token "
-          f"blocks (8 layers x 256 KiB pages); GB/s best / median of interleaved rounds; "
-          f"ratios of medians to a contiguous memcpy and to a memcpy of the same pages")
-    print("| path | load (host -> KV) | store (KV -> host) | load, store / contiguous memcpy "
-          "| load, store / per-page memcpy |")
+    print(
+        f"host pool <-> KV cache, {nbytes / 2**20:.0f} MiB per transfer in {BLOCK_SIZE}-token "
+        f"blocks (8 layers x 256 KiB pages); GB/s best / median of interleaved rounds; "
+        f"ratios of medians to a contiguous memcpy and to a memcpy of the same pages"
+    )
+    print(
+        "| path | load (host -> KV) | store (KV -> host) | load, store / contiguous memcpy "
+        "| load, store / per-page memcpy |"
+    )
     print("|---|---:|---:|---:|---:|")
     for label, r in results.items():
         (lb, lm), (sb, sm) = r["load"], r["store"]
-        print(f"| {label} | {lb:.2f} / {lm:.2f} | {sb:.2f} / {sm:.2f} "
-              f"| {lm / flat:.2f}, {sm / flat:.2f} "
-              f"| {lm / paged['load'][1]:.2f}, {sm / paged['store'][1]:.2f} |")
+        print(
+            f"| {label} | {lb:.2f} / {lm:.2f} | {sb:.2f} / {sm:.2f} "
+            f"| {lm / flat:.2f}, {sm / flat:.2f} "
+            f"| {lm / paged['load'][1]:.2f}, {sm / paged['store'][1]:.2f} |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384])
-    parser.add_argument("--bandwidth-only", action="store_true",
-                        help="only the copy bandwidth table (no engine)")
+    parser.add_argument(
+        "--bandwidth-only", action="store_true", help="only the copy bandwidth table (no engine)"
+    )
     args = parser.parse_args()
     if args.bandwidth_only:
         print_bandwidth(*bench_bandwidth())
@@ -192,15 +226,21 @@ def main() -> None:
     os.environ.update(cpu_env)
     rows, binding = bench_ttft(args.model, args.lengths)
     print()
-    print(f"engine: {binding.describe() if binding else 'cores not read'}, "
-          f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
-          f"on {os.cpu_count()} cores")
+    print(
+        f"engine: {binding.describe() if binding else 'cores not read'}, "
+        f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
+        f"on {os.cpu_count()} cores"
+    )
     print()
-    print("| prompt tokens | miss (recompute) | vLLM prefix hit | KVBM host hit | miss / host hit | host hit / vLLM hit |")
+    print(
+        "| prompt tokens | miss (recompute) | vLLM prefix hit | KVBM host hit | miss / host hit | host hit / vLLM hit |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for n, miss, local, host in rows:
-        print(f"| {n} | {miss * 1000:.0f} ms | {local * 1000:.0f} ms | {host * 1000:.0f} ms "
-              f"| {miss / host:.1f}x | {host / local:.2f}x |")
+        print(
+            f"| {n} | {miss * 1000:.0f} ms | {local * 1000:.0f} ms | {host * 1000:.0f} ms "
+            f"| {miss / host:.1f}x | {host / local:.2f}x |"
+        )
     print()
     print_bandwidth(nbytes, bw)
 

@@ -31,8 +31,11 @@ def ttft(llm, prompt: list[int]) -> float:
     from vllm import SamplingParams
 
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=1),
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0.0, max_tokens=1),
+        use_tqdm=False,
+    )
     return time.perf_counter() - start
 
 
@@ -40,9 +43,13 @@ def run_mode(model: str, hma: bool, prompts: list[list[int]]) -> dict:
     from helpers.engines import kvbm_counter, make_llm, shutdown
     from vllm_kvbm.tools.server import kvbm_transfer_config
 
-    llm = make_llm(kvbm_transfer_config(host_cache_size="2GiB", load_split=False), model=model,
-                   max_model_len=4096, max_num_batched_tokens=4096,
-                   disable_hybrid_kv_cache_manager=not hma)
+    llm = make_llm(
+        kvbm_transfer_config(host_cache_size="2GiB", load_split=False),
+        model=model,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        disable_hybrid_kv_cache_manager=not hma,
+    )
     try:
         ttft(llm, [7] * 300)  # warm-up, not stored (another prompt)
         misses, hits, stored, matched = [], [], [], []
@@ -57,9 +64,12 @@ def run_mode(model: str, hma: bool, prompts: list[list[int]]) -> dict:
             hits.append(ttft(llm, prompt))
             matched.append(kvbm_counter("matched_tokens_host") - before)
         tokens = len(prompts[0]) // 128 * 128  # the full pages stored
-        return {"miss_s": statistics.median(misses), "hit_s": statistics.median(hits),
-                "bytes_per_token": statistics.median(stored) / tokens,
-                "hit_tokens": statistics.median(matched)}
+        return {
+            "miss_s": statistics.median(misses),
+            "hit_s": statistics.median(hits),
+            "bytes_per_token": statistics.median(stored) / tokens,
+            "hit_tokens": statistics.median(matched),
+        }
     finally:
         shutdown(llm)
 
@@ -82,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     off = run_mode(model, False, prompts)
     print(f"\nGemma 3-shaped model, {args.tokens}-token prompts, median of {args.prompts}:")
     print(f"{'':34}{'HMA on':>12}{'HMA off':>12}{'on/off':>9}")
-    for name, key, scale, unit in (("bytes stored per cached token", "bytes_per_token", 1, ""),
-                                   ("tokens a hit loads from KVBM", "hit_tokens", 1, ""),
-                                   ("TTFT, miss (computed, stored)", "miss_s", 1e3, " ms"),
-                                   ("TTFT, hit from the host tier", "hit_s", 1e3, " ms")):
+    for name, key, scale, unit in (
+        ("bytes stored per cached token", "bytes_per_token", 1, ""),
+        ("tokens a hit loads from KVBM", "hit_tokens", 1, ""),
+        ("TTFT, miss (computed, stored)", "miss_s", 1e3, " ms"),
+        ("TTFT, hit from the host tier", "hit_s", 1e3, " ms"),
+    ):
         a, b = on[key] * scale, off[key] * scale
         print(f"{name:34}{a:>9.0f}{unit:3}{b:>9.0f}{unit:3}{a / b:>9.2f}")
     # the full-attention layer's share is the same in both: one layer of six

@@ -37,16 +37,21 @@ BLOCK_SIZE = 128
 def counter(name: str) -> float:
     from prometheus_client import REGISTRY
 
-    return sum(s.value for m in REGISTRY.collect() for s in m.samples
-               if s.name == f"kvbm_{name}_total")
+    return sum(
+        s.value for m in REGISTRY.collect() for s in m.samples if s.name == f"kvbm_{name}_total"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--slow-rate-mb", type=float, default=4.0,
-                        help="the slow link's pace of server replies, MB/s")
+    parser.add_argument(
+        "--slow-rate-mb",
+        type=float,
+        default=4.0,
+        help="the slow link's pace of server replies, MB/s",
+    )
     args = parser.parse_args()
     if args.model is None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
@@ -55,14 +60,20 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
     rows = measure(args)
     print()
-    print(f"prompt: {args.tokens} tokens; slow link {args.slow_rate_mb:g} MB/s; "
-          f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}")
-    print("| case | miss (recompute) | return | return / miss | loaded tokens "
-          "| recomputed on purpose |")
+    print(
+        f"prompt: {args.tokens} tokens; slow link {args.slow_rate_mb:g} MB/s; "
+        f"VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']}"
+    )
+    print(
+        "| case | miss (recompute) | return | return / miss | loaded tokens "
+        "| recomputed on purpose |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, miss, back, loaded, chosen in rows:
-        print(f"| {name} | {miss * 1000:.0f} ms | {back * 1000:.0f} ms | {back / miss:.2f}x "
-              f"| {loaded:.0f} | {chosen:.0f} |")
+        print(
+            f"| {name} | {miss * 1000:.0f} ms | {back * 1000:.0f} ms | {back / miss:.2f}x "
+            f"| {loaded:.0f} | {chosen:.0f} |"
+        )
 
 
 def measure(args) -> list[tuple]:
@@ -85,16 +96,24 @@ def measure(args) -> list[tuple]:
     filler_blocks = host_blocks // 2 + 2
     try:
         from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
+
         print(f"dtype: {describe()}", flush=True)
-        llm = LLM(model=args.model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
-                  max_model_len=max(args.tokens, filler_blocks * BLOCK_SIZE) + BLOCK_SIZE,
-                  max_num_batched_tokens=8192,
-                  kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3,
-                  disable_log_stats=False,
-                  kv_transfer_config=kvbm_transfer_config(
-                      host_cache_blocks=host_blocks,
-                      remote_url=f"lm://127.0.0.1:{proxy.port}",
-                      remote_timeout_s=60))
+        llm = LLM(
+            model=args.model,
+            dtype=compute_dtype(),
+            block_size=BLOCK_SIZE,
+            enforce_eager=True,
+            max_model_len=max(args.tokens, filler_blocks * BLOCK_SIZE) + BLOCK_SIZE,
+            max_num_batched_tokens=8192,
+            kv_cache_memory_bytes=1 << 30,
+            gpu_memory_utilization=0.3,
+            disable_log_stats=False,
+            kv_transfer_config=kvbm_transfer_config(
+                host_cache_blocks=host_blocks,
+                remote_url=f"lm://127.0.0.1:{proxy.port}",
+                remote_timeout_s=60,
+            ),
+        )
 
         def evict() -> None:
             """Only the server keeps what came before: fresh prompts push it
@@ -115,8 +134,13 @@ def measure(args) -> list[tuple]:
             miss = ttft(llm, fresh(len(prompt)))
             loaded, chosen = counter("matched_tokens"), counter("recompute_chosen_tokens")
             back = ttft(llm, prompt)
-            return (name, miss, back, counter("matched_tokens") - loaded,
-                    counter("recompute_chosen_tokens") - chosen)
+            return (
+                name,
+                miss,
+                back,
+                counter("matched_tokens") - loaded,
+                counter("recompute_chosen_tokens") - chosen,
+            )
 
         ttft(llm, fresh(64))  # warm-up
         rows = [case("fast link", fresh(args.tokens))]
@@ -134,8 +158,9 @@ def measure(args) -> list[tuple]:
             time.sleep(1.0)
             llm.reset_prefix_cache()  # vLLM's own copy would hide the host tier's
 
-        rows.append(case("slow link, system prompt hot in host", prompt,
-                         before_return=system_prompt_again))
+        rows.append(
+            case("slow link, system prompt hot in host", prompt, before_return=system_prompt_again)
+        )
         llm.llm_engine.engine_core.shutdown()
         return rows
     finally:

@@ -48,9 +48,18 @@ def engine(model: str, longest: int, kvbm: bool):
     extra = {}
     if kvbm:
         extra["kv_transfer_config"] = kvbm_transfer_config(host_cache_size="4GiB")
-    return LLM(model=model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
-               max_model_len=longest + BLOCK_SIZE, max_num_batched_tokens=max(8192, longest),
-               kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3, seed=0, **extra)
+    return LLM(
+        model=model,
+        dtype=compute_dtype(),
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=longest + BLOCK_SIZE,
+        max_num_batched_tokens=max(8192, longest),
+        kv_cache_memory_bytes=1 << 30,
+        gpu_memory_utilization=0.3,
+        seed=0,
+        **extra,
+    )
 
 
 def timed(llm, prompts: list[list[int]]) -> float:
@@ -62,8 +71,9 @@ def timed(llm, prompts: list[list[int]]) -> float:
     return time.perf_counter() - start
 
 
-def alternate(plain, kvbm, length: int, pairs: int, batch: int, seed: int
-              ) -> tuple[list[float], list[float]]:
+def alternate(
+    plain, kvbm, length: int, pairs: int, batch: int, seed: int
+) -> tuple[list[float], list[float]]:
     """TTFTs (s) of ``pairs`` fresh misses of ``batch`` prompts each, the same
     prompts to both engines, in alternating order."""
     rng = random.Random(seed)
@@ -71,7 +81,7 @@ def alternate(plain, kvbm, length: int, pairs: int, batch: int, seed: int
     for i in range(pairs):
         prompts = [[rng.randrange(10, 7000) for _ in range(length)] for _ in range(batch)]
         order = [(plain, times_plain), (kvbm, times_kvbm)]
-        for llm, times in (order if i % 2 == 0 else order[::-1]):
+        for llm, times in order if i % 2 == 0 else order[::-1]:
             times.append(timed(llm, prompts))
     return times_plain, times_kvbm
 
@@ -79,9 +89,11 @@ def alternate(plain, kvbm, length: int, pairs: int, batch: int, seed: int
 def row(label: str, plain: list[float], kvbm: list[float]) -> str:
     ratios = sorted(k / p for p, k in zip(plain, kvbm))
     mp, mk = statistics.median(plain), statistics.median(kvbm)
-    return (f"| {label} | {len(ratios)} | {mp * 1000:.0f} ms | {mk * 1000:.0f} ms "
-            f"| {mk / mp:.3f} | {statistics.median(ratios):.3f} "
-            f"| {ratios[0]:.3f} - {ratios[-1]:.3f} |")
+    return (
+        f"| {label} | {len(ratios)} | {mp * 1000:.0f} ms | {mk * 1000:.0f} ms "
+        f"| {mk / mp:.3f} | {statistics.median(ratios):.3f} "
+        f"| {ratios[0]:.3f} - {ratios[-1]:.3f} |"
+    )
 
 
 def main() -> None:
@@ -111,19 +123,34 @@ def main() -> None:
         timed(llm, [[11] * 256])
     rows = []
     for length in args.lengths:
-        rows.append(row(f"{length} tokens", *alternate(plain, kvbm, length, args.pairs, 1,
-                                                       seed=length)))
+        rows.append(
+            row(f"{length} tokens", *alternate(plain, kvbm, length, args.pairs, 1, seed=length))
+        )
     if args.batch > 1:
-        rows.append(row(f"{args.batch} x {args.batch_length} tokens at once",
-                        *alternate(plain, kvbm, args.batch_length, args.pairs, args.batch,
-                                   seed=10**6 + args.batch_length)))
+        rows.append(
+            row(
+                f"{args.batch} x {args.batch_length} tokens at once",
+                *alternate(
+                    plain,
+                    kvbm,
+                    args.batch_length,
+                    args.pairs,
+                    args.batch,
+                    seed=10**6 + args.batch_length,
+                ),
+            )
+        )
     cores = process_binding(os.getpid())
     print()
-    print(f"binding {args.binding}: {' '.join(f'{k}={v}' for k, v in env.items())} on "
-          f"{os.cpu_count()} cores ({cores.describe() if cores else 'cores not read'}); "
-          f"dtype {describe()}; KVBM host tier 4 GiB; TTFT of max_tokens=1")
-    print("| misses | pairs | plain, median | KVBM, median | KVBM / plain (medians) "
-          "| KVBM / plain, median pair | pair ratios, min - max |")
+    print(
+        f"binding {args.binding}: {' '.join(f'{k}={v}' for k, v in env.items())} on "
+        f"{os.cpu_count()} cores ({cores.describe() if cores else 'cores not read'}); "
+        f"dtype {describe()}; KVBM host tier 4 GiB; TTFT of max_tokens=1"
+    )
+    print(
+        "| misses | pairs | plain, median | KVBM, median | KVBM / plain (medians) "
+        "| KVBM / plain, median pair | pair ratios, min - max |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for line in rows:
         print(line)

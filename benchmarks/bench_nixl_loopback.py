@@ -33,7 +33,7 @@ import torch
 
 from vllm_kvbm.worker.page_mover import HOST_LOOPBACK_PARAMS, PageMover, _nixl_api
 
-BLOCKS = 64                 # one 8k-token hit of the local model
+BLOCKS = 64  # one 8k-token hit of the local model
 BYTES = BLOCKS * (2 << 20)  # 2 MiB of KV per block
 
 
@@ -44,8 +44,7 @@ def median(ts: list[float]) -> float:
 class RawLoopback:
     """One agent, both memories registered, dlists prepared both ways round."""
 
-    def __init__(self, name: str, params: dict, caches, pool, num_blocks: int,
-                 load_as_write: bool):
+    def __init__(self, name: str, params: dict, caches, pool, num_blocks: int, load_as_write: bool):
         nixl_agent, nixl_agent_config, _ = _nixl_api()
         self.agent = nixl_agent(name, nixl_agent_config(backends=[], enable_prog_thread=False))
         self.agent.create_backend("UCX", params)
@@ -53,15 +52,22 @@ class RawLoopback:
         layers = len(caches)
         page = pool.shape[1] // layers
         kv = next(iter(caches.values()))
-        self.regs = [self.agent.register_memory([(kv.untyped_storage().data_ptr(),
-                                                  kv.untyped_storage().nbytes(), 0, "")],
-                                                mem_type="DRAM"),
-                     self.agent.register_memory(pool)]
-        kv_addr = np.array([[t.data_ptr() + b * page for b in range(num_blocks)]
-                            for t in caches.values()], dtype=np.uint64).ravel()
-        host_addr = (pool.data_ptr()
-                     + np.arange(num_blocks, dtype=np.uint64)[:, None] * np.uint64(layers * page)
-                     + np.arange(layers, dtype=np.uint64)[None, :] * np.uint64(page)).ravel()
+        self.regs = [
+            self.agent.register_memory(
+                [(kv.untyped_storage().data_ptr(), kv.untyped_storage().nbytes(), 0, "")],
+                mem_type="DRAM",
+            ),
+            self.agent.register_memory(pool),
+        ]
+        kv_addr = np.array(
+            [[t.data_ptr() + b * page for b in range(num_blocks)] for t in caches.values()],
+            dtype=np.uint64,
+        ).ravel()
+        host_addr = (
+            pool.data_ptr()
+            + np.arange(num_blocks, dtype=np.uint64)[:, None] * np.uint64(layers * page)
+            + np.arange(layers, dtype=np.uint64)[None, :] * np.uint64(page)
+        ).ravel()
 
         def rows(addr):
             return np.stack([addr, np.full_like(addr, page), np.zeros_like(addr)], 1)
@@ -80,14 +86,17 @@ class RawLoopback:
     def copy(self, to_host: bool) -> None:
         a = self.agent
         if to_host:
-            h = a.make_prepped_xfer("WRITE", self.kv_local, self.kv_idx,
-                                    self.host_remote, self.host_idx)
+            h = a.make_prepped_xfer(
+                "WRITE", self.kv_local, self.kv_idx, self.host_remote, self.host_idx
+            )
         elif self.load_as_write:
-            h = a.make_prepped_xfer("WRITE", self.host_local, self.host_idx,
-                                    self.kv_remote, self.kv_idx)
+            h = a.make_prepped_xfer(
+                "WRITE", self.host_local, self.host_idx, self.kv_remote, self.kv_idx
+            )
         else:
-            h = a.make_prepped_xfer("READ", self.kv_local, self.kv_idx,
-                                    self.host_remote, self.host_idx)
+            h = a.make_prepped_xfer(
+                "READ", self.kv_local, self.kv_idx, self.host_remote, self.host_idx
+            )
         state = a.transfer(h)
         while state == "PROC":
             state = a.check_xfer_state(h)
@@ -132,10 +141,16 @@ def transports(rounds: int) -> None:
         ("UCX's choice (cma), num_threads=1, loads READ [before]", {"num_threads": "1"}, False),
         ("UCX's choice (cma), num_threads=2, loads READ", {"num_threads": "2"}, False),
         ("TLS=self, default error handling (peer)", {"engine_config": "TLS=self"}, True),
-        ("TLS=self, no error handling, loads READ",
-         {"engine_config": "TLS=self", "ucx_error_handling_mode": "none"}, False),
-        ("TLS=self, no error handling, loads WRITE [now, inline]",
-         dict(HOST_LOOPBACK_PARAMS), True),
+        (
+            "TLS=self, no error handling, loads READ",
+            {"engine_config": "TLS=self", "ucx_error_handling_mode": "none"},
+            False,
+        ),
+        (
+            "TLS=self, no error handling, loads WRITE [now, inline]",
+            dict(HOST_LOOPBACK_PARAMS),
+            True,
+        ),
         ("TLS=tcp", {"engine_config": "TLS=tcp"}, False),
         # engine_config splits on commas: one transport per TLS there
         ("TLS=posix", {"engine_config": "TLS=posix"}, False),
@@ -152,8 +167,12 @@ def transports(rounds: int) -> None:
         movers.append(m)
         paths[f"{label} | load"] = lambda m=m: m.copy(False)
         paths[f"{label} | store"] = lambda m=m: m.copy(True)
-    print_gbps(f"Transports: {BYTES >> 20} MiB per transfer, {BLOCKS} blocks x 8 layers x "
-               f"256 KiB", ("configuration", "direction"), run_rounds(paths, rounds), rounds)
+    print_gbps(
+        f"Transports: {BYTES >> 20} MiB per transfer, {BLOCKS} blocks x 8 layers x 256 KiB",
+        ("configuration", "direction"),
+        run_rounds(paths, rounds),
+        rounds,
+    )
     for label, err in refused.items():
         print(f"| {label} | refused: {err} | | | |")
     for m in movers:
@@ -163,14 +182,15 @@ def transports(rounds: int) -> None:
 def print_gbps(title: str, columns: tuple[str, str], times: dict, rounds: int) -> None:
     """A table of each path's GB/s (keys "label | second column") against the memcpy."""
     base = median(times["memcpy (one thread, same bytes)"])
-    print(f"\n### {title}, {rounds} interleaved rounds (load average "
-          f"{os.getloadavg()[0]:.1f})\n")
+    print(f"\n### {title}, {rounds} interleaved rounds (load average {os.getloadavg()[0]:.1f})\n")
     print(f"| {columns[0]} | {columns[1]} | GB/s best | GB/s median | median / memcpy |")
     print("|---|---|---:|---:|---:|")
     for k, ts in times.items():
         label, _, second = k.partition(" | ")
-        print(f"| {label} | {second or '-'} | {BYTES / min(ts) / 1e9:.2f} "
-              f"| {BYTES / median(ts) / 1e9:.2f} | {base / median(ts):.2f} |")
+        print(
+            f"| {label} | {second or '-'} | {BYTES / min(ts) / 1e9:.2f} "
+            f"| {BYTES / median(ts) / 1e9:.2f} | {base / median(ts):.2f} |"
+        )
 
 
 def descriptors(rounds: int) -> None:
@@ -181,8 +201,9 @@ def descriptors(rounds: int) -> None:
         memory.append((caches, pool))  # a mover does not keep its memory alive
         page_kib = BYTES // BLOCKS // layers >> 10
         for loopback in ("self", "default"):
-            m = PageMover(caches, 2 * BLOCKS, pool, name=f"bench-d{layers}{loopback}",
-                          loopback=loopback)
+            m = PageMover(
+                caches, 2 * BLOCKS, pool, name=f"bench-d{layers}{loopback}", loopback=loopback
+            )
             movers.append(m)
             blocks = list(range(BLOCKS))
             slots = list(range(2 * BLOCKS - 1, BLOCKS - 1, -1))
@@ -193,8 +214,12 @@ def descriptors(rounds: int) -> None:
                     time.sleep(0.0002)
 
             paths[f"{loopback} | {layers * BLOCKS} x {page_kib} KiB"] = load
-    print_gbps(f"Descriptors per transfer: loads of {BYTES >> 20} MiB",
-               ("PageMover loopback", "descriptors"), run_rounds(paths, rounds), rounds)
+    print_gbps(
+        f"Descriptors per transfer: loads of {BYTES >> 20} MiB",
+        ("PageMover loopback", "descriptors"),
+        run_rounds(paths, rounds),
+        rounds,
+    )
     for m in movers:
         m.close()
 
@@ -232,18 +257,24 @@ def threads(rounds: int) -> None:
         "memcpy (one thread, same bytes)": memcpy_path(),
         "inline: the copy in the posting thread's NIXL call": inline,
         "copy thread; poster sleeps 0.2 ms between polls": lambda: threaded(
-            lambda: time.sleep(0.0002)),
+            lambda: time.sleep(0.0002)
+        ),
         "copy thread; poster runs Python (GIL held), polls every 0.1 ms": lambda: threaded(
-            lambda: python_for(0.0001)),
+            lambda: python_for(0.0001)
+        ),
         "copy thread; poster runs Python (GIL held), polls every 2 ms": lambda: threaded(
-            lambda: python_for(0.002)),
+            lambda: python_for(0.002)
+        ),
         "copy thread; poster burns CPU without the GIL, polls every 2 ms": lambda: threaded(
-            lambda: no_gil_for(0.002)),
+            lambda: no_gil_for(0.002)
+        ),
     }
     times = run_rounds(paths, rounds)
     base = median(times["memcpy (one thread, same bytes)"])
-    print(f"\n### Threads: loads of {BYTES >> 20} MiB through the self transport, {rounds} "
-          f"interleaved rounds (load average {os.getloadavg()[0]:.1f})\n")
+    print(
+        f"\n### Threads: loads of {BYTES >> 20} MiB through the self transport, {rounds} "
+        f"interleaved rounds (load average {os.getloadavg()[0]:.1f})\n"
+    )
     print("| path | ms best | ms median | median / memcpy |")
     print("|---|---:|---:|---:|")
     for k, ts in times.items():
@@ -254,8 +285,12 @@ def threads(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--parts", nargs="+", default=["transports", "descriptors", "threads"],
-                        choices=["transports", "descriptors", "threads"])
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        default=["transports", "descriptors", "threads"],
+        choices=["transports", "descriptors", "threads"],
+    )
     args = parser.parse_args()
     if "UCX_TLS" in os.environ:
         print(f"note: UCX_TLS={os.environ['UCX_TLS']} overrides every configuration below")

@@ -78,8 +78,9 @@ def main() -> None:
     block = int(args.block_mib * MiB)
     secret = os.urandom(32)
     g = torch.Generator().manual_seed(0)
-    pages = [torch.randint(0, 256, (block,), dtype=torch.uint8, generator=g)
-             for _ in range(args.pages)]
+    pages = [
+        torch.randint(0, 256, (block,), dtype=torch.uint8, generator=g) for _ in range(args.pages)
+    ]
     keys = [i.to_bytes(32, "big") for i in range(args.pages)]
     out = torch.empty(block, dtype=torch.uint8)
 
@@ -112,22 +113,24 @@ def main() -> None:
     alternatives = {
         "HMAC-SHA256": per_call(lambda: hmac.new(secret, view, "sha256").digest(), 20),
         "keyed BLAKE2b-256": per_call(
-            lambda: hashlib.blake2b(view, key=secret, digest_size=32).digest(), 20),
+            lambda: hashlib.blake2b(view, key=secret, digest_size=32).digest(), 20
+        ),
         "keyed BLAKE3 (v2, authenticate only)": per_call(blake3_mac, 50),
         "AES-256-GMAC (v2, authenticate only)": per_call(gmac, 50),
         "AES-256-GCM, encrypt + authenticate (chosen)": per_call(seal, 50),
         "its per-page key derivation alone (keyed BLAKE3 + AES key schedule)": t_derive,
         f"{page_checksum.checksum_name()} (the checksum written, not a MAC)": per_call(
-            lambda: page_checksum.checksum(page_checksum.WRITE_ALG, b"", payload), 50),
+            lambda: page_checksum.checksum(page_checksum.WRITE_ALG, b"", payload), 50
+        ),
         "CRC-32C (libcrc32c, written before isal)": per_call(
-            lambda: page_checksum.checksum(page_checksum.ALG_CRC32C, b"", payload), 50),
+            lambda: page_checksum.checksum(page_checksum.ALG_CRC32C, b"", payload), 50
+        ),
     }
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         cap = (args.pages + 2) * page_format.disk_page_bytes(block)
         plain = DiskStore(os.path.join(tmp, "plain"), cap, block, "bench", 0, 1)
-        keyed = DiskStore(os.path.join(tmp, "keyed"), cap, block, "bench", 0, 1,
-                          page_secret=secret)
+        keyed = DiskStore(os.path.join(tmp, "keyed"), cap, block, "bench", 0, 1, page_secret=secret)
         try:
             for store in (plain, keyed):
                 for k, p in zip(keys, pages):
@@ -172,35 +175,47 @@ def main() -> None:
                 macs.append(mac_all())
             read = {k: statistics.median(v) for k, v in reads.items()}
             # the MAC against the plain read of the same round, median over rounds
-            ratio = {cold: statistics.median(m / r for m, r in zip(macs, reads[("plain", cold)]))
-                     for cold in (False, True)}
+            ratio = {
+                cold: statistics.median(m / r for m, r in zip(macs, reads[("plain", cold)]))
+                for cold in (False, True)
+            }
             t_mac_rounds = statistics.median(macs)
         finally:
             plain.close()
             keyed.close()
 
     ms = 1e3
-    print(f"page {block / MiB:g} MiB, {args.pages} pages x {args.rounds} rounds, "
-          f"{os.cpu_count()} CPUs, blake3 {blake3.__version__}, cryptography "
-          f"{cryptography.__version__}")
+    print(
+        f"page {block / MiB:g} MiB, {args.pages} pages x {args.rounds} rounds, "
+        f"{os.cpu_count()} CPUs, blake3 {blake3.__version__}, cryptography "
+        f"{cryptography.__version__}"
+    )
     print()
     print("| | per page | GB/s |")
     print("|---|---|---|")
-    print(f"| page seal (AES-256-GCM, as a sealed write computes it) | {t_mac * ms:.3f} ms | "
-          f"{block / t_mac / 1e9:.1f} |")
-    print(f"| the same, over the {args.pages} pages, between the reads below | "
-          f"{t_mac_rounds * ms:.3f} ms | {block / t_mac_rounds / 1e9:.1f} |")
+    print(
+        f"| page seal (AES-256-GCM, as a sealed write computes it) | {t_mac * ms:.3f} ms | "
+        f"{block / t_mac / 1e9:.1f} |"
+    )
+    print(
+        f"| the same, over the {args.pages} pages, between the reads below | "
+        f"{t_mac_rounds * ms:.3f} ms | {block / t_mac_rounds / 1e9:.1f} |"
+    )
     for name, t in alternatives.items():
         print(f"| {name} | {t * ms:.3f} ms | {block / t / 1e9:.1f} |")
     print()
-    print("| disk tier, get_into | plain read (preadv) | no secret | with secret (sealed) "
-          "| difference | seal / read (no secret), per round |")
+    print(
+        "| disk tier, get_into | plain read (preadv) | no secret | with secret (sealed) "
+        "| difference | seal / read (no secret), per round |"
+    )
     print("|---|---|---|---|---|---|")
     for cold in (False, True):
         r, a, b = read[("raw", cold)], read[("plain", cold)], read[("keyed", cold)]
-        print(f"| {'cold (page cache dropped)' if cold else 'warm (page cache)'} | "
-              f"{r * ms:.3f} ms | {a * ms:.3f} ms | {b * ms:.3f} ms | {(b - a) * ms:+.3f} ms | "
-              f"{ratio[cold]:.2f} |")
+        print(
+            f"| {'cold (page cache dropped)' if cold else 'warm (page cache)'} | "
+            f"{r * ms:.3f} ms | {a * ms:.3f} ms | {b * ms:.3f} ms | {(b - a) * ms:+.3f} ms | "
+            f"{ratio[cold]:.2f} |"
+        )
 
 
 if __name__ == "__main__":

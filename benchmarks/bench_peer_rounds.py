@@ -79,17 +79,30 @@ def run_config(args) -> dict:
             for i, extra in enumerate(extras):
                 pool_dir = os.path.join(work, f"machine{i}")
                 os.mkdir(pool_dir)
-                extra.update(pool_cache_size=f"{pages * 10}MiB", pool_dir=pool_dir,
-                             pool_serve_port=free_port(), pool_serve_host="127.0.0.1",
-                             peer_reads=True,
-                             peer_directory_url=f"redis://127.0.0.1:{redis_port}")
+                extra.update(
+                    pool_cache_size=f"{pages * 10}MiB",
+                    pool_dir=pool_dir,
+                    pool_serve_port=free_port(),
+                    pool_serve_host="127.0.0.1",
+                    peer_reads=True,
+                    peer_directory_url=f"redis://127.0.0.1:{redis_port}",
+                )
         for extra in extras:
-            engines.append(LLM(
-                model=args.model, dtype=args.dtype, max_model_len=longest + BLOCK_SIZE,
-                max_num_batched_tokens=longest + BLOCK_SIZE, block_size=BLOCK_SIZE,
-                enable_prefix_caching=True, enforce_eager=True, gpu_memory_utilization=0.3,
-                kv_cache_memory_bytes=2 << 30, seed=0,
-                kv_transfer_config=kvbm_transfer_config(load_split=False, **extra)))
+            engines.append(
+                LLM(
+                    model=args.model,
+                    dtype=args.dtype,
+                    max_model_len=longest + BLOCK_SIZE,
+                    max_num_batched_tokens=longest + BLOCK_SIZE,
+                    block_size=BLOCK_SIZE,
+                    enable_prefix_caching=True,
+                    enforce_eager=True,
+                    gpu_memory_utilization=0.3,
+                    kv_cache_memory_bytes=2 << 30,
+                    seed=0,
+                    kv_transfer_config=kvbm_transfer_config(load_split=False, **extra),
+                )
+            )
         params = SamplingParams(temperature=0.0, max_tokens=1)
         for llm in engines:  # warm up
             llm.generate([{"prompt_token_ids": [7] * 300}], params, use_tqdm=False)
@@ -98,11 +111,16 @@ def run_config(args) -> dict:
             for u, prompts in enumerate(users):
                 llm = engines[(u + r) % 2]
                 start = time.perf_counter()
-                (out,) = llm.generate([{"prompt_token_ids": prompts[r]}], params,
-                                      use_tqdm=False)
-                rows.append({"round": r, "user": u, "tokens": len(prompts[r]),
-                             "ttft": time.perf_counter() - start,
-                             "cached": out.num_cached_tokens or 0})
+                (out,) = llm.generate([{"prompt_token_ids": prompts[r]}], params, use_tqdm=False)
+                rows.append(
+                    {
+                        "round": r,
+                        "user": u,
+                        "tokens": len(prompts[r]),
+                        "ttft": time.perf_counter() - start,
+                        "cached": out.num_cached_tokens or 0,
+                    }
+                )
                 time.sleep(args.gap)  # the write-through and the directory entries land
         return {"config": args.config, "rows": rows}
     finally:
@@ -115,15 +133,15 @@ def run_config(args) -> dict:
 
 def summary(result: dict, rounds: int) -> tuple[float, list[float], list[int]]:
     rows = result["rows"]
-    per_round = [statistics.mean(x["ttft"] for x in rows if x["round"] == r)
-                 for r in range(rounds)]
+    per_round = [statistics.mean(x["ttft"] for x in rows if x["round"] == r) for r in range(rounds)]
     cached = [sum(x["cached"] for x in rows if x["round"] == r) for r in range(rounds)]
     return statistics.mean(x["ttft"] for x in rows), per_round, cached
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default=None, help="default: the local demo model")
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
@@ -144,23 +162,30 @@ def main() -> None:
     results = {}
     for config in ("local", "peer"):  # each in a fresh process: the same start for both
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--config", config,
-                   "--out", out.name]
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--config", config, "--out", out.name]
             subprocess.run(cmd, check=True)
             results[config] = json.loads(Path(out.name).read_text())
     local, peer = (summary(results[c], args.rounds) for c in ("local", "peer"))
-    print(f"\n{args.users} users x {args.rounds} rounds alternating between two engines; "
-          f"system {args.system}, question {args.question}, answer {args.answer} tokens; "
-          f"dtype {args.dtype}; {os.cpu_count()} cores")
-    print("| round | prompt tokens | mean TTFT, host tier only | mean TTFT, peer tier "
-          "| without / with | cached tokens, without / with |")
+    print(
+        f"\n{args.users} users x {args.rounds} rounds alternating between two engines; "
+        f"system {args.system}, question {args.question}, answer {args.answer} tokens; "
+        f"dtype {args.dtype}; {os.cpu_count()} cores"
+    )
+    print(
+        "| round | prompt tokens | mean TTFT, host tier only | mean TTFT, peer tier "
+        "| without / with | cached tokens, without / with |"
+    )
     print("|---:|---:|---:|---:|---:|---:|")
     for r in range(args.rounds):
         n = statistics.mean(x["tokens"] for x in results["peer"]["rows"] if x["round"] == r)
-        print(f"| {r} | {n:.0f} | {local[1][r] * 1e3:.0f} ms | {peer[1][r] * 1e3:.0f} ms "
-              f"| {local[1][r] / peer[1][r]:.2f}x | {local[2][r]} / {peer[2][r]} |")
-    print(f"| all | | {local[0] * 1e3:.0f} ms | {peer[0] * 1e3:.0f} ms "
-          f"| {local[0] / peer[0]:.2f}x | {sum(local[2])} / {sum(peer[2])} |")
+        print(
+            f"| {r} | {n:.0f} | {local[1][r] * 1e3:.0f} ms | {peer[1][r] * 1e3:.0f} ms "
+            f"| {local[1][r] / peer[1][r]:.2f}x | {local[2][r]} / {peer[2][r]} |"
+        )
+    print(
+        f"| all | | {local[0] * 1e3:.0f} ms | {peer[0] * 1e3:.0f} ms "
+        f"| {local[0] / peer[0]:.2f}x | {sum(local[2])} / {sum(peer[2])} |"
+    )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,9 @@ def timed(llm, prompt, params: dict | None = None) -> tuple[float, int]:
     """(seconds to the first token, prompt tokens that came from a cache)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=1,
-                        extra_args={"kv_transfer_params": params} if params else None)
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=1, extra_args={"kv_transfer_params": params} if params else None
+    )
     start = time.perf_counter()
     (out,) = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
     return time.perf_counter() - start, out.num_cached_tokens
@@ -46,21 +47,35 @@ def engine(model: str, dtype: str, max_len: int, extra: dict):
 
     from vllm_kvbm.tools.server import kvbm_transfer_config
 
-    return LLM(model=model, dtype=dtype, max_model_len=max_len, max_num_batched_tokens=max_len,
-               block_size=BLOCK_SIZE, enable_prefix_caching=True, enforce_eager=True,
-               gpu_memory_utilization=0.3, kv_cache_memory_bytes=2 << 30, seed=0,
-               kv_transfer_config=kvbm_transfer_config(load_split=False, **extra))
+    return LLM(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_len,
+        max_num_batched_tokens=max_len,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=2 << 30,
+        seed=0,
+        kv_transfer_config=kvbm_transfer_config(load_split=False, **extra),
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model", default=None, help="default: the local demo model")
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--prompts", type=int, default=5, help="prompts per length")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--ucx-tls", default=None, help="UCX_TLS for both engines (tcp: as "
-                   "between machines; default: UCX's choice, cma on one machine)")
+    p.add_argument(
+        "--ucx-tls",
+        default=None,
+        help="UCX_TLS for both engines (tcp: as "
+        "between machines; default: UCX's choice, cma on one machine)",
+    )
     args = p.parse_args()
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
@@ -80,13 +95,29 @@ def main() -> None:
     remote = f"redis://127.0.0.1:{redis_port}"
     a = b = None
     try:
-        a = engine(args.model, args.dtype, max_len, dict(
-            host_cache_blocks=pages, pool_cache_size=f"{4 * pages * 10}MiB", pool_dir=work,
-            pool_serve_port=serve_port, pool_serve_host="127.0.0.1", remote_url=remote))
-        b = engine(args.model, args.dtype, max_len, dict(
-            host_cache_blocks=pages, peer_reads=True, remote_url=remote))
-        hint = {"router_hint": {"source_control_endpoint": f"tcp://127.0.0.1:{serve_port}"},
-                "kv_load_tiers": ["peer"]}
+        a = engine(
+            args.model,
+            args.dtype,
+            max_len,
+            dict(
+                host_cache_blocks=pages,
+                pool_cache_size=f"{4 * pages * 10}MiB",
+                pool_dir=work,
+                pool_serve_port=serve_port,
+                pool_serve_host="127.0.0.1",
+                remote_url=remote,
+            ),
+        )
+        b = engine(
+            args.model,
+            args.dtype,
+            max_len,
+            dict(host_cache_blocks=pages, peer_reads=True, remote_url=remote),
+        )
+        hint = {
+            "router_hint": {"source_control_endpoint": f"tcp://127.0.0.1:{serve_port}"},
+            "kv_load_tiers": ["peer"],
+        }
         rng = random.Random(0)
         timed(b, [7] * 300, RECOMPUTE)  # warm-up
         rows = []
@@ -98,30 +129,41 @@ def main() -> None:
                 timed(a, prompt)  # A computes it: its pool and Redis get its pages
                 time.sleep(2.0)
                 timed(a, [7] * 8)  # a step collects the write-through
-                for what, params, reset in (("recompute", RECOMPUTE, True),
-                                            ("peer", hint, True),
-                                            ("host", {"kv_load_tiers": ["host"]}, False),
-                                            ("redis", {"kv_load_tiers": ["remote"]}, True)):
+                for what, params, reset in (
+                    ("recompute", RECOMPUTE, True),
+                    ("peer", hint, True),
+                    ("host", {"kv_load_tiers": ["host"]}, False),
+                    ("redis", {"kv_load_tiers": ["remote"]}, True),
+                ):
                     assert b.reset_prefix_cache(reset_connector=reset)
                     secs, cached = timed(b, prompt, params)
                     t[what].append(secs)
                     hits[what].add(cached)
             med = {k: statistics.median(v) for k, v in t.items()}
             rows.append((n, med, hits, t))
-        print(f"\nmodel {args.model} ({args.dtype}), UCX_TLS={os.environ.get('UCX_TLS', '')!r}, "
-              f"{args.prompts} prompts per length, medians")
-        print("| tokens | recompute | peer hit | host hit | Redis hit | peer / host | "
-              "peer / Redis | recompute / peer |")
+        print(
+            f"\nmodel {args.model} ({args.dtype}), UCX_TLS={os.environ.get('UCX_TLS', '')!r}, "
+            f"{args.prompts} prompts per length, medians"
+        )
+        print(
+            "| tokens | recompute | peer hit | host hit | Redis hit | peer / host | "
+            "peer / Redis | recompute / peer |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---:|")
         for n, m, hits, t in rows:
-            print(f"| {n} | {m['recompute'] * 1e3:.0f} ms | {m['peer'] * 1e3:.0f} ms | "
-                  f"{m['host'] * 1e3:.0f} ms | {m['redis'] * 1e3:.0f} ms | "
-                  f"{m['peer'] / m['host']:.2f}x | {m['peer'] / m['redis']:.2f}x | "
-                  f"{m['recompute'] / m['peer']:.2f}x |")
+            print(
+                f"| {n} | {m['recompute'] * 1e3:.0f} ms | {m['peer'] * 1e3:.0f} ms | "
+                f"{m['host'] * 1e3:.0f} ms | {m['redis'] * 1e3:.0f} ms | "
+                f"{m['peer'] / m['host']:.2f}x | {m['peer'] / m['redis']:.2f}x | "
+                f"{m['recompute'] / m['peer']:.2f}x |"
+            )
         for n, m, hits, t in rows:
-            print(f"{n} tokens: cached tokens per case {dict((k, sorted(v)) for k, v in hits.items())}; "
-                  + "; ".join(f"{k} {', '.join(f'{x * 1e3:.0f}' for x in v)} ms"
-                              for k, v in t.items()))
+            print(
+                f"{n} tokens: cached tokens per case {dict((k, sorted(v)) for k, v in hits.items())}; "
+                + "; ".join(
+                    f"{k} {', '.join(f'{x * 1e3:.0f}' for x in v)} ms" for k, v in t.items()
+                )
+            )
     finally:
         for llm in (b, a):
             if llm is not None:

@@ -75,34 +75,59 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     blocks = PREFILL_TOKENS // BLOCK_TOKENS
     num_blocks = 2 * blocks
-    print(f"posting a {PREFILL_TOKENS}-token prefill's store: {blocks} blocks, "
-          f"{blocks // PAGE_BLOCKS} pages; 70B geometry; budget {BUDGET_MS:g} ms on the "
-          f"engine thread; median of {args.repeats}")
+    print(
+        f"posting a {PREFILL_TOKENS}-token prefill's store: {blocks} blocks, "
+        f"{blocks // PAGE_BLOCKS} pages; 70B geometry; budget {BUDGET_MS:g} ms on the "
+        f"engine thread; median of {args.repeats}"
+    )
     print(f"{'case':<22} {'path':<12} {'copies':>7} {'post ms':>8}  within budget")
     worst: dict[str, float] = {}
     for tp in (1, 8):
         for layout in ("LBNHC", BLOCK_MAJOR_LAYOUT):
-            lay = vllm_layout(layout, 80, num_blocks, heads=8 // tp, block_size=BLOCK_TOKENS,
-                              head_size=128, gen=None, dtype=torch.bfloat16, pad=0)
+            lay = vllm_layout(
+                layout,
+                80,
+                num_blocks,
+                heads=8 // tp,
+                block_size=BLOCK_TOKENS,
+                head_size=128,
+                gen=None,
+                dtype=torch.bfloat16,
+                pad=0,
+            )
             pool = torch.empty(blocks, lay.block_bytes(), dtype=torch.uint8)
             # the prefill's blocks: every other one (a busy engine's free list), into rows
             ids, rows = list(range(0, num_blocks, 2)), list(range(blocks))
             case = f"TP={tp} {layout}"
-            m = CopyEngineMover(lay.caches, num_blocks, pool, lay.block_dims,
-                                copies=TakesTheBatch(), page_blocks=PAGE_BLOCKS)
+            m = CopyEngineMover(
+                lay.caches,
+                num_blocks,
+                pool,
+                lay.block_dims,
+                copies=TakesTheBatch(),
+                page_blocks=PAGE_BLOCKS,
+            )
             n = len(m._runs(True, ids, rows)[2])
             ms = median_ms(lambda: m.post(True, ids, rows), args.repeats)
             worst[layout] = max(worst.get(layout, 0.0), ms)
-            print(f"{case:<22} {'copy engine':<12} {n:>7} {ms:>8.3f}  "
-                  f"{'yes' if ms <= BUDGET_MS else 'NO'}", flush=True)
+            print(
+                f"{case:<22} {'copy engine':<12} {n:>7} {ms:>8.3f}  "
+                f"{'yes' if ms <= BUDGET_MS else 'NO'}",
+                flush=True,
+            )
             if not args.no_nixl:
                 ms, n = nixl_post_ms(lay, num_blocks, pool, ids, rows, args.repeats)
-                print(f"{case:<22} {'NIXL':<12} {n:>7} {ms:>8.3f}  "
-                      f"{'yes' if ms <= BUDGET_MS else 'NO'}", flush=True)
+                print(
+                    f"{case:<22} {'NIXL':<12} {n:>7} {ms:>8.3f}  "
+                    f"{'yes' if ms <= BUDGET_MS else 'NO'}",
+                    flush=True,
+                )
             del lay, pool
     for layout, ms in worst.items():
-        print(f"copy engine, {layout}: at most {ms:.3f} ms per 8k-token prefill "
-              f"({ms / BUDGET_MS:.2f} of the {BUDGET_MS:g} ms budget)")
+        print(
+            f"copy engine, {layout}: at most {ms:.3f} ms per 8k-token prefill "
+            f"({ms / BUDGET_MS:.2f} of the {BUDGET_MS:g} ms budget)"
+        )
     return 0
 
 
@@ -110,13 +135,15 @@ def nixl_post_ms(lay, num_blocks: int, pool, ids, rows, repeats: int) -> tuple[f
     """make_prepped_xfer for the store's descriptors (and the handle's release)."""
     from vllm_kvbm.worker.page_mover import PageMover
 
-    m = PageMover(lay.caches, num_blocks, pool, name=agent_name("kvbm-post-cost"),
-                  block_dims=lay.block_dims)
+    m = PageMover(
+        lay.caches, num_blocks, pool, name=agent_name("kvbm-post-cost"), block_dims=lay.block_dims
+    )
     try:
+
         def post():
             kv_idx, host_idx = m._indices(ids, rows)
-            m.agent.make_prepped_xfer("WRITE", m._kv_side, kv_idx, m._host_side,
-                                      host_idx).release()
+            m.agent.make_prepped_xfer("WRITE", m._kv_side, kv_idx, m._host_side, host_idx).release()
+
         return median_ms(post, repeats), len(ids) * len(m.regions)
     finally:
         m.close()

@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         view = lm_view.RemoteView(f"lm://127.0.0.1:{port}", "bench", 2 << 20, 1)
         view.contains_many([b"warm" * 8])  # connects (the server is up: start_lmcache_server)
-        print("| keys per question | with quick ACK: median / max | without: median / max "
-              "| median without / with |")
+        print(
+            "| keys per question | with quick ACK: median / max | without: median / max "
+            "| median without / with |"
+        )
         print("|---:|---:|---:|---:|")
         for n in (1, 2, 4, 16):
             keys = [bytes([i % 256]) * 32 for i in range(n)]
@@ -52,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             slow = timed(view, keys, args.rounds)
             lm_view.quick_ack = quick_ack
             f, s = statistics.median(fast), statistics.median(slow)
-            print(f"| {n} | {f * 1e3:.2f} / {max(fast) * 1e3:.2f} ms | {s * 1e3:.2f} / "
-                  f"{max(slow) * 1e3:.2f} ms | {s / f:.1f}x |")
+            print(
+                f"| {n} | {f * 1e3:.2f} / {max(fast) * 1e3:.2f} ms | {s * 1e3:.2f} / "
+                f"{max(slow) * 1e3:.2f} ms | {s / f:.1f}x |"
+            )
         view.close()
     finally:
         lm_view.quick_ack = quick_ack

@@ -59,11 +59,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 # Methods of KVBMConnector that vLLM's scheduler calls (base-class ones too).
 SCHEDULER_METHODS = (
-    "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-    "update_connector_output", "request_finished", "request_finished_all_groups",
-    "has_pending_push_work", "has_pending_block_frees", "get_kv_connector_stats",
-    "take_events", "on_new_request", "get_loaded_kv_cache_group_ids",
-    "get_external_cache_hit_sources", "register_finished_partial_tail",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "has_pending_push_work",
+    "has_pending_block_frees",
+    "get_kv_connector_stats",
+    "take_events",
+    "on_new_request",
+    "get_loaded_kv_cache_group_ids",
+    "get_external_cache_hit_sources",
+    "register_finished_partial_tail",
     "get_finished_count",
 )
 
@@ -102,6 +111,7 @@ class ConnectorClock:
                 self._depth -= 1
                 self.total += spent
                 self.by_method[name] += spent
+
         return timed
 
 
@@ -163,38 +173,71 @@ class Phase:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="small sizes for a test: seconds, not minutes")
+    p.add_argument(
+        "--quick", action="store_true", help="small sizes for a test: seconds, not minutes"
+    )
     p.add_argument("--running", type=int, default=256, help="max_num_seqs (running requests)")
     p.add_argument("--waiting", type=int, default=256, help="requests kept waiting")
     p.add_argument("--prompt-tokens", type=int, default=32768)
-    p.add_argument("--shared-tokens", type=int, default=16384,
-                   help="leading tokens of each prompt shared with its group")
+    p.add_argument(
+        "--shared-tokens",
+        type=int,
+        default=16384,
+        help="leading tokens of each prompt shared with its group",
+    )
     p.add_argument("--groups", type=int, default=16, help="distinct shared prefixes")
-    p.add_argument("--returning", type=float, default=0.25,
-                   help="fraction of new requests that repeat an earlier prompt")
-    p.add_argument("--history", type=int, default=64,
-                   help="prompts stored before the measured run (for returning requests)")
+    p.add_argument(
+        "--returning",
+        type=float,
+        default=0.25,
+        help="fraction of new requests that repeat an earlier prompt",
+    )
+    p.add_argument(
+        "--history",
+        type=int,
+        default=64,
+        help="prompts stored before the measured run (for returning requests)",
+    )
     p.add_argument("--min-decode", type=int, default=512)
     p.add_argument("--max-decode", type=int, default=2048)
     p.add_argument("--host-blocks", type=int, default=100_000)
-    p.add_argument("--page-tokens", type=int, default=None,
-                   help="the connector's page_tokens (default: its own, 256 at block size "
-                        "16; 16: a page per block)")
+    p.add_argument(
+        "--page-tokens",
+        type=int,
+        default=None,
+        help="the connector's page_tokens (default: its own, 256 at block size "
+        "16; 16: a page per block)",
+    )
     p.add_argument("--max-batched", type=int, default=8192, help="max_num_batched_tokens")
-    p.add_argument("--num-blocks", type=int, default=None,
-                   help="engine KV blocks (default: the running set's, unshared, +5%%)")
-    p.add_argument("--fill-steps", type=int, default=1200,
-                   help="at most this many steps to fill the running set")
-    p.add_argument("--drain-steps", type=int, default=4000,
-                   help="at most this many steps to admit the requests queued before "
-                        "the running set was full (timed, apart from the steady state)")
-    p.add_argument("--steps", type=int, default=1000,
-                   help="steps measured in steady state (running set full)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="engine KV blocks (default: the running set's, unshared, +5%%)",
+    )
+    p.add_argument(
+        "--fill-steps",
+        type=int,
+        default=1200,
+        help="at most this many steps to fill the running set",
+    )
+    p.add_argument(
+        "--drain-steps",
+        type=int,
+        default=4000,
+        help="at most this many steps to admit the requests queued before "
+        "the running set was full (timed, apart from the steady state)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=1000, help="steps measured in steady state (running set full)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", metavar="FILE",
-                   help="cProfile the connector's methods (both phases) into FILE "
-                        "and print the top functions (times then include the profiler)")
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="cProfile the connector's methods (both phases) into FILE "
+        "and print the top functions (times then include the profiler)",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.running, args.waiting = 8, 8
@@ -207,8 +250,9 @@ def parse_args(argv=None):
         bs = 16
         # every running request's own blocks (returning requests may load
         # their shared prefix into blocks of their own), +5%
-        args.num_blocks = int(args.running * -(-(args.prompt_tokens + args.max_decode) // bs)
-                              * 1.05)
+        args.num_blocks = int(
+            args.running * -(-(args.prompt_tokens + args.max_decode) // bs) * 1.05
+        )
     return args
 
 
@@ -222,11 +266,16 @@ def run(args) -> list[Phase]:
     disk_dir = tempfile.mkdtemp(prefix="kvbm-bench-sched-disk-")
     try:
         scheduler = make_scheduler(
-            host_blocks=args.host_blocks, num_blocks=args.num_blocks,
-            max_batched=args.max_batched, num_layers=2,
+            host_blocks=args.host_blocks,
+            num_blocks=args.num_blocks,
+            max_batched=args.max_batched,
+            num_layers=2,
             max_model_len=args.prompt_tokens + args.max_decode + BLOCK,
-            max_num_seqs=args.running, disk_cache_dir=disk_dir, disk_cache_size="64GiB",
-            page_tokens=args.page_tokens)  # None: the connector's default
+            max_num_seqs=args.running,
+            disk_cache_dir=disk_dir,
+            disk_cache_size="64GiB",
+            page_tokens=args.page_tokens,
+        )  # None: the connector's default
         args.page_tokens = kvbm(scheduler).info.page_tokens
         sched = kvbm(scheduler)
         assert sched.lower, "no disk tier"
@@ -250,10 +299,12 @@ def run(args) -> list[Phase]:
             for spill in meta.spills:  # the fake worker writes the disk pages
                 if "disk" in spill.tiers:
                     for key in spill.keys:
-                        open(disk_page_path(disk_dir, namespace, info.page_bytes,
-                                            0, 1, key), "wb").close()
-            return worker_output(scheduler, out, complete=True,
-                                 spills_done=[s.job_id for s in meta.spills])
+                        open(
+                            disk_page_path(disk_dir, namespace, info.page_bytes, 0, 1, key), "wb"
+                        ).close()
+            return worker_output(
+                scheduler, out, complete=True, spills_done=[s.job_id for s in meta.spills]
+            )
 
         # History, not measured: earlier prompts the tiers hold, which
         # returning requests ask for again.
@@ -293,13 +344,15 @@ def run(args) -> list[Phase]:
 
             clock.profiler = cProfile.Profile()
         while True:
-            if phase is fill and (len(scheduler.running) >= args.running
-                                  or steps_left == 0):
+            if phase is fill and (len(scheduler.running) >= args.running or steps_left == 0):
                 phase, steps_left = drain, args.drain_steps
             if phase is drain:
                 # Left the waiting queue once (running, loading, finished).
-                first_queue = [r for r in first_queue if r.status == RequestStatus.WAITING
-                               and r.num_computed_tokens == 0]
+                first_queue = [
+                    r
+                    for r in first_queue
+                    if r.status == RequestStatus.WAITING and r.num_computed_tokens == 0
+                ]
                 if not first_queue or steps_left == 0:
                     args.drain_left = len(first_queue)
                     phase, steps_left = steady, args.steps
@@ -322,9 +375,11 @@ def run(args) -> list[Phase]:
             collected = (gc1 - gc0) + (gc_clock.total - gc2)
             targets = [phase]
             if phase is steady:
-                decoding = (not out.scheduled_new_reqs and not meta.loads and
-                            sum(out.num_scheduled_tokens.values())
-                            == len(out.num_scheduled_tokens))
+                decoding = (
+                    not out.scheduled_new_reqs
+                    and not meta.loads
+                    and sum(out.num_scheduled_tokens.values()) == len(out.num_scheduled_tokens)
+                )
                 targets.append(decode_only if decoding else with_prefill)
             for ph in targets:
                 ph.steps += 1
@@ -348,11 +403,12 @@ def run(args) -> list[Phase]:
                     if o.finish_reason is not None:
                         finished += 1
                         work.finished.append(prompts.pop(o.request_id))
-            del work.finished[:-4 * args.running]  # returning prompts: recent ones
+            del work.finished[: -4 * args.running]  # returning prompts: recent ones
             for _ in range(finished):
                 add_request()
-        assert not any(r.status == RequestStatus.FINISHED_ERROR
-                       for r in scheduler.requests.values())
+        assert not any(
+            r.status == RequestStatus.FINISHED_ERROR for r in scheduler.requests.values()
+        )
         if clock.profiler is not None:
             import pstats
 
@@ -364,44 +420,58 @@ def run(args) -> list[Phase]:
 
 
 def report(args, phases: list[Phase]) -> None:
-    print(f"vLLM Scheduler + KVBMConnector, no model: block size 16, max_num_seqs "
-          f"{args.running}, {args.waiting} waiting, prompts of {args.prompt_tokens} tokens "
-          f"({args.shared_tokens} shared in {args.groups} groups), max_num_batched_tokens "
-          f"{args.max_batched}, engine {args.num_blocks} blocks, host tier "
-          f"{args.host_blocks} blocks in pages of {args.page_tokens} tokens (page_tokens), "
-          f"disk tier (DiskView over a tmp dir); "
-          f"{args.history} prompts stored first ({args.history_steps} steps, not "
-          f"measured), {100 * args.returning:.0f}% of requests return to one")
+    print(
+        f"vLLM Scheduler + KVBMConnector, no model: block size 16, max_num_seqs "
+        f"{args.running}, {args.waiting} waiting, prompts of {args.prompt_tokens} tokens "
+        f"({args.shared_tokens} shared in {args.groups} groups), max_num_batched_tokens "
+        f"{args.max_batched}, engine {args.num_blocks} blocks, host tier "
+        f"{args.host_blocks} blocks in pages of {args.page_tokens} tokens (page_tokens), "
+        f"disk tier (DiskView over a tmp dir); "
+        f"{args.history} prompts stored first ({args.history_steps} steps, not "
+        f"measured), {100 * args.returning:.0f}% of requests return to one"
+    )
     print()
-    print("| phase | steps | running | waiting | vLLM ms/step | connector ms/step "
-          "| connector / vLLM | GC ms/step |")
+    print(
+        "| phase | steps | running | waiting | vLLM ms/step | connector ms/step "
+        "| connector / vLLM | GC ms/step |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for ph in phases:
         if not ph.steps:
             continue
         n = ph.steps
-        print(f"| {ph.name} | {n} | {ph.running / n:.0f} | {ph.waiting / n:.0f} "
-              f"| {1e3 * ph.vllm / n:.2f} | {1e3 * ph.connector / n:.3f} "
-              f"| {100 * ph.connector / ph.vllm:.1f}% | {1e3 * ph.gc / n:.2f} |")
+        print(
+            f"| {ph.name} | {n} | {ph.running / n:.0f} | {ph.waiting / n:.0f} "
+            f"| {1e3 * ph.vllm / n:.2f} | {1e3 * ph.connector / n:.3f} "
+            f"| {100 * ph.connector / ph.vllm:.1f}% | {1e3 * ph.gc / n:.2f} |"
+        )
     print()
     for ph in phases:
         if not ph.steps:
             continue
         n = ph.steps
-        methods = ", ".join(f"{name} {1e3 * t / n:.3f}"
-                            for name, t in sorted(ph.by_method.items(), key=lambda x: -x[1])
-                            if t > 0)
+        methods = ", ".join(
+            f"{name} {1e3 * t / n:.3f}"
+            for name, t in sorted(ph.by_method.items(), key=lambda x: -x[1])
+            if t > 0
+        )
         hits = ", ".join(f"{k} {v}" for k, v in sorted(ph.hits.items())) or "none"
-        print(f"{ph.name}: blocks stored {ph.stored}, spilled {ph.spilled}, loaded "
-              f"{ph.loaded} ({hits}); connector ms/step by method: {methods}")
+        print(
+            f"{ph.name}: blocks stored {ph.stored}, spilled {ph.spilled}, loaded "
+            f"{ph.loaded} ({hits}); connector ms/step by method: {methods}"
+        )
     total_v = sum(ph.vllm for ph in phases if ph.part_of is None)
     total_c = sum(ph.connector for ph in phases if ph.part_of is None)
     verdict = "meets" if total_c <= 0.10 * total_v else "misses"
     if args.drain_left:
-        print(f"({args.drain_left} requests of the first queue were still waiting after "
-              f"{args.drain_steps} drain steps)")
-    print(f"overall: connector adds {100 * total_c / total_v:.1f}% to vLLM's scheduling "
-          f"time per step ({verdict} the 10% bar)")
+        print(
+            f"({args.drain_left} requests of the first queue were still waiting after "
+            f"{args.drain_steps} drain steps)"
+        )
+    print(
+        f"overall: connector adds {100 * total_c / total_v:.1f}% to vLLM's scheduling "
+        f"time per step ({verdict} the 10% bar)"
+    )
 
 
 def main(argv=None) -> None:

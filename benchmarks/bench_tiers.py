@@ -36,8 +36,11 @@ def ttft(llm, prompt) -> float:
     from vllm import SamplingParams
 
     start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=1),
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=0.0, max_tokens=1),
+        use_tqdm=False,
+    )
     return time.perf_counter() - start
 
 
@@ -80,10 +83,29 @@ def start_redis(port: int, workdir: str, timeout: float = 20.0) -> subprocess.Po
     if shutil.which("redis-server") is None:
         raise RuntimeError("redis-server not found: scripts/setup_tools.sh installs it")
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--maxmemory", "2gb", "--maxmemory-policy", "allkeys-lru",
-         "--dir", workdir, "--daemonize", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--maxmemory",
+            "2gb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+            "--dir",
+            workdir,
+            "--daemonize",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -98,8 +120,9 @@ def start_redis(port: int, workdir: str, timeout: float = 20.0) -> subprocess.Po
     raise RuntimeError(f"redis-server not answering after {timeout}s")
 
 
-def redis_bandwidth(url: str, page_bytes: int, total_bytes: int = 64 << 20,
-                    rounds: int = 9) -> dict[str, float]:
+def redis_bandwidth(
+    url: str, page_bytes: int, total_bytes: int = 64 << 20, rounds: int = 9
+) -> dict[str, float]:
     """GB/s of RedisStore.put/get_into and of redis-py's SET/GET of the same
     stored bytes through the store's own redis-py client, on one server;
     rounds interleaved, best of each."""
@@ -126,10 +149,14 @@ def redis_bandwidth(url: str, page_bytes: int, total_bytes: int = 64 << 20,
         for _ in range(rounds):
             timed("kvbm put", lambda: all(store.put(k, page) for k in keys) or _fail("put"))
             stored = [raw.get(name) for name in names]  # the exact bytes KVBM stored
-            timed("raw set", lambda: [raw.set(b"raw:" + name.encode(), v)
-                                      for name, v in zip(names, stored)])
-            timed("kvbm get", lambda: all(store.get_into(k, out) == "ok" for k in keys)
-                  or _fail("get"))
+            timed(
+                "raw set",
+                lambda: [raw.set(b"raw:" + name.encode(), v) for name, v in zip(names, stored)],
+            )
+            timed(
+                "kvbm get",
+                lambda: all(store.get_into(k, out) == "ok" for k in keys) or _fail("get"),
+            )
             timed("raw get", lambda: all(raw.get(name) is not None for name in names))
         # each reply is dropped as it comes, as get_into drops its own
         return {what: n * page_bytes / secs / 1e9 for what, secs in best.items()}
@@ -157,8 +184,7 @@ def bandwidth(page_mib: list[int]) -> dict:
     try:
         for mib in page_mib:
             page = mib << 20
-            disk_store = DiskStore(os.path.join(work, f"disk-{mib}"), 1 << 30, page, "bench",
-                                   0, 1)
+            disk_store = DiskStore(os.path.join(work, f"disk-{mib}"), 1 << 30, page, "bench", 0, 1)
             bw["disk"][mib] = tier_bandwidth(disk_store, page, max(4, 64 // mib))
             disk_store.close()
             shutil.rmtree(os.path.join(work, f"disk-{mib}"), ignore_errors=True)
@@ -175,29 +201,38 @@ def bandwidth(page_mib: list[int]) -> dict:
 
 def report_bandwidth(bw: dict) -> None:
     print()
-    print("| tier | page | KVBM read | plain client read | read ratio | KVBM write "
-          "| plain client write | write ratio |")
+    print(
+        "| tier | page | KVBM read | plain client read | read ratio | KVBM write "
+        "| plain client write | write ratio |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for mib, gbs in bw["disk"].items():
         print(f"| disk | {mib} MiB | {gbs:.2f} GB/s | | | | | |")
     for mib, gbs in bw["lm"].items():
         print(f"| remote, lm:// (LMCache server) | {mib} MiB | {gbs:.2f} GB/s | | | | | |")
     for mib, r in bw["redis"].items():
-        print(f"| remote, redis:// (redis-server) | {mib} MiB | {r['kvbm get']:.2f} GB/s | "
-              f"{r['raw get']:.2f} GB/s | {r['kvbm get'] / r['raw get']:.2f}x | "
-              f"{r['kvbm put']:.2f} GB/s | {r['raw set']:.2f} GB/s | "
-              f"{r['kvbm put'] / r['raw set']:.2f}x |")
+        print(
+            f"| remote, redis:// (redis-server) | {mib} MiB | {r['kvbm get']:.2f} GB/s | "
+            f"{r['raw get']:.2f} GB/s | {r['kvbm get'] / r['raw get']:.2f}x | "
+            f"{r['kvbm put']:.2f} GB/s | {r['raw set']:.2f} GB/s | "
+            f"{r['kvbm put'] / r['raw set']:.2f}x |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--bandwidth-only", action="store_true",
-                        help="only the lower tiers' bandwidth (no engine)")
-    parser.add_argument("--page-mib", type=int, nargs="+", default=[2, 16],
-                        help="page sizes of the bandwidth table (2 MiB: one block of the "
-                             "local model)")
+    parser.add_argument(
+        "--bandwidth-only", action="store_true", help="only the lower tiers' bandwidth (no engine)"
+    )
+    parser.add_argument(
+        "--page-mib",
+        type=int,
+        nargs="+",
+        default=[2, 16],
+        help="page sizes of the bandwidth table (2 MiB: one block of the local model)",
+    )
     args = parser.parse_args()
     bw = bandwidth(args.page_mib)
     report_bandwidth(bw)
@@ -213,9 +248,11 @@ def main() -> None:
     os.environ.update(cpu_env)
     t, binding = measure(args)
     print()
-    print(f"engine: {binding.describe() if binding else 'cores not read'}, "
-          f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
-          f"on {os.cpu_count()} cores")
+    print(
+        f"engine: {binding.describe() if binding else 'cores not read'}, "
+        f"started with {' '.join(f'{k}={v}' for k, v in cpu_env.items())} "
+        f"on {os.cpu_count()} cores"
+    )
     report(args, t)
 
 
@@ -233,13 +270,24 @@ def measure(args) -> tuple[dict, object]:
     try:
         host_blocks = args.tokens // BLOCK_SIZE + 8  # the prompt, and fresh prompts push it out
         from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
+
         print(f"dtype: {describe()}", flush=True)
-        llm = LLM(model=args.model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
-                  max_model_len=args.tokens + BLOCK_SIZE, max_num_batched_tokens=8192,
-                  kv_cache_memory_bytes=1 << 30, gpu_memory_utilization=0.3,
-                  kv_transfer_config=kvbm_transfer_config(
-                      host_cache_blocks=host_blocks, disk_cache_dir=str(disk),
-                      disk_cache_size="4GiB", remote_url=f"lm://127.0.0.1:{port}"))
+        llm = LLM(
+            model=args.model,
+            dtype=compute_dtype(),
+            block_size=BLOCK_SIZE,
+            enforce_eager=True,
+            max_model_len=args.tokens + BLOCK_SIZE,
+            max_num_batched_tokens=8192,
+            kv_cache_memory_bytes=1 << 30,
+            gpu_memory_utilization=0.3,
+            kv_transfer_config=kvbm_transfer_config(
+                host_cache_blocks=host_blocks,
+                disk_cache_dir=str(disk),
+                disk_cache_size="4GiB",
+                remote_url=f"lm://127.0.0.1:{port}",
+            ),
+        )
         ttft(llm, [11] * 64)
         binding = process_binding(os.getpid())  # this process's engine core and its workers
         rng = random.Random(args.tokens)

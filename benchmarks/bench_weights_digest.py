@@ -47,8 +47,10 @@ def synthetic(size_gb: float) -> torch.nn.Module:
     model = torch.nn.Module()
     per = 64 << 20  # bytes per parameter
     for i in range(max(1, int(size_gb * GB) // per)):
-        model.register_parameter(f"p{i}", torch.nn.Parameter(
-            torch.randn(per // 2, dtype=torch.bfloat16), requires_grad=False))
+        model.register_parameter(
+            f"p{i}",
+            torch.nn.Parameter(torch.randn(per // 2, dtype=torch.bfloat16), requires_grad=False),
+        )
     return model
 
 
@@ -70,17 +72,23 @@ def main() -> None:
     model = local_model()
     size = weights_bytes(model)
     seconds = timed(model, args.reps)
-    print(f"local model: {size / 1e6:.1f} MB, digest {seconds * 1e3:.1f} ms "
-          f"({size / seconds / GB:.2f} GB/s); runs "
-          f"{'inline' if size <= INLINE_DIGEST_BYTES else 'on a thread'}")
+    print(
+        f"local model: {size / 1e6:.1f} MB, digest {seconds * 1e3:.1f} ms "
+        f"({size / seconds / GB:.2f} GB/s); runs "
+        f"{'inline' if size <= INLINE_DIGEST_BYTES else 'on a thread'}"
+    )
 
     big = synthetic(args.size_gb)
     size = weights_bytes(big)
-    rates = {"all cores (used)": size / timed(big, args.reps) / GB,
-             "one thread": size / timed(big, args.reps, threads=1) / GB}
+    rates = {
+        "all cores (used)": size / timed(big, args.reps) / GB,
+        "one thread": size / timed(big, args.reps, threads=1) / GB,
+    }
     for how, rate in rates.items():
-        print(f"{size / GB:.2f} GB bf16, BLAKE3 {how}: {rate:.2f} GB/s; "
-              f"a 70B model (140 GB) at this rate: {B70 / GB / rate:.0f} s")
+        print(
+            f"{size / GB:.2f} GB bf16, BLAKE3 {how}: {rate:.2f} GB/s; "
+            f"a 70B model (140 GB) at this rate: {B70 / GB / rate:.0f} s"
+        )
 
 
 if __name__ == "__main__":

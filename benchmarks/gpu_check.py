@@ -61,7 +61,15 @@ from helpers.kv_layouts import KVLayout, vllm_layout  # noqa: E402
 from vllm_kvbm.messages import SKIP  # noqa: E402
 
 from gpu_check_harness import (  # noqa: E402
-    CASE_GEOMETRY, GEOMETRY_70B, Geometry, Report, Worker, delay, rewrite_kv, slot_pages_equal)
+    CASE_GEOMETRY,
+    GEOMETRY_70B,
+    Geometry,
+    Report,
+    Worker,
+    delay,
+    rewrite_kv,
+    slot_pages_equal,
+)
 from gpu_check_gds import run_gds, sync  # noqa: E402
 from gpu_check_hybrid import run_hybrid  # noqa: E402
 from gpu_check_paths import copy_seconds, report_bandwidth, run_paths  # noqa: E402
@@ -77,19 +85,51 @@ CASES = {
     "kernel-split": ("LBNHC", False, 2),
     "mla-v2-lite": ("LBNHC", True, 1),  # at its model's geometry: CASE_GEOMETRY
 }
-EXTRA_CASES = ["pages", "70b-pages", "paths-70b-tp1", "paths-70b-tp8", "vllm", "hybrid",
-               "nixl-70b-tp1", "nixl-70b-tp8", "gds", "peer-read"]
+EXTRA_CASES = [
+    "pages",
+    "70b-pages",
+    "paths-70b-tp1",
+    "paths-70b-tp8",
+    "vllm",
+    "hybrid",
+    "nixl-70b-tp1",
+    "nixl-70b-tp8",
+    "gds",
+    "peer-read",
+]
 # BLHNC and the copy engines first, then a vLLM engine, the other layouts, NIXL last
 # (the peer read between two processes, in a child, the very last).
-ORDER = ["packed-blhnc", "paths-70b-tp1", "paths-70b-tp8", "vllm", "flash-attn",
-         "flashinfer-hnd", "mla", "kernel-split", "mla-v2-lite", "pages", "70b-pages", "hybrid",
-         "nixl-70b-tp1", "nixl-70b-tp8", "gds", "peer-read"]
+ORDER = [
+    "packed-blhnc",
+    "paths-70b-tp1",
+    "paths-70b-tp8",
+    "vllm",
+    "flash-attn",
+    "flashinfer-hnd",
+    "mla",
+    "kernel-split",
+    "mla-v2-lite",
+    "pages",
+    "70b-pages",
+    "hybrid",
+    "nixl-70b-tp1",
+    "nixl-70b-tp8",
+    "gds",
+    "peer-read",
+]
 BUDGET_S = 240.0  # the whole run, sized by the probe
 TRANSFER_S = 0.02  # copy_ time of one transfer the probe sizes the cases to
 
 
-def unordered_stores(mover, lay: KVLayout, pool: torch.Tensor, blocks: list[int],
-                     slots: list[int], device: torch.device, args) -> int:
+def unordered_stores(
+    mover,
+    lay: KVLayout,
+    pool: torch.Tensor,
+    blocks: list[int],
+    slots: list[int],
+    device: torch.device,
+    args,
+) -> int:
     """The control: a kernel rewrites the KV and the same store is posted at
     once on the copy engine's stream with its wait left out (the mistake the
     fence prevents); how many host pages it left stale."""
@@ -113,12 +153,27 @@ def unordered_stores(mover, lay: KVLayout, pool: torch.Tensor, blocks: list[int]
 def run_case(name: str, args, device: torch.device, report: Report) -> None:
     layout, mla, split = CASES[name]
     geo = CASE_GEOMETRY.get(name) or Geometry(
-        args.layers, 1 if mla else args.heads, args.mla_head_size if mla else args.head_size,
-        args.block_size * split, 1, mla=mla)
-    lay = vllm_layout(layout, geo.layers, args.blocks, heads=geo.kv_heads,
-                      block_size=geo.block_size, head_size=geo.head_size,
-                      gen=None, dtype=torch.bfloat16, mla=mla, kernel_split=split,
-                      device=device, pad=4096)
+        args.layers,
+        1 if mla else args.heads,
+        args.mla_head_size if mla else args.head_size,
+        args.block_size * split,
+        1,
+        mla=mla,
+    )
+    lay = vllm_layout(
+        layout,
+        geo.layers,
+        args.blocks,
+        heads=geo.kv_heads,
+        block_size=geo.block_size,
+        head_size=geo.head_size,
+        gen=None,
+        dtype=torch.bfloat16,
+        mla=mla,
+        kernel_split=split,
+        device=device,
+        pad=4096,
+    )
     lay.raw[0].view(torch.uint8).random_(0, 256)
     sync(device)
     nb, slots_n = args.blocks, args.slots
@@ -129,23 +184,38 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
     bb = lay.block_bytes()
     gib = n * bb / 1024**3
     shape = tuple(next(iter(lay.caches.values())).shape)
-    report.info(name, "layout", f"{layout}{' MLA' if mla else ''}, {geo.layers} layers, "
-                f"per-layer view {shape}, block {bb / 1024**2:.2f} MiB, {n} blocks = "
-                f"{gib:.2f} GiB per transfer")
-    report.check(name, "block size as computed", bb == geo.block_bytes,
-                 f"{bb} bytes laid out, {geo.block_bytes} computed")
+    report.info(
+        name,
+        "layout",
+        f"{layout}{' MLA' if mla else ''}, {geo.layers} layers, "
+        f"per-layer view {shape}, block {bb / 1024**2:.2f} MiB, {n} blocks = "
+        f"{gib:.2f} GiB per transfer",
+    )
+    report.check(
+        name,
+        "block size as computed",
+        bb == geo.block_bytes,
+        f"{bb} bytes laid out, {geo.block_bytes} computed",
+    )
     wk = Worker(lay, slots_n, geo.block_size, args.timeout, step_s=args.step_s)
     try:
         pool = wk.w.host_pool
         # the host tier's slots, then the staging slots of streamed loads
         rows = slots_n + wk.w._staging.count
-        report.check(name, "host pool exact size",
-                     pool.untyped_storage().nbytes() == rows * bb,
-                     f"{pool.untyped_storage().nbytes()} bytes for {slots_n} slots + "
-                     f"{wk.w._staging.count} staging slots of {bb}")
+        report.check(
+            name,
+            "host pool exact size",
+            pool.untyped_storage().nbytes() == rows * bb,
+            f"{pool.untyped_storage().nbytes()} bytes for {slots_n} slots + "
+            f"{wk.w._staging.count} staging slots of {bb}",
+        )
         if device.type == "cuda":
-            report.check(name, "host pool pinned (cudaHostRegister)", pool.is_pinned(),
-                         f"is_pinned={pool.is_pinned()}")
+            report.check(
+                name,
+                "host pool pinned (cudaHostRegister)",
+                pool.is_pinned(),
+                f"is_pinned={pool.is_pinned()}",
+            )
         report.info(name, "copy path", wk.w.mover.path)
 
         # 1. stores right after the kernel that writes the KV, with the fence
@@ -158,18 +228,26 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
         sync(device)
         kv_cpu = [lay.raw[0].cpu()]
         bad = slot_pages_equal(pool, lay, kv_cpu, blocks, slots)
-        report.check(name, "stores copy the KV after the forward", not bad and wk.done[job],
-                     f"{n - bad}/{n} host pages byte-equal; done in {waited * 1e3:.0f} ms")
+        report.check(
+            name,
+            "stores copy the KV after the forward",
+            not bad and wk.done[job],
+            f"{n - bad}/{n} host pages byte-equal; done in {waited * 1e3:.0f} ms",
+        )
 
         # control: the same copies waiting for nothing must read stale KV, or the
         # check above could not have failed
         if getattr(wk.w.mover, "orders_on_gpu", False):
             stale = unordered_stores(wk.w.mover, lay, pool, blocks, slots, device, args)
-            report.info(name, "control: copies that wait for nothing",
-                        f"{stale}/{n} host pages stale: the race the fence prevents is real "
-                        f"here, so the check above can fail" if stale else
-                        f"0/{n} host pages stale: the kernel finished before the copies began, "
-                        f"so the check above proves less here (raise --kernel-delay)")
+            report.info(
+                name,
+                "control: copies that wait for nothing",
+                f"{stale}/{n} host pages stale: the race the fence prevents is real "
+                f"here, so the check above can fail"
+                if stale
+                else f"0/{n} host pages stale: the kernel finished before the copies began, "
+                f"so the check above proves less here (raise --kernel-delay)",
+            )
             job = wk.store(blocks, slots)  # with the fence again: the pool holds the KV
             wk.until(lambda: wk.done[job] or wk.failed[job])
             sync(device)
@@ -192,17 +270,30 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
         for b, w in zip(others, want):
             off = 0
             for page in lay.pages(expected, b):
-                page.copy_(w[off:off + page.numel()])
+                page.copy_(w[off : off + page.numel()])
                 off += page.numel()
         whole = torch.equal(kv_cpu[0], expected[0])
-        report.check(name, "loads land after pending kernels",
-                     not bad and whole and not wk.failed,
-                     f"{n - bad}/{n} blocks byte-equal, rest of KV untouched: {whole}; "
-                     f"{waited * 1e3:.0f} ms")
+        report.check(
+            name,
+            "loads land after pending kernels",
+            not bad and whole and not wk.failed,
+            f"{n - bad}/{n} blocks byte-equal, rest of KV untouched: {whole}; "
+            f"{waited * 1e3:.0f} ms",
+        )
 
         # 3. bandwidth through the worker's mover against PyTorch's pinned copy_
-        report_bandwidth(report, name, wk.w.mover, blocks, others, slots, n * bb, device,
-                         args.repeats, args.timeout)
+        report_bandwidth(
+            report,
+            name,
+            wk.w.mover,
+            blocks,
+            others,
+            slots,
+            n * bb,
+            device,
+            args.repeats,
+            args.timeout,
+        )
         report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()
@@ -210,27 +301,51 @@ def run_case(name: str, args, device: torch.device, report: Report) -> None:
         del lay
 
 
-def run_pages(args, device: torch.device, report: Report, name: str = "pages",
-              geo: Geometry | None = None, pages: int | None = None) -> None:
+def run_pages(
+    args,
+    device: torch.device,
+    report: Report,
+    name: str = "pages",
+    geo: Geometry | None = None,
+    pages: int | None = None,
+) -> None:
     """Pages of ``geo.page_blocks`` blocks: stored whole, loaded skipping a block,
     then offload/onboard bandwidth of whole pages against ``copy_``."""
-    geo = geo or Geometry(args.layers, args.heads, args.head_size, args.block_size,
-                          args.page_blocks)
+    geo = geo or Geometry(
+        args.layers, args.heads, args.head_size, args.block_size, args.page_blocks
+    )
     g = geo.page_blocks
     n = pages or max(1, args.blocks // (2 * g))  # pages; each loaded back into other blocks
-    lay = vllm_layout("LBNHC", geo.layers, max(args.blocks if pages is None else 0, 2 * n * g),
-                      heads=geo.kv_heads, block_size=geo.block_size, head_size=geo.head_size,
-                      gen=None, dtype=torch.bfloat16, device=device, pad=4096)
+    lay = vllm_layout(
+        "LBNHC",
+        geo.layers,
+        max(args.blocks if pages is None else 0, 2 * n * g),
+        heads=geo.kv_heads,
+        block_size=geo.block_size,
+        head_size=geo.head_size,
+        gen=None,
+        dtype=torch.bfloat16,
+        device=device,
+        pad=4096,
+    )
     lay.raw[0].view(torch.uint8).random_(0, 256)
     sync(device)
     src, dst = list(range(n * g)), list(range(n * g, 2 * n * g))
     slots = list(range(n))[::-1]
-    report.info(name, "pages", f"{n} pages of {g} blocks x {geo.block_size} tokens, "
-                f"{geo.layers} layers, {geo.kv_heads} KV heads of {geo.head_size}: "
-                f"{geo.page_bytes / 1024**2:.1f} MiB each, {n * geo.page_bytes / 1024**3:.2f} "
-                f"GiB per transfer")
-    report.check(name, "block size as computed", lay.block_bytes() == geo.block_bytes,
-                 f"{lay.block_bytes()} bytes laid out, {geo.block_bytes} computed")
+    report.info(
+        name,
+        "pages",
+        f"{n} pages of {g} blocks x {geo.block_size} tokens, "
+        f"{geo.layers} layers, {geo.kv_heads} KV heads of {geo.head_size}: "
+        f"{geo.page_bytes / 1024**2:.1f} MiB each, {n * geo.page_bytes / 1024**3:.2f} "
+        f"GiB per transfer",
+    )
+    report.check(
+        name,
+        "block size as computed",
+        lay.block_bytes() == geo.block_bytes,
+        f"{lay.block_bytes()} bytes laid out, {geo.block_bytes} computed",
+    )
     wk = Worker(lay, n, geo.block_size, args.timeout, page_blocks=g, step_s=args.step_s)
     try:
         pool = wk.w.host_pool
@@ -240,12 +355,19 @@ def run_pages(args, device: torch.device, report: Report, name: str = "pages",
         wk.until(lambda: wk.done[job] or wk.failed[job])
         sync(device)
         kv_cpu = [lay.raw[0].cpu()]
-        bad = sum(not torch.equal(pool[s], torch.cat([lay.slot_bytes(b, kv_cpu)
-                                                      for b in src[i * g:(i + 1) * g]]))
-                  for i, s in enumerate(slots))
+        bad = sum(
+            not torch.equal(
+                pool[s], torch.cat([lay.slot_bytes(b, kv_cpu) for b in src[i * g : (i + 1) * g]])
+            )
+            for i, s in enumerate(slots)
+        )
         del kv_cpu
-        report.check(name, "pages stored whole, one slot each", not bad and wk.done[job],
-                     f"{n - bad}/{n} host pages byte-equal")
+        report.check(
+            name,
+            "pages stored whole, one slot each",
+            not bad and wk.done[job],
+            f"{n - bad}/{n} host pages byte-equal",
+        )
 
         kv_before = lay.raw[0].to("cpu", copy=True)
         delay(device, args.kernel_delay)
@@ -263,16 +385,29 @@ def run_pages(args, device: torch.device, report: Report, name: str = "pages",
             want = lay.slot_bytes(a, [kv_before])
             off = 0
             for page in lay.pages(expected, b):
-                page.copy_(want[off:off + page.numel()])
+                page.copy_(want[off : off + page.numel()])
                 off += page.numel()
-        report.check(name, "pages loaded, the skipped block untouched",
-                     torch.equal(kv_cpu[0], expected[0]) and not wk.failed,
-                     f"{len(dst) - 1} blocks loaded, 1 skipped; failed: {dict(wk.failed)}")
+        report.check(
+            name,
+            "pages loaded, the skipped block untouched",
+            torch.equal(kv_cpu[0], expected[0]) and not wk.failed,
+            f"{len(dst) - 1} blocks loaded, 1 skipped; failed: {dict(wk.failed)}",
+        )
         del kv_cpu, expected, kv_before
 
         rows = [s * g + i for s in slots for i in range(g)]  # the mover's rows: a block each
-        report_bandwidth(report, name, wk.w.mover, src, dst, rows, n * geo.page_bytes,
-                         device, args.repeats, args.timeout)
+        report_bandwidth(
+            report,
+            name,
+            wk.w.mover,
+            src,
+            dst,
+            rows,
+            n * geo.page_bytes,
+            device,
+            args.repeats,
+            args.timeout,
+        )
         report.check(name, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()
@@ -299,24 +434,39 @@ def probe(args, device: torch.device, report: Report) -> None:
     args.paths_pages = args.paths_pages or pages
     args.gds_mib = args.gds_mib or max(16, min(512, target >> 20))
     args.peer_pages = args.peer_pages or peer_pages(target, args.peer_page_kib)
-    report.info("probe", "pinned copy_ GB/s", f"{n / off / 1e9:.1f} d2h, {n / on / 1e9:.1f} h2d; "
-                f"about {target >> 20} MiB per transfer: {args.blocks} blocks of "
-                f"{args.layers} layers, {args.pages_70b} 70B pages, {args.paths_pages} at TP=1 "
-                f"in the paths and nixl cases (x8 at TP=8: the same bytes), {args.gds_mib} MiB "
-                f"read by gds, {args.peer_pages} pages of {args.peer_page_kib} KiB by peer-read; "
-                f"budget {args.budget_s:.0f} s")
+    report.info(
+        "probe",
+        "pinned copy_ GB/s",
+        f"{n / off / 1e9:.1f} d2h, {n / on / 1e9:.1f} h2d; "
+        f"about {target >> 20} MiB per transfer: {args.blocks} blocks of "
+        f"{args.layers} layers, {args.pages_70b} 70B pages, {args.paths_pages} at TP=1 "
+        f"in the paths and nixl cases (x8 at TP=8: the same bytes), {args.gds_mib} MiB "
+        f"read by gds, {args.peer_pages} pages of {args.peer_page_kib} KiB by peer-read; "
+        f"budget {args.budget_s:.0f} s",
+    )
 
 
 def run(name: str, args, device: torch.device, report: Report, deadline: float) -> None:
     if name == "pages":
         run_pages(args, device, report)
     elif name == "70b-pages":
-        geo = Geometry(args.layers_70b, GEOMETRY_70B.kv_heads, GEOMETRY_70B.head_size,
-                       GEOMETRY_70B.block_size, GEOMETRY_70B.page_blocks)
+        geo = Geometry(
+            args.layers_70b,
+            GEOMETRY_70B.kv_heads,
+            GEOMETRY_70B.head_size,
+            GEOMETRY_70B.block_size,
+            GEOMETRY_70B.page_blocks,
+        )
         run_pages(args, device, report, name, geo, args.pages_70b)
     elif name.startswith(("paths-70b-tp", "nixl-70b-tp")):
-        run_paths(args, device, report, int(name.rsplit("tp", 1)[1]), deadline,
-                  "NIXL" if name.startswith("nixl") else "copy engine")
+        run_paths(
+            args,
+            device,
+            report,
+            int(name.rsplit("tp", 1)[1]),
+            deadline,
+            "NIXL" if name.startswith("nixl") else "copy engine",
+        )
     elif name == "vllm":
         run_vllm(args, device, report, deadline)
     elif name == "gds":
@@ -332,52 +482,114 @@ def run(name: str, args, device: torch.device, report: Report, deadline: float) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--cases", nargs="+", default=ORDER, choices=ORDER,
-                   help="which cases, in this order (default: all, in the order listed)")
-    p.add_argument("--budget-s", type=float, default=BUDGET_S,
-                   help="the run's time budget: the probe sizes the cases to it, and cases "
-                        "not started when it is spent are skipped (rows say so)")
-    p.add_argument("--step-s", type=float, default=0.005,
-                   help="seconds between polls of a transfer: an engine step")
-    p.add_argument("--page-blocks", type=int, default=16,
-                   help="blocks per page of the pages case (16: the default at block size 16)")
-    p.add_argument("--pages-70b", type=int, default=None,
-                   help="pages of the 70b-pages case (default: sized by the probe, at most 8)")
-    p.add_argument("--paths-pages", type=int, default=None,
-                   help="pages per transfer of the paths-70b cases (default: by the probe)")
-    p.add_argument("--layers-70b", type=int, default=GEOMETRY_70B.layers,
-                   help="layers of the 70B cases (fewer only to try them on a small machine)")
-    p.add_argument("--gds-mib", type=int, default=None,
-                   help="file size of the gds case (default: sized by the probe)")
-    p.add_argument("--gds-dir", default=None,
-                   help="directory of the gds case's file (default: the system's temp dir)")
-    p.add_argument("--peer-pages", type=int, default=None,
-                   help="pages kvbm-pool serves to the peer-read case (default: by the probe)")
+    p.add_argument(
+        "--cases",
+        nargs="+",
+        default=ORDER,
+        choices=ORDER,
+        help="which cases, in this order (default: all, in the order listed)",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="the run's time budget: the probe sizes the cases to it, and cases "
+        "not started when it is spent are skipped (rows say so)",
+    )
+    p.add_argument(
+        "--step-s",
+        type=float,
+        default=0.005,
+        help="seconds between polls of a transfer: an engine step",
+    )
+    p.add_argument(
+        "--page-blocks",
+        type=int,
+        default=16,
+        help="blocks per page of the pages case (16: the default at block size 16)",
+    )
+    p.add_argument(
+        "--pages-70b",
+        type=int,
+        default=None,
+        help="pages of the 70b-pages case (default: sized by the probe, at most 8)",
+    )
+    p.add_argument(
+        "--paths-pages",
+        type=int,
+        default=None,
+        help="pages per transfer of the paths-70b cases (default: by the probe)",
+    )
+    p.add_argument(
+        "--layers-70b",
+        type=int,
+        default=GEOMETRY_70B.layers,
+        help="layers of the 70B cases (fewer only to try them on a small machine)",
+    )
+    p.add_argument(
+        "--gds-mib",
+        type=int,
+        default=None,
+        help="file size of the gds case (default: sized by the probe)",
+    )
+    p.add_argument(
+        "--gds-dir",
+        default=None,
+        help="directory of the gds case's file (default: the system's temp dir)",
+    )
+    p.add_argument(
+        "--peer-pages",
+        type=int,
+        default=None,
+        help="pages kvbm-pool serves to the peer-read case (default: by the probe)",
+    )
     p.add_argument("--peer-page-kib", type=int, default=4096, help="their size")
-    p.add_argument("--peer-ucx-tls", default=None,
-                   help="UCX_TLS of the peer-read case's two processes (tcp: as between "
-                        "machines; default: UCX's choice, or UCX_TLS as set)")
-    p.add_argument("--peer-timeout-s", type=float, default=PEER_CASE_S,
-                   help="the peer-read case's child is killed after this long at most")
+    p.add_argument(
+        "--peer-ucx-tls",
+        default=None,
+        help="UCX_TLS of the peer-read case's two processes (tcp: as between "
+        "machines; default: UCX's choice, or UCX_TLS as set)",
+    )
+    p.add_argument(
+        "--peer-timeout-s",
+        type=float,
+        default=PEER_CASE_S,
+        help="the peer-read case's child is killed after this long at most",
+    )
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--blocks", type=int, default=None, help="engine KV blocks")
     p.add_argument("--slots", type=int, default=None, help="host tier slots")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--mla-head-size", type=int, default=576,
-                   help="MLA latent + rope dims (DeepSeek: 512 + 64)")
+    p.add_argument(
+        "--mla-head-size", type=int, default=576, help="MLA latent + rope dims (DeepSeek: 512 + 64)"
+    )
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--kernel-delay", type=float, default=0.05,
-                   help="seconds the stream stays busy before the KV-writing kernel")
+    p.add_argument(
+        "--kernel-delay",
+        type=float,
+        default=0.05,
+        help="seconds the stream stays busy before the KV-writing kernel",
+    )
     p.add_argument("--timeout", type=float, default=60.0)
-    p.add_argument("--vllm-model", default=None,
-                   help="model of the vllm case (default: a small random-weight Llama built "
-                        "here, offline, in models/)")
-    p.add_argument("--vllm-cpu", action="store_true",
-                   help="run the vllm case on vLLM's CPU build too (minutes; skipped on CPU)")
-    p.add_argument("--vllm-timeout-s", type=float, default=CASE_S,
-                   help="the vllm case's engine run ends after this long at most")
+    p.add_argument(
+        "--vllm-model",
+        default=None,
+        help="model of the vllm case (default: a small random-weight Llama built "
+        "here, offline, in models/)",
+    )
+    p.add_argument(
+        "--vllm-cpu",
+        action="store_true",
+        help="run the vllm case on vLLM's CPU build too (minutes; skipped on CPU)",
+    )
+    p.add_argument(
+        "--vllm-timeout-s",
+        type=float,
+        default=CASE_S,
+        help="the vllm case's engine run ends after this long at most",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -389,9 +601,12 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     deadline = start + args.budget_s
-    print(f"gpu_check: torch {torch.__version__} (CUDA {torch.version.cuda}), device "
-          f"{torch.cuda.get_device_name(device) if cuda else 'cpu'}, "
-          f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}", flush=True)
+    print(
+        f"gpu_check: torch {torch.__version__} (CUDA {torch.version.cuda}), device "
+        f"{torch.cuda.get_device_name(device) if cuda else 'cpu'}, "
+        f"UCX_TLS={os.environ.get('UCX_TLS', '(default)')}",
+        flush=True,
+    )
     report = Report()
     probe(args, device, report)
     for name in args.cases:
@@ -407,8 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     total = report.passed + report.failed
     elapsed = time.perf_counter() - start
     if report.failed:
-        print(f"gpu_check: {report.failed} of {total} checks FAILED ({elapsed:.0f} s)",
-              flush=True)
+        print(f"gpu_check: {report.failed} of {total} checks FAILED ({elapsed:.0f} s)", flush=True)
         return 1
     print(f"gpu_check: all {total} checks passed ({elapsed:.0f} s)", flush=True)
     return 0

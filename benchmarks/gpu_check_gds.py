@@ -39,8 +39,9 @@ def find_cufile() -> str | None:
     candidates = [found] if found else []
     for base in sys.path:
         candidates += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcufile.so*")))
-        candidates += sorted(glob.glob(os.path.join(base, "nvidia", "cufile", "lib",
-                                                    "libcufile.so*")))
+        candidates += sorted(
+            glob.glob(os.path.join(base, "nvidia", "cufile", "lib", "libcufile.so*"))
+        )
     candidates += sorted(glob.glob("/usr/local/cuda*/lib64/libcufile.so*"))
     for path in candidates:
         try:
@@ -69,20 +70,25 @@ def aligned_empty(n: int, pin: bool) -> torch.Tensor:
     """n bytes of host memory starting on a 4 KiB boundary (O_DIRECT reads need it)."""
     raw = torch.empty(n + 4096, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % 4096
-    return raw[skip:skip + n]
+    return raw[skip : skip + n]
 
 
-def nixl_file_read(agent, backend: str, fd: int, dst: torch.Tensor, name: str,
-                   timeout_s: float) -> tuple[str, float]:
+def nixl_file_read(
+    agent, backend: str, fd: int, dst: torch.Tensor, name: str, timeout_s: float
+) -> tuple[str, float]:
     """NIXL reads the file (from offset 0) into ``dst`` with ``backend``:
     (state, seconds from posting to done)."""
     n = dst.numel()
     file_reg = agent.register_memory([(0, n, fd, "")], "FILE", backends=[backend])
     mem_reg = agent.register_memory(dst, backends=[backend])
     try:
-        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(dst),
-                                       agent.get_xfer_descs([(0, n, fd)], "FILE"), name,
-                                       backends=[backend])
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(dst),
+            agent.get_xfer_descs([(0, n, fd)], "FILE"),
+            name,
+            backends=[backend],
+        )
         try:
             t = time.perf_counter()
             try:
@@ -117,7 +123,7 @@ def plain_read_seconds(fd: int, dst: torch.Tensor, chunk: int) -> float:
         got = os.preadv(fd, [memoryview(buf.numpy())[:want]], off)
         if got != want:
             raise OSError(f"short read: {got} of {want} bytes at {off}")
-        dst[off:off + want].copy_(buf[:want], non_blocking=cuda)
+        dst[off : off + want].copy_(buf[:want], non_blocking=cuda)
         if cuda:
             events[i % 2] = torch.cuda.Event()
             events[i % 2].record()
@@ -140,8 +146,13 @@ def run_gds(args, device: torch.device, report: Report) -> None:
         # (nvidia-fs): "compat mode". Its log goes beside the file, not the cwd.
         conf = os.path.join(work, "cufile.json")
         with open(conf, "w") as f:
-            json.dump({"logging": {"dir": work, "level": "ERROR"},
-                       "properties": {"allow_compat_mode": True}}, f)
+            json.dump(
+                {
+                    "logging": {"dir": work, "level": "ERROR"},
+                    "properties": {"allow_compat_mode": True},
+                },
+                f,
+            )
         os.environ["CUFILE_ENV_PATH_JSON"] = conf
     from vllm_kvbm.worker.page_mover import _nixl_api
 
@@ -155,8 +166,12 @@ def run_gds(args, device: torch.device, report: Report) -> None:
         with open(path, "wb") as f:
             f.write(memoryview(want.cpu().numpy()))
         fd, direct = open_direct(path)
-        report.info(name, "file", f"{n / 2**20:.0f} MiB at {path} (O_DIRECT: {direct}); "
-                    f"{module} plugins {', '.join(plugins)}")
+        report.info(
+            name,
+            "file",
+            f"{n / 2**20:.0f} MiB at {path} (O_DIRECT: {direct}); "
+            f"{module} plugins {', '.join(plugins)}",
+        )
 
         # NIXL's POSIX plugin into host memory: the file path the GDS rows share
         host = aligned_empty(n, cuda).zero_()
@@ -164,8 +179,12 @@ def run_gds(args, device: torch.device, report: Report) -> None:
         drop_cache(fd)
         state, secs = nixl_file_read(agent, "POSIX", fd, host, agent_id, args.timeout)
         ok = state == "DONE" and torch.equal(host, want.cpu())
-        report.check(name, "NIXL POSIX file -> host, bytes equal", ok,
-                     f"{state}; {n / secs / 1e9:.2f} GB/s cold" if state == "DONE" else state)
+        report.check(
+            name,
+            "NIXL POSIX file -> host, bytes equal",
+            ok,
+            f"{state}; {n / secs / 1e9:.2f} GB/s cold" if state == "DONE" else state,
+        )
         del host
 
         dst = torch.zeros(n, dtype=torch.uint8, device=device)
@@ -174,18 +193,29 @@ def run_gds(args, device: torch.device, report: Report) -> None:
             dst.zero_()
             drop_cache(fd)
             best_plain = min(best_plain, plain_read_seconds(fd, dst, 64 << 20))
-        report.check(name, f"plain read + copy_ -> {'GPU' if cuda else 'CPU'}, bytes equal",
-                     torch.equal(dst, want),
-                     f"{n / best_plain / 1e9:.2f} GB/s cold (best of {args.repeats})")
+        report.check(
+            name,
+            f"plain read + copy_ -> {'GPU' if cuda else 'CPU'}, bytes equal",
+            torch.equal(dst, want),
+            f"{n / best_plain / 1e9:.2f} GB/s cold (best of {args.repeats})",
+        )
         if not cuda:
             report.info(name, "GDS disk -> GPU", "skipped: no CUDA device (CPU run)")
             return
         if cufile is None:
-            report.info(name, "GDS disk -> GPU", "skipped: no libcufile (cuFile) found on this "
-                        "machine (nvidia-cufile wheel or CUDA toolkit)")
+            report.info(
+                name,
+                "GDS disk -> GPU",
+                "skipped: no libcufile (cuFile) found on this "
+                "machine (nvidia-cufile wheel or CUDA toolkit)",
+            )
             return
-        report.info(name, "cuFile", f"{cufile}; nvidia-fs driver: "
-                    f"{'present' if nvfs else 'absent (cuFile compat mode: through host memory)'}")
+        report.info(
+            name,
+            "cuFile",
+            f"{cufile}; nvidia-fs driver: "
+            f"{'present' if nvfs else 'absent (cuFile compat mode: through host memory)'}",
+        )
         for backend in ("GDS", "GDS_MT"):
             what = f"NIXL {backend} file -> GPU"
             if backend not in plugins:
@@ -194,8 +224,11 @@ def run_gds(args, device: torch.device, report: Report) -> None:
             try:
                 agent.create_backend(backend)
             except Exception as err:  # noqa: BLE001 - cuFile refused: say why, go on
-                report.info(name, what, f"skipped: {backend} backend did not start: "
-                            f"{type(err).__name__}: {err}")
+                report.info(
+                    name,
+                    what,
+                    f"skipped: {backend} backend did not start: {type(err).__name__}: {err}",
+                )
                 continue
             best, state = float("inf"), "DONE"
             for _ in range(args.repeats):
@@ -210,9 +243,12 @@ def run_gds(args, device: torch.device, report: Report) -> None:
             if state != "DONE":  # the machine's cuFile setup, not KVBM (which reads no GDS)
                 report.info(name, what, f"did not complete: {state}")
                 continue
-            report.check(name, f"{what}, bytes equal", torch.equal(dst, want),
-                         f"{n / best / 1e9:.2f} GB/s cold ({best_plain / best:.2f}x the plain "
-                         f"read + copy_)")
+            report.check(
+                name,
+                f"{what}, bytes equal",
+                torch.equal(dst, want),
+                f"{n / best / 1e9:.2f} GB/s cold ({best_plain / best:.2f}x the plain read + copy_)",
+            )
     finally:
         if fd >= 0:
             os.close(fd)

@@ -53,8 +53,9 @@ class Geometry:
 # CUDA block size 16; 256-token pages.
 GEOMETRY_70B = Geometry(layers=80, kv_heads=8, head_size=128, block_size=16, page_blocks=16)
 # DeepSeek-V2-Lite: 27 MLA layers, one latent of kv_lora_rank 512 + qk_rope_head_dim 64, bf16.
-GEOMETRY_V2_LITE = Geometry(layers=27, kv_heads=1, head_size=576, block_size=16, page_blocks=1,
-                            mla=True)
+GEOMETRY_V2_LITE = Geometry(
+    layers=27, kv_heads=1, head_size=576, block_size=16, page_blocks=1, mla=True
+)
 # Cases run at a model's geometry instead of the command line's.
 CASE_GEOMETRY = {"mla-v2-lite": GEOMETRY_V2_LITE}
 
@@ -89,15 +90,33 @@ class Report:
 class Worker:
     """A KVBMWorker driven as vLLM drives it, with its metadata summed."""
 
-    def __init__(self, lay: KVLayout, num_slots: int, block_size: int, timeout_s: float,
-                 page_blocks: int = 1, step_s: float = 0.005, **info):
+    def __init__(
+        self,
+        lay: KVLayout,
+        num_slots: int,
+        block_size: int,
+        timeout_s: float,
+        page_blocks: int = 1,
+        step_s: float = 0.005,
+        **info,
+    ):
         """``info``: EngineInfo's further fields (a hybrid model's groups)."""
         bb = lay.block_bytes()
-        ns = KeyNamespace(model="gpu-check@", dtype="torch.bfloat16", kv_layout="check",
-                          block_size=block_size, page_blocks=page_blocks,
-                          page_bytes=bb * page_blocks, tp_size=1)
-        self.w = KVBMWorker(EngineInfo(block_size, bb, lay.num_layers, 1, ns, page_blocks, **info),
-                            num_slots, "UCX", agent_name("kvbm-gpu-check"))
+        ns = KeyNamespace(
+            model="gpu-check@",
+            dtype="torch.bfloat16",
+            kv_layout="check",
+            block_size=block_size,
+            page_blocks=page_blocks,
+            page_bytes=bb * page_blocks,
+            tp_size=1,
+        )
+        self.w = KVBMWorker(
+            EngineInfo(block_size, bb, lay.num_layers, 1, ns, page_blocks, **info),
+            num_slots,
+            "UCX",
+            agent_name("kvbm-gpu-check"),
+        )
         self.w.register_kv_caches(lay.caches, lay.num_blocks, lay.block_dims)
         self.done: Counter = Counter()
         self.failed: Counter = Counter()
@@ -129,8 +148,7 @@ class Worker:
 
     def store(self, blocks: list[int], slots: list[int]) -> int:
         job = next(self._ids)
-        self.w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(job, "r", blocks,
-                                                                      slots)]))
+        self.w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(job, "r", blocks, slots)]))
         return job
 
     def load(self, blocks: list[int], slots: list[int]) -> str:
@@ -151,8 +169,12 @@ def rewrite_kv(lay: KVLayout, step: int) -> None:
     u8.bitwise_xor_(step * 37 % 255 + 1)  # never 0: every byte changes
 
 
-def slot_pages_equal(pool: torch.Tensor, lay: KVLayout, kv_cpu: list[torch.Tensor],
-                     blocks: list[int], slots: list[int]) -> int:
+def slot_pages_equal(
+    pool: torch.Tensor,
+    lay: KVLayout,
+    kv_cpu: list[torch.Tensor],
+    blocks: list[int],
+    slots: list[int],
+) -> int:
     """How many of ``blocks`` are NOT byte-equal in their host slot."""
-    return sum(not torch.equal(pool[s], lay.slot_bytes(b, kv_cpu))
-               for b, s in zip(blocks, slots))
+    return sum(not torch.equal(pool[s], lay.slot_bytes(b, kv_cpu)) for b, s in zip(blocks, slots))

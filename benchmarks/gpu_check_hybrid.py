@@ -40,8 +40,7 @@ NAME = "hybrid"
 STATE_LAYERS = 3  # GDN layers per attention layer, as in Qwen3-Next
 # vLLM numbers a hybrid model's groups by their kind's first layer: the GDN
 # layers of Qwen3-Next's first four come first, each a group of its own.
-GROUPS = (*(GroupInfo(i, "state") for i in range(STATE_LAYERS)),
-          GroupInfo(STATE_LAYERS, "full"))
+GROUPS = (*(GroupInfo(i, "state") for i in range(STATE_LAYERS)), GroupInfo(STATE_LAYERS, "full"))
 PRIMARY = STATE_LAYERS  # the full-attention group: its pages carry the prefix's keys
 KV_HEADS, BLOCK_TOKENS, HEAD_SIZE = 2, 256, 64  # the attention layer's, bf16
 STATE_BYTES = 68608  # one GDN layer's conv and recurrent state
@@ -64,21 +63,28 @@ def hybrid_layout(num_blocks: int, device: torch.device) -> KVLayout:
     buf = torch.empty(PAD + num_blocks * block + PAD, dtype=torch.int8, device=device)
 
     def views(raw):  # a view per layer, as vLLM hands each layer its own
-        body = raw[0][PAD:PAD + num_blocks * block]
-        out = {state_name(i): torch.as_strided(body, (num_blocks, 1, 1, STATE_BYTES),
-                                               (block, STATE_BYTES, STATE_BYTES, 1),
-                                               storage_offset=body.storage_offset())
-               for i in range(STATE_LAYERS)}
+        body = raw[0][PAD : PAD + num_blocks * block]
+        out = {
+            state_name(i): torch.as_strided(
+                body,
+                (num_blocks, 1, 1, STATE_BYTES),
+                (block, STATE_BYTES, STATE_BYTES, 1),
+                storage_offset=body.storage_offset(),
+            )
+            for i in range(STATE_LAYERS)
+        }
         out[attn_name(STATE_LAYERS)] = body.view(torch.bfloat16).view(
-            num_blocks, KV_HEADS, BLOCK_TOKENS, 2 * HEAD_SIZE)
+            num_blocks, KV_HEADS, BLOCK_TOKENS, 2 * HEAD_SIZE
+        )
         return out
 
     def pages(raw, blk):  # a block is one run of bytes, whichever group holds it
         flat = raw[0].view(torch.uint8)
-        return [flat[PAD + blk * block:PAD + (blk + 1) * block]]
+        return [flat[PAD + blk * block : PAD + (blk + 1) * block]]
 
-    return KVLayout(num_blocks, 1, [buf], views, pages,
-                    block_dims={name: 0 for name in views([buf])})
+    return KVLayout(
+        num_blocks, 1, [buf], views, pages, block_dims={name: 0 for name in views([buf])}
+    )
 
 
 def busy(device: torch.device, seconds: float) -> None:
@@ -104,25 +110,42 @@ def run_hybrid(args, device: torch.device, report, worker) -> None:
     bb = lay.block_bytes()
     caches = lay.caches
     attn, state = caches[attn_name(STATE_LAYERS)], caches[state_name(0)]
-    report.info(NAME, "layout", f"{nb} blocks of {bb} bytes: attention view {tuple(attn.shape)} "
-                f"bf16 strides {attn.stride()}, {STATE_LAYERS} state views {tuple(state.shape)} "
-                f"int8 strides {state.stride()}; groups {[g.kind for g in GROUPS]}, "
-                f"primary {PRIMARY}")
-    shared = ({v.data_ptr() for v in caches.values()} == {attn.data_ptr()}
-              and {v.stride(0) * v.element_size() for v in caches.values()} == {bb})
-    report.check(NAME, "every group's layer views one tensor", shared,
-                 "same data_ptr and block stride in bytes")
-    wk = worker(lay, n, BLOCK_TOKENS, args.timeout, step_s=args.step_s, groups=GROUPS,
-                primary=PRIMARY)
+    report.info(
+        NAME,
+        "layout",
+        f"{nb} blocks of {bb} bytes: attention view {tuple(attn.shape)} "
+        f"bf16 strides {attn.stride()}, {STATE_LAYERS} state views {tuple(state.shape)} "
+        f"int8 strides {state.stride()}; groups {[g.kind for g in GROUPS]}, "
+        f"primary {PRIMARY}",
+    )
+    shared = {v.data_ptr() for v in caches.values()} == {attn.data_ptr()} and {
+        v.stride(0) * v.element_size() for v in caches.values()
+    } == {bb}
+    report.check(
+        NAME,
+        "every group's layer views one tensor",
+        shared,
+        "same data_ptr and block stride in bytes",
+    )
+    wk = worker(
+        lay, n, BLOCK_TOKENS, args.timeout, step_s=args.step_s, groups=GROUPS, primary=PRIMARY
+    )
     try:
         got = [(r.stride, r.layer_block_bytes) for r in wk.w.mover.regions]
-        report.check(NAME, "one region: each block copied once",
-                     wk.w.info.hybrid and got == [(bb, bb)],
-                     f"{len(got)} region(s) for {len(caches)} layer views: {got} (stride, bytes)")
+        report.check(
+            NAME,
+            "one region: each block copied once",
+            wk.w.info.hybrid and got == [(bb, bb)],
+            f"{len(got)} region(s) for {len(caches)} layer views: {got} (stride, bytes)",
+        )
         pool = wk.w.host_pool
         rows = n + wk.w._staging.count
-        report.check(NAME, "host pool exact size", pool.untyped_storage().nbytes() == rows * bb,
-                     f"{pool.untyped_storage().nbytes()} bytes for {rows} rows of {bb}")
+        report.check(
+            NAME,
+            "host pool exact size",
+            pool.untyped_storage().nbytes() == rows * bb,
+            f"{pool.untyped_storage().nbytes()} bytes for {rows} rows of {bb}",
+        )
         report.info(NAME, "copy path", wk.w.mover.path)
 
         # 1. stores: each block's bytes, whole, into its slot and nowhere else
@@ -137,16 +160,26 @@ def run_hybrid(args, device: torch.device, report, worker) -> None:
         bad = sum(not torch.equal(pool[s], lay.slot_bytes(b, kv)) for b, s in zip(blocks, slots))
         rest = sorted(set(range(rows)) - set(slots))
         untouched = torch.equal(pool[rest], pool_before[rest])
-        report.check(NAME, "stores copy each block's bytes exactly",
-                     not bad and untouched and wk.done[job] > 0,
-                     f"{n - bad}/{n} host pages byte-equal ({bb} bytes: {STATE_BYTES} of state, "
-                     f"then padding), the other {len(rest)} host rows untouched: {untouched}")
-        bad = sum(not torch.equal(pool[s][:STATE_BYTES].view(torch.int8),
-                                  caches[state_name(i)][b].reshape(-1).cpu())
-                  for b, s in zip(blocks, slots) for i in range(STATE_LAYERS))
-        report.check(NAME, "state views' bytes in the pages", not bad,
-                     f"{STATE_LAYERS * n - bad}/{STATE_LAYERS * n} (block, GDN layer) states "
-                     f"byte-equal")
+        report.check(
+            NAME,
+            "stores copy each block's bytes exactly",
+            not bad and untouched and wk.done[job] > 0,
+            f"{n - bad}/{n} host pages byte-equal ({bb} bytes: {STATE_BYTES} of state, "
+            f"then padding), the other {len(rest)} host rows untouched: {untouched}",
+        )
+        bad = sum(
+            not torch.equal(
+                pool[s][:STATE_BYTES].view(torch.int8), caches[state_name(i)][b].reshape(-1).cpu()
+            )
+            for b, s in zip(blocks, slots)
+            for i in range(STATE_LAYERS)
+        )
+        report.check(
+            NAME,
+            "state views' bytes in the pages",
+            not bad,
+            f"{STATE_LAYERS * n - bad}/{STATE_LAYERS * n} (block, GDN layer) states byte-equal",
+        )
         del kv
 
         # 2. loads into other blocks: the tensor's other bytes (guards included) unchanged
@@ -162,8 +195,12 @@ def run_hybrid(args, device: torch.device, report, worker) -> None:
         for b, w in zip(others, want):
             lay.pages([expected], b)[0].copy_(w)
         whole = torch.equal(lay.raw[0].cpu(), expected)
-        report.check(NAME, "loads restore blocks, the rest unchanged", whole and not wk.failed,
-                     f"{n} blocks of {bb} bytes loaded; the tensor equals the expected: {whole}")
+        report.check(
+            NAME,
+            "loads restore blocks, the rest unchanged",
+            whole and not wk.failed,
+            f"{n} blocks of {bb} bytes loaded; the tensor equals the expected: {whole}",
+        )
         del kv_before, expected, want
 
         # 3. a before_next_step store is finished when handle_preemptions returns,
@@ -171,8 +208,11 @@ def run_hybrid(args, device: torch.device, report, worker) -> None:
         busy(device, args.kernel_delay)
         rewrite(lay, 2)
         job = next(wk._ids)
-        wk.w.start_stores(KVBMConnectorMetadata(
-            stores=[TransferJob(job, "r", blocks, slots, before_next_step=True)]))
+        wk.w.start_stores(
+            KVBMConnectorMetadata(
+                stores=[TransferJob(job, "r", blocks, slots, before_next_step=True)]
+            )
+        )
         t = time.perf_counter()
         wk.w.handle_preemptions(KVBMConnectorMetadata())
         waited = time.perf_counter() - t
@@ -180,15 +220,28 @@ def run_hybrid(args, device: torch.device, report, worker) -> None:
         done = wk.w._meta.stores_done[job]
         kv = [lay.raw[0].cpu()]
         bad = sum(not torch.equal(pool[s], lay.slot_bytes(b, kv)) for b, s in zip(blocks, slots))
-        report.check(NAME, "handle_preemptions waits for before_next_step",
-                     not left and done > 0 and not bad,
-                     f"{len(left)} still queued or in flight, reported done: {done > 0}, "
-                     f"{n - bad}/{n} host pages byte-equal; waited {waited * 1e3:.0f} ms")
+        report.check(
+            NAME,
+            "handle_preemptions waits for before_next_step",
+            not left and done > 0 and not bad,
+            f"{len(left)} still queued or in flight, reported done: {done > 0}, "
+            f"{n - bad}/{n} host pages byte-equal; waited {waited * 1e3:.0f} ms",
+        )
         del kv
         wk.step()
 
-        report_bandwidth(report, NAME, wk.w.mover, blocks, others, slots, n * bb, device,
-                         args.repeats, args.timeout)
+        report_bandwidth(
+            report,
+            NAME,
+            wk.w.mover,
+            blocks,
+            others,
+            slots,
+            n * bb,
+            device,
+            args.repeats,
+            args.timeout,
+        )
         report.check(NAME, "no transfer failed", not wk.failed, f"failed: {dict(wk.failed)}")
     finally:
         wk.w.shutdown()

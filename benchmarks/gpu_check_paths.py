@@ -59,8 +59,10 @@ def copy_seconds(nbytes: int, device: torch.device, repeats: int) -> tuple[float
         for i, (dst, src) in enumerate(((host, dev), (dev, host))):
             sync(device)
             if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
                 dst.copy_(src, non_blocking=True)
                 end.record()
@@ -78,15 +80,19 @@ def timing_of(mover) -> str:
     return EVENTS if getattr(mover, "orders_on_gpu", False) else UNTIL_DONE
 
 
-def mover_seconds(mover, to_host: bool, blocks: list[int], rows: list[int],
-                  timeout_s: float) -> tuple[str, float]:
+def mover_seconds(
+    mover, to_host: bool, blocks: list[int], rows: list[int], timeout_s: float
+) -> tuple[str, float]:
     """One transfer: (state, seconds). The copy engines' own events give
     their time on the GPU; NIXL's is from the post until polled done.
     "PROC": still running at the timeout (it may still write)."""
     events = getattr(mover, "orders_on_gpu", False)
     start = time.perf_counter()
-    handle = mover.post(to_host, blocks, rows, timed=True) if events else mover.post(
-        to_host, blocks, rows)
+    handle = (
+        mover.post(to_host, blocks, rows, timed=True)
+        if events
+        else mover.post(to_host, blocks, rows)
+    )
     while (state := mover.poll(handle)) == "PROC":
         if time.perf_counter() - start > timeout_s:
             return "PROC", float("inf")
@@ -97,9 +103,18 @@ def mover_seconds(mover, to_host: bool, blocks: list[int], rows: list[int],
     return state, handle.seconds() if events else elapsed
 
 
-def report_bandwidth(report, name: str, mover, src: list[int], dst: list[int],
-                     slots: list[int], nbytes: int, device: torch.device, repeats: int,
-                     timeout_s: float = 60.0) -> bool:
+def report_bandwidth(
+    report,
+    name: str,
+    mover,
+    src: list[int],
+    dst: list[int],
+    slots: list[int],
+    nbytes: int,
+    device: torch.device,
+    repeats: int,
+    timeout_s: float = 60.0,
+) -> bool:
     """Offload ``src`` into ``slots`` and onboard them into ``dst`` through
     ``mover``, best of ``repeats``, against copy_ of as many bytes. False if a
     transfer is still running (its memory must stay registered)."""
@@ -112,15 +127,22 @@ def report_bandwidth(report, name: str, mover, src: list[int], dst: list[int],
             states.add(state)
             best[i] = min(best[i], secs)
             if state == "PROC":
-                report.check(name, "bandwidth transfers finished", False,
-                             f"a transfer still running after {timeout_s:g} s")
+                report.check(
+                    name,
+                    "bandwidth transfers finished",
+                    False,
+                    f"a transfer still running after {timeout_s:g} s",
+                )
                 return False
     report.check(name, "bandwidth transfers finished", states == {"DONE"}, f"{sorted(states)}")
     ref = copy_seconds(nbytes, device, repeats)
     for i, what in enumerate(("offload d2h", "onboard h2d")):
-        report.info(name, f"{what} GB/s (KVBM / torch copy_)",
-                    f"{nbytes / best[i] / 1e9:.1f} / {nbytes / ref[i] / 1e9:.1f} "
-                    f"({ref[i] / best[i]:.0%} of torch; {timing_of(mover)})")
+        report.info(
+            name,
+            f"{what} GB/s (KVBM / torch copy_)",
+            f"{nbytes / best[i] / 1e9:.1f} / {nbytes / ref[i] / 1e9:.1f} "
+            f"({ref[i] / best[i]:.0%} of torch; {timing_of(mover)})",
+        )
     return True
 
 
@@ -131,7 +153,7 @@ def ucx_protocols(text: str) -> list[tuple[str, list[str]]]:
     for line in text.splitlines():
         if "|" not in line:
             continue
-        cells = [c.strip() for c in line[line.index("|"):].strip().strip("|").split("|")]
+        cells = [c.strip() for c in line[line.index("|") :].strip().strip("|").split("|")]
         if len(cells) == 1 and "cfg#" not in cells[0]:
             ops.append((cells[0], []))
         elif len(cells) == 3 and ops and cells[0] != "Range":
@@ -152,36 +174,49 @@ def ucx_protocol_rows(report, name: str, text: str, largest: int) -> None:
     for op, ranges in ops:
         report.info(name, "UCX protocol", f"{op}: {'; '.join(ranges)}")
     if not ops:
-        report.info(name, "UCX protocol", "UCX printed no protocol selection (UCX_PROTO_INFO "
-                    "unknown to this UCX)")
+        report.info(
+            name,
+            "UCX protocol",
+            "UCX printed no protocol selection (UCX_PROTO_INFO unknown to this UCX)",
+        )
     emulated = [(op, r) for op, ranges in ops for r in ranges if "emulation" in r]
     used = [f"{op}: {r}" for op, r in emulated if _size(r.split("..")[0]) <= largest]
     later = f"; from {emulated[0][1].split('..')[0]} bytes on it would be" if emulated else ""
-    report.info(name, "UCX protocol emulated",
-                f"YES for these copies (UCX stages them itself, not the copy engine): {used[0]}"
-                if used else f"not for these copies (at most {largest} bytes){later}")
+    report.info(
+        name,
+        "UCX protocol emulated",
+        f"YES for these copies (UCX stages them itself, not the copy engine): {used[0]}"
+        if used
+        else f"not for these copies (at most {largest} bytes){later}",
+    )
 
 
 def _make(path: str, lay, pool):
     if path == "copy engine":
         from vllm_kvbm.worker.copy_engine import CopyEngineMover
 
-        return CopyEngineMover(lay.caches, lay.num_blocks, pool, lay.block_dims,
-                               page_blocks=PAGE_BLOCKS)
+        return CopyEngineMover(
+            lay.caches, lay.num_blocks, pool, lay.block_dims, page_blocks=PAGE_BLOCKS
+        )
     from vllm_kvbm.worker.page_mover import PageMover
 
-    return PageMover(lay.caches, lay.num_blocks, pool, name=agent_name("kvbm-paths"),
-                     block_dims=lay.block_dims)
+    return PageMover(
+        lay.caches, lay.num_blocks, pool, name=agent_name("kvbm-paths"), block_dims=lay.block_dims
+    )
 
 
-def run_paths(args, device: torch.device, report, tp: int, deadline: float,
-              path: str = "copy engine") -> None:
+def run_paths(
+    args, device: torch.device, report, tp: int, deadline: float, path: str = "copy engine"
+) -> None:
     """``path``: "copy engine" (the paths-70b cases) or "NIXL" (nixl-70b)."""
     name = f"{'paths' if path == 'copy engine' else 'nixl'}-70b-tp{tp}"
     cuda = device.type == "cuda"
     if path == "copy engine" and not cuda:
-        report.info(name, "copy engine", "skipped: no CUDA device (the CPU run times NIXL in "
-                    "the nixl-70b cases)")
+        report.info(
+            name,
+            "copy engine",
+            "skipped: no CUDA device (the CPU run times NIXL in the nixl-70b cases)",
+        )
         return
     pages = args.paths_pages * tp  # the same bytes at every TP: blocks are 1/tp the size
     for layout in LAYOUTS:
@@ -197,19 +232,43 @@ def run_paths(args, device: torch.device, report, tp: int, deadline: float,
             torch.cuda.empty_cache()
 
 
-def run_one(args, report, name: str, what: str, layout: str, tp: int, pages: int, path: str,
-            device: torch.device, deadline: float) -> None:
+def run_one(
+    args,
+    report,
+    name: str,
+    what: str,
+    layout: str,
+    tp: int,
+    pages: int,
+    path: str,
+    device: torch.device,
+    deadline: float,
+) -> None:
     cuda = device.type == "cuda"
     nb = pages * PAGE_BLOCKS
-    lay = vllm_layout(layout, args.layers_70b, 2 * nb, heads=8 // tp, block_size=16,
-                      head_size=128, gen=None, dtype=torch.bfloat16, device=device, pad=0)
+    lay = vllm_layout(
+        layout,
+        args.layers_70b,
+        2 * nb,
+        heads=8 // tp,
+        block_size=16,
+        head_size=128,
+        gen=None,
+        dtype=torch.bfloat16,
+        device=device,
+        pad=0,
+    )
     lay.raw[0].view(torch.uint8).random_(0, 256)
     bb = lay.block_bytes()
     nbytes = nb * bb
     host = HostPool(nb, bb, pin=cuda, device=device)
-    report.info(name, f"{what} geometry", f"{args.layers_70b} layers, {8 // tp} KV heads of "
-                f"128: {bb / 2**20:.2f} MiB blocks, {pages} pages = {nbytes / 2**20:.0f} MiB "
-                f"per transfer (pinned: {host.pinned})")
+    report.info(
+        name,
+        f"{what} geometry",
+        f"{args.layers_70b} layers, {8 // tp} KV heads of "
+        f"128: {bb / 2**20:.2f} MiB blocks, {pages} pages = {nbytes / 2**20:.0f} MiB "
+        f"per transfer (pinned: {host.pinned})",
+    )
     nixl = path == "NIXL"
     ucx_log = tempfile.NamedTemporaryFile(prefix="kvbm-ucx-", suffix=".log", delete=False)
     ucx_log.close()
@@ -223,8 +282,9 @@ def run_one(args, report, name: str, what: str, layout: str, tp: int, pages: int
         with teed_output(ucx_log.name) if nixl else contextlib.nullcontext():
             mover = _make(path, lay, host.tensor)
             try:
-                running = not _measure(args, report, name, what, mover, lay, src, dst, nbytes,
-                                       device, deadline)
+                running = not _measure(
+                    args, report, name, what, mover, lay, src, dst, nbytes, device, deadline
+                )
             finally:
                 if running:  # closing under a running transfer crashes UCX: left to exit
                     report.info(name, f"{what} left open", "a transfer was still running")
@@ -232,8 +292,9 @@ def run_one(args, report, name: str, what: str, layout: str, tp: int, pages: int
                     mover.close()
         if nixl:
             with open(ucx_log.name, errors="replace") as f:
-                ucx_protocol_rows(report, name, f.read(),
-                                  max(r.layer_block_bytes for r in mover.regions))
+                ucx_protocol_rows(
+                    report, name, f.read(), max(r.layer_block_bytes for r in mover.regions)
+                )
     finally:
         if nixl and saved is None:
             os.environ.pop("UCX_PROTO_INFO", None)
@@ -245,8 +306,19 @@ def run_one(args, report, name: str, what: str, layout: str, tp: int, pages: int
         del lay
 
 
-def _measure(args, report, name: str, what: str, mover, lay, src, dst, nbytes: int,
-             device: torch.device, deadline: float) -> bool:
+def _measure(
+    args,
+    report,
+    name: str,
+    what: str,
+    mover,
+    lay,
+    src,
+    dst,
+    nbytes: int,
+    device: torch.device,
+    deadline: float,
+) -> bool:
     """Stores and loads, best of ``repeats``; False if one is still running."""
     best = [float("inf"), float("inf")]
     for _ in range(args.repeats):
@@ -255,26 +327,42 @@ def _measure(args, report, name: str, what: str, mover, lay, src, dst, nbytes: i
             left = max(1.0, min(args.timeout, deadline - time.perf_counter()))
             state, secs = mover_seconds(mover, to_host, blocks, src, left)
             if state != "DONE":
-                report.check(name, f"{what} pages stored and loaded back, bytes equal", False,
-                             f"a transfer ended {state}")
+                report.check(
+                    name,
+                    f"{what} pages stored and loaded back, bytes equal",
+                    False,
+                    f"a transfer ended {state}",
+                )
                 return state != "PROC"
             best[i] = min(best[i], secs)
     copies = getattr(mover, "page_copies", None) or nixl_page_copies(mover.regions, PAGE_BLOCKS)
     report.info(name, f"{what} copies", str(copies))
     kv = lay.raw[0].cpu()
-    equal = all(torch.equal(lay.slot_bytes(d, [kv]), lay.slot_bytes(s, [kv]))
-                for s, d in ((src[0], dst[0]), (src[-1], dst[-1])))
-    report.check(name, f"{what} pages stored and loaded back, bytes equal", equal,
-                 "first and last block compared")
+    equal = all(
+        torch.equal(lay.slot_bytes(d, [kv]), lay.slot_bytes(s, [kv]))
+        for s, d in ((src[0], dst[0]), (src[-1], dst[-1]))
+    )
+    report.check(
+        name,
+        f"{what} pages stored and loaded back, bytes equal",
+        equal,
+        "first and last block compared",
+    )
     ref = copy_seconds(nbytes, device, args.repeats)
     ratios = [r / b for r, b in zip(ref, best)]
     for i, direction in enumerate(("offload d2h", "onboard h2d")):
-        report.info(name, f"{what} {direction} GB/s (vs copy_)",
-                    f"{nbytes / best[i] / 1e9:.1f} / {nbytes / ref[i] / 1e9:.1f} "
-                    f"({ratios[i]:.2f}x; {timing_of(mover)}, copy_ by "
-                    f"{EVENTS if device.type == 'cuda' else 'perf_counter'})")
+        report.info(
+            name,
+            f"{what} {direction} GB/s (vs copy_)",
+            f"{nbytes / best[i] / 1e9:.1f} / {nbytes / ref[i] / 1e9:.1f} "
+            f"({ratios[i]:.2f}x; {timing_of(mover)}, copy_ by "
+            f"{EVENTS if device.type == 'cuda' else 'perf_counter'})",
+        )
     if what.endswith("copy engine"):
         met = min(ratios) >= TARGET_RATIO
-        report.info(name, f"{what} at {TARGET_RATIO}x of copy_", "met" if met else
-                    f"NOT met ({min(ratios):.2f}x)")
+        report.info(
+            name,
+            f"{what} at {TARGET_RATIO}x of copy_",
+            "met" if met else f"NOT met ({min(ratios):.2f}x)",
+        )
     return True

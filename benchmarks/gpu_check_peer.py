@@ -88,19 +88,38 @@ def run_peer(args, device, report, deadline: float) -> None:
     """Runs the child and reports its rows as they come."""
     missing = [pkg for mod, pkg in NEEDS.items() if not _found(mod)]
     if missing:
-        report.info(NAME, "skipped", f"not installed here: {', '.join(missing)} (a dependency "
-                    f"of vllm_kvbm and vLLM: pip install {' '.join(missing)})")
+        report.info(
+            NAME,
+            "skipped",
+            f"not installed here: {', '.join(missing)} (a dependency "
+            f"of vllm_kvbm and vLLM: pip install {' '.join(missing)})",
+        )
         return
     left = deadline - time.perf_counter()
     if left < MIN_S:
         report.info(NAME, "skipped", "too little of the time budget is left")
         return
     page_bytes = args.peer_page_kib << 10
-    work = tempfile.mkdtemp(prefix="kvbm-gpu-check-peer-",
-                            dir=pool_dir(5 * args.peer_pages * page_bytes))
-    cmd = [sys.executable, __file__, "--child", "--device", device.type, "--dir", work,
-           "--pages", str(args.peer_pages), "--page-kib", str(args.peer_page_kib),
-           "--repeats", str(args.repeats), "--timeout", str(args.timeout)]
+    work = tempfile.mkdtemp(
+        prefix="kvbm-gpu-check-peer-", dir=pool_dir(5 * args.peer_pages * page_bytes)
+    )
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--device",
+        device.type,
+        "--dir",
+        work,
+        "--pages",
+        str(args.peer_pages),
+        "--page-kib",
+        str(args.peer_page_kib),
+        "--repeats",
+        str(args.repeats),
+        "--timeout",
+        str(args.timeout),
+    ]
     if args.peer_ucx_tls:
         cmd += ["--ucx-tls", args.peer_ucx_tls]
     try:
@@ -125,10 +144,23 @@ def _check(what: str, ok: bool, detail: str) -> bool:
 def _serve(args, sock: str, port: int) -> subprocess.Popen:
     """kvbm-pool in this process group (the parent's kill ends it too); its
     log into this process's stderr (the parent's log of the case)."""
-    return subprocess.Popen([sys.executable, "-m", "vllm_kvbm.tools.pool", "--dir", args.dir,
-                             "--socket", sock, "--serve-port", str(port),
-                             "--serve-host", "127.0.0.1"],
-                            stdin=subprocess.DEVNULL, stdout=2)  # fd 2: the log
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm_kvbm.tools.pool",
+            "--dir",
+            args.dir,
+            "--socket",
+            sock,
+            "--serve-port",
+            str(port),
+            "--serve-host",
+            "127.0.0.1",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=2,
+    )  # fd 2: the log
 
 
 def _hello(link, spec, pool: subprocess.Popen, timeout_s: float) -> tuple[dict, bytes]:
@@ -137,9 +169,15 @@ def _hello(link, spec, pool: subprocess.Popen, timeout_s: float) -> tuple[dict, 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            reply, metadata = link.request({"op": "hello", "file": spec.name,
-                                            "scope": spec.scope_digest.hex(),
-                                            "known": ["", -1]}, 2.0)
+            reply, metadata = link.request(
+                {
+                    "op": "hello",
+                    "file": spec.name,
+                    "scope": spec.scope_digest.hex(),
+                    "known": ["", -1],
+                },
+                2.0,
+            )
             if reply.get("ok") and metadata:
                 return reply, metadata
         except TimeoutError:
@@ -154,8 +192,14 @@ def _hello(link, spec, pool: subprocess.Popen, timeout_s: float) -> tuple[dict, 
 def _raw_read(agent, remote: str, local: tuple[int, int], addr: int, timeout_s: float) -> float:
     """One NIXL READ of ``local[1]`` bytes at the peer's ``addr``; its seconds."""
     t0 = time.perf_counter()
-    handle = agent.call("xfer", "initialize_xfer", "READ", agent.descs([local]),
-                        agent.descs([(addr, local[1])]), remote)
+    handle = agent.call(
+        "xfer",
+        "initialize_xfer",
+        "READ",
+        agent.descs([local]),
+        agent.descs([(addr, local[1])]),
+        remote,
+    )
     state = agent.call("transfer", "transfer", handle)
     while state == "PROC":
         if time.perf_counter() - t0 > timeout_s:
@@ -207,12 +251,14 @@ def child(argv: list[str]) -> int:
     codec = PageCodec(NS, page_bytes, None, layout="L")
     stride = -(-(HEADER_BYTES + page_bytes) // 4096) * 4096
     # room for every page whatever set of the table it falls in: 4x the pages
-    spec = PoolSpec.for_worker(args.dir, NS, page_bytes, 0, 1, "L",
-                               SUPERBLOCK_BYTES + 4096 + 4 * n * stride)
+    spec = PoolSpec.for_worker(
+        args.dir, NS, page_bytes, 0, 1, "L", SUPERBLOCK_BYTES + 4096 + 4 * n * stride
+    )
     writer = PoolStore.open(spec, codec)
     keys = [i.to_bytes(4, "little") * 8 for i in range(1, n + 1)]
-    served = torch.randint(0, 256, (n, page_bytes), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(7))
+    served = torch.randint(
+        0, 256, (n, page_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+    )
     stored = sum(writer.put(k, served[i]) for i, k in enumerate(keys))
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
@@ -224,24 +270,31 @@ def child(argv: list[str]) -> int:
         _check("pages written into the pool file", stored == n, f"{stored}/{n} stored")
         link = ControlLink(endpoint)
         reply, metadata = _hello(link, spec, pool, min(args.timeout, 60.0))
-        _row("pool", "info", f"{n} pages of {page_bytes >> 10} KiB in {spec.path} served by "
-             f"kvbm-pool (pid {pool.pid}) at {endpoint}; UCX_TLS="
-             f"{os.environ.get('UCX_TLS', '(default)')}")
+        _row(
+            "pool",
+            "info",
+            f"{n} pages of {page_bytes >> 10} KiB in {spec.path} served by "
+            f"kvbm-pool (pid {pool.pid}) at {endpoint}; UCX_TLS="
+            f"{os.environ.get('UCX_TLS', '(default)')}",
+        )
         # the pages' destination and the raw READ's, pinned as the host tier is
         dst = HostPool(n, page_bytes, pin=cuda, device=device)
         span = min(n * stride, int(reply["length"]) - int(reply["data_off"]))
         raw = HostPool(1, span, pin=cuda, device=device)
         if cuda:
-            if not _check("host memory pinned (cudaHostRegister)",
-                          dst.pinned and raw.pinned and dst.tensor.is_pinned(),
-                          f"HostPool pinned: {dst.pinned}, {raw.pinned}; is_pinned="
-                          f"{dst.tensor.is_pinned()}; {dst.pages}"):
+            if not _check(
+                "host memory pinned (cudaHostRegister)",
+                dst.pinned and raw.pinned and dst.tensor.is_pinned(),
+                f"HostPool pinned: {dst.pinned}, {raw.pinned}; is_pinned="
+                f"{dst.tensor.is_pinned()}; {dst.pages}",
+            ):
                 return 0  # said in its row (HostPool's warning, in the log, says why)
         else:
             _row("host memory", "info", "pageable: no CUDA device (CPU run), pinning skipped")
 
-        reader = PeerStore(codec, 0, 1, spec.scope_digest, spec.name,
-                           read_timeout_s=min(args.timeout, 30.0))
+        reader = PeerStore(
+            codec, 0, 1, spec.scope_digest, spec.name, read_timeout_s=min(args.timeout, 30.0)
+        )
         if hasattr(reader, "reads_into"):  # as the host tier's slots are: READ in place
             reader.reads_into(dst.tensor)
             how = "READ in place into the host memory (registered with reads_into)"
@@ -271,23 +324,29 @@ def child(argv: list[str]) -> int:
             statuses = reader.get_many_into(items, endpoint=endpoint)
             peer_s.append(time.perf_counter() - t0)
             running = running or "late" in statuses  # may still write into dst
-            equal = sum(s == "ok" and torch.equal(dst.tensor[i], served[i])
-                        for i, s in enumerate(statuses))
+            equal = sum(
+                s == "ok" and torch.equal(dst.tensor[i], served[i]) for i, s in enumerate(statuses)
+            )
             bad.append((n - equal, [s for s in statuses if s != "ok"][:3]))
         worst = max(bad)
         into = "pinned host memory" if cuda else "pageable host memory (CPU run)"
-        if not _check("peer read, bytes equal the served pages", worst[0] == 0,
-                      f"{n - worst[0]}/{n} pages 'ok' and byte-equal in the worst of "
-                      f"{len(bad)} rounds, read into {into}"
-                      + (f"; statuses {worst[1]}" if worst[1] else "")):
+        if not _check(
+            "peer read, bytes equal the served pages",
+            worst[0] == 0,
+            f"{n - worst[0]}/{n} pages 'ok' and byte-equal in the worst of "
+            f"{len(bad)} rounds, read into {into}" + (f"; statuses {worst[1]}" if worst[1] else ""),
+        ):
             return 0  # said in its row
         med = statistics.median
         peer_gbps, raw_gbps = n * page_bytes / med(peer_s[1:]), span / med(raw_s[1:])
-        _row("peer read GB/s (vs raw NIXL READ)", "info",
-             f"{peer_gbps / 1e9:.2f} / {raw_gbps / 1e9:.2f} (peer/raw {peer_gbps / raw_gbps:.2f}; "
-             f"{n * page_bytes >> 20} MiB of pages, raw {span >> 20} MiB in one READ; medians of "
-             f"{args.repeats} rounds, perf_counter from the post until done; UCX_TLS="
-             f"{os.environ.get('UCX_TLS', '(default)')})")
+        _row(
+            "peer read GB/s (vs raw NIXL READ)",
+            "info",
+            f"{peer_gbps / 1e9:.2f} / {raw_gbps / 1e9:.2f} (peer/raw {peer_gbps / raw_gbps:.2f}; "
+            f"{n * page_bytes >> 20} MiB of pages, raw {span >> 20} MiB in one READ; medians of "
+            f"{args.repeats} rounds, perf_counter from the post until done; UCX_TLS="
+            f"{os.environ.get('UCX_TLS', '(default)')})",
+        )
         if not cuda:
             _row("GPU copy", "info", "skipped: no CUDA device (CPU run)")
             return 0
@@ -295,17 +354,22 @@ def child(argv: list[str]) -> int:
         best = float("inf")
         for _ in range(args.repeats):
             gpu.zero_()
-            start, end = (torch.cuda.Event(enable_timing=True),
-                          torch.cuda.Event(enable_timing=True))
+            start, end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             start.record()
             gpu.copy_(dst.tensor, non_blocking=True)  # from the pinned pages
             end.record()
             end.synchronize()
             best = min(best, start.elapsed_time(end) / 1e3)
         same = torch.equal(gpu, served.to(device))
-        _check("GPU copy, bytes equal the served pages", same,
-               f"{n} pages, {n * page_bytes / best / 1e9:.1f} GB/s h2d from the pinned pages "
-               f"(CUDA events, best of {args.repeats})")
+        _check(
+            "GPU copy, bytes equal the served pages",
+            same,
+            f"{n} pages, {n * page_bytes / best / 1e9:.1f} GB/s h2d from the pinned pages "
+            f"(CUDA events, best of {args.repeats})",
+        )
         return 0
     finally:
         if reader is not None:

@@ -76,21 +76,25 @@ def child_command(args, device) -> list[str]:
     return cmd + (["--model", args.vllm_model] if args.vllm_model else [])
 
 
-def report_child(report, cmd: list[str], timeout: float, name: str = NAME,
-                 finished: str = "engine run finished") -> None:
+def report_child(
+    report, cmd: list[str], timeout: float, name: str = NAME, finished: str = "engine run finished"
+) -> None:
     """Runs ``cmd``, reporting its rows as they come (as case ``name``); killed
     after ``timeout`` (with its process group: what it started too). The last
     row, ``finished``, says whether it ended by itself with exit status 0."""
-    log = tempfile.NamedTemporaryFile(prefix=f"kvbm-gpu-check-{name}-", suffix=".log",
-                                      delete=False)
-    env = {**os.environ, "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout: the rows
-           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get(
-               "PYTHONPATH")])])}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env,
-                            start_new_session=True)
+    log = tempfile.NamedTemporaryFile(prefix=f"kvbm-gpu-check-{name}-", suffix=".log", delete=False)
+    env = {
+        **os.environ,
+        "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout: the rows
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True
+    )
     rows: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [rows.put(line) for line in proc.stdout] + [rows.put(None)],
-                     daemon=True).start()
+    threading.Thread(
+        target=lambda: [rows.put(line) for line in proc.stdout] + [rows.put(None)], daemon=True
+    ).start()
     end, seen = time.perf_counter() + timeout, 0
     while True:
         try:
@@ -99,13 +103,16 @@ def report_child(report, cmd: list[str], timeout: float, name: str = NAME,
             line = rows.get(timeout=max(0.05, end - time.perf_counter()))
         except queue.Empty:
             os.killpg(proc.pid, signal.SIGKILL)
-            report.check(name, finished, False, f"killed after {timeout:.0f} s; "
-                         f"{_tail(log.name)}")
+            report.check(name, finished, False, f"killed after {timeout:.0f} s; {_tail(log.name)}")
             break
         if line is None:
             rc = proc.wait()
-            report.check(name, finished, rc == 0 and seen > 0,
-                         f"exit status {rc}" + (f"; {_tail(log.name)}" if rc else ""))
+            report.check(
+                name,
+                finished,
+                rc == 0 and seen > 0,
+                f"exit status {rc}" + (f"; {_tail(log.name)}" if rc else ""),
+            )
             break
         parts = line.rstrip("\n").split("\t")
         if len(parts) != 4 or parts[0] != "ROW":
@@ -174,35 +181,58 @@ def child(argv: list[str]) -> int:
         if not os.access(out.parent if out.parent.exists() else REPO, os.W_OK):
             out = Path(tempfile.gettempdir()) / "kvbm-gpu-check-model"
         model = str(build(out))
-        _row("model", "info", f"{model}: built here (random weights) in "
-             f"{time.perf_counter() - t:.0f} s")
+        _row(
+            "model",
+            "info",
+            f"{model}: built here (random weights) in {time.perf_counter() - t:.0f} s",
+        )
     t = time.perf_counter()
     block_size = BLOCK_SIZE if args.device == "cuda" else CPU_BLOCK_SIZE
-    llm = LLM(model=model, dtype="bfloat16", block_size=block_size, max_model_len=2048,
-              max_num_batched_tokens=2048, enforce_eager=True, enable_prefix_caching=True,
-              gpu_memory_utilization=0.3, kv_cache_memory_bytes=1 << 30, seed=0,
-              kv_transfer_config=kvbm_transfer_config(host_cache_size="1GiB"))
-    _row("engine", "info", f"{model}, block size {block_size}, bf16, eager: started in "
-         f"{time.perf_counter() - t:.0f} s")
+    llm = LLM(
+        model=model,
+        dtype="bfloat16",
+        block_size=block_size,
+        max_model_len=2048,
+        max_num_batched_tokens=2048,
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        gpu_memory_utilization=0.3,
+        kv_cache_memory_bytes=1 << 30,
+        seed=0,
+        kv_transfer_config=kvbm_transfer_config(host_cache_size="1GiB"),
+    )
+    _row(
+        "engine",
+        "info",
+        f"{model}, block size {block_size}, bf16, eager: started in "
+        f"{time.perf_counter() - t:.0f} s",
+    )
     line = next((x for x in kvbm_log.lines if "engine<->host copies by" in x), "")
     resolved = getattr(llm.llm_engine.vllm_config.cache_config, "kv_cache_layout", None)
     one_copy = f"a {PAGE_TOKENS // block_size}-block page is 1 copy" in line
     _row("worker's startup line", "info", line or "not seen")
     if args.device == "cuda":
-        _check("vLLM took BLHNC (a page of consecutive blocks one copy)",
-               one_copy and "laid out layer by layer" not in line,
-               f"cache_config.kv_cache_layout={resolved}")
+        _check(
+            "vLLM took BLHNC (a page of consecutive blocks one copy)",
+            one_copy and "laid out layer by layer" not in line,
+            f"cache_config.kv_cache_layout={resolved}",
+        )
     else:
         _row("KV layout", "info", f"{resolved} (KVBM asks for BLHNC on CUDA only)")
 
     vocab = llm.get_tokenizer().vocab_size
     rng = random.Random(0)
-    prompt = {"prompt_token_ids": [rng.randrange(10, min(vocab, 7000))
-                                   for _ in range(PROMPT_TOKENS)]}
+    prompt = {
+        "prompt_token_ids": [rng.randrange(10, min(vocab, 7000)) for _ in range(PROMPT_TOKENS)]
+    }
 
     def generate(params=None):
-        sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                            extra_args={"kv_transfer_params": params} if params else None)
+        sp = SamplingParams(
+            temperature=0.0,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params else None,
+        )
         out = llm.generate([prompt], sp, use_tqdm=False)[0]
         return list(out.outputs[0].token_ids), out.num_cached_tokens
 
@@ -212,14 +242,23 @@ def child(argv: list[str]) -> int:
     llm.reset_prefix_cache()  # vLLM's own cache forgets the prompt; KVBM's host tier not
     hit, cached = generate()
     expected = (PROMPT_TOKENS - 1) // PAGE_TOKENS * PAGE_TOKENS
-    _check("host hit: the prompt's full pages onboarded", cached == expected,
-           f"{cached} of {PROMPT_TOKENS} prompt tokens from the host tier (its full pages: "
-           f"{expected})")
-    _check("host hit equals recompute (greedy tokens)", hit == reference,
-           f"{sum(a == b for a, b in zip(hit, reference))}/{MAX_TOKENS} tokens equal")
+    _check(
+        "host hit: the prompt's full pages onboarded",
+        cached == expected,
+        f"{cached} of {PROMPT_TOKENS} prompt tokens from the host tier (its full pages: "
+        f"{expected})",
+    )
+    _check(
+        "host hit equals recompute (greedy tokens)",
+        hit == reference,
+        f"{sum(a == b for a, b in zip(hit, reference))}/{MAX_TOKENS} tokens equal",
+    )
     own, own_cached = generate()  # vLLM's own prefix cache this time
-    _row("vLLM's own prefix-cache hit", "info",
-         f"{own_cached} tokens cached; tokens equal to the recompute: {own == reference}")
+    _row(
+        "vLLM's own prefix-cache hit",
+        "info",
+        f"{own_cached} tokens cached; tokens equal to the recompute: {own == reference}",
+    )
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception as err:  # noqa: BLE001 - the rows are out; the process ends anyway

@@ -39,8 +39,14 @@ def timed(cls, name: str, detail=None):
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         result = fn(*args, **kwargs)
-        EVENTS.append((start, f"{cls.__name__}.{name}", time.perf_counter() - start,
-                       detail(args, result) if detail else None))
+        EVENTS.append(
+            (
+                start,
+                f"{cls.__name__}.{name}",
+                time.perf_counter() - start,
+                detail(args, result) if detail else None,
+            )
+        )
         return result
 
     setattr(cls, name, wrapper)
@@ -60,8 +66,9 @@ def instrument() -> None:
     timed(GPUModelRunner, "execute_model")
     timed(KVBMConnector, "get_num_new_matched_tokens", lambda a, r: r)
     timed(KVBMConnector, "update_state_after_alloc")
-    timed(KVBMConnector, "build_connector_meta",
-          lambda a, m: sum(len(j.block_ids) for j in m.loads))
+    timed(
+        KVBMConnector, "build_connector_meta", lambda a, m: sum(len(j.block_ids) for j in m.loads)
+    )
     timed(KVBMConnector, "start_load_kv")
     timed(KVBMConnector, "get_finished", lambda a, r: len(r[1]))
     timed(page_mover.PageMover, "post", lambda a, h: len(a[2]))
@@ -79,8 +86,11 @@ def make_loads_synchronous() -> None:
     def sync_lookup(self, request, num_computed_tokens):
         n, load_async = lookup(self, request, num_computed_tokens)
         state = self._reqs.get(request.request_id)
-        if (n and state is not None
-                and set(state.lookup.hit_sources[:n // self.block_size]) == {"host"}):
+        if (
+            n
+            and state is not None
+            and set(state.lookup.hit_sources[: n // self.block_size]) == {"host"}
+        ):
             return n, False
         return n, load_async
 
@@ -119,19 +129,24 @@ def breakdown(total: float, events: list) -> dict[str, float]:
     for (t, _, dur, _), (_, _, _, tokens) in zip(steps, scheduled):
         parts["steps with a forward pass" if tokens else "steps without one (waiting)"] += dur
         parts["engine steps"] += dur
-    parts["forward passes (execute_model)"] = sum(e[2] for e in forwards
-                                                  if e[2] > 0.002)
-    for what in ("KVBMConnector.get_num_new_matched_tokens", "KVBMConnector.start_load_kv",
-                 "KVBMConnector.get_finished", "KVBMConnector.build_connector_meta",
-                 "PageMover.post", "nixl_agent.transfer"):
+    parts["forward passes (execute_model)"] = sum(e[2] for e in forwards if e[2] > 0.002)
+    for what in (
+        "KVBMConnector.get_num_new_matched_tokens",
+        "KVBMConnector.start_load_kv",
+        "KVBMConnector.get_finished",
+        "KVBMConnector.build_connector_meta",
+        "PageMover.post",
+        "nixl_agent.transfer",
+    ):
         parts[what] = sum(e[2] for e in events if e[1] == what)
     parts["outside engine steps (generate, detokenize)"] = total - parts["engine steps"]
     copies = [e for e in events if e[1] == "nixl_agent.transfer"]
     computing = [st for st, sc in zip(steps, scheduled) if sc[3]]
     if copies and computing:
         parts["generate() to copy start"] = copies[0][0]
-        parts["copy end to the step that computes the rest"] = (
-            computing[0][0] - (copies[-1][0] + copies[-1][2]))
+        parts["copy end to the step that computes the rest"] = computing[0][0] - (
+            copies[-1][0] + copies[-1][2]
+        )
     parts["engine steps (count)"] = len(steps)
     parts["steps scheduling tokens (count)"] = sum(1 for s in scheduled if s[3])
     return {k: v * (1 if "count" in k else 1000) for k, v in parts.items()}
@@ -145,18 +160,26 @@ def run(model: str, lengths: list[int], repeats: int) -> None:
     instrument()
     longest = max(lengths)
     from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
+
     print(f"dtype: {describe()}", flush=True)
-    llm = LLM(model=model, dtype=compute_dtype(), block_size=BLOCK_SIZE, enforce_eager=True,
-              max_model_len=longest + BLOCK_SIZE, max_num_batched_tokens=8192,
-              kv_cache_memory_bytes=2 << 30, gpu_memory_utilization=0.3,
-              kv_transfer_config=kvbm_transfer_config(host_cache_size="4GiB"))
+    llm = LLM(
+        model=model,
+        dtype=compute_dtype(),
+        block_size=BLOCK_SIZE,
+        enforce_eager=True,
+        max_model_len=longest + BLOCK_SIZE,
+        max_num_batched_tokens=8192,
+        kv_cache_memory_bytes=2 << 30,
+        gpu_memory_utilization=0.3,
+        kv_transfer_config=kvbm_transfer_config(host_cache_size="4GiB"),
+    )
     ttft(llm, [11] * 64)
     for n in lengths:
         best: dict[str, tuple[float, list]] = {}
         for r in range(repeats):
             rng = random.Random(n * 100 + r)
             prompt = [rng.randrange(10, 7000) for _ in range(n)]
-            ttft(llm, prompt)               # miss: computes, stores to the host tier
+            ttft(llm, prompt)  # miss: computes, stores to the host tier
             time.sleep(0.5)
             for kind in ("vLLM hit", "host hit"):
                 if kind == "host hit":
@@ -164,28 +187,47 @@ def run(model: str, lengths: list[int], repeats: int) -> None:
                 t, ev = ttft(llm, prompt)
                 if kind not in best or t < best[kind][0]:
                     best[kind] = (t, ev)
-        print(f"\n## {n} tokens: best of {repeats}: vLLM hit {best['vLLM hit'][0] * 1000:.1f} ms, "
-              f"host hit {best['host hit'][0] * 1000:.1f} ms, ratio "
-              f"{best['host hit'][0] / best['vLLM hit'][0]:.2f}")
+        print(
+            f"\n## {n} tokens: best of {repeats}: vLLM hit {best['vLLM hit'][0] * 1000:.1f} ms, "
+            f"host hit {best['host hit'][0] * 1000:.1f} ms, ratio "
+            f"{best['host hit'][0] / best['vLLM hit'][0]:.2f}"
+        )
         rows = {k: breakdown(*v) for k, v in best.items()}
         print("| part | vLLM hit | host hit |\n|---|---:|---:|")
         for part in rows["host hit"]:
             unit = "" if "count" in part else " ms"
-            print(f"| {part} | {rows['vLLM hit'].get(part, 0):.1f}{unit} "
-                  f"| {rows['host hit'][part]:.1f}{unit} |")
-        print("\nhost hit timeline (ms from generate(); duration; detail), without the "
-              "steps that only wait for the copy:")
+            print(
+                f"| {part} | {rows['vLLM hit'].get(part, 0):.1f}{unit} "
+                f"| {rows['host hit'][part]:.1f}{unit} |"
+            )
+        print(
+            "\nhost hit timeline (ms from generate(); duration; detail), without the "
+            "steps that only wait for the copy:"
+        )
         for t, what, dur, d in sorted(best["host hit"][1]):
-            if dur < 0.001 and what not in ("KVBMConnector.get_num_new_matched_tokens",
-                                            "PageMover.post", "nixl_agent.transfer") \
-                    and not (what == "KVBMConnector.get_finished" and d):
+            if (
+                dur < 0.001
+                and what
+                not in (
+                    "KVBMConnector.get_num_new_matched_tokens",
+                    "PageMover.post",
+                    "nixl_agent.transfer",
+                )
+                and not (what == "KVBMConnector.get_finished" and d)
+            ):
                 continue
             print(f"  {t * 1000:8.2f}  {what:45s} {dur * 1000:7.2f}  {'' if d is None else d}")
     import threading
 
-    print("\ncores: engine thread", sorted(os.sched_getaffinity(0)), "".join(
-        f", {t.name} {sorted(os.sched_getaffinity(t.native_id))}"
-        for t in threading.enumerate() if t.name.endswith("-copy")))
+    print(
+        "\ncores: engine thread",
+        sorted(os.sched_getaffinity(0)),
+        "".join(
+            f", {t.name} {sorted(os.sched_getaffinity(t.native_id))}"
+            for t in threading.enumerate()
+            if t.name.endswith("-copy")
+        ),
+    )
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -194,8 +236,9 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sync-loads", action="store_true",
-                        help="experiment: host-only hits as synchronous loads")
+    parser.add_argument(
+        "--sync-loads", action="store_true", help="experiment: host-only hits as synchronous loads"
+    )
     args = parser.parse_args()
     if args.sync_loads:
         make_loads_synchronous()

@@ -67,11 +67,12 @@ def clean_disk(root: Path, everything: bool = False, dry_run: bool = False) -> t
         raise SystemExit(f"clean_tiers: {root} is not a directory")
     plan = []
     for directory in _directories(root):
-        live = {m.group(1) for p in directory.iterdir()
-                if (m := _LOCK.match(p.name)) and _held(p)}
+        live = {m.group(1) for p in directory.iterdir() if (m := _LOCK.match(p.name)) and _held(p)}
         if everything and live:
-            raise SystemExit(f"clean_tiers: engines are running on {directory} "
-                             f"({', '.join(sorted(live))}); stop them before --all")
+            raise SystemExit(
+                f"clean_tiers: engines are running on {directory} "
+                f"({', '.join(sorted(live))}); stop them before --all"
+            )
         for path in directory.iterdir():
             match = _PAGE.match(path.name) or _LOCK.match(path.name)
             if match and match.group(1) not in live and path.is_file() and not path.is_symlink():
@@ -98,8 +99,12 @@ def clean_redis(url: str, password_file: str | None, dry_run: bool = False) -> i
     if password_file:
         environ["KVBM_REMOTE_PASSWORD_FILE"] = password_file
     config = load_config({}, environ=environ)
-    link = RedisLink(parse_remote_url("remote_url", config.remote_url), config.remote_password,
-                     timeout_s=30, tls_ca_file=config.remote_tls_ca_file)
+    link = RedisLink(
+        parse_remote_url("remote_url", config.remote_url),
+        config.remote_password,
+        timeout_s=30,
+        tls_ca_file=config.remote_tls_ca_file,
+    )
 
     def delete(client) -> int:
         deleted, batch = 0, []
@@ -126,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="tier", required=True)
     disk = sub.add_parser("disk", help="a disk_cache_dir")
     disk.add_argument("directory", type=Path)
-    disk.add_argument("--all", action="store_true",
-                      help="every KVBM file (no engine may be running on it)")
+    disk.add_argument(
+        "--all", action="store_true", help="every KVBM file (no engine may be running on it)"
+    )
     disk.add_argument("--dry-run", action="store_true")
     remote = sub.add_parser("redis", help="a Redis/Valkey remote_url")
     remote.add_argument("url")

@@ -32,10 +32,11 @@ def elf_needed(data: bytes) -> list[str]:
     """DT_NEEDED names of a 64-bit little-endian ELF file ([] for anything else)."""
     if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         return []
-    shoff, = struct.unpack_from("<Q", data, 0x28)
+    (shoff,) = struct.unpack_from("<Q", data, 0x28)
     shentsize, shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize)
-                for i in range(shnum)]
+    sections = [
+        struct.unpack_from("<IIQQQQIIQQ", data, shoff + i * shentsize) for i in range(shnum)
+    ]
     names = []
     for _name, stype, _flags, _addr, off, size, link, _info, _align, entsize in sections:
         if stype != 6:  # SHT_DYNAMIC
@@ -47,7 +48,7 @@ def elf_needed(data: bytes) -> list[str]:
                 break
             if tag == _DT_NEEDED:
                 end = data.index(b"\0", strtab_off + val)
-                names.append(data[strtab_off + val:end].decode())
+                names.append(data[strtab_off + val : end].decode())
     return names
 
 
@@ -62,8 +63,12 @@ def _roots(names: list[str], package: str, ib: bool = True) -> set[str]:
         elif top == f".{package}.mesonpy.libs" and "/plugins/" in name:
             if any(base == f"libplugin_{p}.so" for p in KEEP_PLUGINS):
                 keep.add(name)
-        elif top == f"{package}.libs" and "/ucx/" in name and ".so" in base and \
-                base.split(".")[0].startswith(modules):
+        elif (
+            top == f"{package}.libs"
+            and "/ucx/" in name
+            and ".so" in base
+            and base.split(".")[0].startswith(modules)
+        ):
             keep.add(name)
     return keep
 
@@ -121,13 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("strip", help="strip a NIXL wheel to what gpu_check loads")
     s.add_argument("src", type=Path)
     s.add_argument("dst", type=Path)
-    s.add_argument("--drop-ib", action="store_true",
-                   help="leave out UCX's InfiniBand/RDMA transports too")
+    s.add_argument(
+        "--drop-ib", action="store_true", help="leave out UCX's InfiniBand/RDMA transports too"
+    )
     args = p.parse_args(argv)
     kept, dropped = strip_wheel(args.src, args.dst, ib=not args.drop_ib)
     mib = (args.src.stat().st_size / 2**20, args.dst.stat().st_size / 2**20)
-    print(f"{args.dst.name}: kept {kept} files, dropped {dropped}; "
-          f"{mib[0]:.1f} MiB -> {mib[1]:.1f} MiB")
+    print(
+        f"{args.dst.name}: kept {kept} files, dropped {dropped}; "
+        f"{mib[0]:.1f} MiB -> {mib[1]:.1f} MiB"
+    )
     return 0
 
 

@@ -36,19 +36,26 @@ def version_of(tag: str) -> str:
     """The version a release tag names, checked against pyproject.toml's."""
     declared = project()["version"]
     if tag != f"v{declared}":
-        raise ReleaseError(f"tag {tag!r} does not name pyproject.toml's version {declared!r}: "
-                           f"tag v{declared}, or bump the version first")
+        raise ReleaseError(
+            f"tag {tag!r} does not name pyproject.toml's version {declared!r}: "
+            f"tag v{declared}, or bump the version first"
+        )
     return declared
 
 
 def changelog_section(version: str, changelog: str | None = None) -> str:
     """The body of ``## [version] - YYYY-MM-DD`` in CHANGELOG.md."""
     text = (ROOT / "CHANGELOG.md").read_text() if changelog is None else changelog
-    match = re.search(rf"^## \[{re.escape(version)}\] - (\d{{4}}-\d{{2}}-\d{{2}})\n(.*?)(?=^## |\Z)",
-                      text, re.M | re.S)
+    match = re.search(
+        rf"^## \[{re.escape(version)}\] - (\d{{4}}-\d{{2}}-\d{{2}})\n(.*?)(?=^## |\Z)",
+        text,
+        re.M | re.S,
+    )
     if match is None:
-        raise ReleaseError(f"CHANGELOG.md has no '## [{version}] - YYYY-MM-DD' section: move "
-                           f"[Unreleased]'s entries under it, dated the release day")
+        raise ReleaseError(
+            f"CHANGELOG.md has no '## [{version}] - YYYY-MM-DD' section: move "
+            f"[Unreleased]'s entries under it, dated the release day"
+        )
     body = re.sub(r"^\[[^\]]+\]: \S+\n?", "", match.group(2), flags=re.M).strip()
     if not body:
         raise ReleaseError(f"CHANGELOG.md's [{version}] section is empty")
@@ -62,15 +69,21 @@ def check(tag: str) -> str:
     links = dict(re.findall(r"^\[([^\]]+)\]: (\S+)$", changelog, re.M))
     unreleased = f"{REPO}/compare/{tag}...HEAD"
     if links.get("Unreleased") != unreleased:
-        raise ReleaseError(f"CHANGELOG.md: the link [Unreleased] must be {unreleased}, "
-                           f"found {links.get('Unreleased')!r}")
+        raise ReleaseError(
+            f"CHANGELOG.md: the link [Unreleased] must be {unreleased}, "
+            f"found {links.get('Unreleased')!r}"
+        )
     # the first tagged release links its tag, each later one the comparison with the one before
     url = links.get(version, "")
-    if not (url == f"{REPO}/releases/tag/{tag}"
-            or re.fullmatch(rf"{re.escape(REPO)}/compare/v[\w.]+\.\.\.{re.escape(tag)}", url)):
-        raise ReleaseError(f"CHANGELOG.md: the link [{version}] must be {REPO}/compare/"
-                           f"vPREVIOUS...{tag} (or {REPO}/releases/tag/{tag} for the first "
-                           f"tag), found {url!r}")
+    if not (
+        url == f"{REPO}/releases/tag/{tag}"
+        or re.fullmatch(rf"{re.escape(REPO)}/compare/v[\w.]+\.\.\.{re.escape(tag)}", url)
+    ):
+        raise ReleaseError(
+            f"CHANGELOG.md: the link [{version}] must be {REPO}/compare/"
+            f"vPREVIOUS...{tag} (or {REPO}/releases/tag/{tag} for the first "
+            f"tag), found {url!r}"
+        )
     if "## [Unreleased]" not in changelog:
         raise ReleaseError("CHANGELOG.md has no '## [Unreleased]' section above the release")
     return version
@@ -91,8 +104,10 @@ def check_dist(tag: str, directory: Path) -> list[str]:
     if metadata["Version"] != version:
         problems.append(f"the wheel's version is {metadata['Version']}")
     if metadata["Requires-Python"] != project()["requires-python"]:
-        problems.append(f"the wheel requires Python {metadata['Requires-Python']}, pyproject.toml "
-                        f"{project()['requires-python']}")
+        problems.append(
+            f"the wheel requires Python {metadata['Requires-Python']}, pyproject.toml "
+            f"{project()['requires-python']}"
+        )
     if not any(n.endswith("entry_points.txt") for n in names):
         problems.append("the wheel has no entry points (the vllm.general_plugins plugin)")
     for needed in ("pyproject.toml", "LICENSE", "README.md", "vllm_kvbm/connector.py"):

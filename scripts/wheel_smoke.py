@@ -73,9 +73,12 @@ def main(model: str) -> None:
 
     load_general_plugins()
     cls = KVConnectorFactory.get_connector_class(
-        KVTransferConfig(kv_connector="KVBMConnector", kv_role="kv_both"))
-    assert cls.__module__ == "vllm_kvbm.connector" and site in Path(
-        sys.modules[cls.__module__].__file__).resolve().parents
+        KVTransferConfig(kv_connector="KVBMConnector", kv_role="kv_both")
+    )
+    assert (
+        cls.__module__ == "vllm_kvbm.connector"
+        and site in Path(sys.modules[cls.__module__].__file__).resolve().parents
+    )
 
     from prometheus_client import REGISTRY
     from vllm import LLM, SamplingParams
@@ -83,20 +86,35 @@ def main(model: str) -> None:
 
     from vllm_kvbm.tools.compute_dtype import compute_dtype
 
-    llm = LLM(model=model, dtype=compute_dtype(), kv_transfer_config={"kv_connector": "KVBMConnector",
-                                               "kv_role": "kv_both"},
-              max_model_len=1024, block_size=128, enforce_eager=True,
-              kv_cache_memory_bytes=256 << 20, gpu_memory_utilization=0.25,
-              disable_log_stats=False, seed=0)
-    [out] = llm.generate(TokensPrompt(prompt_token_ids=list(range(10, 410))),
-                         SamplingParams(max_tokens=4, temperature=0.0))
+    llm = LLM(
+        model=model,
+        dtype=compute_dtype(),
+        kv_transfer_config={"kv_connector": "KVBMConnector", "kv_role": "kv_both"},
+        max_model_len=1024,
+        block_size=128,
+        enforce_eager=True,
+        kv_cache_memory_bytes=256 << 20,
+        gpu_memory_utilization=0.25,
+        disable_log_stats=False,
+        seed=0,
+    )
+    [out] = llm.generate(
+        TokensPrompt(prompt_token_ids=list(range(10, 410))),
+        SamplingParams(max_tokens=4, temperature=0.0),
+    )
     assert len(out.outputs[0].token_ids) == 4, out
-    offloaded = sum(s.value for m in REGISTRY.collect() for s in m.samples
-                    if s.name == "kvbm_offload_blocks_total")
+    offloaded = sum(
+        s.value
+        for m in REGISTRY.collect()
+        for s in m.samples
+        if s.name == "kvbm_offload_blocks_total"
+    )
     llm.llm_engine.engine_core.shutdown()
     assert offloaded >= 3, f"kvbm_offload_blocks_total = {offloaded}, expected 3 blocks"
-    print(f"wheel smoke: vllm_kvbm {dist.version} from {where.parent}; plugin name resolves; "
-          f"one generate offloaded {offloaded:.0f} blocks")
+    print(
+        f"wheel smoke: vllm_kvbm {dist.version} from {where.parent}; plugin name resolves; "
+        f"one generate offloaded {offloaded:.0f} blocks"
+    )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,11 @@ def plain_llm(model_dir):
 
 @pytest.fixture(scope="session")
 def kvbm_llm(model_dir):
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
-                                        metrics_port=KVBM_METRICS_PORT,
-                                        metrics_host="127.0.0.1"))
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS, metrics_port=KVBM_METRICS_PORT, metrics_host="127.0.0.1"
+        )
+    )
     yield llm
     shutdown(llm)
 
@@ -124,16 +126,21 @@ def ext4(tmp_path):
     hang every later writer)."""
     img, mnt = tmp_path / "fs.img", tmp_path / "mnt"
     mnt.mkdir()
-    steps = [["truncate", "-s", "256M", str(img)], ["mkfs.ext4", "-q", "-F", str(img)],
-             ["mount", "-o", "loop", str(img), str(mnt)]]
+    steps = [
+        ["truncate", "-s", "256M", str(img)],
+        ["mkfs.ext4", "-q", "-F", str(img)],
+        ["mount", "-o", "loop", str(img), str(mnt)],
+    ]
     for cmd in steps:
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
             pytest.skip(f"cannot make a loop-mounted ext4 here ({e}); fault not produced")
         if r.returncode != 0:
-            pytest.skip(f"cannot make a loop-mounted ext4 here ({cmd[0]}: "
-                        f"{r.stderr.strip()}); fault not produced")
+            pytest.skip(
+                f"cannot make a loop-mounted ext4 here ({cmd[0]}: "
+                f"{r.stderr.strip()}); fault not produced"
+            )
     fs = Ext4(mnt)
     try:
         yield fs

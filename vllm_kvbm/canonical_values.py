@@ -21,8 +21,9 @@ from typing import Any
 # where it was read from and which transformers wrote it.
 # ... and the fields vLLM's model code rewrites in the worker process only,
 # named by the value the model runs with instead (identity.model_run_fields)
-HF_CONFIG_DROPPED = frozenset({"_name_or_path", "transformers_version", "_commit_hash",
-                               "attn_temperature_tuning"})
+HF_CONFIG_DROPPED = frozenset(
+    {"_name_or_path", "transformers_version", "_commit_hash", "attn_temperature_tuning"}
+)
 
 
 def _drop_keys(value: Any, dropped: frozenset[str]) -> Any:
@@ -60,8 +61,11 @@ def callable_name(value: Any) -> Any:
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+|0x[0-9a-fA-F]{6,}")
 # Mapping keys whose values are credentials: never hashed into a public name.
-_SECRET_KEY = re.compile(r"(secret|password|passwd|credential|access_key|api_key|"
-                         r"private_key|auth_token|hf_token|session_token)", re.I)
+_SECRET_KEY = re.compile(
+    r"(secret|password|passwd|credential|access_key|api_key|"
+    r"private_key|auth_token|hf_token|session_token)",
+    re.I,
+)
 _MAX_DEPTH = 12
 
 
@@ -87,9 +91,13 @@ def canonical(value: Any, _depth: int = 0, _seen: frozenset[int] = frozenset()) 
     if isinstance(value, (bytes, bytearray)):
         return value.hex()
     if dataclasses.is_dataclass(value):
-        return {"__class__": type(value).__qualname__,
-                **{f.name: canonical(getattr(value, f.name, None), deeper, seen)
-                   for f in dataclasses.fields(value)}}
+        return {
+            "__class__": type(value).__qualname__,
+            **{
+                f.name: canonical(getattr(value, f.name, None), deeper, seen)
+                for f in dataclasses.fields(value)
+            },
+        }
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():
@@ -98,8 +106,9 @@ def canonical(value: Any, _depth: int = 0, _seen: frozenset[int] = frozenset()) 
             out[key] = "<redacted>" if _SECRET_KEY.search(key) else canonical(v, deeper, seen)
         return {k: out[k] for k in sorted(out)}
     if isinstance(value, (set, frozenset)):
-        return sorted((canonical(v, deeper, seen) for v in value),
-                      key=lambda v: json.dumps(v, sort_keys=True))
+        return sorted(
+            (canonical(v, deeper, seen) for v in value), key=lambda v: json.dumps(v, sort_keys=True)
+        )
     if isinstance(value, (list, tuple)):
         return [canonical(v, deeper, seen) for v in value]
     module = type(value).__module__
@@ -110,7 +119,12 @@ def canonical(value: Any, _depth: int = 0, _seen: frozenset[int] = frozenset()) 
     if callable(value):
         return callable_name(value)
     if hasattr(value, "__dict__"):
-        return {"__class__": type(value).__qualname__,
-                **{k: canonical(v, deeper, seen) for k, v in sorted(vars(value).items())
-                   if not k.startswith("_")}}
+        return {
+            "__class__": type(value).__qualname__,
+            **{
+                k: canonical(v, deeper, seen)
+                for k, v in sorted(vars(value).items())
+                if not k.startswith("_")
+            },
+        }
     return _ADDRESS.sub("", repr(value))

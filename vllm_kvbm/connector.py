@@ -46,18 +46,24 @@ logger = logging.getLogger(__name__)
 
 # Tier of a hit -> vLLM's label for it (vllm:prompt_tokens_cached_by_source).
 # vLLM 0.32 to 0.34 have no member for a remote cache server.
-_HIT_SOURCE = {"host": CacheHitSource.HOST, "pool": CacheHitSource.HOST,
-               "disk": CacheHitSource.DISK, "peer": CacheHitSource.P2P}
+_HIT_SOURCE = {
+    "host": CacheHitSource.HOST,
+    "pool": CacheHitSource.HOST,
+    "disk": CacheHitSource.DISK,
+    "peer": CacheHitSource.P2P,
+}
 
 
 def extensible_kv_cache_note(cache_config) -> str | None:
     """What KVBM does with vLLM 0.34's extensible KV cache, when it is on."""
     if not getattr(cache_config, "enable_extensible_kv_cache", False):
         return None
-    return ("KVBM: vLLM's extensible KV cache is on: KVBM registers none of its memory and "
-            "copies only the blocks vLLM hands it; while vLLM releases that memory (sleep, "
-            "release_kv_cache_memory(), a weight update borrowing it) KVBM's copies are "
-            "finished first and none start until it is back")
+    return (
+        "KVBM: vLLM's extensible KV cache is on: KVBM registers none of its memory and "
+        "copies only the blocks vLLM hands it; while vLLM releases that memory (sleep, "
+        "release_kv_cache_memory(), a weight update borrowing it) KVBM's copies are "
+        "finished first and none start until it is back"
+    )
 
 
 def sleep_mode_refusal() -> str | None:
@@ -69,9 +75,11 @@ def sleep_mode_refusal() -> str | None:
 
     if current_platform.is_cuda_alike() or current_platform.is_cpu():
         return None
-    return (f"enable_sleep_mode: KVBMConnector follows vLLM's sleep mode on CUDA and ROCm GPUs "
-            f"and vLLM's CPU build, not on {current_platform.device_name}; start vLLM "
-            f"without --enable-sleep-mode")
+    return (
+        f"enable_sleep_mode: KVBMConnector follows vLLM's sleep mode on CUDA and ROCm GPUs "
+        f"and vLLM's CPU build, not on {current_platform.device_name}; start vLLM "
+        f"without --enable-sleep-mode"
+    )
 
 
 class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
@@ -121,8 +129,9 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         # extensible KV cache's included.
         return KVCacheAccess.IN_PROCESS
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig"):
+    def __init__(
+        self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"
+    ):
         check_vllm_version()
         if getattr(vllm_config.model_config, "enable_sleep_mode", False):
             if (refusal := sleep_mode_refusal()) is not None:
@@ -135,8 +144,10 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
             # (corrupt, evicted, tier down) is recomputed instead.
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             if role == KVConnectorRole.SCHEDULER:
-                logger.info("KVBM: kv_load_failure_policy set to 'recompute': blocks "
-                            "that fail to onboard are recomputed, never an error")
+                logger.info(
+                    "KVBM: kv_load_failure_policy set to 'recompute': blocks "
+                    "that fail to onboard are recomputed, never an error"
+                )
         self.sched: KVBMScheduler | None = None
         self.worker: KVBMWorker | None = None
         # Not None: KVBM keeps this model's KV out of its tiers (no lookup, no
@@ -147,8 +158,9 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.SCHEDULER:
                 logger.warning(self.kept_out)
             return
-        self.info = engine_info(vllm_config, kv_cache_config, self.config.namespace,
-                                self.config.page_tokens)
+        self.info = engine_info(
+            vllm_config, kv_cache_config, self.config.namespace, self.config.page_tokens
+        )
         num_slots = self.config.host_slots(self.info.page_bytes, self.info.page_blocks)
         self._num_blocks = kv_cache_config.num_blocks
         # Each process imports only its own side: the scheduler process never
@@ -159,30 +171,39 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm_kvbm.scheduler.lookups import lower_tiers
             from vllm_kvbm.scheduler.planner import KVBMScheduler
 
-            hashes, key_source = vllm_block_hashes(vllm_config, kv_cache_config,
-                                                   self.info.block_size)
+            hashes, key_source = vllm_block_hashes(
+                vllm_config, kv_cache_config, self.info.block_size
+            )
             logger.info("KVBM: %s", key_source)
             # once per engine: the scheduler process, not each worker
-            logger.info("KVBM: configuration (values set, with their source): %s",
-                        self.config.describe())
-            logger.info("KVBM: this engine takes %s", self.config.engine_totals(
-                num_slots, self.info.page_bytes, self.info.num_workers))
-            self.sched = KVBMScheduler(self.info, num_slots,
-                                       self.config.offload_decode_blocks,
-                                       metrics_sink=self._standalone_metrics(),
-                                       lower=lower_tiers(self.config, self.info),
-                                       load_split=self.config.load_split,
-                                       vllm_hashes=hashes,
-                                       kv_events=kv_events(vllm_config, kv_cache_config,
-                                                           self.info))
+            logger.info(
+                "KVBM: configuration (values set, with their source): %s", self.config.describe()
+            )
+            logger.info(
+                "KVBM: this engine takes %s",
+                self.config.engine_totals(num_slots, self.info.page_bytes, self.info.num_workers),
+            )
+            self.sched = KVBMScheduler(
+                self.info,
+                num_slots,
+                self.config.offload_decode_blocks,
+                metrics_sink=self._standalone_metrics(),
+                lower=lower_tiers(self.config, self.info),
+                load_split=self.config.load_split,
+                vllm_hashes=hashes,
+                kv_events=kv_events(vllm_config, kv_cache_config, self.info),
+            )
         else:
             from vllm_kvbm.worker.worker import KVBMWorker
 
             self.worker = KVBMWorker(
-                self.info, num_slots, self.config.nixl_backend,
+                self.info,
+                num_slots,
+                self.config.nixl_backend,
                 agent_name=f"kvbm-{os.getpid()}",
                 tier_write_queue_pages=self.config.tier_write_queue_pages,
-                tier_read_timeout_s=self.config.tier_read_timeout_s)
+                tier_read_timeout_s=self.config.tier_read_timeout_s,
+            )
 
     def _standalone_metrics(self) -> StandaloneMetrics | None:
         port = self.config.metrics_port
@@ -192,8 +213,12 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
             sink = StandaloneMetrics(port, self.config.metrics_host)
         except OSError as err:
             # Metrics must never take the engine down: serve without them.
-            logger.warning("KVBM: metrics_port %d unavailable (%s); kvbm_* metrics "
-                           "stay on vLLM's /metrics only", port, err)
+            logger.warning(
+                "KVBM: metrics_port %d unavailable (%s); kvbm_* metrics "
+                "stay on vLLM's /metrics only",
+                port,
+                err,
+            )
             return None
         logger.info("KVBM: metrics on http://%s:%d/metrics", self.config.metrics_host, port)
         return sink
@@ -226,12 +251,15 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         # Sleep mode's calls on this worker are followed from here on
         # (worker/sleep_mode.py): the same release and restore as below.
         self.worker.weights = LoadedWeights.from_vllm(rank, kv=self.worker)
-        if (getattr(self._vllm_config.model_config, "enable_sleep_mode", False)
-                and not self.worker.weights.follows_sleep):
+        if (
+            getattr(self._vllm_config.model_config, "enable_sleep_mode", False)
+            and not self.worker.weights.follows_sleep
+        ):
             raise KVBMConfigError(
                 "enable_sleep_mode: KVBM cannot find vLLM's worker to follow its sleep calls "
                 "(its copies could run while the KV memory is released); start vLLM "
-                "without --enable-sleep-mode")
+                "without --enable-sleep-mode"
+            )
 
     def unregister_kv_caches(self) -> None:
         # vLLM >= 0.33 calls this right before it frees the KV cache's memory
@@ -252,8 +280,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self.kept_out is not None:
             return
-        assert self.worker is not None and isinstance(kv_connector_metadata,
-                                                      KVBMConnectorMetadata)
+        assert self.worker is not None and isinstance(kv_connector_metadata, KVBMConnectorMetadata)
         self.worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
@@ -290,8 +317,9 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
 
         sending, recving = self.get_finished(finished_req_ids)
         failed = self.worker.take_failed_recving(recving) if self.worker is not None else set()
-        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
-                                          failed_recving=failed)
+        return KVConnectorTransferResults(
+            finished_sending=sending, finished_recving=recving, failed_recving=failed
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.kept_out is not None:
@@ -320,22 +348,25 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.sched is not None
         self.sched.bind_kv_cache_manager(kv_cache_manager)
 
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self.kept_out is not None:
             return 0, False
         assert self.sched is not None
         return self.sched.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
         if self.kept_out is not None:
             return
         assert self.sched is not None
         self.sched.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: "Request",
-                                       num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(
+        self, request: "Request", num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
         # Host, disk and remote hits apart in vLLM's own per-source metrics.
         if self.kept_out is not None:
             return {}
@@ -363,12 +394,14 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.sched is not None
         self.sched.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request",
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: "Request", block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: "Request", block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         # vLLM calls this (SupportsHMA) once a request is done in every KV
         # cache group. The scheduler side keeps its own books of the blocks
         # its stores read (one group when it serves the model), so the ids
@@ -408,10 +441,8 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         return KVBMConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames,
-                           per_engine_labelvalues):
-        return KVBMPromMetrics(vllm_config, metric_types, labelnames,
-                               per_engine_labelvalues)
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KVBMPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
 
 def _tp_rank() -> int:

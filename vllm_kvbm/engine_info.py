@@ -107,15 +107,20 @@ class EngineInfo:
         return self.key_namespace.seed().hex()
 
 
-def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
-                namespace: str = "", page_tokens: int | None = None) -> EngineInfo:
+def engine_info(
+    vllm_config: "VllmConfig",
+    kv_cache_config: "KVCacheConfig",
+    namespace: str = "",
+    page_tokens: int | None = None,
+) -> EngineInfo:
     groups = kv_cache_config.kv_cache_groups
     _refuse_unproven_specs(vllm_config, groups)
     spec = groups[0].kv_cache_spec
     if not vllm_config.cache_config.enable_prefix_caching:
         raise KVBMConfigError(
             "enable_prefix_caching: KVBMConnector needs vLLM's prefix caching "
-            "(it stores and finds blocks by prefix); remove --no-enable-prefix-caching")
+            "(it stores and finds blocks by prefix); remove --no-enable-prefix-caching"
+        )
     parallel = vllm_config.parallel_config
     _refuse_unsupported_parallelism(parallel)
     # A hybrid model's groups share one pool of blocks: block b of any group
@@ -141,8 +146,13 @@ def engine_info(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
 def _group_kind(spec) -> GroupInfo | None:
     """How KVBM pages a group of this spec (index 0), or None: not served.
     By exact type: subclasses hold other data in their blocks."""
-    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec,
-                                            MambaSpec, MLAAttentionSpec, SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     kind = type(spec)
     if kind in (FullAttentionSpec, MLAAttentionSpec):
@@ -225,13 +235,19 @@ def kept_out_reason(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig")
     if hybrid_groups(groups):
         return _states_moved_reason(vllm_config, groups, model)
     windowed = any(kind.__name__ in _WINDOWED_SPECS for kind in kinds)
-    return (f"KVBM: model {model!r} has KV cache groups KVBM does not serve yet "
-            f"({_count_groups(groups)}): KVBM looks up and stores nothing for it, so no "
-            f"prefix hits come from KVBM (vLLM's own prefix caching still works). KVBM "
-            f"stores and loads one KV cache group of "
-            f"{' or '.join(t.__name__ for t in _proven_spec_types())}, or {_HYBRID_SERVED}."
-            + (" With --disable-hybrid-kv-cache-manager vLLM runs the sliding-window "
-               "layers as full attention, and KVBM stores their whole KV." if windowed else ""))
+    return (
+        f"KVBM: model {model!r} has KV cache groups KVBM does not serve yet "
+        f"({_count_groups(groups)}): KVBM looks up and stores nothing for it, so no "
+        f"prefix hits come from KVBM (vLLM's own prefix caching still works). KVBM "
+        f"stores and loads one KV cache group of "
+        f"{' or '.join(t.__name__ for t in _proven_spec_types())}, or {_HYBRID_SERVED}."
+        + (
+            " With --disable-hybrid-kv-cache-manager vLLM runs the sliding-window "
+            "layers as full attention, and KVBM stores their whole KV."
+            if windowed
+            else ""
+        )
+    )
 
 
 def vllm_hands_off_states() -> bool:
@@ -263,25 +279,34 @@ def _states_moved_reason(vllm_config: "VllmConfig", groups, model) -> str | None
     unit = getattr(vllm_config.cache_config, "prefix_match_unit", None)
     spec_tokens = getattr(vllm_config, "num_speculative_tokens", 0) or 0
     if spec_tokens or any(s.num_speculative_blocks for s in states):
-        setting = (f"speculative decoding (--speculative-config, {spec_tokens or 'some'} "
-                   f"speculative tokens)", "remove --speculative-config")
+        setting = (
+            f"speculative decoding (--speculative-config, {spec_tokens or 'some'} "
+            f"speculative tokens)",
+            "remove --speculative-config",
+        )
     elif unit is not None and any(unit < s.block_size for s in states):
-        setting = (f"--prefix-match-unit {unit} (below the Mamba block size, "
-                   f"{min(s.block_size for s in states)} tokens)",
-                   "unset --prefix-match-unit")
+        setting = (
+            f"--prefix-match-unit {unit} (below the Mamba block size, "
+            f"{min(s.block_size for s in states)} tokens)",
+            "unset --prefix-match-unit",
+        )
     else:
         return None
-    return (f"KVBM: model {model!r}: with {setting[0]} vLLM keeps a Mamba state in another "
-            f"block than its boundary's, and this vLLM does not hand connectors the block of "
-            f"each boundary (SchedulerOutput.kv_connector_block_state): KVBM looks up and "
-            f"stores nothing for this model, so no prefix hits come from KVBM (vLLM's own "
-            f"prefix caching still works). To serve it, {setting[1]}, or run a vLLM whose "
-            f"scheduler hands them off (vLLM 0.32's does).")
+    return (
+        f"KVBM: model {model!r}: with {setting[0]} vLLM keeps a Mamba state in another "
+        f"block than its boundary's, and this vLLM does not hand connectors the block of "
+        f"each boundary (SchedulerOutput.kv_connector_block_state): KVBM looks up and "
+        f"stores nothing for this model, so no prefix hits come from KVBM (vLLM's own "
+        f"prefix caching still works). To serve it, {setting[1]}, or run a vLLM whose "
+        f"scheduler hands them off (vLLM 0.32's does)."
+    )
 
 
-_HYBRID_SERVED = ("groups of FullAttentionSpec beside groups of SlidingWindowSpec, "
-                  "ChunkedLocalAttentionSpec or MambaSpec in align mode, one spec per group, "
-                  "of one page size")
+_HYBRID_SERVED = (
+    "groups of FullAttentionSpec beside groups of SlidingWindowSpec, "
+    "ChunkedLocalAttentionSpec or MambaSpec in align mode, one spec per group, "
+    "of one page size"
+)
 
 
 def refuse_unproven_layers(specs: dict, layer_names) -> None:
@@ -289,14 +314,18 @@ def refuse_unproven_layers(specs: dict, layer_names) -> None:
     spec vLLM declares (``specs``: layer -> its own spec) is of a proven type
     exactly, so no layer's blocks are ever copied as plain KV that are not."""
     proven = _proven_spec_types()
-    wrong = [f"{name}: {type(specs[name]).__name__}" for name in layer_names
-             if name in specs and _group_kind(specs[name]) is None]
+    wrong = [
+        f"{name}: {type(specs[name]).__name__}"
+        for name in layer_names
+        if name in specs and _group_kind(specs[name]) is None
+    ]
     if wrong:
         raise KVBMConfigError(
             f"KVBMConnector does not support these KV cache layers: {_layer_list(wrong)}. "
             f"It copies layers of {' or '.join(t.__name__ for t in proven)}, "
             f"SlidingWindowSpec, ChunkedLocalAttentionSpec or MambaSpec (align mode) exactly. Run "
-            f"this model without KVBMConnector (remove --kv-transfer-config).")
+            f"this model without KVBMConnector (remove --kv-transfer-config)."
+        )
 
 
 def _count_groups(groups) -> str:
@@ -306,8 +335,13 @@ def _count_groups(groups) -> str:
         count = counts.setdefault(type(_scheduler_spec(g.kv_cache_spec)).__name__, [0, 0])
         count[0] += 1
         count[1] += len(g.layer_names)
-    return "; ".join(f"{name}: {n} group{'s' * (n != 1)}, {layers} layers"
-                     for name, (n, layers) in counts.items()) or "no KV cache groups"
+    return (
+        "; ".join(
+            f"{name}: {n} group{'s' * (n != 1)}, {layers} layers"
+            for name, (n, layers) in counts.items()
+        )
+        or "no KV cache groups"
+    )
 
 
 def _refuse_unproven_specs(vllm_config: "VllmConfig", groups) -> None:
@@ -316,19 +350,27 @@ def _refuse_unproven_specs(vllm_config: "VllmConfig", groups) -> None:
     proven = _proven_spec_types()
     if len(groups) == 1 and type(groups[0].kv_cache_spec) in proven:
         return
-    if len(groups) > 1 and hybrid_groups(groups) and not any(
-            getattr(g.kv_cache_spec, "kv_cache_specs", None) for g in groups):
+    if (
+        len(groups) > 1
+        and hybrid_groups(groups)
+        and not any(getattr(g.kv_cache_spec, "kv_cache_specs", None) for g in groups)
+    ):
         return  # each group of one spec (a worker's may hold several: refused)
     model = getattr(vllm_config.model_config, "model", None)
-    described = "; ".join(
-        f"group {i}: {type(g.kv_cache_spec).__name__} (layers {_layer_list(g.layer_names)})"
-        for i, g in enumerate(groups)) or "no KV cache groups"
+    described = (
+        "; ".join(
+            f"group {i}: {type(g.kv_cache_spec).__name__} (layers {_layer_list(g.layer_names)})"
+            for i, g in enumerate(groups)
+        )
+        or "no KV cache groups"
+    )
     raise KVBMConfigError(
         f"KVBMConnector does not support the KV cache of model {model!r}: {described}. "
         f"It stores and loads one KV cache group of "
         f"{' or '.join(t.__name__ for t in proven)} exactly (not subclasses of them, whose "
         f"blocks hold other data), or {_HYBRID_SERVED}. Run this model without KVBMConnector "
-        f"(remove --kv-transfer-config).")
+        f"(remove --kv-transfer-config)."
+    )
 
 
 def _layer_list(names: list[str], shown: int = 3) -> str:
@@ -359,7 +401,8 @@ def _page_blocks(page_tokens: int | None, block_size: int) -> int:
         raise KVBMConfigError(
             f"page_tokens: {page_tokens} is not a multiple of vLLM's block size "
             f"({block_size} tokens, --block-size); set page_tokens to a multiple of it, "
-            f"e.g. {max(1, round(page_tokens / block_size)) * block_size}")
+            f"e.g. {max(1, round(page_tokens / block_size)) * block_size}"
+        )
     return page_tokens // block_size
 
 
@@ -367,13 +410,16 @@ def _refuse_unsupported_parallelism(parallel) -> None:
     """Pipeline and context parallelism shard a block's KV in ways the page
     format does not describe (layers per stage, tokens per rank): refuse them
     at startup rather than store pages another layout would misread."""
-    for field, what in (("pipeline_parallel_size", "pipeline parallelism"),
-                        ("decode_context_parallel_size", "decode context parallelism"),
-                        ("prefill_context_parallel_size", "prefill context parallelism")):
+    for field, what in (
+        ("pipeline_parallel_size", "pipeline parallelism"),
+        ("decode_context_parallel_size", "decode context parallelism"),
+        ("prefill_context_parallel_size", "prefill context parallelism"),
+    ):
         size = getattr(parallel, field, 1) or 1
         if size > 1:
             flag = "--" + field.replace("_", "-")
             raise KVBMConfigError(
                 f"{field}={size}: KVBMConnector does not support {what} yet (each rank "
                 f"holds a different part of a block's KV); run with {flag} 1, or remove "
-                f"--kv-transfer-config. Tensor parallelism is supported.")
+                f"--kv-transfer-config. Tensor parallelism is supported."
+            )

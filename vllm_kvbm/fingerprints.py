@@ -202,7 +202,7 @@ def _prune(directory: str) -> None:
     keep = MAX_ENTRIES * 3 // 4
     if len(fresh) > keep:
         fresh.sort(key=_mtime)
-        for path in fresh[:len(fresh) - keep]:
+        for path in fresh[: len(fresh) - keep]:
             _remove_entry(path)
 
 
@@ -216,7 +216,7 @@ def _entry_is_stale(entry: str) -> bool:
 
 
 def _remove_entry(entry: str) -> None:
-    for path in (entry, entry[:-len(".json")] + ".lock"):
+    for path in (entry, entry[: -len(".json")] + ".lock"):
         try:
             os.unlink(path)
         except OSError:
@@ -249,7 +249,7 @@ class _locked:
     block this one either."""
 
     def __init__(self, entry: str):
-        self._path = entry[:-len(".json")] + ".lock"
+        self._path = entry[: -len(".json")] + ".lock"
 
     def __enter__(self):
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
@@ -287,18 +287,25 @@ def _warn_locked(real: str) -> None:
     global _warned_locked
     if not _warned_locked:
         _warned_locked = True
-        logger.warning("KVBM: another process held the digest cache lock of %s for over %g s "
-                       "(hashing it, or hung); hashed here instead, uncached", real,
-                       LOCK_TIMEOUT_S)
+        logger.warning(
+            "KVBM: another process held the digest cache lock of %s for over %g s "
+            "(hashing it, or hung); hashed here instead, uncached",
+            real,
+            LOCK_TIMEOUT_S,
+        )
 
 
 def _warn_uncached(entry: str | None, err: OSError) -> None:
     global _warned_uncached
     if not _warned_uncached:
         _warned_uncached = True
-        logger.warning("KVBM: cannot cache weight fingerprints under %s (%s); weights are "
-                       "hashed in full at every start. Set KVBM_CACHE_DIR to a writable "
-                       "directory to cache them.", os.path.dirname(entry or "") or "~", err)
+        logger.warning(
+            "KVBM: cannot cache weight fingerprints under %s (%s); weights are "
+            "hashed in full at every start. Set KVBM_CACHE_DIR to a writable "
+            "directory to cache them.",
+            os.path.dirname(entry or "") or "~",
+            err,
+        )
 
 
 def files_fingerprint(directory: str, names: list[str] | None = None) -> str:
@@ -323,14 +330,21 @@ def local_model_dir(model: str, revision: str, cache_dir: str | None = None) -> 
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(model, revision=revision or None, cache_dir=cache_dir or None,
-                                 local_files_only=True)
+        return snapshot_download(
+            model, revision=revision or None, cache_dir=cache_dir or None, local_files_only=True
+        )
     except Exception:  # noqa: BLE001 - not in the local HF cache
         return None
 
 
-def model_fingerprint(model: str, revision: str = "", *, download_dir: str | None = None,
-                      load_format: str = "auto", remote_code: bool = False) -> str | None:
+def model_fingerprint(
+    model: str,
+    revision: str = "",
+    *,
+    download_dir: str | None = None,
+    load_format: str = "auto",
+    remote_code: bool = False,
+) -> str | None:
     """The fingerprint of the files vLLM loads a model's weights from
     (weight_files.py): a model file's bytes, or a directory's weight files
     for ``load_format``, their index and config, and with ``remote_code`` its
@@ -343,19 +357,28 @@ def model_fingerprint(model: str, revision: str = "", *, download_dir: str | Non
         return h.hexdigest()
     directory = local_model_dir(model, revision, download_dir)
     if directory is None:
-        logger.warning("KVBM: found no local files of model %s%s; nothing proves which "
-                       "weights this engine runs, so its pages are its own (shared with no "
-                       "other engine or restart)", model,
-                       f" in --download-dir {download_dir}" if download_dir else "")
+        logger.warning(
+            "KVBM: found no local files of model %s%s; nothing proves which "
+            "weights this engine runs, so its pages are its own (shared with no "
+            "other engine or restart)",
+            model,
+            f" in --download-dir {download_dir}" if download_dir else "",
+        )
         return None
     directory = os.path.realpath(directory)
     names = weight_files.model_files(directory, load_format, remote_code)
     if names is None:
         fmt = weight_files.load_format_of(load_format, directory)
-        why = (f"no {fmt!r} weight files are in {directory}" if fmt in weight_files.FORMAT_PATTERNS
-               else f"vLLM's {fmt!r} loader reads weights from where KVBM cannot hash them")
-        logger.warning("KVBM: %s; nothing proves which weights this engine runs, so its "
-                       "pages are its own (shared with no other engine or restart)", why)
+        why = (
+            f"no {fmt!r} weight files are in {directory}"
+            if fmt in weight_files.FORMAT_PATTERNS
+            else f"vLLM's {fmt!r} loader reads weights from where KVBM cannot hash them"
+        )
+        logger.warning(
+            "KVBM: %s; nothing proves which weights this engine runs, so its "
+            "pages are its own (shared with no other engine or restart)",
+            why,
+        )
         return None
     # The files vLLM read in this process, as it picked them (opened_files.py):
     # what is hashed must be them, unchanged, before and after the hash.
@@ -365,23 +388,30 @@ def model_fingerprint(model: str, revision: str = "", *, download_dir: str | Non
     if selection is not None and why is None:
         why = opened_files.moved(selection)
     if why is not None:
-        logger.warning("KVBM: the weight files vLLM loaded are not the ones at %s now (%s: "
-                       "a link moved or a file written while the engine started); nothing "
-                       "proves which weights this engine runs, so its pages are its own "
-                       "(shared with no other engine or restart)", model, why)
+        logger.warning(
+            "KVBM: the weight files vLLM loaded are not the ones at %s now (%s: "
+            "a link moved or a file written while the engine started); nothing "
+            "proves which weights this engine runs, so its pages are its own "
+            "(shared with no other engine or restart)",
+            model,
+            why,
+        )
         return None
     return fingerprint
 
 
-def _not_as_read(selection: "opened_files.Selection", directory: str,
-                 names: list[str]) -> str | None:
+def _not_as_read(
+    selection: "opened_files.Selection", directory: str, names: list[str]
+) -> str | None:
     """Why hashing ``names`` in ``directory`` would not hash the files vLLM
     picked in ``selection``, or None."""
     if selection.folder_real != directory:
         return f"vLLM read {selection.folder_real}"
     for path, _, _ in selection.files:
-        if (os.path.realpath(os.path.dirname(path)) != directory
-                or os.path.basename(path) not in names):
+        if (
+            os.path.realpath(os.path.dirname(path)) != directory
+            or os.path.basename(path) not in names
+        ):
             return f"vLLM read {path}, which KVBM does not hash"
     return opened_files.moved(selection)
 
@@ -449,8 +479,13 @@ def _resolved_adapter_dir(path: str) -> str | None:
 
 def _dir_stat(directory: str) -> tuple:
     with os.scandir(directory) as entries:
-        return tuple(sorted((e.name,) + stat_key("", e.stat())[1:]
-                            for e in entries if counts(e.name) and e.is_file()))
+        return tuple(
+            sorted(
+                (e.name,) + stat_key("", e.stat())[1:]
+                for e in entries
+                if counts(e.name) and e.is_file()
+            )
+        )
 
 
 @functools.lru_cache(maxsize=256)

@@ -41,8 +41,12 @@ if TYPE_CHECKING:
 
 # KVCacheConfig fields that size the cache, not the bytes of a block: two
 # engines with different memory budgets compute the same KV.
-_KV_CONFIG_SIZING = {"num_blocks", "kv_cache_tensors", "kv_cache_groups",
-                     "prefix_cache_retention_interval"}
+_KV_CONFIG_SIZING = {
+    "num_blocks",
+    "kv_cache_tensors",
+    "kv_cache_groups",
+    "prefix_cache_retention_interval",
+}
 
 
 def digest_json(value: Any) -> str:
@@ -65,13 +69,23 @@ def software_versions() -> dict[str, str]:
 
 def kv_spec_identity(kv_cache_config: "KVCacheConfig") -> str:
     """Canonical JSON of the KV cache's shape as vLLM reports it, sizing left out."""
-    groups = [{"layers": list(g.layer_names),
-               "spec": canonical(g.kv_cache_spec),
-               **{f.name: canonical(getattr(g, f.name)) for f in dataclasses.fields(g)
-                  if f.name not in ("layer_names", "kv_cache_spec")}}
-              for g in kv_cache_config.kv_cache_groups]
-    rest = {f.name: canonical(getattr(kv_cache_config, f.name))
-            for f in dataclasses.fields(kv_cache_config) if f.name not in _KV_CONFIG_SIZING}
+    groups = [
+        {
+            "layers": list(g.layer_names),
+            "spec": canonical(g.kv_cache_spec),
+            **{
+                f.name: canonical(getattr(g, f.name))
+                for f in dataclasses.fields(g)
+                if f.name not in ("layer_names", "kv_cache_spec")
+            },
+        }
+        for g in kv_cache_config.kv_cache_groups
+    ]
+    rest = {
+        f.name: canonical(getattr(kv_cache_config, f.name))
+        for f in dataclasses.fields(kv_cache_config)
+        if f.name not in _KV_CONFIG_SIZING
+    }
     return json.dumps({"groups": groups, **rest}, sort_keys=True)
 
 
@@ -83,32 +97,45 @@ def model_run_fields(model_config) -> dict:
     past 32k tokens of max_model_len), which changes the KV of every layer
     after the first such."""
     hf = model_config.hf_config
-    if not any(hasattr(c, "attn_temperature_tuning")
-               for c in (hf, getattr(hf, "text_config", None)) if c is not None):
+    if not any(
+        hasattr(c, "attn_temperature_tuning")
+        for c in (hf, getattr(hf, "text_config", None))
+        if c is not None
+    ):
         return {}
     generation = dict(model_config.try_get_generation_config() or {})
     generation.update(model_config.override_generation_config or {})
-    return {"attn_temperature_tuning": bool(generation.get(
-        "attn_temperature_tuning", model_config.max_model_len > 32768))}
+    return {
+        "attn_temperature_tuning": bool(
+            generation.get("attn_temperature_tuning", model_config.max_model_len > 32768)
+        )
+    }
 
 
-def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
-                  page_blocks: int, extra: str = "") -> KeyNamespace:
+def key_namespace(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", page_blocks: int, extra: str = ""
+) -> KeyNamespace:
     """The namespace every key of this engine is derived in (keys.py)."""
     from vllm_kvbm.fingerprints import model_fingerprint
 
     # the first group with one dtype (a hybrid's Mamba groups have several;
     # every group's spec is in kv_spec below)
     groups = kv_cache_config.kv_cache_groups
-    spec = next((g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")),
-                groups[0].kv_cache_spec)
+    spec = next(
+        (g.kv_cache_spec for g in groups if hasattr(g.kv_cache_spec, "dtype")),
+        groups[0].kv_cache_spec,
+    )
     num_layers = max(len(g.layer_names) for g in groups)
     model, cache = vllm_config.model_config, vllm_config.cache_config
     revision = getattr(model, "revision", None) or ""
     load = vllm_config.load_config
-    weights = model_fingerprint(model.model, revision, download_dir=load.download_dir,
-                                load_format=str(load.load_format),
-                                remote_code=bool(model.trust_remote_code))
+    weights = model_fingerprint(
+        model.model,
+        revision,
+        download_dir=load.download_dir,
+        load_format=str(load.load_format),
+        remote_code=bool(model.trust_remote_code),
+    )
     if weights is None:
         # Nothing proves which weights this engine runs: its pages are its own
         # (vLLM gives every process of an engine the same instance id).
@@ -124,11 +151,18 @@ def key_namespace(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
         page_bytes=spec.page_size_bytes * num_layers * page_blocks,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
         extra=extra,
-        kv_cache_dtype=json.dumps([str(cache.cache_dtype),
-                                   sorted(getattr(cache, "kv_cache_dtype_skip_layers", ()))]),
+        kv_cache_dtype=json.dumps(
+            [str(cache.cache_dtype), sorted(getattr(cache, "kv_cache_dtype_skip_layers", ()))]
+        ),
         quantization=str(model.quantization or ""),
         model_fingerprint=weights,
         kv_spec=kv_spec_identity(kv_cache_config),
-        config=digest_json([config_identity(vllm_config), identity_env(), software_versions(),
-                            *filter(None, [model_run_fields(vllm_config.model_config)])]),
+        config=digest_json(
+            [
+                config_identity(vllm_config),
+                identity_env(),
+                software_versions(),
+                *filter(None, [model_run_fields(vllm_config.model_config)]),
+            ]
+        ),
     )

@@ -44,10 +44,13 @@ def _identity_of(config: Any, cls: str, path: str) -> dict:
             where = f"{cls}.{f.name}"
             if where not in _logged_unknown:
                 _logged_unknown.add(where)
-                logger.info("KVBM: vLLM config field %s (at %s) is not classified in "
-                            "vllm_kvbm/identity_tables/; it counts as identity (pages "
-                            "of engines that differ in it are not shared)", where,
-                            f"{path}.{f.name}")
+                logger.info(
+                    "KVBM: vLLM config field %s (at %s) is not classified in "
+                    "vllm_kvbm/identity_tables/; it counts as identity (pages "
+                    "of engines that differ in it are not shared)",
+                    where,
+                    f"{path}.{f.name}",
+                )
         elif rule.kind == HARMLESS:
             continue
         if rule is not None and rule.reduce is not None:
@@ -79,11 +82,13 @@ def identity_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     (identity_tables/environment.py): one vLLM reads may select a kernel, a
     precision or a routing, so a variable that table does not list counts."""
     environ = os.environ if environ is None else environ
-    return {k: environ[k] for k in sorted(environ)
-            if k.startswith("VLLM_") and k not in HARMLESS_ENV}
+    return {
+        k: environ[k] for k in sorted(environ) if k.startswith("VLLM_") and k not in HARMLESS_ENV
+    }
 
 
 def identity_json(vllm_config: Any) -> str:
     """``config_identity`` and ``identity_env`` as canonical JSON text."""
-    return json.dumps([config_identity(vllm_config), identity_env()], sort_keys=True,
-                      separators=(",", ":"))
+    return json.dumps(
+        [config_identity(vllm_config), identity_env()], sort_keys=True, separators=(",", ":")
+    )

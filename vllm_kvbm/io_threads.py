@@ -28,8 +28,10 @@ class IOThreads(Executor):
         self._lock = threading.Lock()
         self._shut = False
         self._initializer = initializer
-        self._threads = [threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True)
-                         for i in range(max(1, workers))]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True)
+            for i in range(max(1, workers))
+        ]
         for t in self._threads:
             t.start()
 
@@ -96,6 +98,12 @@ def close_pools(pools: "list[IOThreads]", timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     stuck = [t.name for pool in pools for t in pool.join(deadline)]
     if stuck:
-        logger.warning("KVBM: %s: %d I/O thread(s) still in a call after %g s at shutdown "
-                       "(a hung filesystem or server?): %s; left running, they end with the "
-                       "process", what, len(stuck), timeout_s, ", ".join(stuck))
+        logger.warning(
+            "KVBM: %s: %d I/O thread(s) still in a call after %g s at shutdown "
+            "(a hung filesystem or server?): %s; left running, they end with the "
+            "process",
+            what,
+            len(stuck),
+            timeout_s,
+            ", ".join(stuck),
+        )

@@ -45,6 +45,7 @@ a clash is a SHA-256 collision), so switching source costs misses, never
 wrong KV. Weights other than those loaded (digested by the workers after a
 prefix-cache reset, scheduler/weights_epochs.py) move the seed: both kinds change.
 """
+
 from __future__ import annotations
 
 import functools
@@ -189,11 +190,10 @@ class KeyChain(_PageKeys):
         pt = self._page_tokens
         step = 8 * pt  # bytes per page
         # One pack for all new pages; then one hash call per page.
-        data = struct.pack(f"<{(num_pages - done) * pt}q",
-                           *token_ids[done * pt:num_pages * pt])
+        data = struct.pack(f"<{(num_pages - done) * pt}q", *token_ids[done * pt : num_pages * pt])
         sha256, parent, append = hashlib.sha256, self._parent, self.keys.append
         for off in range(0, len(data), step):
-            parent = sha256(parent + data[off:off + step]).digest()
+            parent = sha256(parent + data[off : off + step]).digest()
             append(parent)
         self._parent = parent
 
@@ -207,15 +207,14 @@ def vllm_key_mask(seed: bytes, salt: bytes, algo: str) -> bytes:
 def xor_keys(hashes, start: int, end: int, mask: bytes, stride: int = 1) -> list[PageKey]:
     """``hashes[i*stride + stride-1] XOR mask`` for i in [start, end) (the
     last block of each page of ``stride`` blocks): 32-byte hashes and mask."""
-    picked = hashes[start * stride + stride - 1:end * stride:stride]
+    picked = hashes[start * stride + stride - 1 : end * stride : stride]
     if end - start < _NUMPY_XOR_MIN:
         m, from_bytes = int.from_bytes(mask, "little"), int.from_bytes
         return [(from_bytes(h, "little") ^ m).to_bytes(32, "little") for h in picked]
     data = b"".join(picked)
     if len(data) != 32 * (end - start):
         raise ValueError("block hashes must be 32 bytes each")
-    out = (np.frombuffer(data, dtype=np.uint64).reshape(-1, 4)
-           ^ np.frombuffer(mask, dtype=np.uint64))
+    out = np.frombuffer(data, dtype=np.uint64).reshape(-1, 4) ^ np.frombuffer(mask, dtype=np.uint64)
     # A 32-byte void per row: tolist() gives one bytes object each (unlike
     # "S32", which would strip trailing zero bytes).
     return out.view("V32").ravel().tolist()
@@ -237,8 +236,15 @@ class VllmHashKeys(_PageKeys):
 
     cheap = True
 
-    def __init__(self, seed: bytes, page_tokens: int, salt: bytes, block_hashes: list,
-                 algo: str, stride: int = 1):
+    def __init__(
+        self,
+        seed: bytes,
+        page_tokens: int,
+        salt: bytes,
+        block_hashes: list,
+        algo: str,
+        stride: int = 1,
+    ):
         self._mask = vllm_key_mask(seed, salt, algo)
         self._hashes = block_hashes
         self._page_tokens = page_tokens
@@ -258,7 +264,10 @@ class VllmHashKeys(_PageKeys):
                 self.keys += xor_keys(self._hashes, done, have, self._mask, self._stride)
             if have >= num_pages:
                 return
-            parent = (self.keys[-1] if self.keys else
-                      hashlib.sha256(b"kvbm-vllm-hash-keys-rest" + self._mask).digest())
+            parent = (
+                self.keys[-1]
+                if self.keys
+                else hashlib.sha256(b"kvbm-vllm-hash-keys-rest" + self._mask).digest()
+            )
             self._rest = KeyChain.continuing(self.keys, parent, self._page_tokens)
         self._rest.extend_to(token_ids, num_pages)

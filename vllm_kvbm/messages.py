@@ -16,6 +16,7 @@ try:
         KVConnectorWorkerMetadata,
     )
 except ImportError:  # no vLLM: the worker side on its own
+
     class KVConnectorMetadata:  # type: ignore[no-redef]
         """Stands in for vLLM's base class of the scheduler's per-step metadata."""
 
@@ -90,7 +91,7 @@ def block_rows(job: TransferJob) -> tuple[list[int], list[int]]:
         return job.block_ids, job.slots
     blocks, rows = [], []
     for i, slot in enumerate(job.slots):
-        for j, block in enumerate(job.block_ids[i * g:(i + 1) * g]):
+        for j, block in enumerate(job.block_ids[i * g : (i + 1) * g]):
             if block != SKIP:
                 blocks.append(block)
                 rows.append(slot * g + j)
@@ -209,15 +210,28 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             loads_cut=self.loads_cut + other.loads_cut,
             adapters_loaded=self.adapters_loaded + other.adapters_loaded,
             weights_digested=self.weights_digested + other.weights_digested,
-            pool_served_at=(self.pool_served_at if self.pool_served_at is not None
-                            else other.pool_served_at),
+            pool_served_at=(
+                self.pool_served_at if self.pool_served_at is not None else other.pool_served_at
+            ),
         )
 
     def is_empty(self) -> bool:
-        return not (self.stores_done or self.stores_failed or self.loads_failed
-                    or self.spills_done or self.tier_events or self.transfer_timeouts
-                    or self.slots_held or self.slots_released or self.removed_pages
-                    or self.loads_cut or self.adapters_loaded or self.weights_digested
-                    or self.tier_read_seconds or self.tier_write_seconds or self.tier_usage
-                    or self.tier_counts
-                    or self.pool_served_at is not None)
+        return not (
+            self.stores_done
+            or self.stores_failed
+            or self.loads_failed
+            or self.spills_done
+            or self.tier_events
+            or self.transfer_timeouts
+            or self.slots_held
+            or self.slots_released
+            or self.removed_pages
+            or self.loads_cut
+            or self.adapters_loaded
+            or self.weights_digested
+            or self.tier_read_seconds
+            or self.tier_write_seconds
+            or self.tier_usage
+            or self.tier_counts
+            or self.pool_served_at is not None
+        )

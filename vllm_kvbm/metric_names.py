@@ -34,11 +34,9 @@ GIVEN = "*"
 # follows the workload (Dynamo KVBM's DYN_KVBM_CACHE_STATS_MAX_REQUESTS default).
 HIT_RATE_WINDOW = 1000
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                    1.0, 2.5, 5.0)
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Lower-tier reads and whole loads run longer than one host<->device copy.
-_SLOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                 10.0, 30.0)
+_SLOW_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,8 @@ class Family:
     def sample(self) -> str:
         """The sample name a scrape shows (a histogram's: its ``_count``)."""
         return {"counter": f"{self.name}_total", "histogram": f"{self.name}_count"}.get(
-            self.kind, self.name)
+            self.kind, self.name
+        )
 
 
 def _families(*families: Family) -> dict[str, Family]:
@@ -71,129 +70,268 @@ def _families(*families: Family) -> dict[str, Family]:
 
 FAMILIES = _families(
     # -- lookups and hits: hit rates are ratios of these, summable over replicas
-    Family("kvbm_lookup_tokens", "counter",
-           "Prompt tokens looked up in KVBM (beyond the engine's own prefix cache), counted "
-           "once per request when vLLM admits it"),
-    Family("kvbm_matched_tokens", "counter",
-           "Looked-up prompt tokens found in a KVBM tier and loaded, by the tier they came from",
-           TIERS),
-    Family("kvbm_recompute_chosen_tokens", "counter",
-           "Prompt tokens found in a tier but recomputed on purpose: loading them was "
-           "expected to take longer (learned costs, load_split)"),
-    Family("kvbm_recent_hit_ratio", "gauge",
-           f"Per replica: tokens found in the tier / tokens looked up, over this engine's "
-           f"last {HIT_RATE_WINDOW} admitted requests (0-1; not to be summed or averaged "
-           f"across replicas: divide the token counters instead)", TIERS),
+    Family(
+        "kvbm_lookup_tokens",
+        "counter",
+        "Prompt tokens looked up in KVBM (beyond the engine's own prefix cache), counted "
+        "once per request when vLLM admits it",
+    ),
+    Family(
+        "kvbm_matched_tokens",
+        "counter",
+        "Looked-up prompt tokens found in a KVBM tier and loaded, by the tier they came from",
+        TIERS,
+    ),
+    Family(
+        "kvbm_recompute_chosen_tokens",
+        "counter",
+        "Prompt tokens found in a tier but recomputed on purpose: loading them was "
+        "expected to take longer (learned costs, load_split)",
+    ),
+    Family(
+        "kvbm_recent_hit_ratio",
+        "gauge",
+        f"Per replica: tokens found in the tier / tokens looked up, over this engine's "
+        f"last {HIT_RATE_WINDOW} admitted requests (0-1; not to be summed or averaged "
+        f"across replicas: divide the token counters instead)",
+        TIERS,
+    ),
     # -- the engine's KV cache <-> host memory
-    Family("kvbm_offload_blocks", "counter",
-           "Blocks offloaded from the engine's KV cache into the host tier"),
-    Family("kvbm_onboard_blocks", "counter",
-           "Blocks loaded into the engine's KV cache (from any tier, through host memory)"),
-    Family("kvbm_offload_bytes", "counter",
-           "Bytes offloaded from the engine's KV cache into the host tier"),
-    Family("kvbm_onboard_bytes", "counter",
-           "Bytes loaded from host memory into the engine's KV cache"),
-    Family("kvbm_offload_latency_seconds", "histogram",
-           "Time from posting an offload (device->host) transfer to its completion, per "
-           "transfer", buckets=_LATENCY_BUCKETS),
-    Family("kvbm_onboard_latency_seconds", "histogram",
-           "Time from posting an onboard (host->device) transfer to its completion, per "
-           "transfer", buckets=_LATENCY_BUCKETS),
-    Family("kvbm_load_latency_seconds", "histogram",
-           "A request's whole load, from its admission with a hit to the last block in the "
-           "engine (lower-tier reads included), per load that completed",
-           buckets=_SLOW_BUCKETS),
-    Family("kvbm_offload_skipped_blocks", "counter",
-           "Blocks not offloaded because every host slot was in use by transfers"),
-    Family("kvbm_offload_failed_transfers", "counter",
-           "Offload transfers that failed (their blocks were not cached)"),
-    Family("kvbm_onboard_failed_blocks", "counter",
-           "Blocks whose load failed and were recomputed by vLLM"),
-    Family("kvbm_transfer_timeouts", "counter",
-           "Copies between the engine's KV cache and the host tier past their timeout, by "
-           "event: not_started (the engine's stream never reached it within 30 s: failed, "
-           "touching no memory), overdue (running after 30 s: a store is not cached and its "
-           "host slots are held until the copy ends; a load keeps its request waiting), "
-           "no_staging_slot (a streamed load that got no staging slot within "
-           "tier_read_timeout_s: recomputed)", TIMEOUT_EVENTS, label="event"),
-    Family("kvbm_refused_param_requests", "counter",
-           "Requests whose kv_transfer_params KVBM refused, by the part refused: load (a "
-           "load field: the request loads nothing), store (a store field: it stores "
-           "nothing), hint (a peer hint: ignored), object (not an object: neither); "
-           "counted when the engine first sees the request", REFUSED_PARAMS, label="param"),
+    Family(
+        "kvbm_offload_blocks",
+        "counter",
+        "Blocks offloaded from the engine's KV cache into the host tier",
+    ),
+    Family(
+        "kvbm_onboard_blocks",
+        "counter",
+        "Blocks loaded into the engine's KV cache (from any tier, through host memory)",
+    ),
+    Family(
+        "kvbm_offload_bytes",
+        "counter",
+        "Bytes offloaded from the engine's KV cache into the host tier",
+    ),
+    Family(
+        "kvbm_onboard_bytes", "counter", "Bytes loaded from host memory into the engine's KV cache"
+    ),
+    Family(
+        "kvbm_offload_latency_seconds",
+        "histogram",
+        "Time from posting an offload (device->host) transfer to its completion, per transfer",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    Family(
+        "kvbm_onboard_latency_seconds",
+        "histogram",
+        "Time from posting an onboard (host->device) transfer to its completion, per transfer",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    Family(
+        "kvbm_load_latency_seconds",
+        "histogram",
+        "A request's whole load, from its admission with a hit to the last block in the "
+        "engine (lower-tier reads included), per load that completed",
+        buckets=_SLOW_BUCKETS,
+    ),
+    Family(
+        "kvbm_offload_skipped_blocks",
+        "counter",
+        "Blocks not offloaded because every host slot was in use by transfers",
+    ),
+    Family(
+        "kvbm_offload_failed_transfers",
+        "counter",
+        "Offload transfers that failed (their blocks were not cached)",
+    ),
+    Family(
+        "kvbm_onboard_failed_blocks",
+        "counter",
+        "Blocks whose load failed and were recomputed by vLLM",
+    ),
+    Family(
+        "kvbm_transfer_timeouts",
+        "counter",
+        "Copies between the engine's KV cache and the host tier past their timeout, by "
+        "event: not_started (the engine's stream never reached it within 30 s: failed, "
+        "touching no memory), overdue (running after 30 s: a store is not cached and its "
+        "host slots are held until the copy ends; a load keeps its request waiting), "
+        "no_staging_slot (a streamed load that got no staging slot within "
+        "tier_read_timeout_s: recomputed)",
+        TIMEOUT_EVENTS,
+        label="event",
+    ),
+    Family(
+        "kvbm_refused_param_requests",
+        "counter",
+        "Requests whose kv_transfer_params KVBM refused, by the part refused: load (a "
+        "load field: the request loads nothing), store (a store field: it stores "
+        "nothing), hint (a peer hint: ignored), object (not an object: neither); "
+        "counted when the engine first sees the request",
+        REFUSED_PARAMS,
+        label="param",
+    ),
     # -- capacity
-    Family("kvbm_cache_used_blocks", "gauge",
-           "Engine blocks held or being received, per worker", ("host",)),
+    Family(
+        "kvbm_cache_used_blocks",
+        "gauge",
+        "Engine blocks held or being received, per worker",
+        ("host",),
+    ),
     Family("kvbm_cache_capacity_blocks", "gauge", "Capacity in engine blocks", ("host",)),
-    Family("kvbm_page_size_blocks", "gauge",
-           "Engine blocks in one page (page_tokens / the engine's block size): the lower "
-           "tiers count pages, the engine's KV cache and the host tier blocks"),
-    Family("kvbm_cache_used_bytes", "gauge",
-           "Bytes held or being received, per worker (the disk: as its LRU charges them; "
-           "the pool: its file's slots holding a page, whichever engine wrote them)",
-           ("host", "pool", "disk")),
-    Family("kvbm_cache_capacity_bytes", "gauge", "Capacity in bytes, per worker",
-           ("host", "pool", "disk")),
-    Family("kvbm_evicted_blocks", "counter",
-           "Engine blocks evicted (whole pages), least recently used first, to make room",
-           ("host",)),
+    Family(
+        "kvbm_page_size_blocks",
+        "gauge",
+        "Engine blocks in one page (page_tokens / the engine's block size): the lower "
+        "tiers count pages, the engine's KV cache and the host tier blocks",
+    ),
+    Family(
+        "kvbm_cache_used_bytes",
+        "gauge",
+        "Bytes held or being received, per worker (the disk: as its LRU charges them; "
+        "the pool: its file's slots holding a page, whichever engine wrote them)",
+        ("host", "pool", "disk"),
+    ),
+    Family(
+        "kvbm_cache_capacity_bytes",
+        "gauge",
+        "Capacity in bytes, per worker",
+        ("host", "pool", "disk"),
+    ),
+    Family(
+        "kvbm_evicted_blocks",
+        "counter",
+        "Engine blocks evicted (whole pages), least recently used first, to make room",
+        ("host",),
+    ),
     # -- the lower tiers (pool, disk, remote)
-    Family("kvbm_tier_read_pages", "counter",
-           "Pages read from a lower tier for loads into the engine", LOWER_TIERS),
-    Family("kvbm_tier_write_pages", "counter",
-           "Pages written from the host tier down to a lower tier (write-through)",
-           LOWER_TIERS),
-    Family("kvbm_tier_read_latency_seconds", "histogram",
-           "Time to read one load's pages from the tier (its first read call to its last), "
-           "per load and worker", LOWER_TIERS, _SLOW_BUCKETS),
-    Family("kvbm_tier_write_latency_seconds", "histogram",
-           "Time to write one page to the tier, per page and worker", LOWER_TIERS,
-           _SLOW_BUCKETS),
-    Family("kvbm_lookup_latency_seconds", "histogram",
-           "Time of one lookup call into the tier (one batch of page names), off vLLM's "
-           "scheduler thread", LOWER_TIERS, _LATENCY_BUCKETS),
-    Family("kvbm_tier_write_failed_pages", "counter",
-           "Pages the tier refused or failed to write", LOWER_TIERS),
-    Family("kvbm_tier_write_dropped_pages", "counter",
-           "Pages not written because the tier's write queue was full (the tier is slower "
-           "than the offload rate); written when next reused", LOWER_TIERS),
-    Family("kvbm_tier_read_missing_pages", "counter",
-           "Pages expected in the tier that were gone when read", LOWER_TIERS),
-    Family("kvbm_tier_read_failed_pages", "counter",
-           "Page reads that failed (I/O error, timeout, server down)", LOWER_TIERS),
-    Family("kvbm_checksum_failed_pages", "counter",
-           "Pages whose bytes or key did not match their checksum; removed, recomputed",
-           LOWER_TIERS),
-    Family("kvbm_unauthenticated_pages", "counter",
-           "Intact pages without a valid MAC for this deployment's page secret (written "
-           "without it, with another secret, or forged); removed, recomputed", LOWER_TIERS),
-    Family("kvbm_tier_up", "gauge",
-           "1 while the scheduler's link to the tier's server answers, 0 during an outage",
-           ("remote",)),
-    Family("kvbm_tier_reconnects", "counter",
-           "Outages of the scheduler's link to the tier's server that ended (the server "
-           "answered again)", ("remote",)),
+    Family(
+        "kvbm_tier_read_pages",
+        "counter",
+        "Pages read from a lower tier for loads into the engine",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_tier_write_pages",
+        "counter",
+        "Pages written from the host tier down to a lower tier (write-through)",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_tier_read_latency_seconds",
+        "histogram",
+        "Time to read one load's pages from the tier (its first read call to its last), "
+        "per load and worker",
+        LOWER_TIERS,
+        _SLOW_BUCKETS,
+    ),
+    Family(
+        "kvbm_tier_write_latency_seconds",
+        "histogram",
+        "Time to write one page to the tier, per page and worker",
+        LOWER_TIERS,
+        _SLOW_BUCKETS,
+    ),
+    Family(
+        "kvbm_lookup_latency_seconds",
+        "histogram",
+        "Time of one lookup call into the tier (one batch of page names), off vLLM's "
+        "scheduler thread",
+        LOWER_TIERS,
+        _LATENCY_BUCKETS,
+    ),
+    Family(
+        "kvbm_tier_write_failed_pages",
+        "counter",
+        "Pages the tier refused or failed to write",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_tier_write_dropped_pages",
+        "counter",
+        "Pages not written because the tier's write queue was full (the tier is slower "
+        "than the offload rate); written when next reused",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_tier_read_missing_pages",
+        "counter",
+        "Pages expected in the tier that were gone when read",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_tier_read_failed_pages",
+        "counter",
+        "Page reads that failed (I/O error, timeout, server down)",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_checksum_failed_pages",
+        "counter",
+        "Pages whose bytes or key did not match their checksum; removed, recomputed",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_unauthenticated_pages",
+        "counter",
+        "Intact pages without a valid MAC for this deployment's page secret (written "
+        "without it, with another secret, or forged); removed, recomputed",
+        LOWER_TIERS,
+    ),
+    Family(
+        "kvbm_tier_up",
+        "gauge",
+        "1 while the scheduler's link to the tier's server answers, 0 during an outage",
+        ("remote",),
+    ),
+    Family(
+        "kvbm_tier_reconnects",
+        "counter",
+        "Outages of the scheduler's link to the tier's server that ended (the server "
+        "answered again)",
+        ("remote",),
+    ),
     # -- the peer tier's directory and reads (tiers/peer)
-    Family("kvbm_peer_directory_lookups", "counter",
-           "Lookups in the peer directory (which live peer holds a run of pages), by result: "
-           "found (it named a peer), missed (none did, or the directory did not answer)",
-           LOOKUP_RESULTS, label="result"),
-    Family("kvbm_peer_directory_entries", "counter",
-           "Entries of this engine's served pool sent to the peer directory, by result: "
-           "written, deleted, dropped (its queue was full), failed (the directory did not "
-           "answer)", ENTRY_RESULTS, label="result"),
-    Family("kvbm_peer_quarantined_slots", "gauge",
-           "Landing slots of peer reads past their deadline, kept out of use until the read "
-           "ends or its peer is known gone (per worker: the fullest rank's)"),
+    Family(
+        "kvbm_peer_directory_lookups",
+        "counter",
+        "Lookups in the peer directory (which live peer holds a run of pages), by result: "
+        "found (it named a peer), missed (none did, or the directory did not answer)",
+        LOOKUP_RESULTS,
+        label="result",
+    ),
+    Family(
+        "kvbm_peer_directory_entries",
+        "counter",
+        "Entries of this engine's served pool sent to the peer directory, by result: "
+        "written, deleted, dropped (its queue was full), failed (the directory did not "
+        "answer)",
+        ENTRY_RESULTS,
+        label="result",
+    ),
+    Family(
+        "kvbm_peer_quarantined_slots",
+        "gauge",
+        "Landing slots of peer reads past their deadline, kept out of use until the read "
+        "ends or its peer is known gone (per worker: the fullest rank's)",
+    ),
     # -- what load_split learned
-    Family("kvbm_block_load_estimate_seconds", "gauge",
-           "Learned time to load one block from the tier into the engine (admission to "
-           "completion); 0 until learned", TIERS),
-    Family("kvbm_block_recompute_estimate_seconds", "gauge",
-           "Learned time to recompute one block at the start of a prompt (later blocks cost "
-           "more: attention); 0 until learned"),
-    Family("kvbm_build_info", "gauge",
-           "1, with the vllm_kvbm version serving as the version label"),
+    Family(
+        "kvbm_block_load_estimate_seconds",
+        "gauge",
+        "Learned time to load one block from the tier into the engine (admission to "
+        "completion); 0 until learned",
+        TIERS,
+    ),
+    Family(
+        "kvbm_block_recompute_estimate_seconds",
+        "gauge",
+        "Learned time to recompute one block at the start of a prompt (later blocks cost "
+        "more: attention); 0 until learned",
+    ),
+    Family(
+        "kvbm_build_info", "gauge", "1, with the vllm_kvbm version serving as the version label"
+    ),
 )
 
 

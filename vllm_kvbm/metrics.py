@@ -19,11 +19,31 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from vllm_kvbm.metric_names import (COUNTERS, FAMILIES, GAUGES, GIVEN, HISTOGRAMS,
-                                    HIT_RATE_WINDOW, KEYS, SUMS, TIERS, series_key, series_of)
+from vllm_kvbm.metric_names import (
+    COUNTERS,
+    FAMILIES,
+    GAUGES,
+    GIVEN,
+    HISTOGRAMS,
+    HIT_RATE_WINDOW,
+    KEYS,
+    SUMS,
+    TIERS,
+    series_key,
+    series_of,
+)
 
-__all__ = ["COUNTERS", "GAUGES", "HISTOGRAMS", "HIT_RATE_WINDOW", "KVBMConnectorStats",
-           "KVBMPromMetrics", "KVBMStats", "StandaloneMetrics", "declared_keys"]
+__all__ = [
+    "COUNTERS",
+    "GAUGES",
+    "HISTOGRAMS",
+    "HIT_RATE_WINDOW",
+    "KVBMConnectorStats",
+    "KVBMPromMetrics",
+    "KVBMStats",
+    "StandaloneMetrics",
+    "declared_keys",
+]
 
 _HIT_TIERS = TIERS
 
@@ -39,8 +59,7 @@ def declared_keys(tiers: "list[str] | tuple[str, ...]") -> list[str]:
                 keys.append(name)
             elif fixed == GIVEN:  # a tier label: the engine's tiers; another: all its values
                 f = FAMILIES[family]
-                keys += [series_key(name, v) for v in f.values
-                         if f.label != "tier" or v in tiers]
+                keys += [series_key(name, v) for v in f.values if f.label != "tier" or v in tiers]
             elif fixed in tiers:
                 keys.append(name)
     return keys
@@ -116,8 +135,9 @@ class KVBMStats:
         looked_up = self._window_sums[0]
         for i, tier in enumerate(_HIT_TIERS, 1):
             if tier in self.tiers:
-                self.set_gauge(f"{tier}_cache_hit_rate",
-                               self._window_sums[i] / looked_up if looked_up else 0.0)
+                self.set_gauge(
+                    f"{tier}_cache_hit_rate", self._window_sums[i] / looked_up if looked_up else 0.0
+                )
 
     def observe(self, name: str, values: list[float], tier: str | None = None) -> None:
         assert name in HISTOGRAMS, name
@@ -250,17 +270,27 @@ class KVBMPromMetrics(KVConnectorPromMetrics):
 
         def make(family, names):
             if family.kind == "counter":
-                return self._counter_cls(name=family.name, documentation=family.doc,
-                                         labelnames=names)
+                return self._counter_cls(
+                    name=family.name, documentation=family.doc, labelnames=names
+                )
             if family.kind == "histogram":
-                return self._histogram_cls(name=family.name, documentation=family.doc,
-                                           labelnames=names, buckets=family.buckets)
-            return self._gauge_cls(name=family.name, documentation=family.doc,
-                                   labelnames=names, multiprocess_mode="mostrecent")
+                return self._histogram_cls(
+                    name=family.name,
+                    documentation=family.doc,
+                    labelnames=names,
+                    buckets=family.buckets,
+                )
+            return self._gauge_cls(
+                name=family.name,
+                documentation=family.doc,
+                labelnames=names,
+                multiprocess_mode="mostrecent",
+            )
 
         self._engines = list(per_engine_labelvalues)
-        self._families = _Families(make, list(labelnames),
-                                   [list(per_engine_labelvalues[idx]) for idx in self._engines])
+        self._families = _Families(
+            make, list(labelnames), [list(per_engine_labelvalues[idx]) for idx in self._engines]
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         self._families.observe(transfer_stats_data, self._engines.index(engine_idx))
@@ -274,8 +304,13 @@ class StandaloneMetrics:
     """
 
     def __init__(self, port: int, host: str = "0.0.0.0"):
-        from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
-                                       start_http_server)
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            Histogram,
+            start_http_server,
+        )
 
         self.registry = CollectorRegistry()
 

@@ -48,16 +48,21 @@ def load_nixl(cuda_version: str | None, hip_version: str | None = None):
     """(nixl_agent, nixl_agent_config, module name) of the NIXL build for
     PyTorch built with ``cuda_version`` (or ROCm ``hip_version``; neither: CPU)."""
     wanted = nixl_builds_for(cuda_version, hip_version)
-    runtime = (f"PyTorch {torch.__version__} (CUDA {cuda_version})" if cuda_version
-               else f"PyTorch {torch.__version__} (ROCm {hip_version})" if hip_version
-               else f"PyTorch {torch.__version__} (CPU)")
+    runtime = (
+        f"PyTorch {torch.__version__} (CUDA {cuda_version})"
+        if cuda_version
+        else f"PyTorch {torch.__version__} (ROCm {hip_version})"
+        if hip_version
+        else f"PyTorch {torch.__version__} (CPU)"
+    )
     loaded = [m for m in (*_NIXL_BUILDS, "nixl_rocm") if m in sys.modules]
     if loaded and loaded[0] not in wanted:
         raise NixlBuildError(
             f"KVBM: {runtime} needs NIXL's {wanted[0]} build, but {loaded[0]} is already "
             f"loaded in this process and the two cannot coexist; make the process use "
             f"{wanted[0]} (pip install {_pip_name(wanted[0])}; pip uninstall "
-            f"{_pip_name(loaded[0])})")
+            f"{_pip_name(loaded[0])})"
+        )
     # A build another component already loaded comes first: a second one
     # cannot be imported beside it.
     for name in loaded + [m for m in wanted if m not in loaded]:
@@ -71,4 +76,5 @@ def load_nixl(cuda_version: str | None, hip_version: str | None = None):
     raise NixlBuildError(
         f"KVBM: {runtime} needs NIXL's {' or '.join(wanted)} build, which is not "
         f"installed; install it: pip install nixl (the meta package: every CUDA "
-        f"major's build), or pip install {_pip_name(wanted[0])}")
+        f"major's build), or pip install {_pip_name(wanted[0])}"
+    )

@@ -151,6 +151,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         def exec_module(module):
             execute(module)
             _patch(module)
+
         spec.loader.exec_module = exec_module
         return spec
 

@@ -48,7 +48,8 @@ def _log_through_vllm() -> None:
 
     ours = logging.getLogger("vllm_kvbm")
     if not envs.VLLM_CONFIGURE_LOGGING or any(
-            isinstance(h, _ToVllmHandlers) for h in ours.handlers):
+        isinstance(h, _ToVllmHandlers) for h in ours.handlers
+    ):
         return
     level = logging.getLevelName(str(envs.VLLM_LOGGING_LEVEL).upper())
     if isinstance(level, int) and ours.getEffectiveLevel() > level:
@@ -73,5 +74,4 @@ def register() -> None:
     # register_connector raises on a name it already has.
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvbm.connector",
-                                          CONNECTOR_NAME)
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvbm.connector", CONNECTOR_NAME)

@@ -27,9 +27,17 @@ async def check_kv_transfer_params(request: Request, call_next):
             error = _refused(body)
             if error is not None:
                 # the shape of vLLM's own ErrorResponse
-                return JSONResponse(status_code=400, content={"error": {
-                    "message": error, "type": "BadRequestError",
-                    "param": "kv_transfer_params", "code": 400}})
+                return JSONResponse(
+                    status_code=400,
+                    content={
+                        "error": {
+                            "message": error,
+                            "type": "BadRequestError",
+                            "param": "kv_transfer_params",
+                            "code": 400,
+                        }
+                    },
+                )
     return await call_next(request)
 
 

@@ -56,8 +56,7 @@ def weight_files(directory: str, load_format: str) -> list[str] | None:
     patterns = FORMAT_PATTERNS.get(load_format_of(load_format, directory))
     if patterns is None:
         return None
-    names = sorted(n for n in os.listdir(directory)
-                   if os.path.isfile(os.path.join(directory, n)))
+    names = sorted(n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n)))
     for pattern in patterns:
         found = fnmatch.filter(names, pattern)
         if found:
@@ -73,6 +72,9 @@ def model_files(directory: str, load_format: str, remote_code: bool) -> list[str
     if weights is None:
         return None
     names = [n for n in os.listdir(directory) if os.path.isfile(os.path.join(directory, n))]
-    extra = {n for n in names if n in CONFIG_FILES or n.endswith(INDEX_SUFFIX)
-             or (remote_code and n.endswith(".py"))}
+    extra = {
+        n
+        for n in names
+        if n in CONFIG_FILES or n.endswith(INDEX_SUFFIX) or (remote_code and n.endswith(".py"))
+    }
     return sorted(extra | set(weights))

@@ -17,5 +17,6 @@ class IdentityProbeConnector(KVBMConnector):
         out = os.environ["KVBM_IDENTITY_PROBE_DIR"]
         path = os.path.join(out, f"{role.name.lower()}-{os.getpid()}.json")
         with open(path, "w") as f:
-            json.dump({"config": config_identity(vllm_config), "env": identity_env()}, f,
-                      sort_keys=True)
+            json.dump(
+                {"config": config_identity(vllm_config), "env": identity_env()}, f, sort_keys=True
+            )

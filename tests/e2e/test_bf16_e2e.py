@@ -18,8 +18,14 @@ import os
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
-                             shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_redis_store import PASSWORD, RedisServer
 from test_tiers_e2e import clear_engine_and_host
@@ -28,8 +34,12 @@ from vllm_kvbm.tools.server import kvbm_transfer_config
 pytestmark = pytest.mark.timeout(1200)
 
 HOST_BLOCKS = 4
-BF16 = dict(dtype="bfloat16", max_model_len=2048, max_num_batched_tokens=2048,
-            kv_cache_memory_bytes=256 << 20)
+BF16 = dict(
+    dtype="bfloat16",
+    max_model_len=2048,
+    max_num_batched_tokens=2048,
+    kv_cache_memory_bytes=256 << 20,
+)
 # two full blocks and a partial one: short, since bf16 may be emulated
 LENGTH = 2 * BLOCK_SIZE + 17
 
@@ -79,10 +89,15 @@ def kvbm(model_dir, same_binding, disk_dir, redis_server, tmp_path_factory):
     prompt stored to every tier comes back from disk, the lower tier looked up
     first; one stored to the host tier and Redis only (kv_store_tiers) comes
     back from Redis."""
-    config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk_dir),
-                                  disk_cache_size="256MiB", remote_url=redis_server.url,
-                                  remote_password_file=str(_password_file(tmp_path_factory)),
-                                  remote_timeout_s=2, **EVERY_PAGE_LOADED)
+    config = kvbm_transfer_config(
+        host_cache_blocks=HOST_BLOCKS,
+        disk_cache_dir=str(disk_dir),
+        disk_cache_size="256MiB",
+        remote_url=redis_server.url,
+        remote_password_file=str(_password_file(tmp_path_factory)),
+        remote_timeout_s=2,
+        **EVERY_PAGE_LOADED,
+    )
     llm = make_llm(config, **BF16)
     yield llm
     shutdown(llm)
@@ -124,10 +139,14 @@ def stored_to(llm, prompt, tiers: list[str] | None) -> None:
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("tier,store_tiers,counter", [
-    ("disk", None, "onboard_blocks_d2d"),
-    ("redis", ["host", "remote"], "onboard_blocks_remote"),
-], ids=["disk", "redis"])
+@pytest.mark.parametrize(
+    "tier,store_tiers,counter",
+    [
+        ("disk", None, "onboard_blocks_d2d"),
+        ("redis", ["host", "remote"], "onboard_blocks_remote"),
+    ],
+    ids=["disk", "redis"],
+)
 def test_bf16_onboard_from_a_lower_tier(tier, store_tiers, counter, kvbm, plain_bf16):
     prompt = random_prompt(LENGTH, seed=27002 if tier == "disk" else 27003)
     want = cached_reference(plain_bf16, prompt)

@@ -46,8 +46,7 @@ def stack_redis(tmp_path):
     # The image's docker-entrypoint.sh drops to the redis user and execs its
     # arguments; here it execs them on a free loopback port, in tmp_path.
     entrypoint = bin_dir / "docker-entrypoint.sh"
-    entrypoint.write_text(f'#!/bin/sh\nexec "$@" --port {port} --bind 127.0.0.1 '
-                          f'--dir {tmp_path}\n')
+    entrypoint.write_text(f'#!/bin/sh\nexec "$@" --port {port} --bind 127.0.0.1 --dir {tmp_path}\n')
     entrypoint.chmod(0o755)
     password_file = tmp_path / "redis_password"
     password_file.write_text("0123456789abcdef" * 4)
@@ -58,8 +57,9 @@ def stack_redis(tmp_path):
     def start(password: str | None = None) -> subprocess.Popen:
         if password is not None:
             password_file.write_text(password)
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         started.append(proc)
         return proc
 
@@ -101,15 +101,23 @@ def test_the_stack_redis_needs_its_password_and_is_bounded(stack_redis):
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(host="127.0.0.1", port=port, password="wrong", socket_timeout=5).ping()
     # the password is on no command line: neither the shell's nor redis-server's
-    pids = [proc.pid, *map(int, subprocess.run(["pgrep", "-P", str(proc.pid)],
-                                                capture_output=True, text=True).stdout.split())]
+    pids = [
+        proc.pid,
+        *map(
+            int,
+            subprocess.run(
+                ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True
+            ).stdout.split(),
+        ),
+    ]
     for pid in pids:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert password not in cmdline, pid
 
     # the healthcheck, as the container runs it, passes with the file and fails without it
     check = as_run(service["healthcheck"]["test"][1], password_file).replace(
-        "redis-cli ", f"redis-cli -p {port} ")
+        "redis-cli ", f"redis-cli -p {port} "
+    )
     assert subprocess.run(["sh", "-c", check], timeout=30).returncode == 0
     password_file.write_text("wrong")
     assert subprocess.run(["sh", "-c", check], timeout=30).returncode != 0
@@ -121,10 +129,21 @@ def test_the_stack_redis_needs_its_password_and_is_bounded(stack_redis):
     from vllm_kvbm.config import load_config, parse_remote_url
     from vllm_kvbm.tiers.redis.store import RedisStore
 
-    cfg = load_config({}, environ={"KVBM_REMOTE_URL": f"redis://127.0.0.1:{port}",
-                                   "KVBM_REMOTE_PASSWORD_FILE": str(password_file)})
-    store = RedisStore(parse_remote_url("remote_url", cfg.remote_url), cfg.remote_password,
-                       4096, "compose-test", 0, 1)
+    cfg = load_config(
+        {},
+        environ={
+            "KVBM_REMOTE_URL": f"redis://127.0.0.1:{port}",
+            "KVBM_REMOTE_PASSWORD_FILE": str(password_file),
+        },
+    )
+    store = RedisStore(
+        parse_remote_url("remote_url", cfg.remote_url),
+        cfg.remote_password,
+        4096,
+        "compose-test",
+        0,
+        1,
+    )
     try:
         page = torch.arange(4096, dtype=torch.int64).to(torch.uint8)
         key = bytes(range(32))
@@ -158,12 +177,12 @@ def test_clean_tiers_deletes_kvbm_pages_and_nothing_else(stack_redis):
     port, password_file, start, _ = stack_redis
     client = wait_until_up(port, password_file.read_text(), start())
     url = f"redis://127.0.0.1:{port}"
-    cfg = load_config({}, environ={"KVBM_REMOTE_URL": url,
-                                   "KVBM_REMOTE_PASSWORD_FILE": str(password_file)})
+    cfg = load_config(
+        {}, environ={"KVBM_REMOTE_URL": url, "KVBM_REMOTE_PASSWORD_FILE": str(password_file)}
+    )
     target = parse_remote_url("remote_url", url)
     for namespace, secret in (("vllm-0.32.0", None), ("vllm-0.33.0", b"s" * 32)):
-        store = RedisStore(target, cfg.remote_password, 4096, namespace, 0, 1,
-                           page_secret=secret)
+        store = RedisStore(target, cfg.remote_password, 4096, namespace, 0, 1, page_secret=secret)
         try:
             for i in range(5):
                 assert store.put(bytes([i]) * 32, torch.full((4096,), i, dtype=torch.uint8))
@@ -174,9 +193,20 @@ def test_clean_tiers_deletes_kvbm_pages_and_nothing_else(stack_redis):
     assert client.dbsize() == 12
 
     def clean(*args) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(ROOT / "scripts/clean_tiers.py"), "redis", url,
-                               "--password-file", str(password_file), *args],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts/clean_tiers.py"),
+                "redis",
+                url,
+                "--password-file",
+                str(password_file),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     dry = clean("--dry-run")
     assert dry.returncode == 0, dry.stderr

@@ -51,8 +51,10 @@ def test_onboarded_outputs_equal_recomputed(kvbm_llm, plain_llm, length):
     assert first == want
     assert second == want
     assert cached[0] == expected_hit_tokens(length)
-    assert kvbm_counter("onboard_blocks_h2d") - onboarded_before == expected_hit_tokens(
-        length) // BLOCK_SIZE
+    assert (
+        kvbm_counter("onboard_blocks_h2d") - onboarded_before
+        == expected_hit_tokens(length) // BLOCK_SIZE
+    )
 
 
 def test_batch_sharing_a_stored_prefix(kvbm_llm, plain_llm):
@@ -101,8 +103,10 @@ def test_second_request_loads_prefix(kvbm_llm):
     _, cached_hit = generate(kvbm_llm, [prompt], max_tokens=1)
     hit_s = time.perf_counter() - t0
 
-    print(f"TTFT miss {miss_s:.3f}s, host-tier hit {hit_s:.3f}s, "
-          f"speedup {miss_s / hit_s:.1f}x (benchmarks/ measure it)")
+    print(
+        f"TTFT miss {miss_s:.3f}s, host-tier hit {hit_s:.3f}s, "
+        f"speedup {miss_s / hit_s:.1f}x (benchmarks/ measure it)"
+    )
     assert cached_miss[0] == 0
     assert cached_hit[0] == expected_hit_tokens(4000)
     assert kvbm_counter("matched_tokens") - before == expected_hit_tokens(4000)
@@ -137,8 +141,11 @@ def test_standalone_metrics_port_agrees_with_vllm_metrics(kvbm_llm):
 
     url = f"http://127.0.0.1:{KVBM_METRICS_PORT}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-              if line.startswith("kvbm_") and " " in line}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line.startswith("kvbm_") and " " in line
+    }
     assert values["kvbm_onboard_blocks_total"] >= 5
     assert values["kvbm_onboard_blocks_total"] == kvbm_counter("onboard_blocks_h2d")
     assert values["kvbm_offload_blocks_total"] == kvbm_counter("offload_blocks_d2h")
@@ -156,8 +163,11 @@ def test_vllm_counts_host_tier_hits_as_source_host(kvbm_llm):
 
     # This engine's own logger: another engine created later in the same
     # process (the plain one) unregisters it from the global REGISTRY.
-    (prom,) = [lg for lg in kvbm_llm.llm_engine.logger_manager.stat_loggers
-               if isinstance(lg, PrometheusStatLogger)]
+    (prom,) = [
+        lg
+        for lg in kvbm_llm.llm_engine.logger_manager.stat_loggers
+        if isinstance(lg, PrometheusStatLogger)
+    ]
 
     def by_source() -> dict[str, float]:
         out: dict[str, float] = {}

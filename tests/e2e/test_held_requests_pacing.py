@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import time
 
-from helpers.scheduler_harness import (BLOCK, admit, kvbm, make_request, make_scheduler, step,
-                                       tokens)
+from helpers.scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler, step, tokens
 
 # Far above the test's length: the answers come when the server is thawed.
 REMOTE_TIMEOUT_S = 60.0
@@ -31,8 +30,12 @@ def _answered(k, reqs) -> bool:
 
 def test_held_newcomers_go_on_one_arrival_step_per_step(lm_server):
     lm_server.wait_ready()
-    sched = make_scheduler(host_blocks=16, remote_url=lm_server.url,
-                           remote_timeout_s=REMOTE_TIMEOUT_S, max_batched=1024)
+    sched = make_scheduler(
+        host_blocks=16,
+        remote_url=lm_server.url,
+        remote_timeout_s=REMOTE_TIMEOUT_S,
+        max_batched=1024,
+    )
     k = kvbm(sched)
     decoder = make_request(tokens(BLOCK + 3, 90), max_tokens=500)
     sched.add_request(decoder)

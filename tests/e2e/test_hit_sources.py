@@ -89,21 +89,26 @@ def test_miss_reports_no_source():
 def test_host_disk_and_remote_hits_split_in_vllm_stats(tmp_path, lm_server):
     from vllm_kvbm.tiers.lm.store import RemoteStore
 
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
-                           disk_cache_size="64MiB", remote_url=lm_server.url)
+    sched = make_scheduler(
+        host_blocks=16,
+        disk_cache_dir=str(tmp_path),
+        disk_cache_size="64MiB",
+        remote_url=lm_server.url,
+    )
     k = kvbm(sched)
     prompt = tokens(4 * BLOCK + 5, 23)
     keys = keys_of(sched, prompt)
     # Blocks 0-1 in the host tier (no disk or remote copy: the spills the
     # finished request asked for are never carried out by this fake worker).
-    store_and_finish(sched, prompt[:2 * BLOCK + 1])
+    store_and_finish(sched, prompt[: 2 * BLOCK + 1])
     assert sched.reset_prefix_cache()
     assert all(k.host.is_ready(key) for key in keys[:2])
     # Block 2 on disk, block 3 on the remote server, written as the worker would.
     page = torch.zeros(k.info.block_bytes, dtype=torch.uint8)
     disk = disk_store_for(k, tmp_path)
-    remote = RemoteStore(lm_server.url, k.info.block_bytes, k.info.tier_namespace, 0, 1,
-                         timeout_s=5.0)
+    remote = RemoteStore(
+        lm_server.url, k.info.block_bytes, k.info.tier_namespace, 0, 1, timeout_s=5.0
+    )
     try:
         assert disk.put(keys[2], page)
         assert remote.put(keys[3], page)
@@ -119,9 +124,11 @@ def test_host_disk_and_remote_hits_split_in_vllm_stats(tmp_path, lm_server):
     assert stats.requests == 1 and stats.hits == 4 * BLOCK
     assert stats.queries == 4 * BLOCK + 5
     # vLLM's own split: what vllm:prompt_tokens_cached_by_source{source} adds.
-    assert stats.hits_by_source == {CacheHitSource.HOST: 2 * BLOCK,
-                                    CacheHitSource.DISK: BLOCK,
-                                    CacheHitSource.EXTERNAL_UNSPECIFIED: BLOCK}
+    assert stats.hits_by_source == {
+        CacheHitSource.HOST: 2 * BLOCK,
+        CacheHitSource.DISK: BLOCK,
+        CacheHitSource.EXTERNAL_UNSPECIFIED: BLOCK,
+    }
     # ...and KVBM's own per-tier counters agree with it.
     for tier, blocks in (("host", 2), ("disk", 1), ("remote", 1)):
         name = f"matched_tokens_{tier}"
@@ -134,12 +141,11 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
     from prometheus_client import REGISTRY
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
-                           disk_cache_size="64MiB")
+    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
     prompt = tokens(3 * BLOCK + 2, 24)
     keys = keys_of(sched, prompt)
-    store_and_finish(sched, prompt[:BLOCK + 1])
+    store_and_finish(sched, prompt[: BLOCK + 1])
     assert sched.reset_prefix_cache()
     disk = disk_store_for(k, tmp_path)
     try:
@@ -153,8 +159,9 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
     labels = {"model_name": sched.vllm_config.model_config.served_model_name, "engine": "0"}
 
     def cached(source: str) -> float:
-        value = REGISTRY.get_sample_value("vllm:prompt_tokens_cached_by_source_total",
-                                          {**labels, "source": source})
+        value = REGISTRY.get_sample_value(
+            "vllm:prompt_tokens_cached_by_source_total", {**labels, "source": source}
+        )
         assert value is not None, f"no vllm:prompt_tokens_cached_by_source{{source={source}}}"
         return value
 
@@ -170,18 +177,20 @@ def test_vllm_prometheus_counter_gets_the_split(tmp_path):
 def test_may_load_async_guesses_from_the_first_block(tmp_path):
     """vLLM 0.34 asks this when a request is queued; on 0.32 it is called here
     directly, on the real connector."""
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path),
-                           disk_cache_size="64MiB")
+    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
     stored = tokens(2 * BLOCK + 1, 25)
     store_and_finish(sched, stored)
     on_disk = tokens(2 * BLOCK + 1, 26)
     disk = disk_store_for(k, tmp_path)
     try:
-        assert disk.put(keys_of(sched, on_disk)[0],
-                        torch.zeros(k.info.block_bytes, dtype=torch.uint8))
-        _wait_until(lambda: tier_of(k.lower, keys_of(sched, on_disk)[0]) == "disk",
-                    "disk page never visible")
+        assert disk.put(
+            keys_of(sched, on_disk)[0], torch.zeros(k.info.block_bytes, dtype=torch.uint8)
+        )
+        _wait_until(
+            lambda: tier_of(k.lower, keys_of(sched, on_disk)[0]) == "disk",
+            "disk page never visible",
+        )
     finally:
         disk.close()
     connector = sched.connector

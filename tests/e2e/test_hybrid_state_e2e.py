@@ -36,9 +36,14 @@ pytestmark = pytest.mark.timeout(1200)
 # One request a step: in bf16 a request's tokens depend on what shares its
 # step, and KVBM's loads finish at their own pace, so a batch would be
 # scheduled otherwise on the two engines.
-GDN_ENGINE = dict(dtype="bfloat16", max_model_len=4096, max_num_batched_tokens=1024,
-                  max_num_seqs=1, kv_cache_memory_bytes=512 << 20,
-                  block_size=None)  # vLLM picks 128 for this model (asserted)
+GDN_ENGINE = dict(
+    dtype="bfloat16",
+    max_model_len=4096,
+    max_num_batched_tokens=1024,
+    max_num_seqs=1,
+    kv_cache_memory_bytes=512 << 20,
+    block_size=None,
+)  # vLLM picks 128 for this model (asserted)
 GDN_BLOCK = 128
 GDN_LENGTHS = (300, 700, 1100, 2100)
 # vLLM's prefix cache keeps a prompt's state at its replay boundary (its last
@@ -66,16 +71,23 @@ def plain_gdn(qwen3_next, same_binding):  # noqa: F811
 def gdn_config(disk_dir, redis, password) -> dict:
     tiers = dict(disk_cache_dir=str(disk_dir), disk_cache_size="256MiB") if disk_dir else {}
     if redis is not None:
-        tiers.update(remote_url=redis.url, remote_password_file=str(password),
-                     remote_timeout_s=10)
+        tiers.update(remote_url=redis.url, remote_password_file=str(password), remote_timeout_s=10)
     return kvbm_transfer_config(host_cache_blocks=GDN_HOST_BLOCKS, **tiers, **EVERY_PAGE_LOADED)
 
 
 @pytest.fixture(scope="module")
-def kvbm_gdn(qwen3_next, same_binding, tmp_path_factory, redis_server,  # noqa: F811
-             password_file):  # noqa: F811
-    llm = make_llm(gdn_config(tmp_path_factory.mktemp("disk"), redis_server, password_file),
-                   model=qwen3_next, **GDN_ENGINE)
+def kvbm_gdn(
+    qwen3_next,
+    same_binding,
+    tmp_path_factory,
+    redis_server,  # noqa: F811
+    password_file,
+):  # noqa: F811
+    llm = make_llm(
+        gdn_config(tmp_path_factory.mktemp("disk"), redis_server, password_file),
+        model=qwen3_next,
+        **GDN_ENGINE,
+    )
     yield llm
     try:
         shutdown(llm)
@@ -125,7 +137,8 @@ def test_gdn_hybrid_growing_conversation_equals_the_plain_engines(plain_gdn, kvb
 
 
 def test_gdn_hybrid_second_engine_hits_from_redis_equal_the_plain_engines(
-        plain_gdn, kvbm_gdn, qwen3_next, redis_server, password_file):  # noqa: F811
+    plain_gdn, kvbm_gdn, qwen3_next, redis_server, password_file
+):  # noqa: F811
     """The first engine wrote its pages through to Redis; a second engine
     with Redis as its only lower tier loads them."""
     prompts = [random_prompt(n, seed=9900 + n) for n in (1100, 2100)]
@@ -135,8 +148,7 @@ def test_gdn_hybrid_second_engine_hits_from_redis_equal_the_plain_engines(
         generate(kvbm_gdn, [p])
     settle(kvbm_gdn)
     shutdown(kvbm_gdn)
-    second = make_llm(gdn_config(None, redis_server, password_file), model=qwen3_next,
-                      **GDN_ENGINE)
+    second = make_llm(gdn_config(None, redis_server, password_file), model=qwen3_next, **GDN_ENGINE)
     try:
         remote = kvbm_counter("matched_tokens_remote")
         got, cached = generate(second, prompts)

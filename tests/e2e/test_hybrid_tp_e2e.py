@@ -24,8 +24,12 @@ from vllm_kvbm.tools.server import kvbm_transfer_config
 pytestmark = pytest.mark.timeout(1200)
 
 TP = 2
-ENGINE = dict(tensor_parallel_size=TP, kv_cache_memory_bytes=256 << 20,
-              max_model_len=4096, max_num_batched_tokens=4096)  # 128-token blocks, float32
+ENGINE = dict(
+    tensor_parallel_size=TP,
+    kv_cache_memory_bytes=256 << 20,
+    max_model_len=4096,
+    max_num_batched_tokens=4096,
+)  # 128-token blocks, float32
 STORED_PAGES = MODELS["gemma3"].stored_pages  # as at TP=1: each rank a shard of each page
 PROMPTS = [random_prompt(n, seed=9200 + n) for n in LENGTHS]
 
@@ -51,10 +55,16 @@ def want(gemma3, tp_env):  # noqa: F811
 @pytest.fixture(scope="module")
 def tp_kvbm(gemma3, tp_env, want, tmp_path_factory):  # noqa: F811
     disk = tmp_path_factory.mktemp("disk")
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=STORED_PAGES + 16,
-                                        disk_cache_dir=str(disk), disk_cache_size="256MiB",
-                                        **EVERY_PAGE_LOADED),
-                   model=gemma3, **ENGINE)
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=STORED_PAGES + 16,
+            disk_cache_dir=str(disk),
+            disk_cache_size="256MiB",
+            **EVERY_PAGE_LOADED,
+        ),
+        model=gemma3,
+        **ENGINE,
+    )
     yield llm, disk
     shutdown(llm)
 

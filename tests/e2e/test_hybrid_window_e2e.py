@@ -119,16 +119,21 @@ def plain(model, same_binding):  # noqa: F811
 @pytest.fixture(scope="module")
 def kvbm(model, same_binding, tmp_path_factory):  # noqa: F811
     # every page of the four prompts, and fewer than three fillers store
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=model[0].stored_pages + 16,
-                                        disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
-                                        disk_cache_size="256MiB", **EVERY_PAGE_LOADED),
-                   model=model[1], **ENGINE)
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=model[0].stored_pages + 16,
+            disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
+            disk_cache_size="256MiB",
+            **EVERY_PAGE_LOADED,
+        ),
+        model=model[1],
+        **ENGINE,
+    )
     yield llm
     shutdown(llm)
 
 
-def test_windowed_layers_store_only_what_hits_read_and_hits_equal_recompute(model, plain,
-                                                                              kvbm):
+def test_windowed_layers_store_only_what_hits_read_and_hits_equal_recompute(model, plain, kvbm):
     spec = model[0]
     assert kvbm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     prompts = [random_prompt(n, seed=9500 + n) for n in LENGTHS]

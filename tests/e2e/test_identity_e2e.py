@@ -25,8 +25,9 @@ ROPE = {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}
 
 
 def _engine(block_size: int, disk, **overrides):
-    kv = kvbm_transfer_config(host_cache_size="256MiB", page_tokens=PAGE,
-                              disk_cache_dir=str(disk), disk_cache_size="1GiB")
+    kv = kvbm_transfer_config(
+        host_cache_size="256MiB", page_tokens=PAGE, disk_cache_dir=str(disk), disk_cache_size="1GiB"
+    )
     return make_llm(kv, block_size=block_size, prefix_caching_hash_algo="xxhash", **overrides)
 
 

@@ -29,8 +29,14 @@ def test_scheduler_and_workers_agree(model_dir, tmp_path, monkeypatch, eager, tp
     monkeypatch.setenv("KVBM_IDENTITY_PROBE_DIR", str(tmp_path))
     kv = kvbm_transfer_config(host_cache_size="64MiB")
     kv.update(kv_connector="IdentityProbeConnector", kv_connector_module_path="identity_probe")
-    llm = make_llm(kv, tensor_parallel_size=tp, kv_cache_memory_bytes=256 << 20,
-                   max_model_len=4096, max_num_batched_tokens=4096, enforce_eager=eager)
+    llm = make_llm(
+        kv,
+        tensor_parallel_size=tp,
+        kv_cache_memory_bytes=256 << 20,
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        enforce_eager=eager,
+    )
     try:
         generate(llm, [random_prompt(300, seed=11)])
     finally:
@@ -39,7 +45,8 @@ def test_scheduler_and_workers_agree(model_dir, tmp_path, monkeypatch, eager, tp
     assert sorted(name.split("-")[0] for name in seen) == ["scheduler"] + ["worker"] * tp
     scheduler = next(v for k, v in seen.items() if k.startswith("scheduler"))
     for name, identity in seen.items():
-        differs = {k for k in scheduler["config"]
-                   if scheduler["config"][k] != identity["config"].get(k)}
+        differs = {
+            k for k in scheduler["config"] if scheduler["config"][k] != identity["config"].get(k)
+        }
         assert identity == scheduler, (name, differs)
     assert scheduler["config"]["parallel_config"]["tensor_parallel_size"] == tp

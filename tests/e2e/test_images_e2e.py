@@ -15,12 +15,25 @@ import numpy as np
 import pytest
 
 from helpers import ROOT
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, RECOMPUTE, generate_request,
-                             kvbm_counter, make_llm, random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    RECOMPUTE,
+    generate_request,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host, settle
-from vllm_kvbm.tools.local_model_archs import (IMAGE_SIZE, IMAGE_TOKEN, IMAGE_TOKENS, VL_DIR,
-                                         build_idefics3)
+from vllm_kvbm.tools.local_model_archs import (
+    IMAGE_SIZE,
+    IMAGE_TOKEN,
+    IMAGE_TOKENS,
+    VL_DIR,
+    build_idefics3,
+)
 from vllm_kvbm.tools.server import kvbm_transfer_config
 
 pytestmark = pytest.mark.timeout(900)
@@ -38,19 +51,28 @@ LENGTH = BEFORE + PLACEHOLDER + AFTER
 def image(seed: int):
     from PIL import Image
 
-    pixels = np.random.default_rng(seed).integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3),
-                                                  dtype=np.uint8)
+    pixels = np.random.default_rng(seed).integers(
+        0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8
+    )
     return Image.fromarray(pixels)
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     model = build_idefics3(ROOT / VL_DIR)
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
-                                        disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
-                                        disk_cache_size="256MiB", **EVERY_PAGE_LOADED),
-                   model=str(model), max_model_len=4096, max_num_batched_tokens=4096,
-                   kv_cache_memory_bytes=256 << 20, limit_mm_per_prompt={"image": 2})
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
+            disk_cache_size="256MiB",
+            **EVERY_PAGE_LOADED,
+        ),
+        model=str(model),
+        max_model_len=4096,
+        max_num_batched_tokens=4096,
+        kv_cache_memory_bytes=256 << 20,
+        limit_mm_per_prompt={"image": 2},
+    )
     yield llm
     shutdown(llm)
 

@@ -19,8 +19,17 @@ from vllm_kvbm.tools.server import kvbm_transfer_config, vllm_server
 pytestmark = pytest.mark.timeout(900)
 
 BLOCK = 128
-SERVE_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--gpu-memory-utilization", "0.25",
-              "--num-gpu-blocks-override", "32", "--block-size", str(BLOCK)]
+SERVE_ARGS = [
+    "--enforce-eager",
+    "--max-model-len",
+    "2048",
+    "--gpu-memory-utilization",
+    "0.25",
+    "--num-gpu-blocks-override",
+    "32",
+    "--block-size",
+    str(BLOCK),
+]
 
 
 class Subscriber:
@@ -40,8 +49,12 @@ class Subscriber:
             self.events += self.decoder.decode(payload).events
 
     def hashes(self, kind, medium: str) -> list:
-        return [h for e in self.events if isinstance(e, kind) and e.medium == medium
-                for h in e.block_hashes]
+        return [
+            h
+            for e in self.events
+            if isinstance(e, kind) and e.medium == medium
+            for h in e.block_hashes
+        ]
 
     def close(self) -> None:
         self.socket.close(linger=0)
@@ -59,9 +72,12 @@ def test_host_tier_events_match_the_connector_counters(model_dir, tmp_path):
     # Three prompts of three full blocks into a host tier of four: five evictions.
     prompts = [random_prompt(3 * BLOCK + 10, seed) for seed in (231, 232, 233)]
     try:
-        with vllm_server(str(model_dir), kvbm_transfer_config(host_cache_blocks=4),
-                         SERVE_ARGS + ["--kv-events-config", json.dumps(events_config)],
-                         startup_timeout=600) as server:
+        with vllm_server(
+            str(model_dir),
+            kvbm_transfer_config(host_cache_blocks=4),
+            SERVE_ARGS + ["--kv-events-config", json.dumps(events_config)],
+            startup_timeout=600,
+        ) as server:
             time.sleep(1)  # our SUB socket's connection to vLLM's PUB settles
             for prompt in prompts:
                 _, _, text = server.stream_completion(prompt, max_tokens=2)
@@ -77,7 +93,8 @@ def test_host_tier_events_match_the_connector_counters(model_dir, tmp_path):
                     break
                 assert time.monotonic() < deadline, (
                     f"events: {len(stored)} stored, {len(removed)} removed (medium CPU); "
-                    f"counters: {offloaded} offloaded, {evicted} evicted")
+                    f"counters: {offloaded} offloaded, {evicted} evicted"
+                )
     finally:
         sub.close()
     # vLLM's own events name the same blocks (medium GPU): a router that
@@ -87,7 +104,7 @@ def test_host_tier_events_match_the_connector_counters(model_dir, tmp_path):
     # each prompt's three blocks, in order, with their tokens
     cpu_events = [e for e in sub.events if isinstance(e, BlockStored) and e.medium == "CPU"]
     tokens = [t for e in cpu_events for t in e.token_ids]
-    assert tokens == [t for prompt in prompts for t in prompt[:3 * BLOCK]]
+    assert tokens == [t for prompt in prompts for t in prompt[: 3 * BLOCK]]
     assert all(e.block_size == BLOCK for e in cpu_events)
     # LRU: the first prompt's three blocks, then the second's first two
     assert removed == stored[:5]

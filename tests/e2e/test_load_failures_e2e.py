@@ -27,8 +27,14 @@ import time
 import pytest
 
 from helpers import ROOT
-from helpers.engines import (EVERY_PAGE_LOADED, generate_request, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (
+    EVERY_PAGE_LOADED,
+    generate_request,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from helpers.read_fault_relay import ReadFaultRelay
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_hybrid_window_e2e import recomputed
@@ -84,10 +90,15 @@ def kvbm(model, same_binding, relay, disk_dir, tmp_path_factory):  # noqa: F811
     for f in secrets.iterdir():
         f.chmod(0o600)
     config = kvbm_transfer_config(
-        host_cache_blocks=48, disk_cache_dir=str(disk_dir), disk_cache_size="2GiB",
+        host_cache_blocks=48,
+        disk_cache_dir=str(disk_dir),
+        disk_cache_size="2GiB",
         remote_url=f"redis://127.0.0.1:{relay.port}",
-        remote_password_file=str(secrets / "redis-password"), remote_timeout_s=REMOTE_TIMEOUT_S,
-        page_secret_file=str(secrets / "page-secret"), **EVERY_PAGE_LOADED)
+        remote_password_file=str(secrets / "redis-password"),
+        remote_timeout_s=REMOTE_TIMEOUT_S,
+        page_secret_file=str(secrets / "page-secret"),
+        **EVERY_PAGE_LOADED,
+    )
     llm = make_llm(config, **model[1], **ENGINE)
     yield llm
     shutdown(llm)
@@ -106,8 +117,12 @@ def only_lower_tiers_keep(llm) -> None:
     keep what was stored before, and they hold nothing of the fillers."""
     settle(llm)
     for i in range(3):
-        generate_request(llm, {"prompt_token_ids": random_prompt(3000, seed=next(_fillers))},
-                         {"kv_store_tiers": ["host"]}, max_tokens=1)
+        generate_request(
+            llm,
+            {"prompt_token_ids": random_prompt(3000, seed=next(_fillers))},
+            {"kv_store_tiers": ["host"]},
+            max_tokens=1,
+        )
     settle(llm)
     assert llm.reset_prefix_cache()
 
@@ -161,8 +176,7 @@ def test_a_corrupt_disk_page_is_recomputed(kvbm, plain, disk_dir):
     serves_again(kvbm, plain, seed=9802)
 
 
-def test_a_page_moved_on_the_remote_does_not_open_and_is_recomputed(kvbm, plain,
-                                                                   redis_server):
+def test_a_page_moved_on_the_remote_does_not_open_and_is_recomputed(kvbm, plain, redis_server):
     before = page_keys(redis_server)
     prompt, want = stored_only_below(kvbm, plain, 9811, "remote")
     settle(kvbm)
@@ -176,8 +190,7 @@ def test_a_page_moved_on_the_remote_does_not_open_and_is_recomputed(kvbm, plain,
     serves_again(kvbm, plain, 9812, "remote")
 
 
-def test_pages_evicted_between_lookup_and_read_are_recomputed(kvbm, plain, redis_server,
-                                                              relay):
+def test_pages_evicted_between_lookup_and_read_are_recomputed(kvbm, plain, redis_server, relay):
     prompt, want = stored_only_below(kvbm, plain, 9821, "remote")
     settle(kvbm)
 
@@ -201,8 +214,7 @@ def test_a_read_past_the_remote_timeout_is_recomputed(kvbm, plain, relay):
     time.sleep(3.0)  # the read link is made again (its first retry: 1-2 s)
 
 
-def test_the_remote_killed_between_lookup_and_read_is_recomputed(kvbm, plain, redis_server,
-                                                                 relay):
+def test_the_remote_killed_between_lookup_and_read_is_recomputed(kvbm, plain, redis_server, relay):
     prompt, want = stored_only_below(kvbm, plain, 9841, "remote")
     settle(kvbm)
     relay.arm(redis_server.kill)

@@ -24,8 +24,8 @@ from vllm_kvbm.tools.server import stop_process as stop
 pytestmark = [pytest.mark.timeout(900), pytest.mark.timing]
 
 HOST_BLOCKS = 40
-SYSTEM = random_prompt(2 * BLOCK_SIZE, seed=9101)       # shared, hot: stays in the host tier
-HISTORY = random_prompt(4 * BLOCK_SIZE, seed=9102)      # older: only on the slow server
+SYSTEM = random_prompt(2 * BLOCK_SIZE, seed=9101)  # shared, hot: stays in the host tier
+HISTORY = random_prompt(4 * BLOCK_SIZE, seed=9102)  # older: only on the slow server
 PROMPT = SYSTEM + HISTORY + random_prompt(40, seed=9103)
 OTHER = SYSTEM + random_prompt(2 * BLOCK_SIZE + 17, seed=9104)
 
@@ -42,9 +42,13 @@ def slow_remote():
 
 def test_part_loaded_part_recomputed_equals_recompute(model_dir, plain_llm, slow_remote):
     want = reference(plain_llm, [PROMPT, OTHER])
-    llm = make_llm(kvbm_transfer_config(
-        host_cache_blocks=HOST_BLOCKS, remote_url=f"lm://127.0.0.1:{slow_remote.port}",
-        remote_timeout_s=30))
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            remote_url=f"lm://127.0.0.1:{slow_remote.port}",
+            remote_timeout_s=30,
+        )
+    )
     try:
         # Computed once (the engine times its prefills), written to the server.
         assert generate(llm, [PROMPT])[0] == [want[0]]
@@ -61,8 +65,11 @@ def test_part_loaded_part_recomputed_equals_recompute(model_dir, plain_llm, slow
         got, cached = generate(llm, [OTHER])
         assert got == [want[1]]
         assert kvbm_counter("matched_tokens_remote") - remote_before == len(SYSTEM)
-        assert len(SYSTEM) - BLOCK_SIZE <= kvbm_counter("recompute_chosen_tokens") - chosen \
+        assert (
+            len(SYSTEM) - BLOCK_SIZE
+            <= kvbm_counter("recompute_chosen_tokens") - chosen
             <= len(SYSTEM)
+        )
         settle(llm)
         assert llm.reset_prefix_cache()  # vLLM's own cache only
 

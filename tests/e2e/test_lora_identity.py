@@ -21,8 +21,15 @@ import os
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    MODEL_DIR,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -49,11 +56,24 @@ def write_adapter(path, seed: int) -> None:
         tensors[f"{name}.lora_A.weight"] = torch.randn(RANK, hidden, generator=gen) * 0.2
         tensors[f"{name}.lora_B.weight"] = torch.randn(kv_dim, RANK, generator=gen) * 0.2
     os.makedirs(path, exist_ok=True)
-    (path / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": 2 * RANK,
-        "target_modules": ["k_proj"], "bias": "none", "lora_dropout": 0.0,
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-        "modules_to_save": None, "base_model_name_or_path": str(MODEL_DIR)}))
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": RANK,
+                "lora_alpha": 2 * RANK,
+                "target_modules": ["k_proj"],
+                "bias": "none",
+                "lora_dropout": 0.0,
+                "fan_in_fan_out": False,
+                "use_rslora": False,
+                "use_dora": False,
+                "modules_to_save": None,
+                "base_model_name_or_path": str(MODEL_DIR),
+            }
+        )
+    )
     data = save(tensors)
     weights = path / "adapter_model.safetensors"
     if weights.exists():
@@ -71,8 +91,7 @@ def generate(llm, lora, max_tokens: int = 16):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": PROMPT}], params, lora_request=lora,
-                       use_tqdm=False)[0]
+    out = llm.generate([{"prompt_token_ids": PROMPT}], params, lora_request=lora, use_tqdm=False)[0]
     return list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
@@ -91,8 +110,12 @@ def test_lora_rewritten_in_place_is_no_longer_cached(tmp_path, monkeypatch, mode
     write_adapter(adapter, seed=1)
     disk = tmp_path / "disk"
     disk.mkdir()
-    config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk),
-                                  disk_cache_size="1GiB", **EVERY_PAGE_LOADED)
+    config = kvbm_transfer_config(
+        host_cache_blocks=HOST_BLOCKS,
+        disk_cache_dir=str(disk),
+        disk_cache_size="1GiB",
+        **EVERY_PAGE_LOADED,
+    )
     lora = LoRARequest("tuned", 1, str(adapter))
 
     kvbm = make_llm(config, **LORA_ARGS)
@@ -150,7 +173,8 @@ def _assert_recomputed_with_the_new_files(got: list[int], old_out: list[int]) ->
 
 
 def test_lora_loaded_then_rewritten_before_its_first_request_stores_nothing(
-        tmp_path, monkeypatch, model_dir):
+    tmp_path, monkeypatch, model_dir
+):
     """vLLM reads an adapter's files when it is loaded (``/v1/load_lora_adapter``,
     here ``add_lora``), the scheduler when its first request arrives: files
     rewritten in between make the keys name the new weights while vLLM runs

@@ -21,8 +21,14 @@ import torch
 
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,  # noqa: E402
-                             random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    kvbm_counter,
+    make_llm,  # noqa: E402
+    random_prompt,
+    shutdown,
+)
 from test_remote_store import raw_get, raw_put  # noqa: E402
 from helpers.tier_pages import SMALL, key, page, restamp, tier_of  # noqa: E402
 from vllm_kvbm.config.secrets import Secret  # noqa: E402
@@ -39,9 +45,9 @@ NS = "model-a|float32|layout"
 
 # ---- forging, as an attacker would -------------------------------------------
 
+
 def _header_fields(buf: bytes) -> list:
     return list(pf.HDR.unpack(buf[:HEADER_BYTES]))
-
 
 
 def encoded(codec: PageCodec, k: bytes, p: torch.Tensor) -> bytes:
@@ -65,6 +71,7 @@ def v1_page(ns: str, block: int, k: bytes, p: torch.Tensor) -> bytes:
 
 # ---- the disk tier ----------------------------------------------------------------
 
+
 def _disk(d, secret=None, **kw):
     from vllm_kvbm.tiers.disk.store import DiskStore
 
@@ -78,16 +85,20 @@ def test_disk_refuses_planted_and_forged_pages_and_removes_them(tmp_path):
         assert s.put(k, page(9, SMALL))
         s.close()
         # ...and they are moved to the names this deployment reads
-        os.rename(disk_page_path(str(d), NS, SMALL, 0, 1, k, secret),
-                  disk_page_path(str(d), NS, SMALL, 0, 1, k, SECRET))
+        os.rename(
+            disk_page_path(str(d), NS, SMALL, 0, 1, k, secret),
+            disk_page_path(str(d), NS, SMALL, 0, 1, k, SECRET),
+        )
     # Planted by hand: right name and CRC; a made-up seal.
     planted = disk_page_path(str(d), NS, SMALL, 0, 1, key(5), SECRET)
     with open(planted, "wb") as f:
         sealed = encoded(PageCodec(NS, SMALL, SECRET), key(5), page(9, SMALL))
         f.write(restamp(sealed, mac=os.urandom(28) + bytes(4)))
     # Files of older versions of this namespace are deleted at startup.
-    old = [d / f"{name}@1@0@{int.from_bytes(key(6), 'big'):x}@uint8.pt"
-           for name in pf.retired_model_names(NS, SMALL)]
+    old = [
+        d / f"{name}@1@0@{int.from_bytes(key(6), 'big'):x}@uint8.pt"
+        for name in pf.retired_model_names(NS, SMALL)
+    ]
     for path in old:
         path.write_bytes(v1_page(NS, SMALL, key(6), page(6, SMALL)))
 
@@ -126,6 +137,7 @@ def test_disk_refuses_planted_and_forged_pages_and_removes_them(tmp_path):
 
 # ---- the remote tier (a real LMCache server) ---------------------------------------
 
+
 def test_remote_refuses_pages_without_a_valid_mac_and_overwrites_them(lm_server):
     from vllm_kvbm.tiers.lm.store import RemoteStore
 
@@ -143,8 +155,11 @@ def test_remote_refuses_pages_without_a_valid_mac_and_overwrites_them(lm_server)
         raw_put(keyed, key(1), raw_get(plain, key(1)))
         raw_put(keyed, key(2), raw_get(other, key(2)))
         # Forged on the server: key(4)'s stored bytes under key(3)'s seal, CRC fixed.
-        raw_put(keyed, key(3), restamp(raw_get(keyed, key(3)),
-                                       payload=raw_get(keyed, key(4))[HEADER_BYTES:]))
+        raw_put(
+            keyed,
+            key(3),
+            restamp(raw_get(keyed, key(3)), payload=raw_get(keyed, key(4))[HEADER_BYTES:]),
+        )
         for k in (key(1), key(2), key(3)):
             assert keyed.get_into(k, out) == "unauthenticated", k
             assert not keyed.contains(k) and keyed.get_into(k, out) == "miss"  # tombstoned
@@ -158,6 +173,7 @@ def test_remote_refuses_pages_without_a_valid_mac_and_overwrites_them(lm_server)
 
 # ---- the counter reaches the scheduler through the worker metadata -------------------
 
+
 def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp_path):
     from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, worker_output
     from helpers.scheduler_harness import keys_of, tokens
@@ -169,8 +185,12 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
     secret_file.write_bytes(SECRET)
     d = tmp_path / "disk"
     d.mkdir()
-    sched = make_scheduler(host_blocks=8, disk_cache_dir=str(d), disk_cache_size="64MiB",
-                           page_secret_file=str(secret_file))
+    sched = make_scheduler(
+        host_blocks=8,
+        disk_cache_dir=str(d),
+        disk_cache_size="64MiB",
+        page_secret_file=str(secret_file),
+    )
     k = kvbm(sched)
     secret = sched.connector.config.page_secret  # parsed from the file by the connector
     assert secret == Secret(SECRET, "test")
@@ -187,8 +207,7 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
         assert time.monotonic() < deadline, "planted pages never became visible"
         time.sleep(0.05)
 
-    worker_store = DiskStore(str(d), 64 << 20, bb, ns, 0, 1,
-                             page_secret=secret.reveal())
+    worker_store = DiskStore(str(d), 64 << 20, bb, ns, 0, 1, page_secret=secret.reveal())
     io = TierIO()
     io.add(worker_store)
     try:
@@ -212,8 +231,13 @@ def test_auth_failures_reach_the_scheduler_stats_through_the_worker_metadata(tmp
         assert ready == [(load, False, False, None)]
         assert meta.tier_events == {("disk", "unauthenticated", 0): 2}
         assert sorted(meta.bad_pages) == sorted(("disk", key_) for key_ in keys[:2])
-        mro = worker_output(sched, out, finished_recving=[req.request_id],
-                            loads_failed=[req.request_id], invalid_block_ids=load.block_ids)
+        mro = worker_output(
+            sched,
+            out,
+            finished_recving=[req.request_id],
+            loads_failed=[req.request_id],
+            invalid_block_ids=load.block_ids,
+        )
         kv_out = mro.kv_connector_output
         kv_out.kv_connector_worker_meta = kv_out.kv_connector_worker_meta.aggregate(meta)
         sched.update_from_output(out, mro)
@@ -240,7 +264,8 @@ def _flags(path) -> int:
 
 @pytest.mark.timeout(900)
 def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
-        model_dir, plain_llm, tmp_path):
+    model_dir, plain_llm, tmp_path
+):
     from test_engine_e2e import expected_hit_tokens, generate, reference
     from test_tiers_e2e import clear_engine_and_host, settle
     from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -252,8 +277,13 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
     secret_file.chmod(0o600)
 
     def config(**extra):
-        return kvbm_transfer_config(host_cache_blocks=E2E_HOST_BLOCKS, disk_cache_dir=str(d),
-                                    disk_cache_size="1GiB", **EVERY_PAGE_LOADED, **extra)
+        return kvbm_transfer_config(
+            host_cache_blocks=E2E_HOST_BLOCKS,
+            disk_cache_dir=str(d),
+            disk_cache_size="1GiB",
+            **EVERY_PAGE_LOADED,
+            **extra,
+        )
 
     want = reference(plain_llm, [E2E_PROMPT])
     n_pages = len(E2E_PROMPT) // BLOCK_SIZE
@@ -314,8 +344,9 @@ def test_engine_with_a_secret_refuses_planted_pages_and_onboards_its_own(
         # outputs stay right.
         clear_engine_and_host(engine, E2E_HOST_BLOCKS)
         victim = sealed[0]
-        victim.write_bytes(restamp(victim.read_bytes(),
-                                   payload=sealed[1].read_bytes()[HEADER_BYTES:]))
+        victim.write_bytes(
+            restamp(victim.read_bytes(), payload=sealed[1].read_bytes()[HEADER_BYTES:])
+        )
         got, _ = generate(engine, [E2E_PROMPT])
         assert got == want
         assert kvbm_counter("page_auth_failures") - auth == 1
@@ -330,12 +361,26 @@ def test_bench_page_mac_runs_and_reports_the_ratio():
 
     from helpers import ROOT
 
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_page_mac.py"),
-                        "--pages", "3", "--rounds", "1", "--block-mib", "0.25"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_page_mac.py"),
+            "--pages",
+            "3",
+            "--rounds",
+            "1",
+            "--block-mib",
+            "0.25",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines()
-            if line.startswith("| ")}
+    rows = {
+        line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")
+    }
     for name in ("warm (page cache)", "cold (page cache dropped)"):
         ratio = float(rows[name].split("|")[6])  # seal / read
         assert ratio > 0, rows[name]

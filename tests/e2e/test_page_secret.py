@@ -27,9 +27,13 @@ from vllm_kvbm.tiers.page_seal import MIN_SECRET_BYTES  # noqa: E402
 
 # ---- the codec -----------------------------------------------------------------
 
+
 def test_keyed_pages_round_trip_and_every_forgery_is_unauthenticated():
-    keyed, plain, other = (PageCodec(NS, SMALL, SECRET), PageCodec(NS, SMALL),
-                           PageCodec(NS, SMALL, OTHER))
+    keyed, plain, other = (
+        PageCodec(NS, SMALL, SECRET),
+        PageCodec(NS, SMALL),
+        PageCodec(NS, SMALL, OTHER),
+    )
     p, q = page(1, SMALL), page(2, SMALL)
     k = key(1)
     out = torch.empty(SMALL, dtype=torch.uint8)
@@ -50,8 +54,9 @@ def test_keyed_pages_round_trip_and_every_forgery_is_unauthenticated():
         "seal stripped": restamp(genuine, flags=0, mac_alg=0, mac=bytes(32), key_field=k),
         # namespace B's genuine page (same secret) relabelled with A's header
         # hash: the seal binds the full namespace, not its 8-byte hash
-        "other namespace": restamp(encoded(PageCodec("model-b", SMALL, SECRET), k, q),
-                                   ns8=keyed.ns8),
+        "other namespace": restamp(
+            encoded(PageCodec("model-b", SMALL, SECRET), k, q), ns8=keyed.ns8
+        ),
     }
     for what, data in forgeries.items():
         # every one passes the integrity checks (a valid CRC), and none is accepted
@@ -66,7 +71,7 @@ def test_pages_are_sealed_with_aes_gcm_and_a_fresh_nonce_each():
     out = torch.empty(SMALL, dtype=torch.uint8)
     a, b = encoded(keyed, k, p), encoded(keyed, k, p)
     assert _header_fields(a)[4] == pf.MAC_AES_GCM and _header_fields(a)[3] & pf.FLAG_SEALED
-    assert a[pf.MAC_OFF:pf.MAC_OFF + 12] != b[pf.MAC_OFF:pf.MAC_OFF + 12]  # nonces differ
+    assert a[pf.MAC_OFF : pf.MAC_OFF + 12] != b[pf.MAC_OFF : pf.MAC_OFF + 12]  # nonces differ
     assert a[HEADER_BYTES:] != b[HEADER_BYTES:]
     assert decode(keyed, a, k, out) == "ok" and decode(keyed, b, k, out) == "ok"
     assert torch.equal(out, p)
@@ -95,10 +100,12 @@ def test_damage_is_corrupt_not_unauthenticated_and_the_header_stays_strict():
     assert decode(PageCodec(NS, SMALL), bytes(flipped), k, out) == "corrupt"
     plain_page = encoded(PageCodec(NS, SMALL), k, p)
     # Inconsistent MAC fields are malformed, whoever reads them.
-    for bad in (restamp(plain_page, mac=b"\x01" * 32),             # no flag, a MAC
-                restamp(plain_page, mac_alg=pf.MAC_BLAKE3),        # no flag, an algorithm
-                restamp(bytes(genuine), mac_alg=7),                 # unknown algorithm
-                restamp(bytes(genuine), flags=pf.FLAG_MAC | 8)):   # unknown flag
+    for bad in (
+        restamp(plain_page, mac=b"\x01" * 32),  # no flag, a MAC
+        restamp(plain_page, mac_alg=pf.MAC_BLAKE3),  # no flag, an algorithm
+        restamp(bytes(genuine), mac_alg=7),  # unknown algorithm
+        restamp(bytes(genuine), flags=pf.FLAG_MAC | 8),
+    ):  # unknown flag
         for codec in (keyed, PageCodec(NS, SMALL)):
             assert decode(codec, bad, k, out) == "corrupt"
     # Format version 1 pages are refused, never misread, with or without a secret.
@@ -128,7 +135,9 @@ def test_an_engine_without_a_secret_refuses_sealed_pages_and_warns_once(caplog):
         for i in range(3):
             data = encoded(keyed, key(i), page(i, SMALL))
             assert decode(plain, data, key(i), out) == "unauthenticated"
-    warnings = [r.getMessage() for r in caplog.records if "sealed with a page secret" in r.getMessage()]
+    warnings = [
+        r.getMessage() for r in caplog.records if "sealed with a page secret" in r.getMessage()
+    ]
     assert len(warnings) == 1 and "page_secret_file" in warnings[0]
     assert keyed.keyed and not plain.keyed
 
@@ -142,6 +151,7 @@ def test_the_secret_is_never_printed_and_short_secrets_are_refused():
 
 
 # ---- configuration -----------------------------------------------------------------
+
 
 def _err(extra, environ=None) -> str:
     with pytest.raises(KVBMConfigError) as info:
@@ -159,8 +169,14 @@ def test_secret_file_and_env(tmp_path, caplog):
     assert cfg.page_secret.reveal() == env_cfg.page_secret.reveal() == SECRET
     assert text_cfg.page_secret.reveal() == SECRET and cfg.page_secret == text_cfg.page_secret
     assert load_config({}, {}).page_secret is None
-    for shown in (repr(cfg), str(cfg), repr(cfg.page_secret), str(cfg.page_secret),
-                  repr(text_cfg), caplog.text):
+    for shown in (
+        repr(cfg),
+        str(cfg),
+        repr(cfg.page_secret),
+        str(cfg.page_secret),
+        repr(text_cfg),
+        caplog.text,
+    ):
         assert SECRET.decode() not in shown and SECRET.hex() not in shown
     assert "page_secret" not in repr(cfg)  # the field is left out of the config's repr
 

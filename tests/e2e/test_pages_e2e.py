@@ -26,8 +26,14 @@ def page_hit(n: int) -> int:
 @pytest.fixture(scope="module")
 def pages_llm(model_dir, tmp_path_factory):
     disk = tmp_path_factory.mktemp("kvbm-pages-disk")
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, page_tokens=PAGE,
-                                        disk_cache_dir=str(disk), disk_cache_size="1GiB"))
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            page_tokens=PAGE,
+            disk_cache_dir=str(disk),
+            disk_cache_size="1GiB",
+        )
+    )
     yield llm
     shutdown(llm)
 

@@ -43,8 +43,10 @@ from vllm_kvbm.worker.tier_io import TierIO
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.skipif(shutil.which("redis-server") is None,
-                       reason="redis-server not installed (scripts/setup_tools.sh installs it)"),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None,
+        reason="redis-server not installed (scripts/setup_tools.sh installs it)",
+    ),
 ]
 
 PAGE = 1 << 14
@@ -93,8 +95,10 @@ def listed(srv, file_name: str) -> dict[bytes, tuple[str, int]]:
     """table key -> (endpoint, TTL in ms) of every entry of ``file_name``."""
     with srv.admin() as c:
         names = list(c.scan_iter(match=f"{pd.KEY_PREFIX}:{file_name}:*"))
-        return {bytes.fromhex(n.decode().rsplit(":", 1)[1]): (c.get(n).decode(), c.pttl(n))
-                for n in names}
+        return {
+            bytes.fromhex(n.decode().rsplit(":", 1)[1]): (c.get(n).decode(), c.pttl(n))
+            for n in names
+        }
 
 
 def wait_for(what, timeout: float = 10.0, every: float = 0.05):
@@ -106,11 +110,25 @@ def wait_for(what, timeout: float = 10.0, every: float = 0.05):
         time.sleep(every)
 
 
-def store_with_directory(srv, shm, closing, pages: int = 8, ttl_s: float = 30.0,
-                         sweep: bool = False, timeout_s: float = 1.0, **writer_kw) -> PoolStore:
+def store_with_directory(
+    srv,
+    shm,
+    closing,
+    pages: int = 8,
+    ttl_s: float = 30.0,
+    sweep: bool = False,
+    timeout_s: float = 1.0,
+    **writer_kw,
+) -> PoolStore:
     store = PoolStore.open(pool_peer.pool_spec(shm, PAGE, pages, NS), codec())
-    writer = pd.DirectoryWriter(link(srv, closing, timeout_s), store.pool.name, EP, ttl_s,
-                                pool=store.pool if sweep else None, **writer_kw)
+    writer = pd.DirectoryWriter(
+        link(srv, closing, timeout_s),
+        store.pool.name,
+        EP,
+        ttl_s,
+        pool=store.pool if sweep else None,
+        **writer_kw,
+    )
     store.directory = pd.PoolDirectory(writer, None, link(srv, closing))
     closing.append(store)
     return store
@@ -121,7 +139,8 @@ def held(store: PoolStore, n: int) -> set[bytes]:
 
 
 def test_pages_entering_and_leaving_a_pool_are_listed_with_their_holder_and_a_ttl(
-        srv, shm, closing):
+    srv, shm, closing
+):
     store = store_with_directory(srv, shm, closing)  # one set of 8 slots
     writer = store.directory.writer
     for i in range(1, 9):
@@ -159,8 +178,9 @@ def test_a_sweep_lists_the_pages_a_file_holds_again(srv, shm, closing):
     for i in range(1, 5):
         assert plain.put(key(i), page(i, PAGE))
     # a writer on a file found with pages in it lists them at once, unasked
-    writer = pd.DirectoryWriter(link(srv, closing), plain.pool.name, EP, 30.0,
-                                pool=plain.pool, sweep_every_s=3600)
+    writer = pd.DirectoryWriter(
+        link(srv, closing), plain.pool.name, EP, 30.0, pool=plain.pool, sweep_every_s=3600
+    )
     closing.append(writer)
     assert wait_for(lambda: len(listed(srv, plain.pool.name)) == 4)
     assert set(listed(srv, plain.pool.name)) == {tkey(i) for i in range(1, 5)}
@@ -182,8 +202,7 @@ time.sleep(600)
 """
 
 
-def test_liveness_is_kept_while_its_process_runs_and_gone_when_it_stops_or_dies(
-        srv, closing):
+def test_liveness_is_kept_while_its_process_runs_and_gone_when_it_stops_or_dies(srv, closing):
     alive = pd.Liveness(link(srv, closing), EP, "inc-1", every_s=0.2, ttl_s=1.0)
     with srv.admin() as c:
         assert wait_for(lambda: c.get(pd.alive_key(EP)) == b"inc-1")
@@ -192,9 +211,13 @@ def test_liveness_is_kept_while_its_process_runs_and_gone_when_it_stops_or_dies(
         assert c.exists(pd.alive_key(EP)) and alive.beats >= 5
         alive.close()  # a clean stop: gone at once
         assert not c.exists(pd.alive_key(EP))
-        child = subprocess.Popen([sys.executable, "-c", LIVENESS_CHILD, srv.url, PASSWORD, OTHER],
-                                 stdout=subprocess.PIPE, text=True, start_new_session=True,
-                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
+        child = subprocess.Popen(
+            [sys.executable, "-c", LIVENESS_CHILD, srv.url, PASSWORD, OTHER],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         closing.append(child)
         assert child.stdout.readline().strip() == "alive"
         assert wait_for(lambda: c.exists(pd.alive_key(OTHER)))
@@ -244,13 +267,16 @@ def test_the_reader_picks_the_live_holder_of_the_longest_run_and_never_its_own(s
     lower.report_links(stats)
     assert reader.locate(tkeys[5:]) is None
     lower.report_links(stats)
-    assert stats.take()["counters"] == {"peer_directory_lookups@found": 4,
-                                        "peer_directory_lookups@missed": 4}
+    assert stats.take()["counters"] == {
+        "peer_directory_lookups@found": 4,
+        "peer_directory_lookups@missed": 4,
+    }
 
 
 def test_a_full_queue_drops_and_counts_entries_and_no_caller_waits(srv, shm, closing):
-    store = store_with_directory(srv, shm, closing, sweep=True, timeout_s=2.0,
-                                 queue_entries=8, sweep_every_s=3600)
+    store = store_with_directory(
+        srv, shm, closing, sweep=True, timeout_s=2.0, queue_entries=8, sweep_every_s=3600
+    )
     writer = store.directory.writer
     assert wait_for(lambda: writer.sweeps == 1) and writer.flush()
     srv.freeze()
@@ -313,9 +339,13 @@ def test_kvbm_pool_keeps_its_liveness_and_lists_its_rank0_files(srv, shm, closin
     name = plain.pool.name
     plain.close()
     port = free_port()
-    service = PoolService(shm, os.path.join(shm, "sock", "pool.sock"), "127.0.0.1", port,
-                          peer_directory={"url": srv.url, "password": Secret(PASSWORD, "f"),
-                                          "ttl_s": 30.0})
+    service = PoolService(
+        shm,
+        os.path.join(shm, "sock", "pool.sock"),
+        "127.0.0.1",
+        port,
+        peer_directory={"url": srv.url, "password": Secret(PASSWORD, "f"), "ttl_s": 30.0},
+    )
     closing.append(service)
     endpoint = f"tcp://127.0.0.1:{port}"
     assert service.endpoint == endpoint
@@ -330,9 +360,15 @@ def test_kvbm_pool_keeps_its_liveness_and_lists_its_rank0_files(srv, shm, closin
 
 
 def test_only_rank0_of_a_served_pool_writes_the_directory(srv, shm, closing):
-    config = load_config({"peer_directory_url": srv.url, "pool_cache_size": "1MiB",
-                          "pool_serve_port": 7300, "peer_directory_ttl_s": 60},
-                         environ={"KVBM_REMOTE_PASSWORD": PASSWORD})
+    config = load_config(
+        {
+            "peer_directory_url": srv.url,
+            "pool_cache_size": "1MiB",
+            "pool_serve_port": 7300,
+            "peer_directory_ttl_s": 60,
+        },
+        environ={"KVBM_REMOTE_PASSWORD": PASSWORD},
+    )
     pool = open_pool(pool_peer.pool_spec(shm, PAGE, 8, NS))
     closing.append(pool)
     assert pd.pool_directory(config, pool, None, 0) is None  # not served: nothing to list
@@ -341,8 +377,10 @@ def test_only_rank0_of_a_served_pool_writes_the_directory(srv, shm, closing):
     made = pd.pool_directory(config, pool, None, 0)
     closing.insert(1, made)
     assert made.writer.endpoint == EP and made.liveness is None  # kvbm-pool's to keep
-    bad = load_config({"peer_directory_url": srv.url, "peer_reads": True},
-                      environ={"KVBM_REMOTE_PASSWORD": "wrong-one"})
+    bad = load_config(
+        {"peer_directory_url": srv.url, "peer_reads": True},
+        environ={"KVBM_REMOTE_PASSWORD": "wrong-one"},
+    )
     with pytest.raises(Exception, match="remote_password|KVBM_REMOTE_PASSWORD") as info:
         pd.config_link(bad, "test")
     assert "wrong-one" not in str(info.value)
@@ -363,8 +401,14 @@ def test_a_question_without_a_hint_finds_the_peer_through_the_directory(srv, shm
     assert writer.flush()
     liveness = pd.Liveness(link(srv, closing), endpoint, "peer", every_s=0.2, ttl_s=1.0)
     closing.append(liveness)
-    view = PeerView(NS, PAGE, 1, SECRET, timeout_s=1.0,
-                    directory=pd.DirectoryReader(link(srv, closing), store.pool.name))
+    view = PeerView(
+        NS,
+        PAGE,
+        1,
+        SECRET,
+        timeout_s=1.0,
+        directory=pd.DirectoryReader(link(srv, closing), store.pool.name),
+    )
     closing.append(view)
     lower = LowerTiers([], peer_view=view)
     keys = [key(i) for i in range(1, 7)]

@@ -14,8 +14,15 @@ import time
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, generate_request, kvbm_counter,
-                             make_llm, random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    generate_request,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from test_peer_e2e import port, settle, shm, tokens_of  # noqa: F401 (fixtures)
 from test_redis_e2e import password_file, redis_server  # noqa: F401 (fixtures)
@@ -28,24 +35,37 @@ PROMPT = random_prompt(10 * BLOCK_SIZE + 40, seed=9401)
 
 
 def directory_config(redis_server, password_file, **kw) -> dict:  # noqa: F811
-    return kvbm_transfer_config(host_cache_blocks=16, peer_directory_url=redis_server.url,
-                                remote_password_file=str(password_file), remote_timeout_s=1.0,
-                                **EVERY_PAGE_LOADED, **kw)
+    return kvbm_transfer_config(
+        host_cache_blocks=16,
+        peer_directory_url=redis_server.url,
+        remote_password_file=str(password_file),
+        remote_timeout_s=1.0,
+        **EVERY_PAGE_LOADED,
+        **kw,
+    )
 
 
 @pytest.fixture(scope="module")
 def engine_a(shm, port, model_dir, redis_server, password_file):  # noqa: F811
-    llm = make_llm(directory_config(redis_server, password_file, pool_cache_size="96MiB",
-                                    pool_dir=shm, pool_serve_port=port,
-                                    pool_serve_host="127.0.0.1"))
+    llm = make_llm(
+        directory_config(
+            redis_server,
+            password_file,
+            pool_cache_size="96MiB",
+            pool_dir=shm,
+            pool_serve_port=port,
+            pool_serve_host="127.0.0.1",
+        )
+    )
     yield llm
     shutdown(llm)
 
 
 @pytest.fixture(scope="module")
 def engine_b(model_dir, engine_a, redis_server, password_file):  # noqa: F811
-    llm = make_llm(directory_config(redis_server, password_file, peer_reads=True,
-                                    peer_read_timeout_s=2))
+    llm = make_llm(
+        directory_config(redis_server, password_file, peer_reads=True, peer_read_timeout_s=2)
+    )
     yield llm
     shutdown(llm)
 
@@ -69,7 +89,8 @@ def listed_at_least(srv, endpoint: str, n: int, timeout: float = 20.0) -> int:
 
 
 def test_a_request_without_a_hint_reads_the_prefix_from_the_peer_the_directory_names(
-        engine_a, engine_b, plain_llm, redis_server, port):  # noqa: F811
+    engine_a, engine_b, plain_llm, redis_server, port
+):  # noqa: F811
     endpoint = f"tcp://127.0.0.1:{port}"
     want = reference(plain_llm, [PROMPT])[0]
     assert generate(engine_a, [PROMPT])[0] == [want]  # computed by A: in its pool
@@ -87,7 +108,8 @@ def test_a_request_without_a_hint_reads_the_prefix_from_the_peer_the_directory_n
 
 
 def test_with_the_directory_down_a_request_is_a_recompute_in_bounded_time(
-        engine_a, engine_b, plain_llm, redis_server, port):  # noqa: F811
+    engine_a, engine_b, plain_llm, redis_server, port
+):  # noqa: F811
     endpoint = f"tcp://127.0.0.1:{port}"
     p = random_prompt(8 * BLOCK_SIZE + 9, seed=9402)
     want = reference(plain_llm, [p])[0]

@@ -16,8 +16,15 @@ import time
 import pytest
 
 from helpers.system import shm_dir
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, generate_request, kvbm_counter,
-                             make_llm, random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    generate_request,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config
 
@@ -40,9 +47,16 @@ def port():
 
 @pytest.fixture(scope="module")
 def engine_a(shm, port, model_dir):
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=16, pool_cache_size="96MiB",
-                                        pool_dir=shm, pool_serve_port=port,
-                                        pool_serve_host="127.0.0.1", **EVERY_PAGE_LOADED))
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=16,
+            pool_cache_size="96MiB",
+            pool_dir=shm,
+            pool_serve_port=port,
+            pool_serve_host="127.0.0.1",
+            **EVERY_PAGE_LOADED,
+        )
+    )
     yield llm
     try:
         shutdown(llm)
@@ -52,15 +66,22 @@ def engine_a(shm, port, model_dir):
 
 @pytest.fixture(scope="module")
 def engine_b(model_dir, engine_a):
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=16, peer_reads=True,
-                                        peer_read_timeout_s=2, **EVERY_PAGE_LOADED))
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=16, peer_reads=True, peer_read_timeout_s=2, **EVERY_PAGE_LOADED
+        )
+    )
     yield llm
     shutdown(llm)
 
 
 def hint(port: int) -> dict:
-    return {"router_hint": {"source_control_endpoint": f"tcp://127.0.0.1:{port}",
-                            "block_hashes": list(range(1, 11))}}
+    return {
+        "router_hint": {
+            "source_control_endpoint": f"tcp://127.0.0.1:{port}",
+            "block_hashes": list(range(1, 11)),
+        }
+    }
 
 
 def settle(llm) -> None:
@@ -74,7 +95,8 @@ def tokens_of(out) -> list[int]:
 
 
 def test_a_prefix_computed_by_one_engine_is_read_from_its_pool_by_another(
-        engine_a, engine_b, plain_llm, port):
+    engine_a, engine_b, plain_llm, port
+):
     want = reference(plain_llm, [PROMPT])[0]
     assert generate(engine_a, [PROMPT])[0] == [want]  # computed by A: its pool has it
     settle(engine_a)
@@ -94,7 +116,8 @@ def test_a_prefix_computed_by_one_engine_is_read_from_its_pool_by_another(
 
 
 def test_vllms_remote_kv_source_names_the_peer_too_and_no_hint_asks_no_peer(
-        engine_a, engine_b, plain_llm, port):
+    engine_a, engine_b, plain_llm, port
+):
     want = reference(plain_llm, [OTHER])[0]
     assert generate(engine_a, [OTHER])[0] == [want]
     settle(engine_a)
@@ -103,8 +126,13 @@ def test_vllms_remote_kv_source_names_the_peer_too_and_no_hint_asks_no_peer(
     assert got == [want] and cached == [0]
     assert kvbm_counter("matched_tokens_peer") == matched
     assert engine_b.reset_prefix_cache(reset_connector=True)  # B forgets what it stored
-    source = {"remote_kv_source": {"remote_host": "127.0.0.1", "remote_port": port,
-                                   "kv_request_id": "r-1"}}
+    source = {
+        "remote_kv_source": {
+            "remote_host": "127.0.0.1",
+            "remote_port": port,
+            "kv_request_id": "r-1",
+        }
+    }
     out = generate_request(engine_b, {"prompt_token_ids": OTHER}, source)
     assert tokens_of(out) == want
     assert out.num_cached_tokens == expected_hit_tokens(len(OTHER))
@@ -114,14 +142,16 @@ def test_vllms_remote_kv_source_names_the_peer_too_and_no_hint_asks_no_peer(
 def test_a_bad_hint_is_reported_and_the_request_still_served(engine_b, plain_llm):
     p = random_prompt(3 * BLOCK_SIZE + 5, seed=9303)
     want = reference(plain_llm, [p])[0]
-    out = generate_request(engine_b, {"prompt_token_ids": p},
-                           {"router_hint": {"source_control_endpoint": "http://nowhere"}})
+    out = generate_request(
+        engine_b,
+        {"prompt_token_ids": p},
+        {"router_hint": {"source_control_endpoint": "http://nowhere"}},
+    )
     assert tokens_of(out) == want
     assert "router_hint.source_control_endpoint" in out.kv_transfer_params["kvbm_error"]
 
 
-def test_a_hint_naming_a_peer_that_is_gone_costs_a_recompute(engine_a, engine_b,
-                                                            plain_llm, port):
+def test_a_hint_naming_a_peer_that_is_gone_costs_a_recompute(engine_a, engine_b, plain_llm, port):
     p = random_prompt(8 * BLOCK_SIZE + 9, seed=9304)
     want = reference(plain_llm, [p])[0]
     assert generate(engine_a, [p])[0] == [want]

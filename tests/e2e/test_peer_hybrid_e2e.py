@@ -12,8 +12,14 @@ from __future__ import annotations
 import pytest
 
 from helpers import ROOT
-from helpers.engines import (EVERY_PAGE_LOADED, generate_request, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (
+    EVERY_PAGE_LOADED,
+    generate_request,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_bf16_e2e import same_binding  # noqa: F401 (a fixture: both engines on the same cores)
 from test_engine_e2e import generate
 from test_hybrid_window_e2e import ENGINE, HITS, LENGTHS, recomputed
@@ -38,26 +44,35 @@ def plain(gemma3, same_binding):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def engine_a(gemma3, shm, port, same_binding):  # noqa: F811
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=96, pool_cache_size="512MiB",
-                                        pool_dir=shm, pool_serve_port=port,
-                                        pool_serve_host="127.0.0.1", **EVERY_PAGE_LOADED),
-                   model=gemma3, **ENGINE)
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=96,
+            pool_cache_size="512MiB",
+            pool_dir=shm,
+            pool_serve_port=port,
+            pool_serve_host="127.0.0.1",
+            **EVERY_PAGE_LOADED,
+        ),
+        model=gemma3,
+        **ENGINE,
+    )
     yield llm
     shutdown(llm)
 
 
 @pytest.fixture(scope="module")
 def engine_b(gemma3, engine_a, same_binding):  # noqa: F811
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=96, peer_reads=True,
-                                        **EVERY_PAGE_LOADED), model=gemma3, **ENGINE)
+    llm = make_llm(
+        kvbm_transfer_config(host_cache_blocks=96, peer_reads=True, **EVERY_PAGE_LOADED),
+        model=gemma3,
+        **ENGINE,
+    )
     yield llm
     shutdown(llm)
 
 
-def test_a_hybrid_prefix_is_read_group_by_group_from_a_peers_pool(plain, engine_a, engine_b,
-                                                                   port):  # noqa: F811
-    assert engine_b.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager \
-        is False
+def test_a_hybrid_prefix_is_read_group_by_group_from_a_peers_pool(plain, engine_a, engine_b, port):  # noqa: F811
+    assert engine_b.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     prompts = [random_prompt(n, seed=9400 + n) for n in LENGTHS]
     want = recomputed(plain, prompts)
     for p, w in zip(prompts, want):  # computed by A, one by one: every group's pages kept

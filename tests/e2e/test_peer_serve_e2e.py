@@ -51,21 +51,33 @@ SERVE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO"}
 TCP = {"UCX_TLS": "tcp,self", "UCX_PROTO_INFO": "y"}
 SHARED_MEMORY = {"UCX_PROTO_INFO": "y"}  # UCX's defaults: cma (or sysv/posix) on one machine
 SHM_TRANSPORTS = {"cma", "sysv", "posix", "knem", "xpmem"}
-PROMPTS = {name: random_prompt(PAGES * PAGE + 10, seed=9500 + i) for i, name in enumerate(
-    ("hinted", "listed", "a_dead", "a_restarted", "pool_down", "holder_dead"))}
+PROMPTS = {
+    name: random_prompt(PAGES * PAGE + 10, seed=9500 + i)
+    for i, name in enumerate(
+        ("hinted", "listed", "a_dead", "a_restarted", "pool_down", "holder_dead")
+    )
+}
 
 
 def complete(client: Client, prompt: list[int], params: dict | None) -> tuple[list[int], int]:
     """(greedy tokens, tokens cached) of a 16-token completion, vLLM's own
     prefix cache emptied first."""
     client.reset()
-    body = {"model": client.server.model, "prompt": prompt, "max_tokens": TOKENS,
-            "temperature": 0.0, "ignore_eos": True, "logprobs": 0}
+    body = {
+        "model": client.server.model,
+        "prompt": prompt,
+        "max_tokens": TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
     if params is not None:
         body["kv_transfer_params"] = params
-    req = urllib.request.Request(f"{client.server.url}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{client.server.url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=300) as resp:
         out = json.load(resp)
     assert "kvbm_error" not in (out.get("kv_transfer_params") or {}), out
@@ -83,7 +95,7 @@ def read_transports(log: Path) -> set[str]:
         if "remote memory read by ucp_get" not in line:
             continue
         borders = 0
-        for row in lines[i + 1:i + 20]:
+        for row in lines[i + 1 : i + 20]:
             body = row.rsplit("]", 1)[-1].strip()
             if body.startswith("+"):
                 borders += 1
@@ -97,8 +109,9 @@ def read_transports(log: Path) -> set[str]:
 
 def counted(client: Client, tier: str, tokens: int) -> bool:
     """Whether the server's kvbm_matched_tokens_total{tier} reaches ``tokens`` (within 20 s)."""
-    return bool(wait_for(lambda: client.server.metric("kvbm_matched_tokens_total",
-                                                      tier=tier) == tokens, 20))
+    return bool(
+        wait_for(lambda: client.server.metric("kvbm_matched_tokens_total", tier=tier) == tokens, 20)
+    )
 
 
 def lines_with(log: Path, text: str) -> list[str]:
@@ -121,25 +134,45 @@ class KvbmPool:
         self.shm, self.logs = shm, logs
         self.port, self.sock = free_port(), os.path.join(shm, "pool.sock")
         self.endpoint = f"tcp://127.0.0.1:{self.port}"
-        self.args = ["--dir", shm, "--socket", self.sock, "--serve-port", str(self.port),
-                     "--serve-host", "127.0.0.1", "--directory-url", directory_url,
-                     "--directory-password-file", str(password_file)]
+        self.args = [
+            "--dir",
+            shm,
+            "--socket",
+            self.sock,
+            "--serve-port",
+            str(self.port),
+            "--serve-host",
+            "127.0.0.1",
+            "--directory-url",
+            directory_url,
+            "--directory-password-file",
+            str(password_file),
+        ]
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
     def check(self) -> bool:
-        return subprocess.run([sys.executable, "-m", "vllm_kvbm.tools.pool", "--check",
-                               "--socket", self.sock], capture_output=True,
-                              timeout=60).returncode == 0
+        return (
+            subprocess.run(
+                [sys.executable, "-m", "vllm_kvbm.tools.pool", "--check", "--socket", self.sock],
+                capture_output=True,
+                timeout=60,
+            ).returncode
+            == 0
+        )
 
     def start(self) -> None:
         self.starts += 1
         self.log = self.logs / f"kvbm-pool-{self.starts}.log"
         env = {k: v for k, v in os.environ.items() if k != "UCX_TLS"}
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "vllm_kvbm.tools.pool",
-                                          *self.args], env=env, stdout=log, stderr=log,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm_kvbm.tools.pool", *self.args],
+                env=env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + 60
         while not self.check():
             assert self.proc.poll() is None, f"kvbm-pool exited: {self.log.read_text()}"
@@ -169,25 +202,50 @@ def pool(shm, redis_server, password_file, tmp_path_factory):  # noqa: F811
 class Fleet:
     """The three engines' clients; A started again on demand."""
 
-    def __init__(self, stack: contextlib.ExitStack, logs: Path, shm: str, pool: KvbmPool,
-                 directory: dict):
+    def __init__(
+        self, stack: contextlib.ExitStack, logs: Path, shm: str, pool: KvbmPool, directory: dict
+    ):
         self.stack, self.logs = stack, logs
         self.computed: dict[str, list] = {}  # A's tokens of the prompts it computed
-        self.a_kv = kvbm_transfer_config(host_cache_blocks=6, pool_cache_size="192MiB",
-                                         pool_dir=shm, pool_socket=pool.sock, load_split=False,
-                                         **directory)
+        self.a_kv = kvbm_transfer_config(
+            host_cache_blocks=6,
+            pool_cache_size="192MiB",
+            pool_dir=shm,
+            pool_socket=pool.sock,
+            load_split=False,
+            **directory,
+        )
         self.a = self.serve("a", self.a_kv, {})
-        self.b = self.serve("b", kvbm_transfer_config(host_cache_blocks=6, peer_reads=True,
-                                                      peer_read_timeout_s=5,
-                                                      load_split=False), TCP)
-        self.c = self.serve("c", kvbm_transfer_config(host_cache_blocks=6, peer_reads=True,
-                                                      peer_read_timeout_s=5, load_split=False,
-                                                      **directory), SHARED_MEMORY)
+        self.b = self.serve(
+            "b",
+            kvbm_transfer_config(
+                host_cache_blocks=6, peer_reads=True, peer_read_timeout_s=5, load_split=False
+            ),
+            TCP,
+        )
+        self.c = self.serve(
+            "c",
+            kvbm_transfer_config(
+                host_cache_blocks=6,
+                peer_reads=True,
+                peer_read_timeout_s=5,
+                load_split=False,
+                **directory,
+            ),
+            SHARED_MEMORY,
+        )
 
     def serve(self, name: str, kv: dict, env: dict) -> Client:
-        server = self.stack.enter_context(vllm_server(
-            str(MODEL_DIR), kv, SERVE_ARGS, env={**SERVE_ENV, **env}, startup_timeout=900,
-            log_path=self.logs / f"{name}.log"))
+        server = self.stack.enter_context(
+            vllm_server(
+                str(MODEL_DIR),
+                kv,
+                SERVE_ARGS,
+                env={**SERVE_ENV, **env},
+                startup_timeout=900,
+                log_path=self.logs / f"{name}.log",
+            )
+        )
         return Client(server)
 
     def kill_a(self) -> None:
@@ -197,8 +255,11 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(model_dir, shm, pool, redis_server, password_file, tmp_path_factory):  # noqa: F811
-    directory = {"peer_directory_url": redis_server.url,
-                 "remote_password_file": str(password_file), "remote_timeout_s": 1.0}
+    directory = {
+        "peer_directory_url": redis_server.url,
+        "remote_password_file": str(password_file),
+        "remote_timeout_s": 1.0,
+    }
     with contextlib.ExitStack() as stack:
         yield Fleet(stack, tmp_path_factory.mktemp("logs"), shm, pool, directory)
 
@@ -206,8 +267,12 @@ def fleet(model_dir, shm, pool, redis_server, password_file, tmp_path_factory): 
 @pytest.fixture(scope="module")
 def want(fleet):
     """Each reader's own recompute of every prompt (nothing stored)."""
-    return {reader: {name: complete(getattr(fleet, reader), p, RECOMPUTE)[0]
-                     for name, p in PROMPTS.items()} for reader in ("b", "c")}
+    return {
+        reader: {
+            name: complete(getattr(fleet, reader), p, RECOMPUTE)[0] for name, p in PROMPTS.items()
+        }
+        for reader in ("b", "c")
+    }
 
 
 def hint(pool: KvbmPool) -> dict:
@@ -220,7 +285,8 @@ def listed(redis_server, pool: KvbmPool, n: int) -> bool:  # noqa: F811
 
 
 def test_b_on_a_hint_over_tcp_and_c_through_the_directory_over_shm_read_as_recomputed(
-        fleet, pool, want, redis_server):  # noqa: F811
+    fleet, pool, want, redis_server
+):  # noqa: F811
     for name in ("hinted", "listed", "a_dead", "a_restarted"):
         # A computes them: kvbm-pool's file has them
         fleet.computed[name] = complete(fleet.a, PROMPTS[name], None)[0]
@@ -239,8 +305,7 @@ def test_b_on_a_hint_over_tcp_and_c_through_the_directory_over_shm_read_as_recom
     assert shm_used and shm_used <= SHM_TRANSPORTS, shm_used
 
 
-def test_kvbm_pool_serves_a_dead_engines_pages_and_a_restarted_one_hits_at_once(
-        fleet, pool, want):
+def test_kvbm_pool_serves_a_dead_engines_pages_and_a_restarted_one_hits_at_once(fleet, pool, want):
     fleet.kill_a()  # kvbm-pool still holds its pages and serves them
     got, cached = complete(fleet.b, PROMPTS["a_dead"], hint(pool))
     assert got == want["b"]["a_dead"] and cached == PAGES * PAGE
@@ -255,7 +320,8 @@ def test_kvbm_pool_serves_a_dead_engines_pages_and_a_restarted_one_hits_at_once(
 
 
 def test_a_restarted_kvbm_pool_takes_the_file_up_and_serves_what_a_wrote_meanwhile(
-        fleet, pool, want, redis_server):  # noqa: F811
+    fleet, pool, want, redis_server
+):  # noqa: F811
     pool.kill()  # A still maps the file: it keeps serving, and writing into it
     assert os.path.exists(pool.sock)  # the dead one's socket, left behind
     got, cached = complete(fleet.a, PROMPTS["pool_down"], None)
@@ -269,7 +335,8 @@ def test_a_restarted_kvbm_pool_takes_the_file_up_and_serves_what_a_wrote_meanwhi
 
 
 def test_a_dead_holders_entries_are_ignored_and_its_hint_costs_a_recompute(
-        fleet, pool, want, redis_server):  # noqa: F811
+    fleet, pool, want, redis_server
+):  # noqa: F811
     before = entries(redis_server).get(pool.endpoint, 0)
     complete(fleet.a, PROMPTS["holder_dead"], None)
     assert listed(redis_server, pool, before + PAGES)

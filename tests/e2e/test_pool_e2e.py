@@ -13,8 +13,14 @@ import time
 import pytest
 
 from helpers.system import shm_dir
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config
 
@@ -33,8 +39,9 @@ def shm():
 
 
 def pool_config(shm: str, **extra) -> dict:
-    return kvbm_transfer_config(host_cache_blocks=16, pool_cache_size=POOL_SIZE, pool_dir=shm,
-                                **EVERY_PAGE_LOADED, **extra)
+    return kvbm_transfer_config(
+        host_cache_blocks=16, pool_cache_size=POOL_SIZE, pool_dir=shm, **EVERY_PAGE_LOADED, **extra
+    )
 
 
 def pool_file(shm: str) -> tuple[str, bytes]:
@@ -75,8 +82,15 @@ def read_table_as_a_peer(endpoint: str, path: str, table: bytes) -> bytes:
     buf = mmap.mmap(-1, len(table))
     cbuf = ctypes.c_char.from_buffer(buf)
     try:
-        reply, metadata = link.request({"op": "hello", "file": os.path.basename(path),
-                                        "scope": sb.scope_digest.hex(), "known": ["", -1]}, 30)
+        reply, metadata = link.request(
+            {
+                "op": "hello",
+                "file": os.path.basename(path),
+                "scope": sb.scope_digest.hex(),
+                "known": ["", -1],
+            },
+            30,
+        )
         assert reply["ok"] and metadata, reply
         assert reply["length"] == sb.geometry.file_bytes == os.path.getsize(path)
         remote = agent.call("add", "add_remote_agent", metadata)
@@ -85,9 +99,14 @@ def read_table_as_a_peer(endpoint: str, path: str, table: bytes) -> bytes:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         reg = agent.register(ctypes.addressof(cbuf), len(table))
-        handle = agent.call("xfer", "initialize_xfer", "READ",
-                            agent.descs([(ctypes.addressof(cbuf), len(table))]),
-                            agent.descs([(int(reply["base"]), len(table))]), remote)
+        handle = agent.call(
+            "xfer",
+            "initialize_xfer",
+            "READ",
+            agent.descs([(ctypes.addressof(cbuf), len(table))]),
+            agent.descs([(int(reply["base"]), len(table))]),
+            remote,
+        )
         state = agent.call("transfer", "transfer", handle)
         while state == "PROC":
             assert time.monotonic() < deadline

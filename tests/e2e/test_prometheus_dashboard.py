@@ -33,8 +33,15 @@ import vllm_kvbm
 from helpers import ROOT
 from helpers.engines import MODEL_DIR
 from vllm_kvbm.metric_names import FAMILIES
-from vllm_kvbm.tools.server import (Server, free_port, kvbm_transfer_config, start_lmcache_server,
-                                    stop_process, vllm_server, wait_for_http)
+from vllm_kvbm.tools.server import (
+    Server,
+    free_port,
+    kvbm_transfer_config,
+    start_lmcache_server,
+    stop_process,
+    vllm_server,
+    wait_for_http,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -45,10 +52,17 @@ ENGINE_BLOCKS = 28
 HOST_CACHE = "1GiB"
 DISK_CACHE = "512MiB"
 SERVE_ARGS = [
-    "--enforce-eager", "--block-size", str(BLOCK),
-    "--num-gpu-blocks-override", str(ENGINE_BLOCKS),
-    "--max-model-len", "3456", "--max-num-batched-tokens", "3456",
-    "--gpu-memory-utilization", "0.3",
+    "--enforce-eager",
+    "--block-size",
+    str(BLOCK),
+    "--num-gpu-blocks-override",
+    str(ENGINE_BLOCKS),
+    "--max-model-len",
+    "3456",
+    "--max-num-batched-tokens",
+    "3456",
+    "--gpu-memory-utilization",
+    "0.3",
 ]
 # What Grafana would put in for the dashboard's variables: "All" models and
 # instances, and a rate window that covers the whole workload.
@@ -63,35 +77,72 @@ def series(family: str, tier: str | None = None) -> str:
 
 # Zero in this workload: nothing evicted, skipped or failed; nothing read
 # from a lower tier (A's hit is in the host tier), no outage.
-ZERO = ([series(f) for f in ("kvbm_offload_skipped_blocks", "kvbm_offload_failed_transfers",
-                             "kvbm_onboard_failed_blocks", "kvbm_transfer_timeouts",
-                             "kvbm_refused_param_requests", "kvbm_peer_directory_lookups",
-                             "kvbm_peer_directory_entries", "kvbm_peer_quarantined_slots")]
-        + [series("kvbm_evicted_blocks", "host"), series("kvbm_tier_reconnects", "remote")]
-        + [series(f, tier) for tier in ("disk", "remote")
-           for f in ("kvbm_matched_tokens", "kvbm_tier_read_pages",
-                     "kvbm_tier_write_failed_pages", "kvbm_tier_write_dropped_pages",
-                     "kvbm_tier_read_missing_pages", "kvbm_tier_read_failed_pages",
-                     "kvbm_checksum_failed_pages", "kvbm_unauthenticated_pages")])
+ZERO = (
+    [
+        series(f)
+        for f in (
+            "kvbm_offload_skipped_blocks",
+            "kvbm_offload_failed_transfers",
+            "kvbm_onboard_failed_blocks",
+            "kvbm_transfer_timeouts",
+            "kvbm_refused_param_requests",
+            "kvbm_peer_directory_lookups",
+            "kvbm_peer_directory_entries",
+            "kvbm_peer_quarantined_slots",
+        )
+    ]
+    + [series("kvbm_evicted_blocks", "host"), series("kvbm_tier_reconnects", "remote")]
+    + [
+        series(f, tier)
+        for tier in ("disk", "remote")
+        for f in (
+            "kvbm_matched_tokens",
+            "kvbm_tier_read_pages",
+            "kvbm_tier_write_failed_pages",
+            "kvbm_tier_write_dropped_pages",
+            "kvbm_tier_read_missing_pages",
+            "kvbm_tier_read_failed_pages",
+            "kvbm_checksum_failed_pages",
+            "kvbm_unauthenticated_pages",
+        )
+    ]
+)
 # Every value the checks read: from Prometheus, and from /metrics to compare.
 METRICS = ZERO + [
-    series("kvbm_lookup_tokens"), series("kvbm_matched_tokens", "host"),
-    series("kvbm_offload_blocks"), series("kvbm_onboard_blocks"),
-    series("kvbm_offload_bytes"), series("kvbm_onboard_bytes"),
-    series("kvbm_offload_latency_seconds"), series("kvbm_onboard_latency_seconds"),
+    series("kvbm_lookup_tokens"),
+    series("kvbm_matched_tokens", "host"),
+    series("kvbm_offload_blocks"),
+    series("kvbm_onboard_blocks"),
+    series("kvbm_offload_bytes"),
+    series("kvbm_onboard_bytes"),
+    series("kvbm_offload_latency_seconds"),
+    series("kvbm_onboard_latency_seconds"),
     series("kvbm_load_latency_seconds"),
-    series("kvbm_cache_used_blocks", "host"), series("kvbm_cache_capacity_blocks", "host"),
-    series("kvbm_cache_used_bytes", "host"), series("kvbm_cache_capacity_bytes", "host"),
-    series("kvbm_cache_used_bytes", "disk"), series("kvbm_cache_capacity_bytes", "disk"),
+    series("kvbm_cache_used_blocks", "host"),
+    series("kvbm_cache_capacity_blocks", "host"),
+    series("kvbm_cache_used_bytes", "host"),
+    series("kvbm_cache_capacity_bytes", "host"),
+    series("kvbm_cache_used_bytes", "disk"),
+    series("kvbm_cache_capacity_bytes", "disk"),
     *[series("kvbm_recent_hit_ratio", tier) for tier in ("host", "disk", "remote")],
-    *[series(f, tier) for tier in ("disk", "remote")
-      for f in ("kvbm_tier_write_pages", "kvbm_lookup_latency_seconds",
-                "kvbm_tier_write_latency_seconds")],
-    series("kvbm_tier_up", "remote"), series("kvbm_page_size_blocks"),
+    *[
+        series(f, tier)
+        for tier in ("disk", "remote")
+        for f in (
+            "kvbm_tier_write_pages",
+            "kvbm_lookup_latency_seconds",
+            "kvbm_tier_write_latency_seconds",
+        )
+    ],
+    series("kvbm_tier_up", "remote"),
+    series("kvbm_page_size_blocks"),
     f'kvbm_build_info{{version="{vllm_kvbm.__version__}"}}',
-    "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-    "vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
-    "vllm:prompt_tokens_total"]
+    "vllm:prefix_cache_hits_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:external_prefix_cache_hits_total",
+    "vllm:external_prefix_cache_queries_total",
+    "vllm:prompt_tokens_total",
+]
 
 
 def dashboard_targets(dashboard: dict) -> list[tuple[str, str]]:
@@ -118,29 +169,55 @@ def substitute(expr: str) -> str:
 class Prometheus:
     def __init__(self, workdir: Path, target: str):
         if shutil.which("prometheus") is None:
-            pytest.fail("prometheus is not installed: run scripts/setup.sh "
-                        "(it installs Debian's prometheus package)")
+            pytest.fail(
+                "prometheus is not installed: run scripts/setup.sh "
+                "(it installs Debian's prometheus package)"
+            )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = workdir / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                       "evaluation_interval": "1s"},
-            "rule_files": [str(ALERT_RULES)],
-            "scrape_configs": [{"job_name": "kvbm", "metrics_path": "/metrics",
-                                "static_configs": [{"targets": [target]}]}],
-        }))
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {
+                        "scrape_interval": "1s",
+                        "scrape_timeout": "1s",
+                        "evaluation_interval": "1s",
+                    },
+                    "rule_files": [str(ALERT_RULES)],
+                    "scrape_configs": [
+                        {
+                            "job_name": "kvbm",
+                            "metrics_path": "/metrics",
+                            "static_configs": [{"targets": [target]}],
+                        }
+                    ],
+                }
+            )
+        )
         self.log_path = workdir / "prometheus.log"
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            ["prometheus", f"--config.file={config}",
-             f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                "prometheus",
+                f"--config.file={config}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float = 60) -> None:
-        wait_for_http(f"{self.url}/-/ready", self.process, timeout, "prometheus",
-                      on_exit=self.log_tail, on_timeout=self.log_tail)
+        wait_for_http(
+            f"{self.url}/-/ready",
+            self.process,
+            timeout,
+            "prometheus",
+            on_exit=self.log_tail,
+            on_timeout=self.log_tail,
+        )
 
     def query(self, expr: str) -> list[dict]:
         """An instant query's result vector; raises on a PromQL error."""
@@ -149,8 +226,9 @@ class Prometheus:
             with urllib.request.urlopen(url, timeout=30) as resp:
                 body = json.load(resp)
         except urllib.error.HTTPError as err:
-            raise AssertionError(f"Prometheus rejected {expr!r}: "
-                                 f"{err.read().decode(errors='replace')}") from None
+            raise AssertionError(
+                f"Prometheus rejected {expr!r}: {err.read().decode(errors='replace')}"
+            ) from None
         assert body["status"] == "success", (expr, body)
         return body["data"]["result"]
 
@@ -189,8 +267,9 @@ def metrics_values(server) -> dict[str, float]:
     for name in METRICS:
         sample, _, labels = name.partition("{")
         wanted = dict(pair.split("=") for pair in labels.rstrip("}").split(",")) if labels else {}
-        values[name] = Server.metric_total(text, sample,
-                                           **{k: v.strip('"') for k, v in wanted.items()})
+        values[name] = Server.metric_total(
+            text, sample, **{k: v.strip('"') for k, v in wanted.items()}
+        )
     return values
 
 
@@ -211,7 +290,8 @@ def wait_settled(server, timeout: float = 60) -> dict[str, float]:
 def reset_memory_caches(server) -> None:
     """vLLM's prefix cache and KVBM's host tier (the disk and remote tiers stay)."""
     reset = urllib.request.Request(
-        f"{server.url}/reset_prefix_cache?reset_external=true", method="POST")
+        f"{server.url}/reset_prefix_cache?reset_external=true", method="POST"
+    )
     with urllib.request.urlopen(reset, timeout=60) as resp:
         assert resp.status == 200
 
@@ -227,42 +307,69 @@ def scraped(model_dir, tmp_path_factory):
     doc_a = document(tokenizer, 3000, "typing.py")
     doc_b = document(tokenizer, 3000, "inspect.py")
     # vLLM tokenizes completion prompts with the special tokens
-    prompt_tokens = {name: len(tokenizer(doc)["input_ids"])
-                     for name, doc in (("A", doc_a), ("B", doc_b))}
+    prompt_tokens = {
+        name: len(tokenizer(doc)["input_ids"]) for name, doc in (("A", doc_a), ("B", doc_b))
+    }
     workdir = tmp_path_factory.mktemp("prometheus")
     (workdir / "disk").mkdir()
     remote_port = free_port()
     lmcache = start_lmcache_server(remote_port)
-    kv = kvbm_transfer_config(host_cache_size=HOST_CACHE, disk_cache_dir=str(workdir / "disk"),
-                              disk_cache_size=DISK_CACHE,
-                              remote_url=f"lm://127.0.0.1:{remote_port}",
-                              # the peer row's series (no peer is asked: no request names one)
-                              peer_reads=True)
+    kv = kvbm_transfer_config(
+        host_cache_size=HOST_CACHE,
+        disk_cache_dir=str(workdir / "disk"),
+        disk_cache_size=DISK_CACHE,
+        remote_url=f"lm://127.0.0.1:{remote_port}",
+        # the peer row's series (no peer is asked: no request names one)
+        peer_reads=True,
+    )
     try:
-        with vllm_server(str(MODEL_DIR), kv, SERVE_ARGS, log_path=workdir / "vllm.log",
-                         env={"VLLM_SERVER_DEV_MODE": "1"}, startup_timeout=400) as server:
+        with vllm_server(
+            str(MODEL_DIR),
+            kv,
+            SERVE_ARGS,
+            log_path=workdir / "vllm.log",
+            env={"VLLM_SERVER_DEV_MODE": "1"},
+            startup_timeout=400,
+        ) as server:
             target = server.url.removeprefix("http://")
             prometheus = Prometheus(workdir, target)
             try:
                 prometheus.wait_ready()
                 # Two scrapes before the workload, so every rate has its baseline.
-                prometheus.wait_for('count_over_time(up{job="kvbm"}[1m])', lambda v: v >= 2,
-                                    60, "Prometheus scraping vllm serve")
+                prometheus.wait_for(
+                    'count_over_time(up{job="kvbm"}[1m])',
+                    lambda v: v >= 2,
+                    60,
+                    "Prometheus scraping vllm serve",
+                )
                 for doc in (doc_a, doc_b, doc_a):
                     server.stream_completion(doc, max_tokens=16)
                 served = wait_settled(server)
                 # Until Prometheus has scraped the final values of every metric
                 for name, value in served.items():
-                    prometheus.wait_for(f"sum({name})", lambda v, want=value: v == want, 30,
-                                        f"Prometheus catching up with /metrics {name}")
+                    prometheus.wait_for(
+                        f"sum({name})",
+                        lambda v, want=value: v == want,
+                        30,
+                        f"Prometheus catching up with /metrics {name}",
+                    )
                 scraped_values = {name: prometheus.value(f"sum({name})") for name in METRICS}
                 # B again from the disk tier: the lower-tier read panels get data
                 reset_memory_caches(server)
                 server.stream_completion(doc_b, max_tokens=16)
-                prometheus.wait_for('sum(kvbm_tier_read_latency_seconds_count{tier="disk"})',
-                                    lambda v: v >= 1, 60, "the disk tier's read scraped")
-                yield {"prometheus": prometheus, "served": served, "values": scraped_values,
-                       "prompt_tokens": prompt_tokens, "target": target}
+                prometheus.wait_for(
+                    'sum(kvbm_tier_read_latency_seconds_count{tier="disk"})',
+                    lambda v: v >= 1,
+                    60,
+                    "the disk tier's read scraped",
+                )
+                yield {
+                    "prometheus": prometheus,
+                    "served": served,
+                    "values": scraped_values,
+                    "prompt_tokens": prompt_tokens,
+                    "target": target,
+                }
             finally:
                 prometheus.stop()
     finally:
@@ -295,8 +402,9 @@ def test_every_dashboard_query_returns_data(scraped):
         assert variable["datasource"]["uid"] == "${datasource}", variable["name"]
         query = variable["query"]["query"]
         metric, label = re.fullmatch(r"label_values\((\S+), (\w+)\)", query).groups()
-        url = (f"{prometheus.url}/api/v1/label/{label}/values?"
-               + urllib.parse.urlencode({"match[]": metric}))
+        url = f"{prometheus.url}/api/v1/label/{label}/values?" + urllib.parse.urlencode(
+            {"match[]": metric}
+        )
         with urllib.request.urlopen(url, timeout=30) as resp:
             assert json.load(resp)["data"] == want[variable["name"]], query
 
@@ -327,7 +435,8 @@ def test_counters_match_the_workload(scraped):
     assert v["vllm:external_prefix_cache_queries_total"] == v["kvbm_lookup_tokens_total"]
     # The per-replica window: the three requests are all inside it
     assert v['kvbm_recent_hit_ratio{tier="host"}'] == pytest.approx(
-        v['kvbm_matched_tokens_total{tier="host"}'] / v["kvbm_lookup_tokens_total"], rel=1e-12)
+        v['kvbm_matched_tokens_total{tier="host"}'] / v["kvbm_lookup_tokens_total"], rel=1e-12
+    )
     assert 0.1 < v['kvbm_recent_hit_ratio{tier="host"}'] < 1
     assert v['kvbm_recent_hit_ratio{tier="disk"}'] == 0
     assert v['kvbm_recent_hit_ratio{tier="remote"}'] == 0
@@ -374,16 +483,21 @@ def test_the_alert_rules_evaluate_and_stay_quiet(scraped):
     import yaml
 
     prometheus = scraped["prometheus"]
-    names = {rule["alert"] for group in yaml.safe_load(ALERT_RULES.read_text())["groups"]
-             for rule in group["rules"]}
+    names = {
+        rule["alert"]
+        for group in yaml.safe_load(ALERT_RULES.read_text())["groups"]
+        for rule in group["rules"]
+    }
     deadline = time.monotonic() + 30
     while True:
         with urllib.request.urlopen(f"{prometheus.url}/api/v1/rules", timeout=30) as resp:
             groups = json.load(resp)["data"]["groups"]
         rules = {rule["name"]: rule for group in groups for rule in group["rules"]}
-        if set(rules) == names and all(r.get("lastEvaluation", "").startswith("2")
-                                       and not r["lastEvaluation"].startswith("0001")
-                                       for r in rules.values()):
+        if set(rules) == names and all(
+            r.get("lastEvaluation", "").startswith("2")
+            and not r["lastEvaluation"].startswith("0001")
+            for r in rules.values()
+        ):
             break
         assert time.monotonic() < deadline, f"rules not evaluated: {sorted(rules)}"
         time.sleep(1)

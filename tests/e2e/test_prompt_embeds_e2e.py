@@ -14,8 +14,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, RECOMPUTE,
-                             generate_request, kvbm_counter, make_llm, random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    MODEL_DIR,
+    RECOMPUTE,
+    generate_request,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens
 from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -34,10 +43,15 @@ def embeddings(token_ids: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def llm(model_dir, tmp_path_factory):
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
-                                        disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
-                                        disk_cache_size="256MiB", **EVERY_PAGE_LOADED),
-                   enable_prompt_embeds=True)
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
+            disk_cache_size="256MiB",
+            **EVERY_PAGE_LOADED,
+        ),
+        enable_prompt_embeds=True,
+    )
     yield llm
     shutdown(llm)
 

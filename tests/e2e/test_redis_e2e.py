@@ -14,8 +14,14 @@ import time
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
-                             shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from test_redis_store import PASSWORD, RedisServer
 from test_tiers_e2e import HOST_BLOCKS, clear_engine_and_host, settle
@@ -43,9 +49,13 @@ def password_file(tmp_path_factory):
 
 
 def redis_config(srv: RedisServer, password_file) -> dict:
-    return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, remote_url=srv.url,
-                                remote_password_file=str(password_file),
-                                remote_timeout_s=TIMEOUT_S, **EVERY_PAGE_LOADED)
+    return kvbm_transfer_config(
+        host_cache_blocks=HOST_BLOCKS,
+        remote_url=srv.url,
+        remote_password_file=str(password_file),
+        remote_timeout_s=TIMEOUT_S,
+        **EVERY_PAGE_LOADED,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +129,7 @@ def test_corrupt_page_on_redis_is_recomputed_and_removed(engine1, plain_llm, red
 
 def test_second_engine_hits_what_the_first_wrote(engine1, plain_llm, redis_server, request):
     # PROMPT_SHARED is computed by engine 1 only; `other` shares its first 5 blocks.
-    other = PROMPT_SHARED[:5 * BLOCK_SIZE] + random_prompt(3 * BLOCK_SIZE, seed=9104)
+    other = PROMPT_SHARED[: 5 * BLOCK_SIZE] + random_prompt(3 * BLOCK_SIZE, seed=9104)
     want = reference(plain_llm, [PROMPT_SHARED, other])
     before = page_keys(redis_server)
     assert generate(engine1, [PROMPT_SHARED])[0] == [want[0]]
@@ -139,8 +149,9 @@ def test_second_engine_hits_what_the_first_wrote(engine1, plain_llm, redis_serve
 
 
 def test_frozen_then_killed_server_costs_only_hits(engine2, plain_llm, redis_server, capfd):
-    base_p, frozen_p, back_p, dead_p = (random_prompt(6 * BLOCK_SIZE + 7, seed=s)
-                                        for s in (9111, 9112, 9113, 9114))
+    base_p, frozen_p, back_p, dead_p = (
+        random_prompt(6 * BLOCK_SIZE + 7, seed=s) for s in (9111, 9112, 9113, 9114)
+    )
     want = reference(plain_llm, [base_p, frozen_p, back_p, dead_p])
     t0 = time.monotonic()
     assert generate(engine2, [base_p])[0] == [want[0]]

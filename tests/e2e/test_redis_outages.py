@@ -22,6 +22,7 @@ from vllm_kvbm.config import KVBMConfigError
 
 # ---- a dead or frozen server ----------------------------------------------------
 
+
 def test_killed_server_costs_hits_within_the_timeout_then_recovers(tmp_path, stores, caplog):
     srv = RedisServer(tmp_path).start()
     timeout = 1.0
@@ -31,8 +32,12 @@ def test_killed_server_costs_hits_within_the_timeout_then_recovers(tmp_path, sto
         out = torch.empty(SMALL, dtype=torch.uint8)
         assert s.put(key(1), page(1, SMALL)) and v.contains(key(1))
         srv.kill()
-        seen = [timed(lambda: s.get_into(key(1), out)), timed(lambda: v.contains(key(1))),
-                timed(lambda: s.put(key(2), page(2, SMALL))), timed(lambda: s.contains(key(1)))]
+        seen = [
+            timed(lambda: s.get_into(key(1), out)),
+            timed(lambda: v.contains(key(1))),
+            timed(lambda: s.put(key(2), page(2, SMALL))),
+            timed(lambda: s.contains(key(1))),
+        ]
         assert [r for r, _ in seen] == ["error", False, False, False], seen
         assert all(dt < timeout + 0.5 for _, dt in seen), seen
         assert "unavailable" in caplog.text
@@ -65,8 +70,11 @@ def test_frozen_server_is_bounded_then_recovers(server, stores):
         assert all(timeout * 0.8 < dt < 2 * timeout + 0.5 for _, dt in first), first
         later = []
         for _ in range(6):  # the reconnects run in the background
-            later += [timed(lambda: s.contains(key(1))), timed(lambda: v.contains(key(1))),
-                      timed(lambda: s.put(key(2), page(2, SMALL)))]
+            later += [
+                timed(lambda: s.contains(key(1))),
+                timed(lambda: v.contains(key(1))),
+                timed(lambda: s.put(key(2), page(2, SMALL))),
+            ]
             time.sleep(0.2)
         assert all(r is False and dt < 0.05 for r, dt in later), later
     finally:
@@ -95,19 +103,43 @@ def test_unreachable_at_startup_then_the_server_appears(tmp_path, stores):
 
 # ---- a Redis Cluster -------------------------------------------------------------
 
+
 def test_cluster_spreads_pages_and_survives_a_dead_node(tmp_path, stores):
     nodes = []
     try:
         for i in range(3):
             d = tmp_path / f"node{i}"
             d.mkdir()
-            nodes.append(RedisServer(d, PASSWORD, "16mb", "allkeys-lru", "--cluster-enabled",
-                                     "yes", "--masterauth", PASSWORD, "--cluster-config-file",
-                                     str(d / "nodes.conf"), port=_cluster_port()).start())
-        r = subprocess.run(["redis-cli", "--cluster", "create",
-                            *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas", "0",
-                            "--cluster-yes"], env={**os.environ, "REDISCLI_AUTH": PASSWORD},
-                           capture_output=True, text=True, timeout=60)
+            nodes.append(
+                RedisServer(
+                    d,
+                    PASSWORD,
+                    "16mb",
+                    "allkeys-lru",
+                    "--cluster-enabled",
+                    "yes",
+                    "--masterauth",
+                    PASSWORD,
+                    "--cluster-config-file",
+                    str(d / "nodes.conf"),
+                    port=_cluster_port(),
+                ).start()
+            )
+        r = subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            env={**os.environ, "REDISCLI_AUTH": PASSWORD},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
         def cluster_ok():
@@ -116,6 +148,7 @@ def test_cluster_spreads_pages_and_survives_a_dead_node(tmp_path, stores):
                 with n.admin() as c:
                     states.append(c.cluster("info")["cluster_state"])
             return states == ["ok"] * len(nodes)
+
         assert wait_until(cluster_ok, timeout=30, step=0.2)
 
         url = f"redis+cluster://127.0.0.1:{nodes[0].port}"  # one seed node finds the rest
@@ -130,8 +163,10 @@ def test_cluster_spreads_pages_and_survives_a_dead_node(tmp_path, stores):
                 sizes.append(c.dbsize())
         assert sum(sizes) == 30 and sum(1 for x in sizes if x) >= 2, sizes
         assert v.contains_many(keys) == [True] * 30
-        assert all(s.get_into(k, out) == "ok" and torch.equal(out, page(i, SMALL))
-                   for i, k in enumerate(keys))
+        assert all(
+            s.get_into(k, out) == "ok" and torch.equal(out, page(i, SMALL))
+            for i, k in enumerate(keys)
+        )
         with pytest.raises(KVBMConfigError, match="remote_password_file"):
             stores(url=url, password=WRONG)
 

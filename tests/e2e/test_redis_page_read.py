@@ -24,8 +24,10 @@ from vllm_kvbm.tiers.redis.store import RedisStore
 
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(shutil.which("redis-server") is None,
-                       reason="redis-server not installed (scripts/setup_tools.sh installs it)"),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None,
+        reason="redis-server not installed (scripts/setup_tools.sh installs it)",
+    ),
 ]
 
 SECRET = b"s" * 32
@@ -36,9 +38,23 @@ def port(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -56,8 +72,16 @@ def port(tmp_path):
 
 
 def make_store(port: int, block: int, secret: bytes | None = None) -> RedisStore:
-    return RedisStore(parse_remote_url("remote_url", f"redis://127.0.0.1:{port}"), None, block,
-                      "ns-read", 0, 1, 2.0, page_secret=secret)
+    return RedisStore(
+        parse_remote_url("remote_url", f"redis://127.0.0.1:{port}"),
+        None,
+        block,
+        "ns-read",
+        0,
+        1,
+        2.0,
+        page_secret=secret,
+    )
 
 
 def admin(port: int) -> redis.Redis:

@@ -31,8 +31,10 @@ from vllm_kvbm.tiers.redis.store import RedisStore
 pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.timing,  # frozen and killed servers are timed against their timeouts
-    pytest.mark.skipif(shutil.which("redis-server") is None,
-                       reason="redis-server not installed (scripts/setup_tools.sh installs it)"),
+    pytest.mark.skipif(
+        shutil.which("redis-server") is None,
+        reason="redis-server not installed (scripts/setup_tools.sh installs it)",
+    ),
 ]
 
 PASSWORD = "kvbm-T3st-pässword/with:odd@chars"
@@ -63,15 +65,41 @@ def _cluster_port() -> int:
 class RedisServer:
     """A real redis-server on 127.0.0.1 with requirepass; always killed."""
 
-    def __init__(self, workdir, password: str = PASSWORD, maxmemory: str = "8mb",
-                 policy: str = "allkeys-lru", *extra: str, port: int | None = None):
+    def __init__(
+        self,
+        workdir,
+        password: str = PASSWORD,
+        maxmemory: str = "8mb",
+        policy: str = "allkeys-lru",
+        *extra: str,
+        port: int | None = None,
+    ):
         self.port = port or _free_port()
         self.password = password
         self.dir = str(workdir)
-        self.args = ["--port", str(self.port), "--bind", "127.0.0.1", "--requirepass", password,
-                     "--maxmemory", maxmemory, "--maxmemory-policy", policy, "--save", "",
-                     "--appendonly", "no", "--dir", self.dir, "--daemonize", "no",
-                     "--logfile", os.path.join(self.dir, f"redis-{self.port}.log"), *extra]
+        self.args = [
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--requirepass",
+            password,
+            "--maxmemory",
+            maxmemory,
+            "--maxmemory-policy",
+            policy,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--daemonize",
+            "no",
+            "--logfile",
+            os.path.join(self.dir, f"redis-{self.port}.log"),
+            *extra,
+        ]
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -79,8 +107,9 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     def start(self) -> "RedisServer":
-        self.proc = subprocess.Popen(["redis-server", *self.args], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            ["redis-server", *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         self.wait_ready()
         return self
 
@@ -127,15 +156,38 @@ def server(tmp_path):
 def stores():
     made = []
 
-    def make(srv=None, *, url=None, password=PASSWORD, ns=NS, block=SMALL, rank=0, world=1,
-             timeout_s=1.0, retry=0.3, view=False, ca=None, secret=None):
+    def make(
+        srv=None,
+        *,
+        url=None,
+        password=PASSWORD,
+        ns=NS,
+        block=SMALL,
+        rank=0,
+        world=1,
+        timeout_s=1.0,
+        retry=0.3,
+        view=False,
+        ca=None,
+        secret=None,
+    ):
         target = url or srv.url
         pw = None if password is None else Secret(password, "remote_password_file f")
         if view:
             s = RedisView(target, pw, ns, block, world, timeout_s, retry, tls_ca_file=ca)
         else:
-            s = RedisStore(parse_remote_url("remote_url", target), pw, block, ns, rank, world,
-                           timeout_s, retry_interval_s=retry, tls_ca_file=ca, page_secret=secret)
+            s = RedisStore(
+                parse_remote_url("remote_url", target),
+                pw,
+                block,
+                ns,
+                rank,
+                world,
+                timeout_s,
+                retry_interval_s=retry,
+                tls_ca_file=ca,
+                page_secret=secret,
+            )
         made.append(s)
         return s
 
@@ -170,6 +222,7 @@ def timed(fn):
 
 # ---- the page on the server --------------------------------------------------
 
+
 def test_round_trip_one_key_per_page_and_remove(server, stores):
     s = stores(server)
     src = page(1, SMALL)
@@ -192,8 +245,10 @@ def test_round_trip_one_key_per_page_and_remove(server, stores):
     s.remove(key(1))
     assert not s.contains(key(1)) and s.get_into(key(1), out) == "miss"
     # Bad arguments are refusals, not exceptions.
-    assert not s.put(b"short", want) and s.get_into(key(1), torch.empty(3, dtype=torch.uint8)) \
-        == "error"
+    assert (
+        not s.put(b"short", want)
+        and s.get_into(key(1), torch.empty(3, dtype=torch.uint8)) == "error"
+    )
 
 
 def test_flipped_byte_foreign_and_truncated_values_are_corrupt_and_removed(server, stores):
@@ -244,8 +299,10 @@ def test_lru_server_stays_bounded_and_recent_pages_hit(server, stores, caplog):
     # Redis's LRU is approximate (it samples keys), so a few recent pages may
     # go too; every page read back is whole and right, the oldest are gone.
     out = torch.empty(SMALL, dtype=torch.uint8)
-    recent = [s.get_into(key(i), out) == "ok" and torch.equal(out, page(i % 64, SMALL))
-              for i in range(n - 20, n)]
+    recent = [
+        s.get_into(key(i), out) == "ok" and torch.equal(out, page(i % 64, SMALL))
+        for i in range(n - 20, n)
+    ]
     assert sum(recent) >= 16, recent
     assert all(s.get_into(key(i), out) in ("ok", "miss") for i in range(n - 200, n))
     assert [s.get_into(key(i), out) for i in range(100)] == ["miss"] * 100
@@ -268,17 +325,27 @@ def test_noeviction_server_refuses_pages_when_full_and_stays_usable(tmp_path, st
 
 # ---- passwords -------------------------------------------------------------------
 
-def test_wrong_or_missing_password_is_a_startup_error_naming_the_key(server, stores, tmp_path,
-                                                                     caplog):
+
+def test_wrong_or_missing_password_is_a_startup_error_naming_the_key(
+    server, stores, tmp_path, caplog
+):
     pw_file = tmp_path / "redis-password"
     pw_file.write_text(WRONG + "\n")
-    cfg = load_config({"remote_url": server.url, "remote_password_file": str(pw_file)},
-                      environ={})
+    cfg = load_config({"remote_url": server.url, "remote_password_file": str(pw_file)}, environ={})
     assert cfg.remote_password.reveal() == WRONG  # the newline is not part of it
     assert WRONG not in repr(cfg) and WRONG not in str(cfg.remote_password)
-    for make in (lambda: RedisStore(parse_remote_url("remote_url", cfg.remote_url),
-                                    cfg.remote_password, SMALL, NS, 0, 1, 1.0),
-                 lambda: RedisView(cfg.remote_url, cfg.remote_password, NS, SMALL, 1, 1.0)):
+    for make in (
+        lambda: RedisStore(
+            parse_remote_url("remote_url", cfg.remote_url),
+            cfg.remote_password,
+            SMALL,
+            NS,
+            0,
+            1,
+            1.0,
+        ),
+        lambda: RedisView(cfg.remote_url, cfg.remote_password, NS, SMALL, 1, 1.0),
+    ):
         with pytest.raises(KVBMConfigError) as info:
             make()
         msg = str(info.value)
@@ -287,8 +354,15 @@ def test_wrong_or_missing_password_is_a_startup_error_naming_the_key(server, sto
 
     env_cfg = load_config({"remote_url": server.url}, environ={"KVBM_REMOTE_PASSWORD": WRONG})
     with pytest.raises(KVBMConfigError, match=r"^KVBM_REMOTE_PASSWORD: ") as info:
-        RedisStore(parse_remote_url("remote_url", env_cfg.remote_url), env_cfg.remote_password,
-                   SMALL, NS, 0, 1, 1.0)
+        RedisStore(
+            parse_remote_url("remote_url", env_cfg.remote_url),
+            env_cfg.remote_password,
+            SMALL,
+            NS,
+            0,
+            1,
+            1.0,
+        )
     assert WRONG not in str(info.value)
 
     with pytest.raises(KVBMConfigError, match="needs a password") as info:
@@ -298,8 +372,9 @@ def test_wrong_or_missing_password_is_a_startup_error_naming_the_key(server, sto
 
     # The right one, from the environment: works, and still never printed.
     ok = load_config({"remote_url": server.url}, environ={"KVBM_REMOTE_PASSWORD": PASSWORD})
-    s = RedisStore(parse_remote_url("remote_url", ok.remote_url), ok.remote_password, SMALL, NS,
-                   0, 1, 1.0)
+    s = RedisStore(
+        parse_remote_url("remote_url", ok.remote_url), ok.remote_password, SMALL, NS, 0, 1, 1.0
+    )
     try:
         assert s.put(key(1), page(1, SMALL)) and s.contains(key(1))
         assert PASSWORD not in repr(ok) and PASSWORD not in repr(KVBMConfig())
@@ -309,8 +384,9 @@ def test_wrong_or_missing_password_is_a_startup_error_naming_the_key(server, sto
 
 def test_acl_user_in_the_url(server, stores):
     with server.admin() as c:
-        c.acl_setuser("kvbm", enabled=True, passwords=[f"+{WRONG}x"], keys=["kvbm_*"],
-                      commands=["+@all"])
+        c.acl_setuser(
+            "kvbm", enabled=True, passwords=[f"+{WRONG}x"], keys=["kvbm_*"], commands=["+@all"]
+        )
     s = stores(url=f"redis://kvbm@127.0.0.1:{server.port}", password=WRONG + "x")
     assert s.put(key(1), page(1, SMALL)) and s.contains(key(1))
     with pytest.raises(KVBMConfigError, match="ACL user kvbm") as info:
@@ -337,16 +413,57 @@ def test_pages_of_another_page_secret_are_unauthenticated_and_removed(server, st
 
 def _tls_files(d) -> tuple[str, str, str]:
     """A CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
-    ca_key, ca, key_, csr, crt, ext = (str(d / n) for n in (
-        "ca.key", "ca.pem", "server.key", "server.csr", "server.pem", "ext.cnf"))
+    ca_key, ca, key_, csr, crt, ext = (
+        str(d / n)
+        for n in ("ca.key", "ca.pem", "server.key", "server.csr", "server.pem", "ext.cnf")
+    )
     (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
     for cmd in (
-            ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca,
-             "-days", "2", "-subj", "/CN=kvbm-test-ca"],
-            ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", key_, "-out", csr, "-subj",
-             "/CN=127.0.0.1"],
-            ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out",
-             crt, "-days", "2", "-extfile", ext]):
+        [
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            ca_key,
+            "-out",
+            ca,
+            "-days",
+            "2",
+            "-subj",
+            "/CN=kvbm-test-ca",
+        ],
+        [
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            key_,
+            "-out",
+            csr,
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+        [
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            crt,
+            "-days",
+            "2",
+            "-extfile",
+            ext,
+        ],
+    ):
         subprocess.run(["openssl", *cmd], check=True, capture_output=True, timeout=60)
     return ca, crt, key_
 
@@ -355,17 +472,34 @@ class TLSRedisServer(RedisServer):
     def __init__(self, workdir):
         self.ca, crt, key_ = _tls_files(workdir)
         super().__init__(workdir)
-        self.args += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", crt,
-                      "--tls-key-file", key_, "--tls-ca-cert-file", self.ca,
-                      "--tls-auth-clients", "no"]
+        self.args += [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            crt,
+            "--tls-key-file",
+            key_,
+            "--tls-ca-cert-file",
+            self.ca,
+            "--tls-auth-clients",
+            "no",
+        ]
 
     @property
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.port}"
 
     def admin(self) -> redis.Redis:
-        return redis.Redis("127.0.0.1", self.port, password=self.password, socket_timeout=5,
-                           ssl=True, ssl_ca_certs=self.ca)
+        return redis.Redis(
+            "127.0.0.1",
+            self.port,
+            password=self.password,
+            socket_timeout=5,
+            ssl=True,
+            ssl_ca_certs=self.ca,
+        )
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
@@ -389,6 +523,7 @@ def test_tls_server_with_a_private_ca(tmp_path, stores):
 
 # ---- the scheduler's view ------------------------------------------------------
 
+
 def test_view_needs_every_ranks_page(server, stores):
     block = 4096
     r0 = stores(server, block=block, rank=0, world=2)
@@ -402,9 +537,13 @@ def test_view_needs_every_ranks_page(server, stores):
 
 # ---- config ------------------------------------------------------------------------
 
+
 def test_password_in_the_url_is_refused_and_never_echoed():
-    for url in (f"redis://:{WRONG}@127.0.0.1:6379", f"rediss://kvbm:{WRONG}@h:1/2",
-                f"redis+cluster://kvbm:{WRONG}@a:1,b:2"):
+    for url in (
+        f"redis://:{WRONG}@127.0.0.1:6379",
+        f"rediss://kvbm:{WRONG}@h:1/2",
+        f"redis+cluster://kvbm:{WRONG}@a:1,b:2",
+    ):
         with pytest.raises(KVBMConfigError) as info:
             load_config({"remote_url": url}, environ={})
         msg = str(info.value)
@@ -439,13 +578,13 @@ except KVBMConfigError as e:
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "nixl_cu12",
                                                            "nixl_cu13", "redis")))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = eval(out.stdout.strip().splitlines()[-1])
     assert "redis" in loaded  # the view is real
     assert not [m for m in loaded if m.startswith(("lmcache", "nixl"))], loaded
     refused = [line for line in out.stdout.splitlines() if line.startswith("REFUSED: ")]
-    assert refused and refused[0].startswith(f"REFUSED: remote_password_file: {server.url}"), \
+    assert refused and refused[0].startswith(f"REFUSED: remote_password_file: {server.url}"), (
         out.stdout[-2000:]
+    )
     assert PASSWORD not in out.stdout + out.stderr and WRONG not in out.stdout + out.stderr

@@ -36,8 +36,9 @@ def remote(lm_server):
     def make(ns="ns-a", block=SMALL, timeout_s=3.0, retry=0.3, url=None):
         if url is None:
             lm_server.wait_ready()
-        s = RemoteStore(url or lm_server.url, block, ns, 0, 1, timeout_s=timeout_s,
-                        retry_interval_s=retry)
+        s = RemoteStore(
+            url or lm_server.url, block, ns, 0, 1, timeout_s=timeout_s, retry_interval_s=retry
+        )
         stores.append(s)
         return s
 
@@ -64,8 +65,9 @@ def raw_get(store: RemoteStore, k: bytes) -> bytes:
 
 def raw_put(store: RemoteStore, k: bytes, data: bytes) -> None:
     conn = store._reads.conn
-    mo = conn.staging.allocate(torch.Size([1, 1, 1, len(data)]), torch.uint8, store._fmt,
-                               busy_loop=False)
+    mo = conn.staging.allocate(
+        torch.Size([1, 1, 1, len(data)]), torch.uint8, store._fmt, busy_loop=False
+    )
     flat_u8(mo.tensor).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
     fut = conn.rb.submit_put_task(store._ckey(k), mo)
     mo.ref_count_down()
@@ -127,8 +129,11 @@ def test_remote_frozen_server_is_bounded_then_recovers(remote, lm_server):
     assert s.put(key(1), page(1, SMALL))
     lm_server.freeze()
     try:
-        calls = [lambda: s.contains(key(1)), lambda: s.get_into(key(1), out),
-                 lambda: s.put(key(2), page(2, SMALL))]
+        calls = [
+            lambda: s.contains(key(1)),
+            lambda: s.get_into(key(1), out),
+            lambda: s.put(key(2), page(2, SMALL)),
+        ]
         seen = []
         for i in range(6):
             t0 = time.monotonic()
@@ -207,8 +212,11 @@ def test_remote_half_received_entry_heals(remote, lm_server):
     # its shape, which LMCache's client cannot receive.
     for k, length, sent in [(key(6), HEADER_BYTES + SMALL, 1000), (key(7), 2 * SMALL, 2 * SMALL)]:
         with socket.create_connection(("127.0.0.1", lm_server.port), 5) as raw:
-            raw.sendall(ClientMetaMessage(ClientCommand.PUT, s._ckey(k), length, s._fmt,
-                                          torch.uint8, s._shape).serialize())
+            raw.sendall(
+                ClientMetaMessage(
+                    ClientCommand.PUT, s._ckey(k), length, s._fmt, torch.uint8, s._shape
+                ).serialize()
+            )
             raw.sendall(b"x" * sent)
     time.sleep(0.3)
     out = torch.empty(SMALL, dtype=torch.uint8)
@@ -216,7 +224,7 @@ def test_remote_half_received_entry_heals(remote, lm_server):
     assert s.get_into(key(6), out) == "error"  # the hang-up is seen at once...
     assert not connected(s) and key(6) in s._suspect
     time.sleep(0.4)
-    assert s.get_into(key(6), out) == "miss"   # ...and the entry overwritten
+    assert s.get_into(key(6), out) == "miss"  # ...and the entry overwritten
     assert s.get_into(key(6), out) == "miss" and connected(s)
     assert s.get_into(key(7), out) == "error" and key(7) in s._suspect
     time.sleep(0.4)
@@ -258,8 +266,9 @@ def test_exist_request_is_lmcaches_own_message(remote):
     s = remote(ns="ns-exist", block=SMALL)
     ck = s._ckey(key(3))
     assert page_name("ns-exist", SMALL, 0, 1, key(3)) == ck.to_string()
-    theirs = ClientMetaMessage(ClientCommand.EXIST, ck, 0, MemoryFormat(1), _torch.float16,
-                               _torch.Size([0, 0, 0, 0])).serialize()
+    theirs = ClientMetaMessage(
+        ClientCommand.EXIST, ck, 0, MemoryFormat(1), _torch.float16, _torch.Size([0, 0, 0, 0])
+    ).serialize()
     assert exist_request(ck.to_string()) == theirs
 
 
@@ -275,8 +284,9 @@ def test_scheduler_remote_view_sees_what_the_store_wrote(remote, lm_server):
         assert not RemoteView(lm_server.url, "ns-other", SMALL, 1).contains(key(4))
     finally:
         view.close()
-    dead = RemoteView(f"lm://127.0.0.1:{_free_port()}", "ns-view", SMALL, 1, timeout_s=0.5,
-                      retry_interval_s=30)
+    dead = RemoteView(
+        f"lm://127.0.0.1:{_free_port()}", "ns-view", SMALL, 1, timeout_s=0.5, retry_interval_s=30
+    )
     t0 = time.monotonic()
     assert not dead.contains(key(4)) and not dead.contains(key(4))
     assert time.monotonic() - t0 < 1.0  # the second call fails fast, no reconnect
@@ -290,8 +300,7 @@ def test_scheduler_remote_view_asks_many_keys_in_one_round_trip(remote, lm_serve
         assert s.put(key(i), page(i, SMALL))
     view = RemoteView(lm_server.url, "ns-many", SMALL, 1, timeout_s=2.0)
     try:
-        assert view.contains_many([key(i) for i in range(1, 6)]) == [
-            True, True, False, True, False]
+        assert view.contains_many([key(i) for i in range(1, 6)]) == [True, True, False, True, False]
         assert view.contains_many([]) == []
         # the stream is still in step after a batch
         assert view.contains(key(4)) and not view.contains(key(3))

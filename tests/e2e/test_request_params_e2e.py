@@ -22,10 +22,20 @@ pytestmark = pytest.mark.timeout(1800)
 
 PAGE = 128  # tokens per block and page under these serve args
 PROMPT = 3 * PAGE + 10  # three full pages (vLLM computes the last tokens itself)
-SERVE_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--kv-cache-memory-bytes", "512M",
-              "--num-gpu-blocks-override", "32", "--block-size", str(PAGE),
-              "--enable-prompt-tokens-details",
-              "--middleware", "vllm_kvbm.serve_middleware.check_kv_transfer_params"]
+SERVE_ARGS = [
+    "--enforce-eager",
+    "--max-model-len",
+    "2048",
+    "--kv-cache-memory-bytes",
+    "512M",
+    "--num-gpu-blocks-override",
+    "32",
+    "--block-size",
+    str(PAGE),
+    "--enable-prompt-tokens-details",
+    "--middleware",
+    "vllm_kvbm.serve_middleware.check_kv_transfer_params",
+]
 
 
 class Client:
@@ -34,13 +44,20 @@ class Client:
 
     def complete(self, prompt: list[int], params: dict | None = None) -> tuple[int, dict]:
         """A greedy 2-token completion: (HTTP status, its JSON)."""
-        body = {"model": self.server.model, "prompt": prompt, "max_tokens": 2,
-                "temperature": 0.0, "ignore_eos": True}
+        body = {
+            "model": self.server.model,
+            "prompt": prompt,
+            "max_tokens": 2,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
         if params is not None:
             body["kv_transfer_params"] = params
-        req = urllib.request.Request(f"{self.server.url}/v1/completions",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.server.url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=300) as resp:
                 return resp.status, json.load(resp)
@@ -65,10 +82,12 @@ class Client:
 def client(model_dir, tmp_path_factory):
     disk = tmp_path_factory.mktemp("kvbm-disk")
     # A host tier of 6 pages: three more prompts push a prompt's pages out to disk.
-    kv = kvbm_transfer_config(host_cache_blocks=6, disk_cache_dir=str(disk),
-                              disk_cache_size="64MiB", load_split=False)
-    with vllm_server(str(MODEL_DIR), kv, SERVE_ARGS, startup_timeout=900,
-                     env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+    kv = kvbm_transfer_config(
+        host_cache_blocks=6, disk_cache_dir=str(disk), disk_cache_size="64MiB", load_split=False
+    )
+    with vllm_server(
+        str(MODEL_DIR), kv, SERVE_ARGS, startup_timeout=900, env={"VLLM_SERVER_DEV_MODE": "1"}
+    ) as server:
         yield Client(server)
 
 
@@ -76,9 +95,14 @@ def prompt(seed: int) -> list[int]:
     return random_prompt(PROMPT, seed=seed)
 
 
-@pytest.mark.parametrize("seed,params", [(10, {"lmcache.skip_save": True}),
-                                         (11, {"max_offload_tokens": 0}),
-                                         (12, {"kv_store_tiers": []})])
+@pytest.mark.parametrize(
+    "seed,params",
+    [
+        (10, {"lmcache.skip_save": True}),
+        (11, {"max_offload_tokens": 0}),
+        (12, {"kv_store_tiers": []}),
+    ],
+)
 def test_store_off_is_not_stored(client, seed, params):
     p = prompt(seed)
     assert client.complete(p, params)[0] == 200
@@ -86,8 +110,7 @@ def test_store_off_is_not_stored(client, seed, params):
     assert client.cached(p) == 3 * PAGE  # the repeat itself was stored
 
 
-@pytest.mark.parametrize("seed,params", [(20, {"kv_load_tiers": []}),
-                                         (21, {"max_load_tokens": 0})])
+@pytest.mark.parametrize("seed,params", [(20, {"kv_load_tiers": []}), (21, {"max_load_tokens": 0})])
 def test_load_off_does_not_load(client, seed, params):
     p = prompt(seed)
     assert client.complete(p)[0] == 200  # stored
@@ -119,11 +142,17 @@ def test_tier_filters_keep_loads_and_stores_to_those_tiers(client):
     assert client.cached(both, {"kv_load_tiers": ["disk"]}) == 3 * PAGE
 
 
-@pytest.mark.parametrize("params,message", [
-    ({"kv_load_tiers": ["gpu"]}, "kv_load_tiers: unknown tier 'gpu'"),
-    ({"max_load_tokens": -1}, "max_load_tokens: expected a whole number of tokens >= 0, got -1"),
-    ({"lmcache.skip_save": "yes"}, "lmcache.skip_save: expected true or false"),
-])
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"kv_load_tiers": ["gpu"]}, "kv_load_tiers: unknown tier 'gpu'"),
+        (
+            {"max_load_tokens": -1},
+            "max_load_tokens: expected a whole number of tokens >= 0, got -1",
+        ),
+        ({"lmcache.skip_save": "yes"}, "lmcache.skip_save: expected true or false"),
+    ],
+)
 def test_bad_value_gets_a_400_naming_the_field(client, params, message):
     status, out = client.complete(prompt(50), params)
     assert status == 400 and message in out["error"]["message"], out
@@ -131,6 +160,7 @@ def test_bad_value_gets_a_400_naming_the_field(client, params, message):
 
 
 # ---- LLM: SamplingParams(extra_args={"kv_transfer_params": ...}) ----------------------
+
 
 def llm_generate(llm, p, params=None):
     from vllm import SamplingParams
@@ -147,8 +177,9 @@ def test_llm_sampling_params_carry_them(kvbm_llm):
     kvbm_llm.reset_prefix_cache()
     assert llm_generate(kvbm_llm, p, {"kv_load_tiers": []}).num_cached_tokens == 0
     kvbm_llm.reset_prefix_cache()
-    assert llm_generate(kvbm_llm, p, {"max_load_tokens": BLOCK_SIZE}).num_cached_tokens \
-        == BLOCK_SIZE
+    assert (
+        llm_generate(kvbm_llm, p, {"max_load_tokens": BLOCK_SIZE}).num_cached_tokens == BLOCK_SIZE
+    )
     kvbm_llm.reset_prefix_cache()
     # A refused store field: it still loads (and stores nothing); its output says why.
     out = llm_generate(kvbm_llm, p, {"max_offload_tokens": "all"})

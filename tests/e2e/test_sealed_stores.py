@@ -26,9 +26,6 @@ SECRET = b"kvbm-test-deployment-secret-0001"
 NS = "model-a|float32|layout"
 
 
-
-
-
 @pytest.fixture
 def redis_server(tmp_path):
     srv = RedisServer(tmp_path, maxmemory="64mb").start()
@@ -41,9 +38,18 @@ def redis_server(tmp_path):
 def _redis_store(srv, rank, world, secret):
     from vllm_kvbm.tiers.redis.store import RedisStore
 
-    return RedisStore(parse_remote_url("remote_url", srv.url),
-                      Secret(PASSWORD, "remote_password_file f"), SMALL, NS, rank, world,
-                      2.0, retry_interval_s=0.3, page_secret=secret, layout="L")
+    return RedisStore(
+        parse_remote_url("remote_url", srv.url),
+        Secret(PASSWORD, "remote_password_file f"),
+        SMALL,
+        NS,
+        rank,
+        world,
+        2.0,
+        retry_interval_s=0.3,
+        page_secret=secret,
+        layout="L",
+    )
 
 
 def test_redis_reader_without_the_secret_sees_no_kv_and_cannot_name_pages(redis_server):
@@ -93,8 +99,9 @@ def test_redis_rank_pages_swapped_are_refused_by_both_ranks(redis_server, secret
 def _lm_store(lm_server, rank, world, secret):
     from vllm_kvbm.tiers.lm.store import RemoteStore
 
-    return RemoteStore(lm_server.url, SMALL, NS, rank, world, timeout_s=3.0,
-                       page_secret=secret, layout="L")
+    return RemoteStore(
+        lm_server.url, SMALL, NS, rank, world, timeout_s=3.0, page_secret=secret, layout="L"
+    )
 
 
 def test_lm_server_values_carry_no_kv_and_rank_swaps_are_refused(lm_server):

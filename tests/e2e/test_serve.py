@@ -10,20 +10,33 @@ import urllib.request
 import pytest
 
 from helpers.engines import MODEL_DIR, random_prompt
-from vllm_kvbm.tools.server import (free_port, kvbm_transfer_config, start_lmcache_server,
-                              stop_process, vllm_server)
+from vllm_kvbm.tools.server import (
+    free_port,
+    kvbm_transfer_config,
+    start_lmcache_server,
+    stop_process,
+    vllm_server,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
-SERVE_ARGS = ["--enforce-eager", "--max-model-len", "2048", "--gpu-memory-utilization", "0.25",
-              "--num-gpu-blocks-override", "32"]
+SERVE_ARGS = [
+    "--enforce-eager",
+    "--max-model-len",
+    "2048",
+    "--gpu-memory-utilization",
+    "0.25",
+    "--num-gpu-blocks-override",
+    "32",
+]
 
 
 def startup_error(extra: dict) -> str:
     """Starts `vllm serve` with this extra config; returns the log of its failed startup."""
     with pytest.raises(RuntimeError) as err:
-        with vllm_server(str(MODEL_DIR), kvbm_transfer_config(**extra), SERVE_ARGS,
-                         startup_timeout=300):
+        with vllm_server(
+            str(MODEL_DIR), kvbm_transfer_config(**extra), SERVE_ARGS, startup_timeout=300
+        ):
             pass
     return err.value.args[0]
 
@@ -37,8 +50,10 @@ def test_bad_config_stops_startup_with_a_clear_message(model_dir):
     """One bad key through a real `vllm serve`: the message reaches its log.
     Every other startup error, on the same start path without a server:
     tests/unit/test_startup_errors.py."""
-    assert_names(startup_error({"host_cache_sise": "1GiB"}),
-                 ["unknown key 'host_cache_sise'", "did you mean 'host_cache_size'"])
+    assert_names(
+        startup_error({"host_cache_sise": "1GiB"}),
+        ["unknown key 'host_cache_sise'", "did you mean 'host_cache_size'"],
+    )
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
@@ -55,8 +70,9 @@ def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
     port = free_port()
     url = f"lm://127.0.0.1:{port}"
     kv = kvbm_transfer_config(host_cache_blocks=64, remote_url=url, remote_timeout_s=1)
-    with vllm_server(str(MODEL_DIR), kv, SERVE_ARGS, startup_timeout=300,
-                     env={"VLLM_SERVER_DEV_MODE": "1"}) as server:
+    with vllm_server(
+        str(MODEL_DIR), kv, SERVE_ARGS, startup_timeout=300, env={"VLLM_SERVER_DEV_MODE": "1"}
+    ) as server:
         prompt = random_prompt(3 * 128 + 10, seed=4242)
         _, _, first = server.stream_completion(prompt, max_tokens=8, timeout=120)
         # vLLM's own prefix cache forgets the prompt; KVBM's host tier keeps it.
@@ -65,8 +81,11 @@ def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
             assert json.load(resp)["success"]
         _, _, again = server.stream_completion(prompt, max_tokens=8, timeout=120)
         assert again == first
-        wait_for(lambda: server.metric("kvbm_tier_write_failed_pages_total") >= 3, 60,
-                 "failed remote writes counted")
+        wait_for(
+            lambda: server.metric("kvbm_tier_write_failed_pages_total") >= 3,
+            60,
+            "failed remote writes counted",
+        )
         assert server.metric("kvbm_onboard_blocks_total") == 3  # the host tier hit
         assert server.metric("kvbm_tier_write_pages_total", tier="remote") == 0
         assert server.metric("kvbm_tier_up", tier="remote") == 0
@@ -77,17 +96,23 @@ def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
             fresh = iter(range(1, 100))
 
             def remote_written() -> bool:
-                server.stream_completion(random_prompt(2 * 128 + 3, seed=next(fresh)),
-                                         max_tokens=1, timeout=120)
+                server.stream_completion(
+                    random_prompt(2 * 128 + 3, seed=next(fresh)), max_tokens=1, timeout=120
+                )
                 return server.metric("kvbm_tier_write_pages_total", tier="remote") > 0
+
             wait_for(remote_written, 90, "remote tier used once its server answers")
             assert f"remote tier {url} reachable again" in server.log_path.read_text()
 
             def link_back() -> bool:  # the scheduler's lookup link, on its own backoff
-                server.stream_completion(random_prompt(2 * 128 + 3, seed=next(fresh)),
-                                         max_tokens=1, timeout=120)
-                return (server.metric("kvbm_tier_up", tier="remote") == 1
-                        and server.metric("kvbm_tier_reconnects_total", tier="remote") == 1)
+                server.stream_completion(
+                    random_prompt(2 * 128 + 3, seed=next(fresh)), max_tokens=1, timeout=120
+                )
+                return (
+                    server.metric("kvbm_tier_up", tier="remote") == 1
+                    and server.metric("kvbm_tier_reconnects_total", tier="remote") == 1
+                )
+
             wait_for(link_back, 90, "remote tier up again and its reconnect counted")
         finally:
             stop_process(lmcache)
@@ -98,8 +123,12 @@ def test_demo_shows_a_host_tier_hit(model_dir, capsys):
 
     # Documents of 1600 tokens instead of 3000 (the hit is the point, not its
     # size), with the engine's cache shrunk alike: too small for two of them.
-    assert demo.main(["--model", str(MODEL_DIR), "--prompt-tokens", "1600",
-                      "--engine-kv-blocks", "16"]) == 0
+    assert (
+        demo.main(
+            ["--model", str(MODEL_DIR), "--prompt-tokens", "1600", "--engine-kv-blocks", "16"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "KVBM host hit" in out and "onboarded from host:" in out
     onboarded = int(out.split("onboarded from host:")[1].split(";")[0])

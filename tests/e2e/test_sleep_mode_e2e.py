@@ -24,8 +24,16 @@ import shutil
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, HOST_BLOCKS, MODEL_DIR, kvbm_counter,
-                             make_llm, random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    HOST_BLOCKS,
+    MODEL_DIR,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import settle
 from test_weights_identity import rewrite_one_tensor_in_place
@@ -75,8 +83,12 @@ def llm(checkpoints, plain, tmp_path_factory):
     from vllm.platforms import current_platform
 
     disk = tmp_path_factory.mktemp("disk")
-    config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk),
-                                  disk_cache_size="1GiB", **EVERY_PAGE_LOADED)
+    config = kvbm_transfer_config(
+        host_cache_blocks=HOST_BLOCKS,
+        disk_cache_dir=str(disk),
+        disk_cache_size="1GiB",
+        **EVERY_PAGE_LOADED,
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(current_platform, "is_sleep_mode_available", lambda: True)
         engine = make_llm(config, model=checkpoints[0], enable_sleep_mode=True)
@@ -100,8 +112,11 @@ def test_pages_stored_before_a_level_1_sleep_are_onboarded_after_wake_up(llm, pl
     assert llm.reset_prefix_cache(reset_connector=True)
     llm.sleep(level=1)
     assert llm.wake_up()
-    host, disk, loaded = (kvbm_counter("matched_tokens_host"),
-                          kvbm_counter("matched_tokens_disk"), _loaded())
+    host, disk, loaded = (
+        kvbm_counter("matched_tokens_host"),
+        kvbm_counter("matched_tokens_disk"),
+        _loaded(),
+    )
     got, cached = generate(llm, [PROMPT])
     assert got == [plain["orig"]] and cached == [HIT]
     assert kvbm_counter("matched_tokens_host") == host
@@ -109,7 +124,8 @@ def test_pages_stored_before_a_level_1_sleep_are_onboarded_after_wake_up(llm, pl
 
 
 def test_after_a_level_2_sleep_and_new_weights_nothing_of_the_old_ones_is_onboarded(
-        llm, plain, checkpoints):
+    llm, plain, checkpoints
+):
     orig, new = checkpoints
     generate(llm, [PROMPT])  # the weights loaded at startup: their pages stored
     settle(llm)

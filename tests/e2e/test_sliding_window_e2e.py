@@ -41,10 +41,17 @@ def plain(gemma3, same_binding):
 def kvbm(gemma3, same_binding, tmp_path_factory):
     from vllm_kvbm.tools.server import kvbm_transfer_config
 
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
-                                        disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
-                                        disk_cache_size="256MiB", **EVERY_PAGE_LOADED),
-                   model=gemma3, disable_hybrid_kv_cache_manager=True, **ENGINE)
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            disk_cache_dir=str(tmp_path_factory.mktemp("disk")),
+            disk_cache_size="256MiB",
+            **EVERY_PAGE_LOADED,
+        ),
+        model=gemma3,
+        disable_hybrid_kv_cache_manager=True,
+        **ENGINE,
+    )
     yield llm
     shutdown(llm)
 

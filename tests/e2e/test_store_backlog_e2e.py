@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
-                             shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import generate, reference
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -33,13 +39,17 @@ def _round_trip(llm, plain, prompt, hit_tokens, host_blocks=HOST_BLOCKS, block_s
     assert kvbm_counter("matched_tokens_disk") - before == hit_tokens
 
 
-def test_a_prompt_longer_than_the_host_tier_comes_back_from_disk(model_dir, plain_llm,
-                                                                 tmp_path):
+def test_a_prompt_longer_than_the_host_tier_comes_back_from_disk(model_dir, plain_llm, tmp_path):
     """3200 tokens (25 blocks of 128) with a 12-block host tier: 3072 tokens
     from disk (vLLM computes the last block's last token)."""
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
-                                        disk_cache_dir=str(tmp_path),
-                                        disk_cache_size="1GiB", **EVERY_PAGE_LOADED))
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            disk_cache_dir=str(tmp_path),
+            disk_cache_size="1GiB",
+            **EVERY_PAGE_LOADED,
+        )
+    )
     try:
         _round_trip(llm, plain_llm, random_prompt(3200, seed=9401), 3072)
     finally:
@@ -51,13 +61,20 @@ def test_small_blocks_and_pages_longer_than_the_host_tier(model_dir, tmp_path):
     2000-token prompt comes back with 1792 tokens (7 whole pages)."""
     plain = make_llm(None, block_size=32)
     try:
-        llm = make_llm(kvbm_transfer_config(host_cache_blocks=24, page_tokens=256,
-                                            disk_cache_dir=str(tmp_path),
-                                            disk_cache_size="1GiB", **EVERY_PAGE_LOADED),
-                       block_size=32)
+        llm = make_llm(
+            kvbm_transfer_config(
+                host_cache_blocks=24,
+                page_tokens=256,
+                disk_cache_dir=str(tmp_path),
+                disk_cache_size="1GiB",
+                **EVERY_PAGE_LOADED,
+            ),
+            block_size=32,
+        )
         try:
-            _round_trip(llm, plain, random_prompt(2000, seed=9402), 1792,
-                        host_blocks=24, block_size=32)
+            _round_trip(
+                llm, plain, random_prompt(2000, seed=9402), 1792, host_blocks=24, block_size=32
+            )
         finally:
             shutdown(llm)
     finally:

@@ -27,8 +27,9 @@ from vllm_kvbm.worker.tier_io import TierIO  # noqa: E402
 pytestmark = pytest.mark.timing
 
 
-def fetch_one(io: TierIO, tier: str, k: bytes, pool: torch.Tensor, slot: int, meta,
-              timeout: float = 20.0) -> bool:
+def fetch_one(
+    io: TierIO, tier: str, k: bytes, pool: torch.Tensor, slot: int, meta, timeout: float = 20.0
+) -> bool:
     """Fetches ``k`` into ``pool[slot]``, polling as the worker does each step."""
     io.fetch(TransferJob(1, "req", [0], [slot], fetch=[(0, tier, k)]), pool)
     deadline = time.monotonic() + timeout
@@ -103,8 +104,7 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
     from vllm_kvbm.tiers.lm.store import RemoteStore
 
     timeout = 3.0
-    store = RemoteStore(relay.url, SMALL, "ns-io", 0, 1, timeout_s=timeout,
-                        retry_interval_s=0.2)
+    store = RemoteStore(relay.url, SMALL, "ns-io", 0, 1, timeout_s=timeout, retry_interval_s=0.2)
     io = TierIO(write_queue_pages=4)
     io.add(store)
     try:
@@ -153,8 +153,9 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
     worker = KVBMWorker(info, 16, "UCX", "kvbm-tier-io-test", tier_write_queue_pages=1)
     # Spills read host slots only: plain memory is all they need (no NIXL).
     worker.host_pool = torch.zeros(16, info.block_bytes, dtype=torch.uint8)
-    store = RemoteStore(relay.url, info.block_bytes, info.tier_namespace, 0, 1,
-                        timeout_s=3.0, retry_interval_s=0.2)
+    store = RemoteStore(
+        relay.url, info.block_bytes, info.tier_namespace, 0, 1, timeout_s=3.0, retry_interval_s=0.2
+    )
     worker.add_tier(store)
     try:
         prompt = tokens(3 * BLOCK + 1, 21)

@@ -16,8 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm, random_prompt,
-                             shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
 from vllm_kvbm.tools.server import stop_process as stop
@@ -44,11 +50,16 @@ HOST_BLOCKS = 16
 
 
 def tier_config(disk_dir: Path, port: int, **extra) -> dict:
-    return kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk_dir),
-                                disk_cache_size="1GiB", remote_url=f"lm://127.0.0.1:{port}",
-                                # a server slowed by the suite's other worker is not
-                                # what is tested here (a dead one is, below)
-                                remote_timeout_s=10, **{**EVERY_PAGE_LOADED, **extra})
+    return kvbm_transfer_config(
+        host_cache_blocks=HOST_BLOCKS,
+        disk_cache_dir=str(disk_dir),
+        disk_cache_size="1GiB",
+        remote_url=f"lm://127.0.0.1:{port}",
+        # a server slowed by the suite's other worker is not
+        # what is tested here (a dead one is, below)
+        remote_timeout_s=10,
+        **{**EVERY_PAGE_LOADED, **extra},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +88,7 @@ def clear_engine_and_host(llm, host_blocks: int = HOST_BLOCKS) -> None:
     settle(llm)
     per_filler = host_blocks // 2 + 2
     for _ in range(2):
-        generate(llm, [random_prompt(per_filler * BLOCK_SIZE, seed=next(_fillers))],
-                 max_tokens=1)
+        generate(llm, [random_prompt(per_filler * BLOCK_SIZE, seed=next(_fillers))], max_tokens=1)
     settle(llm)
     assert llm.reset_prefix_cache()
 
@@ -120,8 +130,7 @@ def test_corrupt_disk_page_is_recomputed_and_removed(engine1, plain_llm, disk_di
     assert not victim.exists() or victim.read_bytes() != bytes(data)
 
 
-def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir, remote,
-                                                   model_dir):
+def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir, remote, model_dir):
     want = reference(plain_llm, [PROMPT_DISK, PROMPT_REMOTE])
     before = set(disk_dir.glob("*.pt"))
     generate(engine1, [PROMPT_REMOTE])
@@ -157,8 +166,10 @@ def test_second_engine_finds_disk_and_remote_pages(engine1, plain_llm, disk_dir,
         matched = kvbm_counter("matched_tokens")
         got, cached = generate(engine2, [PROMPT_DISK, PROMPT_REMOTE])
         assert got == want
-        assert cached == [expected_hit_tokens(len(PROMPT_DISK)),
-                          expected_hit_tokens(len(PROMPT_REMOTE))]
+        assert cached == [
+            expected_hit_tokens(len(PROMPT_DISK)),
+            expected_hit_tokens(len(PROMPT_REMOTE)),
+        ]
         assert kvbm_counter("matched_tokens") - matched == sum(cached)
         assert on_disk <= set(disk_dir.glob("*.pt"))
 

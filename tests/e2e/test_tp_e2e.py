@@ -14,8 +14,14 @@ import os
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host, settle
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -24,8 +30,12 @@ pytestmark = pytest.mark.timeout(1200)
 
 TP = 2
 HOST_BLOCKS = 24
-ENGINE = dict(tensor_parallel_size=TP, kv_cache_memory_bytes=256 << 20,
-              max_model_len=4096, max_num_batched_tokens=4096)
+ENGINE = dict(
+    tensor_parallel_size=TP,
+    kv_cache_memory_bytes=256 << 20,
+    max_model_len=4096,
+    max_num_batched_tokens=4096,
+)
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +49,15 @@ def tp_env():
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
 
 
-PROMPTS = {name: random_prompt(n, seed=seed) for name, n, seed in
-           (("host", 6 * BLOCK_SIZE + 17, 7001), ("disk", 8 * BLOCK_SIZE + 3, 7002),
-            ("bad_rank", 7 * BLOCK_SIZE + 9, 7003), ("swapped", 8 * BLOCK_SIZE + 52, 7004))}
+PROMPTS = {
+    name: random_prompt(n, seed=seed)
+    for name, n, seed in (
+        ("host", 6 * BLOCK_SIZE + 17, 7001),
+        ("disk", 8 * BLOCK_SIZE + 3, 7002),
+        ("bad_rank", 7 * BLOCK_SIZE + 9, 7003),
+        ("swapped", 8 * BLOCK_SIZE + 52, 7004),
+    )
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +77,16 @@ def tp_kvbm(model_dir, tp_env, want, tmp_path_factory):
     secret_file = tmp_path_factory.mktemp("kvbm-tp-secret") / "page.secret"
     secret_file.write_bytes(os.urandom(32))
     secret_file.chmod(0o600)
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS,
-                                        disk_cache_dir=str(disk), disk_cache_size="512MiB",
-                                        page_secret_file=str(secret_file),
-                                        **EVERY_PAGE_LOADED),
-                   **ENGINE)
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            disk_cache_dir=str(disk),
+            disk_cache_size="512MiB",
+            page_secret_file=str(secret_file),
+            **EVERY_PAGE_LOADED,
+        ),
+        **ENGINE,
+    )
     yield llm, disk
     shutdown(llm)
 
@@ -156,8 +177,9 @@ def test_tp2_rank_pages_swapped_without_the_secret_are_refused(tp_kvbm, want):
     d2d, errors = kvbm_counter("onboard_blocks_d2d"), kvbm_counter("load_error_blocks")
     got, _ = generate(llm, [prompt])
     assert got[0] == want["swapped"]
-    refused = (kvbm_counter("page_auth_failures") - auth
-               + kvbm_counter("checksum_failures") - checksum)
+    refused = (
+        kvbm_counter("page_auth_failures") - auth + kvbm_counter("checksum_failures") - checksum
+    )
     assert refused >= n_pages  # each rank refuses every page it read
     assert kvbm_counter("load_error_blocks") - errors > 0
     assert kvbm_counter("onboard_blocks_d2d") == d2d

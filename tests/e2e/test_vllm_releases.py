@@ -17,10 +17,14 @@ from vllm_kvbm.tools import vllm_wheels as wheels
 
 # The connector's scheduler-side tests, which need vLLM's Scheduler but no
 # compiled vLLM code: they also run on the other supported releases.
-SCHEDULER_TESTS = ["tests/e2e/test_hit_sources.py", "tests/unit/test_scheduler_unit.py",
-                   "tests/unit/test_scheduler_store_load.py",
-                   "tests/unit/test_scheduler_free_and_preempt.py", "tests/unit/test_keys.py",
-                   "tests/unit/test_tier_policy.py"]
+SCHEDULER_TESTS = [
+    "tests/e2e/test_hit_sources.py",
+    "tests/unit/test_scheduler_unit.py",
+    "tests/unit/test_scheduler_store_load.py",
+    "tests/unit/test_scheduler_free_and_preempt.py",
+    "tests/unit/test_keys.py",
+    "tests/unit/test_tier_policy.py",
+]
 
 
 @pytest.mark.parametrize("series", SUPPORTED_VLLM.series())
@@ -35,20 +39,43 @@ def test_scheduler_tests_pass_on_the_newest_release_of(series):
         pytest.skip(f"vLLM {vllm.__version__} is installed: the suite itself runs on it")
     try:
         index, _ = wheels.fetch_index()
-        [*_, release] = [r for r in wheels.list_releases(index)
-                         if r.version.startswith(series + ".")] or [None]
+        [*_, release] = [
+            r for r in wheels.list_releases(index) if r.version.startswith(series + ".")
+        ] or [None]
         assert release is not None, f"no vLLM {series}.x on PyPI"
         sources = wheels.python_sources(release)
     except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run on every supported vLLM release, but: {err}")
         pytest.skip(f"no network and nothing cached: {err}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(sources), os.environ.get("PYTHONPATH")) if p)}
-    seen = subprocess.run([sys.executable, "-c", "import vllm; print(vllm.__version__)"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(sources), os.environ.get("PYTHONPATH")) if p),
+    }
+    seen = subprocess.run(
+        [sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert seen.stdout.strip() == release.version, seen.stderr[-2000:]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-W", "ignore", *SCHEDULER_TESTS],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=800)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "ignore",
+            *SCHEDULER_TESTS,
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
     assert run.returncode == 0, f"on vLLM {release.version}:\n{run.stdout[-6000:]}"

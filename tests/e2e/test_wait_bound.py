@@ -17,8 +17,16 @@ import time
 import pytest
 from vllm.v1.request import RequestStatus
 
-from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, lookup, make_request,
-                                       make_scheduler, step, tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    keys_of,
+    kvbm,
+    lookup,
+    make_request,
+    make_scheduler,
+    step,
+    tokens,
+)
 from helpers.tier_pages import put_where_the_scheduler_sees
 from vllm_kvbm.tiers.lm.store import RemoteStore
 
@@ -31,8 +39,9 @@ PAGES = 8  # a prompt of 8 pages and a token: its saving is 8 pages' recompute
 
 def _scheduler(lm_server):
     lm_server.wait_ready()
-    sched = make_scheduler(host_blocks=16, remote_url=lm_server.url,
-                           remote_timeout_s=REMOTE_TIMEOUT_S, load_split=True)
+    sched = make_scheduler(
+        host_blocks=16, remote_url=lm_server.url, remote_timeout_s=REMOTE_TIMEOUT_S, load_split=True
+    )
     split = kvbm(sched).split
     # Two prefills that took SECONDS_PER_TOKEN a token (as if measured).
     split.prefill_done(0, 512, 512 * SECONDS_PER_TOKEN)
@@ -103,8 +112,9 @@ def test_an_answer_after_its_request_went_on_serves_the_next_request(lm_server):
     k = kvbm(sched)
     prompt = tokens(PAGES * BLOCK + 1, 74)
     keys = keys_of(sched, prompt)
-    store = RemoteStore(lm_server.url, k.info.page_bytes, k.info.tier_namespace, 0, 1,
-                        timeout_s=5.0)
+    store = RemoteStore(
+        lm_server.url, k.info.page_bytes, k.info.tier_namespace, 0, 1, timeout_s=5.0
+    )
     try:
         put_where_the_scheduler_sees(store, k, keys, tier="remote")
     finally:
@@ -137,8 +147,11 @@ def test_an_overdue_answer_holds_a_request_only_a_share_of_its_saving(lm_server)
     sched = _scheduler(lm_server)
     k = kvbm(sched)
     for seed in range(80, 85):  # healthy answers (misses), each timed
-        lookup(k, make_request(tokens(PAGES * BLOCK + 1, seed), max_tokens=2),
-               timeout=REMOTE_TIMEOUT_S / 3)
+        lookup(
+            k,
+            make_request(tokens(PAGES * BLOCK + 1, seed), max_tokens=2),
+            timeout=REMOTE_TIMEOUT_S / 3,
+        )
     assert k.lower.calls.samples >= 5
     lm_server.freeze()
     try:

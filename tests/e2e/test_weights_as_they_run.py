@@ -21,8 +21,16 @@ import shutil
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, HOST_BLOCKS, MODEL_DIR, kvbm_counter,
-                             make_llm, random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    HOST_BLOCKS,
+    MODEL_DIR,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import settle
 from test_weights_identity import rewrite_one_tensor_in_place
@@ -50,8 +58,9 @@ def _recomputed(llm, prompt) -> list[int]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    [out] = llm.generate([{"prompt_token_ids": prompt, "cache_salt": "reference"}], params,
-                         use_tqdm=False)
+    [out] = llm.generate(
+        [{"prompt_token_ids": prompt, "cache_salt": "reference"}], params, use_tqdm=False
+    )
     return list(out.outputs[0].token_ids)
 
 
@@ -67,9 +76,15 @@ def checkpoints(tmp_path_factory, model_dir):
 
 
 def _kvbm(model: str, disk) -> object:
-    return make_llm(kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk),
-                                         disk_cache_size="1GiB", **EVERY_PAGE_LOADED),
-                    model=model)
+    return make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=HOST_BLOCKS,
+            disk_cache_dir=str(disk),
+            disk_cache_size="1GiB",
+            **EVERY_PAGE_LOADED,
+        ),
+        model=model,
+    )
 
 
 class Engines:
@@ -105,7 +120,8 @@ def engines(checkpoints, tmp_path_factory):
 
 
 def test_reload_weights_then_a_reset_answers_as_a_fresh_engine_on_the_new_checkpoint(
-        engines, checkpoints):
+    engines, checkpoints
+):
     orig, new = checkpoints
     # A fresh engine on the new checkpoint answers first: the engine started
     # last owns the metrics this process reads (each start unregisters the

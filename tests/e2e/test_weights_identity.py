@@ -17,8 +17,15 @@ import struct
 
 import pytest
 
-from helpers.engines import (BLOCK_SIZE, EVERY_PAGE_LOADED, MODEL_DIR, kvbm_counter, make_llm,
-                             random_prompt, shutdown)
+from helpers.engines import (
+    BLOCK_SIZE,
+    EVERY_PAGE_LOADED,
+    MODEL_DIR,
+    kvbm_counter,
+    make_llm,
+    random_prompt,
+    shutdown,
+)
 from test_engine_e2e import expected_hit_tokens, generate
 from test_tiers_e2e import clear_engine_and_host
 from vllm_kvbm.tools.server import kvbm_transfer_config
@@ -34,8 +41,11 @@ def _tensor_ranges(path) -> dict[str, tuple[int, int]]:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    return {name: (8 + n + info["data_offsets"][0], 8 + n + info["data_offsets"][1])
-            for name, info in header.items() if name != "__metadata__"}
+    return {
+        name: (8 + n + info["data_offsets"][0], 8 + n + info["data_offsets"][1])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
 
 
 def _unsampled_k_proj(path) -> str:
@@ -43,8 +53,7 @@ def _unsampled_k_proj(path) -> str:
     size = os.path.getsize(path)
     samples = [(max(0, size - 4096) * i // 15, 4096) for i in range(16)]
     for name, (start, end) in sorted(_tensor_ranges(path).items()):
-        if name.endswith("k_proj.weight") and all(s + n <= start or s >= end
-                                                   for s, n in samples):
+        if name.endswith("k_proj.weight") and all(s + n <= start or s >= end for s, n in samples):
             return name
     raise AssertionError(f"every k_proj of {path} overlaps a sample")
 
@@ -72,8 +81,12 @@ def test_weights_rewritten_in_place_onboard_nothing_old(tmp_path, monkeypatch):
     shutil.copytree(MODEL_DIR, model)
     disk = tmp_path / "disk"
     disk.mkdir()
-    config = kvbm_transfer_config(host_cache_blocks=HOST_BLOCKS, disk_cache_dir=str(disk),
-                                  disk_cache_size="1GiB", **EVERY_PAGE_LOADED)
+    config = kvbm_transfer_config(
+        host_cache_blocks=HOST_BLOCKS,
+        disk_cache_dir=str(disk),
+        disk_cache_size="1GiB",
+        **EVERY_PAGE_LOADED,
+    )
 
     old = make_llm(config, model=str(model))
     try:

@@ -54,8 +54,11 @@ def _update(llm, value) -> None:
 @pytest.fixture
 def updated_engine(model_dir, tmp_path):
     """An engine of its own: the test changes its weights."""
-    llm = make_llm(kvbm_transfer_config(host_cache_blocks=16, disk_cache_dir=str(tmp_path),
-                                        disk_cache_size="256MiB"))
+    llm = make_llm(
+        kvbm_transfer_config(
+            host_cache_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="256MiB"
+        )
+    )
     yield llm
     shutdown(llm)
 
@@ -66,8 +69,9 @@ def _recomputed(llm) -> list[int]:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    [out] = llm.generate([{"prompt_token_ids": PROMPT, "cache_salt": "reference"}], params,
-                         use_tqdm=False)
+    [out] = llm.generate(
+        [{"prompt_token_ids": PROMPT, "cache_salt": "reference"}], params, use_tqdm=False
+    )
     return list(out.outputs[0].token_ids)
 
 
@@ -80,8 +84,10 @@ def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     loaded = kvbm_counter("onboard_blocks_h2d")
     again, cached = generate(llm, [PROMPT])
     assert again == [old_out[0]] and cached[0] == expected_hit_tokens(len(PROMPT))
-    assert kvbm_counter("onboard_blocks_h2d") - loaded == expected_hit_tokens(
-        len(PROMPT)) // BLOCK_SIZE
+    assert (
+        kvbm_counter("onboard_blocks_h2d") - loaded
+        == expected_hit_tokens(len(PROMPT)) // BLOCK_SIZE
+    )
 
     settle(llm)  # the old weights' pages are on disk too
     _update(llm, [2.0 * w for w in norm])
@@ -103,8 +109,10 @@ def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     loaded = kvbm_counter("onboard_blocks_h2d")
     hit, cached = generate(llm, [PROMPT])
     assert hit == [want] and cached[0] == expected_hit_tokens(len(PROMPT))
-    assert kvbm_counter("onboard_blocks_h2d") - loaded == expected_hit_tokens(
-        len(PROMPT)) // BLOCK_SIZE
+    assert (
+        kvbm_counter("onboard_blocks_h2d") - loaded
+        == expected_hit_tokens(len(PROMPT)) // BLOCK_SIZE
+    )
 
     # A connector reset (reset_connector=True) clears the host tier; the keys
     # still name the weights the workers run, so these weights' disk pages
@@ -114,8 +122,10 @@ def test_weights_changed_in_memory_never_meet_old_pages(updated_engine):
     loaded = kvbm_counter("onboard_blocks_d2d")
     hit, cached = generate(llm, [PROMPT])
     assert hit == [want] and cached[0] == expected_hit_tokens(len(PROMPT))
-    assert kvbm_counter("onboard_blocks_d2d") - loaded == expected_hit_tokens(
-        len(PROMPT)) // BLOCK_SIZE
+    assert (
+        kvbm_counter("onboard_blocks_d2d") - loaded
+        == expected_hit_tokens(len(PROMPT)) // BLOCK_SIZE
+    )
 
     # The weights set back to those loaded by another function, then
     # connector resets: the answer is the old one again, recomputed under a

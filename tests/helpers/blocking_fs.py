@@ -47,14 +47,24 @@ class BlockingMount:
         self.root.mkdir()
         self.path.mkdir()
         self._proc = subprocess.Popen(
-            [sys.executable, __file__, str(self.root), str(self.path), str(self._flag),
-             str(max_block_s)], stderr=subprocess.PIPE)
+            [
+                sys.executable,
+                __file__,
+                str(self.root),
+                str(self.path),
+                str(self._flag),
+                str(max_block_s),
+            ],
+            stderr=subprocess.PIPE,
+        )
         deadline = time.monotonic() + 20
         while not os.path.ismount(self.path):
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.close()
-                raise RuntimeError(f"FUSE mount at {self.path} did not come up: "
-                                   f"{self._proc.stderr.read().decode() if self._proc.stderr else ''}")
+                raise RuntimeError(
+                    f"FUSE mount at {self.path} did not come up: "
+                    f"{self._proc.stderr.read().decode() if self._proc.stderr else ''}"
+                )
             time.sleep(0.02)
 
     @contextlib.contextmanager
@@ -92,8 +102,12 @@ class BlockingMount:
 
     def close(self) -> None:
         self._flag.unlink(missing_ok=True)
-        subprocess.run(["fusermount", "-u", "-z", str(self.path)], timeout=20,
-                       stderr=subprocess.DEVNULL, check=False)
+        subprocess.run(
+            ["fusermount", "-u", "-z", str(self.path)],
+            timeout=20,
+            stderr=subprocess.DEVNULL,
+            check=False,
+        )
         try:
             self._proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -116,9 +130,19 @@ def _serve(root: str, mount: str, flag: str, max_block_s: float) -> None:
                 st = os.lstat(self._real(path))
             except OSError as err:
                 raise FuseOSError(err.errno) from None
-            return {k: getattr(st, k) for k in (
-                "st_mode", "st_nlink", "st_uid", "st_gid", "st_size", "st_atime",
-                "st_mtime", "st_ctime")}
+            return {
+                k: getattr(st, k)
+                for k in (
+                    "st_mode",
+                    "st_nlink",
+                    "st_uid",
+                    "st_gid",
+                    "st_size",
+                    "st_atime",
+                    "st_mtime",
+                    "st_ctime",
+                )
+            }
 
         def _call(self, fn, *args):
             try:
@@ -156,9 +180,21 @@ def _serve(root: str, mount: str, flag: str, max_block_s: float) -> None:
 
         def statfs(self, path):
             st = os.statvfs(self._real(path))
-            return {k: getattr(st, k) for k in (
-                "f_bavail", "f_bfree", "f_blocks", "f_bsize", "f_favail", "f_ffree",
-                "f_files", "f_flag", "f_frsize", "f_namemax")}
+            return {
+                k: getattr(st, k)
+                for k in (
+                    "f_bavail",
+                    "f_bfree",
+                    "f_blocks",
+                    "f_bsize",
+                    "f_favail",
+                    "f_ffree",
+                    "f_files",
+                    "f_flag",
+                    "f_frsize",
+                    "f_namemax",
+                )
+            }
 
         def open(self, path, flags):
             return self._call(os.open, self._real(path), flags)
@@ -181,8 +217,15 @@ def _serve(root: str, mount: str, flag: str, max_block_s: float) -> None:
         def release(self, path, fh):
             return self._call(os.close, fh)
 
-    FUSE(Passthrough(), mount, foreground=True, nothreads=False, entry_timeout=0,
-         attr_timeout=0, negative_timeout=0)
+    FUSE(
+        Passthrough(),
+        mount,
+        foreground=True,
+        nothreads=False,
+        entry_timeout=0,
+        attr_timeout=0,
+        negative_timeout=0,
+    )
 
 
 if __name__ == "__main__":

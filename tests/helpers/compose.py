@@ -31,26 +31,36 @@ def compose_command() -> list[str]:
         probe = subprocess.run([*cmd, "version"], capture_output=True, text=True)
         if probe.returncode == 0 and "v2." in probe.stdout:
             return cmd
-    pytest.fail("Docker Compose v2 is not installed: run scripts/setup.sh "
-                "(it installs the docker compose CLI plugin)")
+    pytest.fail(
+        "Docker Compose v2 is not installed: run scripts/setup.sh "
+        "(it installs the docker compose CLI plugin)"
+    )
 
 
 # What an operator puts in .env besides .env.example's values (they have no
 # default): a Grafana password, and the secret files scripts/compose_secrets.sh
 # writes and names.
 GRAFANA_PASSWORD = "a-password-for-the-test"
-SECRET_FILES = {"REDIS_PASSWORD_FILE": "./secrets/redis_password",
-                "PAGE_SECRET_FILE": "./secrets/kvbm_page_secret"}
+SECRET_FILES = {
+    "REDIS_PASSWORD_FILE": "./secrets/redis_password",
+    "PAGE_SECRET_FILE": "./secrets/kvbm_page_secret",
+}
 
 
 def render(*args: str, **env) -> subprocess.CompletedProcess:
     """`docker compose [ARGS] config` of the repo's compose file with
     .env.example's values, the variables ENV over them."""
-    clean = {k: v for k, v in os.environ.items() if k not in dotenv() and
-             not k.startswith("COMPOSE_")}
-    return subprocess.run([*compose_command(), "--env-file", ".env.example", *args, "config",
-                           "--format", "json"], cwd=ROOT, env={**clean, **env},
-                          capture_output=True, text=True, timeout=60)
+    clean = {
+        k: v for k, v in os.environ.items() if k not in dotenv() and not k.startswith("COMPOSE_")
+    }
+    return subprocess.run(
+        [*compose_command(), "--env-file", ".env.example", *args, "config", "--format", "json"],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def resolved(*args: str, **env) -> dict:

@@ -71,8 +71,12 @@ def generate_request(llm, prompt: dict, params: dict | None = None, max_tokens: 
     sent with kv_transfer_params ``params``; its RequestOutput."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                        extra_args={"kv_transfer_params": params} if params else None)
+    sp = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        extra_args={"kv_transfer_params": params} if params else None,
+    )
     return llm.generate([prompt], sp, use_tqdm=False)[0]
 
 
@@ -102,5 +106,4 @@ def kvbm_counter(name: str) -> float:
 def vllm_counter(name: str) -> float:
     from prometheus_client import REGISTRY
 
-    return sum(s.value for m in REGISTRY.collect() for s in m.samples
-               if s.name == f"{name}_total")
+    return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == f"{name}_total")

@@ -33,8 +33,7 @@ BYTES_PER_S = 20e9  # the simulated clock's copy speed
 class _Op:
     __slots__ = ("kind", "label", "fn", "wait", "event", "seconds", "done", "at")
 
-    def __init__(self, kind: str, label: str, fn=None, wait=None, event=None,
-                 seconds: float = 0.0):
+    def __init__(self, kind: str, label: str, fn=None, wait=None, event=None, seconds: float = 0.0):
         self.kind, self.label, self.fn, self.wait, self.event = kind, label, fn, wait, event
         self.seconds, self.done, self.at = seconds, False, None
 
@@ -119,8 +118,12 @@ class FakeCuda:
         self.streams.append(s)
         return s
 
-    def Event(self, enable_timing: bool = False, blocking: bool = False,  # noqa: N802
-              interprocess: bool = False) -> FakeEvent:
+    def Event(
+        self,
+        enable_timing: bool = False,
+        blocking: bool = False,  # noqa: N802
+        interprocess: bool = False,
+    ) -> FakeEvent:
         return FakeEvent(self, enable_timing)
 
     def current_stream(self, device=None) -> FakeStream:
@@ -141,8 +144,13 @@ class FakeCuda:
         self._current._push(_Op("kernel", label, fn=fn, seconds=seconds))
         self.log.append(f"{self._current.name}: kernel {label}")
 
-    def swap_blocks_batch(self, src: torch.Tensor, dst: torch.Tensor, sizes: torch.Tensor,
-                          is_src_access_order_any: bool = False) -> None:
+    def swap_blocks_batch(
+        self,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        sizes: torch.Tensor,
+        is_src_access_order_any: bool = False,
+    ) -> None:
         """vLLM's batch copy by address, queued on the current stream."""
         src, dst, sizes = (np.array(t.numpy(), dtype=np.int64) for t in (src, dst, sizes))
         if is_src_access_order_any:  # the sources may be read at once: they are
@@ -152,17 +160,21 @@ class FakeCuda:
                 for d, data in zip(dst, staged):
                     ctypes.memmove(int(d), data, len(data))
         else:
+
             def copy():
                 for s, d, n in zip(src, dst, sizes):
                     ctypes.memmove(int(d), int(s), int(n))
+
         self.launch(copy, f"batch of {len(sizes)} copies", int(sizes.sum()) / BYTES_PER_S)
 
-    def foreach_copy(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor],
-                     non_blocking: bool = False) -> None:
+    def foreach_copy(
+        self, dsts: list[torch.Tensor], srcs: list[torch.Tensor], non_blocking: bool = False
+    ) -> None:
         """PyTorch's _foreach_copy_, queued on the current stream."""
         nbytes = sum(t.numel() * t.element_size() for t in srcs)
-        self.launch(lambda: torch._foreach_copy_(dsts, srcs), f"{len(srcs)} copy_",
-                    nbytes / BYTES_PER_S)
+        self.launch(
+            lambda: torch._foreach_copy_(dsts, srcs), f"{len(srcs)} copy_", nbytes / BYTES_PER_S
+        )
 
     # ---- the test's side ------------------------------------------------------------
 

@@ -84,9 +84,16 @@ def layer_name(i: int) -> str:
     return f"model.layers.{i}.self_attn.attn"
 
 
-def cpu_layout(num_layers: int, num_blocks: int, heads: int, block_size: int,
-               head_size: int, gen: torch.Generator, dtype=torch.bfloat16,
-               pad: int = 4096) -> KVLayout:
+def cpu_layout(
+    num_layers: int,
+    num_blocks: int,
+    heads: int,
+    block_size: int,
+    head_size: int,
+    gen: torch.Generator,
+    dtype=torch.bfloat16,
+    pad: int = 4096,
+) -> KVLayout:
     """vLLM CPU: one int8 buffer, per layer a [nb, heads, bs, 2*hs] view, one
     layer after another. ``pad`` random guard bytes before and after."""
     elem = torch.empty((), dtype=dtype).element_size()
@@ -96,9 +103,12 @@ def cpu_layout(num_layers: int, num_blocks: int, heads: int, block_size: int,
 
     def views(raw):
         (b,) = raw
-        return {layer_name(i): b[pad + i * per_layer: pad + (i + 1) * per_layer]
-                .view(dtype).view(num_blocks, heads, block_size, 2 * head_size)
-                for i in range(num_layers)}
+        return {
+            layer_name(i): b[pad + i * per_layer : pad + (i + 1) * per_layer]
+            .view(dtype)
+            .view(num_blocks, heads, block_size, 2 * head_size)
+            for i in range(num_layers)
+        }
 
     def pages(raw, blk):
         return [v[blk] for v in views(raw).values()]
@@ -106,21 +116,30 @@ def cpu_layout(num_layers: int, num_blocks: int, heads: int, block_size: int,
     return KVLayout(num_blocks, num_layers, [buf], views, pages)
 
 
-def flash_layout(num_layers: int, num_blocks: int, block_size: int, heads: int,
-                 head_dim: int, gen: torch.Generator, dtype=torch.bfloat16,
-                 hnd: bool = False) -> KVLayout:
+def flash_layout(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    head_dim: int,
+    gen: torch.Generator,
+    dtype=torch.bfloat16,
+    hnd: bool = False,
+) -> KVLayout:
     """CUDA flash-attention: per layer a separate [2, nb, bs, heads, hd] tensor
     (here in CPU memory). ``hnd``: physical [2, nb, heads, bs, hd] memory seen
     through a permuted [2, nb, bs, heads, hd] view, as vLLM's HND layout does."""
-    shape = (2, num_blocks, heads, block_size, head_dim) if hnd else \
-        (2, num_blocks, block_size, heads, head_dim)
+    shape = (
+        (2, num_blocks, heads, block_size, head_dim)
+        if hnd
+        else (2, num_blocks, block_size, heads, head_dim)
+    )
     raw = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
     for r in raw:
         random_fill(r, gen)
 
     def views(raw_):
-        return {layer_name(i): (r.permute(0, 1, 3, 2, 4) if hnd else r)
-                for i, r in enumerate(raw_)}
+        return {layer_name(i): (r.permute(0, 1, 3, 2, 4) if hnd else r) for i, r in enumerate(raw_)}
 
     def pages(raw_, blk):
         # host slot order: layer by layer, K page then V page; raw (physical) bytes
@@ -152,10 +171,20 @@ def layout_strides(shape: tuple[int, ...], order: tuple[int, ...]) -> tuple[int,
     return tuple(strides)
 
 
-def vllm_layout(layout: str, num_layers: int, num_blocks: int, heads: int,
-                block_size: int, head_size: int, gen: torch.Generator | None,
-                dtype=torch.bfloat16, mla: bool = False, kernel_split: int = 1,
-                device: str | torch.device = "cpu", pad: int = 4096) -> KVLayout:
+def vllm_layout(
+    layout: str,
+    num_layers: int,
+    num_blocks: int,
+    heads: int,
+    block_size: int,
+    head_size: int,
+    gen: torch.Generator | None,
+    dtype=torch.bfloat16,
+    mla: bool = False,
+    kernel_split: int = 1,
+    device: str | torch.device = "cpu",
+    pad: int = 4096,
+) -> KVLayout:
     """KV caches as vLLM 0.32 allocates them for one group of full-attention
     layers (FlashAttention: LBNHC, the default; FlashInfer on SM100 and the CPU
     backend: LBHNC; packed: BLHNC; MLA: one head slot of ``head_size`` latent
@@ -165,13 +194,12 @@ def vllm_layout(layout: str, num_layers: int, num_blocks: int, heads: int,
     like the rest) lie before and after the allocation."""
     order = VLLM_LAYOUTS[layout]
     elem = torch.empty((), dtype=dtype).element_size()
-    content = head_size * elem * (1 if mla else 2)   # C in bytes: K and V, or latent
+    content = head_size * elem * (1 if mla else 2)  # C in bytes: K and V, or latent
     heads = 1 if mla else heads
     assert block_size % kernel_split == 0
     if kernel_split > 1:
         assert order[:2] in ((0, 1),), "vLLM splits blocks only in layer-outer layouts"
-    shape = (num_layers, num_blocks * kernel_split, heads, block_size // kernel_split,
-             content)
+    shape = (num_layers, num_blocks * kernel_split, heads, block_size // kernel_split, content)
     strides = layout_strides(shape, order)
     total = math.prod(shape)
     buf = torch.empty(pad + total + pad, dtype=torch.int8, device=device)
@@ -195,11 +223,17 @@ def vllm_layout(layout: str, num_layers: int, num_blocks: int, heads: int,
         flat = b.view(torch.uint8)
         out = []
         for i in range(num_layers):
-            for h in (range(heads) if heads_outside else [0]):
+            for h in range(heads) if heads_outside else [0]:
                 start = pad + i * strides[0] + blk * block_stride + h * strides[2]
-                out.append(flat[start:start + run])
+                out.append(flat[start : start + run])
         return out
 
-    lay = KVLayout(num_blocks, num_layers, [buf], views, pages,
-                   block_dims={layer_name(i): 0 for i in range(num_layers)})
+    lay = KVLayout(
+        num_blocks,
+        num_layers,
+        [buf],
+        views,
+        pages,
+        block_dims={layer_name(i): 0 for i in range(num_layers)},
+    )
     return lay

@@ -39,8 +39,10 @@ class LMServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _REUSEADDR_LAUNCHER, "127.0.0.1", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env={**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"})
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "LMCACHE_LOG_LEVEL": "WARNING"},
+        )
 
     def freeze(self) -> None:
         """SIGSTOP, and wait until every thread of the server has stopped."""

@@ -56,21 +56,47 @@ def main() -> None:
         store.close()
 
 
-def start(directory: str, socket_path: str, page_bytes: int, pages: int, capacity: int,
-          serve_port: int | None = None, layout_fp: str = "L", env: dict | None = None,
-          timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+def start(
+    directory: str,
+    socket_path: str,
+    page_bytes: int,
+    pages: int,
+    capacity: int,
+    serve_port: int | None = None,
+    layout_fp: str = "L",
+    env: dict | None = None,
+    timeout: float = 60.0,
+) -> tuple[subprocess.Popen, str]:
     """The process, once it wrote its pages, and its line after ``wrote``."""
-    cmd = [sys.executable, str(HERE / "pool_engine.py"), "--dir", directory, "--socket",
-           socket_path, "--page-bytes", str(page_bytes), "--pages", str(pages), "--capacity",
-           str(capacity), "--layout", layout_fp]
+    cmd = [
+        sys.executable,
+        str(HERE / "pool_engine.py"),
+        "--dir",
+        directory,
+        "--socket",
+        socket_path,
+        "--page-bytes",
+        str(page_bytes),
+        "--pages",
+        str(pages),
+        "--capacity",
+        str(capacity),
+        "--layout",
+        layout_fp,
+    ]
     if serve_port is not None:
         cmd += ["--serve-port", str(serve_port)]
     # its log in a file, not a pipe nobody reads while it runs (a full pipe blocks it)
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                            text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONPATH": str(HERE.parents[1]),
-                                 **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(HERE.parents[1]), **(env or {})},
+    )
     try:
         return proc, wait_line(proc, "wrote ", timeout)
     except RuntimeError as err:
@@ -100,7 +126,7 @@ def wait_line(proc: subprocess.Popen, prefix: str, timeout: float) -> str:
         if line is None:
             break
         if line.startswith(prefix):
-            return line[len(prefix):].strip()
+            return line[len(prefix) :].strip()
     proc.kill()
     proc.wait(10)
     raise RuntimeError(f"{proc.args[1]} never said {prefix!r} (exit {proc.returncode})")

@@ -31,8 +31,7 @@ def main() -> None:
     from vllm_kvbm.tiers.peer.server import PeerServer
     from vllm_kvbm.tiers.pool.pool_file import open_pool
 
-    pool = open_pool(pool_spec(args.dir, args.page_bytes, args.pages, args.namespace,
-                               args.layout))
+    pool = open_pool(pool_spec(args.dir, args.page_bytes, args.pages, args.namespace, args.layout))
     server = PeerServer("127.0.0.1", args.port)
     server.serve(pool)
     print(f"ready {server.incarnation}", flush=True)
@@ -43,25 +42,59 @@ def main() -> None:
         pool.close()
 
 
-def pool_spec(directory: str, page_bytes: int, pages: int, namespace: str = "ns-peer",
-              layout_fp: str = "L", rank: int = 0, world: int = 1):
+def pool_spec(
+    directory: str,
+    page_bytes: int,
+    pages: int,
+    namespace: str = "ns-peer",
+    layout_fp: str = "L",
+    rank: int = 0,
+    world: int = 1,
+):
     from vllm_kvbm.tiers.page_format import HEADER_BYTES
     from vllm_kvbm.tiers.pool.layout import SUPERBLOCK_BYTES
     from vllm_kvbm.tiers.pool.pool_file import PoolSpec
 
     stride = -(-(HEADER_BYTES + page_bytes) // 4096) * 4096
-    return PoolSpec.for_worker(directory, namespace, page_bytes, rank, world, layout_fp,
-                               SUPERBLOCK_BYTES + 4096 + pages * stride)
+    return PoolSpec.for_worker(
+        directory,
+        namespace,
+        page_bytes,
+        rank,
+        world,
+        layout_fp,
+        SUPERBLOCK_BYTES + 4096 + pages * stride,
+    )
 
 
-def start(directory: str, port: int, page_bytes: int, pages: int, env: dict | None = None,
-          timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+def start(
+    directory: str,
+    port: int,
+    page_bytes: int,
+    pages: int,
+    env: dict | None = None,
+    timeout: float = 60.0,
+) -> tuple[subprocess.Popen, str]:
     """The peer process, once it serves, and its incarnation."""
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "pool_peer.py"), "--dir", directory, "--port", str(port),
-         "--page-bytes", str(page_bytes), "--pages", str(pages)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(HERE.parents[1]), **(env or {})})
+        [
+            sys.executable,
+            str(HERE / "pool_peer.py"),
+            "--dir",
+            directory,
+            "--port",
+            str(port),
+            "--page-bytes",
+            str(page_bytes),
+            "--pages",
+            str(pages),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(HERE.parents[1]), **(env or {})},
+    )
     from helpers.pool_engine import wait_line
 
     return proc, wait_line(proc, "ready ", timeout)

@@ -22,8 +22,16 @@ import time
 
 import torch
 from vllm import SamplingParams
-from vllm.config import (CacheConfig, DeviceConfig, KVEventsConfig, KVTransferConfig,
-                         ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig)
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -47,11 +55,22 @@ def _model_dir(max_positions: int = 4096) -> str:
     pages are its own)."""
     path = tempfile.mkdtemp(prefix="kvbm-sched-model-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
-    config = dict(architectures=["LlamaForCausalLM"], model_type="llama",
-                  hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=32, num_hidden_layers=2,
-                  vocab_size=100_000, max_position_embeddings=max_positions, rms_norm_eps=1e-6,
-                  torch_dtype="float16", bos_token_id=1, eos_token_id=EOS)
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_hidden_layers=2,
+        vocab_size=100_000,
+        max_position_embeddings=max_positions,
+        rms_norm_eps=1e-6,
+        torch_dtype="float16",
+        bos_token_id=1,
+        eos_token_id=EOS,
+    )
     with open(f"{path}/config.json", "w") as f:
         json.dump(config, f)
     with open(f"{path}/model.safetensors", "wb") as f:
@@ -59,59 +78,97 @@ def _model_dir(max_positions: int = 4096) -> str:
     return path
 
 
-def make_scheduler(host_blocks: int = 64, num_blocks: int = 1000, max_batched: int = 256,
-                   num_layers: int = 2,
-                   load_failure_policy: str = "recompute", *, max_model_len: int = 4096,
-                   max_num_seqs: int = 16, tensor_parallel_size: int = 1,
-                   hash_algo: str = "sha256", model: str | None = None,
-                   kv_events: dict | None = None, **extra_config) -> Scheduler:
+def make_scheduler(
+    host_blocks: int = 64,
+    num_blocks: int = 1000,
+    max_batched: int = 256,
+    num_layers: int = 2,
+    load_failure_policy: str = "recompute",
+    *,
+    max_model_len: int = 4096,
+    max_num_seqs: int = 16,
+    tensor_parallel_size: int = 1,
+    hash_algo: str = "sha256",
+    model: str | None = None,
+    kv_events: dict | None = None,
+    **extra_config,
+) -> Scheduler:
     """``model``: a model directory (default: a config-only Llama in a fresh
     temporary directory, which is part of the keys' namespace). ``kv_events``:
     vLLM's --kv-events-config (the scheduler then publishes KV events)."""
-    model_config = ModelConfig(model=model or _model_dir(max(4096, max_model_len)),
-                               dtype="float16",
-                               seed=0, max_model_len=max_model_len, skip_tokenizer_init=True)
+    model_config = ModelConfig(
+        model=model or _model_dir(max(4096, max_model_len)),
+        dtype="float16",
+        seed=0,
+        max_model_len=max_model_len,
+        skip_tokenizer_init=True,
+    )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
-            max_model_len=max_model_len, enable_chunked_prefill=True,
-            is_encoder_decoder=False),
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True,
-                                 prefix_caching_hash_algo=hash_algo),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=True,
+            is_encoder_decoder=False,
+        ),
+        cache_config=CacheConfig(
+            block_size=BLOCK, enable_prefix_caching=True, prefix_caching_hash_algo=hash_algo
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="KVBMConnector", kv_connector_module_path="vllm_kvbm.connector",
-            kv_role="kv_both", kv_load_failure_policy=load_failure_policy,
+            kv_connector="KVBMConnector",
+            kv_connector_module_path="vllm_kvbm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy=load_failure_policy,
             # No model runs here, so step times say nothing of what a load
             # or a recompute costs: the load/recompute split is off unless
             # a test turns it on.
             # A page per block unless a test asks for pages (test_pages.py;
             # page_tokens=None: the connector's default): the unit tests
             # count blocks.
-            kv_connector_extra_config={k: v for k, v in {
-                "host_cache_blocks": host_blocks, "load_split": False,
-                "page_tokens": BLOCK, **extra_config}.items() if v is not None}),
+            kv_connector_extra_config={
+                k: v
+                for k, v in {
+                    "host_cache_blocks": host_blocks,
+                    "load_split": False,
+                    "page_tokens": BLOCK,
+                    **extra_config,
+                }.items()
+                if v is not None
+            },
+        ),
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tensor_parallel_size),
         kv_events_config=KVEventsConfig(**kv_events) if kv_events else None,
     )
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(
-            [f"layer.{i}" for i in range(num_layers)],
-            FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
-                              dtype=torch.float16))])
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                     structured_output_manager=StructuredOutputManager(vllm_config),
-                     block_size=BLOCK, log_stats=True)
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                [f"layer.{i}" for i in range(num_layers)],
+                FullAttentionSpec(
+                    block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16
+                ),
+            )
+        ],
+    )
+    return Scheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BLOCK,
+        log_stats=True,
+    )
 
 
 _SHA256_HASHER = get_request_block_hasher(BLOCK, sha256)
 
 
-def make_request(tokens: list[int] | None, max_tokens: int = 4, *, block_hasher=_SHA256_HASHER,
-                 **fields) -> Request:
+def make_request(
+    tokens: list[int] | None, max_tokens: int = 4, *, block_hasher=_SHA256_HASHER, **fields
+) -> Request:
     """A request as vLLM's engine core makes one: its block hashes computed
     by ``block_hasher`` (vLLM's default sha256 at BLOCK tokens; None: none).
     ``fields`` go to Request (lora_request, cache_salt, mm_features,
@@ -119,10 +176,14 @@ def make_request(tokens: list[int] | None, max_tokens: int = 4, *, block_hasher=
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     params.update_from_generation_config({}, EOS)
     fields.setdefault("mm_features", None)
-    return Request(request_id=f"r{next(_ids)}",
-                   prompt_token_ids=None if tokens is None else list(tokens),
-                   sampling_params=params, pooling_params=None,
-                   block_hasher=block_hasher, **fields)
+    return Request(
+        request_id=f"r{next(_ids)}",
+        prompt_token_ids=None if tokens is None else list(tokens),
+        sampling_params=params,
+        pooling_params=None,
+        block_hasher=block_hasher,
+        **fields,
+    )
 
 
 def kvbm(scheduler: Scheduler):
@@ -130,10 +191,22 @@ def kvbm(scheduler: Scheduler):
     return scheduler.connector.sched
 
 
-def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed=(),
-         spills_done=(), slots_held=(), slots_released=(), finished_recving=(),
-         finished_sending=(), invalid_block_ids=(), failed_recving=(), complete: bool = False,
-         token: int = 7):
+def step(
+    scheduler: Scheduler,
+    *,
+    stores_done=(),
+    stores_failed=(),
+    loads_failed=(),
+    spills_done=(),
+    slots_held=(),
+    slots_released=(),
+    finished_recving=(),
+    finished_sending=(),
+    invalid_block_ids=(),
+    failed_recving=(),
+    complete: bool = False,
+    token: int = 7,
+):
     """One engine step: schedule, then report what the fake worker finished.
 
     ``complete`` also reports everything this step's metadata asked for as
@@ -142,12 +215,22 @@ def step(scheduler: Scheduler, *, stores_done=(), stores_failed=(), loads_failed
     Returns (scheduler_output, connector metadata, engine outputs).
     """
     out = scheduler.schedule()
-    mro = worker_output(scheduler, out, stores_done=stores_done, stores_failed=stores_failed,
-                        loads_failed=loads_failed, spills_done=spills_done,
-                        slots_held=slots_held, slots_released=slots_released,
-                        finished_recving=finished_recving, finished_sending=finished_sending,
-                        invalid_block_ids=invalid_block_ids, failed_recving=failed_recving,
-                        complete=complete, token=token)
+    mro = worker_output(
+        scheduler,
+        out,
+        stores_done=stores_done,
+        stores_failed=stores_failed,
+        loads_failed=loads_failed,
+        spills_done=spills_done,
+        slots_held=slots_held,
+        slots_released=slots_released,
+        finished_recving=finished_recving,
+        finished_sending=finished_sending,
+        invalid_block_ids=invalid_block_ids,
+        failed_recving=failed_recving,
+        complete=complete,
+        token=token,
+    )
     engine_outputs = scheduler.update_from_output(out, mro)
     return out, out.kv_connector_metadata, engine_outputs
 
@@ -182,11 +265,23 @@ def lookup(connector_scheduler, req: Request, timeout: float = 10.0):
     return result
 
 
-def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=(),
-                  loads_failed=(), spills_done=(), slots_held=(), slots_released=(),
-                  finished_recving=(), finished_sending=(), invalid_block_ids=(),
-                  failed_recving=(), complete: bool = False,
-                  token: int = 7) -> ModelRunnerOutput:
+def worker_output(
+    scheduler: Scheduler,
+    out,
+    *,
+    stores_done=(),
+    stores_failed=(),
+    loads_failed=(),
+    spills_done=(),
+    slots_held=(),
+    slots_released=(),
+    finished_recving=(),
+    finished_sending=(),
+    invalid_block_ids=(),
+    failed_recving=(),
+    complete: bool = False,
+    token: int = 7,
+) -> ModelRunnerOutput:
     """What the fake worker reports for scheduler output ``out`` (see ``step``)."""
     meta = out.kv_connector_metadata
     assert isinstance(meta, KVBMConnectorMetadata)
@@ -213,18 +308,25 @@ def worker_output(scheduler: Scheduler, out, *, stores_done=(), stores_failed=()
     worker_meta.slots_released.update(slots_released)
     if slots_held:
         worker_meta.transfer_timeouts["overdue"] = 1
-    kv_out = KVConnectorOutput(finished_sending=set(finished_sending),
-                               finished_recving=set(finished_recving),
-                               invalid_block_ids=set(invalid_block_ids),
-                               failed_recving=set(failed_recving),
-                               kv_connector_worker_meta=worker_meta)
+    kv_out = KVConnectorOutput(
+        finished_sending=set(finished_sending),
+        finished_recving=set(finished_recving),
+        invalid_block_ids=set(invalid_block_ids),
+        failed_recving=set(failed_recving),
+        kv_connector_worker_meta=worker_meta,
+    )
     extra = {}
     if "req_id_to_index" in ModelRunnerOutput.__dataclass_fields__:  # vLLM < 0.34
         extra["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
-    mro = ModelRunnerOutput(req_ids=req_ids, **extra,
-                            sampled_token_ids=sampled, logprobs=None,
-                            prompt_logprobs_dict={}, pooler_output=None,
-                            kv_connector_output=kv_out)
+    mro = ModelRunnerOutput(
+        req_ids=req_ids,
+        **extra,
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=kv_out,
+    )
     return mro
 
 
@@ -248,7 +350,8 @@ def step_with_weights(scheduler: Scheduler, workers, **report):
     served = [worker.serves(meta.weights) for worker in workers]
     mro = worker_output(scheduler, out, **report)
     mro.kv_connector_output.kv_connector_worker_meta.weights_digested = [
-        digest for worker in workers for digest in worker.take_unreported()]
+        digest for worker in workers for digest in worker.take_unreported()
+    ]
     scheduler.update_from_output(out, mro)
     return out, meta, served
 
@@ -258,6 +361,7 @@ def block_ids(scheduler: Scheduler, req_id: str) -> list[int]:
 
 
 # ---- driving requests through the scheduler ------------------------------------
+
 
 def tokens(n: int, base: int) -> list[int]:
     """n distinct-looking token ids; different bases never share a block."""

@@ -17,8 +17,12 @@ def mount_tmpfs(mnt, opts: str) -> None:
     """A real small or read-only filesystem for fault tests (root ignores
     permission bits, not a read-only mount); skips where mounting is refused."""
     os.makedirs(mnt, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)],
-                       capture_output=True, text=True, timeout=20)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip()}); fault not produced")
 

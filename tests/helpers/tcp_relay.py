@@ -68,8 +68,12 @@ class Relay:
     """``python tcp_relay.py`` in front of 127.0.0.1:``target_port``; always killed."""
 
     def __init__(self, target_port: int, scheme: str = "lm"):
-        self.proc = subprocess.Popen([sys.executable, __file__, str(target_port)],
-                                     stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(target_port)],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         self.port = int(self.proc.stdout.readline())
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self._by_client_port: dict[int, int] = {}

@@ -22,8 +22,9 @@ class ThrottledProxy:
     each chunk the client sends goes on to the server (a fault at a given
     request: helpers/read_fault_relay.py)."""
 
-    def __init__(self, target_port: int, rate: float | None, target_host: str = "127.0.0.1",
-                 before_send=None):
+    def __init__(
+        self, target_port: int, rate: float | None, target_host: str = "127.0.0.1", before_send=None
+    ):
         self.target = (target_host, target_port)
         self.rate = rate
         self._before_send = before_send

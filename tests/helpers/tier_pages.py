@@ -11,7 +11,7 @@ from vllm_kvbm.tiers.page_checksum import Crc
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_bytes
 
 MiB = 1024 * 1024
-BIG = 2 * MiB          # the production page size
+BIG = 2 * MiB  # the production page size
 SMALL = 64 * 1024 + 7  # odd, not 4 KiB aligned
 
 
@@ -37,8 +37,9 @@ def disk_store_for(scheduler_side, directory, **kw):
     return DiskStore(str(directory), 64 << 20, info.page_bytes, info.tier_namespace, 0, 1, **kw)
 
 
-def put_where_the_scheduler_sees(store, scheduler_side, keys, tier: str = "disk",
-                                 timeout: float = 10.0) -> None:
+def put_where_the_scheduler_sees(
+    store, scheduler_side, keys, tier: str = "disk", timeout: float = 10.0
+) -> None:
     """Writes a page for each key with a real store, as a worker would, and
     waits until the scheduler's view of that tier finds every one."""
     import time
@@ -58,8 +59,16 @@ def tier_of(lower, key: bytes):
     return run[0] if run else None
 
 
-def restamp(data: bytes, *, payload: bytes | None = None, flags=None, mac_alg=None, mac=None,
-            ns8=None, key_field=None) -> bytes:
+def restamp(
+    data: bytes,
+    *,
+    payload: bytes | None = None,
+    flags=None,
+    mac_alg=None,
+    mac=None,
+    ns8=None,
+    key_field=None,
+) -> bytes:
     """``data`` (a stored page) with some header fields or the payload replaced
     and the CRC recomputed (over the header before the seal field, the
     payload, then the seal field), so it passes every integrity check."""
@@ -69,7 +78,7 @@ def restamp(data: bytes, *, payload: bytes | None = None, flags=None, mac_alg=No
         if v is not None:
             f[i] = v
     body = data[HEADER_BYTES:] if payload is None else payload
-    prefix = pf.HDR.pack(*f[:9], 0)[:pf.MAC_OFF]
+    prefix = pf.HDR.pack(*f[:9], 0)[: pf.MAC_OFF]
     crc = Crc(f[2], prefix)
     crc.update(memoryview(body))
     crc.update(f[8])
@@ -82,10 +91,16 @@ LEAK_SAMPLE = 48  # bytes of a payload searched for, at 16 places
 def leaks(stored: bytes, k: bytes, p: torch.Tensor) -> list[str]:
     """What of the key and the KV bytes ``p`` can be found in ``stored``."""
     raw = p.numpy().tobytes()
-    found = [f"payload@{off}" for off in range(0, len(raw) - LEAK_SAMPLE, len(raw) // 16)
-             if raw[off:off + LEAK_SAMPLE] in stored]
-    for what, needle in (("key", k), ("key hex", k.hex().encode()),
-                         ("key int hex", f"{int.from_bytes(k, 'big'):x}".encode())):
+    found = [
+        f"payload@{off}"
+        for off in range(0, len(raw) - LEAK_SAMPLE, len(raw) // 16)
+        if raw[off : off + LEAK_SAMPLE] in stored
+    ]
+    for what, needle in (
+        ("key", k),
+        ("key hex", k.hex().encode()),
+        ("key int hex", f"{int.from_bytes(k, 'big'):x}".encode()),
+    ):
         if needle in stored:
             found.append(what)
     return found

@@ -24,9 +24,15 @@ from vllm_kvbm.metric_names import FAMILIES
 pytestmark = pytest.mark.timeout(120)
 
 RULES = ROOT / "deploy" / "prometheus" / "kvbm-alerts.yml"
-ALERTS = {"KVBMRemoteTierDown", "KVBMCorruptPages", "KVBMUnauthenticatedPages",
-          "KVBMTierWritesFailing", "KVBMTierWritesDropped", "KVBMHostTierChurning",
-          "KVBMLoadLatencyHigh"}
+ALERTS = {
+    "KVBMRemoteTierDown",
+    "KVBMCorruptPages",
+    "KVBMUnauthenticatedPages",
+    "KVBMTierWritesFailing",
+    "KVBMTierWritesDropped",
+    "KVBMHostTierChurning",
+    "KVBMLoadLatencyHigh",
+}
 # The labels a scrape of vLLM's /metrics gives a KVBM series, and another replica's.
 BAD = 'instance="vllm-a:8000", job="vllm", model_name="m", engine="0"'
 GOOD = 'instance="vllm-b:8000", job="vllm", model_name="m", engine="0"'
@@ -36,37 +42,57 @@ LABELS = {"instance": "vllm-a:8000", "job": "vllm", "model_name": "m"}
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool is not installed: run scripts/setup_tools.sh "
-                    "(it installs Debian's prometheus package, which has it)")
+        pytest.fail(
+            "promtool is not installed: run scripts/setup_tools.sh "
+            "(it installs Debian's prometheus package, which has it)"
+        )
     return path
 
 
 def rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"]
-            for rule in group["rules"]]
+    return [
+        rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+    ]
 
 
 def test_promtool_accepts_the_rules_file():
-    proc = subprocess.run([promtool(), "check", "rules", str(RULES)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [promtool(), "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"SUCCESS: {len(ALERTS)} rules found" in proc.stdout, proc.stdout
 
 
 def test_the_checker_refuses_a_broken_rule(tmp_path):
     bad = tmp_path / "bad.yml"
-    bad.write_text(json.dumps({"groups": [{"name": "x", "rules": [
-        {"alert": "Broken", "expr": "sum(rate(kvbm_lookup_tokens_total[5m]"}]}]}))
-    proc = subprocess.run([promtool(), "check", "rules", str(bad)],
-                          capture_output=True, text=True, timeout=60)
+    bad.write_text(
+        json.dumps(
+            {
+                "groups": [
+                    {
+                        "name": "x",
+                        "rules": [
+                            {"alert": "Broken", "expr": "sum(rate(kvbm_lookup_tokens_total[5m]"}
+                        ],
+                    }
+                ]
+            }
+        )
+    )
+    proc = subprocess.run(
+        [promtool(), "check", "rules", str(bad)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0
 
 
 def test_every_rule_reads_series_kvbm_exports_with_their_tiers():
     samples = {}
     for family in FAMILIES.values():
-        for suffix in {"counter": ("_total",), "gauge": ("",),
-                       "histogram": ("_bucket", "_count", "_sum")}[family.kind]:
+        for suffix in {
+            "counter": ("_total",),
+            "gauge": ("",),
+            "histogram": ("_bucket", "_count", "_sum"),
+        }[family.kind]:
             samples[family.name + suffix] = family
     assert {r["alert"] for r in rules()} == ALERTS
     for rule in rules():
@@ -79,8 +105,11 @@ def test_every_rule_reads_series_kvbm_exports_with_their_tiers():
             assert tier in samples[name].tiers, (rule["alert"], name, tier)
         assert rule["labels"]["severity"] in ("info", "warning", "critical"), rule["alert"]
         assert {"summary", "description", "runbook_url"} <= set(rule["annotations"])
-        page = re.fullmatch(r"https://github\.com/vllm-kvbm/vllm-kvbm/blob/main/(docs/[\w-]+\.md)"
-                            r"(?:#([\w-]+))?", rule["annotations"]["runbook_url"])
+        page = re.fullmatch(
+            r"https://github\.com/vllm-kvbm/vllm-kvbm/blob/main/(docs/[\w-]+\.md)"
+            r"(?:#([\w-]+))?",
+            rule["annotations"]["runbook_url"],
+        )
         assert page and (ROOT / page.group(1)).is_file(), rule["annotations"]["runbook_url"]
         if page.group(2):
             from test_docs_links import anchors
@@ -91,8 +120,11 @@ def test_every_rule_reads_series_kvbm_exports_with_their_tiers():
 def alert(name: str, minutes: int, **labels) -> dict:
     """An alert_rule_test case: ``name`` firing at ``minutes`` with ``labels``
     (none given: quiet)."""
-    return {"alertname": name, "eval_time": f"{minutes}m",
-            "exp_alerts": [{"exp_labels": labels}] if labels else []}
+    return {
+        "alertname": name,
+        "eval_time": f"{minutes}m",
+        "exp_alerts": [{"exp_labels": labels}] if labels else [],
+    }
 
 
 def test_each_alert_fires_on_its_fault_and_stays_quiet_when_healthy(tmp_path):
@@ -133,38 +165,70 @@ def test_each_alert_fires_on_its_fault_and_stays_quiet_when_healthy(tmp_path):
         ("kvbm_evicted_blocks_total" + good_tier["host"], "0+1x120"),
         (f"kvbm_offload_blocks_total{{{GOOD}}}", "0+0.5x120"),
         # loads of 1-2.5 s on one replica, under 0.5 s on the other
-        *[(f'kvbm_load_latency_seconds_bucket{{{BAD}, le="{le}"}}', values)
-          for le, values in (("0.5", "0x60"), ("1", "0x60"), ("2.5", "0+10x60"),
-                             ("+Inf", "0+10x60"))],
-        *[(f'kvbm_load_latency_seconds_bucket{{{GOOD}, le="{le}"}}', "0+10x60")
-          for le in ("0.5", "1", "2.5", "+Inf")],
-    ]
-    tests = {"rule_files": ["rules.yml"], "evaluation_interval": "1m", "tests": [{
-        "interval": "1m",
-        "input_series": [{"series": s, "values": v} for s, v in series],
-        "alert_rule_test": [
-            alert("KVBMRemoteTierDown", 5),  # down 3 minutes: not yet
-            alert("KVBMRemoteTierDown", 10, **LABELS, engine="0", tier="remote",
-                  severity="warning"),
-            alert("KVBMCorruptPages", 10),
-            alert("KVBMCorruptPages", 12, **LABELS, tier="disk", severity="warning"),
-            alert("KVBMCorruptPages", 40),  # no new damage in the last 15 minutes
-            alert("KVBMUnauthenticatedPages", 12, **LABELS, tier="remote",
-                  severity="critical"),
-            alert("KVBMUnauthenticatedPages", 40),
-            alert("KVBMTierWritesFailing", 10),
-            alert("KVBMTierWritesFailing", 20, **LABELS, tier="disk", severity="warning"),
-            alert("KVBMTierWritesDropped", 20),
-            alert("KVBMTierWritesDropped", 40, **LABELS, tier="remote", severity="warning"),
-            alert("KVBMHostTierChurning", 20),
-            alert("KVBMHostTierChurning", 100, **LABELS, engine="0", tier="host",
-                  severity="info"),
-            alert("KVBMLoadLatencyHigh", 10),
-            alert("KVBMLoadLatencyHigh", 30, **LABELS, severity="warning"),
+        *[
+            (f'kvbm_load_latency_seconds_bucket{{{BAD}, le="{le}"}}', values)
+            for le, values in (
+                ("0.5", "0x60"),
+                ("1", "0x60"),
+                ("2.5", "0+10x60"),
+                ("+Inf", "0+10x60"),
+            )
         ],
-    }]}
+        *[
+            (f'kvbm_load_latency_seconds_bucket{{{GOOD}, le="{le}"}}', "0+10x60")
+            for le in ("0.5", "1", "2.5", "+Inf")
+        ],
+    ]
+    tests = {
+        "rule_files": ["rules.yml"],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": [{"series": s, "values": v} for s, v in series],
+                "alert_rule_test": [
+                    alert("KVBMRemoteTierDown", 5),  # down 3 minutes: not yet
+                    alert(
+                        "KVBMRemoteTierDown",
+                        10,
+                        **LABELS,
+                        engine="0",
+                        tier="remote",
+                        severity="warning",
+                    ),
+                    alert("KVBMCorruptPages", 10),
+                    alert("KVBMCorruptPages", 12, **LABELS, tier="disk", severity="warning"),
+                    alert("KVBMCorruptPages", 40),  # no new damage in the last 15 minutes
+                    alert(
+                        "KVBMUnauthenticatedPages", 12, **LABELS, tier="remote", severity="critical"
+                    ),
+                    alert("KVBMUnauthenticatedPages", 40),
+                    alert("KVBMTierWritesFailing", 10),
+                    alert("KVBMTierWritesFailing", 20, **LABELS, tier="disk", severity="warning"),
+                    alert("KVBMTierWritesDropped", 20),
+                    alert("KVBMTierWritesDropped", 40, **LABELS, tier="remote", severity="warning"),
+                    alert("KVBMHostTierChurning", 20),
+                    alert(
+                        "KVBMHostTierChurning",
+                        100,
+                        **LABELS,
+                        engine="0",
+                        tier="host",
+                        severity="info",
+                    ),
+                    alert("KVBMLoadLatencyHigh", 10),
+                    alert("KVBMLoadLatencyHigh", 30, **LABELS, severity="warning"),
+                ],
+            }
+        ],
+    }
     (tmp_path / "tests.yml").write_text(json.dumps(tests))
-    proc = subprocess.run([promtool(), "test", "rules", "tests.yml"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [promtool(), "test", "rules", "tests.yml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SUCCESS" in proc.stdout, proc.stdout

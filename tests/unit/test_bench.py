@@ -62,13 +62,21 @@ def engine_tree(tmp_path):
     started = []
 
     def start(*pins: str) -> int:
-        workers = [{"title": f"VLLM::Worker{f'_TP{i}' if len(pins) > 1 else ''}", "pins": p,
-                    "ready": str(tmp_path / f"ready-{len(started)}-{i}"), "exe": sys.executable}
-                   for i, p in enumerate(pins)]
-        spec = {"children": [{"title": "VLLM::EngineCore", "children": workers,
-                              "exe": sys.executable}]}
-        proc = subprocess.Popen([sys.executable, "-c", NODE, json.dumps(spec), NODE],
-                                start_new_session=True)
+        workers = [
+            {
+                "title": f"VLLM::Worker{f'_TP{i}' if len(pins) > 1 else ''}",
+                "pins": p,
+                "ready": str(tmp_path / f"ready-{len(started)}-{i}"),
+                "exe": sys.executable,
+            }
+            for i, p in enumerate(pins)
+        ]
+        spec = {
+            "children": [{"title": "VLLM::EngineCore", "children": workers, "exe": sys.executable}]
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-c", NODE, json.dumps(spec), NODE], start_new_session=True
+        )
         started.append(proc)
         deadline = time.monotonic() + 60
         while not all(Path(w["ready"]).exists() for w in workers):
@@ -112,20 +120,38 @@ def test_core_check_catches_unequal_cores_of_running_engines(engine_tree):
 
 def test_compare_report_marks_unequal_cores_and_prints_them(tmp_path):
     args = argparse.Namespace(
-        workload="multi-round", model="m", engine_kv_blocks=40, block_size=128, serve_arg=[],
-        cpu_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, num_users=1, num_rounds=1,
-        lmbenchmark_dir=None)
+        workload="multi-round",
+        model="m",
+        engine_kv_blocks=40,
+        block_size=128,
+        serve_arg=[],
+        cpu_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        num_users=1,
+        num_rounds=1,
+        lmbenchmark_dir=None,
+    )
     result = Result(10, 2, 0.5, 0.1, 0, 0, 100.0, 100.6)
     runs = []
     # as vLLM bound them on 2 cores by default (test above)
     for name, binding in (("vllm", Binding(((0,),), (1,))), ("kvbm-host", Binding(((0, 1),)))):
-        runs.append(ConfigRun(name, "ok", summary=summarize([result]), results=[result],
-                              counters={"prefix_hits": 0, "prefix_queries": 0,
-                                        "kvbm_tokens": {"host": 0, "disk": 0}},
-                              binding=binding))
+        runs.append(
+            ConfigRun(
+                name,
+                "ok",
+                summary=summarize([result]),
+                results=[result],
+                counters={
+                    "prefix_hits": 0,
+                    "prefix_queries": 0,
+                    "kvbm_tokens": {"host": 0, "disk": 0},
+                },
+                binding=binding,
+            )
+        )
     text = report(runs, args, "kvbm-bench compare")
-    assert text.splitlines()[2].startswith("**NOT COMPARABLE: the configurations did not "
-                                           "run on the same cores")
+    assert text.splitlines()[2].startswith(
+        "**NOT COMPARABLE: the configurations did not run on the same cores"
+    )
     assert "| vLLM prefix caching | ok | cores 0 (1 OMP thread) |" in text
     assert "| vLLM + KVBM (host) | ok | cores 0,1 (2 OMP threads) |" in text
     runs[1].binding = Binding(((0,),))  # with VLLM_CPU_NUM_OF_RESERVED_CPU=1
@@ -137,16 +163,22 @@ def test_compare_report_marks_unequal_cores_and_prints_them(tmp_path):
 def test_every_configuration_gets_the_same_binding_env():
     assert fair_cpu_env({}) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     assert fair_cpu_env({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}) == {
-        "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1"
+    }
     assert fair_cpu_env({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, reserved=1) == {
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"
+    }
 
 
 def test_arrival_pattern_and_concurrency():
     # LMBenchmark: 4 users at 0.5 QPS -> rounds 8 s apart, users join 8 * 2 / 4 s apart
     assert arrival_gaps(4, 3, 0.5) == (8.0, 4.0)
-    rows = [Result(1, 1, 0.1, 0.1, 0, 0, 0.0, 3.0), Result(1, 1, 0.1, 0.1, 1, 0, 1.0, 2.0),
-            Result(1, 1, 0.1, 0.1, 2, 0, 2.0, 4.0), Result(1, 1, 0.1, 0.1, 0, 1, 4.0, 5.0)]
+    rows = [
+        Result(1, 1, 0.1, 0.1, 0, 0, 0.0, 3.0),
+        Result(1, 1, 0.1, 0.1, 1, 0, 1.0, 2.0),
+        Result(1, 1, 0.1, 0.1, 2, 0, 2.0, 4.0),
+        Result(1, 1, 0.1, 0.1, 0, 1, 4.0, 5.0),
+    ]
     peak, mean = concurrency(rows)
     assert peak == 2  # a finish and a launch at the same instant do not overlap
     assert mean == pytest.approx((3 + 1 + 2 + 1) / 5)
@@ -175,7 +207,8 @@ def test_startup_error_is_the_root_cause_line_of_real_server_logs():
 
     assert startup_error(DATA / "vllm-serve-kv-offloading-size.log") == NATIVE_CAUSE
     assert startup_error(DATA / "vllm-serve-simple-cpu-offload.log") == (
-        "AttributeError: type object '_StreamPlaceholder' has no attribute 'priority_range'")
+        "AttributeError: type object '_StreamPlaceholder' has no attribute 'priority_range'"
+    )
     assert startup_error(DATA / "vllm-serve-plain-auto.log") == ""  # a server that started
     assert startup_error(DATA / "no-such.log") == ""
 
@@ -187,16 +220,23 @@ def test_native_offloading_configurations_are_what_vllm_reads():
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    from vllm_kvbm.bench.compare import (ALL_CONFIGS, LABELS, NATIVE_CONNECTORS,
-                                         config_serve_args, transfer_config)
+    from vllm_kvbm.bench.compare import (
+        ALL_CONFIGS,
+        LABELS,
+        NATIVE_CONNECTORS,
+        config_serve_args,
+        transfer_config,
+    )
 
-    args = argparse.Namespace(host_cache_size="1536MiB", engine_kv_blocks=40, block_size=128,
-                              serve_arg=[])
+    args = argparse.Namespace(
+        host_cache_size="1536MiB", engine_kv_blocks=40, block_size=128, serve_arg=[]
+    )
     flags = config_serve_args("vllm-offload", args)
     assert flags[-4:] == ["--kv-offloading-size", "1.5", "--kv-offloading-backend", "native"]
     assert transfer_config("vllm-offload", args, Path(".")) is None
     parsed = EngineArgs.add_cli_args(FlexibleArgumentParser()).parse_args(
-        ["--model", "m", *flags[-4:]])
+        ["--model", "m", *flags[-4:]]
+    )
     assert parsed.kv_offloading_size == 1.5 and parsed.kv_offloading_backend == "native"
     for name, connector in NATIVE_CONNECTORS.items():
         config = transfer_config(name, args, Path("."))
@@ -211,29 +251,59 @@ def test_compare_report_prints_why_a_configuration_did_not_start(tmp_path):
     from vllm_kvbm.bench.server_logs import startup_error
 
     args = argparse.Namespace(
-        workload="multi-round", model="m", engine_kv_blocks=40, block_size=128, serve_arg=[],
-        cpu_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, num_users=1, num_rounds=2,
-        lmbenchmark_dir=None, host_cache_size="1GiB")
-    rows = [Result(2000, 8, 0.5, 0.1, 0, 0, 100.0, 100.6),
-            Result(2600, 8, 0.25, 0.1, 0, 1, 101.0, 101.4)]
+        workload="multi-round",
+        model="m",
+        engine_kv_blocks=40,
+        block_size=128,
+        serve_arg=[],
+        cpu_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        num_users=1,
+        num_rounds=2,
+        lmbenchmark_dir=None,
+        host_cache_size="1GiB",
+    )
+    rows = [
+        Result(2000, 8, 0.5, 0.1, 0, 0, 100.0, 100.6),
+        Result(2600, 8, 0.25, 0.1, 0, 1, 101.0, 101.4),
+    ]
     log = DATA / "vllm-serve-kv-offloading-size.log"
-    runs = [ConfigRun("vllm", "ok", summary=summarize(rows), results=rows,
-                      counters={"prefix_hits": 128, "prefix_queries": 256}),
-            ConfigRun("vllm-offload", "did not start", reason=startup_error(log), wall_s=61,
-                      error=f"RuntimeError: vllm serve exited with 1 during startup; errors in "
-                            f"{log}:\nserver log: {log}")]
+    runs = [
+        ConfigRun(
+            "vllm",
+            "ok",
+            summary=summarize(rows),
+            results=rows,
+            counters={"prefix_hits": 128, "prefix_queries": 256},
+        ),
+        ConfigRun(
+            "vllm-offload",
+            "did not start",
+            reason=startup_error(log),
+            wall_s=61,
+            error=f"RuntimeError: vllm serve exited with 1 during startup; errors in "
+            f"{log}:\nserver log: {log}",
+        ),
+    ]
     text = report(runs, args, "kvbm-bench compare --configs vllm vllm-offload")
     assert "| vLLM prefix caching | ok | - | 2/2 | 1 | 375 | " in text
     assert "| 50% | - |" in text  # the plain row's prefix hit rate
-    assert (f"| vLLM --kv-offloading-size (native) | does not start: {NATIVE_CAUSE} | - | "
-            "0/2 |") in text
+    assert (
+        f"| vLLM --kv-offloading-size (native) | does not start: {NATIVE_CAUSE} | - | 0/2 |"
+    ) in text
     assert "did not start (after 61 s)" in text and f"server log: {log}." in text
     assert "`--kv-offloading-size 1 --kv-offloading-backend native`" in text
     assert "Traceback" not in text and "Worker failed" not in text
     # a server that ran while its connector logged errors says so in its row
-    runs.append(ConfigRun("lmcache", "ok", summary=summarize(rows), results=rows,
-                          counters={"lmcache_hit_tokens": 0},
-                          log_errors="RuntimeError: No supported cpu connector found."))
+    runs.append(
+        ConfigRun(
+            "lmcache",
+            "ok",
+            summary=summarize(rows),
+            results=rows,
+            counters={"lmcache_hit_tokens": 0},
+            log_errors="RuntimeError: No supported cpu connector found.",
+        )
+    )
     text = report(runs, args, "kvbm-bench compare")
     assert "| vLLM + LMCacheConnectorV1 | ok, errors in its log (below) | - | 2/2 |" in text
     assert "RuntimeError: No supported cpu connector found." in text
@@ -248,11 +318,15 @@ def test_a_failed_start_leaves_no_process_and_frees_its_port():
     from vllm_kvbm.tools.server import _stop, free_port, group_alive, port_free
 
     port = free_port()
-    child = ("import socket, time; s = socket.socket(); "
-             "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-             f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(120)")
-    leader = ("import subprocess, sys, time; "
-              f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(2); sys.exit(1)")
+    child = (
+        "import socket, time; s = socket.socket(); "
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(('127.0.0.1', {port})); s.listen(); time.sleep(120)"
+    )
+    leader = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(2); sys.exit(1)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True)
     assert proc.wait(timeout=60) == 1
     assert group_alive(proc.pid) and not port_free(port)  # the child outlived its parent
@@ -266,15 +340,19 @@ def test_log_errors_tells_a_warning_from_an_error(tmp_path):
     from vllm_kvbm.bench.server_logs import log_errors
 
     log = tmp_path / "server.log"
-    warn = ("(EngineCore pid=7) WARNING 12-05 03:40:01 [utils.py:597] Failed to create oneDNN "
-            "linear, fallback to torch linear. Exception: could not create a primitive")
+    warn = (
+        "(EngineCore pid=7) WARNING 12-05 03:40:01 [utils.py:597] Failed to create oneDNN "
+        "linear, fallback to torch linear. Exception: could not create a primitive"
+    )
     ulimit = "(APIServer pid=6) WARNING 12-05 03:40:00 [system_utils.py:80] Found ulimit of 1024"
     log.write_text(f"{ulimit}\n{warn}\nINFO 12-05 03:40:02 [api_server.py:1] Error rate 0\n")
     assert log_errors(log, fallback=False) == ""
     err = "(Worker pid=9) ERROR 12-05 03:40:03 [multiproc_executor.py:1063] RuntimeError: boom"
     log.write_text(f"{warn}\n{err}\nValueError: raised outside a logger\n")
     assert log_errors(log, fallback=False).splitlines() == [
-        "RuntimeError: boom", "ValueError: raised outside a logger"]
+        "RuntimeError: boom",
+        "ValueError: raised outside a logger",
+    ]
 
 
 def test_configurations_this_platform_cannot_run_are_marked_not_raced(tmp_path, capsys):
@@ -291,23 +369,45 @@ def test_configurations_this_platform_cannot_run_are_marked_not_raced(tmp_path, 
     for name in ("vllm", "kvbm-host", "kvbm-host-disk"):
         assert unsupported_here(name) == ""
     out = tmp_path / "compare"
-    rc = main(["compare", "--model", str(build(DEFAULT_DIR)), "--configs", *unsupported,
-               "--out-dir", str(out), "--num-users", "1", "--num-rounds", "1"])
-    assert rc == 2 and "no configuration asked for runs on this platform" in \
-        capsys.readouterr().err
+    rc = main(
+        [
+            "compare",
+            "--model",
+            str(build(DEFAULT_DIR)),
+            "--configs",
+            *unsupported,
+            "--out-dir",
+            str(out),
+            "--num-users",
+            "1",
+            "--num-rounds",
+            "1",
+        ]
+    )
+    assert rc == 2 and "no configuration asked for runs on this platform" in capsys.readouterr().err
     text = (out / "report.md").read_text()
-    assert ("| vLLM --kv-offloading-size (native) | not supported on CPU: vLLM's CPU "
-            "offloading needs a CUDA-alike or XPU GPU | - | 0/1 |") in text
-    assert ("| vLLM + LMCacheConnectorV1 | not supported on CPU: LMCacheConnectorV1 moves KV "
-            "with a CUDA GPU |") in text
+    assert (
+        "| vLLM --kv-offloading-size (native) | not supported on CPU: vLLM's CPU "
+        "offloading needs a CUDA-alike or XPU GPU | - | 0/1 |"
+    ) in text
+    assert (
+        "| vLLM + LMCacheConnectorV1 | not supported on CPU: LMCacheConnectorV1 moves KV "
+        "with a CUDA GPU |"
+    ) in text
     assert "did not start" not in text and not list(out.glob("server-*.log"))
 
 
 # ---- the serve arguments of started servers --------------------------------------------
 
+
 def _serve_namespace(*given: str, profile: str | None = "cpu", blocks=None, block_size=None):
-    return argparse.Namespace(serve_defaults=profile, engine_kv_blocks=blocks,
-                              block_size=block_size, serve_arg=[], serve_passthrough=list(given))
+    return argparse.Namespace(
+        serve_defaults=profile,
+        engine_kv_blocks=blocks,
+        block_size=block_size,
+        serve_arg=[],
+        serve_passthrough=list(given),
+    )
 
 
 def _as_vllm_reads(flags: list[str]):
@@ -321,12 +421,24 @@ def test_serve_defaults_are_the_cpu_demos_and_each_can_be_replaced():
     from vllm_kvbm.bench.serve_args import serve_args
 
     cpu = _as_vllm_reads(serve_args(_serve_namespace()))
-    assert (cpu.block_size, cpu.num_gpu_blocks_override, cpu.max_model_len,
-            cpu.max_num_batched_tokens) == (128, 48, 47 * 128, 47 * 128)
+    assert (
+        cpu.block_size,
+        cpu.num_gpu_blocks_override,
+        cpu.max_model_len,
+        cpu.max_num_batched_tokens,
+    ) == (128, 48, 47 * 128, 47 * 128)
     assert cpu.gpu_memory_utilization == 0.3 and cpu.enforce_eager and cpu.seed == 0
     # after --: each replaces its default, whatever its spelling
-    flags = serve_args(_serve_namespace("--gpu-memory-utilization", "0.9", "--no-enforce-eager",
-                                        "--max_model_len=8192", "--kv-cache-dtype", "auto"))
+    flags = serve_args(
+        _serve_namespace(
+            "--gpu-memory-utilization",
+            "0.9",
+            "--no-enforce-eager",
+            "--max_model_len=8192",
+            "--kv-cache-dtype",
+            "auto",
+        )
+    )
     gpu = _as_vllm_reads(flags)
     assert gpu.gpu_memory_utilization == 0.9 and not gpu.enforce_eager
     assert gpu.max_model_len == 8192 and gpu.num_gpu_blocks_override == 48
@@ -338,10 +450,12 @@ def test_serve_defaults_are_the_cpu_demos_and_each_can_be_replaced():
     assert serve_args(args)[-3:] == ["--max-model-len", "1024", "--seed=7"]
     # elsewhere vLLM's own defaults; a cache size asked for comes with its model length
     assert serve_args(_serve_namespace(profile="none")) == ["--seed", "0"]
-    sized = _as_vllm_reads(serve_args(_serve_namespace(profile="none", blocks=100,
-                                                       block_size=16)))
-    assert (sized.num_gpu_blocks_override, sized.max_model_len, sized.block_size) == \
-        (100, 99 * 16, 16)
+    sized = _as_vllm_reads(serve_args(_serve_namespace(profile="none", blocks=100, block_size=16)))
+    assert (sized.num_gpu_blocks_override, sized.max_model_len, sized.block_size) == (
+        100,
+        99 * 16,
+        16,
+    )
     assert sized.gpu_memory_utilization != 0.3 and not sized.enforce_eager
 
 
@@ -359,18 +473,40 @@ def test_plots_answer_one_question_each_at_a_readable_size(tmp_path):
     from vllm_kvbm.bench.plots import plots
     from vllm_kvbm.bench.report import hit_tokens
 
-    rows = [Result(2000, 8, t, 0.1, u, q, 100.0 + q, 100.5 + q)
-            for u in (0, 1) for q, t in enumerate((0.5, 0.2, 0.1))]
-    runs = [ConfigRun("vllm", "ok", summary=summarize(rows), results=rows,
-                      counters={"prefix_hits": 3000, "prefix_queries": 12000}),
-            ConfigRun("kvbm-host", "ok", summary=summarize(rows), results=rows,
-                      counters={"prefix_hits": 3000, "prefix_queries": 12000,
-                                "kvbm_tokens": {"host": 6000, "disk": 0, "pool": 512}}),
-            ConfigRun("lmcache", "did not start")]
+    rows = [
+        Result(2000, 8, t, 0.1, u, q, 100.0 + q, 100.5 + q)
+        for u in (0, 1)
+        for q, t in enumerate((0.5, 0.2, 0.1))
+    ]
+    runs = [
+        ConfigRun(
+            "vllm",
+            "ok",
+            summary=summarize(rows),
+            results=rows,
+            counters={"prefix_hits": 3000, "prefix_queries": 12000},
+        ),
+        ConfigRun(
+            "kvbm-host",
+            "ok",
+            summary=summarize(rows),
+            results=rows,
+            counters={
+                "prefix_hits": 3000,
+                "prefix_queries": 12000,
+                "kvbm_tokens": {"host": 6000, "disk": 0, "pool": 512},
+            },
+        ),
+        ConfigRun("lmcache", "did not start"),
+    ]
     assert hit_tokens(runs[1]) == "host 6000, disk 0, pool 512" and hit_tokens(runs[0]) == "-"
     paths = plots(runs, tmp_path, "multi-round")
-    assert [p.name for p in paths] == ["ttft_per_round.png", "ttft_by_arrival.png",
-                                      "hit_tokens.png", "ttft_distribution.png"]
+    assert [p.name for p in paths] == [
+        "ttft_per_round.png",
+        "ttft_by_arrival.png",
+        "hit_tokens.png",
+        "ttft_distribution.png",
+    ]
     for path in paths:
         with Image.open(path) as image:
             assert image.size == (1200, 675), path.name

@@ -25,30 +25,39 @@ def req(user: int, rnd: int, launch: float, finish: float, ttft: float) -> Resul
 
 
 def test_a_request_sent_while_another_runs_is_queued():
-    rows = [req(0, 0, 10.0, 12.0, 0.5),   # alone: nothing else in flight
-            req(1, 0, 11.0, 13.0, 0.9),   # queued behind user 0 (sent 10.0, ends 12.0)
-            req(2, 0, 11.5, 12.5, 1.0),   # queued behind both
-            req(0, 1, 13.0, 14.0, 0.2),   # user 1 finishes at this very instant: alone
-            req(1, 1, 20.0, 21.0, 0.1),   # alone, long after the rest
-            req(2, 1, 20.0, 20.5, 0.3)]   # sent at the same instant as user 1: both queued
+    rows = [
+        req(0, 0, 10.0, 12.0, 0.5),  # alone: nothing else in flight
+        req(1, 0, 11.0, 13.0, 0.9),  # queued behind user 0 (sent 10.0, ends 12.0)
+        req(2, 0, 11.5, 12.5, 1.0),  # queued behind both
+        req(0, 1, 13.0, 14.0, 0.2),  # user 1 finishes at this very instant: alone
+        req(1, 1, 20.0, 21.0, 0.1),  # alone, long after the rest
+        req(2, 1, 20.0, 20.5, 0.3),
+    ]  # sent at the same instant as user 1: both queued
     assert others_in_flight(rows) == [0, 1, 2, 0, 1, 1]
     assert arrival_classes(rows) == ["alone", "queued", "queued", "alone", "queued", "queued"]
     # the order of the records does not matter
     assert others_in_flight(rows[::-1]) == [1, 1, 0, 2, 1, 0]
     # against the definition, pair by pair
     for r, n in zip(rows, others_in_flight(rows)):
-        assert n == sum(o.launch_time <= r.launch_time < o.finish_time
-                        for o in rows if o is not r)
+        assert n == sum(o.launch_time <= r.launch_time < o.finish_time for o in rows if o is not r)
 
 
 def test_ttft_per_round_and_arrival_comes_from_the_right_requests():
-    rows = [req(0, 0, 0.0, 2.0, 0.4), req(1, 0, 1.0, 3.0, 1.0),   # round 0: alone, queued
-            req(0, 1, 5.0, 6.0, 0.2), req(1, 1, 7.0, 8.0, 0.1),   # round 1: both alone
-            req(2, 1, 7.5, 9.0, 0.6)]                              # round 1: queued
+    rows = [
+        req(0, 0, 0.0, 2.0, 0.4),
+        req(1, 0, 1.0, 3.0, 1.0),  # round 0: alone, queued
+        req(0, 1, 5.0, 6.0, 0.2),
+        req(1, 1, 7.0, 8.0, 0.1),  # round 1: both alone
+        req(2, 1, 7.5, 9.0, 0.6),
+    ]  # round 1: queued
     split = ttft_by_round_arrival(rows)
     assert list(split) == ["0", "1", "all"]
-    assert split["0"]["alone"] == {"requests": 1, "ttft_mean_s": 0.4, "ttft_p50_s": 0.4,
-                                   "ttft_p90_s": pytest.approx(0.4)}
+    assert split["0"]["alone"] == {
+        "requests": 1,
+        "ttft_mean_s": 0.4,
+        "ttft_p50_s": 0.4,
+        "ttft_p90_s": pytest.approx(0.4),
+    }
     assert split["0"]["queued"]["ttft_mean_s"] == pytest.approx(1.0)
     assert split["1"]["alone"]["requests"] == 2
     assert split["1"]["alone"]["ttft_mean_s"] == pytest.approx(0.15)
@@ -60,8 +69,12 @@ def test_ttft_per_round_and_arrival_comes_from_the_right_requests():
     assert split["all"]["all"]["requests"] == 5
     # a class without requests has no figures, and stays valid JSON
     alone_only = ttft_by_round_arrival([req(0, 0, 0.0, 1.0, 0.3)])
-    assert alone_only["0"]["queued"] == {"requests": 0, "ttft_mean_s": None,
-                                         "ttft_p50_s": None, "ttft_p90_s": None}
+    assert alone_only["0"]["queued"] == {
+        "requests": 0,
+        "ttft_mean_s": None,
+        "ttft_p50_s": None,
+        "ttft_p90_s": None,
+    }
     json.loads(json.dumps(summarize([req(0, 0, 0.0, 1.0, 0.3)])), parse_constant=pytest.fail)
     s = summarize(rows)
     assert s["arrivals"] == {"alone": 3, "queued": 2} and s["ttft_by_round_arrival"] == split
@@ -75,14 +88,25 @@ def test_the_csv_records_each_requests_arrival(tmp_path):
         got = list(reader)
     assert reader.fieldnames == COLUMNS + ARRIVAL_COLUMNS  # LMBenchmark's columns first
     assert [(g["others_in_flight"], g["arrival"]) for g in got] == [
-        ("0", "alone"), ("1", "queued"), ("0", "alone")]
+        ("0", "alone"),
+        ("1", "queued"),
+        ("0", "alone"),
+    ]
 
 
 def _args(**kw):
     return argparse.Namespace(
-        workload="multi-round", model="m", engine_kv_blocks=48, block_size=128, serve_arg=[],
-        cpu_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, num_users=2, num_rounds=2,
-        lmbenchmark_dir=None, **kw)
+        workload="multi-round",
+        model="m",
+        engine_kv_blocks=48,
+        block_size=128,
+        serve_arg=[],
+        cpu_env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"},
+        num_users=2,
+        num_rounds=2,
+        lmbenchmark_dir=None,
+        **kw,
+    )
 
 
 def _table(text: str) -> dict[tuple[str, str], list[str]]:
@@ -97,24 +121,57 @@ def _table(text: str) -> dict[tuple[str, str], list[str]]:
 
 def test_report_gives_ttft_per_round_and_arrival_with_the_ratio_per_row():
     # vLLM: round 1 recomputes; KVBM: round 1 hits; user 1's round 0 queues in both
-    plain = [req(0, 0, 0.0, 2.0, 0.5), req(1, 0, 1.0, 3.5, 1.5),
-             req(0, 1, 10.0, 11.0, 0.6), req(1, 1, 20.0, 21.0, 0.8)]
-    kvbm = [req(0, 0, 0.0, 2.0, 0.5), req(1, 0, 1.0, 3.5, 1.5),
-            req(0, 1, 10.0, 10.5, 0.2), req(1, 1, 20.0, 20.5, 0.2)]
-    runs = [ConfigRun("kvbm-host", "ok", summary=summarize(kvbm), results=kvbm),
-            ConfigRun("vllm", "ok", summary=summarize(plain), results=plain),
-            ConfigRun("lmcache", "did not start", reason="no")]
+    plain = [
+        req(0, 0, 0.0, 2.0, 0.5),
+        req(1, 0, 1.0, 3.5, 1.5),
+        req(0, 1, 10.0, 11.0, 0.6),
+        req(1, 1, 20.0, 21.0, 0.8),
+    ]
+    kvbm = [
+        req(0, 0, 0.0, 2.0, 0.5),
+        req(1, 0, 1.0, 3.5, 1.5),
+        req(0, 1, 10.0, 10.5, 0.2),
+        req(1, 1, 20.0, 20.5, 0.2),
+    ]
+    runs = [
+        ConfigRun("kvbm-host", "ok", summary=summarize(kvbm), results=kvbm),
+        ConfigRun("vllm", "ok", summary=summarize(plain), results=plain),
+        ConfigRun("lmcache", "did not start", reason="no"),
+    ]
     text = report(runs, _args(), "kvbm-bench compare")
-    assert ("| round | arrival | vLLM + KVBM (host) requests | mean | p50 | p90 "
-            "| vLLM prefix caching requests | mean | p50 | p90 | vllm / kvbm-host |") in text
+    assert (
+        "| round | arrival | vLLM + KVBM (host) requests | mean | p50 | p90 "
+        "| vLLM prefix caching requests | mean | p50 | p90 | vllm / kvbm-host |"
+    ) in text
     rows = _table(text)
     # vLLM's prefix cache is the baseline even when it ran second
-    assert rows[("round 1", "alone")] == ["2", "200", "200", "200", "2", "700", "700", "780",
-                                          "3.5x"]
-    assert rows[("round 0", "queued")] == ["1", "1500", "1500", "1500", "1", "1500", "1500",
-                                           "1500", "1.0x"]
-    assert rows[("every round", "all")][0] == "4" and rows[("every round", "all")][-1] == \
-        f"{(0.5 + 1.5 + 0.6 + 0.8) / (0.5 + 1.5 + 0.2 + 0.2):.1f}x"
+    assert rows[("round 1", "alone")] == [
+        "2",
+        "200",
+        "200",
+        "200",
+        "2",
+        "700",
+        "700",
+        "780",
+        "3.5x",
+    ]
+    assert rows[("round 0", "queued")] == [
+        "1",
+        "1500",
+        "1500",
+        "1500",
+        "1",
+        "1500",
+        "1500",
+        "1500",
+        "1.0x",
+    ]
+    assert (
+        rows[("every round", "all")][0] == "4"
+        and rows[("every round", "all")][-1]
+        == f"{(0.5 + 1.5 + 0.6 + 0.8) / (0.5 + 1.5 + 0.2 + 0.2):.1f}x"
+    )
     assert ("round 1", "queued") not in rows  # no request of either run
     assert list(rows)[:3] == [("round 0", "all"), ("round 0", "alone"), ("round 0", "queued")]
 
@@ -123,10 +180,15 @@ def test_report_of_servers_by_url_compares_each_with_the_first():
     a = [req(0, 0, 0.0, 1.0, 0.4), req(0, 1, 2.0, 3.0, 0.4)]
     b = [req(0, 0, 0.0, 1.0, 0.4), req(0, 1, 2.0, 3.0, 0.1)]
     c = [req(0, 0, 0.0, 1.0, 0.8)]
-    runs = [ConfigRun(n, "ok", summary=summarize(rs), results=rs, url=f"http://{n}:8000")
-            for n, rs in (("a", a), ("b", b), ("c", c))]
-    text = report(runs, _args(url=[("a", "http://a:8000"), ("b", "http://b:8000"),
-                                   ("c", "http://c:8000")]), "kvbm-bench compare")
+    runs = [
+        ConfigRun(n, "ok", summary=summarize(rs), results=rs, url=f"http://{n}:8000")
+        for n, rs in (("a", a), ("b", b), ("c", c))
+    ]
+    text = report(
+        runs,
+        _args(url=[("a", "http://a:8000"), ("b", "http://b:8000"), ("c", "http://c:8000")]),
+        "kvbm-bench compare",
+    )
     rows = _table(text)
     assert "| a / b | a / c |" in text
     assert rows[("round 1", "alone")][-2:] == ["4.0x", "-"]  # c ran no round 1

@@ -18,13 +18,23 @@ import dataclasses
 
 import pytest
 from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
-                                         get_kv_cache_configs, get_request_block_hasher)
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_kv_cache_configs,
+    get_request_block_hasher,
+)
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.structured_output import StructuredOutputManager
 
-from helpers.scheduler_harness import (BLOCK, kvbm, make_request, make_scheduler, step, tokens,
-                                       worker_output)
+from helpers.scheduler_harness import (
+    BLOCK,
+    kvbm,
+    make_request,
+    make_scheduler,
+    step,
+    tokens,
+    worker_output,
+)
 from test_hybrid_models import FULL, GDN, qwen3_next_layers, vllm_config_for
 from vllm_kvbm import engine_info
 from vllm_kvbm.engine_info import kept_out_reason
@@ -32,13 +42,16 @@ from vllm_kvbm.keys import group_key
 
 # Gated DeltaNet state as a Mamba2 mixer declares it: one prefill checkpoint
 # block, exported at any token position
-MAMBA2 = dataclasses.replace(GDN, num_prefill_checkpoint_blocks=1,
-                             prefill_checkpoint_alignment=1)
+MAMBA2 = dataclasses.replace(GDN, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1)
 
 
 def mamba2_layers(n: int = 8) -> dict:
-    return {f"model.layers.{i}.self_attn.attn" if i % 4 == 3 else f"model.layers.{i}.mixer":
-            FULL if i % 4 == 3 else MAMBA2 for i in range(n)}
+    return {
+        f"model.layers.{i}.self_attn.attn" if i % 4 == 3 else f"model.layers.{i}.mixer": FULL
+        if i % 4 == 3
+        else MAMBA2
+        for i in range(n)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +73,14 @@ def _config(dense, layers: dict, unit: int | None = None, retention: int | None 
 
 def _scheduler(dense, layers: dict, unit: int | None = None, retention: int | None = 0):
     cfg, sched_config = _config(dense, layers, unit, retention)
-    s = Scheduler(vllm_config=cfg, kv_cache_config=sched_config,
-                  structured_output_manager=StructuredOutputManager(cfg),
-                  block_size=BLOCK, hash_block_size=unit or BLOCK, log_stats=True)
+    s = Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=sched_config,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK,
+        hash_block_size=unit or BLOCK,
+        log_stats=True,
+    )
     assert s.connector.kept_out is None
     # the hand-offs vLLM gives the connector each step, recorded
     s.handoffs = []
@@ -71,13 +89,15 @@ def _scheduler(dense, layers: dict, unit: int | None = None, retention: int | No
     def recorded(out):
         s.handoffs.append(dict(out.kv_connector_block_state.boundary_state_offloads))
         return build(out)
+
     s.connector.build_connector_meta = recorded
     return s
 
 
 def _request(prompt, unit):
-    return make_request(prompt, max_tokens=2,
-                        block_hasher=get_request_block_hasher(unit or BLOCK, sha256))
+    return make_request(
+        prompt, max_tokens=2, block_hasher=get_request_block_hasher(unit or BLOCK, sha256)
+    )
 
 
 def _run(s, prompt, unit=None):
@@ -88,8 +108,12 @@ def _run(s, prompt, unit=None):
     s.add_request(req)
     k, stored = kvbm(s), {}
     keys = k.key_chain(req).extend(prompt)
-    units = {group_key(key, g.index): (page, g.index) for page, key in enumerate(keys)
-             for g in k.info.groups if g.kind == "state"}
+    units = {
+        group_key(key, g.index): (page, g.index)
+        for page, key in enumerate(keys)
+        for g in k.info.groups
+        if g.kind == "state"
+    }
     while req.request_id in s.requests:
         out = s.schedule()
         for job in out.kv_connector_metadata.stores:
@@ -154,14 +178,23 @@ def test_a_state_is_stored_where_vllm_keeps_one(dense, retention, pages):
     assert stored == {(b // BLOCK - 1, g): block for g, block, b in handed}
 
 
-@pytest.mark.parametrize("layers,setting,match", [
-    (mamba2_layers, dict(prefix_match_unit=4), "--prefix-match-unit 4"),
-    (lambda: {name: dataclasses.replace(spec, num_speculative_blocks=1)
-              if spec is GDN else spec for name, spec in qwen3_next_layers().items()},
-     {}, "speculative decoding"),
-])
+@pytest.mark.parametrize(
+    "layers,setting,match",
+    [
+        (mamba2_layers, dict(prefix_match_unit=4), "--prefix-match-unit 4"),
+        (
+            lambda: {
+                name: dataclasses.replace(spec, num_speculative_blocks=1) if spec is GDN else spec
+                for name, spec in qwen3_next_layers().items()
+            },
+            {},
+            "speculative decoding",
+        ),
+    ],
+)
 def test_without_vllms_hand_offs_a_setting_that_moves_states_keeps_the_model_out(
-        dense, monkeypatch, layers, setting, match):
+    dense, monkeypatch, layers, setting, match
+):
     """A vLLM whose scheduler does not hand off boundary states: the state at
     a boundary could only be read by position, which these settings break;
     the model is kept out with a message naming the setting. With the

@@ -33,8 +33,9 @@ def fill(store: DiskStore, n: int, first: int = 0) -> list[bytes]:
 
 
 def run(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=60
+    )
 
 
 def kvbm_files(directory) -> set[str]:

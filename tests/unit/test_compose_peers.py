@@ -40,12 +40,18 @@ def compose() -> list[str]:
 
 
 def render(*files: str, **env) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in dotenv() and
-             not k.startswith("COMPOSE_")}
+    clean = {
+        k: v for k, v in os.environ.items() if k not in dotenv() and not k.startswith("COMPOSE_")
+    }
     args = [a for f in files or ("docker-compose.yml",) for a in ("-f", str(EXAMPLE / f))]
-    return subprocess.run([*compose(), *args, "--env-file", ".env.example", "config",
-                           "--format", "json"], cwd=ROOT, env={**clean, **env},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [*compose(), *args, "--env-file", ".env.example", "config", "--format", "json"],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def peers(*files: str, **env) -> dict:
@@ -63,7 +69,8 @@ def _rendered(files: tuple[str, ...], env: tuple[tuple[str, str], ...]) -> str:
 def extra_config(svc: dict) -> dict:
     command = svc["command"]
     return json.loads(command[command.index("--kv-transfer-config") + 1])[
-        "kv_connector_extra_config"]
+        "kv_connector_extra_config"
+    ]
 
 
 def engine_config(config: dict, name: str, folder: Path):
@@ -162,7 +169,8 @@ def test_the_directory_needs_the_password_from_the_secret_file():
     redis = config["services"]["redis"]
     assert config["secrets"]["redis_password"]["file"] == str(ROOT / "secrets" / "redis_password")
     assert config["secrets"]["kvbm_page_secret"]["file"] == str(
-        ROOT / "secrets" / "kvbm_page_secret")
+        ROOT / "secrets" / "kvbm_page_secret"
+    )
     assert [s["source"] for s in redis["secrets"]] == ["redis_password"]
     # the main stack's script: the password on redis-server's standard input,
     # never its command line or environment
@@ -172,7 +180,7 @@ def test_the_directory_needs_the_password_from_the_secret_file():
     assert "<<EOF\nrequirepass $pw\nEOF" in script
     assert "environment" not in redis
     assert redis["healthcheck"] == main["healthcheck"]
-    password = (ROOT / "secrets" / "redis_password")
+    password = ROOT / "secrets" / "redis_password"
     secret = password.read_text().strip() if password.is_file() else None
     assert not {"--requirepass", "-a", "--pass"} & set(redis["command"][3:])
     for name, svc in config["services"].items():
@@ -193,8 +201,10 @@ def test_every_service_logs_to_a_rotated_file_and_the_small_ones_are_capped():
     env = dotenv()
     services = peers()["services"]
     for name, svc in services.items():
-        assert svc["logging"] == {"driver": "json-file", "options": {
-            "max-size": env["LOG_MAX_SIZE"], "max-file": env["LOG_MAX_FILES"]}}, name
+        assert svc["logging"] == {
+            "driver": "json-file",
+            "options": {"max-size": env["LOG_MAX_SIZE"], "max-file": env["LOG_MAX_FILES"]},
+        }, name
         assert svc["restart"] == "unless-stopped", name
         assert svc["healthcheck"]["test"][0] in ("CMD", "CMD-SHELL"), name
     for name in ("redis", "router"):
@@ -234,13 +244,15 @@ def test_the_cuda_file_puts_each_engine_on_its_own_gpu():
         assert extra_config(svc) == extra_config(peers()["services"][name])
     assert gpus == ["0", "1"]
     config = peers("docker-compose.yml", "cuda.yml", ENGINE_A_GPU="2", ENGINE_B_GPU="3")
-    assert [config["services"][n]["deploy"]["resources"]["reservations"]["devices"][0][
-        "device_ids"] for n in ENGINES] == [["2"], ["3"]]
+    assert [
+        config["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for n in ENGINES
+    ] == [["2"], ["3"]]
 
 
 def test_the_example_is_linked_from_the_docs():
     for doc in ("peer-tier.md", "deployment.md"):
         assert "../examples/peers/" in (ROOT / "docs" / doc).read_text(), doc
     readme = (EXAMPLE / "README.md").read_text()
-    assert 'kvbm_matched_tokens_total{' in readme and 'tier="peer"' in readme
+    assert "kvbm_matched_tokens_total{" in readme and 'tier="peer"' in readme
     assert "docker compose -f examples/peers/docker-compose.yml" in readme

@@ -25,11 +25,14 @@ from helpers.compose import GRAFANA_PASSWORD, SECRET_FILES, dotenv, render, reso
 pytestmark = pytest.mark.timeout(120)
 
 # Each vLLM build alone, with its optional LMCache server, and with kvbm-pool.
-STACKS = [("--profile", "cpu"), ("--profile", "cuda"),
-          ("--profile", "cpu", "--profile", "lmcache"),
-          ("--profile", "cuda", "--profile", "lmcache-cuda"),
-          ("--profile", "cpu", "--profile", "pool"),
-          ("--profile", "cuda", "--profile", "pool-cuda")]
+STACKS = [
+    ("--profile", "cpu"),
+    ("--profile", "cuda"),
+    ("--profile", "cpu", "--profile", "lmcache"),
+    ("--profile", "cuda", "--profile", "lmcache-cuda"),
+    ("--profile", "cpu", "--profile", "pool"),
+    ("--profile", "cuda", "--profile", "pool-cuda"),
+]
 VLLM_SERVICES = ("vllm", "vllm-cuda")
 LMCACHE_SERVICES = ("lmcache-server", "lmcache-server-cuda")
 
@@ -85,7 +88,7 @@ def redis_options(command: list[str]) -> dict[str, str]:
     redis FLAGS...`, the script reading the password file and starting
     redis-server with the password on its standard input and these flags."""
     assert command[:2] == ["sh", "-c"] and command[3] == "redis", command
-    assert "exec docker-entrypoint.sh redis-server - \"$$@\"" in command[2], command[2]
+    assert 'exec docker-entrypoint.sh redis-server - "$$@"' in command[2], command[2]
     flags = command[4:]
     assert len(flags) % 2 == 0 and all(f.startswith("--") for f in flags[::2]), command
     return dict(zip(flags[::2], flags[1::2]))
@@ -141,16 +144,22 @@ def test_the_lmcache_server_is_optional_and_memory_limited():
     url = f"lm://lmcache-server:{dotenv()['LMCACHE_PORT']}"
     assert url in (ROOT / ".env.example").read_text()
     vllm = resolved(*STACKS[2], KVBM_REMOTE_URL=url)["services"]["vllm"]
-    assert load_config({}, environ={"KVBM_REMOTE_URL": vllm["environment"][
-        "KVBM_REMOTE_URL"]}).remote_url == url
+    assert (
+        load_config(
+            {}, environ={"KVBM_REMOTE_URL": vllm["environment"]["KVBM_REMOTE_URL"]}
+        ).remote_url
+        == url
+    )
 
 
 def test_every_service_logs_to_a_rotated_file():
     env = dotenv()
     for args, services in stacks():
         for name, svc in services.items():
-            assert svc["logging"] == {"driver": "json-file", "options": {
-                "max-size": env["LOG_MAX_SIZE"], "max-file": env["LOG_MAX_FILES"]}}, (args, name)
+            assert svc["logging"] == {
+                "driver": "json-file",
+                "options": {"max-size": env["LOG_MAX_SIZE"], "max-file": env["LOG_MAX_FILES"]},
+            }, (args, name)
     assert (env["LOG_MAX_SIZE"], env["LOG_MAX_FILES"]) == ("50m", "5")
     services = resolved(LOG_MAX_SIZE="10m", LOG_MAX_FILES="3")["services"]
     assert {svc["logging"]["options"]["max-size"] for svc in services.values()} == {"10m"}
@@ -193,14 +202,16 @@ def test_redis_needs_the_password_from_its_secret_file():
 def test_pages_are_sealed_with_the_page_secret_by_default():
     config = resolved()
     assert config["secrets"]["kvbm_page_secret"]["file"] == str(
-        ROOT / "secrets" / "kvbm_page_secret")
+        ROOT / "secrets" / "kvbm_page_secret"
+    )
     for args, services in stacks():
         [vllm] = [services[n] for n in VLLM_SERVICES if n in services]
         assert vllm["environment"]["KVBM_PAGE_SECRET_FILE"] == "/run/secrets/kvbm_page_secret"
         assert "kvbm_page_secret" in [s["source"] for s in vllm["secrets"]], args
         for name in {"redis", "prometheus", "grafana", *LMCACHE_SERVICES} & set(services):
-            assert "kvbm_page_secret" not in [s["source"] for s in
-                                              services[name].get("secrets", [])], name
+            assert "kvbm_page_secret" not in [
+                s["source"] for s in services[name].get("secrets", [])
+            ], name
 
 
 @pytest.mark.parametrize("variable", sorted(SECRET_FILES))
@@ -223,10 +234,17 @@ def test_the_secrets_script_writes_each_secret_once_and_points_dotenv_at_them(tm
     secrets = tmp_path / "secrets"
 
     def run() -> subprocess.CompletedProcess:
-        proc = subprocess.run(["bash", str(ROOT / "scripts/compose_secrets.sh")],
-                              env={"PATH": os.environ["PATH"], "KVBM_ENV_FILE": str(env_file),
-                                   "KVBM_SECRETS_DIR": str(secrets)},
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts/compose_secrets.sh")],
+            env={
+                "PATH": os.environ["PATH"],
+                "KVBM_ENV_FILE": str(env_file),
+                "KVBM_SECRETS_DIR": str(secrets),
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc
 
@@ -260,24 +278,36 @@ def test_the_secrets_script_writes_each_secret_once_and_points_dotenv_at_them(tm
     clean = {k: v for k, v in os.environ.items() if k not in dotenv()}
     from helpers.compose import compose_command
 
-    proc = subprocess.run([*compose_command(), "--env-file", str(env_file), "config",
-                           "--format", "json"], cwd=ROOT,
-                          env={**clean, "GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*compose_command(), "--env-file", str(env_file), "config", "--format", "json"],
+        cwd=ROOT,
+        env={**clean, "GRAFANA_ADMIN_PASSWORD": GRAFANA_PASSWORD},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     import json
 
     files = {name: s["file"] for name, s in json.loads(proc.stdout)["secrets"].items()}
-    assert files == {"redis_password": str(secrets / "redis_password"),
-                     "kvbm_page_secret": str(secrets / "kvbm_page_secret")}
+    assert files == {
+        "redis_password": str(secrets / "redis_password"),
+        "kvbm_page_secret": str(secrets / "kvbm_page_secret"),
+    }
 
 
 def test_the_secrets_script_needs_a_dotenv_first(tmp_path):
-    proc = subprocess.run(["bash", str(ROOT / "scripts/compose_secrets.sh")],
-                          env={"PATH": os.environ["PATH"],
-                               "KVBM_ENV_FILE": str(tmp_path / ".env"),
-                               "KVBM_SECRETS_DIR": str(tmp_path / "secrets")},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/compose_secrets.sh")],
+        env={
+            "PATH": os.environ["PATH"],
+            "KVBM_ENV_FILE": str(tmp_path / ".env"),
+            "KVBM_SECRETS_DIR": str(tmp_path / "secrets"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "cp .env.example" in proc.stderr
     assert not (tmp_path / "secrets").exists()
 
@@ -339,8 +369,9 @@ def dockerfile_user(text: str) -> str | None:
     return users[-1] if users else None
 
 
-@pytest.mark.parametrize("dockerfile,service", [("Dockerfile", "vllm"),
-                                                ("Dockerfile.cuda", "vllm-cuda")])
+@pytest.mark.parametrize(
+    "dockerfile,service", [("Dockerfile", "vllm"), ("Dockerfile.cuda", "vllm-cuda")]
+)
 def test_images_run_as_a_non_root_user_who_owns_the_volumes(dockerfile, service):
     text = (ROOT / dockerfile).read_text()
     user = dockerfile_user(text)
@@ -362,8 +393,9 @@ def test_the_cpu_image_installs_no_test_tools(tmp_path):
     """scripts/setup.sh as the Dockerfile runs it (KVBM_SETUP_TOOLS=0), with a
     stand-in venv python that records every pip install."""
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^RUN VENV=/opt/venv KVBM_SETUP_TOOLS=0 .*bash scripts/setup.sh", text,
-                     re.M | re.S)
+    assert re.search(
+        r"^RUN VENV=/opt/venv KVBM_SETUP_TOOLS=0 .*bash scripts/setup.sh", text, re.M | re.S
+    )
     log = tmp_path / "pip.log"
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -373,9 +405,13 @@ def test_the_cpu_image_installs_no_test_tools(tmp_path):
 
     def installed(**env) -> str:
         log.write_text("")
-        proc = subprocess.run(["bash", str(ROOT / "scripts/setup.sh")],
-                              env={"PATH": "/usr/bin:/bin", "VENV": str(venv), **env},
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts/setup.sh")],
+            env={"PATH": "/usr/bin:/bin", "VENV": str(venv), **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert proc.returncode == 0, proc.stderr
         return " ".join(line for line in log.read_text().splitlines() if "pip install" in line)
 
@@ -389,8 +425,13 @@ def test_the_cpu_image_installs_no_test_tools(tmp_path):
 
 
 def test_dotenv_and_secrets_are_not_tracked_and_never_reach_an_image():
-    tracked = subprocess.run(["git", "ls-files", "--", ".env", ".env.example", "secrets"],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "--", ".env", ".env.example", "secrets"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert tracked == [".env.example"]
     for path in (".env", "secrets/redis_password", "secrets/kvbm_page_secret"):
         ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT)

@@ -15,12 +15,15 @@ def test_follows_the_cpus_native_bf16(monkeypatch):
     assert cd.compute_dtype() in cd.describe()
 
 
-@pytest.mark.parametrize("caps,expected", [
-    ({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, "float32"),
-    ({"avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, "float32"),
-    ({"avx512_f": True, "avx512_bf16": True, "amx_bf16": False}, "bfloat16"),
-    ({"avx512_f": True, "avx512_bf16": False, "amx_bf16": True}, "bfloat16"),
-])
+@pytest.mark.parametrize(
+    "caps,expected",
+    [
+        ({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, "float32"),
+        ({"avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, "float32"),
+        ({"avx512_f": True, "avx512_bf16": True, "amx_bf16": False}, "bfloat16"),
+        ({"avx512_f": True, "avx512_bf16": False, "amx_bf16": True}, "bfloat16"),
+    ],
+)
 def test_x86_rule(monkeypatch, caps, expected):
     monkeypatch.delenv(cd.ENV, raising=False)
     monkeypatch.setattr(cd.platform, "machine", lambda: "x86_64")

@@ -13,36 +13,39 @@ def load(extra=None, **env):
     return load_config(extra, environ=env)
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("4GiB", 4 * GiB),
-    ("512MiB", 512 * MiB),
-    ("1.5 GiB", int(1.5 * GiB)),
-    ("8GB", 8 * 10**9),
-    ("8gb", 8 * 10**9),
-    ("  64 KiB ", 64 * 1024),
-    ("1048576", MiB),
-    ("100B", 100),
-    ("2k", 2000),
-    ("1TiB", 1024**4),
-    # vLLM's human sizes (--kv-cache-memory-bytes): upper-case letters are
-    # binary, lower-case decimal; Gi/GiB binary and GB decimal in any case
-    ("16G", 16 * GiB),
-    ("16Gi", 16 * GiB),
-    ("16gi", 16 * GiB),
-    ("16GiB", 16 * GiB),
-    ("16g", 16 * 10**9),
-    ("16GB", 16 * 10**9),
-    ("16Gb", 16 * 10**9),
-    ("2K", 2048),
-    ("3M", 3 * MiB),
-    ("1T", 1024**4),
-    ("512Mi", 512 * MiB),
-    ("1.5G", int(1.5 * GiB)),
-    (1234567, 1234567),
-    (0, 0),
-    (2**60 + 1, 2**60 + 1),  # exact, no float rounding
-    (1.5e7, 15 * 10**6),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("4GiB", 4 * GiB),
+        ("512MiB", 512 * MiB),
+        ("1.5 GiB", int(1.5 * GiB)),
+        ("8GB", 8 * 10**9),
+        ("8gb", 8 * 10**9),
+        ("  64 KiB ", 64 * 1024),
+        ("1048576", MiB),
+        ("100B", 100),
+        ("2k", 2000),
+        ("1TiB", 1024**4),
+        # vLLM's human sizes (--kv-cache-memory-bytes): upper-case letters are
+        # binary, lower-case decimal; Gi/GiB binary and GB decimal in any case
+        ("16G", 16 * GiB),
+        ("16Gi", 16 * GiB),
+        ("16gi", 16 * GiB),
+        ("16GiB", 16 * GiB),
+        ("16g", 16 * 10**9),
+        ("16GB", 16 * 10**9),
+        ("16Gb", 16 * 10**9),
+        ("2K", 2048),
+        ("3M", 3 * MiB),
+        ("1T", 1024**4),
+        ("512Mi", 512 * MiB),
+        ("1.5G", int(1.5 * GiB)),
+        (1234567, 1234567),
+        (0, 0),
+        (2**60 + 1, 2**60 + 1),  # exact, no float rounding
+        (1.5e7, 15 * 10**6),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size("host_cache_size", text) == expected
 
@@ -58,16 +61,37 @@ def test_defaults():
     assert cfg.host_cache_bytes == 4 * GiB and cfg.host_cache_blocks is None
     assert cfg.nixl_backend == "UCX" and cfg.namespace == ""
     assert cfg.metrics_host == "127.0.0.1"  # a metrics port is opened on purpose only
-    assert config_keys() == ["disk_admission", "disk_admission_min_uses", "disk_cache_dir",
-                             "disk_cache_size", "host_cache_blocks", "host_cache_size",
-                             "load_split", "metrics_host", "metrics_port", "namespace", "nixl_backend",
-                             "offload_decode_blocks", "page_secret_file", "page_tokens",
-                             "peer_directory_ttl_s", "peer_directory_url",
-                             "peer_read_timeout_s", "peer_reads", "pool_cache_size", "pool_dir",
-                             "pool_serve_host", "pool_serve_port", "pool_socket",
-                             "remote_password_file",
-                             "remote_timeout_s", "remote_tls_ca_file", "remote_url",
-                             "tier_read_timeout_s", "tier_write_queue_pages"]
+    assert config_keys() == [
+        "disk_admission",
+        "disk_admission_min_uses",
+        "disk_cache_dir",
+        "disk_cache_size",
+        "host_cache_blocks",
+        "host_cache_size",
+        "load_split",
+        "metrics_host",
+        "metrics_port",
+        "namespace",
+        "nixl_backend",
+        "offload_decode_blocks",
+        "page_secret_file",
+        "page_tokens",
+        "peer_directory_ttl_s",
+        "peer_directory_url",
+        "peer_read_timeout_s",
+        "peer_reads",
+        "pool_cache_size",
+        "pool_dir",
+        "pool_serve_host",
+        "pool_serve_port",
+        "pool_socket",
+        "remote_password_file",
+        "remote_timeout_s",
+        "remote_tls_ca_file",
+        "remote_url",
+        "tier_read_timeout_s",
+        "tier_write_queue_pages",
+    ]
 
 
 def _err(extra, **env) -> str:
@@ -85,41 +109,56 @@ def test_unknown_key_did_you_mean():
     assert "unknown key 'zzz'" in msg and "did you mean" not in msg and "Valid keys" in msg
 
 
-@pytest.mark.parametrize("value,fragments", [
-    ("lots", ["host_cache_size", "cannot read 'lots'", "\"16GiB\"", "\"16GB\""]),
-    ("4 Gigs", ["host_cache_size", "unknown unit 'Gigs'", "\"16Gi\"", "\"16G\"",
-                "1024-based", "1000-based"]),
-    ("4Gg", ["host_cache_size", "unknown unit 'Gg'"]),
-    ("4GiBs", ["host_cache_size", "unknown unit"]),
-    ("-1GiB", ["host_cache_size", "cannot read '-1GiB'"]),
-    (-5, ["host_cache_size", "must not be negative"]),
-    (-0.5, ["host_cache_size", "must not be negative"]),
-    (True, ["host_cache_size", "expected a size", "True"]),
-    (None, ["host_cache_size", "cannot read None"]),
-    ([4], ["host_cache_size", "cannot read [4]"]),
-    (float("nan"), ["host_cache_size", "finite"]),
-    (float("inf"), ["host_cache_size", "finite"]),
-    ("", ["host_cache_size", "cannot read ''"]),
-    # no unit, under 1 MiB: what vLLM and LMCache would read as GiB
-    (16, ["host_cache_size: 16 has no unit", "\"16GiB\"", "--kv-offloading-size 16"]),
-    ("16", ["host_cache_size: '16' has no unit", "\"16GiB\"", "at least 1048576"]),
-    (0.5, ["host_cache_size: 0.5 has no unit", "\"0.5GiB\""]),
-    ("1048575", ["has no unit"]),
-])
+@pytest.mark.parametrize(
+    "value,fragments",
+    [
+        ("lots", ["host_cache_size", "cannot read 'lots'", '"16GiB"', '"16GB"']),
+        (
+            "4 Gigs",
+            [
+                "host_cache_size",
+                "unknown unit 'Gigs'",
+                '"16Gi"',
+                '"16G"',
+                "1024-based",
+                "1000-based",
+            ],
+        ),
+        ("4Gg", ["host_cache_size", "unknown unit 'Gg'"]),
+        ("4GiBs", ["host_cache_size", "unknown unit"]),
+        ("-1GiB", ["host_cache_size", "cannot read '-1GiB'"]),
+        (-5, ["host_cache_size", "must not be negative"]),
+        (-0.5, ["host_cache_size", "must not be negative"]),
+        (True, ["host_cache_size", "expected a size", "True"]),
+        (None, ["host_cache_size", "cannot read None"]),
+        ([4], ["host_cache_size", "cannot read [4]"]),
+        (float("nan"), ["host_cache_size", "finite"]),
+        (float("inf"), ["host_cache_size", "finite"]),
+        ("", ["host_cache_size", "cannot read ''"]),
+        # no unit, under 1 MiB: what vLLM and LMCache would read as GiB
+        (16, ["host_cache_size: 16 has no unit", '"16GiB"', "--kv-offloading-size 16"]),
+        ("16", ["host_cache_size: '16' has no unit", '"16GiB"', "at least 1048576"]),
+        (0.5, ["host_cache_size: 0.5 has no unit", '"0.5GiB"']),
+        ("1048575", ["has no unit"]),
+    ],
+)
 def test_bad_sizes(value, fragments):
     msg = _err({"host_cache_size": value})
     for frag in fragments:
         assert frag in msg, (frag, msg)
 
 
-@pytest.mark.parametrize("value,fragment", [
-    (0, "must be >= 1, got 0"),
-    (-3, "must be >= 1, got -3"),
-    ("x", "expected an integer, got 'x'"),
-    ("1.5", "expected an integer, got '1.5'"),
-    (2.0, "expected an integer, got 2.0"),
-    (True, "expected an integer, got True"),
-])
+@pytest.mark.parametrize(
+    "value,fragment",
+    [
+        (0, "must be >= 1, got 0"),
+        (-3, "must be >= 1, got -3"),
+        ("x", "expected an integer, got 'x'"),
+        ("1.5", "expected an integer, got '1.5'"),
+        (2.0, "expected an integer, got 2.0"),
+        (True, "expected an integer, got True"),
+    ],
+)
 def test_bad_host_cache_blocks(value, fragment):
     msg = _err({"host_cache_blocks": value})
     assert msg.startswith("host_cache_blocks: ") and fragment in msg
@@ -159,6 +198,7 @@ def test_namespace():
 
 # ---- host_slots ------------------------------------------------------------
 
+
 def test_host_slots():
     assert KVBMConfig(host_cache_bytes=10 * MiB).host_slots(MiB) == 10
     assert KVBMConfig(host_cache_bytes=10 * MiB + MiB - 1).host_slots(MiB) == 10
@@ -190,7 +230,7 @@ def test_host_slots_too_small_names_key_and_fix():
     assert msg.startswith("host_cache_size:")
     assert f"{2 * MiB} bytes cannot hold one KV page" in msg
     assert f"set host_cache_size to at least {block} bytes" in msg
-    assert "\"192MiB\" for 64 pages" in msg
+    assert '"192MiB" for 64 pages' in msg
     with pytest.raises(KVBMConfigError, match="host_cache_size"):
         load({"host_cache_size": 0}).host_slots(1)
 
@@ -219,8 +259,11 @@ def test_metrics_port_validation():
 def test_disk_cache_dir_must_exist_and_be_writable(tmp_path):
     assert load_config({"disk_cache_dir": str(tmp_path)}).disk_cache_dir == str(tmp_path)
     missing = tmp_path / "nope"
-    with pytest.raises(KVBMConfigError, match=r"disk_cache_dir: directory .* does not exist; "
-                                              r"create it \(mkdir -p"):
+    with pytest.raises(
+        KVBMConfigError,
+        match=r"disk_cache_dir: directory .* does not exist; "
+        r"create it \(mkdir -p",
+    ):
         load_config({"disk_cache_dir": str(missing)})
     with pytest.raises(KVBMConfigError, match="KVBM_DISK_CACHE_DIR"):
         load_config({}, {"KVBM_DISK_CACHE_DIR": str(missing)})
@@ -230,43 +273,87 @@ def test_disk_tier_too_small_for_one_block(tmp_path):
     cfg = load_config({"disk_cache_dir": str(tmp_path), "disk_cache_size": "1MiB"})
     with pytest.raises(KVBMConfigError, match="disk_cache_size: .* cannot hold one KV page"):
         cfg.disk_blocks(2 << 20)
-    assert load_config({"disk_cache_dir": str(tmp_path),
-                        "disk_cache_size": "1GiB"}).disk_blocks(2 << 20) > 400
+    assert (
+        load_config({"disk_cache_dir": str(tmp_path), "disk_cache_size": "1GiB"}).disk_blocks(
+            2 << 20
+        )
+        > 400
+    )
 
 
-@pytest.mark.parametrize("url", ["http://127.0.0.1:1234", "lm://host", "lm://h:0", "redis://h:0",
-                                 "resp://h:1", "redis+cluster://a:1/1", "redis://h:1/x",
-                                 "rediss://h:1?ssl_cert_reqs=none", "valkey://a b:1"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1:1234",
+        "lm://host",
+        "lm://h:0",
+        "redis://h:0",
+        "resp://h:1",
+        "redis+cluster://a:1/1",
+        "redis://h:1/x",
+        "rediss://h:1?ssl_cert_reqs=none",
+        "valkey://a b:1",
+    ],
+)
 def test_remote_url_must_be_an_lmcache_or_redis_server(url):
     with pytest.raises(KVBMConfigError, match=r'remote_url: .* write it as "lm://HOST:PORT"'):
         load_config({"remote_url": url})
 
 
-@pytest.mark.parametrize("url,scheme,nodes,tls,cluster,db,user", [
-    ("lm://h:65432", "lm", [("h", 65432)], False, False, 0, None),
-    ("redis://cache.local", "redis", [("cache.local", 6379)], False, False, 0, None),
-    ("rediss://kvbm@10.0.0.5:6380/3", "rediss", [("10.0.0.5", 6380)], True, False, 3, "kvbm"),
-    ("valkey://[::1]:7000", "valkey", [("::1", 7000)], False, False, 0, None),
-    ("valkeys://v:1/0", "valkeys", [("v", 1)], True, False, 0, None),
-    ("redis+cluster://a:7000,b:7001,c", "redis", [("a", 7000), ("b", 7001), ("c", 6379)],
-     False, True, 0, None),
-    ("rediss+cluster://u@a:1", "rediss", [("a", 1)], True, True, 0, "u"),
-])
+@pytest.mark.parametrize(
+    "url,scheme,nodes,tls,cluster,db,user",
+    [
+        ("lm://h:65432", "lm", [("h", 65432)], False, False, 0, None),
+        ("redis://cache.local", "redis", [("cache.local", 6379)], False, False, 0, None),
+        ("rediss://kvbm@10.0.0.5:6380/3", "rediss", [("10.0.0.5", 6380)], True, False, 3, "kvbm"),
+        ("valkey://[::1]:7000", "valkey", [("::1", 7000)], False, False, 0, None),
+        ("valkeys://v:1/0", "valkeys", [("v", 1)], True, False, 0, None),
+        (
+            "redis+cluster://a:7000,b:7001,c",
+            "redis",
+            [("a", 7000), ("b", 7001), ("c", 6379)],
+            False,
+            True,
+            0,
+            None,
+        ),
+        ("rediss+cluster://u@a:1", "rediss", [("a", 1)], True, True, 0, "u"),
+    ],
+)
 def test_remote_url_forms(url, scheme, nodes, tls, cluster, db, user):
     from vllm_kvbm.config import parse_remote_url
 
     assert load_config({"remote_url": url}).remote_url == url
     t = parse_remote_url("remote_url", url)
-    assert (t.scheme, list(t.nodes), t.tls, t.cluster, t.db, t.username) == \
-        (scheme, nodes, tls, cluster, db, user)
+    assert (t.scheme, list(t.nodes), t.tls, t.cluster, t.db, t.username) == (
+        scheme,
+        nodes,
+        tls,
+        cluster,
+        db,
+        user,
+    )
     assert t.resp == (scheme != "lm")
     assert parse_remote_url("remote_url", str(t)) == t  # the logged form reads back the same
 
 
-@pytest.mark.parametrize("url", ["redis://[::1", "redis://[zz::1]:1", "redis://::1:6379",
-                                 "redis://h\n:1", "redis://h:1:2", "redis://h:", "lm://[::1]",
-                                 "lm://h:1?x", "lm://h:1/", "lm://[::1]:70000",
-                                 "redis://u@:1", "redis://[::1]:6379?db=1"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://[::1",
+        "redis://[zz::1]:1",
+        "redis://::1:6379",
+        "redis://h\n:1",
+        "redis://h:1:2",
+        "redis://h:",
+        "lm://[::1]",
+        "lm://h:1?x",
+        "lm://h:1/",
+        "lm://[::1]:70000",
+        "redis://u@:1",
+        "redis://[::1]:6379?db=1",
+    ],
+)
 def test_malformed_hosts_and_ports_are_refused(url):
     with pytest.raises(KVBMConfigError, match=r'remote_url: .* write it as "lm://HOST:PORT"'):
         load_config({"remote_url": url})
@@ -282,8 +369,9 @@ def test_ipv6_urls_parse():
     t = parse_remote_url("remote_url", "redis+cluster://[fd00::1]:7000,[fd00::2],h:7002")
     assert t.nodes == (("fd00::1", 7000), ("fd00::2", 6379), ("h", 7002))
     assert str(t) == "redis+cluster://[fd00::1]:7000,[fd00::2]:6379,h:7002"
-    assert load_config({"remote_url": "redis://[::1]:6379/0"}, {}).remote_url \
-        == "redis://[::1]:6379/0"
+    assert (
+        load_config({"remote_url": "redis://[::1]:6379/0"}, {}).remote_url == "redis://[::1]:6379/0"
+    )
 
 
 def test_lm_url_with_an_ipv6_address_names_why_it_cannot_work():
@@ -301,10 +389,14 @@ def test_remote_password_file_and_env(tmp_path):
     assert cfg.remote_password.reveal() == "s3cret-pw"
     assert "s3cret" not in repr(cfg) and "s3cret" not in repr(cfg.remote_password)
     assert load({"remote_url": "redis://h:1"}, KVBM_REMOTE_PASSWORD_FILE=str(pw)) == cfg
-    assert load({"remote_url": "redis://h:1"},
-                KVBM_REMOTE_PASSWORD="env-pw").remote_password.reveal() == "env-pw"
-    msg = _err({"remote_url": "redis://h:1", "remote_password_file": str(pw)},
-               KVBM_REMOTE_PASSWORD="env-pw")
+    assert (
+        load({"remote_url": "redis://h:1"}, KVBM_REMOTE_PASSWORD="env-pw").remote_password.reveal()
+        == "env-pw"
+    )
+    msg = _err(
+        {"remote_url": "redis://h:1", "remote_password_file": str(pw)},
+        KVBM_REMOTE_PASSWORD="env-pw",
+    )
     assert "both set" in msg and "env-pw" not in msg and "s3cret" not in msg
     msg = _err({"remote_url": "lm://h:1", "remote_password_file": str(pw)})
     assert msg.startswith("remote_password_file: ") and "s3cret" not in msg
@@ -318,10 +410,12 @@ def test_remote_password_file_and_env(tmp_path):
 def test_remote_tls_ca_file_needs_a_tls_url(tmp_path):
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
-    assert load({"remote_url": "rediss://h:1", "remote_tls_ca_file": str(ca)}) \
-        .remote_tls_ca_file == str(ca)
-    assert load({"remote_url": "valkeys+cluster://h:1"},
-                KVBM_REMOTE_TLS_CA_FILE=str(ca)).remote_tls_ca_file == str(ca)
+    assert load(
+        {"remote_url": "rediss://h:1", "remote_tls_ca_file": str(ca)}
+    ).remote_tls_ca_file == str(ca)
+    assert load(
+        {"remote_url": "valkeys+cluster://h:1"}, KVBM_REMOTE_TLS_CA_FILE=str(ca)
+    ).remote_tls_ca_file == str(ca)
     for url in ("redis://h:1", "lm://h:1"):
         msg = _err({"remote_url": url, "remote_tls_ca_file": str(ca)})
         assert msg.startswith("remote_tls_ca_file: ") and "rediss://" in msg, msg
@@ -349,17 +443,21 @@ def test_peer_directory_url_refuses_a_password_and_takes_the_remote_tiers(tmp_pa
     assert msg.startswith("peer_directory_url: ") and "hunter2x" not in msg, msg
     assert "remote_password_file" in msg and "KVBM_REMOTE_PASSWORD" in msg, msg
     # an lm:// remote tier has no password, the directory does: accepted
-    cfg = load({"remote_url": "lm://h:1", "peer_directory_url": "redis://dir:1",
-                "peer_reads": True}, KVBM_REMOTE_PASSWORD="pw")
+    cfg = load(
+        {"remote_url": "lm://h:1", "peer_directory_url": "redis://dir:1", "peer_reads": True},
+        KVBM_REMOTE_PASSWORD="pw",
+    )
     assert cfg.remote_password.reveal() == "pw"
     msg = _err({"remote_url": "lm://h:1"}, KVBM_REMOTE_PASSWORD="pw")
     assert "LMCache server" in msg, msg
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\n")
-    assert load({"peer_directory_url": "rediss://dir:1", "peer_reads": True,
-                 "remote_tls_ca_file": str(ca)}).remote_tls_ca_file == str(ca)
-    msg = _err({"peer_directory_url": "redis://dir:1", "peer_reads": True,
-                "remote_tls_ca_file": str(ca)})
+    assert load(
+        {"peer_directory_url": "rediss://dir:1", "peer_reads": True, "remote_tls_ca_file": str(ca)}
+    ).remote_tls_ca_file == str(ca)
+    msg = _err(
+        {"peer_directory_url": "redis://dir:1", "peer_reads": True, "remote_tls_ca_file": str(ca)}
+    )
     assert msg.startswith("remote_tls_ca_file: ") and "peer_directory_url" in msg, msg
 
 

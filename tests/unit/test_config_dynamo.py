@@ -46,17 +46,22 @@ def test_configuration_doc_lists_every_dynamo_variable_read():
     from helpers import ROOT
 
     doc = (ROOT / "docs" / "configuration.md").read_text()
-    section = doc[doc.index("## Dynamo's variables"):]
-    section = section[:section.index("\n## ")]
-    accepted = section[:section.index("Not read")]
+    section = doc[doc.index("## Dynamo's variables") :]
+    section = section[: section.index("\n## ")]
+    accepted = section[: section.index("Not read")]
     assert set(re.findall(r"`(DYN_KVBM_\w+)`", accepted)) == set(DYNAMO_ENV)
-    for name in ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
-                 "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY"):
-        assert name in section[len(accepted):], name
+    for name in (
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS",
+        "DYN_KVBM_CACHE_STATS_MAX_REQUESTS",
+        "DYN_KVBM_HOST_OFFLOAD_PREFIX_MIN_PRIORITY",
+    ):
+        assert name in section[len(accepted) :], name
 
 
-@pytest.mark.parametrize("value,want", [("true", "always"), ("1", "always"),
-                                        ("false", "frequency"), ("off", "frequency")])
+@pytest.mark.parametrize(
+    "value,want",
+    [("true", "always"), ("1", "always"), ("false", "frequency"), ("off", "frequency")],
+)
 def test_dynamo_disk_offload_filter_is_frequency_admission(value, want):
     cfg = load(None, DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER=value)
     assert cfg.disk_admission == want
@@ -69,16 +74,19 @@ def test_bad_dynamo_disk_offload_filter_names_the_variable_and_the_fix():
     assert "expected true" in msg and "'sometimes'" in msg
 
 
-@pytest.mark.parametrize("extra,env,port", [
-    (None, {"DYN_KVBM_METRICS": "true"}, 6880),  # Dynamo's default port
-    (None, {"DYN_KVBM_METRICS": "1", "DYN_KVBM_METRICS_PORT": "7001"}, 7001),
-    (None, {"DYN_KVBM_METRICS_PORT": "7001"}, 7001),
-    (None, {"DYN_KVBM_METRICS": "false", "DYN_KVBM_METRICS_PORT": "7001"}, None),
-    (None, {"DYN_KVBM_METRICS": "false", "KVBM_METRICS_PORT": "7002"}, 7002),
-    ({"metrics_port": 7003}, {"DYN_KVBM_METRICS": "true"}, 7003),
-    ({"metrics_port": 7003}, {"DYN_KVBM_METRICS": "false"}, 7003),
-    (None, {"DYN_KVBM_METRICS": "  "}, None),
-])
+@pytest.mark.parametrize(
+    "extra,env,port",
+    [
+        (None, {"DYN_KVBM_METRICS": "true"}, 6880),  # Dynamo's default port
+        (None, {"DYN_KVBM_METRICS": "1", "DYN_KVBM_METRICS_PORT": "7001"}, 7001),
+        (None, {"DYN_KVBM_METRICS_PORT": "7001"}, 7001),
+        (None, {"DYN_KVBM_METRICS": "false", "DYN_KVBM_METRICS_PORT": "7001"}, None),
+        (None, {"DYN_KVBM_METRICS": "false", "KVBM_METRICS_PORT": "7002"}, 7002),
+        ({"metrics_port": 7003}, {"DYN_KVBM_METRICS": "true"}, 7003),
+        ({"metrics_port": 7003}, {"DYN_KVBM_METRICS": "false"}, 7003),
+        (None, {"DYN_KVBM_METRICS": "  "}, None),
+    ],
+)
 def test_dynamo_metrics_switch(extra, env, port):
     assert load(extra, **env).metrics_port == port
 
@@ -92,16 +100,21 @@ def test_bad_dynamo_metrics_switch_names_the_variable_and_the_fix():
 
 
 def test_unread_dynamo_variables_are_named_in_a_warning_never_their_values(caplog):
-    env = {"DYN_KVBM_OBJECT_SECRET_KEY": "hunter2-secret",
-           "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "100",
-           "DYN_KVBM_LEADER_ZMQ_HOST": "  ",  # blank: as good as unset
-           "DYN_KVBM_CPU_CACHE_GB": "1", "DYN_KVBM_METRICS": "false"}
+    env = {
+        "DYN_KVBM_OBJECT_SECRET_KEY": "hunter2-secret",
+        "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "100",
+        "DYN_KVBM_LEADER_ZMQ_HOST": "  ",  # blank: as good as unset
+        "DYN_KVBM_CPU_CACHE_GB": "1",
+        "DYN_KVBM_METRICS": "false",
+    }
     with caplog.at_level("WARNING", logger="vllm_kvbm.config"):
         load(None, **env)
     [record] = caplog.records
     msg = record.getMessage()
-    assert msg.startswith("KVBM: DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS, "
-                          "DYN_KVBM_OBJECT_SECRET_KEY are Dynamo's and not read"), msg
+    assert msg.startswith(
+        "KVBM: DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS, "
+        "DYN_KVBM_OBJECT_SECRET_KEY are Dynamo's and not read"
+    ), msg
     assert "hunter2" not in caplog.text and "100" not in msg
     caplog.clear()
     with caplog.at_level("WARNING", logger="vllm_kvbm.config"):

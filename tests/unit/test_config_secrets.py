@@ -40,8 +40,13 @@ def test_secret_compares_with_compare_digest(monkeypatch):
 
 
 def _shown(text: str) -> bool:
-    return (PASSWORD in text or PAGE_SECRET.hex() in text or "page-secret-0123" in text
-            or repr(PAGE_SECRET) in text or "pässwörd" in text)
+    return (
+        PASSWORD in text
+        or PAGE_SECRET.hex() in text
+        or "page-secret-0123" in text
+        or repr(PAGE_SECRET) in text
+        or "pässwörd" in text
+    )
 
 
 def test_no_form_of_a_config_shows_either_secret(tmp_path, caplog):
@@ -49,9 +54,14 @@ def test_no_form_of_a_config_shows_either_secret(tmp_path, caplog):
     pw_file.write_text(PASSWORD + "\n")
     secret_file = tmp_path / "page.secret"
     secret_file.write_bytes(PAGE_SECRET)
-    cfg = load_config({"remote_url": "redis://127.0.0.1:6379",
-                       "remote_password_file": str(pw_file),
-                       "page_secret_file": str(secret_file)}, environ={})
+    cfg = load_config(
+        {
+            "remote_url": "redis://127.0.0.1:6379",
+            "remote_password_file": str(pw_file),
+            "page_secret_file": str(secret_file),
+        },
+        environ={},
+    )
     assert isinstance(cfg, KVBMConfig)
     assert cfg.remote_password.reveal() == PASSWORD and cfg.page_secret.reveal() == PAGE_SECRET
     assert type(cfg.remote_password) is type(cfg.page_secret) is Secret
@@ -61,12 +71,24 @@ def test_no_form_of_a_config_shows_either_secret(tmp_path, caplog):
         log.info("config %s", cfg)
         log.info("config %r", cfg)
         log.info(cfg)
-        log.info("secrets %s %r %s %r", cfg.remote_password, cfg.remote_password,
-                 cfg.page_secret, cfg.page_secret)
+        log.info(
+            "secrets %s %r %s %r",
+            cfg.remote_password,
+            cfg.remote_password,
+            cfg.page_secret,
+            cfg.page_secret,
+        )
         log.info(f"f-string {cfg} {cfg!r} {cfg.remote_password} {cfg.page_secret}")
     assert len(caplog.records) == 5
-    forms = [repr(cfg), str(cfg), f"{cfg}", f"{cfg!r}", format(cfg),
-             repr(dataclasses.asdict(cfg)), caplog.text]
+    forms = [
+        repr(cfg),
+        str(cfg),
+        f"{cfg}",
+        f"{cfg!r}",
+        format(cfg),
+        repr(dataclasses.asdict(cfg)),
+        caplog.text,
+    ]
     for secret in (cfg.remote_password, cfg.page_secret):
         forms += [repr(secret), str(secret), f"{secret}", f"{secret!r}", format(secret)]
     for text in forms:
@@ -74,9 +96,17 @@ def test_no_form_of_a_config_shows_either_secret(tmp_path, caplog):
     assert "redis-password" in str(cfg.remote_password)  # the source is shown, to find it
     assert "page.secret" in repr(cfg.page_secret)
 
-    env_cfg = load_config({"remote_url": "redis://127.0.0.1:6379"},
-                          environ={"KVBM_REMOTE_PASSWORD": PASSWORD,
-                                   "KVBM_PAGE_SECRET": "env-page-secret-0123456789"})
-    for text in (repr(env_cfg), str(env_cfg), f"{env_cfg.remote_password}",
-                 f"{env_cfg.page_secret!r}"):
+    env_cfg = load_config(
+        {"remote_url": "redis://127.0.0.1:6379"},
+        environ={
+            "KVBM_REMOTE_PASSWORD": PASSWORD,
+            "KVBM_PAGE_SECRET": "env-page-secret-0123456789",
+        },
+    )
+    for text in (
+        repr(env_cfg),
+        str(env_cfg),
+        f"{env_cfg.remote_password}",
+        f"{env_cfg.page_secret!r}",
+    ):
         assert PASSWORD not in text and "env-page-secret" not in text, text

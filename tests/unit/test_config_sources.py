@@ -11,12 +11,16 @@ from vllm_kvbm.config import KVBMConfig, config_keys
 
 # ---- environment -------------------------------------------------------------
 
-@pytest.mark.parametrize("env,value,expected", [
-    ("KVBM_HOST_CACHE_SIZE", "256MiB", 256 * MiB),
-    ("KVBM_HOST_CACHE_GB", "2", 2 * 10**9),
-    ("KVBM_HOST_CACHE_GB", "0.5", 5 * 10**8),
-    ("DYN_KVBM_CPU_CACHE_GB", "3", 3 * 10**9),
-])
+
+@pytest.mark.parametrize(
+    "env,value,expected",
+    [
+        ("KVBM_HOST_CACHE_SIZE", "256MiB", 256 * MiB),
+        ("KVBM_HOST_CACHE_GB", "2", 2 * 10**9),
+        ("KVBM_HOST_CACHE_GB", "0.5", 5 * 10**8),
+        ("DYN_KVBM_CPU_CACHE_GB", "3", 3 * 10**9),
+    ],
+)
 def test_env_size(env, value, expected):
     cfg = load(None, **{env: value})
     assert cfg.host_cache_bytes == expected
@@ -32,23 +36,31 @@ def test_env_blocks():
 
 # ---- one key from two sources ----------------------------------------------------
 
+
 def test_a_size_from_four_sources_is_an_error_naming_two_of_them():
     # JSON 64GiB with three env variables used to give the last one's 1e9
     # bytes without a word.
-    msg = _err({"host_cache_size": "64GiB"}, KVBM_HOST_CACHE_SIZE="8GiB",
-               KVBM_HOST_CACHE_GB="2", DYN_KVBM_CPU_CACHE_GB="1")
+    msg = _err(
+        {"host_cache_size": "64GiB"},
+        KVBM_HOST_CACHE_SIZE="8GiB",
+        KVBM_HOST_CACHE_GB="2",
+        DYN_KVBM_CPU_CACHE_GB="1",
+    )
     assert msg.startswith("host_cache_size is set to two different values: "), msg
     assert f"{64 * GiB} bytes (64.00 GiB) by kv_connector_extra_config" in msg, msg
     assert f"{8 * GiB} bytes (8.00 GiB) by KVBM_HOST_CACHE_SIZE" in msg, msg
     assert "set it in one place only" in msg
 
 
-@pytest.mark.parametrize("extra,env", [
-    ({"namespace": "a"}, {"KVBM_NAMESPACE": "b"}),
-    ({"disk_admission": "always"}, {"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "false"}),
-    (None, {"KVBM_DISK_CACHE_SIZE": "1GiB", "DYN_KVBM_DISK_CACHE_GB": "1"}),
-    ({"metrics_port": 7003}, {"DYN_KVBM_METRICS_PORT": "7004"}),
-])
+@pytest.mark.parametrize(
+    "extra,env",
+    [
+        ({"namespace": "a"}, {"KVBM_NAMESPACE": "b"}),
+        ({"disk_admission": "always"}, {"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER": "false"}),
+        (None, {"KVBM_DISK_CACHE_SIZE": "1GiB", "DYN_KVBM_DISK_CACHE_GB": "1"}),
+        ({"metrics_port": 7003}, {"DYN_KVBM_METRICS_PORT": "7004"}),
+    ],
+)
 def test_two_sources_different_values_is_an_error_naming_both(extra, env):
     msg = _err(extra, **env)
     assert "is set to two different values" in msg, msg
@@ -60,22 +72,31 @@ def test_two_sources_different_values_is_an_error_naming_both(extra, env):
 
 def test_two_sources_same_value_pass_with_a_log_line(caplog):
     with caplog.at_level("INFO", logger="vllm_kvbm.config"):
-        cfg = load({"host_cache_size": "8GiB", "nixl_backend": "UCX"},
-                   KVBM_HOST_CACHE_SIZE=str(8 * GiB), KVBM_NIXL_BACKEND="ucx",
-                   KVBM_NAMESPACE="b", KVBM_REMOTE_URL="  ")
+        cfg = load(
+            {"host_cache_size": "8GiB", "nixl_backend": "UCX"},
+            KVBM_HOST_CACHE_SIZE=str(8 * GiB),
+            KVBM_NIXL_BACKEND="ucx",
+            KVBM_NAMESPACE="b",
+            KVBM_REMOTE_URL="  ",
+        )
     assert (cfg.host_cache_bytes, cfg.nixl_backend, cfg.namespace) == (8 * GiB, "UCX", "b")
     assert cfg.remote_url is None  # blank: not set
-    assert ("KVBM: host_cache_size is set to the same value by kv_connector_extra_config "
-            "and KVBM_HOST_CACHE_SIZE") in caplog.text
+    assert (
+        "KVBM: host_cache_size is set to the same value by kv_connector_extra_config "
+        "and KVBM_HOST_CACHE_SIZE"
+    ) in caplog.text
     assert cfg.sources["host_cache_size"] == "kv_connector_extra_config and KVBM_HOST_CACHE_SIZE"
 
 
 def test_host_cache_blocks_and_size_together_is_an_error_naming_both():
     msg = _err({"host_cache_blocks": 10}, KVBM_HOST_CACHE_GB="2")
-    assert msg == ("host_cache_blocks (from kv_connector_extra_config) and host_cache_size "
-                   "(from KVBM_HOST_CACHE_GB) both size the host tier; set only one of them")
+    assert msg == (
+        "host_cache_blocks (from kv_connector_extra_config) and host_cache_size "
+        "(from KVBM_HOST_CACHE_GB) both size the host tier; set only one of them"
+    )
     assert "both size the host tier" in _err(
-        None, DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="5", KVBM_HOST_CACHE_SIZE="1GiB")
+        None, DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="5", KVBM_HOST_CACHE_SIZE="1GiB"
+    )
 
 
 def test_secret_files_from_two_sources_are_named_by_path_never_content(tmp_path):
@@ -91,13 +112,20 @@ def test_secret_files_from_two_sources_are_named_by_path_never_content(tmp_path)
 
 # ---- the startup listing ----------------------------------------------------------
 
+
 def test_describe_lists_each_set_value_with_its_source_and_no_secret(tmp_path):
     secret = tmp_path / "page.secret"
     secret.write_text("s3cr3t-page-key-material-0123456789\n")
-    cfg = load({"host_cache_size": "16G", "remote_url": "redis://cache:6379",
-                "page_secret_file": str(secret)},
-               KVBM_DISK_ADMISSION_MIN_USES="3", KVBM_REMOTE_PASSWORD="hunter2-password",
-               DYN_KVBM_METRICS="true")
+    cfg = load(
+        {
+            "host_cache_size": "16G",
+            "remote_url": "redis://cache:6379",
+            "page_secret_file": str(secret),
+        },
+        KVBM_DISK_ADMISSION_MIN_USES="3",
+        KVBM_REMOTE_PASSWORD="hunter2-password",
+        DYN_KVBM_METRICS="true",
+    )
     line = cfg.describe()
     assert line == (
         f"disk_admission_min_uses=3 from KVBM_DISK_ADMISSION_MIN_USES; "
@@ -105,7 +133,8 @@ def test_describe_lists_each_set_value_with_its_source_and_no_secret(tmp_path):
         f"metrics_port=6880 from DYN_KVBM_METRICS; "
         f"page_secret_file=<set> from kv_connector_extra_config; "
         f"remote_url='redis://cache:6379' from kv_connector_extra_config; "
-        f"remote_password=<set> from KVBM_REMOTE_PASSWORD"), line
+        f"remote_password=<set> from KVBM_REMOTE_PASSWORD"
+    ), line
     assert "s3cr3t" not in line and "hunter2" not in line
     env_secret = load(None, KVBM_PAGE_SECRET="x" * 32).describe()
     assert env_secret == "page_secret=<set> from KVBM_PAGE_SECRET"
@@ -143,8 +172,11 @@ ENV_EXAMPLES = {
     "pool_serve_host": ("10.0.0.5", "pool_serve_host", "10.0.0.5"),
     "peer_read_timeout_s": ("0.5", "peer_read_timeout_s", 0.5),
     "peer_reads": ("true", "peer_reads", True),
-    "peer_directory_url": ("redis://dir.example:6379/1", "peer_directory_url",
-                           "redis://dir.example:6379/1"),
+    "peer_directory_url": (
+        "redis://dir.example:6379/1",
+        "peer_directory_url",
+        "redis://dir.example:6379/1",
+    ),
     "peer_directory_ttl_s": ("60", "peer_directory_ttl_s", 60.0),
 }
 
@@ -161,11 +193,13 @@ def test_every_key_has_its_env_variable_and_it_parses(key, tmp_path):
         text = expected = str(tmp_path)
     elif key.endswith("_file"):
         path = tmp_path / key
-        path.write_text("-----BEGIN CERTIFICATE-----\n" if key == "remote_tls_ca_file"
-                        else "p" * 32 + "\n")
+        path.write_text(
+            "-----BEGIN CERTIFICATE-----\n" if key == "remote_tls_ca_file" else "p" * 32 + "\n"
+        )
         text = str(path)
-        extra = {"remote_url": ("rediss://h:6379" if key == "remote_tls_ca_file"
-                                else "redis://h:6379")}
+        extra = {
+            "remote_url": ("rediss://h:6379" if key == "remote_tls_ca_file" else "redis://h:6379")
+        }
     if key.startswith("pool_") and key != "pool_cache_size":
         extra = {"pool_cache_size": "1GiB"}  # the pool's other keys need a pool
     if key.startswith("peer_directory"):  # a directory needs a reader (or a served pool)
@@ -187,15 +221,21 @@ def test_env_examples_cover_every_key():
     assert sorted(ENV_EXAMPLES) == config_keys()
 
 
-@pytest.mark.parametrize("env,value,fragments", [
-    ("KVBM_HOST_CACHE_SIZE", "big", ["KVBM_HOST_CACHE_SIZE", "host_cache_size", "'big'"]),
-    ("KVBM_HOST_CACHE_GB", "two", ["KVBM_HOST_CACHE_GB", "host_cache_size"]),
-    ("DYN_KVBM_CPU_CACHE_GB", "-1", ["DYN_KVBM_CPU_CACHE_GB", "host_cache_size"]),
-    ("KVBM_HOST_CACHE_BLOCKS", "0", ["KVBM_HOST_CACHE_BLOCKS", "host_cache_blocks", ">= 1"]),
-    ("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "many",
-     ["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "host_cache_blocks", "integer"]),
-    ("KVBM_NIXL_BACKEND", "rdma", ["KVBM_NIXL_BACKEND", "nixl_backend", '"UCX"']),
-])
+@pytest.mark.parametrize(
+    "env,value,fragments",
+    [
+        ("KVBM_HOST_CACHE_SIZE", "big", ["KVBM_HOST_CACHE_SIZE", "host_cache_size", "'big'"]),
+        ("KVBM_HOST_CACHE_GB", "two", ["KVBM_HOST_CACHE_GB", "host_cache_size"]),
+        ("DYN_KVBM_CPU_CACHE_GB", "-1", ["DYN_KVBM_CPU_CACHE_GB", "host_cache_size"]),
+        ("KVBM_HOST_CACHE_BLOCKS", "0", ["KVBM_HOST_CACHE_BLOCKS", "host_cache_blocks", ">= 1"]),
+        (
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS",
+            "many",
+            ["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "host_cache_blocks", "integer"],
+        ),
+        ("KVBM_NIXL_BACKEND", "rdma", ["KVBM_NIXL_BACKEND", "nixl_backend", '"UCX"']),
+    ],
+)
 def test_bad_env_value_names_env_var(env, value, fragments):
     msg = _err({"host_cache_size": "1GiB"}, **{env: value})
     assert msg.startswith(env), msg

@@ -34,25 +34,32 @@ CPU = torch.device("cpu")
 
 
 def layout(name: str, gen, layers=3, heads=2, block_size=4, head_size=8, nb=NB):
-    return vllm_layout(name, layers, nb, heads=heads, block_size=block_size,
-                       head_size=head_size, gen=gen, dtype=torch.bfloat16)
+    return vllm_layout(
+        name,
+        layers,
+        nb,
+        heads=heads,
+        block_size=block_size,
+        head_size=head_size,
+        gen=gen,
+        dtype=torch.bfloat16,
+    )
 
 
 def copies_for(cuda: FakeCuda, spans: SpanViews, batch: bool = True, cls=CudaCopies):
     """The real CudaCopies over the fake: vLLM's batch copy, or the fallback."""
     found = (cuda.swap_blocks_batch, "") if batch else (None, "no batch copy (test)")
-    return cls(CPU, spans, cuda=cuda, find_batch=lambda: found,
-               foreach_copy=cuda.foreach_copy)
+    return cls(CPU, spans, cuda=cuda, find_batch=lambda: found, foreach_copy=cuda.foreach_copy)
 
 
-def mover_for(lay, slots: int, gen, page_blocks: int = 1, batch: bool = True,
-              cls=CudaCopies):
+def mover_for(lay, slots: int, gen, page_blocks: int = 1, batch: bool = True, cls=CudaCopies):
     pool = torch.empty(slots, lay.block_bytes(), dtype=torch.uint8)
     random_fill(pool, gen)  # garbage: an unwanted write shows
     cuda = FakeCuda()
     copies = copies_for(cuda, SpanViews([*lay.caches.values(), pool]), batch, cls)
-    m = CopyEngineMover(lay.caches, lay.num_blocks, pool, lay.block_dims, copies=copies,
-                        page_blocks=page_blocks)
+    m = CopyEngineMover(
+        lay.caches, lay.num_blocks, pool, lay.block_dims, copies=copies, page_blocks=page_blocks
+    )
     return m, pool, cuda
 
 
@@ -117,9 +124,14 @@ def test_the_wait_is_for_the_fence_not_for_work_queued_after_it(gen):
     fence = CudaFence(CPU, cuda)
     h = m.post(True, [3], [0], after=fence)
     cuda.launch(lambda: lay.fill_block(3, gen), "the next step's forward")
-    assert cuda.log == ["compute: kernel forward writes block 3", "compute: record event0",
-                        "stream1: wait_event event0", "stream1: kernel batch of 1 copies",
-                        "stream1: record event1", "compute: kernel the next step's forward"]
+    assert cuda.log == [
+        "compute: kernel forward writes block 3",
+        "compute: record event0",
+        "stream1: wait_event event0",
+        "stream1: kernel batch of 1 copies",
+        "stream1: record event1",
+        "compute: kernel the next step's forward",
+    ]
     cuda.run(until=lambda: m.poll(h) == "DONE")
     assert cuda.compute.queue  # the next step's forward has not run: nothing waited for it
     kv_at_fence = lay.slot_bytes(3)  # what the first forward wrote
@@ -195,19 +207,28 @@ def test_the_worker_posts_at_once_and_the_gpu_orders_the_copies(gen):
 
     lay = layout(BLOCK_MAJOR_LAYOUT, gen)
     bb = lay.block_bytes()
-    ns = KeyNamespace(model="m@", dtype="torch.bfloat16", kv_layout="x", block_size=4,
-                      page_bytes=bb, tp_size=1)
+    ns = KeyNamespace(
+        model="m@", dtype="torch.bfloat16", kv_layout="x", block_size=4, page_bytes=bb, tp_size=1
+    )
     w = KVBMWorker(EngineInfo(4, bb, lay.num_layers, 1, ns), 8, "UCX", agent_name("kvbm-ce"))
     w.register_kv_caches(lay.caches, NB, lay.block_dims)  # CPU KV: NIXL, replaced here
     w.mover.close()
     cuda = FakeCuda()
     rows = w.host_pool.view(-1, bb)
-    w.mover = CopyEngineMover(lay.caches, NB, rows, lay.block_dims,
-                              copies=copies_for(cuda, SpanViews([*lay.caches.values(), rows])))
+    w.mover = CopyEngineMover(
+        lay.caches,
+        NB,
+        rows,
+        lay.block_dims,
+        copies=copies_for(cuda, SpanViews([*lay.caches.values(), rows])),
+    )
     w.make_fence = lambda: CudaFence(CPU, cuda)
     cuda.launch(lambda: [lay.fill_block(b, gen) for b in (3, 4)], "forward")
-    w.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "A", [3, 4], [0, 1])],
-                                         delayed_free_req_ids=["A"]))
+    w.start_stores(
+        KVBMConnectorMetadata(
+            stores=[TransferJob(1, "A", [3, 4], [0, 1])], delayed_free_req_ids=["A"]
+        )
+    )
     assert not w._pending and len(w._inflight) == 1  # posted at once
     cuda.launch(lambda: [lay.fill_block(b, gen) for b in (3, 4)], "the next step's forward")
     assert w.get_finished(set()) == (set(), set())  # nothing ran: the store is in flight
@@ -274,8 +295,17 @@ KIB = 1024
 
 def regions_70b(name: str, tp: int):
     """Llama-3-70B's KV cache on one of ``tp`` ranks (8 KV heads split)."""
-    lay = vllm_layout(name, 80, 32, heads=8 // tp, block_size=16, head_size=128, gen=None,
-                      dtype=torch.bfloat16, pad=0)
+    lay = vllm_layout(
+        name,
+        80,
+        32,
+        heads=8 // tp,
+        block_size=16,
+        head_size=128,
+        gen=None,
+        dtype=torch.bfloat16,
+        pad=0,
+    )
     assert lay.block_bytes() == 80 * 2 * (8 // tp) * 128 * 16 * 2
     return block_regions(lay.caches, 32, lay.block_dims)
 
@@ -345,8 +375,10 @@ def test_a_page_under_the_block_major_layout_is_the_same_bytes_and_identity_as_l
     # interior) both differ, so such a page is never read as this one.
     from vllm_kvbm.worker.tier_io import layout_fingerprint
 
-    lays = {name: layout(name, gen if name == "LBHNC" else None)
-            for name in ("LBHNC", BLOCK_MAJOR_LAYOUT, "LBNHC")}
+    lays = {
+        name: layout(name, gen if name == "LBHNC" else None)
+        for name in ("LBHNC", BLOCK_MAJOR_LAYOUT, "LBNHC")
+    }
     for name, lay in lays.items():
         for layer, view in lay.caches.items():
             view.copy_(lays["LBHNC"].caches[layer])  # the same KV, logically
@@ -365,11 +397,15 @@ def test_a_page_under_the_block_major_layout_is_the_same_bytes_and_identity_as_l
 
 def test_page_copies_log_line():
     c = page_copies(RegionTable.of(regions_70b("LBNHC", 8)), 16)
-    assert str(c) == ("a 16-block page is 1280 copies (consecutive engine blocks) to 1280 "
-                      "(scattered), the smallest 8 KiB")
+    assert str(c) == (
+        "a 16-block page is 1280 copies (consecutive engine blocks) to 1280 "
+        "(scattered), the smallest 8 KiB"
+    )
     c = page_copies(RegionTable.of(regions_70b(BLOCK_MAJOR_LAYOUT, 8)), 16)
-    assert str(c) == ("a 16-block page is 1 copy (consecutive engine blocks) to 16 "
-                      "(scattered), the smallest 640 KiB")
+    assert str(c) == (
+        "a 16-block page is 1 copy (consecutive engine blocks) to 16 "
+        "(scattered), the smallest 640 KiB"
+    )
 
 
 def test_a_cuda_error_on_the_event_ends_the_transfer_err(gen, caplog):

@@ -29,8 +29,9 @@ def gen():
 
 
 def layout(name: str, gen, nb: int = NB):
-    return vllm_layout(name, 3, nb, heads=2, block_size=4, head_size=8, gen=gen,
-                       dtype=torch.bfloat16)
+    return vllm_layout(
+        name, 3, nb, heads=2, block_size=4, head_size=8, gen=gen, dtype=torch.bfloat16
+    )
 
 
 def test_the_chosen_path_is_logged_with_a_checked_timed_round_trip(gen, caplog):
@@ -74,11 +75,14 @@ class Broken:
         return {"ends ERR": "ERR", "never ends": "PROC"}.get(self.fault) or self.m.poll(handle)
 
 
-@pytest.mark.parametrize("fault, says", [
-    ("store flips a byte", "store: engine block 5 and host row 5 differ first at byte "),
-    ("load writes nothing", "load: engine block 0 and host row 8 differ first at byte 0 "),
-    ("ends ERR", "warm-up store: the transfer ended ERR"),
-])
+@pytest.mark.parametrize(
+    "fault, says",
+    [
+        ("store flips a byte", "store: engine block 5 and host row 5 differ first at byte "),
+        ("load writes nothing", "load: engine block 0 and host row 8 differ first at byte 0 "),
+        ("ends ERR", "warm-up store: the transfer ended ERR"),
+    ],
+)
 def test_a_round_trip_that_copies_wrong_bytes_or_fails_stops_the_engine(gen, fault, says):
     lay = layout("LBHNC", gen)
     pool = torch.zeros(20, lay.block_bytes(), dtype=torch.uint8)
@@ -107,10 +111,10 @@ def test_a_transfer_that_never_ends_is_an_error_and_the_mover_stays_open(gen, mo
         return b
 
     import vllm_kvbm.worker.page_mover as page_mover
+
     monkeypatch.setattr(page_mover, "PageMover", never_ends)
     try:
-        with pytest.raises(copy_path.Unfinished, match="warm-up store: not finished within "
-                                                       "0.05 s"):
+        with pytest.raises(copy_path.Unfinished, match="warm-up store: not finished within 0.05 s"):
             make_mover(lay.caches, NB, pool, "UCX", agent_name(), lay.block_dims, 2)
         assert not closed
     finally:
@@ -132,12 +136,16 @@ def test_the_worker_does_not_start_on_a_path_that_copies_wrong_bytes(gen, monkey
         return b
 
     import vllm_kvbm.worker.page_mover as page_mover
+
     monkeypatch.setattr(page_mover, "PageMover", broken_mover)
     closed = []
     real_close = PageMover.close
     monkeypatch.setattr(PageMover, "close", lambda self: (closed.append(self), real_close(self)))
-    with pytest.raises(CopyPathError, match="store: engine block 5 and host row 5 differ first "
-                                            "at byte 188 of layer block region 3 of 3"):
+    with pytest.raises(
+        CopyPathError,
+        match="store: engine block 5 and host row 5 differ first "
+        "at byte 188 of layer block region 3 of 3",
+    ):
         make_mover(lay.caches, NB, pool, "UCX", agent_name(), lay.block_dims, 2)
     assert closed == made  # the mover was closed: nothing of it outlives the error
 
@@ -147,8 +155,12 @@ def test_the_copy_engines_round_trip_is_timed_by_cuda_events(gen, caplog):
     pool = torch.zeros(20, lay.block_bytes(), dtype=torch.uint8)
     random_fill(pool, gen)
     cuda = FakeCuda()
-    copies = CudaCopies(torch.device("cpu"), SpanViews([*lay.caches.values(), pool]), cuda=cuda,
-                        find_batch=lambda: (cuda.swap_blocks_batch, ""))
+    copies = CudaCopies(
+        torch.device("cpu"),
+        SpanViews([*lay.caches.values(), pool]),
+        cuda=cuda,
+        find_batch=lambda: (cuda.swap_blocks_batch, ""),
+    )
     m = CopyEngineMover(lay.caches, NB, pool, lay.block_dims, copies=copies, page_blocks=2)
     poll = m.poll
     m.poll = lambda h: (cuda.run(), poll(h))[1]  # the GPU runs while the host waits

@@ -24,6 +24,7 @@ def _started_from_a_pinned_thread(start):
     def pinned():
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         out["value"] = start()
+
     t = threading.Thread(target=pinned)
     t.start()
     t.join()
@@ -51,16 +52,17 @@ def test_tier_io_and_disk_reader_threads_run_on_every_cpu_of_the_process(tmp_pat
         def spy(target):
             seen[threading.current_thread().name] = os.sched_getaffinity(0)
             return "miss"
+
         store._get = spy  # records where the reader threads run (each page's read)
         pool = torch.zeros(2, SMALL, dtype=torch.uint8)
-        job = TransferJob(1, "R", [0, 1], [0, 1], fetch=[(0, "disk", key(1)),
-                                                         (1, "disk", key(2))])
+        job = TransferJob(1, "R", [0, 1], [0, 1], fetch=[(0, "disk", key(1)), (1, "disk", key(2))])
         meta = KVBMWorkerMetadata()
 
         def fetch():  # from the engine thread: the pools start their threads here
             io.fetch(job, pool)
             while not io.poll(meta):
                 pass
+
         _started_from_a_pinned_thread(fetch)
         assert {n.rsplit("_", 1)[0] for n in seen} == {"kvbm-disk-read"}
         for name, cpus in seen.items():
@@ -87,8 +89,11 @@ def test_a_process_whose_threads_are_all_pinned_sees_its_parents_cpus():
     import subprocess
     import sys
 
-    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
-            "from vllm_kvbm.cpus import process_cpus; print(sorted(process_cpus()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from vllm_kvbm.cpus import process_cpus; print(sorted(process_cpus()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert set(eval(out)) >= os.sched_getaffinity(0)

@@ -35,22 +35,35 @@ def load() -> dict:
 
 def test_every_metric_has_a_panel():
     exprs = " ".join(t["expr"] for _, t in targets(load()))
-    missing = [f.name for f in FAMILIES.values()
-               if not re.search(rf"\b{f.name}(_total|_bucket|_count)?\b", exprs)]
+    missing = [
+        f.name
+        for f in FAMILIES.values()
+        if not re.search(rf"\b{f.name}(_total|_bucket|_count)?\b", exprs)
+    ]
     assert not missing, f"metrics without a panel in {DASHBOARD}: {missing}"
     for family in FAMILIES.values():
         if family.kind != "histogram":
             continue
         by = "le, tier" if family.tiers else "le"
         for quantile in ("0.5", "0.9", "0.99"):
-            assert (f"histogram_quantile({quantile}, sum by ({by}) "
-                    f"(rate({family.name}_bucket") in exprs, (family.name, quantile)
+            assert (
+                f"histogram_quantile({quantile}, sum by ({by}) (rate({family.name}_bucket"
+            ) in exprs, (family.name, quantile)
 
 
 def test_rows_cover_the_operators_questions():
     rows = [p["title"] for p in load()["panels"] if p["type"] == "row"]
-    for word in ("hit rate", "Offload D2H", "Onboard H2D", "Lower tiers", "Latency",
-                 "Host tier", "Evictions", "learned costs", "time to first token"):
+    for word in (
+        "hit rate",
+        "Offload D2H",
+        "Onboard H2D",
+        "Lower tiers",
+        "Latency",
+        "Host tier",
+        "Evictions",
+        "learned costs",
+        "time to first token",
+    ):
         assert any(word.lower() in row.lower() for row in rows), (word, rows)
 
 

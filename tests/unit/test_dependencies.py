@@ -40,7 +40,9 @@ def read_lock(path: Path) -> dict[str, tuple[str, Version]]:
             continue
         req = Requirement(line)
         specs = list(req.specifier)
-        assert len(specs) == 1 and specs[0].operator == "==", f"{path.name}:{n}: {line!r} is not name==version"
+        assert len(specs) == 1 and specs[0].operator == "==", (
+            f"{path.name}:{n}: {line!r} is not name==version"
+        )
         pins[canonicalize_name(req.name)] = (req.name, Version(specs[0].version))
     return pins
 
@@ -63,8 +65,9 @@ def test_every_direct_dependency_is_bounded_both_ways():
         ops = {s.operator for s in req.specifier}
         if not ops & LOWER or not ops & UPPER:
             unbounded.append(f"{req} ({where})")
-    assert not unbounded, ("pyproject.toml: give each a lower and an upper bound: "
-                           + "; ".join(unbounded))
+    assert not unbounded, "pyproject.toml: give each a lower and an upper bound: " + "; ".join(
+        unbounded
+    )
 
 
 @pytest.mark.parametrize("where,req", DECLARED, ids=[f"{w}:{r.name}" for w, r in DECLARED])
@@ -77,14 +80,18 @@ def test_installed_version_is_in_the_range_pyproject_allows(where, req):
     assert req.specifier.contains(have, prereleases=True), (
         f"{req.name} {have} is installed, outside {req.specifier} that pyproject.toml's {where} "
         f"allows: set up the venv again (scripts/setup.sh), or move the bound once the code "
-        f"is tested on {have}")
+        f"is tested on {have}"
+    )
 
 
 def test_the_lock_pins_inside_the_pyproject_ranges():
     pins = read_lock(LOCK)
-    outside = [f"{req.name}=={pins[canonicalize_name(req.name)][1]} against {req.specifier} ({where})"
-               for where, req in DECLARED if canonicalize_name(req.name) in pins
-               and not req.specifier.contains(pins[canonicalize_name(req.name)][1], prereleases=True)]
+    outside = [
+        f"{req.name}=={pins[canonicalize_name(req.name)][1]} against {req.specifier} ({where})"
+        for where, req in DECLARED
+        if canonicalize_name(req.name) in pins
+        and not req.specifier.contains(pins[canonicalize_name(req.name)][1], prereleases=True)
+    ]
     assert not outside, f"{LOCK.name} pins outside pyproject.toml's ranges: " + "; ".join(outside)
 
 
@@ -126,6 +133,8 @@ def test_installed_versions_equal_the_lock():
         if have is not None and have != pin:
             differ.append(f"{name} {have} (the lock pins =={pin})")
     assert not differ, (
-        f"{len(differ)} installed package(s) differ from {lock}: " + "; ".join(differ)
+        f"{len(differ)} installed package(s) differ from {lock}: "
+        + "; ".join(differ)
         + ". scripts/setup.sh installs the lock's versions; to move the lock on purpose, "
-        "scripts/lock.sh (docs/development.md)")
+        "scripts/lock.sh (docs/development.md)"
+    )

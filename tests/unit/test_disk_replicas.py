@@ -43,8 +43,9 @@ def test_dp_ranks_on_one_disk_cache_dir_keep_their_pages_apart(tmp_path, caplog)
     infos = _dp_infos(2)
     assert infos[0].tier_namespace == infos[1].tier_namespace  # the same KV, the same keys
     page_bytes = infos[0].page_bytes
-    config = load_config({"disk_cache_dir": str(tmp_path),
-                          "disk_cache_size": f"{2 * phys(page_bytes)}B"})
+    config = load_config(
+        {"disk_cache_dir": str(tmp_path), "disk_cache_size": f"{2 * phys(page_bytes)}B"}
+    )
     # Both ranks' stores open (the second one was refused: the first's claim)
     stores = [DiskStore.from_config(config, info, 0, None, "") for info in infos]
     try:
@@ -66,4 +67,3 @@ def test_dp_ranks_on_one_disk_cache_dir_keep_their_pages_apart(tmp_path, caplog)
     finally:
         for s in stores:
             s.close()
-

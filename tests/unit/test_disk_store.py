@@ -56,6 +56,7 @@ def disk(tmp_path):
 
 # ---------------------------------------------------------------- disk ----
 
+
 def test_disk_round_trip_copies_and_removes(disk):
     s = disk(block=BIG)
     src = [page(i, BIG) for i in range(3)]
@@ -165,7 +166,7 @@ def test_disk_lru_eviction_by_bytes(disk):
     for i in range(3):
         assert s.put(key(i), page(i, SMALL))
     assert s.get_into(key(0), out) == "ok"  # key(0) is now the most recent
-    assert s.put(key(3), page(3, SMALL))    # evicts key(1), the least recent
+    assert s.put(key(3), page(3, SMALL))  # evicts key(1), the least recent
     assert [s.contains(key(i)) for i in range(4)] == [True, False, True, True]
     assert not os.path.exists(path_of(s, key(1)))
     assert len(files(s.directory)) == 3 and used_bytes(s) == 3 * phys(SMALL)
@@ -190,9 +191,9 @@ def test_disk_flipped_bytes_and_swapped_files_are_corrupt(disk):
             f.seek(offset)
             f.write(bytes([b[0] ^ 0x01]))
 
-    flip(key(0), HEADER_BYTES + SMALL // 2)   # payload
-    flip(key(1), 20)                          # key field of the header
-    flip(key(2), HEADER_BYTES - 2)            # the checksum itself
+    flip(key(0), HEADER_BYTES + SMALL // 2)  # payload
+    flip(key(1), 20)  # key field of the header
+    flip(key(2), HEADER_BYTES - 2)  # the checksum itself
     for i in range(3):
         out.fill_(0)
         assert s.get_into(key(i), out) == "corrupt"
@@ -236,9 +237,13 @@ def test_pages_of_either_checksum_are_verified_with_or_without_isal(disk, monkey
     assert page_checksum.FAST_CRC32 and page_checksum.WRITE_ALG == page_checksum.ALG_CRC32
     s = disk()
     out = torch.empty(SMALL, dtype=torch.uint8)
-    for i, (alg, reader) in enumerate([(page_checksum.ALG_CRC32C, page_checksum.crc32),
-                                       (page_checksum.ALG_CRC32, page_checksum.crc32),
-                                       (page_checksum.ALG_CRC32, zlib.crc32)]):
+    for i, (alg, reader) in enumerate(
+        [
+            (page_checksum.ALG_CRC32C, page_checksum.crc32),
+            (page_checksum.ALG_CRC32, page_checksum.crc32),
+            (page_checksum.ALG_CRC32, zlib.crc32),
+        ]
+    ):
         monkeypatch.setattr(page_checksum, "WRITE_ALG", alg)
         assert s.put(key(i), page(i, SMALL))
         monkeypatch.setattr(page_checksum, "WRITE_ALG", page_checksum.ALG_CRC32)
@@ -355,8 +360,11 @@ def test_a_page_replaced_by_a_symlink_is_never_read_through_it(disk, tmp_path):
 def test_a_second_store_of_the_same_model_and_rank_on_a_directory_is_refused(disk, tmp_path):
     d = tmp_path / "shared"
     a = disk(directory=d, ns="model-a", capacity=2 * phys(SMALL))
-    with pytest.raises(KVBMConfigError, match=r"disk_cache_dir: .* in use by another engine "
-                                              rf"\(pid {os.getpid()}\).*own disk_cache_dir"):
+    with pytest.raises(
+        KVBMConfigError,
+        match=r"disk_cache_dir: .* in use by another engine "
+        rf"\(pid {os.getpid()}\).*own disk_cache_dir",
+    ):
         disk(directory=d, ns="model-a")
     # Another rank, or another model, may share the directory: each evicts
     # and counts only its own pages.
@@ -397,8 +405,9 @@ s.close()
 print("DIR=" + repr(os.environ.get("PROMETHEUS_MULTIPROC_DIR")))
 """
     env = {k: v for k, v in os.environ.items() if k.upper() != "PROMETHEUS_MULTIPROC_DIR"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "DIR=None" in out.stdout
 

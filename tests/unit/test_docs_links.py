@@ -48,7 +48,9 @@ def test_relative_links_resolve(page):
         path, _, fragment = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists():
-            broken.append(f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+            broken.append(
+                f"{target}: no file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}"
+            )
         elif fragment and dest.suffix == ".md" and fragment not in anchors(dest.read_text()):
             broken.append(f"{target}: no heading #{fragment} in {dest.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
@@ -56,8 +58,10 @@ def test_relative_links_resolve(page):
 
 def test_the_checker_sees_a_broken_link(tmp_path):
     page = tmp_path / "page.md"
-    page.write_text("# A `code` title\n\n[ok](#a-code-title) [gone](missing.md) "
-                    "`[not a link](nowhere.md)` [web](https://example.com)\n")
+    page.write_text(
+        "# A `code` title\n\n[ok](#a-code-title) [gone](missing.md) "
+        "`[not a link](nowhere.md)` [web](https://example.com)\n"
+    )
     assert relative_links(page) == ["#a-code-title", "missing.md"]
     assert anchors(page.read_text()) == {"a-code-title"}
 

@@ -8,8 +8,10 @@ MiB = 1024**2
 
 
 def test_totals_multiply_the_per_worker_sizes_by_the_workers(tmp_path):
-    config = load_config({"host_cache_size": "16GiB", "disk_cache_dir": str(tmp_path),
-                          "disk_cache_size": "100GiB"}, environ={})
+    config = load_config(
+        {"host_cache_size": "16GiB", "disk_cache_dir": str(tmp_path), "disk_cache_size": "100GiB"},
+        environ={},
+    )
     # 16 GiB of 2 MiB pages per worker, TP=8
     text = config.engine_totals(16 * 1024 // 2, 2 * MiB, 8)
     assert "host tier 16.00 GiB per worker x 8 worker(s) = 128.00 GiB of host RAM" in text

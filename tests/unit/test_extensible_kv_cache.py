@@ -40,8 +40,11 @@ def call_sites(source: str) -> dict[str, tuple[int, int | None]]:
     for fn in ast.walk(ast.parse(source)):
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        calls = sorted((c.lineno, c.func.attr) for c in ast.walk(fn)
-                       if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute))
+        calls = sorted(
+            (c.lineno, c.func.attr)
+            for c in ast.walk(fn)
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+        )
         lines = [ln for ln, name in calls if name == "unregister_kv_caches"]
         if lines:
             frees = [ln for ln, name in calls if name in FREES and ln > lines[0]]
@@ -72,12 +75,17 @@ def test_connector_needs_no_single_allocation_and_says_what_it_does():
 
     import vllm_kvbm.connector as connector
 
-    fn = next(f for f in ast.walk(ast.parse(open(connector.__file__).read()))
-              if isinstance(f, ast.FunctionDef) and f.name == "kv_cache_access")
+    fn = next(
+        f
+        for f in ast.walk(ast.parse(open(connector.__file__).read()))
+        if isinstance(f, ast.FunctionDef) and f.name == "kv_cache_access"
+    )
     assert "KVCacheAccess.IN_PROCESS" in ast.unparse(fn)
     assert "KVCacheAccess.REGISTERS" not in ast.unparse(fn)
     on = connector.extensible_kv_cache_note(SimpleNamespace(enable_extensible_kv_cache=True))
     assert "registers none of its memory" in on and "none start until it is back" in on
     assert connector.extensible_kv_cache_note(SimpleNamespace()) is None  # vLLM 0.32, 0.33
-    assert connector.extensible_kv_cache_note(
-        SimpleNamespace(enable_extensible_kv_cache=False)) is None
+    assert (
+        connector.extensible_kv_cache_note(SimpleNamespace(enable_extensible_kv_cache=False))
+        is None
+    )

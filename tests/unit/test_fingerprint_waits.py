@@ -40,15 +40,18 @@ class FlockHolder:
     def __init__(self, weights: str):
         real = os.path.realpath(weights)
         entry = fp._entry_path(fp.stat_key(real, os.stat(real)))
-        lock = entry[:-len(".json")] + ".lock"
+        lock = entry[: -len(".json")] + ".lock"
         os.makedirs(os.path.dirname(lock), exist_ok=True)
-        code = ("import fcntl, os, sys\n"
-                "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
-                "fcntl.flock(fd, fcntl.LOCK_EX)\n"
-                "print('held', flush=True)\n"
-                "sys.stdin.read()\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, lock], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
+        code = (
+            "import fcntl, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, lock], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         assert self.proc.stdout.readline() == b"held\n"
 
     def holding(self) -> bool:
@@ -87,6 +90,7 @@ def test_an_adapter_saved_every_step_is_hashed_off_the_scheduler_thread(tmp_path
         if str(adapter) in path:
             hashed_on.append(threading.current_thread().name)
         return real(path)
+
     monkeypatch.setattr(fp, "hash_file", recording)
 
     lora = LoRARequest("rl", 1, str(adapter))
@@ -119,8 +123,7 @@ def test_a_request_while_another_process_holds_the_digest_lock_is_a_miss(tmp_pat
     lock is free the adapter is fingerprinted and cached."""
     from vllm.lora.request import LoRARequest
 
-    from helpers.scheduler_harness import (fingerprinted, kvbm, make_request, make_scheduler,
-                                           tokens)
+    from helpers.scheduler_harness import fingerprinted, kvbm, make_request, make_scheduler, tokens
 
     adapter = save_adapter(tmp_path / "adapter", 0)
     lora = LoRARequest("a", 1, adapter)
@@ -142,7 +145,8 @@ def test_a_request_while_another_process_holds_the_digest_lock_is_a_miss(tmp_pat
 
 
 def test_a_digest_lock_held_by_another_process_is_waited_for_until_the_deadline(
-        tmp_path, monkeypatch, caplog):
+    tmp_path, monkeypatch, caplog
+):
     """Past LOCK_TIMEOUT_S the file is hashed here, uncached, with one warning."""
     monkeypatch.setattr(fp, "LOCK_TIMEOUT_S", 0.3, raising=False)
     monkeypatch.setattr(fp, "_warned_locked", False, raising=False)

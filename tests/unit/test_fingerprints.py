@@ -41,6 +41,7 @@ def hashed(monkeypatch):
     def counting(path):
         paths.append(os.path.basename(path))
         return real(path)
+
     monkeypatch.setattr(fp, "hash_file", counting)
     return paths
 
@@ -82,8 +83,11 @@ def test_one_byte_changed_anywhere_changes_it(tmp_path, where):
     model = make_model(tmp_path / "m")
     before = fp.files_fingerprint(model)
     weights = os.path.join(model, "model.safetensors")
-    offset = {"first": 0, "between_samples": _between_samples(WEIGHT_BYTES),
-              "last": WEIGHT_BYTES - 1}.get(where)
+    offset = {
+        "first": 0,
+        "between_samples": _between_samples(WEIGHT_BYTES),
+        "last": WEIGHT_BYTES - 1,
+    }.get(where)
     if where == "config":
         with open(os.path.join(model, "config.json"), "r+b") as f:
             f.seek(2)
@@ -121,8 +125,7 @@ def test_same_files_elsewhere_give_the_same_value(tmp_path, monkeypatch):
     assert fp.files_fingerprint(make_model(tmp_path / "other", seed=1)) != first
 
 
-def test_rewrite_in_place_with_same_size_and_mtime_changes_it(tmp_path, cache_fresh_files,
-                                                              hashed):
+def test_rewrite_in_place_with_same_size_and_mtime_changes_it(tmp_path, cache_fresh_files, hashed):
     model = make_model(tmp_path / "m")
     weights = os.path.join(model, "model.safetensors")
     before = fp.files_fingerprint(model)
@@ -154,8 +157,15 @@ def test_cache_is_used_by_a_restart(tmp_path, cache_fresh_files, hashed):
     assert hashed == ["config.json"]  # small files are hashed, not cached
 
 
-@pytest.mark.parametrize("garbage", [b"", b"{not json", b'{"format": "kvbm-files-v2"}',
-                                     b'{"format": "kvbm-files-v2", "key": [], "digest": "00"}'])
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"",
+        b"{not json",
+        b'{"format": "kvbm-files-v2"}',
+        b'{"format": "kvbm-files-v2", "key": [], "digest": "00"}',
+    ],
+)
 def test_corrupt_cache_entry_is_recomputed(tmp_path, cache_fresh_files, hashed, garbage):
     model = make_model(tmp_path / "m")
     first = fp.files_fingerprint(model)
@@ -179,8 +189,9 @@ def test_entry_for_another_stat_is_not_used(tmp_path, cache_fresh_files):
     first = fp.files_fingerprint(model)
     other = make_model(tmp_path / "other", seed=1)
     other_value = fp.files_fingerprint(other)
-    entries = sorted(os.path.join(fp.cache_dir(), p) for p in os.listdir(fp.cache_dir())
-                     if p.endswith(".json"))
+    entries = sorted(
+        os.path.join(fp.cache_dir(), p) for p in os.listdir(fp.cache_dir()) if p.endswith(".json")
+    )
     contents = [open(p, "rb").read() for p in entries]
     for path, data in zip(entries, reversed(contents)):  # swap the two entries
         with open(path, "wb") as f:
@@ -217,7 +228,8 @@ def test_files_written_just_now_are_not_cached(tmp_path, hashed):
     assert fp.files_fingerprint(model) == first
     assert "model.safetensors" in hashed
     assert not os.path.isdir(fp.cache_dir()) or not any(
-        p.endswith(".json") for p in os.listdir(fp.cache_dir()))
+        p.endswith(".json") for p in os.listdir(fp.cache_dir())
+    )
 
 
 def test_concurrent_starts_hash_once(tmp_path, cache_fresh_files, hashed):
@@ -229,6 +241,7 @@ def test_concurrent_starts_hash_once(tmp_path, cache_fresh_files, hashed):
     def one_start():
         start.wait()
         results.append(fp.files_fingerprint(model))
+
     threads = [threading.Thread(target=one_start) for _ in range(4)]
     for t in threads:
         t.start()
@@ -279,8 +292,9 @@ def test_planner_keys_follow_the_adapter_files(tmp_path):
     assert lora_identity(request).fingerprint != first.fingerprint
 
 
-def test_cache_keeps_to_its_size_dropping_stale_entries_first(tmp_path, cache_fresh_files,
-                                                              monkeypatch):
+def test_cache_keeps_to_its_size_dropping_stale_entries_first(
+    tmp_path, cache_fresh_files, monkeypatch
+):
     """Weights saved in place again and again (an RL loop) leave an entry per
     save: past MAX_ENTRIES the stale ones go, the live files' stay."""
     monkeypatch.setattr(fp, "MAX_ENTRIES", 4)
@@ -304,8 +318,9 @@ def test_cache_keeps_to_its_size_dropping_stale_entries_first(tmp_path, cache_fr
     assert not any(p.endswith("model.safetensors") for p in hashed)
 
 
-def test_cache_beyond_its_size_in_live_files_drops_the_oldest(tmp_path, cache_fresh_files,
-                                                              monkeypatch):
+def test_cache_beyond_its_size_in_live_files_drops_the_oldest(
+    tmp_path, cache_fresh_files, monkeypatch
+):
     monkeypatch.setattr(fp, "MAX_ENTRIES", 4)
     cache = tmp_path / "kvbm-cache" / "fingerprints"
     for i in range(6):

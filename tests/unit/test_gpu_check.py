@@ -43,7 +43,8 @@ DEVICE_IMPORTS = (
     "functorch torchgen requests urllib3 certifi idna charset_normalizer tqdm safetensors "
     "regex tokenizers huggingface_hub transformers attr attrs cloudpickle click rich pygments "
     "aiohttp yarl multidict frozenlist aiosignal propcache anyio h11 httpx httpcore uvloop "
-    "tiktoken sentencepiece pytest pluggy iniconfig six dateutil pandas scipy").split()
+    "tiktoken sentencepiece pytest pluggy iniconfig six dateutil pandas scipy"
+).split()
 
 # Runs gpu_check.main with every other import failing as on that machine (torch
 # and numpy imported first: their optional imports are theirs, not ours).
@@ -66,11 +67,38 @@ sys.exit(gpu_check.main(sys.argv[3:]))
 
 def test_gpu_check_passes_on_cpu_with_only_the_gpu_machines_packages():
     out = subprocess.run(
-        [sys.executable, "-c", RUNNER, ",".join(DEVICE_IMPORTS), str(SCRIPT.parent),
-         "--device", "cpu", "--layers", "3", "--blocks", "24",
-         "--heads", "2", "--block-size", "4", "--head-size", "16", "--mla-head-size", "24",
-         "--repeats", "1", "--page-blocks", "4", "--layers-70b", "2"],
-        capture_output=True, text=True, timeout=600, cwd="/")  # imports from the repo
+        [
+            sys.executable,
+            "-c",
+            RUNNER,
+            ",".join(DEVICE_IMPORTS),
+            str(SCRIPT.parent),
+            "--device",
+            "cpu",
+            "--layers",
+            "3",
+            "--blocks",
+            "24",
+            "--heads",
+            "2",
+            "--block-size",
+            "4",
+            "--head-size",
+            "16",
+            "--mla-head-size",
+            "24",
+            "--repeats",
+            "1",
+            "--page-blocks",
+            "4",
+            "--layers-70b",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd="/",
+    )  # imports from the repo
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     lines = out.stdout.splitlines()
     assert lines[-1].startswith("gpu_check: all ") and "checks passed" in lines[-1], lines[-1]
@@ -79,26 +107,50 @@ def test_gpu_check_passes_on_cpu_with_only_the_gpu_machines_packages():
     # BLHNC and the copy engines first, the vLLM engine next, NIXL last, the peer read
     # between two processes the very last
     gpu_check = _import("gpu_check", SCRIPT.parent)
-    order = list(dict.fromkeys(line.split()[0] for line in lines[2:-1] if line.split()
-                               and line.split()[0] in gpu_check.ORDER))
+    order = list(
+        dict.fromkeys(
+            line.split()[0]
+            for line in lines[2:-1]
+            if line.split() and line.split()[0] in gpu_check.ORDER
+        )
+    )
     assert order == gpu_check.ORDER, order
-    assert order[0] == "packed-blhnc" and order[-4:] == ["nixl-70b-tp1", "nixl-70b-tp8", "gds",
-                                                         "peer-read"]
+    assert order[0] == "packed-blhnc" and order[-4:] == [
+        "nixl-70b-tp1",
+        "nixl-70b-tp8",
+        "gds",
+        "peer-read",
+    ]
     for case in CASES:
         text = "\n".join(line for line in lines if line.startswith(case + " "))
-        for check in ("host pool exact size", "stores copy the KV after the forward",
-                      "loads land after pending kernels", "bandwidth transfers finished",
-                      "no transfer failed", "shutdown released NIXL"):
-            assert f"{check}" in text and "PASS" in text.split(check)[1].split("\n")[0], \
-                (case, check, text)
+        for check in (
+            "host pool exact size",
+            "stores copy the KV after the forward",
+            "loads land after pending kernels",
+            "bandwidth transfers finished",
+            "no transfer failed",
+            "shutdown released NIXL",
+        ):
+            assert f"{check}" in text and "PASS" in text.split(check)[1].split("\n")[0], (
+                case,
+                check,
+                text,
+            )
         assert "offload d2h GB/s" in text and "onboard h2d GB/s" in text
         assert "perf_counter, polled until done" in text  # NIXL on CPU: no CUDA events
     for case in ("pages", "70b-pages"):
         pages = "\n".join(line for line in lines if line.startswith(case + " "))
-        for check in ("block size as computed", "pages stored whole, one slot each",
-                      "pages loaded, the skipped block untouched", "no transfer failed"):
-            assert check in pages and "PASS" in pages.split(check)[1].split("\n")[0], \
-                (case, check, pages)
+        for check in (
+            "block size as computed",
+            "pages stored whole, one slot each",
+            "pages loaded, the skipped block untouched",
+            "no transfer failed",
+        ):
+            assert check in pages and "PASS" in pages.split(check)[1].split("\n")[0], (
+                case,
+                check,
+                pages,
+            )
         assert "offload d2h GB/s" in pages and "onboard h2d GB/s" in pages
     # the 70B geometry with 2 of its 80 layers: 16 blocks of 16 tokens, 8 KV heads of 128
     assert "1 pages of 16 blocks x 16 tokens, 2 layers, 8 KV heads of 128: 2.0 MiB" in stdout(lines)
@@ -111,8 +163,9 @@ def test_gpu_check_passes_on_cpu_with_only_the_gpu_machines_packages():
             check = f"{layout} NIXL pages stored and loaded back, bytes equal"
             assert check in nixl and "PASS" in nixl.split(check)[1].split("\n")[0], nixl
             assert f"{layout} NIXL offload d2h GB/s (vs copy_)" in nixl
-            moved[tp, layout] = nixl.split(f"{layout} NIXL geometry")[1].split(" = ")[1].split(
-                " per transfer")[0]
+            moved[tp, layout] = (
+                nixl.split(f"{layout} NIXL geometry")[1].split(" = ")[1].split(" per transfer")[0]
+            )
         assert nixl.index("BLHNC NIXL") < nixl.index("LBNHC NIXL")
         assert "UCX protocol emulated" in nixl
     assert moved[1, "BLHNC"] == moved[8, "BLHNC"] == moved[8, "LBNHC"] == "2 MiB", moved
@@ -131,10 +184,30 @@ def test_gpu_check_killed_mid_run_leaves_the_rows_it_made(tmp_path):
     second case (a timeout, a lost machine) has already shown the first.
     (Its file goes under tmp_path: a killed run cannot remove it.)"""
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--cases", "flash-attn", "gds",
-         "--layers", "2", "--blocks", "8", "--repeats", "1", "--gds-mib", "64",
-         "--gds-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--cases",
+            "flash-attn",
+            "gds",
+            "--layers",
+            "2",
+            "--blocks",
+            "8",
+            "--repeats",
+            "1",
+            "--gds-mib",
+            "64",
+            "--gds-dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     watchdog = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
     watchdog.start()
     seen = []
@@ -206,13 +279,22 @@ def fake_wheel(path: Path, package: str = "nixl_cu12", forward: bool = False) ->
         zf.writestr(f"{package}/__init__.py", FORWARD if forward else "")
         if not forward:
             zf.writestr(f"{package}/_api.py", "")
-        zf.writestr(f"{package}-1.5.1.dist-info/METADATA",
-                    f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\n"
-                    "Version: 1.5.1\n")
-        zf.writestr(f"{package}-1.5.1.dist-info/WHEEL",
-                    "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-any\n")
-        for mod in ("libuct_cma", "libuct_cuda", "libuct_ib", "libuct_ib_mlx5", "libuct_rdmacm",
-                    "libucx_perftest_cuda"):
+        zf.writestr(
+            f"{package}-1.5.1.dist-info/METADATA",
+            f"Metadata-Version: 2.1\nName: {package.replace('_', '-')}\nVersion: 1.5.1\n",
+        )
+        zf.writestr(
+            f"{package}-1.5.1.dist-info/WHEEL",
+            "Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-any\n",
+        )
+        for mod in (
+            "libuct_cma",
+            "libuct_cuda",
+            "libuct_ib",
+            "libuct_ib_mlx5",
+            "libuct_rdmacm",
+            "libucx_perftest_cuda",
+        ):
             zf.writestr(f"{libs}/{mod}.so.0", b"not an elf file")
         zf.writestr(f"{package}-1.5.1.dist-info/RECORD", "")
     return path
@@ -236,23 +318,45 @@ def test_bundle_then_offline_run(tmp_path):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     pyver = f"{sys.version_info[0]}{sys.version_info[1]}"
-    fake_wheel(wheels / f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl",
-               forward=True)
+    fake_wheel(
+        wheels / f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl", forward=True
+    )
     env = {**os.environ, "PYTHON": sys.executable, "KVBM_GPU_CHECK_WHEELS": str(wheels)}
     out = tmp_path / "kvbm-gpu-check"
-    made = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--bundle", str(out),
-                           "--cuda", "12"], capture_output=True, text=True, env=env)
+    made = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_check.sh"), "--bundle", str(out), "--cuda", "12"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert made.returncode == 0, made.stdout + made.stderr
     assert (out / "src" / "benchmarks" / "gpu_check.py").exists()
     assert (tmp_path / "kvbm-gpu-check.tar.gz").exists()
     assert [p.name for p in (out / "wheels").iterdir()] == [
-        f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl"]
+        f"nixl_cu12-1.5.1-cp{pyver}-cp{pyver}-manylinux_2_28_x86_64.whl"
+    ]
     log = tmp_path / "log"
     ran = subprocess.run(
-        ["bash", str(out / "src" / "scripts" / "gpu_check.sh"), "--offline", str(out),
-         "--device", "cpu", "--cases", "gds", "--gds-mib", "4", "--repeats", "1"],
-        capture_output=True, text=True, env={**env, "KVBM_GPU_CHECK_LOG": str(log)},
-        cwd=tmp_path, timeout=600)
+        [
+            "bash",
+            str(out / "src" / "scripts" / "gpu_check.sh"),
+            "--offline",
+            str(out),
+            "--device",
+            "cpu",
+            "--cases",
+            "gds",
+            "--gds-mib",
+            "4",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, "KVBM_GPU_CHECK_LOG": str(log)},
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     assert (out / "site" / "nixl_cu12" / "__init__.py").exists()  # installed from the bundle
     assert "gpu_check: all " in log.read_text() and "NIXL POSIX file -> host" in ran.stdout
@@ -270,8 +374,20 @@ def test_gpu_check_reports_a_stale_page_as_failed(monkeypatch, capsys):
         return real(pool, lay, kv_cpu, blocks, slots)
 
     monkeypatch.setattr(gpu_check, "slot_pages_equal", stale)
-    rc = gpu_check.main(["--device", "cpu", "--cases", "flash-attn", "--layers", "2",
-                         "--blocks", "8", "--repeats", "1"])
+    rc = gpu_check.main(
+        [
+            "--device",
+            "cpu",
+            "--cases",
+            "flash-attn",
+            "--layers",
+            "2",
+            "--blocks",
+            "8",
+            "--repeats",
+            "1",
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
     assert rc == 1
     row = next(line for line in lines if "stores copy the KV after the forward" in line)
@@ -298,8 +414,9 @@ def test_a_nixl_exception_ends_only_its_layouts_rows(monkeypatch, capsys):
         return real(path, lay, pool)
 
     monkeypatch.setattr(paths, "_make", first_fails)
-    rc = gpu_check.main(["--device", "cpu", "--cases", "nixl-70b-tp1", "--layers-70b", "2",
-                         "--repeats", "1"])
+    rc = gpu_check.main(
+        ["--device", "cpu", "--cases", "nixl-70b-tp1", "--layers-70b", "2", "--repeats", "1"]
+    )
     out = capsys.readouterr().out
     assert rc == 1 and calls == ["NIXL", "NIXL"]
     assert "BLHNC NIXL ran" in out and "NIXL_ERR_BACKEND" in out
@@ -317,8 +434,20 @@ def test_a_transfer_still_running_is_never_closed_under(monkeypatch, capsys):
     monkeypatch.setattr(PageMover, "close", lambda self: closed.append(self))
     monkeypatch.setattr(paths, "mover_seconds", lambda *a, **k: ("PROC", float("inf")))
     kept = len(paths._KEPT)
-    rc = gpu_check.main(["--device", "cpu", "--cases", "nixl-70b-tp1", "--layers-70b", "2",
-                         "--repeats", "1", "--timeout", "1"])
+    rc = gpu_check.main(
+        [
+            "--device",
+            "cpu",
+            "--cases",
+            "nixl-70b-tp1",
+            "--layers-70b",
+            "2",
+            "--repeats",
+            "1",
+            "--timeout",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1 and not closed and len(paths._KEPT) == kept + 2  # both layouts kept
     assert out.count("NIXL left open") == 2 and "a transfer ended PROC" in out
@@ -331,13 +460,18 @@ def _fake_copy_engine(layout="BLHNC", nb=16):
 
     import torch
 
-    lay = vllm_layout(layout, 3, nb, heads=2, block_size=4, head_size=8, gen=None,
-                      dtype=torch.bfloat16, pad=0)
+    lay = vllm_layout(
+        layout, 3, nb, heads=2, block_size=4, head_size=8, gen=None, dtype=torch.bfloat16, pad=0
+    )
     lay.raw[0].view(torch.uint8).random_(0, 256)
     pool = torch.zeros(nb, lay.block_bytes(), dtype=torch.uint8)
     cuda = FakeCuda()
-    copies = CudaCopies(torch.device("cpu"), SpanViews([*lay.caches.values(), pool]), cuda=cuda,
-                        find_batch=lambda: (cuda.swap_blocks_batch, ""))
+    copies = CudaCopies(
+        torch.device("cpu"),
+        SpanViews([*lay.caches.values(), pool]),
+        cuda=cuda,
+        find_batch=lambda: (cuda.swap_blocks_batch, ""),
+    )
     mover = CopyEngineMover(lay.caches, nb, pool, lay.block_dims, copies=copies)
     poll = mover.poll
     mover.poll = lambda h: (cuda.run(), poll(h))[1]  # the GPU runs while the host polls
@@ -354,12 +488,14 @@ def test_the_control_sees_the_race_the_fence_prevents(monkeypatch):
 
     lay, pool, mover, cuda = _fake_copy_engine()
     real_rewrite = gpu_check.rewrite_kv
-    monkeypatch.setattr(gpu_check, "rewrite_kv", lambda lay, step: cuda.launch(
-        lambda: real_rewrite(lay, step), "the forward"))
+    monkeypatch.setattr(
+        gpu_check,
+        "rewrite_kv",
+        lambda lay, step: cuda.launch(lambda: real_rewrite(lay, step), "the forward"),
+    )
     args = type("Args", (), {"kernel_delay": 0.0, "timeout": 5.0})()
     blocks, slots = [0, 2, 4], [0, 1, 2]
-    stale = gpu_check.unordered_stores(mover, lay, pool, blocks, slots, torch.device("cpu"),
-                                       args)
+    stale = gpu_check.unordered_stores(mover, lay, pool, blocks, slots, torch.device("cpu"), args)
     assert stale == 3
     assert "order" not in vars(mover.copies)  # the wait is back
     cuda.launch(lambda: real_rewrite(lay, 3), "the next forward")
@@ -380,8 +516,17 @@ def test_the_copy_engines_are_timed_by_their_cuda_events(capsys):
     state, secs = paths.mover_seconds(mover, True, list(range(8)), list(range(8)), 5.0)
     assert state == "DONE" and secs == pytest.approx(8 * lay.block_bytes() / BYTES_PER_S)
     report = gpu_check.Report()
-    assert paths.report_bandwidth(report, "x", mover, list(range(8)), list(range(8, 16)),
-                                  list(range(8)), 8 * lay.block_bytes(), torch.device("cpu"), 1)
+    assert paths.report_bandwidth(
+        report,
+        "x",
+        mover,
+        list(range(8)),
+        list(range(8, 16)),
+        list(range(8)),
+        8 * lay.block_bytes(),
+        torch.device("cpu"),
+        1,
+    )
     out = capsys.readouterr().out
     assert f"{BYTES_PER_S / 1e9:.1f} / " in out and "CUDA events)" in out
     assert report.failed == 0
@@ -392,8 +537,10 @@ def test_the_vllm_case_reports_rows_as_they_come_and_kills_a_hung_engine(monkeyp
     a child still running at its deadline is killed, a failed check saying so."""
     gpu_check = _import("gpu_check", SCRIPT.parent)
     vllm_case = sys.modules["gpu_check_vllm"]
-    hung = ("import sys, time; print('ROW\\tengine\\tinfo\\tstarted', flush=True); "
-            "print('a log line', file=sys.stderr, flush=True); time.sleep(120)")
+    hung = (
+        "import sys, time; print('ROW\\tengine\\tinfo\\tstarted', flush=True); "
+        "print('a log line', file=sys.stderr, flush=True); time.sleep(120)"
+    )
     report = gpu_check.Report()
     t = time.perf_counter()
     vllm_case.report_child(report, [sys.executable, "-c", hung], timeout=3)
@@ -401,8 +548,7 @@ def test_the_vllm_case_reports_rows_as_they_come_and_kills_a_hung_engine(monkeyp
     assert report.rows[0] == ("vllm", "engine", "info", "started")
     assert report.rows[1][:3] == ("vllm", "engine run finished", "FAIL")
     assert "killed after 3 s" in report.rows[1][3] and "a log line" in report.rows[1][3]
-    done = ("print('ROW\\thost hit equals recompute (greedy tokens)\\tPASS\\t16/16', "
-            "flush=True)")
+    done = "print('ROW\\thost hit equals recompute (greedy tokens)\\tPASS\\t16/16', flush=True)"
     report = gpu_check.Report()
     vllm_case.report_child(report, [sys.executable, "-c", done], timeout=30)
     assert [r[2] for r in report.rows] == ["PASS", "PASS"] and report.failed == 0

@@ -46,26 +46,46 @@ def test_the_peer_read_case_reads_a_real_kvbm_pool_and_says_what_cpu_skips():
     the child, kvbm-pool and the pool file are gone afterwards."""
     t = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--device", "cpu", "--cases", "peer-read",
-         "--peer-pages", "4", "--peer-page-kib", "256", "--repeats", "2"],
-        capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--cases",
+            "peer-read",
+            "--peer-pages",
+            "4",
+            "--peer-page-kib",
+            "256",
+            "--repeats",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "gpu_check: all 3 checks passed" in out.stdout.splitlines()[-1], out.stdout
     rows = _rows(out.stdout, "peer-read")
     assert rows["pages written into the pool file"] == ("PASS", "4/4 stored")
     status, detail = rows["peer read, bytes equal the served pages"]
-    assert status == "PASS" and detail.startswith("4/4 pages 'ok' and byte-equal in the worst of "
-                                                  "3 rounds, read into pageable host memory"), detail
+    assert status == "PASS" and detail.startswith(
+        "4/4 pages 'ok' and byte-equal in the worst of 3 rounds, read into pageable host memory"
+    ), detail
     status, detail = rows["peer read GB/s (vs raw NIXL READ)"]
-    assert status == "info" and re.match(r"\d+\.\d\d / \d+\.\d\d \(peer/raw \d+\.\d\d; 1 MiB of "
-                                         r"pages, raw 1 MiB in one READ; medians of 2 rounds",
-                                         detail), detail
+    assert status == "info" and re.match(
+        r"\d+\.\d\d / \d+\.\d\d \(peer/raw \d+\.\d\d; 1 MiB of "
+        r"pages, raw 1 MiB in one READ; medians of 2 rounds",
+        detail,
+    ), detail
     assert rows["host memory"] == ("info", "pageable: no CUDA device (CPU run), pinning skipped")
     import vllm_kvbm.tiers.peer.store as peer_store  # READ in place where it can be
 
     assert rows["reader path"][1].startswith(
-        "READ in place" if hasattr(peer_store.PeerStore, "reads_into") else "through the "
-        "reader's landing slots"), rows["reader path"]
+        "READ in place"
+        if hasattr(peer_store.PeerStore, "reads_into")
+        else "through the reader's landing slots"
+    ), rows["reader path"]
     assert rows["GPU copy"] == ("info", "skipped: no CUDA device (CPU run)")
     assert rows["child finished"] == ("PASS", "exit status 0")
     pool = rows["pool"][1]
@@ -92,16 +112,29 @@ def test_a_wrong_byte_from_the_peer_fails_the_peer_read_case(monkeypatch, capsys
         return real(self, key, page)
 
     monkeypatch.setattr(PoolStore, "put", put)
-    rc = peer.child(["--device", "cpu", "--dir", str(tmp_path), "--pages", "4",
-                     "--page-kib", "64", "--repeats", "1"])
+    rc = peer.child(
+        [
+            "--device",
+            "cpu",
+            "--dir",
+            str(tmp_path),
+            "--pages",
+            "4",
+            "--page-kib",
+            "64",
+            "--repeats",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if "peer read, bytes equal" in line)
     assert rc == 0 and "\tFAIL\t3/4 pages 'ok' and byte-equal" in row, out
     assert "GPU copy" not in out  # nothing after a failed read
 
 
-def test_a_peer_read_child_past_its_deadline_is_killed_with_its_kvbm_pool(monkeypatch, capsys,
-                                                                          tmp_path):
+def test_a_peer_read_child_past_its_deadline_is_killed_with_its_kvbm_pool(
+    monkeypatch, capsys, tmp_path
+):
     """A child still running at its deadline (as under a NIXL or UCX hang;
     here: rounds without end) is killed with the kvbm-pool it started, within
     the deadline; its failed row says so, and its pool file is removed."""
@@ -109,9 +142,22 @@ def test_a_peer_read_child_past_its_deadline_is_killed_with_its_kvbm_pool(monkey
     peer = sys.modules["gpu_check_peer"]
     monkeypatch.setattr(peer, "pool_dir", lambda need: str(tmp_path))
     t = time.perf_counter()
-    rc = gpu_check.main(["--device", "cpu", "--cases", "peer-read", "--peer-pages", "4",
-                         "--peer-page-kib", "64", "--repeats", "1000000",
-                         "--peer-timeout-s", "30"])
+    rc = gpu_check.main(
+        [
+            "--device",
+            "cpu",
+            "--cases",
+            "peer-read",
+            "--peer-pages",
+            "4",
+            "--peer-page-kib",
+            "64",
+            "--repeats",
+            "1000000",
+            "--peer-timeout-s",
+            "30",
+        ]
+    )
     out = capsys.readouterr().out
     assert time.perf_counter() - t < 60
     rows = _rows(out, "peer-read")

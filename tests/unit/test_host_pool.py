@@ -34,11 +34,19 @@ SLOT = 3 * 4096
 # What ``torch.cuda.cudart()`` (torch._C._cudart) has on a CUDA 12 or 13 build:
 # torch/csrc/cuda/shared/cudart.cpp, initCudartBindings (cudaOutputMode and
 # cudaProfilerInitialize only below CUDA 12). No cudaGetLastError.
-TORCH_CUDART = frozenset({
-    "cudaError", "cudaGetErrorString", "cudaProfilerStart", "cudaProfilerStop",
-    "cudaHostRegister", "cudaHostUnregister", "cudaStreamCreate", "cudaStreamDestroy",
-    "cudaMemGetInfo",
-})
+TORCH_CUDART = frozenset(
+    {
+        "cudaError",
+        "cudaGetErrorString",
+        "cudaProfilerStart",
+        "cudaProfilerStop",
+        "cudaHostRegister",
+        "cudaHostUnregister",
+        "cudaStreamCreate",
+        "cudaStreamDestroy",
+        "cudaMemGetInfo",
+    }
+)
 
 
 def _cudart_members_torch_uses() -> set[str]:
@@ -61,8 +69,17 @@ def _cudart_members_torch_uses() -> set[str]:
 def test_the_cudart_list_is_torchs():
     used = _cudart_members_torch_uses()
     # torch's Python code reaches most of the binding; all of it is in the list
-    assert {"cudaHostRegister", "cudaHostUnregister", "cudaGetErrorString", "cudaError",
-            "cudaMemGetInfo"} <= used <= TORCH_CUDART, used
+    assert (
+        {
+            "cudaHostRegister",
+            "cudaHostUnregister",
+            "cudaGetErrorString",
+            "cudaError",
+            "cudaMemGetInfo",
+        }
+        <= used
+        <= TORCH_CUDART
+    ), used
     real = getattr(torch._C, "_cudart", None)  # only on a CUDA build of torch
     if real is not None:
         assert {n for n in dir(real) if not n.startswith("_")} == TORCH_CUDART
@@ -72,8 +89,11 @@ def test_host_pool_calls_only_what_torchs_cudart_has():
     """The fake cannot hide a call the real binding lacks: host_pool.py's own
     ``cudart.X`` calls are all members of torch's binding."""
     tree = ast.parse(Path(host_pool.__file__).read_text())
-    called = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
-              and isinstance(n.value, ast.Name) and n.value.id == "cudart"}
+    called = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "cudart"
+    }
     assert called and called <= TORCH_CUDART, called - TORCH_CUDART
 
 
@@ -126,17 +146,20 @@ class FakeRuntime:
 
     def cudart(self):
         """A binding with exactly torch's members."""
+
         def unused(name):
             def call(*args):
                 raise AssertionError(f"host_pool called {name}")
+
             return call
 
         impl = {"cudaHostRegister": self.register, "cudaHostUnregister": self.unregister}
         return types.SimpleNamespace(**{n: impl.get(n) or unused(n) for n in TORCH_CUDART})
 
     def pool(self, *args, **kwargs) -> HostPool:
-        return HostPool(*args, pin=True, cudart=self.cudart(),
-                        clear_error=self.get_last_error, **kwargs)
+        return HostPool(
+            *args, pin=True, cudart=self.cudart(), clear_error=self.get_last_error, **kwargs
+        )
 
 
 def test_the_fake_binding_has_exactly_torchs_members():
@@ -170,8 +193,9 @@ def test_a_refused_chunk_unregisters_everything_and_clears_the_error_where_it_wa
     rt = FakeRuntime(fail_at=3)
     base, total, chunk = 1 << 30, 10 * SLOT, 2 * SLOT
     with pytest.raises(HostPinError, match=r"CUDA error 2.*unregistered.*ulimit -l"):
-        register_chunks(rt.cudart(), base, total, chunk, threads=threads,
-                        clear_error=rt.get_last_error)
+        register_chunks(
+            rt.cudart(), base, total, chunk, threads=threads, clear_error=rt.get_last_error
+        )
     assert not rt.registered  # nothing stays half pinned
     # the refusing thread's error was cleared on that thread; the caller never had one
     assert rt.errors == {} and threading.get_ident() not in rt.threads
@@ -191,8 +215,15 @@ def test_a_thread_that_raises_is_undone_as_a_refusal():
             raise RuntimeError("CUDA error: invalid device ordinal")
 
     with pytest.raises(HostPinError, match="RuntimeError: CUDA error: invalid device ordinal"):
-        register_chunks(rt.cudart(), 1 << 30, 10 * SLOT, 2 * SLOT, threads=1, setup=setup,
-                        clear_error=rt.get_last_error)
+        register_chunks(
+            rt.cudart(),
+            1 << 30,
+            10 * SLOT,
+            2 * SLOT,
+            threads=1,
+            setup=setup,
+            clear_error=rt.get_last_error,
+        )
     assert not rt.registered and len([c for c in rt.calls if c[0] == "reg"]) == 2
 
 
@@ -205,8 +236,9 @@ def test_registration_never_moves_the_callers_cpus():
     node = {min(mine)}
     rt = FakeRuntime()
     try:
-        done = register_chunks(rt.cudart(), 1 << 30, SLOT, SLOT, threads=1, cpus=node,
-                               clear_error=rt.get_last_error)
+        done = register_chunks(
+            rt.cudart(), 1 << 30, SLOT, SLOT, threads=1, cpus=node, clear_error=rt.get_last_error
+        )
         assert os.sched_getaffinity(0) == mine
     finally:
         os.sched_setaffinity(0, mine)
@@ -256,12 +288,15 @@ def test_the_error_is_cleared_through_the_libcudart_torch_loaded(tmp_path):
     for it, loaded first, is the one cleared."""
     assert host_pool.loaded_library("libcudart", str(tmp_path / "none")) is None
     maps = tmp_path / "maps"
-    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
-                    "7f02-7f03 rw-p 00000000 00:00 0 \n"
-                    "7f01-7f02 r-xp 00000000 08:01 2 /opt/nvidia/cuda_runtime/lib/"
-                    "libcudart.so.12\n7f02-7f03 rw-p 00000000 00:00 0 \n")
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        "7f02-7f03 rw-p 00000000 00:00 0 \n"
+        "7f01-7f02 r-xp 00000000 08:01 2 /opt/nvidia/cuda_runtime/lib/"
+        "libcudart.so.12\n7f02-7f03 rw-p 00000000 00:00 0 \n"
+    )
     assert host_pool.loaded_library("libcudart", str(maps)) == (
-        "/opt/nvidia/cuda_runtime/lib/libcudart.so.12")
+        "/opt/nvidia/cuda_runtime/lib/libcudart.so.12"
+    )
     if shutil.which("cc") is None:
         pytest.skip("no C compiler for the stand-in libcudart")
     src, lib = tmp_path / "cudart.c", tmp_path / "libcudart.so.13"
@@ -303,14 +338,13 @@ def _resident_bytes(addr: int) -> int:
     for i, line in enumerate(lines):
         start = line.split("-", 1)[0]
         if all(c in "0123456789abcdef" for c in start) and int(start, 16) == addr:
-            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
+            rss = next(entry for entry in lines[i + 1 :] if entry.startswith("Rss:"))
             return int(rss.split()[1]) * 1024
     raise AssertionError(f"no mapping at {addr:#x}")
 
 
 @pytest.mark.parametrize("kernel", ["populate_write", "before 5.14"])
-def test_a_pool_that_is_not_pinned_is_resident_before_the_first_store(kernel, monkeypatch,
-                                                                       caplog):
+def test_a_pool_that_is_not_pinned_is_resident_before_the_first_store(kernel, monkeypatch, caplog):
     """Left to the first store into each slot, faulting the pages in ran on the
     engine's thread inside its step. A kernel without MADV_POPULATE_WRITE
     (EINVAL, made here with an advice no kernel knows) gets a write per page."""
@@ -335,7 +369,9 @@ def test_a_pool_larger_than_the_memory_available_is_refused_naming_the_key(monke
     with pytest.raises(KVBMConfigError) as err:
         HostPool(24, 2 * 1024**2, pin=False)
     msg = str(err.value)
-    assert msg.startswith("host_cache_size: the host tier needs 0.05 GiB on this worker and "
-                          "0.03 GiB of memory is available"), msg
+    assert msg.startswith(
+        "host_cache_size: the host tier needs 0.05 GiB on this worker and "
+        "0.03 GiB of memory is available"
+    ), msg
     assert "lower host_cache_size" in msg
     assert host_pool.available_memory() > 0  # the real one reads /proc/meminfo

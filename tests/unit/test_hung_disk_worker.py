@@ -64,8 +64,11 @@ def test_poll_returns_while_an_evicted_pages_unlink_is_blocked(mount):
             assert _returns(lambda: io.poll(meta)), "poll waited on a blocked unlink"
             [(_, _, write)] = io._writing
             assert not write.done()  # the unlink was still blocked meanwhile
-        _until(lambda: io.poll(meta) is not None and ("disk", key(2)) in meta.tier_stored,
-               40, "the spill never completed")
+        _until(
+            lambda: io.poll(meta) is not None and ("disk", key(2)) in meta.tier_stored,
+            40,
+            "the spill never completed",
+        )
         assert ("disk", key(0)) in meta.removed_pages
         assert not os.path.exists(store._disk._key_to_path(evicted))
     finally:
@@ -86,8 +89,9 @@ def _pages_beside(mount, n: int) -> list[torch.Tensor]:
 
 
 def _fetch_job(n: int) -> TransferJob:
-    return TransferJob(1, "R", list(range(n)), list(range(n)),
-                       fetch=[(i, "disk", key(i)) for i in range(n)])
+    return TransferJob(
+        1, "R", list(range(n)), list(range(n)), fetch=[(i, "disk", key(i)) for i in range(n)]
+    )
 
 
 def _disk_threads() -> list[threading.Thread]:
@@ -112,8 +116,11 @@ def test_an_overdue_fetch_stops_reading(mount):
             _until(lambda: reported.extend(io.poll(meta)) or reported, 10, "never overdue")
             [(failed, ok, reading, _)] = reported
             assert failed is job and not ok and reading
-        _until(lambda: io.poll(meta) is not None and (ended.extend(io.take_ended()) or ended),
-               40, "the stuck read never ended")
+        _until(
+            lambda: io.poll(meta) is not None and (ended.extend(io.take_ended()) or ended),
+            40,
+            "the stuck read never ended",
+        )
         assert ended == [job]
         assert not any(host[i].any() for i in range(1, n)), "pages read after it was overdue"
     finally:
@@ -132,11 +139,15 @@ def test_the_disk_store_reads_no_page_after_stop():
                 for i in range(4):
                     assert s.put(key(i), page(i, SMALL))
                 outs = [torch.zeros(SMALL, dtype=torch.uint8) for _ in range(4)]
-                assert s.get_many_into([(key(i), o) for i, o in enumerate(outs)],
-                                       stop=lambda: True) == ["skipped"] * 4
+                assert (
+                    s.get_many_into([(key(i), o) for i, o in enumerate(outs)], stop=lambda: True)
+                    == ["skipped"] * 4
+                )
                 assert not any(o.any() for o in outs)
-                assert s.get_many_into([(key(i), o) for i, o in enumerate(outs)],
-                                       stop=lambda: False) == ["ok"] * 4
+                assert (
+                    s.get_many_into([(key(i), o) for i, o in enumerate(outs)], stop=lambda: False)
+                    == ["ok"] * 4
+                )
             finally:
                 s.close()
 
@@ -167,7 +178,9 @@ def test_the_disk_store_closes_while_its_readers_are_stuck(mount):
     store = DiskStore(str(mount.path), 64 << 20, SMALL, "ns", 0, 1, read_inflight=4)
     outs = [torch.zeros(SMALL, dtype=torch.uint8) for _ in range(4)]
     with mount.blocked():
-        threading.Thread(target=lambda: store.get_many_into(
-            [(key(i), o) for i, o in enumerate(outs)]), daemon=True).start()
+        threading.Thread(
+            target=lambda: store.get_many_into([(key(i), o) for i, o in enumerate(outs)]),
+            daemon=True,
+        ).start()
         time.sleep(0.5)  # the readers reach the filesystem (queued, they would be dropped)
         assert _returns(store.close), "close waited for reads on a hung disk"

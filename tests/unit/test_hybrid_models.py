@@ -21,53 +21,66 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
 from vllm.v1 import kv_cache_interface as kvi
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
-                                         get_kv_cache_configs)
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, make_request, make_scheduler,
-                                       run_to_end, step, tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    keys_of,
+    kvbm,
+    make_request,
+    make_scheduler,
+    run_to_end,
+    step,
+    tokens,
+)
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.connector import KVBMConnector
 from vllm_kvbm.engine_info import engine_info, kept_out_reason, refuse_unproven_layers
 from vllm_kvbm.keys import group_key
 from vllm_kvbm.worker.vllm_layout import layer_specs
 
-FULL = kvi.FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
-                             dtype=torch.float16)
+FULL = kvi.FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16)
 # Gated DeltaNet's state (conv + recurrent) as vLLM's GDN layers declare it in
 # align mode, padded to the attention page as vLLM pads it for hybrids.
-GDN = kvi.MambaSpec(block_size=BLOCK, shapes=((3, 32), (2, 8, 16)),
-                    dtypes=(torch.float16, torch.float16),
-                    page_size_padded=FULL.page_size_bytes,
-                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="align")
-SLIDING = kvi.SlidingWindowSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
-                                dtype=torch.float16, sliding_window=64)
+GDN = kvi.MambaSpec(
+    block_size=BLOCK,
+    shapes=((3, 32), (2, 8, 16)),
+    dtypes=(torch.float16, torch.float16),
+    page_size_padded=FULL.page_size_bytes,
+    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+    mamba_cache_mode="align",
+)
+SLIDING = kvi.SlidingWindowSpec(
+    block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16, sliding_window=64
+)
 
 
-CHUNKED = kvi.ChunkedLocalAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
-                                        dtype=torch.float16, attention_chunk_size=64)
+CHUNKED = kvi.ChunkedLocalAttentionSpec(
+    block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16, attention_chunk_size=64
+)
 
 
 def llama4_layers(n: int = 8) -> dict:
     """Three chunked-local attention layers, then one full-attention layer, repeated."""
-    return {f"model.layers.{i}.self_attn.attn": FULL if i % 4 == 3 else CHUNKED
-            for i in range(n)}
+    return {f"model.layers.{i}.self_attn.attn": FULL if i % 4 == 3 else CHUNKED for i in range(n)}
 
 
 def qwen3_next_layers(n: int = 8) -> dict:
     """Three GDN layers, then one full-attention layer, repeated."""
-    return {f"model.layers.{i}.self_attn.attn" if i % 4 == 3
-            else f"model.layers.{i}.linear_attn": FULL if i % 4 == 3 else GDN
-            for i in range(n)}
+    return {
+        f"model.layers.{i}.self_attn.attn" if i % 4 == 3 else f"model.layers.{i}.linear_attn": FULL
+        if i % 4 == 3
+        else GDN
+        for i in range(n)
+    }
 
 
 def gemma3_layers(n: int = 12) -> dict:
     """Five sliding-window layers, then one full-attention layer, repeated."""
-    return {f"model.layers.{i}.self_attn.attn": FULL if i % 6 == 5 else SLIDING
-            for i in range(n)}
+    return {f"model.layers.{i}.self_attn.attn": FULL if i % 6 == 5 else SLIDING for i in range(n)}
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +111,13 @@ def kv_cache_configs(dense, layers: dict):
 
 def hybrid_scheduler(dense, layers: dict) -> Scheduler:
     cfg, _, sched_config = kv_cache_configs(dense, layers)
-    return Scheduler(vllm_config=cfg, kv_cache_config=sched_config,
-                     structured_output_manager=StructuredOutputManager(cfg),
-                     block_size=BLOCK, log_stats=True)
+    return Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=sched_config,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK,
+        log_stats=True,
+    )
 
 
 def test_the_connector_supports_hma_so_vllm_keeps_its_hybrid_allocator_on(dense):
@@ -111,10 +128,13 @@ def test_the_connector_supports_hma_so_vllm_keeps_its_hybrid_allocator_on(dense)
     assert dense.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
 
 
-@pytest.mark.parametrize("shape,types", [
-    (qwen3_next_layers, {"MambaSpec", "FullAttentionSpec"}),
-    (gemma3_layers, {"SlidingWindowSpec", "FullAttentionSpec"}),
-])
+@pytest.mark.parametrize(
+    "shape,types",
+    [
+        (qwen3_next_layers, {"MambaSpec", "FullAttentionSpec"}),
+        (gemma3_layers, {"SlidingWindowSpec", "FullAttentionSpec"}),
+    ],
+)
 def test_vllm_makes_several_groups_of_these_models(dense, shape, types):
     _, worker, sched_config = kv_cache_configs(dense, shape())
     for config in (worker, sched_config):
@@ -133,9 +153,13 @@ def _served(dense, shape, prompt_blocks: int, extra: int = 8):
     store jobs' (block ids, slots))."""
     cfg, _, sched_config = kv_cache_configs(dense, shape())
     cfg.kv_transfer_config.kv_connector_extra_config["host_cache_blocks"] = 512
-    s = Scheduler(vllm_config=cfg, kv_cache_config=sched_config,
-                  structured_output_manager=StructuredOutputManager(cfg),
-                  block_size=BLOCK, log_stats=True)
+    s = Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=sched_config,
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK,
+        log_stats=True,
+    )
     assert s.connector.kept_out is None and kvbm(s).groups is not None
     prompt = tokens(prompt_blocks * BLOCK + extra, 1)
     metas = run_to_end(s, make_request(prompt, max_tokens=2))
@@ -266,8 +290,9 @@ def test_both_sides_decide_alike_for_a_group_of_one_type_and_several_shapes(dens
     group for the worker, its first layer's FullAttentionSpec for the
     scheduler. Both take it as served; the worker then checks each layer and
     refuses the group at startup rather than copy it as one spec."""
-    wide = kvi.FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16,
-                                 dtype=torch.float16)
+    wide = kvi.FullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float16
+    )
     layers = {f"model.layers.{i}.self_attn.attn": FULL if i % 2 else wide for i in range(4)}
     cfg, worker, sched_config = kv_cache_configs(dense, layers)
     assert type(worker.kv_cache_groups[0].kv_cache_spec) is kvi.UniformTypeKVCacheSpecs
@@ -278,10 +303,13 @@ def test_both_sides_decide_alike_for_a_group_of_one_type_and_several_shapes(dens
 
 
 def test_the_worker_refuses_a_layer_whose_spec_is_not_plain_kv(dense):
-    sink = kvi.SinkFullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8,
-                                     dtype=torch.float16, sink_len=4)
-    group = kvi.KVCacheGroupSpec(["a", "b"], kvi.UniformTypeKVCacheSpecs(
-        block_size=BLOCK, kv_cache_specs={"a": FULL, "b": sink}))
+    sink = kvi.SinkFullAttentionSpec(
+        block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float16, sink_len=4
+    )
+    group = kvi.KVCacheGroupSpec(
+        ["a", "b"],
+        kvi.UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs={"a": FULL, "b": sink}),
+    )
     config = kvi.KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[group])
     specs = layer_specs(config)
     refuse_unproven_layers(specs, ["a"])
@@ -299,9 +327,13 @@ def test_a_preempted_hybrid_request_is_flushed_then_comes_back_with_its_state(de
     cfg = vllm_config_for(small, qwen3_next_layers())
     cfg.kv_transfer_config.kv_connector_extra_config["host_cache_blocks"] = 256
     worker = get_kv_cache_configs(cfg, [qwen3_next_layers()], [64 << 10])
-    s = Scheduler(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config(worker),
-                  structured_output_manager=StructuredOutputManager(cfg),
-                  block_size=BLOCK, log_stats=True)
+    s = Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=generate_scheduler_kv_cache_config(worker),
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK,
+        log_stats=True,
+    )
     assert s.kv_cache_config.num_blocks == 32
     reqs = [make_request(tokens(8 * BLOCK + 4, base), max_tokens=100) for base in (21, 22)]
     for req in reqs:
@@ -346,8 +378,12 @@ def test_a_failed_hybrid_load_is_recomputed_whole_and_the_engine_goes_on(dense, 
     _, meta, _ = step(s)
     (load,) = meta.loads
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    step(s, loads_failed=[req.request_id], finished_recving=[req.request_id],
-         failed_recving=[req.request_id])
+    step(
+        s,
+        loads_failed=[req.request_id],
+        finished_recving=[req.request_id],
+        failed_recving=[req.request_id],
+    )
     assert req.num_computed_tokens == 0  # vLLM recomputes it whole
     assert kvbm(s).stats.total["load_error_blocks"] == load.num_blocks
     host = kvbm(s).host

@@ -76,8 +76,7 @@ def _is_config_class(node: ast.ClassDef) -> bool:
     names = set()
     for d in node.decorator_list:
         target = d.func if isinstance(d, ast.Call) else d
-        names.add(target.attr if isinstance(target, ast.Attribute) else
-                  getattr(target, "id", ""))
+        names.add(target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", ""))
     return bool(names & {"config", "dataclass"})
 
 
@@ -116,7 +115,8 @@ def unclassified(classes: dict[str, dict[str, str]], release: str) -> list[str]:
             problems.append(
                 f"vLLM {release}: config class {cls} (reached through {via}) has no row in "
                 f"FIELDS (vllm_kvbm/identity_tables/): add it with every field IDENTITY "
-                f"or HARMLESS and why")
+                f"or HARMLESS and why"
+            )
             rules = {}
         for name, ann in classes[cls].items():
             rule = rules.get(name)
@@ -124,7 +124,8 @@ def unclassified(classes: dict[str, dict[str, str]], release: str) -> list[str]:
                 problems.append(
                     f"vLLM {release}: {cls}.{name} ({ann}) is neither IDENTITY nor HARMLESS: "
                     f"add it to FIELDS['{cls}'] in vllm_kvbm/identity_tables/, I(...) if it "
-                    f"can change the KV bytes of a prefix (or when unsure), else H('why not')")
+                    f"can change the KV bytes of a prefix (or when unsure), else H('why not')"
+                )
             if rule is not None and rule.kind == HARMLESS:
                 continue
             for token in re.findall(r"[A-Za-z_]\w*", ann):
@@ -142,6 +143,7 @@ def _installed_reader():
 
     def read(members):
         return {m: (root / m).read_text() for m in members if (root / m).is_file()}
+
     return version, read
 
 
@@ -157,16 +159,18 @@ def _releases():
         pytest.skip(f"no network and nothing cached: {err}")
     for release in wheels.list_releases(index):
         if release.version not in out:
-            out[release.version] = (
-                lambda members, r=release: wheels.release_sources(r, members, optional=True))
+            out[release.version] = lambda members, r=release: wheels.release_sources(
+                r, members, optional=True
+            )
     return out
 
 
 @pytest.fixture(scope="module")
 def release_fields() -> dict[str, dict[str, dict[str, str]]]:
     try:
-        return {version: dataclass_fields(config_sources(read))
-                for version, read in _releases().items()}
+        return {
+            version: dataclass_fields(config_sources(read)) for version, read in _releases().items()
+        }
     except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(f"CI must check every supported vLLM release, but: {err}")
@@ -178,17 +182,28 @@ def test_every_release_is_read(release_fields):
 
 
 def test_every_field_of_every_release_is_classified(release_fields):
-    problems = [p for version, classes in sorted(release_fields.items())
-                for p in unclassified(classes, version)]
+    problems = [
+        p
+        for version, classes in sorted(release_fields.items())
+        for p in unclassified(classes, version)
+    ]
     assert not problems, "\n".join(problems)
 
 
 def test_table_names_only_real_fields(release_fields):
     """A row for a field no supported release has hides nothing, but misleads."""
-    known = {(cls, name) for classes in release_fields.values()
-             for cls, fields in classes.items() for name in fields}
-    stale = [f"{cls}.{name}" for cls, rules in tables.FIELDS.items() for name in rules
-             if (cls, name) not in known]
+    known = {
+        (cls, name)
+        for classes in release_fields.values()
+        for cls, fields in classes.items()
+        for name in fields
+    }
+    stale = [
+        f"{cls}.{name}"
+        for cls, rules in tables.FIELDS.items()
+        for name in rules
+        if (cls, name) not in known
+    ]
     assert not stale, f"rows of FIELDS no supported vLLM has: {stale}"
     for cls, via in tables.HARMLESS_CLASSES.items():
         owner, field = via.split(".")
@@ -213,20 +228,30 @@ def test_checker_names_a_new_field_and_a_new_class():
     cache = texts["vllm/config/cache.py"]
     old = "class CacheConfig:\n"
     assert cache.count(old) == 1, "cache.py changed, update this test"
-    texts["vllm/config/cache.py"] = cache.replace(
-        old, old + "    kv_rotation: int = 0\n    tiling: TilingConfig | None = None\n", 1
-    ) + "\n@config\nclass TilingConfig:\n    tile: int = 0\n"
+    texts["vllm/config/cache.py"] = (
+        cache.replace(
+            old, old + "    kv_rotation: int = 0\n    tiling: TilingConfig | None = None\n", 1
+        )
+        + "\n@config\nclass TilingConfig:\n    tile: int = 0\n"
+    )
     problems = unclassified(dataclass_fields(texts), "9.9.9")
-    assert any("vLLM 9.9.9: CacheConfig.kv_rotation (int) is neither IDENTITY nor "
-               "HARMLESS: add it to FIELDS['CacheConfig']" in p for p in problems), problems
-    assert any("config class TilingConfig (reached through CacheConfig.tiling) has no row"
-               in p for p in problems), problems
+    assert any(
+        "vLLM 9.9.9: CacheConfig.kv_rotation (int) is neither IDENTITY nor "
+        "HARMLESS: add it to FIELDS['CacheConfig']" in p
+        for p in problems
+    ), problems
+    assert any(
+        "config class TilingConfig (reached through CacheConfig.tiling) has no row" in p
+        for p in problems
+    ), problems
     assert len(problems) == 3, problems  # kv_rotation, tiling, TilingConfig
 
 
 def test_init_only_and_class_vars_are_not_fields():
-    src = ("from dataclasses import InitVar\nfrom typing import ClassVar\n@config\n"
-           "class C:\n    a: int = 0\n    b: InitVar[int] = 0\n    c: ClassVar[int] = 0\n")
+    src = (
+        "from dataclasses import InitVar\nfrom typing import ClassVar\n@config\n"
+        "class C:\n    a: int = 0\n    b: InitVar[int] = 0\n    c: ClassVar[int] = 0\n"
+    )
     assert dataclass_fields({"x.py": src}) == {"C": {"a": "int"}}
 
 
@@ -236,8 +261,13 @@ def test_init_only_and_class_vars_are_not_fields():
 def _build(model_dir: Path, **overrides):
     from vllm.engine.arg_utils import EngineArgs
 
-    args = dict(model=str(model_dir), block_size=128, max_model_len=4096, dtype="float32",
-                enable_prefix_caching=True)
+    args = dict(
+        model=str(model_dir),
+        block_size=128,
+        max_model_len=4096,
+        dtype="float32",
+        enable_prefix_caching=True,
+    )
     args.update(overrides)
     return EngineArgs(**args).create_engine_config()
 
@@ -261,8 +291,11 @@ def _runtime_classes(config) -> dict[str, set[str]]:
         for f in dataclasses.fields(obj):
             rule = tables.FIELDS.get(cls, {}).get(f.name)
             value = getattr(obj, f.name, None)
-            if (rule is None or rule.kind == IDENTITY) and dataclasses.is_dataclass(value) \
-                    and not isinstance(value, type):
+            if (
+                (rule is None or rule.kind == IDENTITY)
+                and dataclasses.is_dataclass(value)
+                and not isinstance(value, type)
+            ):
                 todo.append(value)
     return out
 
@@ -325,17 +358,21 @@ def test_same_build_same_identity(base_config, model_dir, tmp_path):
     assert idf.identity_json(again) == idf.identity_json(base_config)
 
 
-@pytest.mark.parametrize("overrides, where", [
-    (dict(hf_overrides={"rope_theta": 10000.0}), "model_config"),
-    (dict(hf_overrides={"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}),
-     "model_config"),
-    (dict(dtype="bfloat16"), "model_config"),
-    (dict(kv_cache_dtype="fp8"), "cache_config"),
-    (dict(enforce_eager=True), "model_config"),
-    (dict(max_model_len=2048), "model_config"),
-])
-def test_a_setting_that_changes_kv_changes_the_identity(base_config, model_dir, overrides,
-                                                        where):
+@pytest.mark.parametrize(
+    "overrides, where",
+    [
+        (dict(hf_overrides={"rope_theta": 10000.0}), "model_config"),
+        (
+            dict(hf_overrides={"rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}),
+            "model_config",
+        ),
+        (dict(dtype="bfloat16"), "model_config"),
+        (dict(kv_cache_dtype="fp8"), "cache_config"),
+        (dict(enforce_eager=True), "model_config"),
+        (dict(max_model_len=2048), "model_config"),
+    ],
+)
+def test_a_setting_that_changes_kv_changes_the_identity(base_config, model_dir, overrides, where):
     other = _build(model_dir, **overrides)
     a = idf.config_identity(base_config)
     b = idf.config_identity(other)
@@ -363,17 +400,29 @@ def test_env_counts_every_vllm_variable_not_reviewed_as_harmless():
     """Unreviewed VLLM_* variables change the namespace (both change the KV:
     the MoE routing, the precision of float32 matmuls), so does one vLLM
     adds later; the reviewed harmless ones and other programs' do not."""
-    env = {"VLLM_KV_CACHE_LAYOUT": "HND", "VLLM_ROCM_USE_AITER": "1", "VLLM_PORT": "8000",
-           "VLLM_LOGGING_LEVEL": "DEBUG", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "HOME": "/x",
-           "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random",
-           "VLLM_FLOAT32_MATMUL_PRECISION": "tf32", "VLLM_A_VARIABLE_OF_A_LATER_RELEASE": "1",
-           "VLLM_DIST_IDENT": "tmpab12cd", "TORCH_HOME": "/y"}
+    env = {
+        "VLLM_KV_CACHE_LAYOUT": "HND",
+        "VLLM_ROCM_USE_AITER": "1",
+        "VLLM_PORT": "8000",
+        "VLLM_LOGGING_LEVEL": "DEBUG",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "HOME": "/x",
+        "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random",
+        "VLLM_FLOAT32_MATMUL_PRECISION": "tf32",
+        "VLLM_A_VARIABLE_OF_A_LATER_RELEASE": "1",
+        "VLLM_DIST_IDENT": "tmpab12cd",
+        "TORCH_HOME": "/y",
+    }
     assert idf.identity_env(env) == {
-        "VLLM_A_VARIABLE_OF_A_LATER_RELEASE": "1", "VLLM_FLOAT32_MATMUL_PRECISION": "tf32",
-        "VLLM_KV_CACHE_LAYOUT": "HND", "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random",
-        "VLLM_ROCM_USE_AITER": "1"}
+        "VLLM_A_VARIABLE_OF_A_LATER_RELEASE": "1",
+        "VLLM_FLOAT32_MATMUL_PRECISION": "tf32",
+        "VLLM_KV_CACHE_LAYOUT": "HND",
+        "VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random",
+        "VLLM_ROCM_USE_AITER": "1",
+    }
     assert idf.identity_env({"VLLM_FLOAT32_MATMUL_PRECISION": "ieee"}) != idf.identity_env(
-        {"VLLM_FLOAT32_MATMUL_PRECISION": "tf32"})
+        {"VLLM_FLOAT32_MATMUL_PRECISION": "tf32"}
+    )
 
 
 def test_env_harmless_names_exist_in_vllm_and_each_has_a_reason():
@@ -387,8 +436,9 @@ def test_env_harmless_names_exist_in_vllm_and_each_has_a_reason():
     assert set(HARMLESS_ENV) <= names, set(HARMLESS_ENV) - names
     assert all(name.startswith("VLLM_") and reason for name, reason in HARMLESS_ENV.items())
     # the two measured to change the KV are not among them
-    assert not {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY",
-                "VLLM_FLOAT32_MATMUL_PRECISION"} & set(HARMLESS_ENV)
+    assert not {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY", "VLLM_FLOAT32_MATMUL_PRECISION"} & set(
+        HARMLESS_ENV
+    )
 
 
 def test_canonical_values():
@@ -402,8 +452,14 @@ def test_canonical_values():
     class Opaque:
         __slots__ = ()
 
-    value = {"b": [Color.RED, torch.float16, Path("/a")], "a": {3, 1}, 2: None,
-             "hf_token": "hf_secret", "fn": len, "o": Opaque()}
+    value = {
+        "b": [Color.RED, torch.float16, Path("/a")],
+        "a": {3, 1},
+        2: None,
+        "hf_token": "hf_secret",
+        "fn": len,
+        "o": Opaque(),
+    }
     out = canonical(value)
     assert list(out) == sorted(out)
     assert out["b"] == ["red", "torch.float16", "/a"] and out["a"] == [1, 3]

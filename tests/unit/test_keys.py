@@ -15,8 +15,15 @@ from vllm_kvbm.keys import KeyChain, KeyNamespace, LoRAIdentity, request_salt
 
 # ---- keys --------------------------------------------------------------------
 
-_NS = dict(model="m@", dtype="torch.float16", kv_layout="NHD", block_size=16,
-           page_bytes=4096, tp_size=1, extra="")
+_NS = dict(
+    model="m@",
+    dtype="torch.float16",
+    kv_layout="NHD",
+    block_size=16,
+    page_bytes=4096,
+    tp_size=1,
+    extra="",
+)
 _TOKENS = list(range(100, 164))
 
 
@@ -28,26 +35,40 @@ def _first_key(block_size: int = 16, salt: bytes = b"", **changes) -> bytes:
 _LORA = LoRAIdentity("lora-a", 1, "/adapters/a", "f1")
 
 
-@pytest.mark.parametrize("change", [
-    dict(model="other@"), dict(dtype="torch.bfloat16"), dict(extra="tenant-b"),
-    dict(block_size=32), dict(kv_layout="HND"), dict(tp_size=2),
-    # every fp8 KV cache has torch dtype uint8: vLLM's kv-cache-dtype tells them apart
-    dict(kv_cache_dtype='["fp8_e5m2", []]'), dict(quantization="fp8"),
-    dict(model_fingerprint="new-weights-same-path"),
-    # the same page of 256 tokens laid out in blocks of 32 or of 64 tokens
-    dict(block_size=32, page_blocks=8), dict(page_blocks=2),
-    dict(kv_spec='{"groups": []}'), dict(config="another-vllm-setting"),
-    dict(salt=request_salt(_LORA, None)), dict(salt=request_salt(None, "salt")),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(model="other@"),
+        dict(dtype="torch.bfloat16"),
+        dict(extra="tenant-b"),
+        dict(block_size=32),
+        dict(kv_layout="HND"),
+        dict(tp_size=2),
+        # every fp8 KV cache has torch dtype uint8: vLLM's kv-cache-dtype tells them apart
+        dict(kv_cache_dtype='["fp8_e5m2", []]'),
+        dict(quantization="fp8"),
+        dict(model_fingerprint="new-weights-same-path"),
+        # the same page of 256 tokens laid out in blocks of 32 or of 64 tokens
+        dict(block_size=32, page_blocks=8),
+        dict(page_blocks=2),
+        dict(kv_spec='{"groups": []}'),
+        dict(config="another-vllm-setting"),
+        dict(salt=request_salt(_LORA, None)),
+        dict(salt=request_salt(None, "salt")),
+    ],
+)
 def test_keys_differ_when_kv_would(change):
     assert _first_key(**change) != _first_key()
 
 
-@pytest.mark.parametrize("other", [
-    LoRAIdentity("lora-a", 2, "/adapters/a", "f1"),      # same name, other adapter id
-    LoRAIdentity("lora-a", 1, "/adapters/b", "f1"),      # same name, other path
-    LoRAIdentity("lora-a", 1, "/adapters/a", "f2"),      # same path, new weights
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        LoRAIdentity("lora-a", 2, "/adapters/a", "f1"),  # same name, other adapter id
+        LoRAIdentity("lora-a", 1, "/adapters/b", "f1"),  # same name, other path
+        LoRAIdentity("lora-a", 1, "/adapters/a", "f2"),  # same path, new weights
+    ],
+)
 def test_lora_identity_is_more_than_its_name(other):
     assert request_salt(other, None) != request_salt(_LORA, None)
 
@@ -72,14 +93,17 @@ def test_keys_chain_over_the_prefix():
 
 
 def test_keys_stable_across_processes():
-    code = ("from vllm_kvbm.keys import KeyChain, KeyNamespace\n"
-            f"ns = KeyNamespace(**{_NS!r})\n"
-            f"print(KeyChain(ns.seed(), 16).extend({_TOKENS!r})[-1].hex())\n")
+    code = (
+        "from vllm_kvbm.keys import KeyChain, KeyNamespace\n"
+        f"ns = KeyNamespace(**{_NS!r})\n"
+        f"print(KeyChain(ns.seed(), 16).extend({_TOKENS!r})[-1].hex())\n"
+    )
     here = KeyChain(KeyNamespace(**_NS).seed(), 16).extend(_TOKENS)[-1].hex()
     for seed in ("1", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
-        got = subprocess.run([sys.executable, "-c", code], env=env, check=True,
-                             capture_output=True, text=True).stdout.strip()
+        got = subprocess.run(
+            [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
         assert got == here
 
 
@@ -93,8 +117,7 @@ def test_a_lora_adapter_changed_on_disk_is_no_longer_cached(tmp_path, caplog):
 
     from vllm.lora.request import LoRARequest
 
-    from helpers.scheduler_harness import (fingerprinted, kvbm, make_request, make_scheduler,
-                                           tokens)
+    from helpers.scheduler_harness import fingerprinted, kvbm, make_request, make_scheduler, tokens
 
     adapter = tmp_path / "adapter"
     adapter.mkdir()

@@ -29,17 +29,19 @@ REFUSED = {
     "SlidingWindowSpec": lambda: kvi.SlidingWindowSpec(**ATTN, sliding_window=64),
     "SlidingWindowMLASpec": lambda: kvi.SlidingWindowMLASpec(**MLA, sliding_window=64),
     "ChunkedLocalAttentionSpec": lambda: kvi.ChunkedLocalAttentionSpec(
-        **ATTN, attention_chunk_size=64),
+        **ATTN, attention_chunk_size=64
+    ),
     "CircularBufferSpec": lambda: kvi.CircularBufferSpec(**ATTN),
     "CrossAttentionSpec": lambda: kvi.CrossAttentionSpec(**ATTN),
     "EncoderOnlyAttentionSpec": lambda: kvi.EncoderOnlyAttentionSpec(**ATTN),
-    "MambaSpec": lambda: kvi.MambaSpec(block_size=BLOCK, shapes=((4, 8),),
-                                       dtypes=(torch.float16,)),
-    "HiSparseHotSpec": lambda: kvi.HiSparseHotSpec(block_size=BLOCK, page_size=4096,
-                                                   blocks_per_request=4),
+    "MambaSpec": lambda: kvi.MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,)),
+    "HiSparseHotSpec": lambda: kvi.HiSparseHotSpec(
+        block_size=BLOCK, page_size=4096, blocks_per_request=4
+    ),
     "HiSparseResidentSpec": lambda: kvi.HiSparseResidentSpec(block_size=BLOCK, page_size=4096),
     "UniformTypeKVCacheSpecs": lambda: kvi.UniformTypeKVCacheSpecs(
-        block_size=BLOCK, kv_cache_specs={"layer.0": kvi.FullAttentionSpec(**ATTN)}),
+        block_size=BLOCK, kv_cache_specs={"layer.0": kvi.FullAttentionSpec(**ATTN)}
+    ),
 }
 ACCEPTED = {
     "FullAttentionSpec": lambda: kvi.FullAttentionSpec(**ATTN),
@@ -95,9 +97,13 @@ def test_the_proven_specs_are_accepted(sched, name):
 def test_every_spec_class_of_vllm_is_accepted_or_refused_here():
     """A spec class a new vLLM adds is looked at before it is listed here:
     until then it is refused, by type."""
-    classes = {c.__name__ for c in vars(kvi).values()
-               if isinstance(c, type) and issubclass(c, kvi.KVCacheSpec)
-               and c not in (kvi.KVCacheSpec, kvi.AttentionSpec)}
+    classes = {
+        c.__name__
+        for c in vars(kvi).values()
+        if isinstance(c, type)
+        and issubclass(c, kvi.KVCacheSpec)
+        and c not in (kvi.KVCacheSpec, kvi.AttentionSpec)
+    }
     assert classes == set(REFUSED) | set(ACCEPTED)
 
 
@@ -123,9 +129,12 @@ def test_sliding_window_layers_among_full_ones_run_as_full_attention(sched):
     allocates full-length KV for the sliding layers (a plain
     FullAttentionSpec recording the window), so every block holds plain KV
     and KVBM serves the model."""
-    layers = {f"model.layers.{i}.self_attn.attn":
-              kvi.FullAttentionSpec(**ATTN) if i % 3 == 2
-              else kvi.SlidingWindowSpec(**ATTN, sliding_window=64) for i in range(6)}
+    layers = {
+        f"model.layers.{i}.self_attn.attn": kvi.FullAttentionSpec(**ATTN)
+        if i % 3 == 2
+        else kvi.SlidingWindowSpec(**ATTN, sliding_window=64)
+        for i in range(6)
+    }
     groups = _vllm_groups(sched, layers)
     assert [type(g.kv_cache_spec) for g in groups] == [kvi.FullAttentionSpec]
     assert groups[0].kv_cache_spec.sliding_window == 64
@@ -136,10 +145,12 @@ def test_sliding_window_layers_among_full_ones_run_as_full_attention(sched):
 def test_a_model_with_attention_sinks_is_kept_out_as_vllm_groups_it(sched):
     """Its layers merge into one group of SinkFullAttentionSpec, a subclass
     of FullAttentionSpec, which an isinstance check takes for full attention."""
-    layers = {f"model.layers.{i}.self_attn.attn": REFUSED["SinkFullAttentionSpec"]()
-              for i in range(4)}
+    layers = {
+        f"model.layers.{i}.self_attn.attn": REFUSED["SinkFullAttentionSpec"]() for i in range(4)
+    }
     groups = _vllm_groups(sched, layers)
-    assert "SinkFullAttentionSpec: 1 group" in kept_out_reason(sched.vllm_config,
-                                                               _config(sched, *groups))
+    assert "SinkFullAttentionSpec: 1 group" in kept_out_reason(
+        sched.vllm_config, _config(sched, *groups)
+    )
     with pytest.raises(KVBMConfigError, match="group 0: SinkFullAttentionSpec"):
         engine_info(sched.vllm_config, _config(sched, *groups))

@@ -13,9 +13,19 @@ import torch
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-from helpers.scheduler_harness import (BLOCK, admit, kvbm, make_request, make_scheduler,
-                                       step, step_with_weights, store_and_finish, tokens,
-                                       worker_output, worker_weights)
+from helpers.scheduler_harness import (
+    BLOCK,
+    admit,
+    kvbm,
+    make_request,
+    make_scheduler,
+    step,
+    step_with_weights,
+    store_and_finish,
+    tokens,
+    worker_output,
+    worker_weights,
+)
 from vllm_kvbm.scheduler.kv_events import KVEvents
 from vllm_kvbm.scheduler.slot_index import SlotIndex
 from vllm_kvbm.worker.loaded_weights import LoadedWeights
@@ -25,9 +35,14 @@ from vllm_kvbm.tools.server import free_port
 def events_scheduler(**kwargs):
     """A scheduler publishing KV events on a real ZMQ PUB socket; returns it
     and the list its published batches are recorded in."""
-    sched = make_scheduler(kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
-                                      "endpoint": f"tcp://127.0.0.1:{free_port()}"},
-                           **kwargs)
+    sched = make_scheduler(
+        kv_events={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{free_port()}",
+        },
+        **kwargs,
+    )
     published = []
     publish = sched.kv_event_publisher.publish
 
@@ -49,10 +64,16 @@ def closing():
 
 def tier_events(published, medium: str) -> tuple[list, list, list]:
     """(stored events, stored hashes, removed hashes) with ``medium``, in order."""
-    stored = [e for b in published for e in b.events
-              if isinstance(e, BlockStored) and e.medium == medium]
-    removed = [h for b in published for e in b.events
-               if isinstance(e, BlockRemoved) and e.medium == medium for h in e.block_hashes]
+    stored = [
+        e for b in published for e in b.events if isinstance(e, BlockStored) and e.medium == medium
+    ]
+    removed = [
+        h
+        for b in published
+        for e in b.events
+        if isinstance(e, BlockRemoved) and e.medium == medium
+        for h in e.block_hashes
+    ]
     return stored, [h for e in stored for h in e.block_hashes], removed
 
 
@@ -70,11 +91,16 @@ def test_host_stores_and_evictions_are_published_as_vllm_names_the_blocks(closin
     assert len(stored) == k.stats.total["offload_blocks_d2h"] == 3
     first = events[0]
     assert first.parent_block_hash is None and first.block_size == BLOCK
-    assert first.token_ids == list(a.all_token_ids[:len(first.block_hashes) * BLOCK])
+    assert first.token_ids == list(a.all_token_ids[: len(first.block_hashes) * BLOCK])
     assert first.lora_id is None and first.lora_name is None
     # vLLM's own events for the same blocks name them alike (medium GPU)
-    gpu = [h for b in published for e in b.events
-           if isinstance(e, BlockStored) and e.medium == "GPU" for h in e.block_hashes]
+    gpu = [
+        h
+        for b in published
+        for e in b.events
+        if isinstance(e, BlockStored) and e.medium == "GPU"
+        for h in e.block_hashes
+    ]
     assert set(stored) <= set(gpu)
 
     # Three more blocks into four slots: a's two least recently used go.
@@ -116,7 +142,8 @@ def test_pages_not_covered_by_vllm_block_hashes_publish_nothing():
     events.spilling(["disk"], keys)
     events.lower_stored([("disk", key) for key in keys])
     assert [h for e in events.take() for h in e.block_hashes] == (
-        2 * external(hashed, slice(0, 2)))  # host, then disk; b2 is past its hashes
+        2 * external(hashed, slice(0, 2))
+    )  # host, then disk; b2 is past its hashes
     for key in keys:
         host.drop(key)
     [removed] = events.take()
@@ -147,10 +174,10 @@ def step_reporting(sched, **worker_meta):
     return out.kv_connector_metadata
 
 
-def test_disk_write_through_is_published_when_confirmed_and_removed_when_lost(
-        closing, tmp_path):
-    sched, published = events_scheduler(host_blocks=8, disk_cache_dir=str(tmp_path),
-                                        disk_cache_size="64MiB")
+def test_disk_write_through_is_published_when_confirmed_and_removed_when_lost(closing, tmp_path):
+    sched, published = events_scheduler(
+        host_blocks=8, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB"
+    )
     closing(sched)
     k = kvbm(sched)
     req = make_request(tokens(2 * BLOCK + 3, 7), max_tokens=2)
@@ -163,8 +190,12 @@ def test_disk_write_through_is_published_when_confirmed_and_removed_when_lost(
     assert spill.tiers == ["disk"]
     assert tier_events(published, "DISK") == ([], [], [])  # written, not yet confirmed
     written = [("disk", key) for key in spill.keys]
-    step_reporting(sched, spills_done={spill.job_id: 1}, tier_stored=written,
-                   tier_events={("disk", "stored", 0): len(written)})
+    step_reporting(
+        sched,
+        spills_done={spill.job_id: 1},
+        tier_stored=written,
+        tier_events={("disk", "stored", 0): len(written)},
+    )
     _, stored, removed = tier_events(published, "DISK")
     assert stored == external(req, slice(0, 2)) and removed == []
     assert len(stored) == k.stats.total["offload_blocks_h2d"] == 2
@@ -205,7 +236,7 @@ def test_a_page_of_several_blocks_names_each_block_and_waits_for_every_worker():
     host.commit(keys)
     [stored] = events.take()  # the second page continues the first: one event
     assert stored.medium == "CPU" and stored.block_hashes == external(req, slice(0, 4))
-    assert stored.token_ids == list(req.all_token_ids[:4 * BLOCK])
+    assert stored.token_ids == list(req.all_token_ids[: 4 * BLOCK])
     events.spilling(["disk"], keys)
     events.lower_stored([("disk", b"p0"), ("disk", b"p1")])
     assert events.take() == []  # one worker of two
@@ -217,8 +248,7 @@ def test_a_page_of_several_blocks_names_each_block_and_waits_for_every_worker():
     disk1, dropped = events.take()  # past the table's bound: p0 announced removed
     assert disk1.block_hashes == external(req, slice(2, 4))
     assert disk1.parent_block_hash == external(req, slice(1, 2))[0]
-    assert isinstance(dropped, BlockRemoved) and dropped.block_hashes == external(
-        req, slice(0, 2))
+    assert isinstance(dropped, BlockRemoved) and dropped.block_hashes == external(req, slice(0, 2))
     host.drop(b"p1")
     [gone] = events.take()
     assert gone.medium == "CPU" and gone.block_hashes == external(req, slice(2, 4))

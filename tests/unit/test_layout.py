@@ -10,26 +10,52 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "vllm_kvbm"
-SHARED = {"vllm_kvbm.config", "vllm_kvbm.keys", "vllm_kvbm.messages", "vllm_kvbm.engine_info",
-          "vllm_kvbm.metrics", "vllm_kvbm.tiers.page_format", "vllm_kvbm.tiers.page_names",
-          "vllm_kvbm.tiers.page_seal", "vllm_kvbm.cpus",
-          "vllm_kvbm.identity", "vllm_kvbm.identity_fields", "vllm_kvbm.identity_tables",
-          "vllm_kvbm.identity_tables.rules", "vllm_kvbm.identity_tables.engine",
-          "vllm_kvbm.identity_tables.kernels", "vllm_kvbm.canonical_values",
-          "vllm_kvbm.fingerprints"}
+SHARED = {
+    "vllm_kvbm.config",
+    "vllm_kvbm.keys",
+    "vllm_kvbm.messages",
+    "vllm_kvbm.engine_info",
+    "vllm_kvbm.metrics",
+    "vllm_kvbm.tiers.page_format",
+    "vllm_kvbm.tiers.page_names",
+    "vllm_kvbm.tiers.page_seal",
+    "vllm_kvbm.cpus",
+    "vllm_kvbm.identity",
+    "vllm_kvbm.identity_fields",
+    "vllm_kvbm.identity_tables",
+    "vllm_kvbm.identity_tables.rules",
+    "vllm_kvbm.identity_tables.engine",
+    "vllm_kvbm.identity_tables.kernels",
+    "vllm_kvbm.canonical_values",
+    "vllm_kvbm.fingerprints",
+}
 # The tier modules the scheduler process loads: the interfaces, the registry
 # (which imports stores and views by name, when a tier is opened), the
 # reconnect policy, and each medium's view with what it needs. Every other
 # module under tiers/ (the stores and what they use) is worker side.
-SCHEDULER_TIERS = {"vllm_kvbm.tiers", "vllm_kvbm.tiers.base", "vllm_kvbm.tiers.registry",
-                   "vllm_kvbm.tiers.reconnect", "vllm_kvbm.tiers.disk", "vllm_kvbm.tiers.disk.view",
-                   "vllm_kvbm.tiers.lm", "vllm_kvbm.tiers.lm.view", "vllm_kvbm.tiers.lm.protocol",
-                   "vllm_kvbm.tiers.redis", "vllm_kvbm.tiers.redis.view",
-                   "vllm_kvbm.tiers.redis.connection", "vllm_kvbm.tiers.pool",
-                   "vllm_kvbm.tiers.pool.view", "vllm_kvbm.tiers.pool.layout",
-                   "vllm_kvbm.tiers.pool.pool_file", "vllm_kvbm.tiers.peer",
-                   "vllm_kvbm.tiers.peer.view", "vllm_kvbm.tiers.peer.protocol",
-                   "vllm_kvbm.tiers.peer.control", "vllm_kvbm.tiers.peer.directory"}
+SCHEDULER_TIERS = {
+    "vllm_kvbm.tiers",
+    "vllm_kvbm.tiers.base",
+    "vllm_kvbm.tiers.registry",
+    "vllm_kvbm.tiers.reconnect",
+    "vllm_kvbm.tiers.disk",
+    "vllm_kvbm.tiers.disk.view",
+    "vllm_kvbm.tiers.lm",
+    "vllm_kvbm.tiers.lm.view",
+    "vllm_kvbm.tiers.lm.protocol",
+    "vllm_kvbm.tiers.redis",
+    "vllm_kvbm.tiers.redis.view",
+    "vllm_kvbm.tiers.redis.connection",
+    "vllm_kvbm.tiers.pool",
+    "vllm_kvbm.tiers.pool.view",
+    "vllm_kvbm.tiers.pool.layout",
+    "vllm_kvbm.tiers.pool.pool_file",
+    "vllm_kvbm.tiers.peer",
+    "vllm_kvbm.tiers.peer.view",
+    "vllm_kvbm.tiers.peer.protocol",
+    "vllm_kvbm.tiers.peer.control",
+    "vllm_kvbm.tiers.peer.directory",
+}
 
 
 def imports(path: Path) -> set[str]:
@@ -49,8 +75,11 @@ def side_imports(side: str) -> dict[str, set[str]]:
 def foreign(names: set[str], own: str) -> set[str]:
     """``names`` outside ``own``, the shared modules (config is a package of
     them) and the scheduler-side tier modules."""
-    return {n for n in names if not n.startswith((own, "vllm_kvbm.config."))} - SHARED \
+    return (
+        {n for n in names if not n.startswith((own, "vllm_kvbm.config."))}
+        - SHARED
         - SCHEDULER_TIERS
+    )
 
 
 def module_name(path: str) -> str:
@@ -84,8 +113,9 @@ def test_each_medium_folder_has_a_view_and_a_store_in_the_registry():
         view = f"vllm_kvbm.tiers.{folder}.view"
         store = f"vllm_kvbm.tiers.{folder}.store"
         assert view in SCHEDULER_TIERS and store not in SCHEDULER_TIERS
-        assert any(m.view.startswith(view + ":") and m.store.startswith(store + ":")
-                   for m in media), folder
+        assert any(
+            m.view.startswith(view + ":") and m.store.startswith(store + ":") for m in media
+        ), folder
 
 
 def test_worker_side_imports_no_scheduler_module():
@@ -95,8 +125,9 @@ def test_worker_side_imports_no_scheduler_module():
 
 def test_tiers_import_neither_side():
     for module, names in side_imports("tiers").items():
-        assert not {n for n in names
-                    if n.startswith(("vllm_kvbm.scheduler", "vllm_kvbm.worker"))}, module
+        assert not {
+            n for n in names if n.startswith(("vllm_kvbm.scheduler", "vllm_kvbm.worker"))
+        }, module
 
 
 def test_scheduler_process_loads_neither_lmcache_nor_nixl(tmp_path):
@@ -113,8 +144,7 @@ assert s.connector.sched is not None
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("lmcache", "nixl", "nixl_cu12",
                                                            "nixl_cu13", "vllm_kvbm")))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = eval(out.stdout.strip().splitlines()[-1])
     assert "vllm_kvbm.scheduler.planner" in loaded

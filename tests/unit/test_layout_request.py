@@ -25,9 +25,12 @@ FLEX = ["LBNHC"]
 def resolved(supported: list[str], block_size: int = 16) -> str:
     config = VllmConfig(
         cache_config=CacheConfig(block_size=block_size),
-        kv_transfer_config=KVTransferConfig(kv_connector="KVBMConnector",
-                                            kv_connector_module_path="vllm_kvbm.connector",
-                                            kv_role="kv_both"))
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVBMConnector",
+            kv_connector_module_path="vllm_kvbm.connector",
+            kv_role="kv_both",
+        ),
+    )
     return resolve_kv_cache_layout(config, [supported]).name
 
 

@@ -25,9 +25,22 @@ def need_ruff() -> None:
 
 def test_ruff_check_passes():
     need_ruff()
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise",
-                          "--no-cache", str(ROOT)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--output-format",
+            "concise",
+            "--no-cache",
+            str(ROOT),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -35,8 +48,23 @@ def test_ruff_reads_the_projects_rules():
     """A name no module defines is reported: the rules are the project's, not
     an empty selection that passes everything."""
     need_ruff()
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "--output-format", "concise",
-                          "--no-cache", "--stdin-filename", str(ROOT / "vllm_kvbm" / "x.py"),
-                          "-"], cwd=ROOT, input="print(undefined_name)\n", capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ruff",
+            "check",
+            "--output-format",
+            "concise",
+            "--no-cache",
+            "--stdin-filename",
+            str(ROOT / "vllm_kvbm" / "x.py"),
+            "-",
+        ],
+        cwd=ROOT,
+        input="print(undefined_name)\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "F821" in out.stdout, out.stdout + out.stderr

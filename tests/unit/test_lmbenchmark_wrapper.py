@@ -21,13 +21,31 @@ SCRIPT = ROOT / "examples" / "lmbenchmark" / "run.sh"
 
 
 def run(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("LMBENCHMARK_DIR", "VLLM", "CLIENT_PYTHON", "OUT",
-                             "CHAT_HISTORY", "HOST_CACHE", "KV_CACHE_BYTES",
-                             "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "LMBENCHMARK_DIR",
+            "VLLM",
+            "CLIENT_PYTHON",
+            "OUT",
+            "CHAT_HISTORY",
+            "HOST_CACHE",
+            "KV_CACHE_BYTES",
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU",
+        )
+    }
     full_env.update(env)
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def vllm_stub(base: Path) -> Path:
@@ -35,7 +53,7 @@ def vllm_stub(base: Path) -> Path:
     stop before a server starts run without the repository's .venv (CI's
     clean clone has .ci-venv) and prove nothing was started."""
     stub = base / "vllm-stub"
-    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {base / 'vllm-called'}\nexit 1\n")
+    stub.write_text(f'#!/bin/sh\necho "$@" >> {base / "vllm-called"}\nexit 1\n')
     stub.chmod(0o755)
     return stub
 
@@ -76,15 +94,15 @@ def test_relative_dir_that_is_not_a_checkout_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     out = run("some-model", cwd=tmp_path, LMBENCHMARK_DIR="empty")
     assert out.returncode == 1
-    assert (f"{tmp_path}/empty is not an LMBenchmark checkout: "
-            f"{tmp_path}/empty/synthetic-multi-round-qa/multi-round-qa.py not found"
-            in out.stderr)
+    assert (
+        f"{tmp_path}/empty is not an LMBenchmark checkout: "
+        f"{tmp_path}/empty/synthetic-multi-round-qa/multi-round-qa.py not found" in out.stderr
+    )
 
 
 def test_relative_checkout_is_accepted_then_a_missing_vllm_is_named(tmp_path):
     fake_checkout(tmp_path / "lmb")
-    out = run("some-model", cwd=tmp_path, LMBENCHMARK_DIR="./lmb",
-              VLLM=str(tmp_path / "no-vllm"))
+    out = run("some-model", cwd=tmp_path, LMBENCHMARK_DIR="./lmb", VLLM=str(tmp_path / "no-vllm"))
     assert out.returncode == 1
     assert f"vllm not found at {tmp_path}/no-vllm" in out.stderr
 
@@ -96,8 +114,14 @@ def test_missing_client_requirements_fail_loudly_without_installing(tmp_path):
     fake_checkout(tmp_path / "lmb")
     bare = tmp_path / "bare-venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
-    out = run("some-model", cwd=tmp_path, LMBENCHMARK_DIR="lmb", INSTALL_CLIENT_DEPS="0",
-              CLIENT_PYTHON=str(bare / "bin" / "python"), VLLM=str(vllm_stub(tmp_path)))
+    out = run(
+        "some-model",
+        cwd=tmp_path,
+        LMBENCHMARK_DIR="lmb",
+        INSTALL_CLIENT_DEPS="0",
+        CLIENT_PYTHON=str(bare / "bin" / "python"),
+        VLLM=str(vllm_stub(tmp_path)),
+    )
     assert out.returncode == 1
     assert not (tmp_path / "vllm-called").exists()
     assert "LMBenchmark's client needs openai pandas" in out.stderr
@@ -117,8 +141,14 @@ def test_a_client_that_cannot_start_stops_the_run_before_any_server(tmp_path):
     for name in ("openai", "pandas"):
         (site / name).mkdir()
         (site / name / "__init__.py").write_text("")
-    out = run("some-model", cwd=tmp_path, LMBENCHMARK_DIR="lmb", OUT="res",
-              CLIENT_PYTHON=str(venv / "bin" / "python"), VLLM=str(vllm_stub(tmp_path)))
+    out = run(
+        "some-model",
+        cwd=tmp_path,
+        LMBENCHMARK_DIR="lmb",
+        OUT="res",
+        CLIENT_PYTHON=str(venv / "bin" / "python"),
+        VLLM=str(vllm_stub(tmp_path)),
+    )
     assert out.returncode == 1
     assert not (tmp_path / "vllm-called").exists()
     assert "LMBenchmark's client does not start" in out.stderr
@@ -151,8 +181,17 @@ def test_sizes_fit_the_machine_and_the_server_binds_localhost(tmp_path):
 
 
 def test_sizes_follow_the_environment(tmp_path):
-    out = run("--sizes", "m", cwd=tmp_path, CHAT_HISTORY="1234", HOST_CACHE="3GiB",
-              KV_CACHE_BYTES="1000000", NUM_USERS="3", NUM_ROUNDS="5", OUT="rel/out")
+    out = run(
+        "--sizes",
+        "m",
+        cwd=tmp_path,
+        CHAT_HISTORY="1234",
+        HOST_CACHE="3GiB",
+        KV_CACHE_BYTES="1000000",
+        NUM_USERS="3",
+        NUM_ROUNDS="5",
+        OUT="rel/out",
+    )
     assert out.returncode == 0, out.stderr
     assert "CHAT_HISTORY=1234" in out.stdout and "NUM_USERS=3 NUM_ROUNDS=5" in out.stdout
     assert "HOST_CACHE=3GiB KV_CACHE_BYTES=1000000" in out.stdout
@@ -168,24 +207,34 @@ DATA = ROOT / "tests" / "data"
 def test_check_cores_refuses_servers_on_different_cores():
     """Real logs: by default vLLM CPU ran the plain server on core 0 and the
     KVBM server on cores 0 and 1."""
-    out = run("--check-cores", str(DATA / "vllm-serve-plain-auto.log"),
-              str(DATA / "vllm-serve-kvbm-auto.log"), cwd=ROOT)
+    out = run(
+        "--check-cores",
+        str(DATA / "vllm-serve-plain-auto.log"),
+        str(DATA / "vllm-serve-kvbm-auto.log"),
+        cwd=ROOT,
+    )
     assert out.returncode == 1
     assert "vllm-serve-plain-auto.log: rank 0 cores [0]\n" in out.stdout
     assert "vllm-serve-kvbm-auto.log: rank 0 cores [0, 1]\n" in out.stdout
     assert "not run on the same cores" in out.stderr
-    fair = run("--check-cores", str(DATA / "vllm-serve-plain-auto.log"),
-               str(DATA / "vllm-serve-kvbm-reserved1.log"), cwd=ROOT)
+    fair = run(
+        "--check-cores",
+        str(DATA / "vllm-serve-plain-auto.log"),
+        str(DATA / "vllm-serve-kvbm-reserved1.log"),
+        cwd=ROOT,
+    )
     assert fair.returncode == 0, fair.stderr
-    missing = run("--check-cores", str(DATA / "vllm-serve-plain-auto.log"),
-                  str(ROOT / "README.md"), cwd=ROOT)
+    missing = run(
+        "--check-cores", str(DATA / "vllm-serve-plain-auto.log"), str(ROOT / "README.md"), cwd=ROOT
+    )
     assert missing.returncode == 1 and "README.md: unknown" in missing.stdout
 
 
 def test_both_servers_get_the_same_binding_env(tmp_path):
     out = run("--sizes", "m", cwd=tmp_path)
-    assert "cpu binding (both servers): VLLM_CPU_OMP_THREADS_BIND=auto " \
-           "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in out.stdout
+    assert (
+        "cpu binding (both servers): VLLM_CPU_OMP_THREADS_BIND=auto "
+        "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in out.stdout
+    )
     mine = run("--sizes", "m", cwd=tmp_path, VLLM_CPU_OMP_THREADS_BIND="0-1")
-    assert "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=vLLM default" \
-        in mine.stdout
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=vLLM default" in mine.stdout

@@ -27,8 +27,9 @@ PAGE_BYTES = 64 * 1024
 def _pages(mount, page_bytes: int = PAGE_BYTES) -> list[torch.Tensor]:
     writer = DiskStore(str(mount.root), 64 << 20, page_bytes, "ns", 0, 1)
     g = torch.Generator().manual_seed(11)
-    pages = [torch.randint(0, 256, (page_bytes,), dtype=torch.uint8, generator=g)
-             for _ in range(PAGES)]
+    pages = [
+        torch.randint(0, 256, (page_bytes,), dtype=torch.uint8, generator=g) for _ in range(PAGES)
+    ]
     for i, p in enumerate(pages):
         assert writer.put(key(i), p)
     writer.close()
@@ -43,9 +44,14 @@ def _fetch(mount, recompute_s: list[float], first_read_blocked_s: float | None =
     io = TierIO(read_timeout_s=20.0)
     io.add(DiskStore(str(mount.path), 64 << 20, PAGE_BYTES, "ns", 0, 1))
     pool = torch.zeros(PAGES, PAGE_BYTES, dtype=torch.uint8)
-    job = TransferJob(1, "R", list(range(PAGES)), list(range(PAGES)),
-                      fetch=[(i, "disk", key(i)) for i in range(PAGES)],
-                      recompute_s=recompute_s)
+    job = TransferJob(
+        1,
+        "R",
+        list(range(PAGES)),
+        list(range(PAGES)),
+        fetch=[(i, "disk", key(i)) for i in range(PAGES)],
+        recompute_s=recompute_s,
+    )
     meta = KVBMWorkerMetadata()
 
     def ended():
@@ -54,6 +60,7 @@ def _fetch(mount, recompute_s: list[float], first_read_blocked_s: float | None =
             assert time.monotonic() < deadline, "the fetch never ended"
             time.sleep(0.005)
         return ready
+
     try:
         if first_read_blocked_s is None:
             with mount.slow(blocked_s=0.3, open_s=0.05):
@@ -87,8 +94,9 @@ def test_a_slow_first_read_alone_does_not_cut_a_fetch(mount):
     fetch looked like 11 x 0.3 s against 0.6 s of recompute and was cut; its
     pace is taken after the first group, so it loads everything."""
     pages = _pages(mount)
-    cut, pool, _ = _fetch(mount, [0.05 * (PAGES - i) for i in range(PAGES)],
-                          first_read_blocked_s=0.3)
+    cut, pool, _ = _fetch(
+        mount, [0.05 * (PAGES - i) for i in range(PAGES)], first_read_blocked_s=0.3
+    )
     assert cut is None
     for i in range(PAGES):
         assert torch.equal(pool[i], pages[i])
@@ -102,8 +110,7 @@ def test_a_fetch_with_no_recompute_time_known_is_never_cut(mount):
         assert torch.equal(pool[i], pages[i])
 
 
-def test_the_worker_loads_the_landed_pages_and_reports_the_rest_as_load_errors(
-        mount, harness):
+def test_the_worker_loads_the_landed_pages_and_reports_the_rest_as_load_errors(mount, harness):
     """Through KVBMWorker: the cut job's landed pages are moved into their
     engine blocks by NIXL, the others' blocks are load errors, and the
     scheduler is told where the load was cut."""
@@ -117,9 +124,14 @@ def test_the_worker_loads_the_landed_pages_and_reports_the_rest_as_load_errors(
     writer.close()
     h.worker.add_tier(DiskStore(str(mount.path), 64 << 20, bb, "ns", 0, 1))
     blocks = list(range(10, 10 + PAGES))
-    job = TransferJob(7, "R", blocks, list(range(PAGES)),
-                      fetch=[(i, "disk", key(i)) for i in range(PAGES)],
-                      recompute_s=[0.01 * (PAGES - i) for i in range(PAGES)])
+    job = TransferJob(
+        7,
+        "R",
+        blocks,
+        list(range(PAGES)),
+        fetch=[(i, "disk", key(i)) for i in range(PAGES)],
+        recompute_s=[0.01 * (PAGES - i) for i in range(PAGES)],
+    )
     with mount.slow(blocked_s=0.3, open_s=0.05):
         h.worker.start_loads(KVBMConnectorMetadata(loads=[job]))
         h.step_until(lambda: "R" in h.recving, timeout=60)

@@ -15,8 +15,7 @@ import pytest
 from helpers.scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler
 from helpers.scheduler_harness import store_and_finish, tokens
 from vllm_kvbm.config import KVBMConfigError, load_config
-from vllm_kvbm.scheduler.load_split import (PROBE_AFTER_S, PROBE_BLOCKS, LoadSplit,
-                                             PrefillModel)
+from vllm_kvbm.scheduler.load_split import PROBE_AFTER_S, PROBE_BLOCKS, LoadSplit, PrefillModel
 
 
 class Clock:
@@ -182,8 +181,10 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     recompute: vLLM is told of 2 blocks, computes the rest, and the counters
     say which tokens were recomputed on purpose."""
     from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
-    s = make_scheduler(host_blocks=64, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB",
-                       load_split=True)
+
+    s = make_scheduler(
+        host_blocks=64, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB", load_split=True
+    )
     k = kvbm(s)
     # Prefill costs come from the scheduler's own timing of real steps.
     run(s, tokens(4 * BLOCK + 3, 2))
@@ -192,7 +193,7 @@ def test_scheduler_loads_the_host_part_and_recomputes_a_slow_remainder(tmp_path)
     recompute = k.split.prefill.block_seconds(0, BLOCK)
     assert recompute > 0
     prompt = tokens(6 * BLOCK + 5, 1)
-    run(s, prompt[:2 * BLOCK + 1])  # blocks 0-1 in the host tier
+    run(s, prompt[: 2 * BLOCK + 1])  # blocks 0-1 in the host tier
     assert s.reset_prefix_cache()
     disk = disk_store_for(k, tmp_path)
     try:

@@ -105,8 +105,7 @@ def test_a_rank_that_changes_label_within_an_epoch_moves_the_keys_at_once():
     epochs = WeightsEpochs(2)
     assert not epochs.reported([(0, 0, "")])
     assert epochs.reported([(0, 1, "private:x")]) and epochs.labels == ("", "private:x")
-    assert epochs.reported([(0, 0, "private:y")]) and epochs.labels == ("private:y",
-                                                                          "private:x")
+    assert epochs.reported([(0, 0, "private:y")]) and epochs.labels == ("private:y", "private:x")
 
 
 def test_a_second_reset_while_the_workers_digest_starts_another_epoch():
@@ -151,6 +150,7 @@ def test_the_model_is_found_from_vllms_caller_and_an_unreadable_one_is_a_new_epo
 
     def unreadable():
         raise RuntimeError("no model")
+
     fallback = Executor().collective_rpc(Runner(unreadable).initialize_kv_cache)
     assert fallback.serves((0, ("",))) and not fallback.serves((1, ("",)))
 

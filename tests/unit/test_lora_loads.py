@@ -91,8 +91,7 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     from vllm.lora.request import LoRARequest
     from vllm.v1.outputs import KVConnectorOutput
 
-    from helpers.scheduler_harness import (fingerprinted, kvbm, make_request, make_scheduler,
-                                           tokens)
+    from helpers.scheduler_harness import fingerprinted, kvbm, make_request, make_scheduler, tokens
     from vllm_kvbm.messages import KVBMWorkerMetadata
 
     path = make_adapter(tmp_path / "a", b"old weights")
@@ -102,8 +101,11 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     same = make_request(prompt, lora_request=LoRARequest("tuned", 1, path))
     fingerprinted(k, same.lora_request)
     k.get_num_new_matched_tokens(same, 0)
-    k.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=KVBMWorkerMetadata(adapters_loaded=[(1, old), (1, old)])))
+    k.update_connector_output(
+        KVConnectorOutput(
+            kv_connector_worker_meta=KVBMWorkerMetadata(adapters_loaded=[(1, old), (1, old)])
+        )
+    )
     assert not k._reqs[same.request_id].no_store  # TP ranks loading the same weights
 
     make_adapter(tmp_path / "b", b"old weights")
@@ -112,8 +114,13 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     k.get_num_new_matched_tokens(other, 0)
     make_adapter(tmp_path / "b", b"new weights")
     with caplog.at_level(logging.WARNING, logger="vllm_kvbm.scheduler.lora_adapters"):
-        k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVBMWorkerMetadata(
-            adapters_loaded=[(2, adapter_fingerprint(str(tmp_path / "b")))])))
+        k.update_connector_output(
+            KVConnectorOutput(
+                kv_connector_worker_meta=KVBMWorkerMetadata(
+                    adapters_loaded=[(2, adapter_fingerprint(str(tmp_path / "b")))]
+                )
+            )
+        )
     assert k._reqs[other.request_id].no_store
     assert "changed on disk" in caplog.text
     again = make_request(prompt, lora_request=LoRARequest("other", 2, str(tmp_path / "b")))
@@ -121,8 +128,11 @@ def test_scheduler_stops_caching_an_adapter_loaded_with_other_weights(tmp_path, 
     assert again.request_id not in k._reqs
 
     # Reported before the adapter's first request: that request is not cached.
-    k.update_connector_output(KVConnectorOutput(
-        kv_connector_worker_meta=KVBMWorkerMetadata(adapters_loaded=[(4, "weights read then")])))
+    k.update_connector_output(
+        KVConnectorOutput(
+            kv_connector_worker_meta=KVBMWorkerMetadata(adapters_loaded=[(4, "weights read then")])
+        )
+    )
     make_adapter(tmp_path / "c", b"weights now")
     late = make_request(prompt, lora_request=LoRARequest("late", 4, str(tmp_path / "c")))
     fingerprinted(k, late.lora_request)
@@ -138,8 +148,7 @@ def test_an_adapter_downloaded_at_its_first_load_is_cached_from_then_on(tmp_path
     from vllm.lora.request import LoRARequest
     from vllm.v1.outputs import KVConnectorOutput
 
-    from helpers.scheduler_harness import (fingerprinted, kvbm, make_request, make_scheduler,
-                                           tokens)
+    from helpers.scheduler_harness import fingerprinted, kvbm, make_request, make_scheduler, tokens
     from vllm_kvbm.messages import KVBMWorkerMetadata
 
     path = str(tmp_path / "not-yet-downloaded")
@@ -154,8 +163,13 @@ def test_an_adapter_downloaded_at_its_first_load_is_cached_from_then_on(tmp_path
     make_adapter(tmp_path / "not-yet-downloaded", b"downloaded weights")
     assert lora_loads.loaded(7, path, None) == adapter_fingerprint(path)
     assert lora_loads.refuses((7, ""))
-    k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVBMWorkerMetadata(
-        adapters_loaded=[(7, adapter_fingerprint(path))])))
+    k.update_connector_output(
+        KVConnectorOutput(
+            kv_connector_worker_meta=KVBMWorkerMetadata(
+                adapters_loaded=[(7, adapter_fingerprint(path))]
+            )
+        )
+    )
     assert k._reqs[first.request_id].no_store
 
     second = make_request(prompt, lora_request=LoRARequest("hub", 7, path))

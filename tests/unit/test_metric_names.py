@@ -14,21 +14,46 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import vllm_kvbm
 from helpers import ROOT
-from vllm_kvbm.metric_names import (COUNTERS, FAMILIES, GAUGES, GIVEN, HISTOGRAMS, RENAMED,
-                                    RENAMED_SINCE_0_2, SUMS, series_key, series_of)
+from vllm_kvbm.metric_names import (
+    COUNTERS,
+    FAMILIES,
+    GAUGES,
+    GIVEN,
+    HISTOGRAMS,
+    RENAMED,
+    RENAMED_SINCE_0_2,
+    SUMS,
+    series_key,
+    series_of,
+)
 from vllm_kvbm.metrics import KVBMPromMetrics, KVBMStats, StandaloneMetrics
 from vllm_kvbm.tools.server import free_port
 
-UNITS = {"counter": ("_tokens", "_blocks", "_bytes", "_pages", "_transfers", "_timeouts",
-                     "_reconnects", "_requests", "_lookups", "_entries"),
-         "histogram": ("_seconds",),
-         "gauge": ("_blocks", "_bytes", "_seconds", "_ratio", "_info", "_up", "_slots")}
+UNITS = {
+    "counter": (
+        "_tokens",
+        "_blocks",
+        "_bytes",
+        "_pages",
+        "_transfers",
+        "_timeouts",
+        "_reconnects",
+        "_requests",
+        "_lookups",
+        "_entries",
+    ),
+    "histogram": ("_seconds",),
+    "gauge": ("_blocks", "_bytes", "_seconds", "_ratio", "_info", "_up", "_slots"),
+}
 
 
 def samples(text: str) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value of a text exposition."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 @pytest.mark.parametrize("family", FAMILIES.values(), ids=lambda f: f.name)
@@ -53,11 +78,15 @@ def test_every_key_feeds_a_family_and_every_family_is_fed():
     assert fed == set(FAMILIES)
     assert series_of("matched_tokens") == ("kvbm_matched_tokens", {})
     assert series_of("matched_tokens_disk") == ("kvbm_matched_tokens", {"tier": "disk"})
-    assert series_of("tier_write_errors@remote") == ("kvbm_tier_write_failed_pages",
-                                                     {"tier": "remote"})
+    assert series_of("tier_write_errors@remote") == (
+        "kvbm_tier_write_failed_pages",
+        {"tier": "remote"},
+    )
     assert all(FAMILIES[family].tiers for family in SUMS.values())
     assert series_of("transfer_timeouts@no_staging_slot") == (
-        "kvbm_transfer_timeouts", {"event": "no_staging_slot"})
+        "kvbm_transfer_timeouts",
+        {"event": "no_staging_slot"},
+    )
     assert series_of("refused_params@hint") == ("kvbm_refused_param_requests", {"param": "hint"})
 
 
@@ -78,13 +107,24 @@ def test_related_series_count_one_unit():
     """A tier's writes, reads and failures count pages; what moves to and from
     the engine's KV cache, and the host tier's capacity and evictions, count
     blocks; kvbm_page_size_blocks converts."""
-    tier_io = [f for f in FAMILIES if f.startswith(("kvbm_tier_write_", "kvbm_tier_read_"))
-               and FAMILIES[f].kind == "counter"]
+    tier_io = [
+        f
+        for f in FAMILIES
+        if f.startswith(("kvbm_tier_write_", "kvbm_tier_read_")) and FAMILIES[f].kind == "counter"
+    ]
     assert len(tier_io) == 6 and all(f.endswith("_pages") for f in tier_io), tier_io
-    host = [f for f in FAMILIES if "host" in FAMILIES[f].tiers and FAMILIES[f].kind != "histogram"
-            and not f.endswith(("_bytes", "_tokens", "_ratio", "_seconds"))]
-    assert sorted(host) == ["kvbm_cache_capacity_blocks", "kvbm_cache_used_blocks",
-                            "kvbm_evicted_blocks"]
+    host = [
+        f
+        for f in FAMILIES
+        if "host" in FAMILIES[f].tiers
+        and FAMILIES[f].kind != "histogram"
+        and not f.endswith(("_bytes", "_tokens", "_ratio", "_seconds"))
+    ]
+    assert sorted(host) == [
+        "kvbm_cache_capacity_blocks",
+        "kvbm_cache_used_blocks",
+        "kvbm_evicted_blocks",
+    ]
     assert FAMILIES["kvbm_page_size_blocks"].kind == "gauge"
 
 
@@ -144,9 +184,12 @@ def test_vllm_serve_exposition_has_engine_labels_and_tiers():
     class VllmConfig:
         kv_transfer_config = None
 
-    prom = KVBMPromMetrics(VllmConfig(), {Counter: on(Counter), Gauge: on(Gauge),
-                                          Histogram: on(Histogram)},
-                           ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    prom = KVBMPromMetrics(
+        VllmConfig(),
+        {Counter: on(Counter), Gauge: on(Gauge), Histogram: on(Histogram)},
+        ["model_name", "engine"],
+        {0: ["m", "0"], 1: ["m", "1"]},
+    )
     for engine, stats_tiers in ((0, ["host", "remote"]), (1, ["host"])):
         stats = KVBMStats()
         stats.declare(stats_tiers)
@@ -156,8 +199,10 @@ def test_vllm_serve_exposition_has_engine_labels_and_tiers():
             stats.set_gauge("tier_up", 1.0, "remote")
         prom.observe(stats.take(), engine)
     got = samples(generate_latest(registry).decode())
-    labels = lambda engine, **more: tuple(sorted(  # noqa: E731
-        {"model_name": "m", "engine": str(engine), **more}.items()))
+
+    def labels(engine, **more):
+        return tuple(sorted({"model_name": "m", "engine": str(engine), **more}.items()))
+
     assert got[("kvbm_offload_blocks_total", labels(0))] == 4
     assert got[("kvbm_offload_blocks_total", labels(1))] == 5
     assert got[("kvbm_checksum_failed_pages_total", labels(0, tier="remote"))] == 1

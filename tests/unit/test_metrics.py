@@ -29,8 +29,6 @@ def tokens(n: int, base: int) -> list[int]:
     return [base * 1000 + i for i in range(n)]
 
 
-
-
 def admit(stats: KVBMStats, lookup: int, **matched: int) -> None:
     """What the planner adds when vLLM admits one request."""
     stats.add("lookup_tokens", lookup)
@@ -119,10 +117,19 @@ def test_rates_on_the_standalone_metrics_port():
         admit(stats, 256, remote=32)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
             text = resp.read().decode()
-        values = {tier: float(value) for tier, value in
-                  re.findall(r'^kvbm_recent_hit_ratio\{tier="(\w+)"\} (\S+)$', text, re.M)}
-        assert values == {"host": 128 / 512, "pool": 0.0, "disk": 64 / 512, "peer": 0.0,
-                          "remote": 32 / 512}
+        values = {
+            tier: float(value)
+            for tier, value in re.findall(
+                r'^kvbm_recent_hit_ratio\{tier="(\w+)"\} (\S+)$', text, re.M
+            )
+        }
+        assert values == {
+            "host": 128 / 512,
+            "pool": 0.0,
+            "disk": 64 / 512,
+            "peer": 0.0,
+            "remote": 32 / 512,
+        }
         assert "# TYPE kvbm_recent_hit_ratio gauge" in text
     finally:
         sink.close()

@@ -43,20 +43,26 @@ def test_kv_cache_dtype_and_quantization_are_in_the_keys():
     def cache_dtype(name):
         def change(c):
             c.cache_config.cache_dtype = name
+
         return change
+
     e4m3, e5m2 = _seed_with(s, cache_dtype("fp8_e4m3")), _seed_with(s, cache_dtype("fp8_e5m2"))
     assert len({base, e4m3, e5m2}) == 3
 
     def quant(c):
         c.model_config.quantization = "fp8"
+
     assert _seed_with(s, quant) != base
 
 
-@pytest.mark.parametrize("field,flag", [
-    ("pipeline_parallel_size", "--pipeline-parallel-size 1"),
-    ("decode_context_parallel_size", "--decode-context-parallel-size 1"),
-    ("prefill_context_parallel_size", "--prefill-context-parallel-size 1"),
-])
+@pytest.mark.parametrize(
+    "field,flag",
+    [
+        ("pipeline_parallel_size", "--pipeline-parallel-size 1"),
+        ("decode_context_parallel_size", "--decode-context-parallel-size 1"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size 1"),
+    ],
+)
 def test_pipeline_and_context_parallelism_are_refused_at_startup(field, flag):
     s = make_scheduler()
     cfg = copy.deepcopy(s.vllm_config)
@@ -89,9 +95,14 @@ def test_every_field_of_vllms_kv_cache_spec_is_in_the_keys():
 
     s = make_scheduler()
     base = _seed_with_spec(s, 16)
-    for change in (dict(head_size=16), dict(num_kv_heads=1), dict(dtype=torch.bfloat16),
-                   dict(sliding_window=64), dict(page_size_padded=4096),
-                   dict(head_size_v=16)):
+    for change in (
+        dict(head_size=16),
+        dict(num_kv_heads=1),
+        dict(dtype=torch.bfloat16),
+        dict(sliding_window=64),
+        dict(page_size_padded=4096),
+        dict(head_size_v=16),
+    ):
         assert _seed_with_spec(s, 16, **change) != base, change
 
 
@@ -106,7 +117,10 @@ def test_the_same_model_files_at_another_path_share_keys(tmp_path):
     there = kvbm(make_scheduler(model=str(copy_dir))).info.key_namespace
     assert here.seed() == there.seed()
     (copy_dir / "config.json").write_text(
-        (copy_dir / "config.json").read_text().replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05'))
+        (copy_dir / "config.json")
+        .read_text()
+        .replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05')
+    )
     assert kvbm(make_scheduler(model=str(copy_dir))).info.key_namespace.seed() != here.seed()
 
 

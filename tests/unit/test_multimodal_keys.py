@@ -14,13 +14,26 @@ from __future__ import annotations
 import torch
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
-from helpers.scheduler_harness import (BLOCK, kvbm, lookup, make_request, make_scheduler,
-                                       store_and_finish, tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    kvbm,
+    lookup,
+    make_request,
+    make_scheduler,
+    store_and_finish,
+    tokens,
+)
 
 
 def image(name: str, offset: int) -> list[MultiModalFeatureSpec]:
-    return [MultiModalFeatureSpec(data=None, modality="image", identifier=name,
-                                  mm_position=PlaceholderRange(offset=offset, length=BLOCK))]
+    return [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=name,
+            mm_position=PlaceholderRange(offset=offset, length=BLOCK),
+        )
+    ]
 
 
 def keys(k, req) -> list[bytes]:
@@ -73,8 +86,11 @@ def test_prompt_embeddings_are_keyed_by_their_values():
 def test_embeddings_mixed_with_token_ids_are_not_cached():
     k = kvbm(make_scheduler())
     n = 2 * BLOCK + 1
-    req = make_request(tokens(n, base=963), prompt_embeds=torch.randn(n, 16),
-                       prompt_is_token_ids=[i % 2 == 0 for i in range(n)])
+    req = make_request(
+        tokens(n, base=963),
+        prompt_embeds=torch.randn(n, 16),
+        prompt_is_token_ids=[i % 2 == 0 for i in range(n)],
+    )
     assert lookup(k, req) == (0, False)
     assert req.request_id not in k._reqs
 

@@ -20,8 +20,10 @@ def _checkpoint(directory, value: float) -> None:
 
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    save_file({"model.layers.0.self_attn.k_proj.weight": torch.full((4, 4), value)},
-              str(directory / "model.safetensors"))
+    save_file(
+        {"model.layers.0.self_attn.k_proj.weight": torch.full((4, 4), value)},
+        str(directory / "model.safetensors"),
+    )
 
 
 @pytest.fixture
@@ -52,8 +54,9 @@ def test_the_files_vllm_picked_unchanged_are_the_fingerprint(models):
     _vllm_picks(current)
     [picked] = [s for s in opened_files.since(0)]
     assert picked.folder_real == str(models / "v1")
-    assert fingerprints.model_fingerprint(current, load_format="safetensors") == \
-        fingerprints.files_fingerprint(str(models / "v1"), ["config.json", "model.safetensors"])
+    assert fingerprints.model_fingerprint(
+        current, load_format="safetensors"
+    ) == fingerprints.files_fingerprint(str(models / "v1"), ["config.json", "model.safetensors"])
 
 
 def test_a_link_moved_after_vllm_picked_the_files_gives_no_fingerprint(models, caplog):
@@ -67,8 +70,9 @@ def test_a_link_moved_after_vllm_picked_the_files_gives_no_fingerprint(models, c
     # Without a record of vLLM's pick (another process), the files now there
     # are hashed, as before: v2's, which that process's pages then name.
     opened_files.reset()
-    assert fingerprints.model_fingerprint(str(current), load_format="safetensors") == \
-        fingerprints.files_fingerprint(str(models / "v2"), ["config.json", "model.safetensors"])
+    assert fingerprints.model_fingerprint(
+        str(current), load_format="safetensors"
+    ) == fingerprints.files_fingerprint(str(models / "v2"), ["config.json", "model.safetensors"])
 
 
 def test_a_file_rewritten_after_vllm_picked_it_gives_no_fingerprint(models):
@@ -89,8 +93,11 @@ def test_files_vllm_read_that_kvbm_would_not_hash_give_no_fingerprint(models):
     current = str(models / "current")
     extra = models / "v1" / "extra.pt"
     extra.write_bytes(b"weights")
-    opened_files.record(current, current, [str(models / "current" / "model.safetensors"),
-                                           str(models / "current" / "extra.pt")])
+    opened_files.record(
+        current,
+        current,
+        [str(models / "current" / "model.safetensors"), str(models / "current" / "extra.pt")],
+    )
     assert fingerprints.model_fingerprint(current, load_format="safetensors") is None
 
 
@@ -100,9 +107,11 @@ def test_the_record_is_installed_before_vllms_loader_is_imported():
     import subprocess
     import sys
 
-    code = ("import sys; from vllm_kvbm import opened_files; opened_files.install(); "
-            f"assert {opened_files.LOADER_MODULE!r} not in sys.modules; "
-            "from vllm.model_executor.model_loader.default_loader import DefaultModelLoader; "
-            "assert DefaultModelLoader._prepare_weights.__kvbm_recorded__; "
-            "assert not any(isinstance(f, opened_files._PatchOnImport) for f in sys.meta_path)")
+    code = (
+        "import sys; from vllm_kvbm import opened_files; opened_files.install(); "
+        f"assert {opened_files.LOADER_MODULE!r} not in sys.modules; "
+        "from vllm.model_executor.model_loader.default_loader import DefaultModelLoader; "
+        "assert DefaultModelLoader._prepare_weights.__kvbm_recorded__; "
+        "assert not any(isinstance(f, opened_files._PatchOnImport) for f in sys.meta_path)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

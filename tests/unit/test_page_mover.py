@@ -12,25 +12,37 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.kv_layouts import (VLLM_LAYOUTS, KVLayout, agent_name, cpu_layout, flash_layout,
-                        layer_name, random_fill, vllm_layout)
+from helpers.kv_layouts import (
+    VLLM_LAYOUTS,
+    KVLayout,
+    agent_name,
+    cpu_layout,
+    flash_layout,
+    layer_name,
+    random_fill,
+    vllm_layout,
+)
 from vllm_kvbm.config import KVBMConfigError
-from vllm_kvbm.worker.page_mover import (NixlBuildError, PageMover, block_regions,
-                                         load_nixl, nixl_builds_for)
+from vllm_kvbm.worker.page_mover import (
+    NixlBuildError,
+    PageMover,
+    block_regions,
+    load_nixl,
+    nixl_builds_for,
+)
 
 NB = 40  # never 2: a flash layout [2, nb, ...] would be ambiguous
 
 
 def make_layout(kind: str, gen: torch.Generator) -> KVLayout:
     if kind == "cpu":
-        return cpu_layout(num_layers=3, num_blocks=NB, heads=2, block_size=4,
-                          head_size=8, gen=gen)
+        return cpu_layout(num_layers=3, num_blocks=NB, heads=2, block_size=4, head_size=8, gen=gen)
     if kind == "flash":
-        return flash_layout(num_layers=3, num_blocks=NB, block_size=4, heads=2,
-                            head_dim=8, gen=gen)
+        return flash_layout(num_layers=3, num_blocks=NB, block_size=4, heads=2, head_dim=8, gen=gen)
     if kind == "flash_hnd":
-        return flash_layout(num_layers=2, num_blocks=NB, block_size=4, heads=3,
-                            head_dim=8, gen=gen, hnd=True)
+        return flash_layout(
+            num_layers=2, num_blocks=NB, block_size=4, heads=3, head_dim=8, gen=gen, hnd=True
+        )
     raise AssertionError(kind)
 
 
@@ -65,9 +77,11 @@ def movers():
 
 # ---- block_regions ---------------------------------------------------------
 
+
 def test_regions_cpu_layout_shared_buffer(gen):
-    lay = cpu_layout(num_layers=3, num_blocks=NB, heads=2, block_size=4, head_size=8,
-                     gen=gen, pad=4096)
+    lay = cpu_layout(
+        num_layers=3, num_blocks=NB, heads=2, block_size=4, head_size=8, gen=gen, pad=4096
+    )
     regions = block_regions(lay.caches, NB)
     page = 2 * 4 * 16 * 2  # heads * bs * 2*hs * bf16
     assert len(regions) == 3
@@ -77,8 +91,7 @@ def test_regions_cpu_layout_shared_buffer(gen):
 
 
 def test_regions_flash_layout_k_and_v_separate(gen):
-    lay = flash_layout(num_layers=2, num_blocks=NB, block_size=4, heads=2, head_dim=8,
-                       gen=gen)
+    lay = flash_layout(num_layers=2, num_blocks=NB, block_size=4, heads=2, head_dim=8, gen=gen)
     regions = block_regions(lay.caches, NB)
     page = 4 * 2 * 8 * 2
     assert len(regions) == 4  # per layer: K region then V region
@@ -108,9 +121,17 @@ def test_regions_reject_missing_block_dim(gen):
 
 # ---- PageMover round trips -------------------------------------------------
 
-@pytest.mark.parametrize("kind,loopback", [("cpu", "self"), ("flash", "self"),
-                                           ("flash_hnd", "self"), ("cpu", "default"),
-                                           ("flash_hnd", "default")])
+
+@pytest.mark.parametrize(
+    "kind,loopback",
+    [
+        ("cpu", "self"),
+        ("flash", "self"),
+        ("flash_hnd", "self"),
+        ("cpu", "default"),
+        ("flash_hnd", "default"),
+    ],
+)
 def test_store_then_load_into_other_blocks(kind, loopback, gen, movers):
     lay = make_layout(kind, gen)
     num_slots = 24
@@ -228,8 +249,11 @@ def test_copy_thread_is_not_bound_to_the_engine_threads_core(gen, movers):
         mover = PageMover(lay.caches, NB, pool, name=agent_name(), copy_thread=True)
         movers.append(mover)
         assert wait(mover, mover.post(True, [1], [0])) == "DONE"  # the thread is running
-        copy = next(t for t in threading.enumerate() if t.name.endswith("-copy")
-                    and t.name.startswith(mover.agent.name))
+        copy = next(
+            t
+            for t in threading.enumerate()
+            if t.name.endswith("-copy") and t.name.startswith(mover.agent.name)
+        )
         assert os.sched_getaffinity(copy.native_id) == allowed
     finally:
         os.sched_setaffinity(0, allowed)
@@ -240,11 +264,11 @@ def test_pool_slot_size_mismatch(gen, movers):
     bb = lay.block_bytes()
     for bad in (bb - 1, bb + 256, bb // 2):
         with pytest.raises(KVBMConfigError, match=f"{bb}.*KV layout mismatch"):
-            PageMover(lay.caches, NB, torch.zeros(4, bad, dtype=torch.uint8),
-                      name=agent_name())
+            PageMover(lay.caches, NB, torch.zeros(4, bad, dtype=torch.uint8), name=agent_name())
     # same bytes in another dtype is fine
-    movers.append(PageMover(lay.caches, NB, torch.zeros(4, bb // 4, dtype=torch.int32),
-                            name=agent_name()))
+    movers.append(
+        PageMover(lay.caches, NB, torch.zeros(4, bb // 4, dtype=torch.int32), name=agent_name())
+    )
 
 
 def test_mover_rejects_non_contiguous_layout(gen):
@@ -254,15 +278,18 @@ def test_mover_rejects_non_contiguous_layout(gen):
         PageMover({"l0": t}, NB, torch.zeros(4, 64, dtype=torch.uint8), name=agent_name())
 
 
-@pytest.mark.parametrize("blocks,slots", [
-    ([0], [8]),                 # slot == num_slots
-    ([0, 1], [7, -1]),          # negative slot
-    ([0], [2**32 + 1]),         # wraps to slot 1 in int32 index math
-    ([NB], [0]),                # block == num_blocks
-    ([-1], [0]),
-    ([2**32], [0]),             # wraps to block 0
-    ([0, 1], [0]),              # length mismatch
-])
+@pytest.mark.parametrize(
+    "blocks,slots",
+    [
+        ([0], [8]),  # slot == num_slots
+        ([0, 1], [7, -1]),  # negative slot
+        ([0], [2**32 + 1]),  # wraps to slot 1 in int32 index math
+        ([NB], [0]),  # block == num_blocks
+        ([-1], [0]),
+        ([2**32], [0]),  # wraps to block 0
+        ([0, 1], [0]),  # length mismatch
+    ],
+)
 def test_out_of_range_post_raises_without_touching_memory(blocks, slots, gen, movers):
     lay = make_layout("cpu", gen)
     pool = make_pool(8, lay.block_bytes(), gen)
@@ -300,39 +327,59 @@ def test_close_releases_registration(gen):
 # ---- the block dim from vLLM's declared layout ------------------------------
 
 
-def vllm_views(lay_name, num_layers, num_blocks, heads, block_size, head_size, mla=False,
-               kernel_split=1):
+def vllm_views(
+    lay_name, num_layers, num_blocks, heads, block_size, head_size, mla=False, kernel_split=1
+):
     """vLLM 0.32's own per-layer views (create_kv_cache_views) over a fresh buffer."""
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor,
-                                            MLAAttentionSpec, compute_layout_strides,
-                                            create_kv_cache_views)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheTensor,
+        MLAAttentionSpec,
+        compute_layout_strides,
+        create_kv_cache_views,
+    )
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     if mla:
-        spec = MLAAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=head_size,
-                                dtype=torch.bfloat16)
+        spec = MLAAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=head_size, dtype=torch.bfloat16
+        )
     else:
-        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads,
-                                 head_size=head_size, dtype=torch.bfloat16)
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16
+        )
     layout = KVCacheLayout[lay_name]
     names = [layer_name(i) for i in range(num_layers)]
     ls, bs, *_ = compute_layout_strides(spec, num_blocks, num_layers, layout)
-    tensor = KVCacheTensor(size=num_layers * num_blocks * spec.page_size_bytes,
-                           layers=names, layer_stride=ls, block_stride=bs)
+    tensor = KVCacheTensor(
+        size=num_layers * num_blocks * spec.page_size_bytes,
+        layers=names,
+        layer_stride=ls,
+        block_stride=bs,
+    )
     raw = torch.empty(tensor.size, dtype=torch.int8)
     kernel = block_size // kernel_split if kernel_split > 1 else None
-    return spec, raw, dict(zip(names, create_kv_cache_views(raw, spec, num_blocks, layout,
-                                                            tensor, kernel)))
+    return (
+        spec,
+        raw,
+        dict(zip(names, create_kv_cache_views(raw, spec, num_blocks, layout, tensor, kernel))),
+    )
 
 
-@pytest.mark.parametrize("lay_name,mla,kernel_split", [
-    (name, mla, split) for name in sorted(VLLM_LAYOUTS) for mla, split in
-    [(False, 1), (True, 1), (False, 2)]
-    if split == 1 or name.startswith("LB")])  # vLLM splits only layer-outer layouts
+@pytest.mark.parametrize(
+    "lay_name,mla,kernel_split",
+    [
+        (name, mla, split)
+        for name in sorted(VLLM_LAYOUTS)
+        for mla, split in [(False, 1), (True, 1), (False, 2)]
+        if split == 1 or name.startswith("LB")
+    ],
+)  # vLLM splits only layer-outer layouts
 def test_vllm_layout_matches_vllms_own_views(lay_name, mla, kernel_split):
     _, raw, theirs = vllm_views(lay_name, 3, 10, 2, 16, 8, mla, kernel_split)
-    ours = vllm_layout(lay_name, 3, 10, 2, 16, 8, gen=None, mla=mla,
-                       kernel_split=kernel_split, pad=0)
+    ours = vllm_layout(
+        lay_name, 3, 10, 2, 16, 8, gen=None, mla=mla, kernel_split=kernel_split, pad=0
+    )
     for (n1, a), (n2, b) in zip(ours.caches.items(), theirs.items()):
         assert n1 == n2 and a.shape == b.shape and a.stride() == b.stride()
         assert a.dtype == b.dtype
@@ -346,8 +393,9 @@ def test_declared_block_dims_come_from_vllms_shape_function():
 
     # num_blocks == num_kv_heads: two dims of size num_blocks
     spec, _, views = vllm_views("LBNHC", 2, 2, 2, 16, 8)
-    cfg = KVCacheConfig(num_blocks=2, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(list(views), spec)])
+    cfg = KVCacheConfig(
+        num_blocks=2, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(list(views), spec)]
+    )
     assert declared_block_dims(cfg, views) == {name: 0 for name in views}
     # a layer vLLM declares nothing for is left to the shape
     assert declared_block_dims(cfg, {"other": torch.zeros(2, 3)}) == {}
@@ -356,8 +404,7 @@ def test_declared_block_dims_come_from_vllms_shape_function():
 def test_ambiguous_block_dim_without_declared_layout_is_an_error(gen):
     # The old flash layout [2, num_blocks, ...] with num_blocks == 2: "the first
     # dim of size num_blocks" is the K/V dim, whose pages are other bytes.
-    lay = flash_layout(num_layers=2, num_blocks=2, block_size=4, heads=2, head_dim=8,
-                       gen=gen)
+    lay = flash_layout(num_layers=2, num_blocks=2, block_size=4, heads=2, head_dim=8, gen=gen)
     with pytest.raises(KVBMConfigError, match=r"dimensions \[0, 1, 3\] all have size"):
         block_regions(lay.caches, 2)
     # vLLM 0.32 with num_blocks == num_kv_heads
@@ -366,24 +413,25 @@ def test_ambiguous_block_dim_without_declared_layout_is_an_error(gen):
         block_regions(lay.caches, 2)
 
 
-@pytest.mark.parametrize("case", ["flash_nb2", "nb_eq_heads", "nb_eq_block_size",
-                                  "kernel_split", "mla", "LHBNC", "BLHNC"])
+@pytest.mark.parametrize(
+    "case",
+    ["flash_nb2", "nb_eq_heads", "nb_eq_block_size", "kernel_split", "mla", "LHBNC", "BLHNC"],
+)
 def test_declared_block_dim_round_trip(case, gen, movers):
     if case == "flash_nb2":  # [2, nb, bs, h, hd], nb == 2: the block dim is 1
-        lay = flash_layout(num_layers=2, num_blocks=2, block_size=4, heads=2, head_dim=8,
-                           gen=gen)
+        lay = flash_layout(num_layers=2, num_blocks=2, block_size=4, heads=2, head_dim=8, gen=gen)
         lay.block_dims = {name: 1 for name in lay.caches}
     elif case == "nb_eq_heads":
         lay = vllm_layout("LBNHC", 3, 4, heads=4, block_size=4, head_size=8, gen=gen)
     elif case == "nb_eq_block_size":
         lay = vllm_layout("LBHNC", 3, 4, heads=2, block_size=4, head_size=8, gen=gen)
     elif case == "kernel_split":  # the view has 2 kernel blocks per block
-        lay = vllm_layout("LBNHC", 3, 6, heads=2, block_size=8, head_size=8, gen=gen,
-                          kernel_split=2)
+        lay = vllm_layout(
+            "LBNHC", 3, 6, heads=2, block_size=8, head_size=8, gen=gen, kernel_split=2
+        )
         assert next(iter(lay.caches.values())).shape[0] == 12
     elif case == "mla":
-        lay = vllm_layout("LBNHC", 3, 6, heads=1, block_size=4, head_size=32, gen=gen,
-                          mla=True)
+        lay = vllm_layout("LBNHC", 3, 6, heads=1, block_size=4, head_size=32, gen=gen, mla=True)
     else:
         lay = vllm_layout(case, 3, 6, heads=2, block_size=4, head_size=8, gen=gen)
     nb = lay.num_blocks
@@ -430,13 +478,15 @@ def test_mover_uses_the_loaded_matching_nixl_build(gen, movers):
     assert mover.nixl_module in sys.modules
     other = "nixl_cu13" if mover.nixl_module == "nixl_cu12" else "nixl_cu12"
     # PyTorch built for the other CUDA major: its NIXL cannot join this process
-    with pytest.raises(NixlBuildError, match=f"needs NIXL's {other} build.*pip install "
-                                             f"{other.replace('_', '-')}"):
+    with pytest.raises(
+        NixlBuildError, match=f"needs NIXL's {other} build.*pip install {other.replace('_', '-')}"
+    ):
         load_nixl(f"{other[-2:]}.0")
 
 
-@pytest.mark.parametrize("cuda,missing", [("13.0", "nixl_cu13"), ("12.4", "nixl_cu12"),
-                                          (None, "both")])
+@pytest.mark.parametrize(
+    "cuda,missing", [("13.0", "nixl_cu13"), ("12.4", "nixl_cu12"), (None, "both")]
+)
 def test_missing_nixl_build_names_the_package_to_install(cuda, missing):
     """A fresh interpreter where the matching build cannot be imported."""
     block = ["nixl_cu12", "nixl_cu13"] if missing == "both" else [missing]
@@ -455,8 +505,13 @@ except NixlBuildError as err:
 else:
     print("loaded")
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     msg = out.stdout.strip().splitlines()[-1]
     want = "nixl-cu12" if missing == "both" else missing.replace("_", "-")

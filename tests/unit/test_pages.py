@@ -17,8 +17,14 @@ from helpers.scheduler_harness import keys_of, store_and_finish, tokens
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.engine_info import EngineInfo
 from vllm_kvbm.keys import KeyNamespace
-from vllm_kvbm.messages import SKIP, STREAM, KVBMConnectorMetadata, KVBMWorkerMetadata, \
-    TransferJob, block_rows
+from vllm_kvbm.messages import (
+    SKIP,
+    STREAM,
+    KVBMConnectorMetadata,
+    KVBMWorkerMetadata,
+    TransferJob,
+    block_rows,
+)
 from vllm_kvbm.worker.worker import KVBMWorker
 from vllm_kvbm.worker.streaming import StreamedLoad, part
 
@@ -115,8 +121,10 @@ def test_page_keys_are_vllms_hash_of_each_pages_last_block_and_differ_from_block
     assert not set(blocks) & set(pages)  # another page size: another namespace
     req = make_request(prompt)
     # page i's key is vLLM's hash of block 2i+1, XOR one mask per request
-    xor = [bytes(a ^ b for a, b in zip(key, req.block_hashes[2 * i + 1]))
-           for i, key in enumerate(pages)]
+    xor = [
+        bytes(a ^ b for a, b in zip(key, req.block_hashes[2 * i + 1]))
+        for i, key in enumerate(pages)
+    ]
     assert xor[0] == xor[1]
 
 
@@ -137,10 +145,18 @@ def worker():
     gen = torch.Generator().manual_seed(5)
     lay = cpu_layout(3, NB, heads=2, block_size=4, head_size=16, gen=gen)
     bb = lay.block_bytes()
-    ns = KeyNamespace(model="pages@", dtype="torch.bfloat16", kv_layout="NHD",
-                      block_size=4, page_blocks=G, page_bytes=bb * G, tp_size=1)
-    info = EngineInfo(block_size=4, block_bytes=bb, num_layers=3, num_workers=1,
-                      key_namespace=ns, page_blocks=G)
+    ns = KeyNamespace(
+        model="pages@",
+        dtype="torch.bfloat16",
+        kv_layout="NHD",
+        block_size=4,
+        page_blocks=G,
+        page_bytes=bb * G,
+        tp_size=1,
+    )
+    info = EngineInfo(
+        block_size=4, block_bytes=bb, num_layers=3, num_workers=1, key_namespace=ns, page_blocks=G
+    )
     w = KVBMWorker(info, SLOTS, "UCX", agent_name("kvbm-pages"))
     w.register_kv_caches(lay.caches, NB)
     yield w, lay

@@ -9,8 +9,17 @@ the calls a pause, a sleep and a wake-up make on the workers.
 
 from __future__ import annotations
 
-from helpers.scheduler_harness import (BLOCK, kvbm, keys_of, lookup, make_request,
-                                       make_scheduler, step, store_and_finish, tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    kvbm,
+    keys_of,
+    lookup,
+    make_request,
+    make_scheduler,
+    step,
+    store_and_finish,
+    tokens,
+)
 
 
 class Executor:
@@ -70,8 +79,10 @@ def test_a_sleep_keeps_the_host_tier_and_its_pages_hit_after_wake_up():
     engine = _engine(s)
     EngineCore.sleep(engine, level=1)
     assert engine.model_executor.calls == ["synchronize_device", ("sleep", 1)]
-    assert s.kv_cache_manager.block_pool.get_num_free_blocks() == \
-        s.kv_cache_manager.block_pool.num_gpu_blocks - 1  # vLLM's own cache was reset
+    assert (
+        s.kv_cache_manager.block_pool.get_num_free_blocks()
+        == s.kv_cache_manager.block_pool.num_gpu_blocks - 1
+    )  # vLLM's own cache was reset
     assert all(k.host.is_ready(key) for key in keys)  # the connector's reset kept them
     assert EngineCore.wake_up(engine) is True
     req = make_request(prompt, max_tokens=1)

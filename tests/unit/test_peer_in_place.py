@@ -30,8 +30,14 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _job(n: int, endpoint: str) -> TransferJob:
-    return TransferJob(1, "R", list(range(n)), list(range(n)),
-                       fetch=[(i, "peer", key(i + 1)) for i in range(n)], peer=endpoint)
+    return TransferJob(
+        1,
+        "R",
+        list(range(n)),
+        list(range(n)),
+        fetch=[(i, "peer", key(i + 1)) for i in range(n)],
+        peer=endpoint,
+    )
 
 
 def _poll_ready(io: TierIO, meta, timeout: float = 30.0):
@@ -55,20 +61,22 @@ def test_pages_land_in_place_in_registered_memory(shm, procs, transport):
             assert w.put(key(i), page(i, PAGE))
         # damaged in the peer's pool: refused where it landed (checked on the
         # helper thread: a second batch follows the first)
-        slot, _ = layout.find(w.pool.view, w.pool.geometry,
-                              layout.table_key(w._codec.names, key(2)))
+        slot, _ = layout.find(
+            w.pool.view, w.pool.geometry, layout.table_key(w._codec.names, key(2))
+        )
         w.pool.view[w.pool.geometry.slot_off(slot) + HEADER_BYTES + 100] ^= 0xFF
         endpoint = f"tcp://127.0.0.1:{port}"
         items = [(key(i), host[i - 1]) for i in range(1, 8)]
         assert r.get_many_into(items, endpoint=endpoint) == ["ok", "corrupt"] + ["ok"] * 4 + [
-            "miss"]
+            "miss"
+        ]
         assert all(torch.equal(host[i], page(i + 1, PAGE)) for i in (0, 2, 3, 4, 5))
         assert not r._checks
         # the payloads went to the host slots, not through the landing slots
         land = r.landing
         for s in range(land.count):
             off = land.page_off(s) + HEADER_BYTES
-            assert not any(land.view[off:off + 4096])
+            assert not any(land.view[off : off + 4096])
         # memory not registered still reads (through a landing slot)
         other = torch.zeros(PAGE, dtype=torch.uint8)
         assert r.get_many_into([(key(3), other)], endpoint=endpoint) == ["ok"]
@@ -91,8 +99,9 @@ def test_a_corrupt_page_read_in_place_fails_its_fetch_and_frees_its_slots(shm, p
     try:
         for i in (1, 2):
             assert w.put(key(i), page(i, PAGE))
-        slot, _ = layout.find(w.pool.view, w.pool.geometry,
-                              layout.table_key(w._codec.names, key(2)))
+        slot, _ = layout.find(
+            w.pool.view, w.pool.geometry, layout.table_key(w._codec.names, key(2))
+        )
         w.pool.view[w.pool.geometry.slot_off(slot) + HEADER_BYTES + 100] ^= 0xFF
         io.fetch(_job(2, f"tcp://127.0.0.1:{port}"), host)
         [(job, ok, reading, cut)] = _poll_ready(io, meta)

@@ -88,8 +88,7 @@ def test_pages_read_from_a_peer_are_verified(shm, procs, transport):
             assert w.put(key(i), page(i, PAGE))
         out = outs(4)
         endpoint = f"tcp://127.0.0.1:{port}"
-        got = r.get_many_into([(key(i), o) for i, o in zip((1, 2, 3, 4), out)],
-                              endpoint=endpoint)
+        got = r.get_many_into([(key(i), o) for i, o in zip((1, 2, 3, 4), out)], endpoint=endpoint)
         assert got == ["ok", "ok", "ok", "miss"]
         assert all(torch.equal(out[i], page(i + 1, PAGE)) for i in range(3))
         assert r.lookup(endpoint, [key(1), key(4)]) == [True, False]
@@ -102,8 +101,9 @@ def test_pages_read_from_a_peer_are_verified(shm, procs, transport):
             peer_lookup(endpoint, r.file_name, b"x" * 32, tkeys, 5.0)
         assert r.landing.free == r.landing.count and r.landing.quarantined == 0
         # a page damaged in the peer's pool is refused, not used
-        slot, _ = layout.find(w.pool.view, w.pool.geometry,
-                              layout.table_key(w._codec.names, key(2)))
+        slot, _ = layout.find(
+            w.pool.view, w.pool.geometry, layout.table_key(w._codec.names, key(2))
+        )
         w.pool.view[w.pool.geometry.slot_off(slot) + 4096] ^= 0xFF
         assert r.get_many_into([(key(2), out[0])], endpoint=endpoint) == ["corrupt"]
         # a reader whose pages would not verify (another KV layout) is refused
@@ -164,8 +164,9 @@ def test_a_slot_rewritten_while_read_is_a_miss_never_a_mixed_page(shm, procs, tr
         w.close()
 
 
-def test_a_stopped_peer_costs_a_deadline_and_quarantines_until_its_read_ends(shm, procs,
-                                                                             monkeypatch):
+def test_a_stopped_peer_costs_a_deadline_and_quarantines_until_its_read_ends(
+    shm, procs, monkeypatch
+):
     monkeypatch.setenv("UCX_TLS", "tcp")  # a stopped peer stalls a TCP READ (cma copies anyway)
     port = free_port()
     w = writer(shm, 8)
@@ -225,7 +226,8 @@ def test_a_peer_killed_mid_read_is_a_failure_not_a_hang(shm, procs, transport):
         freeze_process(proc, "the peer")  # its READs in flight (TCP) when it dies
         result: list = []
         thread = threading.Thread(
-            target=lambda: result.append(r.get_many_into(items, endpoint=endpoint)))
+            target=lambda: result.append(r.get_many_into(items, endpoint=endpoint))
+        )
         began = time.monotonic()
         thread.start()
         time.sleep(0.3)

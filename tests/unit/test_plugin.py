@@ -11,8 +11,9 @@ from vllm_kvbm.connector import KVBMConnector
 
 
 def test_entry_point_is_declared_and_loads_register():
-    [ep] = [e for e in entry_points(group="vllm.general_plugins")
-            if e.value.startswith("vllm_kvbm.")]
+    [ep] = [
+        e for e in entry_points(group="vllm.general_plugins") if e.value.startswith("vllm_kvbm.")
+    ]
     assert ep.value == "vllm_kvbm.plugin:register"
     from vllm_kvbm.plugin import register
 

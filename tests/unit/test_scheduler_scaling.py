@@ -31,7 +31,7 @@ def reference_keys(seed: bytes, block_size: int, salt: bytes, toks: list[int]) -
     keys = []
     for i in range(len(toks) // block_size):
         h = hashlib.sha256(parent)
-        h.update(struct.pack(f"<{block_size}q", *toks[i * block_size:(i + 1) * block_size]))
+        h.update(struct.pack(f"<{block_size}q", *toks[i * block_size : (i + 1) * block_size]))
         parent = h.digest()
         keys.append(parent)
     return keys
@@ -116,8 +116,7 @@ def test_lookup_hit_stops_hashing_near_its_first_miss():
     """The stored prefix is found whole; hashing stops within twice the hit
     (and at least the hit) instead of running over the whole prompt (our
     SHA-256 chain)."""
-    s = make_scheduler(max_batched=4096, num_blocks=2000, host_blocks=400,
-                       hash_algo="xxhash")
+    s = make_scheduler(max_batched=4096, num_blocks=2000, host_blocks=400, hash_algo="xxhash")
     k = kvbm(s)
     shared = list(range(5000, 5000 + 20 * BLOCK))
     first = make_request(shared + [1] * 8, max_tokens=1)
@@ -132,7 +131,7 @@ def test_lookup_hit_stops_hashing_near_its_first_miss():
     assert (matched, is_async) == (20 * BLOCK, True)
     chain = k._reqs[req.request_id].chain
     assert 21 <= len(chain.keys) <= 41
-    assert chain.keys == reference_keys(k._seed, BLOCK, b"", prompt)[:len(chain.keys)]
+    assert chain.keys == reference_keys(k._seed, BLOCK, b"", prompt)[: len(chain.keys)]
     # vLLM's own step gets the same answer and loads the 20 blocks.
     _, meta, _ = step(s)
     (load,) = meta.loads
@@ -170,8 +169,7 @@ def test_decode_steps_plan_no_store_work():
 
 
 def brute_available(index: SlotIndex) -> int:
-    return len(index._free) + sum(1 for e in index._entries.values()
-                                  if e.ready and not e.pins)
+    return len(index._free) + sum(1 for e in index._entries.values() if e.ready and not e.pins)
 
 
 def test_slot_index_available_count_follows_every_operation():
@@ -184,8 +182,20 @@ def test_slot_index_available_count_follows_every_operation():
     held: list[int] = []
     seen = set()
     for _ in range(5000):
-        op = rng.choice(["alloc", "alloc", "commit", "commit", "pin", "unpin", "drop",
-                         "clear", "hold", "release"])
+        op = rng.choice(
+            [
+                "alloc",
+                "alloc",
+                "commit",
+                "commit",
+                "pin",
+                "unpin",
+                "drop",
+                "clear",
+                "hold",
+                "release",
+            ]
+        )
         key = rng.choice(keys)
         if op == "alloc" and key not in idx:
             idx.allocate(key)
@@ -213,12 +223,19 @@ def test_slot_index_available_count_follows_every_operation():
 
 
 def test_bench_scheduler_quick_prints_its_table():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_scheduler.py"),
-                          "--quick"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_scheduler.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    header = ("| phase | steps | running | waiting | vLLM ms/step | connector ms/step "
-              "| connector / vLLM | GC ms/step |")
+    header = (
+        "| phase | steps | running | waiting | vLLM ms/step | connector ms/step "
+        "| connector / vLLM | GC ms/step |"
+    )
     assert header in lines
     rows = [line for line in lines if line.startswith(("| fill |", "| steady |"))]
     assert len(rows) == 2

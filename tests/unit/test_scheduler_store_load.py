@@ -12,9 +12,19 @@ from __future__ import annotations
 
 from vllm.v1.request import RequestStatus
 
-from helpers.scheduler_harness import (BLOCK, block_ids, keys_of, kvbm, load_again, make_request,
-                                       make_scheduler, run_until_done, step, store_and_finish,
-                                       tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    block_ids,
+    keys_of,
+    kvbm,
+    load_again,
+    make_request,
+    make_scheduler,
+    run_until_done,
+    step,
+    store_and_finish,
+    tokens,
+)
 
 
 # ---- 1. store, then load the same prefix --------------------------------------

@@ -12,9 +12,18 @@ import dataclasses
 import pytest
 from vllm.v1.request import RequestStatus
 
-from helpers.scheduler_harness import (block_ids, keys_of, kvbm, load_again, make_request,
-                                       make_scheduler, run_until_done, step, store_and_finish,
-                                       tokens)
+from helpers.scheduler_harness import (
+    block_ids,
+    keys_of,
+    kvbm,
+    load_again,
+    make_request,
+    make_scheduler,
+    run_until_done,
+    step,
+    store_and_finish,
+    tokens,
+)
 
 
 def store_job_ids(meta) -> list[int]:
@@ -101,8 +110,12 @@ def test_failed_load_drops_keys_and_recomputes():
     k = kvbm(s)
     prompt = tokens(40, 21)
     r2, load = load_again(s, prompt, max_tokens=2)
-    step(s, finished_recving=[r2.request_id], loads_failed=[r2.request_id],
-         invalid_block_ids=load.block_ids)
+    step(
+        s,
+        finished_recving=[r2.request_id],
+        loads_failed=[r2.request_id],
+        invalid_block_ids=load.block_ids,
+    )
     assert not any(key in k.host for key in keys_of(s, prompt))
     assert k.stats.total["load_error_blocks"] == 2
     assert k.stats.total["onboard_blocks_h2d"] == 0
@@ -128,8 +141,12 @@ def test_a_failed_load_recomputes_until_the_request_is_preempted_then_loads_agai
     s.add_request(r2)
     _, meta, _ = step(s)
     (load,) = meta.loads
-    step(s, finished_recving=[r2.request_id], loads_failed=[r2.request_id],
-         invalid_block_ids=load.block_ids)
+    step(
+        s,
+        finished_recving=[r2.request_id],
+        loads_failed=[r2.request_id],
+        invalid_block_ids=load.block_ids,
+    )
     assert k.get_num_new_matched_tokens(r2, 0) == (0, False)  # recomputes
     preempted = set()
     for _ in range(20):  # both decode until one needs a block none has
@@ -156,10 +173,11 @@ def test_overdue_store_slots_are_not_reused_until_released():
     _, meta, _ = step(s)
     (stuck,) = meta.stores
     counted, add = [], k.stats.add
-    k.stats.add = lambda name, value=1, tier=None: (counted.append((name, value, tier)),
-                                                    add(name, value, tier))
-    step(s, stores_failed=[stuck.job_id], slots_held=stuck.slots,
-         finished_sending=[r1.request_id])
+    k.stats.add = lambda name, value=1, tier=None: (
+        counted.append((name, value, tier)),
+        add(name, value, tier),
+    )
+    step(s, stores_failed=[stuck.job_id], slots_held=stuck.slots, finished_sending=[r1.request_id])
     assert r1.request_id not in s.requests  # its engine blocks are free to reuse
     assert len(k.host) == 0 and k.host.used_slots == 2
     assert k.stats.total["transfer_timeouts"] == 1 and k.stats.total["store_errors"] == 1
@@ -326,8 +344,7 @@ def test_block_completed_by_output_tokens(offload_decode):
         return
     assert stores == [[[bids[0]]], [], [[bids[1]]]]
     # The key covers the sampled tokens, not just the prompt.
-    assert kvbm(s)._reqs[r1.request_id].chain.keys[1] == \
-        keys_of(s, r1.all_token_ids[:32])[1]
+    assert kvbm(s)._reqs[r1.request_id].chain.keys[1] == keys_of(s, r1.all_token_ids[:32])[1]
 
 
 def test_lookup_counted_once_when_admission_is_retried():

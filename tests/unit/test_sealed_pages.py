@@ -39,23 +39,19 @@ def decode(codec: PageCodec, data: bytes, k: bytes) -> tuple[str, torch.Tensor]:
     return codec.decode_into(torch.frombuffer(bytearray(data), dtype=torch.uint8), k, out), out
 
 
-
-
-
-
-
-
 def v2_page(ns: str, block: int, k: bytes, p: torch.Tensor, flags: int = 0) -> bytes:
     """A page as format version 2 wrote it (key in the header, CRC last over
     the header and the clear payload; GMAC field with a secret)."""
     mac_alg, mac = (pf.MAC_GMAC, os.urandom(28) + bytes(4)) if flags else (0, bytes(32))
-    prefix = pf.HDR.pack(b"KVBT", 2, ALG_CRC32, flags, mac_alg, block,
-                         pf.namespace_hash(ns, block, 2), k, mac, 0)[:pf.CRC_OFF]
+    prefix = pf.HDR.pack(
+        b"KVBT", 2, ALG_CRC32, flags, mac_alg, block, pf.namespace_hash(ns, block, 2), k, mac, 0
+    )[: pf.CRC_OFF]
     crc = checksum(ALG_CRC32, prefix, p)
     return prefix + struct.pack("<I", crc) + p.numpy().tobytes()
 
 
 # ---- the codec ------------------------------------------------------------------------
+
 
 def test_sealed_pages_carry_no_kv_bytes_and_no_key_and_open_only_with_the_secret():
     sealed, plain = PageCodec(NS, SMALL, SECRET), PageCodec(NS, SMALL)
@@ -81,7 +77,7 @@ def test_a_page_opens_only_under_its_own_key_so_a_tenant_salt_is_a_key_of_its_ow
     # Per-page keys: the same plaintext under two keys and one nonce would
     # still differ; the seal field of one key's page does not open the other's.
     other = encoded(sealed, key(2), page(1, SMALL))
-    swapped = restamp(stored[:pf.MAC_OFF] + other[pf.MAC_OFF:pf.CRC_OFF] + stored[pf.CRC_OFF:])
+    swapped = restamp(stored[: pf.MAC_OFF] + other[pf.MAC_OFF : pf.CRC_OFF] + stored[pf.CRC_OFF :])
     assert decode(sealed, swapped, key(1))[0] == "unauthenticated"
 
 
@@ -91,9 +87,11 @@ def test_rank_world_size_and_layout_are_bound_into_every_page():
         writer = PageCodec(NS, SMALL, secret, rank=0, world_size=2, layout="L")
         stored = encoded(writer, k, p)
         assert decode(writer, stored, k)[0] == "ok"
-        for reader in (PageCodec(NS, SMALL, secret, rank=1, world_size=2, layout="L"),
-                       PageCodec(NS, SMALL, secret, rank=0, world_size=1, layout="L"),
-                       PageCodec(NS, SMALL, secret, rank=0, world_size=2, layout="M")):
+        for reader in (
+            PageCodec(NS, SMALL, secret, rank=1, world_size=2, layout="L"),
+            PageCodec(NS, SMALL, secret, rank=0, world_size=1, layout="L"),
+            PageCodec(NS, SMALL, secret, rank=0, world_size=2, layout="M"),
+        ):
             assert decode(reader, stored, k)[0] == refused
         if secret is not None:
             # The header hash copied from the reader's own pages does not help:
@@ -156,6 +154,7 @@ def test_names_are_keyed_by_the_secret():
 
 # ---- the disk tier ----------------------------------------------------------------------
 
+
 def _disk(d, secret=None, rank=0, world=1, **kw):
     from vllm_kvbm.tiers.disk.store import DiskStore
 
@@ -163,8 +162,9 @@ def _disk(d, secret=None, rank=0, world=1, **kw):
 
 
 def _stored_files(d) -> dict[str, bytes]:
-    return {fn: open(os.path.join(d, fn), "rb").read() for fn in os.listdir(d)
-            if fn.endswith(".pt")}
+    return {
+        fn: open(os.path.join(d, fn), "rb").read() for fn in os.listdir(d) if fn.endswith(".pt")
+    }
 
 
 def test_a_disk_reader_without_the_secret_learns_no_kv_and_no_membership(tmp_path):
@@ -295,8 +295,9 @@ def test_layout_fingerprint_ignores_num_blocks_and_sees_the_layout():
     from vllm_kvbm.worker.tier_io import layout_fingerprint
 
     def caches(num_blocks, dtype=torch.float16, heads=4):
-        return {f"layers.{i}": torch.empty(num_blocks, 2, heads, 32, 8, dtype=dtype)
-                for i in range(2)}
+        return {
+            f"layers.{i}": torch.empty(num_blocks, 2, heads, 32, 8, dtype=dtype) for i in range(2)
+        }
 
     base = layout_fingerprint(caches(10), 10)
     assert base == layout_fingerprint(caches(13), 13)
@@ -305,4 +306,5 @@ def test_layout_fingerprint_ignores_num_blocks_and_sees_the_layout():
     kv_first = {n: torch.empty(2, 10, 4, 32, 8, dtype=torch.float16) for n in caches(10)}
     assert base != layout_fingerprint(kv_first, 10)
     assert layout_fingerprint(kv_first, 10) == layout_fingerprint(
-        {n: torch.empty(2, 11, 4, 32, 8, dtype=torch.float16) for n in caches(11)}, 11)
+        {n: torch.empty(2, 11, 4, 32, 8, dtype=torch.float16) for n in caches(11)}, 11
+    )

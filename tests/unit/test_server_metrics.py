@@ -33,6 +33,10 @@ def test_metric_total_sums_one_sample_name_over_label_sets():
 
 def test_metric_total_of_the_label_sets_that_have_given_labels():
     assert Server.metric_total(EXPOSITION, "kvbm_offload_blocks_d2h_total", engine="1") == 4.0
-    assert Server.metric_total(EXPOSITION, "kvbm_offload_blocks_d2h_total",
-                               engine="0", model_name="my model } 1") == 3.0
+    assert (
+        Server.metric_total(
+            EXPOSITION, "kvbm_offload_blocks_d2h_total", engine="0", model_name="my model } 1"
+        )
+        == 3.0
+    )
     assert Server.metric_total(EXPOSITION, "kvbm_offload_blocks_d2h_total", engine="2") == 0.0

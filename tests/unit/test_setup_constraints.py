@@ -28,9 +28,13 @@ def setup(tmp_path):
 
     def run(**env):
         log.write_text("")
-        proc = subprocess.run(["bash", str(ROOT / "scripts/setup.sh")],
-                              env={"PATH": "/usr/bin:/bin", "VENV": str(venv), **env},
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts/setup.sh")],
+            env={"PATH": "/usr/bin:/bin", "VENV": str(venv), **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         installs = [line for line in log.read_text().splitlines() if "pip install" in line]
         return installs, proc
 

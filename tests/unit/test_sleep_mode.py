@@ -32,9 +32,12 @@ from vllm_kvbm.worker.weight_digests import DigestStopped
 
 
 def _stores(h, *jobs, free=True) -> None:
-    h.worker.start_stores(KVBMConnectorMetadata(
-        stores=[TransferJob(i, r, b, s) for i, r, b, s in jobs],
-        delayed_free_req_ids=[r for _, r, _, _ in jobs] if free else []))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(
+            stores=[TransferJob(i, r, b, s) for i, r, b, s in jobs],
+            delayed_free_req_ids=[r for _, r, _, _ in jobs] if free else [],
+        )
+    )
 
 
 def _load(h, job_id: int, req: str, blocks, slots) -> None:
@@ -51,7 +54,8 @@ def _suspend(h, gen) -> None:
 
 
 def test_a_release_finishes_posted_stores_fails_queued_ones_and_a_load_after_restore_lands(
-        harness, gen):
+    harness, gen
+):
     h = harness()
     (ba, sa), (bb, sb), (bl, _) = split(gen, 3, 24)
     _stores(h, (1, "A", ba, sa))  # posted at once (the CPU fence is done)
@@ -93,12 +97,15 @@ def test_a_release_finishes_posted_stores_fails_queued_ones_and_a_load_after_res
 def test_a_transfer_past_its_timeout_fails_the_release_and_nothing_is_released(harness, gen):
     h = harness()
     stuck = StuckNixl(h.worker, timeout_s=0.1)
-    (b, s), = split(gen, 1, 16)
+    ((b, s),) = split(gen, 1, 16)
     t = time.perf_counter()  # (the store's timeout runs from its post)
     _stores(h, (1, "S", b, s))
-    with pytest.raises(KVMemoryBusy, match=r"\(sleep\(level=2\)\): 1 transfer\(s\) .* still "
-                                           r"running after the transfer timeout \(0\.1 s.*"
-                                           r"request S\)\. Nothing was released.*restart"):
+    with pytest.raises(
+        KVMemoryBusy,
+        match=r"\(sleep\(level=2\)\): 1 transfer\(s\) .* still "
+        r"running after the transfer timeout \(0\.1 s.*"
+        r"request S\)\. Nothing was released.*restart",
+    ):
         h.worker.release_kv("sleep(level=2)")
     assert stuck.timeout_s <= time.perf_counter() - t < 5.0  # bounded by the timeout
     assert h.worker.kv_released is None  # vLLM frees nothing and runs on: so do the copies
@@ -156,7 +163,8 @@ class SleepingRunner(Runner):
 
 
 def test_vllms_sleep_releases_the_kv_memory_before_it_goes_and_wake_up_restores_it(
-        harness, gen, checkpoints):
+    harness, gen, checkpoints
+):
     """vLLM 0.32 calls the connector at neither: the worker's sleep,
     wake_up and discard are followed (vLLM's multiprocessing dispatch)."""
     orig, _ = checkpoints
@@ -196,13 +204,14 @@ def test_vllms_sleep_releases_the_kv_memory_before_it_goes_and_wake_up_restores_
 
 
 def test_a_sleep_that_cannot_release_the_kv_memory_fails_before_it_frees_anything(
-        harness, gen, checkpoints):
+    harness, gen, checkpoints
+):
     orig, _ = checkpoints
     h = harness()
     stuck = StuckNixl(h.worker, timeout_s=0.05)
     worker = SleepingWorker(Model(), orig, h.worker, h.lay, gen)
     rpc, weights = _uniproc(worker)
-    (b, s), = split(gen, 1, 8)
+    ((b, s),) = split(gen, 1, 8)
     _stores(h, (1, "S", b, s))
     with pytest.raises(KVMemoryBusy, match="Nothing was released"):
         rpc("sleep", kwargs={"level": 2})
@@ -245,8 +254,10 @@ def test_level_1_keeps_the_label_level_2_takes_the_label_of_what_is_loaded_after
     rpc, weights, worker = _engine(orig)
     rpc("sleep", kwargs={"level": 1})
     rpc("wake_up", kwargs={"tags": None})
-    assert worker.calls == [("sleep", 1, ("release", "sleep(level=1)")),
-                            ("wake_up", None, ("release", "sleep(level=1)"))]
+    assert worker.calls == [
+        ("sleep", 1, ("release", "sleep(level=1)")),
+        ("wake_up", None, ("release", "sleep(level=1)")),
+    ]
     assert worker.kv.calls[-1] == ("restore",)  # after vLLM's wake_up mapped it back
     assert weights.take_unreported() == [] and _reset(weights, 1) == ""  # pages made before hit
 
@@ -272,8 +283,7 @@ def _update(rpc, pairs) -> None:
     rpc("finish_weight_update")
 
 
-def test_after_level_2_a_partial_unidentified_or_missing_load_is_private(checkpoints,
-                                                                         monkeypatch):
+def test_after_level_2_a_partial_unidentified_or_missing_load_is_private(checkpoints, monkeypatch):
     from safetensors.torch import load_file
 
     orig, new = checkpoints
@@ -309,6 +319,7 @@ def test_after_level_2_a_partial_unidentified_or_missing_load_is_private(checkpo
 
     def unlistable(worker):
         raise RuntimeError("no model runner")
+
     monkeypatch.setattr(sleep_mode, "_dropped_parameters", unlistable)
     rpc, weights = slept()
     _update(rpc, pairs)
@@ -320,8 +331,7 @@ class QuietModel(Model):
         super().load_weights(weights)  # returns None, as a model may
 
 
-def test_sleep_preserve_parameter_names_need_no_load_and_discard_of_weights_is_level_2(
-        checkpoints):
+def test_sleep_preserve_parameter_names_need_no_load_and_discard_of_weights_is_level_2(checkpoints):
     from safetensors.torch import load_file
 
     orig, new = checkpoints
@@ -342,7 +352,8 @@ def test_sleep_preserve_parameter_names_need_no_load_and_discard_of_weights_is_l
 
 
 def test_sleep_stops_a_digest_pass_reading_the_weights_and_wake_up_runs_it_again(
-        checkpoints, monkeypatch):
+    checkpoints, monkeypatch
+):
     """A large model's digest pass runs on a thread: it must not read the
     parameters while vLLM frees their memory."""
     orig, _ = checkpoints

@@ -31,17 +31,25 @@ def _functions(source: str, cls: str) -> dict[str, ast.FunctionDef]:
 
 def _calls(fn: ast.FunctionDef) -> list[tuple[int, str]]:
     """(line, attribute) of each ``x.attr(...)`` call in ``fn``, in order."""
-    return sorted((c.lineno, c.func.attr) for c in ast.walk(fn)
-                  if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute))
+    return sorted(
+        (c.lineno, c.func.attr)
+        for c in ast.walk(fn)
+        if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+    )
 
 
 def test_the_worker_methods_sleep_mode_wraps_take_what_the_wrappers_read(releases):
     for version, files in releases.items():
         worker = _functions(files[WORKER], "Worker")
-        args = {name: [a.arg for a in worker[name].args.args] for name in
-                ("sleep", "wake_up", "discard")}
-        assert args == {"sleep": ["self", "level"], "wake_up": ["self", "tags"],
-                        "discard": ["self", "tags"]}, version
+        args = {
+            name: [a.arg for a in worker[name].args.args]
+            for name in ("sleep", "wake_up", "discard")
+        }
+        assert args == {
+            "sleep": ["self", "level"],
+            "wake_up": ["self", "tags"],
+            "discard": ["self", "tags"],
+        }, version
         executor = ast.unparse(ast.parse(files[EXECUTOR]))
         assert "self.collective_rpc('sleep', kwargs=dict(level=level))" in executor, version
         assert "self.collective_rpc('wake_up', kwargs=dict(tags=tags))" in executor, version
@@ -75,22 +83,41 @@ def test_the_engine_resets_the_connector_for_a_pause_only_once_paused(releases):
     for version, files in releases.items():
         source = files[CORE]
         classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
-        callers = {f"{cls}.{fn.name}" for cls, node in classes.items()
-                   for fn in node.body if isinstance(fn, ast.FunctionDef)
-                   and any(attr == "_reset_caches" for _, attr in _calls(fn))}
-        assert callers == {"EngineCore._finish_pause",
-                           "EngineCore.release_kv_cache_memory"}, version
+        callers = {
+            f"{cls}.{fn.name}"
+            for cls, node in classes.items()
+            for fn in node.body
+            if isinstance(fn, ast.FunctionDef)
+            and any(attr == "_reset_caches" for _, attr in _calls(fn))
+        }
+        assert callers == {"EngineCore._finish_pause", "EngineCore.release_kv_cache_memory"}, (
+            version
+        )
         core = _functions(source, "EngineCore")
         assert "self.is_scheduler_paused()" in ast.unparse(core["release_kv_cache_memory"])
         assert "is_scheduler_paused" in core, version
         for cls in ("EngineCore", "EngineCoreProc"):
             # (a callback defined inside, run once the engine is idle, comes later still)
             pause = _functions(source, cls)["pause_scheduler"]
-            nested = {id(c) for f in ast.walk(pause) if isinstance(f, ast.FunctionDef)
-                      and f is not pause for c in ast.walk(f)}
-            calls = [c.func.attr for c in sorted(
-                (c for c in ast.walk(pause) if isinstance(c, ast.Call) and id(c) not in nested
-                 and isinstance(c.func, ast.Attribute)), key=lambda c: c.lineno)]
+            nested = {
+                id(c)
+                for f in ast.walk(pause)
+                if isinstance(f, ast.FunctionDef) and f is not pause
+                for c in ast.walk(f)
+            }
+            calls = [
+                c.func.attr
+                for c in sorted(
+                    (
+                        c
+                        for c in ast.walk(pause)
+                        if isinstance(c, ast.Call)
+                        and id(c) not in nested
+                        and isinstance(c.func, ast.Attribute)
+                    ),
+                    key=lambda c: c.lineno,
+                )
+            ]
             assert "set_pause_state" in calls, (version, cls)
             if "_finish_pause" in calls:
                 assert calls.index("set_pause_state") < calls.index("_finish_pause")

@@ -7,8 +7,15 @@ from __future__ import annotations
 
 import time
 
-from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, make_request, make_scheduler,
-                                       step, tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    keys_of,
+    kvbm,
+    make_request,
+    make_scheduler,
+    step,
+    tokens,
+)
 
 
 def _run(sched, req, timeout: float = 30.0):
@@ -28,8 +35,7 @@ def _run(sched, req, timeout: float = 30.0):
 
 
 def test_a_prompt_longer_than_the_host_tier_reaches_the_disk(tmp_path):
-    sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path),
-                           disk_cache_size="64MiB")
+    sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
     prompt = tokens(10 * BLOCK + 3, 71)
     keys = keys_of(sched, prompt)
@@ -63,8 +69,7 @@ def test_a_backlog_that_gets_no_slot_is_dropped_and_the_blocks_freed(tmp_path, m
 
     monkeypatch.setattr(store_plan, "BACKLOG_TIMEOUT_S", 0.3)
     monkeypatch.setattr(store_plan, "BACKLOG_TIMEOUT_STEPS", 3)
-    sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path),
-                           disk_cache_size="64MiB")
+    sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
     req = make_request(tokens(10 * BLOCK + 3, 73), max_tokens=2)
     sched.add_request(req)

@@ -20,14 +20,20 @@ from __future__ import annotations
 import time
 
 import pytest
-from vllm.v1.core.kv_cache_utils import (generate_scheduler_kv_cache_config,
-                                         get_kv_cache_configs)
+from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, get_kv_cache_configs
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from helpers.scheduler_harness import (BLOCK, kvbm, make_request, make_scheduler, step, tokens,
-                                       worker_output)
+from helpers.scheduler_harness import (
+    BLOCK,
+    kvbm,
+    make_request,
+    make_scheduler,
+    step,
+    tokens,
+    worker_output,
+)
 from test_hybrid_models import gemma3_layers, qwen3_next_layers, vllm_config_for
 
 
@@ -38,8 +44,9 @@ def test_a_backlog_of_a_request_preempted_this_step_is_dropped_not_stored(tmp_pa
     are free when the first decode step needs 2 more blocks and vLLM preempts
     the second, freeing its blocks: its backlog must be dropped, not stored
     from blocks it no longer has."""
-    s = make_scheduler(num_blocks=8, host_blocks=4, disk_cache_dir=str(tmp_path),
-                       disk_cache_size="64MiB")
+    s = make_scheduler(
+        num_blocks=8, host_blocks=4, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB"
+    )
     k = kvbm(s)
     r1 = make_request(tokens(48, 14), max_tokens=20)
     r2 = make_request(tokens(48, 15), max_tokens=20)
@@ -53,8 +60,15 @@ def test_a_backlog_of_a_request_preempted_this_step_is_dropped_not_stored(tmp_pa
     jobs = {j.req_id: j for j in out.kv_connector_metadata.stores}
     assert [len(jobs[r.request_id].slots) for r in (r1, r2)] == [3, 1]
     assert r2.request_id in k._backlogged
-    s.update_from_output(out, worker_output(s, out, stores_failed=[jobs[r1.request_id].job_id],
-                                            stores_done=[jobs[r2.request_id].job_id]))
+    s.update_from_output(
+        out,
+        worker_output(
+            s,
+            out,
+            stores_failed=[jobs[r1.request_id].job_id],
+            stores_done=[jobs[r2.request_id].job_id],
+        ),
+    )
 
     out, meta, _ = step(s)
     assert out.preempted_req_ids == {r2.request_id}
@@ -75,6 +89,7 @@ def _fresh_blocks(s) -> list[int]:
         blocks = get_new_blocks(num_blocks)
         fresh.extend(b.block_id for b in blocks)
         return blocks
+
     pool.get_new_blocks = recorded
     return fresh
 
@@ -84,23 +99,31 @@ def _hybrid_scheduler(dense, layers, kv_bytes: int, max_batched: int = 256) -> S
     cfg.kv_transfer_config.kv_connector_extra_config["host_cache_blocks"] = 256
     cfg.scheduler_config.max_num_batched_tokens = max_batched
     worker = get_kv_cache_configs(cfg, [dict(layers)], [kv_bytes])
-    return Scheduler(vllm_config=cfg, kv_cache_config=generate_scheduler_kv_cache_config(worker),
-                     structured_output_manager=StructuredOutputManager(cfg),
-                     block_size=BLOCK, log_stats=True)
+    return Scheduler(
+        vllm_config=cfg,
+        kv_cache_config=generate_scheduler_kv_cache_config(worker),
+        structured_output_manager=StructuredOutputManager(cfg),
+        block_size=BLOCK,
+        log_stats=True,
+    )
 
 
-@pytest.mark.parametrize("shape,max_len,kv_bytes,prompts", [
-    # 24 blocks for two GDN-hybrid prompts decoding: vLLM preempts one and
-    # hands its blocks (zeroed: the model has Mamba layers) to the other
-    (qwen3_next_layers, 256, 48 << 10, ((8 * BLOCK + 4, 21), (8 * BLOCK + 4, 22))),
-    # a long GDN prompt: vLLM frees each chunk's state block as the next
-    # chunk's goes on, and hands it out again
-    (qwen3_next_layers, 720, 128 << 10, ((40 * BLOCK + 8, 23), (6 * BLOCK, 24))),
-    # Gemma 3-shaped: sliding-window blocks freed as the window moves on
-    (gemma3_layers, 720, 384 << 10, ((40 * BLOCK + 8, 25), (6 * BLOCK, 26))),
-])
+@pytest.mark.parametrize(
+    "shape,max_len,kv_bytes,prompts",
+    [
+        # 24 blocks for two GDN-hybrid prompts decoding: vLLM preempts one and
+        # hands its blocks (zeroed: the model has Mamba layers) to the other
+        (qwen3_next_layers, 256, 48 << 10, ((8 * BLOCK + 4, 21), (8 * BLOCK + 4, 22))),
+        # a long GDN prompt: vLLM frees each chunk's state block as the next
+        # chunk's goes on, and hands it out again
+        (qwen3_next_layers, 720, 128 << 10, ((40 * BLOCK + 8, 23), (6 * BLOCK, 24))),
+        # Gemma 3-shaped: sliding-window blocks freed as the window moves on
+        (gemma3_layers, 720, 384 << 10, ((40 * BLOCK + 8, 25), (6 * BLOCK, 26))),
+    ],
+)
 def test_no_block_a_store_still_reads_is_zeroed_copied_into_or_handed_out(
-        shape, max_len, kv_bytes, prompts):
+    shape, max_len, kv_bytes, prompts
+):
     """A worker reports each step's stores done with the next step's output
     (its copies run after the step's forward); until then, whatever the model
     runner's order of zeroing, copying and ``handle_preemptions``, none of
@@ -119,8 +142,9 @@ def test_no_block_a_store_still_reads_is_zeroed_copied_into_or_handed_out(
         out, meta, _ = step(s, stores_done=list(reading), finished_recving=loading)
         in_use = set().union(*reading.values()) if reading else set()
         assert not in_use & set(out.new_block_ids_to_zero or ()), "zeroed under a store"
-        assert not in_use & {c.dst_block_id for c in out.kv_cache_block_copies or ()}, \
+        assert not in_use & {c.dst_block_id for c in out.kv_cache_block_copies or ()}, (
             "copied into under a store"
+        )
         assert not in_use & set(fresh), "handed out again under a store"
         preempted += len(out.preempted_req_ids)
         reading = {j.job_id: {b for b in j.block_ids if b > 0} for j in meta.stores}

@@ -62,8 +62,7 @@ def test_a_missing_streamed_page_fails_the_whole_load_after_its_parts_end(harnes
     missing = n // 2 + 1
     h.worker.tier_io.tiers["disk"].remove(key(missing))
     blocks = list(range(100, 100 + n))
-    job = TransferJob(2, "R", blocks, [STREAM] * n,
-                      fetch=[(i, "disk", key(i)) for i in range(n)])
+    job = TransferJob(2, "R", blocks, [STREAM] * n, fetch=[(i, "disk", key(i)) for i in range(n)])
     h.worker.start_loads(KVBMConnectorMetadata(loads=[job]))
     h.step_until(lambda: "R" in h.recving, timeout=60)
     h.step()
@@ -81,9 +80,16 @@ def test_two_streamed_loads_share_the_staging_slots(harness, tmp_path):
     staging = h.worker._staging
     n = 2 * staging.count
     pages = disk_with_pages(h, tmp_path, 2 * n)
-    jobs = [TransferJob(3 + j, f"R{j}", list(range(j * n, (j + 1) * n)), [STREAM] * n,
-                        fetch=[(i, "disk", key(j * n + i)) for i in range(n)])
-            for j in range(2)]
+    jobs = [
+        TransferJob(
+            3 + j,
+            f"R{j}",
+            list(range(j * n, (j + 1) * n)),
+            [STREAM] * n,
+            fetch=[(i, "disk", key(j * n + i)) for i in range(n)],
+        )
+        for j in range(2)
+    ]
     h.worker.start_loads(KVBMConnectorMetadata(loads=jobs))
     h.step_until(lambda: {"R0", "R1"} <= set(h.recving), timeout=60)
     assert not h.meta.loads_failed
@@ -131,8 +137,7 @@ def test_scheduler_loads_a_prefix_longer_than_the_host_tier(tmp_path):
 
 
 @pytest.mark.parametrize("into", ["host slots", "staging slots"])
-def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(
-        harness, ext4, into):
+def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(harness, ext4, into):
     """The disk's filesystem is frozen (fsfreeze) under a load of promoted
     pages (read into host slots) or streamed ones (read into staging slots):
     the read blocks in the kernel (its LRU touch: the pages were last read
@@ -172,6 +177,10 @@ def test_a_load_from_a_frozen_disk_fails_at_its_deadline_and_holds_its_slots(
         # The first chunk blocked (held); the second never started (given back).
         assert not h.meta.slots_held and staging.free == staging.count // 2
     ext4.thaw()
-    h.step_until(lambda: staging.free == staging.count
-                 and set(h.meta.slots_released) == set(h.meta.slots_held), timeout=20)
+    h.step_until(
+        lambda: (
+            staging.free == staging.count and set(h.meta.slots_released) == set(h.meta.slots_held)
+        ),
+        timeout=20,
+    )
     assert not h.worker._parts and not h.worker._staging_reading

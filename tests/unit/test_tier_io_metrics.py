@@ -37,8 +37,12 @@ def test_writes_reads_and_disk_usage_reach_the_worker_metadata(tmp_path):
         meta = KVBMWorkerMetadata()
         for i in range(3):
             io.spill(["disk"], key(i), page(i, SMALL))
-        _until(io, meta, lambda _: meta.tier_events[("disk", "stored", 0)] == 3,
-               "the spills never finished")
+        _until(
+            io,
+            meta,
+            lambda _: meta.tier_events[("disk", "stored", 0)] == 3,
+            "the spills never finished",
+        )
         assert [tier for tier, _ in meta.tier_write_seconds] == ["disk"] * 3
         assert all(seconds > 0 for _, seconds in meta.tier_write_seconds)
         [((tier, rank), (used, capacity))] = meta.tier_usage.items()
@@ -47,8 +51,9 @@ def test_writes_reads_and_disk_usage_reach_the_worker_metadata(tmp_path):
 
         meta = KVBMWorkerMetadata()
         pool = torch.zeros(3, SMALL, dtype=torch.uint8)
-        job = TransferJob(1, "R", [0, 1, 2], [0, 1, 2],
-                          fetch=[(i, "disk", key(i)) for i in range(3)])
+        job = TransferJob(
+            1, "R", [0, 1, 2], [0, 1, 2], fetch=[(i, "disk", key(i)) for i in range(3)]
+        )
         io.fetch(job, pool)
         [(got, ok, _, _)] = _until(io, meta, bool, "the fetch never ended")
         assert got is job and ok
@@ -66,12 +71,24 @@ def test_the_scheduler_side_labels_them_by_tier():
     stats = KVBMStats()
     stats.declare(["host", "disk", "remote"])
     stats.take()
-    LowerTiers([]).record(Counter({("disk", "stored", 0): 2, ("disk", "corrupt", 0): 1,
-                                   ("remote", "corrupt", 0): 3, ("remote", "error", 0): 1}),
-                          stats)
+    LowerTiers([]).record(
+        Counter(
+            {
+                ("disk", "stored", 0): 2,
+                ("disk", "corrupt", 0): 1,
+                ("remote", "corrupt", 0): 3,
+                ("remote", "error", 0): 1,
+            }
+        ),
+        stats,
+    )
     counters = stats.take()["counters"]
-    assert counters == {"offload_blocks_h2d": 2, "checksum_failures@disk": 1,
-                        "checksum_failures@remote": 3, "tier_read_errors@remote": 1}
+    assert counters == {
+        "offload_blocks_h2d": 2,
+        "checksum_failures@disk": 1,
+        "checksum_failures@remote": 3,
+        "tier_read_errors@remote": 1,
+    }
     assert stats.total["checksum_failures"] == 4
 
 
@@ -87,16 +104,19 @@ def test_a_stores_own_counts_become_the_peer_series():
     assert k.stats.gauges["peer_quarantined_slots"] == 0  # exported from the start
 
     def report(counts):
-        k.update_connector_output(KVConnectorOutput(
-            kv_connector_worker_meta=KVBMWorkerMetadata(tier_counts=counts)))
+        k.update_connector_output(
+            KVConnectorOutput(kv_connector_worker_meta=KVBMWorkerMetadata(tier_counts=counts))
+        )
 
     pool = {"written": 5, "deleted": 1, "dropped": 2, "failed": 0}
-    report({("pool", 0): pool, ("peer", 0): {"quarantined": 2},
-            ("peer", 1): {"quarantined": 3}})
+    report({("pool", 0): pool, ("peer", 0): {"quarantined": 2}, ("peer", 1): {"quarantined": 3}})
     report({("pool", 0): {**pool, "written": 7, "failed": 4}, ("peer", 1): {"quarantined": 0}})
     assert k.stats.total["peer_directory_entries"] == 7 + 1 + 2 + 4
     counters = k.stats.take()["counters"]
-    assert {key: n for key, n in counters.items() if key.startswith("peer_directory_entries")} \
-        == {"peer_directory_entries@written": 7, "peer_directory_entries@deleted": 1,
-            "peer_directory_entries@dropped": 2, "peer_directory_entries@failed": 4}
+    assert {key: n for key, n in counters.items() if key.startswith("peer_directory_entries")} == {
+        "peer_directory_entries@written": 7,
+        "peer_directory_entries@deleted": 1,
+        "peer_directory_entries@dropped": 2,
+        "peer_directory_entries@failed": 4,
+    }
     assert k.stats.gauges["peer_quarantined_slots"] == 2  # rank 0's, rank 1's back to 0

@@ -13,8 +13,16 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees, tier_of
-from helpers.scheduler_harness import (BLOCK, admit, block_ids, kvbm, lookup, make_request,
-                               make_scheduler, step)
+from helpers.scheduler_harness import (
+    BLOCK,
+    admit,
+    block_ids,
+    kvbm,
+    lookup,
+    make_request,
+    make_scheduler,
+    step,
+)
 from helpers.scheduler_harness import keys_of, run_until_done, tokens
 from vllm_kvbm.metrics import KVBMStats
 from vllm_kvbm.scheduler.lookups import BackgroundLookups
@@ -49,8 +57,11 @@ def test_admit_keeps_key_order_in_runs_of_the_same_tiers():
     tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "frequency", disk_min_uses=2)
     tiers.admit([b"b"], reused=False)  # on the remote; the disk takes it next time
     assert tiers.admit([b"a", b"b", b"c", b"d", b"a"], reused=True) == [
-        (["remote"], [b"a"]), (["disk"], [b"b"]), (["remote"], [b"c", b"d"]),
-        (["disk"], [b"a"])]
+        (["remote"], [b"a"]),
+        (["disk"], [b"b"]),
+        (["remote"], [b"c", b"d"]),
+        (["disk"], [b"a"]),
+    ]
 
 
 def test_admission_always_writes_each_tier_once():
@@ -68,18 +79,33 @@ def test_admission_always_writes_each_tier_once():
 def test_frequency_admission_waits_for_the_second_use():
     tiers = LowerTiers([_Listed("disk"), _Listed("remote")], "frequency", disk_min_uses=2)
     assert admitted(tiers, b"k", reused=False) == ["remote"]  # first use: no disk write
-    assert admitted(tiers, b"k", reused=True) == ["disk"]     # used again: now the disk
+    assert admitted(tiers, b"k", reused=True) == ["disk"]  # used again: now the disk
 
 
 def test_worker_events_become_counters():
     stats = KVBMStats()
-    LowerTiers([]).record(Counter({("disk", "stored", 0): 3, ("remote", "stored", 0): 2,
-                                   ("disk", "corrupt", 0): 1, ("remote", "error", 0): 4,
-                                   ("disk", "miss", 0): 1, ("remote", "refused", 0): 5,
-                                   ("disk", "ok", 0): 9}), stats)
-    assert stats.total == Counter(offload_blocks_h2d=3, offload_blocks_remote=2,
-                                  checksum_failures=1, tier_read_errors=4,
-                                  tier_read_misses=1, tier_write_errors=5)
+    LowerTiers([]).record(
+        Counter(
+            {
+                ("disk", "stored", 0): 3,
+                ("remote", "stored", 0): 2,
+                ("disk", "corrupt", 0): 1,
+                ("remote", "error", 0): 4,
+                ("disk", "miss", 0): 1,
+                ("remote", "refused", 0): 5,
+                ("disk", "ok", 0): 9,
+            }
+        ),
+        stats,
+    )
+    assert stats.total == Counter(
+        offload_blocks_h2d=3,
+        offload_blocks_remote=2,
+        checksum_failures=1,
+        tier_read_errors=4,
+        tier_read_misses=1,
+        tier_write_errors=5,
+    )
 
 
 def test_a_page_counts_once_across_ranks_and_writes_count_pages():
@@ -88,14 +114,19 @@ def test_a_page_counts_once_across_ranks_and_writes_count_pages():
     writes count pages, as the failures beside them do (not blocks: with
     4-block pages, 4 blocks written against 1 page failed)."""
     stats, tiers = KVBMStats(), LowerTiers([])
-    tiers.record(Counter({("disk", "stored", 0): 2, ("disk", "stored", 1): 1,
-                          ("disk", "corrupt", 1): 1}), stats, 2)
+    tiers.record(
+        Counter({("disk", "stored", 0): 2, ("disk", "stored", 1): 1, ("disk", "corrupt", 1): 1}),
+        stats,
+        2,
+    )
     assert stats.total == Counter(offload_blocks_h2d=1, checksum_failures=1)
-    tiers.record(Counter({("disk", "stored", 1): 1, ("disk", "corrupt", 0): 1,
-                          ("remote", "refused", 0): 1}), stats, 2)
+    tiers.record(
+        Counter({("disk", "stored", 1): 1, ("disk", "corrupt", 0): 1, ("remote", "refused", 0): 1}),
+        stats,
+        2,
+    )
     # rank 0's corrupt page is the one rank 1 found corrupt: still one failure
-    assert stats.total == Counter(offload_blocks_h2d=2, checksum_failures=1,
-                                  tier_write_errors=1)
+    assert stats.total == Counter(offload_blocks_h2d=2, checksum_failures=1, tier_write_errors=1)
 
 
 @pytest.fixture
@@ -147,8 +178,12 @@ def test_a_failed_disk_load_drops_its_slots_and_the_request_recomputes(disk_setu
     sched.add_request(req)
     _, meta, _ = admit(sched, req)
     [load] = meta.loads
-    step(sched, finished_recving=[req.request_id], loads_failed=[req.request_id],
-         invalid_block_ids=load.block_ids)
+    step(
+        sched,
+        finished_recving=[req.request_id],
+        loads_failed=[req.request_id],
+        invalid_block_ids=load.block_ids,
+    )
     assert not any(key in k.host for key in keys[:2])  # the reserved slots are free again
     assert k.stats.total["load_error_blocks"] == 2
     assert all(store.contains(key) for key in keys[:2])  # still listed by the tier

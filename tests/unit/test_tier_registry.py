@@ -22,8 +22,12 @@ PAGE = 4096
 
 def _info():
     """What the registry reads of EngineInfo (a real one needs a vLLM config)."""
-    return SimpleNamespace(tier_namespace="ns-registry", page_bytes=PAGE,
-                           key_namespace=SimpleNamespace(tp_size=1), data_parallel_index=0)
+    return SimpleNamespace(
+        tier_namespace="ns-registry",
+        page_bytes=PAGE,
+        key_namespace=SimpleNamespace(tp_size=1),
+        data_parallel_index=0,
+    )
 
 
 def _dead_port() -> int:
@@ -46,8 +50,14 @@ def test_every_remote_url_scheme_config_accepts_has_a_medium(scheme):
 
 
 def test_views_and_stores_follow_the_config_disk_first(tmp_path):
-    config = load_config({"disk_cache_dir": str(tmp_path), "disk_cache_size": "1MiB",
-                          "remote_url": f"lm://127.0.0.1:{_dead_port()}"}, environ={})
+    config = load_config(
+        {
+            "disk_cache_dir": str(tmp_path),
+            "disk_cache_size": "1MiB",
+            "remote_url": f"lm://127.0.0.1:{_dead_port()}",
+        },
+        environ={},
+    )
     assert registry.configured(config) == [registry.DISK, registry.REMOTE["lm"]]
     views = registry.open_views(config, _info())
     try:
@@ -58,8 +68,9 @@ def test_views_and_stores_follow_the_config_disk_first(tmp_path):
     finally:
         for view in views:
             view.close()
-    disk_only = load_config({"disk_cache_dir": str(tmp_path), "disk_cache_size": "1MiB"},
-                            environ={})
+    disk_only = load_config(
+        {"disk_cache_dir": str(tmp_path), "disk_cache_size": "1MiB"}, environ={}
+    )
     (store,) = registry.open_stores(disk_only, _info(), rank=0)
     try:
         assert isinstance(store, TierStore) and store.name == "disk"

@@ -15,8 +15,17 @@ import time
 
 import torch
 
-from helpers.scheduler_harness import (BLOCK, admit, keys_of, kvbm, make_request,
-                                       make_scheduler, step, store_and_finish, tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    admit,
+    keys_of,
+    kvbm,
+    make_request,
+    make_scheduler,
+    step,
+    store_and_finish,
+    tokens,
+)
 from helpers.tier_pages import disk_store_for, key, put_where_the_scheduler_sees
 from test_worker_unit import gen, harness  # noqa: F401 (fixtures)
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
@@ -61,8 +70,12 @@ def test_the_disk_check_after_a_load_runs_off_the_scheduler_thread(mount):
     the reused pages. With the disk's filesystem hung, the step that reports
     the load done completes at once, and the pages are spilled once the disk
     answers."""
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(mount.path),
-                           disk_cache_size="64MiB", disk_admission="frequency")
+    sched = make_scheduler(
+        host_blocks=16,
+        disk_cache_dir=str(mount.path),
+        disk_cache_size="64MiB",
+        disk_admission="frequency",
+    )
     k = kvbm(sched)
     prompt = tokens(3 * BLOCK + 5, 61)
     keys = keys_of(sched, prompt)
@@ -95,8 +108,12 @@ def test_the_disk_check_after_a_load_runs_off_the_scheduler_thread(mount):
 
 def test_the_disk_check_skips_pages_the_disk_has(mount):
     """What the check is for: reused pages already on disk are not written again."""
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(mount.path),
-                           disk_cache_size="64MiB", disk_admission="frequency")
+    sched = make_scheduler(
+        host_blocks=16,
+        disk_cache_dir=str(mount.path),
+        disk_cache_size="64MiB",
+        disk_admission="frequency",
+    )
     k = kvbm(sched)
     prompt = tokens(3 * BLOCK + 5, 62)
     keys = keys_of(sched, prompt)
@@ -128,8 +145,7 @@ def test_may_load_async_asks_the_lookup_thread(mount):
     scheduler thread: with the disk hung it answers at once (not known yet:
     False); once the disk answers, True, and the request's lookup uses that
     answer."""
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(mount.path),
-                           disk_cache_size="64MiB")
+    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(mount.path), disk_cache_size="64MiB")
     k = kvbm(sched)
     prompt = tokens(3 * BLOCK + 5, 63)
     keys = keys_of(sched, prompt)
@@ -173,10 +189,16 @@ def test_a_streamed_load_waiting_for_staging_slots_fails_at_its_deadline(mount, 
     writer.close()
     h.worker.add_tier(DiskStore(str(mount.path), 64 << 20, bb, "ns", 0, 1))
     first = [0, n[0]]
-    jobs = [TransferJob(1 + j, f"R{j}", [b % 256 for b in range(first[j], first[j] + n[j])],
-                        [STREAM] * n[j],
-                        fetch=[(i, "disk", key(first[j] + i)) for i in range(n[j])])
-            for j in range(2)]
+    jobs = [
+        TransferJob(
+            1 + j,
+            f"R{j}",
+            [b % 256 for b in range(first[j], first[j] + n[j])],
+            [STREAM] * n[j],
+            fetch=[(i, "disk", key(first[j] + i)) for i in range(n[j])],
+        )
+        for j in range(2)
+    ]
     jobs[1].block_ids = list(range(256 - n[1], 256))
     jobs[0].block_ids = [b % (256 - n[1]) for b in range(n[0])]
     with mount.slow(blocked_s=0.3, open_s=0.05):
@@ -262,8 +284,7 @@ def test_a_failed_call_to_a_frozen_server_is_not_counted():
 
     frozen = socket.create_server(("127.0.0.1", 0))
     try:
-        view = RemoteView(f"lm://127.0.0.1:{frozen.getsockname()[1]}", "ns", 4096, 1,
-                          timeout_s=0.3)
+        view = RemoteView(f"lm://127.0.0.1:{frozen.getsockname()[1]}", "ns", 4096, 1, timeout_s=0.3)
         lower = LowerTiers([view])
         lower.calls.add(0.001)
         usual = lower.calls.usual_max()

@@ -16,9 +16,20 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.request import RequestStatus
 
-from helpers.scheduler_harness import (BLOCK, keys_of, kvbm, lookup, make_request, make_scheduler,
-                                       step, step_with_weights, store_and_finish, tokens,
-                                       worker_output, worker_weights)
+from helpers.scheduler_harness import (
+    BLOCK,
+    keys_of,
+    kvbm,
+    lookup,
+    make_request,
+    make_scheduler,
+    step,
+    step_with_weights,
+    store_and_finish,
+    tokens,
+    worker_output,
+    worker_weights,
+)
 from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees, tier_of
 
 
@@ -52,9 +63,13 @@ def test_a_rank_that_fails_its_load_steps_before_the_other_finishes_commits_noth
     out = s.schedule()
     (load,) = out.kv_connector_metadata.loads
     rank0 = worker_output(s, out)
-    rank1 = worker_output(s, out, loads_failed=[r2.request_id],
-                          finished_recving=[r2.request_id],
-                          invalid_block_ids=load.block_ids)
+    rank1 = worker_output(
+        s,
+        out,
+        loads_failed=[r2.request_id],
+        finished_recving=[r2.request_id],
+        invalid_block_ids=load.block_ids,
+    )
     s.update_from_output(out, agg.aggregate([rank0, rank1]))
     assert r2.status == RequestStatus.WAITING_FOR_REMOTE_KVS  # rank 0 still loading
     # Step 2: rank 0 finishes fine; vLLM now reports the load finished.
@@ -125,8 +140,7 @@ def test_after_a_reset_a_lower_tiers_pages_are_served_under_the_same_weights_onl
         store.close()
 
 
-def test_a_connector_reset_alone_starts_a_weights_epoch_whose_loads_wait_for_the_digest(
-        tmp_path):
+def test_a_connector_reset_alone_starts_a_weights_epoch_whose_loads_wait_for_the_digest(tmp_path):
     """vLLM may call the connector's reset without (or before) the hook on
     its own prefix-cache reset: the reset starts the weights epoch itself, and
     a load of the keys from before, planned before the workers' digests are
@@ -207,7 +221,7 @@ def test_a_reset_vllm_refused_is_refused_by_kvbm_too():
     assert k.host.is_ready(keys[0])  # nothing forgotten
     # A newcomer sharing the prefix hits vLLM's stale block 0 and stores what
     # it computes on top of it: under the keys that KV was computed for.
-    r2 = make_request(prompt[:2 * BLOCK + 1] + tokens(BLOCK, 64), max_tokens=1)
+    r2 = make_request(prompt[: 2 * BLOCK + 1] + tokens(BLOCK, 64), max_tokens=1)
     s.add_request(r2)
     stores = 0
     for _ in range(30):

@@ -155,17 +155,22 @@ def test_every_supported_release_loads_lora_files_where_kvbm_watches():
         pytest.skip(f"no network and nothing cached: {err}")
     for version, source in sources.items():
         classes = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.ClassDef)}
-        methods = {f.name: f for f in classes["WorkerLoRAManager"].body
-                   if isinstance(f, ast.FunctionDef)}
+        methods = {
+            f.name: f for f in classes["WorkerLoRAManager"].body if isinstance(f, ast.FunctionDef)
+        }
         load = methods["_load_adapter"]
         assert [a.arg for a in load.args.args] == ["self", "lora_request"], version
         for cls in ("WorkerLoRAManager", "LRUCacheWorkerLoRAManager"):
-            add = next(f for f in classes[cls].body
-                       if isinstance(f, ast.FunctionDef) and f.name == "add_adapter")
+            add = next(
+                f
+                for f in classes[cls].body
+                if isinstance(f, ast.FunctionDef) and f.name == "add_adapter"
+            )
             assert "self._load_adapter(" in ast.unparse(add), (version, cls)
             assert cls == "WorkerLoRAManager" or not any(
                 isinstance(f, ast.FunctionDef) and f.name == "_load_adapter"
-                for f in classes[cls].body), (version, "overrides _load_adapter")
+                for f in classes[cls].body
+            ), (version, "overrides _load_adapter")
 
 
 def test_reviewed_defaults_name_real_members():
@@ -176,8 +181,9 @@ def test_reviewed_defaults_name_real_members():
     try:
         index, _ = wheels.fetch_index()
         for release in wheels.list_releases(index):
-            known |= set(class_members(wheels.release_sources(release)[wheels.BASE_MEMBER],
-                                       vc.BASE_CLASS))
+            known |= set(
+                class_members(wheels.release_sources(release)[wheels.BASE_MEMBER], vc.BASE_CLASS)
+            )
     except wheels.Offline as err:
         if os.environ.get("CI"):
             pytest.fail(str(err))
@@ -189,8 +195,13 @@ def test_script_prints_a_table(tmp_path):
     import subprocess
 
     env = {**os.environ}
-    run = subprocess.run([sys.executable, "-m", "vllm_kvbm.tools.vllm_compat"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    run = subprocess.run(
+        [sys.executable, "-m", "vllm_kvbm.tools.vllm_compat"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     if run.returncode == 2 and "no answer" in run.stderr and not os.environ.get("CI"):
         pytest.skip(f"no network: {run.stderr.strip()}")
     assert run.returncode == 0, run.stdout + run.stderr
@@ -226,26 +237,41 @@ def test_checker_passes_the_real_base(base_src):
     assert _problems(base_src) == []
 
 
-GNMT = ("    def get_num_new_matched_tokens(\n        self,\n        request: \"Request\",\n"
-        "        num_computed_tokens: int,\n    )")
+GNMT = (
+    '    def get_num_new_matched_tokens(\n        self,\n        request: "Request",\n'
+    "        num_computed_tokens: int,\n    )"
+)
 
 
-@pytest.mark.parametrize("new, why", [
-    # vLLM renames a parameter (it passes it by keyword somewhere)
-    (GNMT.replace("num_computed_tokens: int", "num_local_computed_tokens: int"),
-     "parameter 2 is positional 'num_computed_tokens', vLLM passes positional "
-     "'num_local_computed_tokens'"),
-    # vLLM adds a parameter it will always pass
-    (GNMT.replace("num_computed_tokens: int,", "num_computed_tokens: int,\n"
-                  "        num_lookahead_tokens: int,"),
-     "parameter 3 is nothing, vLLM passes positional 'num_lookahead_tokens'"),
-    # vLLM makes a parameter keyword-only
-    (GNMT.replace("num_computed_tokens: int,", "*,\n        num_computed_tokens: int,"),
-     "parameter 2 is positional 'num_computed_tokens', vLLM passes kwonly"),
-    # vLLM gives a parameter a default: an override must accept the call without it
-    (GNMT.replace("num_computed_tokens: int,", "num_computed_tokens: int = 0,"),
-     "default of 'num_computed_tokens' is None, vLLM's is 0"),
-])
+@pytest.mark.parametrize(
+    "new, why",
+    [
+        # vLLM renames a parameter (it passes it by keyword somewhere)
+        (
+            GNMT.replace("num_computed_tokens: int", "num_local_computed_tokens: int"),
+            "parameter 2 is positional 'num_computed_tokens', vLLM passes positional "
+            "'num_local_computed_tokens'",
+        ),
+        # vLLM adds a parameter it will always pass
+        (
+            GNMT.replace(
+                "num_computed_tokens: int,",
+                "num_computed_tokens: int,\n        num_lookahead_tokens: int,",
+            ),
+            "parameter 3 is nothing, vLLM passes positional 'num_lookahead_tokens'",
+        ),
+        # vLLM makes a parameter keyword-only
+        (
+            GNMT.replace("num_computed_tokens: int,", "*,\n        num_computed_tokens: int,"),
+            "parameter 2 is positional 'num_computed_tokens', vLLM passes kwonly",
+        ),
+        # vLLM gives a parameter a default: an override must accept the call without it
+        (
+            GNMT.replace("num_computed_tokens: int,", "num_computed_tokens: int = 0,"),
+            "default of 'num_computed_tokens' is None, vLLM's is 0",
+        ),
+    ],
+)
 def test_checker_catches_a_drifted_signature(base_src, new, why):
     problems = _problems(_drift(base_src, GNMT, new))
     assert len(problems) == 1, problems
@@ -262,8 +288,13 @@ def test_checker_catches_a_property_turned_method(base_src):
 
 
 def test_checker_catches_a_removed_hook(base_src):
-    problems = _problems(_drift(base_src, "    def has_pending_push_work(self) -> bool:",
-                                "    def has_pending_push_work_v2(self) -> bool:"))
+    problems = _problems(
+        _drift(
+            base_src,
+            "    def has_pending_push_work(self) -> bool:",
+            "    def has_pending_push_work_v2(self) -> bool:",
+        )
+    )
     assert len(problems) == 2, problems
     assert problems[0].startswith("has_pending_push_work (connector.py:")
     assert f"overrides nothing in vLLM {V}" in problems[0]
@@ -274,22 +305,24 @@ def test_checker_checks_the_supports_hma_hook_too(base_src):
     """request_finished_all_groups is SupportsHMA's (vLLM calls it with the
     hybrid allocator on): a drift in its signature is caught like a base hook's."""
     old = "        block_ids: tuple[list[int], ...],\n    ) -> tuple[bool, dict[str, Any] | None]:"
-    new = ("        block_ids: tuple[list[int], ...],\n        finished_groups: int,\n"
-           "    ) -> tuple[bool, dict[str, Any] | None]:")
+    new = (
+        "        block_ids: tuple[list[int], ...],\n        finished_groups: int,\n"
+        "    ) -> tuple[bool, dict[str, Any] | None]:"
+    )
     [problem] = _problems(_drift(base_src, old, new))
     assert problem.startswith("request_finished_all_groups (connector.py:")
     assert "vLLM passes positional 'finished_groups'" in problem
 
 
 def test_checker_catches_a_new_abstract_method(base_src):
-    old = "    def take_events(self) -> Iterable[\"KVCacheEvent\"]:"
-    new = ("    @abstractmethod\n    def must_do(self) -> None:\n        pass\n\n" + old)
+    old = '    def take_events(self) -> Iterable["KVCacheEvent"]:'
+    new = "    @abstractmethod\n    def must_do(self) -> None:\n        pass\n\n" + old
     problems = _problems(_drift(base_src, old, new))
     assert problems == [f"must_do: abstract in vLLM {V}'s KVConnectorBase_V1, not implemented"]
 
 
 def test_checker_catches_an_undecided_new_hook(base_src):
-    old = "    def take_events(self) -> Iterable[\"KVCacheEvent\"]:"
+    old = '    def take_events(self) -> Iterable["KVCacheEvent"]:'
     new = "    def supports_teleport(self) -> bool:\n        return True\n\n" + old
     [problem] = _problems(_drift(base_src, old, new))
     assert problem.startswith(f"supports_teleport: vLLM {V}'s KVConnectorBase_V1 has it")
@@ -313,8 +346,7 @@ def test_checker_knows_when_hooks_were_added(base_src):
 
 def test_signature_problem_accepts_extra_optional_parameters():
     base = class_members("class B:\n    def f(self, a, *, b=1, **kw): ...", "B")["f"]
-    ok = class_members("class C:\n    def f(self, a, extra=None, *, b=1, **kw): ...",
-                       "C")["f"]
+    ok = class_members("class C:\n    def f(self, a, extra=None, *, b=1, **kw): ...", "C")["f"]
     bad = class_members("class C:\n    def f(self, a, extra, *, b=1, **kw): ...", "C")["f"]
     no_kw = class_members("class C:\n    def f(self, a, *, b=1): ...", "C")["f"]
     assert signature_problem(ok, base) is None
@@ -325,17 +357,28 @@ def test_signature_problem_accepts_extra_optional_parameters():
 def test_no_vllm_helper_whose_meaning_changed_is_used():
     assert vc.changed_helper_uses() == []
     # ...and the scan finds one (the way vLLM's own connectors use it).
-    src = ("from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data\n"
-           "for req_id, blocks, preempted in yield_req_data(out):\n    pass\n")
+    src = (
+        "from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data\n"
+        "for req_id, blocks, preempted in yield_req_data(out):\n    pass\n"
+    )
     uses = vc.changed_helper_uses({"x.py": src})
     assert [u.split(" ")[0] for u in uses] == ["x.py:1", "x.py:2"]
     assert "is_full_table" in uses[0]
 
 
-@pytest.mark.parametrize("version,supported", [
-    ("v0.33.0", True), ("0.34.9.post1", True), ("0.32.0rc1", True), ("0.32.0+cpu", True),
-    ("0.31.99", False), ("0.35.0rc1", False), ("0.32.0-garbage", False), ("", False),
-])
+@pytest.mark.parametrize(
+    "version,supported",
+    [
+        ("v0.33.0", True),
+        ("0.34.9.post1", True),
+        ("0.32.0rc1", True),
+        ("0.32.0+cpu", True),
+        ("0.31.99", False),
+        ("0.35.0rc1", False),
+        ("0.32.0-garbage", False),
+        ("", False),
+    ],
+)
 def test_supported_range_is_a_pep_440_specifier(version, supported):
     assert SUPPORTED_VLLM.contains(version) is supported
     assert str(SUPPORTED_VLLM) == ">=0.32,<0.35"

@@ -21,8 +21,17 @@ from vllm.lora.request import LoRARequest
 from vllm.utils.hashing import sha256, sha256_cbor, xxhash
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
-from helpers.scheduler_harness import (BLOCK, _model_dir, keys_of, kvbm, load_again, make_request,
-                                       make_scheduler, step_with_weights, tokens)
+from helpers.scheduler_harness import (
+    BLOCK,
+    _model_dir,
+    keys_of,
+    kvbm,
+    load_again,
+    make_request,
+    make_scheduler,
+    step_with_weights,
+    tokens,
+)
 from vllm_kvbm.keys import KeyChain, VllmHashKeys, vllm_key_mask, xor_keys
 from vllm_kvbm.worker.loaded_weights import LoadedWeights
 
@@ -40,8 +49,9 @@ def chain_keys(sched, toks: list[int], salt: bytes = b"") -> list[bytes]:
 def test_keys_are_vllms_block_hashes_xor_a_namespace_digest(caplog):
     with caplog.at_level(logging.INFO, logger="vllm_kvbm.connector"):
         s = make_scheduler()
-    assert any("block keys from vLLM's sha256 block hashes" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "block keys from vLLM's sha256 block hashes" in r.getMessage() for r in caplog.records
+    )
     k = kvbm(s)
     prompt = tokens(40 * BLOCK + 3, 1)
     req = make_request(prompt)
@@ -57,8 +67,7 @@ def test_keys_are_vllms_block_hashes_xor_a_namespace_digest(caplog):
     assert not set(want) & set(chain_keys(s, prompt))
     # And the scheduler stores and loads under them.
     _, load = load_again(s, tokens(3 * BLOCK + 5, 2))
-    assert [k.host._entries[key].slot for key in keys_of(s, tokens(3 * BLOCK + 5, 2))] \
-        == load.slots
+    assert [k.host._entries[key].slot for key in keys_of(s, tokens(3 * BLOCK + 5, 2))] == load.slots
 
 
 def test_keys_differ_across_namespaces_salts_and_weights(tmp_path):
@@ -121,11 +130,17 @@ def test_keys_are_the_same_across_processes_and_restarts(tmp_path):
     base = {key: value for key, value in os.environ.items() if key != "PYTHONHASHSEED"}
     envs = [base, base, {**base, "PYTHONHASHSEED": "7"}]
     env_path = f"{ROOT}{os.pathsep}{base.get('PYTHONPATH', '')}"
-    procs = [subprocess.Popen([sys.executable, "-c", _PRINT_KEYS, str(model)], cwd=ROOT,
-                              text=True,
-                              env={**env, "PYTHONPATH": env_path},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for env in envs]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PRINT_KEYS, str(model)],
+            cwd=ROOT,
+            text=True,
+            env={**env, "PYTHONPATH": env_path},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for env in envs
+    ]
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=300)
@@ -133,7 +148,8 @@ def test_keys_are_the_same_across_processes_and_restarts(tmp_path):
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert [kind for kind, _, _ in results] == ["VllmHashKeys"] * 3
     (first, hashes), (restarted, rehashes), (seeded, seeded_hashes) = (
-        (keys, hashes) for _, keys, hashes in results)
+        (keys, hashes) for _, keys, hashes in results
+    )
     assert len(first) == 20 and first == restarted and hashes == rehashes
     assert seeded_hashes != hashes and not set(seeded) & set(first)
 
@@ -143,8 +159,9 @@ def test_xxhash_keeps_our_own_chain(caplog):
     keys come from our chain, whatever the requests' hashes."""
     with caplog.at_level(logging.INFO, logger="vllm_kvbm.connector"):
         s = make_scheduler(hash_algo="xxhash")
-    assert any("own SHA-256 chain" in r.getMessage() and "xxhash" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "own SHA-256 chain" in r.getMessage() and "xxhash" in r.getMessage() for r in caplog.records
+    )
     k = kvbm(s)
     assert k._vllm_hashes is None
     prompt = tokens(5 * BLOCK + 1, 6)
@@ -158,8 +175,11 @@ def test_a_request_whose_hashes_are_not_at_our_blocks_keeps_the_chain():
     k = kvbm(s)
     prompt = tokens(5 * BLOCK + 1, 7)
     k.key_chain(make_request(prompt))  # the source is checked on a plain request first
-    for hasher in (None, get_request_block_hasher(BLOCK // 2, sha256),
-                   get_request_block_hasher(BLOCK * 2, sha256)):
+    for hasher in (
+        None,
+        get_request_block_hasher(BLOCK // 2, sha256),
+        get_request_block_hasher(BLOCK * 2, sha256),
+    ):
         chain = k.key_chain(make_request(prompt, block_hasher=hasher))
         assert isinstance(chain, KeyChain) and chain.extend(prompt) == chain_keys(s, prompt)
     assert isinstance(k.key_chain(make_request(prompt)), VllmHashKeys)
@@ -173,8 +193,7 @@ def test_sha256_cbor_gives_keys_from_vllms_hashes_too():
     prompt = tokens(4 * BLOCK, 8)
     hasher = get_request_block_hasher(BLOCK, sha256_cbor)
     # vLLM's root is still the harness's sha256 one: not this engine's
-    assert isinstance(kvbm(cbor).key_chain(make_request(prompt, block_hasher=hasher)),
-                      KeyChain)
+    assert isinstance(kvbm(cbor).key_chain(make_request(prompt, block_hasher=hasher)), KeyChain)
     init_none_hash(sha256_cbor)  # as vLLM's engine core does for this engine
     try:
         req = make_request(prompt, block_hasher=hasher)
@@ -183,7 +202,8 @@ def test_sha256_cbor_gives_keys_from_vllms_hashes_too():
         init_none_hash(sha256)
     assert isinstance(chain, VllmHashKeys) and not kvbm(cbor)._vllm_hashes.failed
     assert chain.extend(prompt) == [
-        xor(h, vllm_key_mask(kvbm(cbor)._seed, b"", "sha256_cbor")) for h in req.block_hashes]
+        xor(h, vllm_key_mask(kvbm(cbor)._seed, b"", "sha256_cbor")) for h in req.block_hashes
+    ]
     assert not set(chain.keys) & set(keys_of(plain, prompt))
 
 
@@ -209,7 +229,7 @@ def test_xor_keys_and_the_chain_past_vllms_hashes():
     mask = bytes(range(32))
     for n in range(0, 40, 3):  # both sides of the numpy threshold
         got = xor_keys(hashes, 1, 1 + n, mask)
-        assert got == [xor(h, mask) for h in hashes[1:1 + n]]
+        assert got == [xor(h, mask) for h in hashes[1 : 1 + n]]
         assert all(type(key) is bytes and len(key) == 32 for key in got)
     # vLLM hashed 3 blocks: key 3 on are our chain from key 2 (never expected
     # in practice: vLLM hashes every full block as its tokens arrive).
@@ -218,4 +238,4 @@ def test_xor_keys_and_the_chain_past_vllms_hashes():
     keys.extend_to(toks, 2)
     got = keys.extend(toks)
     assert got[:3] == [xor(h, vllm_key_mask(b"s" * 32, b"", "sha256")) for h in hashes[:3]]
-    assert got[3:] == KeyChain.continuing([], got[2], BLOCK).extend(toks[3 * BLOCK:])
+    assert got[3:] == KeyChain.continuing([], got[2], BLOCK).extend(toks[3 * BLOCK :])

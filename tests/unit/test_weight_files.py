@@ -75,8 +75,11 @@ def test_download_dirs_holding_other_commits_have_other_keys(tmp_path, scheduler
     hf_snapshot(tmp_path / "replica-c", "a" * 40, {"model.safetensors": b"weights of commit a"})
 
     def replica(name):
-        return seed(scheduler, **{"model_config.model": REPO,
-                                  "load_config.download_dir": str(tmp_path / name)})
+        return seed(
+            scheduler,
+            **{"model_config.model": REPO, "load_config.download_dir": str(tmp_path / name)},
+        )
+
     assert replica("replica-a") != replica("replica-b")
     assert replica("replica-a") == replica("replica-c")
 
@@ -105,16 +108,20 @@ def test_remote_modelling_code_is_in_the_keys(tmp_path, scheduler):
     assert seed(scheduler, **changes) != before
 
 
-@pytest.mark.parametrize("load_format", ["dummy", "tensorizer", "runai_streamer",
-                                         "a-plugin-loader"])
+@pytest.mark.parametrize(
+    "load_format", ["dummy", "tensorizer", "runai_streamer", "a-plugin-loader"]
+)
 def test_a_loader_kvbm_cannot_see_into_keeps_the_engines_pages_its_own(
-        scheduler, load_format, caplog):
+    scheduler, load_format, caplog
+):
     with caplog.at_level(logging.WARNING, logger="vllm_kvbm.fingerprints"):
         one = seed(scheduler, **{"load_config.load_format": load_format})
     assert f"{load_format!r} loader" in caplog.text and "its own" in caplog.text
     assert seed(scheduler, **{"load_config.load_format": load_format}) == one  # this engine
-    assert seed(scheduler, **{"load_config.load_format": load_format,
-                              "instance_id": "another-engine"}) != one
+    assert (
+        seed(scheduler, **{"load_config.load_format": load_format, "instance_id": "another-engine"})
+        != one
+    )
 
 
 def test_a_model_dir_with_only_a_config_is_never_keyed_by_it(tmp_path, scheduler, caplog):
@@ -126,20 +133,31 @@ def test_a_model_dir_with_only_a_config_is_never_keyed_by_it(tmp_path, scheduler
     with caplog.at_level(logging.WARNING, logger="vllm_kvbm.fingerprints"):
         one = seed(scheduler, **{"model_config.model": str(model)})
     assert "no 'hf' weight files" in caplog.text
-    assert seed(scheduler, **{"model_config.model": str(model),
-                              "instance_id": "another-engine"}) != one
+    assert (
+        seed(scheduler, **{"model_config.model": str(model), "instance_id": "another-engine"})
+        != one
+    )
 
 
-@pytest.mark.parametrize("load_format,names,read", [
-    ("auto", ["model.safetensors", "pytorch_model.bin"], ["model.safetensors"]),
-    ("auto", ["pytorch_model.bin", "training.pt"], ["pytorch_model.bin"]),
-    ("auto", ["consolidated.safetensors", "model.safetensors"], ["consolidated.safetensors"]),
-    ("pt", ["model.safetensors", "model.pt"], ["model.pt"]),
-    ("safetensors", ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                     "pytorch_model.bin"],
-     ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]),
-    ("npcache", ["pytorch_model.bin"], ["pytorch_model.bin"]),
-])
+@pytest.mark.parametrize(
+    "load_format,names,read",
+    [
+        ("auto", ["model.safetensors", "pytorch_model.bin"], ["model.safetensors"]),
+        ("auto", ["pytorch_model.bin", "training.pt"], ["pytorch_model.bin"]),
+        ("auto", ["consolidated.safetensors", "model.safetensors"], ["consolidated.safetensors"]),
+        ("pt", ["model.safetensors", "model.pt"], ["model.pt"]),
+        (
+            "safetensors",
+            [
+                "model-00001-of-00002.safetensors",
+                "model-00002-of-00002.safetensors",
+                "pytorch_model.bin",
+            ],
+            ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"],
+        ),
+        ("npcache", ["pytorch_model.bin"], ["pytorch_model.bin"]),
+    ],
+)
 def test_the_files_each_load_format_reads(tmp_path, load_format, names, read):
     for name in names + ["config.json", "tokenizer.json", "model.safetensors.index.json"]:
         (tmp_path / name).write_bytes(b"x")

@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 
 from vllm_kvbm.tools import vllm_wheels as wheels
-from vllm_kvbm.worker.read_only_rpcs import (IDENTIFIED, LOADING_TRANSFER_ENGINES, NOT_READ_ONLY,
-                                             READ_ONLY, SLEEP_MODE)
+from vllm_kvbm.worker.read_only_rpcs import (
+    IDENTIFIED,
+    LOADING_TRANSFER_ENGINES,
+    NOT_READ_ONLY,
+    READ_ONLY,
+    SLEEP_MODE,
+)
 
 FILES = {
     "multiproc": "vllm/v1/executor/multiproc_executor.py",
@@ -29,13 +34,20 @@ FILES = {
 
 # The files that send collective_rpc calls by name in vLLM 0.32 (the
 # installed release is read whole; the others' are these files).
-SENDERS = ("vllm/v1/executor/abstract.py", "vllm/v1/executor/multiproc_executor.py",
-           "vllm/v1/executor/uniproc_executor.py", "vllm/v1/executor/ray_executor.py",
-           "vllm/v1/engine/core.py", "vllm/v1/engine/llm_engine.py",
-           "vllm/v1/engine/async_llm.py", "vllm/entrypoints/llm.py",
-           "vllm/entrypoints/rl/offline.py", "vllm/entrypoints/rl/online/api_router.py",
-           "vllm/distributed/elastic_ep/elastic_state.py",
-           "vllm/v1/fault_tolerance/engine_core_sentinel.py")
+SENDERS = (
+    "vllm/v1/executor/abstract.py",
+    "vllm/v1/executor/multiproc_executor.py",
+    "vllm/v1/executor/uniproc_executor.py",
+    "vllm/v1/executor/ray_executor.py",
+    "vllm/v1/engine/core.py",
+    "vllm/v1/engine/llm_engine.py",
+    "vllm/v1/engine/async_llm.py",
+    "vllm/entrypoints/llm.py",
+    "vllm/entrypoints/rl/offline.py",
+    "vllm/entrypoints/rl/online/api_router.py",
+    "vllm/distributed/elastic_ep/elastic_state.py",
+    "vllm/v1/fault_tolerance/engine_core_sentinel.py",
+)
 WORKERS = ("vllm/v1/worker/gpu_worker.py", "vllm/v1/worker/worker_base.py")
 
 
@@ -74,8 +86,12 @@ def test_every_method_vllm_sends_through_collective_rpc_is_reviewed():
             sent["installed"] |= _sent(path.read_text())
     for version, files in _by_release(SENDERS, optional=True).items():
         sent.setdefault(version, set()).update(*map(_sent, files.values()))
-    assert {"execute_model", "sample_tokens", "determine_available_memory",
-            "get_kv_connector_handshake_metadata"} <= sent["installed"]  # the scan finds them
+    assert {
+        "execute_model",
+        "sample_tokens",
+        "determine_available_memory",
+        "get_kv_connector_handshake_metadata",
+    } <= sent["installed"]  # the scan finds them
     reviewed = set(READ_ONLY) | set(IDENTIFIED) | set(SLEEP_MODE) | set(NOT_READ_ONLY)
     unreviewed = {v: names - reviewed for v, names in sent.items() if names - reviewed}
     assert not unreviewed, f"review these in vllm_kvbm/worker/read_only_rpcs.py: {unreviewed}"
@@ -89,7 +105,7 @@ def test_the_reviewed_methods_are_methods_of_vllms_worker():
         for text in files.values():
             defined |= {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}
     for name in [*READ_ONLY, *IDENTIFIED, *SLEEP_MODE]:  # (a name NOT_READ_ONLY lists
-        assert name in defined, name                      # counts as a change anyway)
+        assert name in defined, name  # counts as a change anyway)
     sets = [set(READ_ONLY), set(IDENTIFIED), set(SLEEP_MODE), set(NOT_READ_ONLY)]
     assert sum(map(len, sets)) == len(set().union(*sets))  # each name in one place
 

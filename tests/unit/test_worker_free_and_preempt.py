@@ -21,18 +21,25 @@ def test_delayed_free_reported_only_after_its_stores(harness, gen, monkeypatch):
 
     import vllm_kvbm.worker.page_mover as page_mover
 
-    monkeypatch.setattr(page_mover, "PageMover",
-                        functools.partial(page_mover.PageMover, copy_thread=True))
+    monkeypatch.setattr(
+        page_mover, "PageMover", functools.partial(page_mover.PageMover, copy_thread=True)
+    )
     h = harness()
     saw_pending = False
     for attempt in range(5):
         a, c = f"A{attempt}", f"C{attempt}"
         (ba, sa), (bc, sc) = split(gen, 2, 64)
         ja, jc = 100 + 2 * attempt, 101 + 2 * attempt
-        h.worker.start_stores(KVBMConnectorMetadata(
-            stores=[TransferJob(ja, a, ba[:32], sa[:32]), TransferJob(jc, c, bc, sc),
-                    TransferJob(ja + 50, a, ba[32:], sa[32:])],
-            delayed_free_req_ids=[a, "N" + a]))
+        h.worker.start_stores(
+            KVBMConnectorMetadata(
+                stores=[
+                    TransferJob(ja, a, ba[:32], sa[:32]),
+                    TransferJob(jc, c, bc, sc),
+                    TransferJob(ja + 50, a, ba[32:], sa[32:]),
+                ],
+                delayed_free_req_ids=[a, "N" + a],
+            )
+        )
         steps = 0
         while a not in h.sending:
             sending, _ = h.step()
@@ -61,10 +68,11 @@ def test_delayed_free_reported_only_after_its_stores(harness, gen, monkeypatch):
 
 def test_delayed_free_after_failed_store(harness, gen):
     h = harness()
-    (b, s), = split(gen, 1, 8)
+    ((b, s),) = split(gen, 1, 8)
     bad = s[:-1] + [h.pool.shape[0]]  # last slot out of range: the store cannot start
-    h.worker.start_stores(KVBMConnectorMetadata(
-        stores=[TransferJob(7, "F", b, bad)], delayed_free_req_ids=["F"]))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(stores=[TransferJob(7, "F", b, bad)], delayed_free_req_ids=["F"])
+    )
     sending, _ = h.step()
     assert sending == {"F"}
     assert h.meta.stores_failed == Counter({7: 1}) and not h.meta.stores_done
@@ -76,8 +84,9 @@ def test_preemption_flush_waits_for_store(harness, gen):
     (bp, sp), (bq, sq) = split(gen, 2, 64)
     pool_before = h.pool.clone()
     want = torch.stack([h.lay.slot_bytes(b) for b in bp])
-    h.worker.start_stores(KVBMConnectorMetadata(
-        stores=[TransferJob(1, "P", bp, sp), TransferJob(2, "Q", bq, sq)]))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(stores=[TransferJob(1, "P", bp, sp), TransferJob(2, "Q", bq, sq)])
+    )
     h.worker.handle_preemptions(KVBMConnectorMetadata(flush_req_ids=["P"]))
     # no polling in between: the flush itself must have completed P's store
     assert torch.equal(h.pool[sp], want)

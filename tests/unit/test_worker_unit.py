@@ -25,10 +25,21 @@ NB, SLOTS, LAYERS, BS = 256, 128, 16, 4
 
 def engine_info(lay: KVLayout, block_size: int = BS) -> EngineInfo:
     bb = lay.block_bytes()
-    ns = KeyNamespace(model="test-model@", dtype="torch.bfloat16", kv_layout="NHD",
-                      block_size=block_size, page_bytes=bb, tp_size=1)
-    return EngineInfo(block_size=block_size, block_bytes=bb, num_layers=lay.num_layers,
-                      num_workers=1, key_namespace=ns)
+    ns = KeyNamespace(
+        model="test-model@",
+        dtype="torch.bfloat16",
+        kv_layout="NHD",
+        block_size=block_size,
+        page_bytes=bb,
+        tp_size=1,
+    )
+    return EngineInfo(
+        block_size=block_size,
+        block_bytes=bb,
+        num_layers=lay.num_layers,
+        num_workers=1,
+        key_namespace=ns,
+    )
 
 
 class Harness:
@@ -90,10 +101,12 @@ def harness(gen):
 
 
 def split(gen, n_jobs: int, per_job: int):
-    blocks = torch.randperm(NB, generator=gen)[:n_jobs * per_job].tolist()
-    slots = torch.randperm(SLOTS, generator=gen)[:n_jobs * per_job].tolist()
-    return [(blocks[i * per_job:(i + 1) * per_job], slots[i * per_job:(i + 1) * per_job])
-            for i in range(n_jobs)]
+    blocks = torch.randperm(NB, generator=gen)[: n_jobs * per_job].tolist()
+    slots = torch.randperm(SLOTS, generator=gen)[: n_jobs * per_job].tolist()
+    return [
+        (blocks[i * per_job : (i + 1) * per_job], slots[i * per_job : (i + 1) * per_job])
+        for i in range(n_jobs)
+    ]
 
 
 def test_register_allocates_pool_of_slots(harness):
@@ -110,8 +123,9 @@ def test_register_allocates_pool_of_slots(harness):
 def test_register_rejects_block_bytes_mismatch(gen):
     lay = flash_layout(2, NB, block_size=BS, heads=2, head_dim=16, gen=gen)
     info = engine_info(lay)
-    info = EngineInfo(info.block_size, info.block_bytes * 2, info.num_layers,
-                      info.num_workers, info.key_namespace)
+    info = EngineInfo(
+        info.block_size, info.block_bytes * 2, info.num_layers, info.num_workers, info.key_namespace
+    )
     w = KVBMWorker(info, 4, "UCX", agent_name())
     with pytest.raises(KVBMConfigError, match="KV layout mismatch"):
         w.register_kv_caches(lay.caches, NB)
@@ -121,8 +135,9 @@ def test_register_rejects_block_bytes_mismatch(gen):
 def test_store_then_load(kind, harness, gen):
     h = harness(kind)
     (b1, s1), (b2, s2) = split(gen, 2, 48)
-    h.worker.start_stores(KVBMConnectorMetadata(
-        stores=[TransferJob(11, "A", b1, s1), TransferJob(12, "B", b2, s2)]))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(stores=[TransferJob(11, "A", b1, s1), TransferJob(12, "B", b2, s2)])
+    )
     h.step_until(lambda: sum(h.meta.stores_done.values()) == 2)
     assert h.meta.stores_done == Counter({11: 1, 12: 1})
     assert not h.meta.stores_failed
@@ -157,10 +172,14 @@ def test_failed_load_reports_recving_and_error_blocks(harness, gen):
     h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", bs_, ss)]))
     h.step_until(lambda: h.meta.stores_done[1] == 1)
     before = h.lay.clone_raw()
-    h.worker.start_loads(KVBMConnectorMetadata(loads=[
-        TransferJob(2, "X", bbad, ss[:5] + [h.pool.shape[0] + 3]),  # cannot start
-        TransferJob(3, "Y", bl, ss),                        # fine
-    ]))
+    h.worker.start_loads(
+        KVBMConnectorMetadata(
+            loads=[
+                TransferJob(2, "X", bbad, ss[:5] + [h.pool.shape[0] + 3]),  # cannot start
+                TransferJob(3, "Y", bl, ss),  # fine
+            ]
+        )
+    )
     h.step_until(lambda: {"X", "Y"} <= set(h.recving))
     assert sorted(h.recving) == ["X", "Y"]
     assert h.worker.get_block_ids_with_load_errors() == set(bbad)
@@ -180,17 +199,22 @@ def test_a_hybrid_models_failed_load_is_a_failed_request_not_block_ids(harness, 
     from vllm_kvbm.engine_info import GroupInfo
 
     h = harness()
-    h.worker.info = dataclasses.replace(h.worker.info, groups=(GroupInfo(0, "full"),
-                                                               GroupInfo(1, "window", 8)))
+    h.worker.info = dataclasses.replace(
+        h.worker.info, groups=(GroupInfo(0, "full"), GroupInfo(1, "window", 8))
+    )
     (bs_, ss), (bl, _), (bbad, _), (bref, _) = split(gen, 4, 6)
     h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", bs_, ss)]))
     h.step_until(lambda: h.meta.stores_done[1] == 1)
     before = h.lay.clone_raw()
-    h.worker.start_loads(KVBMConnectorMetadata(loads=[
-        TransferJob(2, "X", bbad, ss[:5] + [h.pool.shape[0] + 3]),  # cannot start
-        TransferJob(3, "Y", bl, ss),                                 # fine
-        TransferJob(4, "Z", bref, ss, refuse=True),                  # refused by the scheduler
-    ]))
+    h.worker.start_loads(
+        KVBMConnectorMetadata(
+            loads=[
+                TransferJob(2, "X", bbad, ss[:5] + [h.pool.shape[0] + 3]),  # cannot start
+                TransferJob(3, "Y", bl, ss),  # fine
+                TransferJob(4, "Z", bref, ss, refuse=True),  # refused by the scheduler
+            ]
+        )
+    )
     failed: set[str] = set()
     while not {"X", "Y", "Z"} <= set(h.recving):
         _, recving = h.step()
@@ -214,14 +238,20 @@ def test_jobs_naming_other_lora_weights_than_loaded_are_refused(harness, gen, mo
     monkeypatch.setattr(lora_loads, "_loaded", {5: {"fp-a"}})
     h = harness()
     (b1, s1), (b2, s2), (b3, _) = split(gen, 3, 4)
-    h.worker.start_stores(KVBMConnectorMetadata(stores=[
-        TransferJob(1, "A", b1, s1, adapter=(5, "fp-a")),
-        TransferJob(2, "B", b2, s2, adapter=(5, "fp-b"))]))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(
+            stores=[
+                TransferJob(1, "A", b1, s1, adapter=(5, "fp-a")),
+                TransferJob(2, "B", b2, s2, adapter=(5, "fp-b")),
+            ]
+        )
+    )
     h.step_until(lambda: h.meta.stores_done[1] == 1 and h.meta.stores_failed[2] == 1)
     assert not h.meta.stores_done[2]
     before = h.lay.clone_raw()
-    h.worker.start_loads(KVBMConnectorMetadata(
-        loads=[TransferJob(3, "C", b3, s1, adapter=(5, "fp-b"))]))
+    h.worker.start_loads(
+        KVBMConnectorMetadata(loads=[TransferJob(3, "C", b3, s1, adapter=(5, "fp-b"))])
+    )
     h.step_until(lambda: "C" in h.recving)
     assert h.meta.loads_failed == Counter({"C": 1})
     assert h.worker.get_block_ids_with_load_errors() == set(b3)
@@ -231,7 +261,7 @@ def test_jobs_naming_other_lora_weights_than_loaded_are_refused(harness, gen, mo
 
 def test_shutdown_waits_for_inflight_then_releases(harness, gen):
     h = harness()
-    (b, s), = split(gen, 1, 120)
+    ((b, s),) = split(gen, 1, 120)
     h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(5, "Z", b, s)]))
     h.worker.shutdown()
     assert h.worker.mover is None
@@ -273,9 +303,10 @@ class StuckNixl:
 def test_overdue_store_fails_and_holds_its_slots_until_it_ends(harness, gen):
     h = harness()
     stuck = StuckNixl(h.worker)
-    (b, s), = split(gen, 1, 40)
-    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)],
-                                                delayed_free_req_ids=["S"]))
+    ((b, s),) = split(gen, 1, 40)
+    h.worker.start_stores(
+        KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)], delayed_free_req_ids=["S"])
+    )
     h.step()
     assert h.sending == [] and not h.meta.stores_failed  # not overdue yet
     time.sleep(stuck.timeout_s)
@@ -372,11 +403,12 @@ def test_store_waits_for_its_fence_and_copies_what_the_forward_wrote(harness, ge
     h = harness()
     fence = ManualFence()
     h.worker.make_fence = lambda: fence
-    (b, s), = split(gen, 1, 32)
+    ((b, s),) = split(gen, 1, 32)
     pool_before = h.pool.clone()
     # wait_for_save: the forward pass that writes these blocks is only launched
-    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "A", b, s)],
-                                                delayed_free_req_ids=["A"]))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(stores=[TransferJob(1, "A", b, s)], delayed_free_req_ids=["A"])
+    )
     for blk in b:  # ... and writes them now, after wait_for_save returned
         h.lay.fill_block(blk, gen)
     for _ in range(30):
@@ -423,8 +455,9 @@ def test_preemption_flush_waits_for_the_fence_then_the_store(harness, gen):
     fence = ManualFence()
     h.worker.make_fence = lambda: fence
     (bp, sp), (bq, sq) = split(gen, 2, 16)
-    h.worker.start_stores(KVBMConnectorMetadata(
-        stores=[TransferJob(1, "P", bp, sp), TransferJob(2, "Q", bq, sq)]))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(stores=[TransferJob(1, "P", bp, sp), TransferJob(2, "Q", bq, sq)])
+    )
     h.step()
     assert not h.worker._inflight  # both held back by the fence
     want = torch.stack([h.lay.slot_bytes(b) for b in bp])
@@ -445,8 +478,9 @@ def test_a_fence_that_never_completes_drops_its_transfers_unposted(harness, gen)
     h.worker.make_fence = lambda: fence
     (b, s), (bl, sl) = split(gen, 2, 8)
     pool_before, kv_before = h.pool.clone(), h.lay.clone_raw()
-    h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)],
-                                                delayed_free_req_ids=["S"]))
+    h.worker.start_stores(
+        KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)], delayed_free_req_ids=["S"])
+    )
     h.worker.start_loads(KVBMConnectorMetadata(loads=[TransferJob(2, "L", bl, sl)]))
     time.sleep(0.06)
     h.step_until(lambda: h.meta.stores_failed[1] == 1 and "L" in h.recving)
@@ -465,7 +499,7 @@ def test_shutdown_drops_transfers_still_behind_their_fence(harness, gen):
     h = harness()
     fence = ManualFence()
     h.worker.make_fence = lambda: fence
-    (b, s), = split(gen, 1, 8)
+    ((b, s),) = split(gen, 1, 8)
     pool_before = h.pool.clone()
     h.worker.start_stores(KVBMConnectorMetadata(stores=[TransferJob(1, "S", b, s)]))
     t = time.perf_counter()
@@ -480,6 +514,7 @@ def test_shutdown_drops_transfers_still_behind_their_fence(harness, gen):
 def test_host_pool_is_exactly_its_slots(harness):
     h = harness()
     # no power-of-two rounding: the storage is exactly the slots' bytes
-    assert h.pool.untyped_storage().nbytes() == (
-        SLOTS + h.worker._staging.count) * h.lay.block_bytes()
+    assert (
+        h.pool.untyped_storage().nbytes() == (SLOTS + h.worker._staging.count) * h.lay.block_bytes()
+    )
     assert not h.worker._host.pinned  # CPU KV: nothing to pin for DMA

@@ -61,7 +61,6 @@ assert torch.equal(lay.slot_bytes(21), lay.slot_bytes(7))
 w.shutdown()
 print("vllm modules:", sorted(m for m in sys.modules if m.split(".")[0] == "vllm"))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "vllm modules: []"

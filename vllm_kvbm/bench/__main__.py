@@ -27,9 +27,11 @@ def missing_extra(cmd: str) -> str | None:
         return None
     # The package is not on PyPI: the extra comes from this release's tag (or,
     # in a checkout, pip install -e ".[bench]").
-    return (f"kvbm-bench {cmd} needs {', '.join(missing)} (the [bench] extra): "
-            f'pip install "vllm-kvbm[bench] @ git+https://github.com/vllm-kvbm/vllm-kvbm'
-            f'@v{version()}"')
+    return (
+        f"kvbm-bench {cmd} needs {', '.join(missing)} (the [bench] extra): "
+        f'pip install "vllm-kvbm[bench] @ git+https://github.com/vllm-kvbm/vllm-kvbm'
+        f'@v{version()}"'
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # what follows the first -- goes to every vllm serve compare starts
-    own, passthrough = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) \
-        if "--" in argv else (argv, [])
+    own, passthrough = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
     parser = build_parser()
     try:
         args = parser.parse_args(own)  # bad arguments: usage, the error, 2; --help: 0
@@ -49,8 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command is None:
         parser.print_usage(sys.stderr)
-        print("kvbm-bench: error: name a command (multi-round, doc-qa or compare); "
-              "kvbm-bench --help lists them, with examples", file=sys.stderr)
+        print(
+            "kvbm-bench: error: name a command (multi-round, doc-qa or compare); "
+            "kvbm-bench --help lists them, with examples",
+            file=sys.stderr,
+        )
         return 2
     # Checked before anything starts: compare would otherwise run every
     # configuration and fail only when it draws the plots.

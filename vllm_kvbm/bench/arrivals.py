@@ -33,9 +33,15 @@ def others_in_flight(results) -> list[int]:
     finishes = sorted(r.finish_time for r in results)
     # every request that finished by t was also sent by t (finish > launch),
     # so the difference counts those sent by t and still running, itself included
-    return [max(0, bisect_right(launches, r.launch_time)
-                - bisect_right(finishes, r.launch_time) - (r.finish_time > r.launch_time))
-            for r in results]
+    return [
+        max(
+            0,
+            bisect_right(launches, r.launch_time)
+            - bisect_right(finishes, r.launch_time)
+            - (r.finish_time > r.launch_time),
+        )
+        for r in results
+    ]
 
 
 def arrival_classes(results) -> list[str]:
@@ -47,9 +53,12 @@ def ttft_stats(ttfts: list[float]) -> dict:
     summary's); None without requests (null in the summary's JSON)."""
     if not ttfts:
         return {"requests": 0, "ttft_mean_s": None, "ttft_p50_s": None, "ttft_p90_s": None}
-    return {"requests": len(ttfts), "ttft_mean_s": sum(ttfts) / len(ttfts),
-            "ttft_p50_s": float(np.percentile(ttfts, 50)),
-            "ttft_p90_s": float(np.percentile(ttfts, 90))}
+    return {
+        "requests": len(ttfts),
+        "ttft_mean_s": sum(ttfts) / len(ttfts),
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p90_s": float(np.percentile(ttfts, 90)),
+    }
 
 
 def ttft_by_round_arrival(results) -> dict:

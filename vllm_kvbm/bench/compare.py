@@ -42,22 +42,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_kvbm.bench.cli import CONFIGS as ALL_CONFIGS
-from vllm_kvbm.bench.client import (Unusable, format_summary, pick_model, run_workload,
-                                    summarize, tokenizer_for, workload_size, write_csv)
-from vllm_kvbm.bench.cores import (Binding, check_equal, fair_cpu_env, listening_pid,
-                                   process_binding)
+from vllm_kvbm.bench.client import (
+    Unusable,
+    format_summary,
+    pick_model,
+    run_workload,
+    summarize,
+    tokenizer_for,
+    workload_size,
+    write_csv,
+)
+from vllm_kvbm.bench.cores import Binding, check_equal, fair_cpu_env, listening_pid, process_binding
 from vllm_kvbm.bench.lmbenchmark import lmbenchmark_problem, lmbenchmark_time, run_lmbenchmark
 from vllm_kvbm.bench.platforms import unsupported_here
 from vllm_kvbm.bench.serve_args import serve_args
 from vllm_kvbm.bench.server_logs import log_errors, startup_error
 from vllm_kvbm.config import parse_size
-from vllm_kvbm.tools.server import Server, free_port, kvbm_transfer_config, vllm_server, \
-    wait_port_free
+from vllm_kvbm.tools.server import (
+    Server,
+    free_port,
+    kvbm_transfer_config,
+    vllm_server,
+    wait_port_free,
+)
 
 LMCACHE_CONFIG = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
 # vLLM's own CPU offloading: the serve flag and the two connectors it can pick
-NATIVE_CONNECTORS = {"offloading-connector": "OffloadingConnector",
-                     "simple-cpu-offload": "SimpleCPUOffloadConnector"}
+NATIVE_CONNECTORS = {
+    "offloading-connector": "OffloadingConnector",
+    "simple-cpu-offload": "SimpleCPUOffloadConnector",
+}
 LABELS = {
     "vllm": "vLLM prefix caching",
     "kvbm-host": "vLLM + KVBM (host)",
@@ -74,19 +88,19 @@ TIERS = ("host", "pool", "disk", "peer", "remote")
 @dataclass
 class ConfigRun:
     name: str
-    status: str = "not run"          # ok | incomplete | failed | did not start | not supported
+    status: str = "not run"  # ok | incomplete | failed | did not start | not supported
     error: str = ""
-    reason: str = ""                 # one line: why a server did not start
-    log_errors: str = ""             # distinct error lines of a server that did run
+    reason: str = ""  # one line: why a server did not start
+    log_errors: str = ""  # distinct error lines of a server that did run
     summary: dict = field(default_factory=dict)
     counters: dict = field(default_factory=dict)
     results: list = field(default_factory=list)
     wall_s: float = 0.0
-    binding: Binding | None = None   # the cores its OpenMP threads ran on (its processes)
+    binding: Binding | None = None  # the cores its OpenMP threads ran on (its processes)
     lmb_summary: dict = field(default_factory=dict)  # the real LMBenchmark client's run
     lmb_error: str = ""
-    load: tuple = ()                 # 1-minute load average at the workload's start and end
-    url: str = ""                    # a server the user runs (--url); "" when started here
+    load: tuple = ()  # 1-minute load average at the workload's start and end
+    url: str = ""  # a server the user runs (--url); "" when started here
 
     @property
     def label(self) -> str:
@@ -101,16 +115,21 @@ def transfer_config(name: str, args, out_dir: Path) -> dict | None:
     if name == "kvbm-host-disk":
         disk = out_dir / "disk-tier"
         disk.mkdir(parents=True, exist_ok=True)
-        return kvbm_transfer_config(host_cache_blocks=args.host_disk_host_blocks,
-                                    disk_cache_dir=str(disk.resolve()),
-                                    disk_cache_size=args.disk_cache_size)
+        return kvbm_transfer_config(
+            host_cache_blocks=args.host_disk_host_blocks,
+            disk_cache_dir=str(disk.resolve()),
+            disk_cache_size=args.disk_cache_size,
+        )
     if name == "lmcache":
         return dict(LMCACHE_CONFIG)
     if name == "vllm-offload":
         return None  # the serve flags below configure it
     if name in NATIVE_CONNECTORS:
-        return {"kv_connector": NATIVE_CONNECTORS[name], "kv_role": "kv_both",
-                "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes(args)}}
+        return {
+            "kv_connector": NATIVE_CONNECTORS[name],
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": offload_bytes(args)},
+        }
     raise ValueError(f"unknown configuration {name!r}; choose from {ALL_CONFIGS}")
 
 
@@ -125,23 +144,35 @@ def config_serve_args(name: str, args) -> list[str]:
     offloading flags for vllm-offload (in GiB, as vLLM reads them)."""
     extra = []
     if name == "vllm-offload":
-        extra = ["--kv-offloading-size", f"{offload_bytes(args) / (1 << 30):g}",
-                 "--kv-offloading-backend", "native"]
+        extra = [
+            "--kv-offloading-size",
+            f"{offload_bytes(args) / (1 << 30):g}",
+            "--kv-offloading-backend",
+            "native",
+        ]
     return serve_args(args) + extra
 
 
 def read_counters(text: str) -> dict:
     """vLLM's prefix cache counters and, on a server with KVBM, the tokens
     each of its tiers matched (``kvbm_tokens``), from a /metrics text."""
-    out = {"prefix_hits": Server.metric_total(text, "vllm:prefix_cache_hits_total"),
-           "prefix_queries": Server.metric_total(text, "vllm:prefix_cache_queries_total")}
+    out = {
+        "prefix_hits": Server.metric_total(text, "vllm:prefix_cache_hits_total"),
+        "prefix_queries": Server.metric_total(text, "vllm:prefix_cache_queries_total"),
+    }
     if "kvbm_matched_tokens_total" in text:
         from prometheus_client.parser import text_string_to_metric_families
 
-        tiers = {s.labels.get("tier") for f in text_string_to_metric_families(text)
-                 for s in f.samples if s.name == "kvbm_matched_tokens_total"}
-        out["kvbm_tokens"] = {t: Server.metric_total(text, "kvbm_matched_tokens_total", tier=t)
-                              for t in sorted(tiers - {None}, key=_tier_order)}
+        tiers = {
+            s.labels.get("tier")
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == "kvbm_matched_tokens_total"
+        }
+        out["kvbm_tokens"] = {
+            t: Server.metric_total(text, "kvbm_matched_tokens_total", tier=t)
+            for t in sorted(tiers - {None}, key=_tier_order)
+        }
     return out
 
 
@@ -187,12 +218,19 @@ def _measure(run: ConfigRun, args, url: str, model: str, tokenizer, bar, on_resu
         bar.set_description_str(f"{run.name}: LMBenchmark {lmbenchmark_time(args)} s")
         run.lmb_summary, run.lmb_error = run_lmbenchmark(args, url, run.name, args.out_dir_path)
     planned = workload_size(args)
-    run.status = ("ok" if len(out.results) == planned and not out.errors else
-                  "incomplete" if out.results else "failed")
+    run.status = (
+        "ok"
+        if len(out.results) == planned and not out.errors
+        else "incomplete"
+        if out.results
+        else "failed"
+    )
     if len(out.results) < planned and not out.errors:
-        run.error = (f"{len(out.results)} of {planned} requests done within the workload "
-                     f"deadline (--time {args.duration:.0f} s, --request-timeout "
-                     f"{args.request_timeout:.0f} s)")
+        run.error = (
+            f"{len(out.results)} of {planned} requests done within the workload "
+            f"deadline (--time {args.duration:.0f} s, --request-timeout "
+            f"{args.request_timeout:.0f} s)"
+        )
     if out.errors:
         run.error = f"{len(out.errors)} request(s) failed; first: {out.errors[0]}"
 
@@ -214,11 +252,16 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
     port = free_port()
     started = False
     try:
-        with vllm_server(args.model, transfer_config(name, args, out_dir),
-                         config_serve_args(name, args),
-                         env={"VLLM_LOGGING_LEVEL": "INFO", **args.cpu_env},
-                         log_path=log_path, startup_timeout=args.startup_timeout,
-                         port=port, on_wait=starting) as server:
+        with vllm_server(
+            args.model,
+            transfer_config(name, args, out_dir),
+            config_serve_args(name, args),
+            env={"VLLM_LOGGING_LEVEL": "INFO", **args.cpu_env},
+            log_path=log_path,
+            startup_timeout=args.startup_timeout,
+            port=port,
+            on_wait=starting,
+        ) as server:
             started = True
             run.binding = process_binding(server.process.pid)
             _measure(run, args, server.url, args.model, tokenizer, bar, on_result)
@@ -230,8 +273,9 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
             run.status = "did not start"
             cause = startup_error(log_path)
             if isinstance(err, TimeoutError):
-                run.reason = (f"not ready after {args.startup_timeout:.0f} s "
-                              f"(--startup-timeout)" + (f"; {cause}" if cause else ""))
+                run.reason = f"not ready after {args.startup_timeout:.0f} s (--startup-timeout)" + (
+                    f"; {cause}" if cause else ""
+                )
             else:
                 run.reason = cause or first
             run.error = f"{type(err).__name__}: {first}\nserver log: {log_path}"
@@ -241,8 +285,10 @@ def run_config(name: str, args, tokenizer, out_dir: Path, bar) -> ConfigRun:
     # vllm_server has stopped the server and what it left; the next
     # configuration must not find this one's port or memory taken
     if not wait_port_free(port, timeout=30):
-        run.error += (f"\nport {port} still in use 30 s after the server was stopped "
-                      f"(a process of {log_path.name} is left: stop it before the next run)")
+        run.error += (
+            f"\nport {port} still in use 30 s after the server was stopped "
+            f"(a process of {log_path.name} is left: stop it before the next run)"
+        )
     if run.status == "ok" or (run.name == "lmcache" and run.results):
         run.log_errors = log_errors(log_path, limit=4, fallback=False)
         if name == "lmcache":  # LMCache logs its per-request lookup result
@@ -279,20 +325,34 @@ def run_url(name: str, url: str, args, tokenizer, bar) -> ConfigRun:
 def write_run(run: ConfigRun, out_dir: Path) -> None:
     if run.results:
         write_csv(out_dir / f"{run.name}.csv", run.results)
-    (out_dir / f"{run.name}.summary.json").write_text(json.dumps(
-        {"status": run.status, "url": run.url or None, "reason": run.reason,
-         "error": run.error, "wall_s": run.wall_s,
-         "cores": run.binding.describe() if run.binding else None,
-         "counters": run.counters, **run.summary,
-         "lmbenchmark": run.lmb_summary, "lmbenchmark_error": run.lmb_error}, indent=2))
+    (out_dir / f"{run.name}.summary.json").write_text(
+        json.dumps(
+            {
+                "status": run.status,
+                "url": run.url or None,
+                "reason": run.reason,
+                "error": run.error,
+                "wall_s": run.wall_s,
+                "cores": run.binding.describe() if run.binding else None,
+                "counters": run.counters,
+                **run.summary,
+                "lmbenchmark": run.lmb_summary,
+                "lmbenchmark_error": run.lmb_error,
+            },
+            indent=2,
+        )
+    )
 
 
 def unequal_cores(runs: list[ConfigRun]) -> str:
     """Why the runs that reached a server are not comparable, or ''. A
     server given by URL whose cores could not be read (one on another
     machine) is left out of the check."""
-    started = {r.name: r.binding for r in runs
-               if (r.binding or r.results) and r.status not in ("did not start", "failed")}
+    started = {
+        r.name: r.binding
+        for r in runs
+        if (r.binding or r.results) and r.status not in ("did not start", "failed")
+    }
     return check_equal(started, unknown_ok=any(r.url for r in runs))
 
 
@@ -337,7 +397,7 @@ def main(args, argv: list[str]) -> int:
     runs: list[ConfigRun] = []
     t0 = time.monotonic()
     with tqdm(total=workload_size(args) * len(names), unit="req") as bar:
-        for name, url in (args.url or [(n, "") for n in args.configs]):
+        for name, url in args.url or [(n, "") for n in args.configs]:
             why = "" if url or args.run_unsupported else unsupported_here(name)
             if why:
                 runs.append(ConfigRun(name, status="not supported", reason=why))
@@ -345,17 +405,21 @@ def main(args, argv: list[str]) -> int:
                 bar.write(f"{name}: {why} (--run-unsupported starts it anyway)")
                 write_run(runs[-1], out_dir)
                 continue
-            runs.append(run_url(name, url, args, tokenizer, bar) if url else
-                        run_config(name, args, tokenizer, out_dir, bar))
+            runs.append(
+                run_url(name, url, args, tokenizer, bar)
+                if url
+                else run_config(name, args, tokenizer, out_dir, bar)
+            )
             r = runs[-1]
             write_run(r, out_dir)
-            msg = (format_summary(r.summary) if r.summary else
-                   r.reason or r.error.splitlines()[0])
+            msg = format_summary(r.summary) if r.summary else r.reason or r.error.splitlines()[0]
             cores = r.binding.describe() if r.binding else "cores not read"
             bar.write(f"{name}: {r.status} in {r.wall_s:.0f} s on {cores}; {msg}")
             if r.lmb_summary or r.lmb_error:
-                bar.write(f"{name}: LMBenchmark: " + (format_summary(r.lmb_summary)
-                                                      if r.lmb_summary else r.lmb_error))
+                bar.write(
+                    f"{name}: LMBenchmark: "
+                    + (format_summary(r.lmb_summary) if r.lmb_summary else r.lmb_error)
+                )
     text = report(runs, args, ("kvbm-bench compare " + " ".join(argv)).strip())
     text += f"\nTotal wall time: {time.monotonic() - t0:.0f} s.\n"
     for path in plots(runs, out_dir, args.workload):
@@ -365,13 +429,19 @@ def main(args, argv: list[str]) -> int:
     print(f"results in {out_dir}")
     ran = [r for r in runs if r.status != "not supported"]
     if not ran:
-        print("kvbm-bench compare: no configuration asked for runs on this platform "
-              "(--run-unsupported starts them anyway)", file=sys.stderr)
+        print(
+            "kvbm-bench compare: no configuration asked for runs on this platform "
+            "(--run-unsupported starts them anyway)",
+            file=sys.stderr,
+        )
         return 2
     failed = [r.name for r in ran if r.status != "ok"]
     if failed:
-        print(f"kvbm-bench compare: {', '.join(failed)} did not run every request (the report "
-              "says why)", file=sys.stderr)
+        print(
+            f"kvbm-bench compare: {', '.join(failed)} did not run every request (the report "
+            "says why)",
+            file=sys.stderr,
+        )
         return 1
     if unequal_cores(runs):
         print(f"kvbm-bench compare: NOT COMPARABLE: {unequal_cores(runs)}", file=sys.stderr)

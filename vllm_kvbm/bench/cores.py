@@ -40,7 +40,7 @@ BIND_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 @dataclass(frozen=True)
 class Binding:
     cores: tuple[tuple[int, ...], ...]  # per worker process (rank order): its OpenMP cores
-    reserved: tuple[int, ...] = ()      # cores the server may use that no worker took
+    reserved: tuple[int, ...] = ()  # cores the server may use that no worker took
 
     @property
     def threads(self) -> int:
@@ -113,8 +113,10 @@ def listening_pid(url: str) -> int | None:
         conns = psutil.net_connections(kind="tcp")
     except (psutil.Error, OSError):
         return None
-    return next((c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.pid
-                 and c.laddr.port == port), None)
+    return next(
+        (c.pid for c in conns if c.status == psutil.CONN_LISTEN and c.pid and c.laddr.port == port),
+        None,
+    )
 
 
 def check_equal(bindings: dict[str, Binding | None], unknown_ok: bool = False) -> str:
@@ -128,7 +130,8 @@ def check_equal(bindings: dict[str, Binding | None], unknown_ok: bool = False) -
         return ""
     return "the configurations did not run on the same cores: " + "; ".join(
         f"{name}: {b.describe() if b else 'unknown (its worker processes were not found)'}"
-        for name, b in known.items())
+        for name, b in known.items()
+    )
 
 
 @contextmanager

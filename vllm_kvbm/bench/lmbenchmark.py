@@ -21,13 +21,34 @@ def lmbenchmark_time(args) -> int:
 def lmbenchmark_cmd(args, url: str, csv_path: Path) -> list[str]:
     """LMBenchmark's client with kvbm-bench's sizes (its own flags, as its
     long_input_short_output_run.sh passes them)."""
-    return [args.lmbenchmark_python, str(Path(args.lmbenchmark_dir) / LMB_CLIENT),
-            "--num-users", str(args.num_users), "--num-rounds", str(args.num_rounds),
-            "--qps", str(args.qps), "--shared-system-prompt", str(args.shared_system_prompt),
-            "--user-history-prompt", str(args.user_history_prompt),
-            "--answer-len", str(args.answer_len), "--model", args.model, "--base-url", url,
-            "--init-user-id", "1", "--output", str(csv_path.resolve()),
-            "--log-interval", "30", "--time", str(lmbenchmark_time(args))]
+    return [
+        args.lmbenchmark_python,
+        str(Path(args.lmbenchmark_dir) / LMB_CLIENT),
+        "--num-users",
+        str(args.num_users),
+        "--num-rounds",
+        str(args.num_rounds),
+        "--qps",
+        str(args.qps),
+        "--shared-system-prompt",
+        str(args.shared_system_prompt),
+        "--user-history-prompt",
+        str(args.user_history_prompt),
+        "--answer-len",
+        str(args.answer_len),
+        "--model",
+        args.model,
+        "--base-url",
+        url,
+        "--init-user-id",
+        "1",
+        "--output",
+        str(csv_path.resolve()),
+        "--log-interval",
+        "30",
+        "--time",
+        str(lmbenchmark_time(args)),
+    ]
 
 
 def lmbenchmark_problem(args) -> str:
@@ -35,12 +56,19 @@ def lmbenchmark_problem(args) -> str:
     client = Path(args.lmbenchmark_dir) / LMB_CLIENT
     if not client.is_file():
         return f"{args.lmbenchmark_dir} is not an LMBenchmark checkout: {client} not found"
-    check = subprocess.run([args.lmbenchmark_python, client.name, "--help"], cwd=client.parent,
-                           capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [args.lmbenchmark_python, client.name, "--help"],
+        cwd=client.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if check.returncode != 0:
         last = (check.stderr or check.stdout).strip().splitlines()[-1:] or ["no output"]
-        return (f"LMBenchmark's client does not start with {args.lmbenchmark_python} "
-                f"(it imports openai and pandas): {last[0]}")
+        return (
+            f"LMBenchmark's client does not start with {args.lmbenchmark_python} "
+            f"(it imports openai and pandas): {last[0]}"
+        )
     return ""
 
 
@@ -51,9 +79,13 @@ def run_lmbenchmark(args, url: str, name: str, out_dir: Path) -> tuple[dict, str
     limit = lmbenchmark_time(args) + args.request_timeout + 120
     try:
         with open(log_path, "w") as log:
-            proc = subprocess.run(lmbenchmark_cmd(args, url, csv_path),
-                                  cwd=Path(args.lmbenchmark_dir) / LMB_CLIENT.parent,
-                                  stdout=log, stderr=subprocess.STDOUT, timeout=limit)
+            proc = subprocess.run(
+                lmbenchmark_cmd(args, url, csv_path),
+                cwd=Path(args.lmbenchmark_dir) / LMB_CLIENT.parent,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=limit,
+            )
     except subprocess.TimeoutExpired:
         return {}, f"LMBenchmark's client still running after {limit:.0f} s; log {log_path}"
     tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-5:])

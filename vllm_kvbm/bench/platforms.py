@@ -18,10 +18,12 @@ def unsupported_here(name: str) -> str:
     connector finds no CPU transfer path ("No supported cpu connector found")."""
     from vllm.platforms import current_platform as platform
 
-    where = "not supported on CPU" if platform.is_cpu() else \
-        f"not supported on {platform.device_name or platform.device_type}"
-    if name in NATIVE_OFFLOADING and not (
-            platform.is_cuda_alike() or platform.is_xpu()):
+    where = (
+        "not supported on CPU"
+        if platform.is_cpu()
+        else f"not supported on {platform.device_name or platform.device_type}"
+    )
+    if name in NATIVE_OFFLOADING and not (platform.is_cuda_alike() or platform.is_xpu()):
         return f"{where}: vLLM's CPU offloading needs a CUDA-alike or XPU GPU"
     if name == "lmcache" and not platform.is_cuda_alike():
         return f"{where}: LMCacheConnectorV1 moves KV with a CUDA GPU"

@@ -55,8 +55,11 @@ def ttft_per_round(plt, runs, path: Path, workload: str) -> Path | None:
         by = sorted((int(k), v * 1000) for k, v in r.summary["ttft_mean_by_round_s"].items())
         ax.plot([k for k, _ in by], [v for _, v in by], marker="o", label=r.label)
         values += [v for _, v in by]
-    what = ("round (a user's n-th question; 0: first time)" if workload == "multi-round"
-            else "pass over the documents (0: first time)")
+    what = (
+        "round (a user's n-th question; 0: first time)"
+        if workload == "multi-round"
+        else "pass over the documents (0: first time)"
+    )
     ax.set_xlabel(what)
     ax.set_ylabel(f"mean TTFT (ms{_log_if_wide(ax, values)})")
     ax.set_title("Time to first token as prompts return")
@@ -75,13 +78,27 @@ def ttft_by_arrival(plt, runs, path: Path, workload: str) -> Path | None:
     for i, r in enumerate(ok):
         split = r.summary["ttft_by_round_arrival"]
         for ax, cls in zip(axes, (ALONE, QUEUED)):
-            pts = sorted((int(k), by[cls]["ttft_mean_s"] * 1000, by[cls]["requests"])
-                         for k, by in split.items() if k != ALL and by[cls]["requests"])
-            ax.plot([k for k, _, _ in pts], [v for _, v, _ in pts], marker="o",
-                    color=f"C{i}", label=r.label)
+            pts = sorted(
+                (int(k), by[cls]["ttft_mean_s"] * 1000, by[cls]["requests"])
+                for k, by in split.items()
+                if k != ALL and by[cls]["requests"]
+            )
+            ax.plot(
+                [k for k, _, _ in pts],
+                [v for _, v, _ in pts],
+                marker="o",
+                color=f"C{i}",
+                label=r.label,
+            )
             for k, v, n in pts:  # the classes' sizes differ between configurations
-                ax.annotate(f"{n}", (k, v), textcoords="offset points", xytext=(5, 4),
-                            fontsize=7, color=f"C{i}")
+                ax.annotate(
+                    f"{n}",
+                    (k, v),
+                    textcoords="offset points",
+                    xytext=(5, 4),
+                    fontsize=7,
+                    color=f"C{i}",
+                )
             values += [v for _, v, _ in pts]
             rounds |= {k for k, _, _ in pts}
     scale = _log_if_wide(axes[0], values)
@@ -109,15 +126,24 @@ def hit_tokens(plt, runs, path: Path) -> Path | None:
             one["LMCache"] = c["lmcache_hit_tokens"]
         one["computed (prefill)"] = max(0.0, c["prefix_queries"] - sum(one.values()))
         found.append(one)
-    names = list(dict.fromkeys(n for one in found for n, count in one.items()
-                               if count and n != "computed (prefill)"))
+    names = list(
+        dict.fromkeys(
+            n for one in found for n, count in one.items() if count and n != "computed (prefill)"
+        )
+    )
     parts = {n: [one.get(n, 0.0) for one in found] for n in [*names, "computed (prefill)"]}
     fig, ax = plt.subplots(figsize=SIZE)
     x = range(len(ok))
     bottom = [0.0] * len(ok)
     for name, counts in parts.items():
-        ax.bar(x, counts, bottom=bottom, label=name, width=0.6,
-               color="lightgray" if name.startswith("computed") else None)
+        ax.bar(
+            x,
+            counts,
+            bottom=bottom,
+            label=name,
+            width=0.6,
+            color="lightgray" if name.startswith("computed") else None,
+        )
         bottom = [b + n for b, n in zip(bottom, counts)]
     ax.set_xticks(list(x), [r.label for r in ok], rotation=15, ha="right")
     ax.set_ylabel("prompt tokens (workload, warm-up excluded)")
@@ -146,11 +172,12 @@ def ttft_distribution(plt, runs, path: Path) -> Path | None:
 def plots(runs, out_dir: Path, workload: str) -> list[Path]:
     plt = _pyplot()
     made = []
-    for draw in (lambda: ttft_per_round(plt, runs, out_dir / "ttft_per_round.png", workload),
-                 lambda: ttft_by_arrival(plt, runs, out_dir / "ttft_by_arrival.png",
-                                         workload),
-                 lambda: hit_tokens(plt, runs, out_dir / "hit_tokens.png"),
-                 lambda: ttft_distribution(plt, runs, out_dir / "ttft_distribution.png")):
+    for draw in (
+        lambda: ttft_per_round(plt, runs, out_dir / "ttft_per_round.png", workload),
+        lambda: ttft_by_arrival(plt, runs, out_dir / "ttft_by_arrival.png", workload),
+        lambda: hit_tokens(plt, runs, out_dir / "hit_tokens.png"),
+        lambda: ttft_distribution(plt, runs, out_dir / "ttft_distribution.png"),
+    ):
         path = draw()
         plt.close("all")
         if path is not None:

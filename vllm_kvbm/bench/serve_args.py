@@ -32,8 +32,14 @@ def defaults(profile: str, engine_kv_blocks: int | None, block_size: int | None)
     out = ["--block-size", str(block_size)] if block_size else []
     if engine_kv_blocks:
         usable = (engine_kv_blocks - 1) * block_size  # one block is vLLM's null block
-        out += ["--num-gpu-blocks-override", str(engine_kv_blocks),
-                "--max-model-len", str(usable), "--max-num-batched-tokens", str(usable)]
+        out += [
+            "--num-gpu-blocks-override",
+            str(engine_kv_blocks),
+            "--max-model-len",
+            str(usable),
+            "--max-num-batched-tokens",
+            str(usable),
+        ]
     if profile == "cpu":
         out += ["--gpu-memory-utilization", "0.3", "--enforce-eager"]
     return out + ["--seed", "0"]
@@ -71,8 +77,9 @@ def merge(default: list[str], given: list[str]) -> list[str]:
 def user_args(args) -> list[str]:
     """``--serve-arg`` values (each split as a shell would) and what came
     after ``--``."""
-    return [t for a in args.serve_arg for t in shlex.split(a)] + \
-        list(getattr(args, "serve_passthrough", []))
+    return [t for a in args.serve_arg for t in shlex.split(a)] + list(
+        getattr(args, "serve_passthrough", [])
+    )
 
 
 def serve_args(args) -> list[str]:

@@ -31,13 +31,19 @@ def log_errors(path: Path, limit: int = 6, fallback: bool = True) -> str:
     return "\n".join(seen[-limit:]) or ("\n".join(lines[-limit:]) if fallback else "")
 
 
-_LOG_PREFIX = re.compile(r"^(\([\w ]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL) "
-                         r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\]\s*)?")
+_LOG_PREFIX = re.compile(
+    r"^(\([\w ]+ pid=\d+\)\s*)?((DEBUG|INFO|WARNING|ERROR|CRITICAL) "
+    r"\d\d-\d\d \d\d:\d\d:\d\d \[[^\]]*\]\s*)?"
+)
 _RAISED = re.compile(r"^((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit)): (.+)")
 # vLLM's wrappers around a worker's or the engine core's exception: they name
 # no cause of their own
-_WRAPPERS = ("Worker failed with error", "Engine core initialization failed",
-             "See root cause above", "check the stack trace above")
+_WRAPPERS = (
+    "Worker failed with error",
+    "Engine core initialization failed",
+    "See root cause above",
+    "check the stack trace above",
+)
 
 
 def startup_error(path: Path) -> str:

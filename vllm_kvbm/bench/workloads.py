@@ -14,10 +14,28 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_SOURCES = ["typing.py", "inspect.py", "argparse.py", "difflib.py", "pathlib.py",
-            "functools.py", "textwrap.py", "statistics.py", "zipfile.py", "tarfile.py",
-            "pydoc.py", "doctest.py", "subprocess.py", "threading.py", "configparser.py",
-            "shutil.py", "tempfile.py", "ast.py", "dataclasses.py", "enum.py"]
+_SOURCES = [
+    "typing.py",
+    "inspect.py",
+    "argparse.py",
+    "difflib.py",
+    "pathlib.py",
+    "functools.py",
+    "textwrap.py",
+    "statistics.py",
+    "zipfile.py",
+    "tarfile.py",
+    "pydoc.py",
+    "doctest.py",
+    "subprocess.py",
+    "threading.py",
+    "configparser.py",
+    "shutil.py",
+    "tempfile.py",
+    "ast.py",
+    "dataclasses.py",
+    "enum.py",
+]
 
 
 class TextSource:
@@ -26,8 +44,11 @@ class TextSource:
     def __init__(self, tokenizer, seed: int = 0):
         self.tokenizer = tokenizer
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        text = "\n".join((stdlib / name).read_text(errors="replace")
-                         for name in _SOURCES if (stdlib / name).exists())
+        text = "\n".join(
+            (stdlib / name).read_text(errors="replace")
+            for name in _SOURCES
+            if (stdlib / name).exists()
+        )
         self.ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         self.pos = random.Random(seed).randrange(0, max(1, len(self.ids) // 8))
 
@@ -36,7 +57,7 @@ class TextSource:
             return ""
         if self.pos + num_tokens > len(self.ids):
             self.pos = 0  # wrap: still distinct in practice through the tags below
-        ids = self.ids[self.pos:self.pos + num_tokens]
+        ids = self.ids[self.pos : self.pos + num_tokens]
         self.pos += num_tokens
         return self.tokenizer.decode(ids)
 
@@ -44,7 +65,7 @@ class TextSource:
 @dataclass
 class User:
     user_id: int
-    history: str                # system prompt + this user's history + earlier rounds
+    history: str  # system prompt + this user's history + earlier rounds
     rounds_done: int = 0
     questions: list[str] = field(default_factory=list)
 
@@ -54,17 +75,26 @@ class MultiRoundQA:
     each has its own history, and every round appends a question and the
     model's answer to that user's conversation."""
 
-    def __init__(self, source: TextSource, num_users: int, num_rounds: int,
-                 system_prompt_tokens: int, user_history_tokens: int,
-                 answer_tokens: int, question_tokens: int = 16):
+    def __init__(
+        self,
+        source: TextSource,
+        num_users: int,
+        num_rounds: int,
+        system_prompt_tokens: int,
+        user_history_tokens: int,
+        answer_tokens: int,
+        question_tokens: int = 16,
+    ):
         self.num_users, self.num_rounds = num_users, num_rounds
         self.answer_tokens = answer_tokens
         system = "System: " + source.take(system_prompt_tokens)
         self.users = []
         for uid in range(num_users):
             history = f"{system}\nUser {uid} history: {source.take(user_history_tokens)}"
-            questions = [f"\nUser {uid} question {r}: {source.take(question_tokens)}\nAnswer:"
-                         for r in range(num_rounds)]
+            questions = [
+                f"\nUser {uid} question {r}: {source.take(question_tokens)}\nAnswer:"
+                for r in range(num_rounds)
+            ]
             self.users.append(User(uid, history, 0, questions))
 
     @property
@@ -86,8 +116,14 @@ class DocRequest:
     prompt: str
 
 
-def long_doc_qa(source: TextSource, num_documents: int, document_tokens: int,
-                repeat_count: int, hit_ratio: float, seed: int = 0) -> list[DocRequest]:
+def long_doc_qa(
+    source: TextSource,
+    num_documents: int,
+    document_tokens: int,
+    repeat_count: int,
+    hit_ratio: float,
+    seed: int = 0,
+) -> list[DocRequest]:
     """Long document QA: a first pass over ``num_documents`` documents (all
     misses), then ``repeat_count`` passes of as many requests, each a document
     seen before with probability ``hit_ratio`` and a new one otherwise."""

@@ -25,24 +25,56 @@ from typing import Any, Mapping
 from vllm_kvbm.config.dynamo import DYN_ENV, apply_dyn_metrics, dynamo_env_not_read
 from vllm_kvbm.config.env_names import misspelt_env
 from vllm_kvbm.config.errors import KVBMConfigError
-from vllm_kvbm.config.parsing import (parse_bool, parse_choice, parse_dir, parse_host,
-                                      parse_int, parse_nixl_backend, parse_port,
-                                      parse_seconds, parse_size, parse_socket_path,
-                                      parse_str)
-from vllm_kvbm.config.secrets import (MIN_PAGE_SECRET_BYTES, Secret, page_secret_env,
-                                      parse_page_secret_file, parse_password_file,
-                                      remote_password_env)
-from vllm_kvbm.config.urls import (RemoteTarget, check_directory_url, check_remote_tls,
-                                   check_remote_url, parse_ca_file, parse_lm_url,
-                                   parse_remote_url)
+from vllm_kvbm.config.parsing import (
+    parse_bool,
+    parse_choice,
+    parse_dir,
+    parse_host,
+    parse_int,
+    parse_nixl_backend,
+    parse_port,
+    parse_seconds,
+    parse_size,
+    parse_socket_path,
+    parse_str,
+)
+from vllm_kvbm.config.secrets import (
+    MIN_PAGE_SECRET_BYTES,
+    Secret,
+    page_secret_env,
+    parse_page_secret_file,
+    parse_password_file,
+    remote_password_env,
+)
+from vllm_kvbm.config.urls import (
+    RemoteTarget,
+    check_directory_url,
+    check_remote_tls,
+    check_remote_url,
+    parse_ca_file,
+    parse_lm_url,
+    parse_remote_url,
+)
 from vllm_kvbm.config.versions import SUPPORTED_VLLM, check_vllm_version, vllm_release
 
 # What callers import from vllm_kvbm.config; the rest lives in the concern's module.
 __all__ = [
-    "DEFAULT_TIER_READ_TIMEOUT_S", "DEFAULT_TIER_WRITE_QUEUE_PAGES", "KVBMConfig",
-    "KVBMConfigError", "MIN_PAGE_SECRET_BYTES", "RemoteTarget", "SUPPORTED_VLLM", "Secret",
-    "check_vllm_version", "config_keys", "disk_tier_too_small", "load_config", "parse_lm_url",
-    "parse_remote_url", "parse_size", "vllm_release",
+    "DEFAULT_TIER_READ_TIMEOUT_S",
+    "DEFAULT_TIER_WRITE_QUEUE_PAGES",
+    "KVBMConfig",
+    "KVBMConfigError",
+    "MIN_PAGE_SECRET_BYTES",
+    "RemoteTarget",
+    "SUPPORTED_VLLM",
+    "Secret",
+    "check_vllm_version",
+    "config_keys",
+    "disk_tier_too_small",
+    "load_config",
+    "parse_lm_url",
+    "parse_remote_url",
+    "parse_size",
+    "vllm_release",
 ]
 
 logger = logging.getLogger(__name__)
@@ -142,10 +174,15 @@ class KVBMConfig:
 
     def describe(self) -> str:
         """Every value a source set, with that source; secrets show as <set>."""
-        items = [f"{key}={_shown(key, getattr(self, name))} from {self.sources[key]}"
-                 for key, (name, _) in sorted(_KEYS.items()) if key in self.sources]
-        for key, secret in (("page_secret", self.page_secret),
-                            ("remote_password", self.remote_password)):
+        items = [
+            f"{key}={_shown(key, getattr(self, name))} from {self.sources[key]}"
+            for key, (name, _) in sorted(_KEYS.items())
+            if key in self.sources
+        ]
+        for key, secret in (
+            ("page_secret", self.page_secret),
+            ("remote_password", self.remote_password),
+        ):
             if secret is not None and f"{key}_file" not in self.sources:
                 items.append(f"{key}=<set> from {secret.source}")
         return "; ".join(items) if items else "every key at its default"
@@ -184,7 +221,8 @@ class KVBMConfig:
                 raise KVBMConfigError(
                     f"host_cache_blocks: {self.host_cache_blocks} blocks cannot hold one page "
                     f"of {page_blocks} blocks (page_tokens); set host_cache_blocks to at "
-                    f"least {page_blocks}, or a smaller page_tokens")
+                    f"least {page_blocks}, or a smaller page_tokens"
+                )
             return slots
         slots = self.host_cache_bytes // page_bytes
         if slots < 1:
@@ -193,26 +231,35 @@ class KVBMConfig:
                 f"of this model ({page_bytes} bytes = all layers of "
                 f"{'one block' if page_blocks == 1 else f'{page_blocks} blocks (page_tokens)'}"
                 f"); set host_cache_size to at least {page_bytes} bytes "
-                f"(e.g. \"{max(1, -(-page_bytes * 64 // 1024**2))}MiB\" for 64 pages)")
+                f'(e.g. "{max(1, -(-page_bytes * 64 // 1024**2))}MiB" for 64 pages)'
+            )
         return slots
 
     def engine_totals(self, host_slots: int, page_bytes: int, workers: int) -> str:
         """What the whole engine takes: each worker (TP rank) has its own host
         pool and disk capacity, so the sizes configured count once per worker."""
         host = host_slots * page_bytes
-        text = (f"host tier {_gib(host)} per worker x {workers} worker(s) = "
-                f"{_gib(host * workers)} of host RAM")
+        text = (
+            f"host tier {_gib(host)} per worker x {workers} worker(s) = "
+            f"{_gib(host * workers)} of host RAM"
+        )
         if self.pool_cache_bytes is not None:
-            text += (f"; pool tier {_gib(self.pool_cache_bytes)} per worker x {workers} = "
-                     f"up to {_gib(self.pool_cache_bytes * workers)} of memory in "
-                     f"{self.pool_dir}")
+            text += (
+                f"; pool tier {_gib(self.pool_cache_bytes)} per worker x {workers} = "
+                f"up to {_gib(self.pool_cache_bytes * workers)} of memory in "
+                f"{self.pool_dir}"
+            )
         if self.disk_cache_dir is not None:
-            text += (f"; disk tier {_gib(self.disk_cache_bytes)} per worker x {workers} = "
-                     f"up to {_gib(self.disk_cache_bytes * workers)} in {self.disk_cache_dir}")
+            text += (
+                f"; disk tier {_gib(self.disk_cache_bytes)} per worker x {workers} = "
+                f"up to {_gib(self.disk_cache_bytes * workers)} in {self.disk_cache_dir}"
+            )
         # The workers' staging rows for streamed loads come on top of the host
         # tier; their size is the worker's (its startup line gives its pool).
-        return text + (" (host_cache_size and disk_cache_size are per worker; each worker "
-                       "also holds a few pages of staging for streamed loads)")
+        return text + (
+            " (host_cache_size and disk_cache_size are per worker; each worker "
+            "also holds a few pages of staging for streamed loads)"
+        )
 
 
 def _gib(n: int) -> str:
@@ -234,7 +281,8 @@ def disk_tier_too_small(capacity_bytes: int, page_bytes: int) -> KVBMConfigError
     return KVBMConfigError(
         f"disk_cache_size: {capacity_bytes} bytes cannot hold one KV page of this model "
         f"({page_bytes} bytes with its header); set disk_cache_size to at least "
-        f"{page_bytes} bytes")
+        f"{page_bytes} bytes"
+    )
 
 
 # extra_config key -> (field name, parser)
@@ -245,8 +293,10 @@ _KEYS = {
     "offload_decode_blocks": ("offload_decode_blocks", parse_bool),
     "disk_cache_dir": ("disk_cache_dir", parse_dir),
     "disk_cache_size": ("disk_cache_bytes", parse_size),
-    "disk_admission": ("disk_admission",
-                       lambda k, v: parse_choice(k, v, ("ALWAYS", "FREQUENCY")).lower()),
+    "disk_admission": (
+        "disk_admission",
+        lambda k, v: parse_choice(k, v, ("ALWAYS", "FREQUENCY")).lower(),
+    ),
     "disk_admission_min_uses": ("disk_admission_min_uses", lambda k, v: parse_int(k, v, 1)),
     "remote_url": ("remote_url", check_remote_url),
     "remote_timeout_s": ("remote_timeout_s", parse_seconds),
@@ -309,8 +359,9 @@ _ENV = {
 }
 
 
-def load_config(extra: Mapping[str, Any] | None,
-                environ: Mapping[str, str] | None = None) -> KVBMConfig:
+def load_config(
+    extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+) -> KVBMConfig:
     """Builds the validated config from ``kv_connector_extra_config`` and env.
     A key two sources set to different values is an error naming both."""
     environ = os.environ if environ is None else environ
@@ -322,7 +373,8 @@ def load_config(extra: Mapping[str, Any] | None,
         raise KVBMConfigError(
             f"kv_connector_extra_config: unknown key {key!r}"
             + (f"; did you mean {hint[0]!r}?" if hint else "")
-            + f" Valid keys: {', '.join(sorted(_KEYS))}")
+            + f" Valid keys: {', '.join(sorted(_KEYS))}"
+        )
     given: dict[str, list[tuple[str, Any]]] = {}  # key -> [(source, raw value)]
     for key, raw in extra.items():
         given[key] = [(key, raw)]
@@ -332,14 +384,17 @@ def load_config(extra: Mapping[str, Any] | None,
     apply_dyn_metrics(environ, given)
     ignored = dynamo_env_not_read(environ)
     if ignored:  # names only: some of Dynamo's hold credentials
-        logger.warning("KVBM: %s %s Dynamo's and not read by vllm_kvbm (no KVBM setting means "
-                       "the same; docs/configuration.md, Dynamo's variables)", ", ".join(ignored),
-                       "is" if len(ignored) == 1 else "are")
+        logger.warning(
+            "KVBM: %s %s Dynamo's and not read by vllm_kvbm (no KVBM setting means "
+            "the same; docs/configuration.md, Dynamo's variables)",
+            ", ".join(ignored),
+            "is" if len(ignored) == 1 else "are",
+        )
     for line in misspelt_env(environ, [*_ENV, "KVBM_REMOTE_PASSWORD", "KVBM_PAGE_SECRET"]):
         logger.warning("KVBM: %s", line)
     kwargs: dict[str, Any] = {}
     sources: dict[str, str] = {}  # key -> its first source (the key itself: extra_config)
-    shown: dict[str, str] = {}    # key -> its sources, as describe() names them
+    shown: dict[str, str] = {}  # key -> its sources, as describe() names them
     for key, pairs in given.items():
         field_name = _KEYS[key][0]
         parsed = [(source, raw, _parse(key, source, raw)) for source, raw in pairs]
@@ -347,18 +402,23 @@ def load_config(extra: Mapping[str, Any] | None,
         names = [_source_name(key, source) for source, _, _ in parsed]
         for (_, raw, other), name in zip(parsed[1:], names[1:]):
             if other != value:  # a secret's file is named by its path, never its content
-                this, that = ((repr(pairs[0][1]), repr(raw)) if isinstance(value, Secret)
-                              else (_shown(key, value), _shown(key, other)))
+                this, that = (
+                    (repr(pairs[0][1]), repr(raw))
+                    if isinstance(value, Secret)
+                    else (_shown(key, value), _shown(key, other))
+                )
                 raise KVBMConfigError(
                     f"{key} is set to two different values: {this} by {names[0]} and "
-                    f"{that} by {name}; set it in one place only")
+                    f"{that} by {name}; set it in one place only"
+                )
         if len(parsed) > 1:
             logger.info("KVBM: %s is set to the same value by %s", key, " and ".join(names))
         kwargs[field_name], sources[key], shown[key] = value, first, " and ".join(names)
     if "host_cache_blocks" in shown and "host_cache_size" in shown:
         raise KVBMConfigError(
             f"host_cache_blocks (from {shown['host_cache_blocks']}) and host_cache_size (from "
-            f"{shown['host_cache_size']}) both size the host tier; set only one of them")
+            f"{shown['host_cache_size']}) both size the host tier; set only one of them"
+        )
     _check_pool(shown)
     _check_directory(kwargs, shown)
     page_secret_env(environ, kwargs, sources)
@@ -376,8 +436,9 @@ def _check_pool(shown: dict[str, str]) -> None:
         if key in shown:
             raise KVBMConfigError(
                 f"{key} (from {shown[key]}) is set but pool_cache_size is not: the pool tier "
-                f"is off; set pool_cache_size (e.g. \"8GiB\" per worker) to use it, or "
-                f"remove {key}")
+                f'is off; set pool_cache_size (e.g. "8GiB" per worker) to use it, or '
+                f"remove {key}"
+            )
 
 
 def _check_directory(kwargs: dict, shown: dict[str, str]) -> None:
@@ -388,20 +449,23 @@ def _check_directory(kwargs: dict, shown: dict[str, str]) -> None:
             raise KVBMConfigError(
                 f"peer_directory_ttl_s (from {shown['peer_directory_ttl_s']}) is set but "
                 f"peer_directory_url is not; set peer_directory_url (redis://HOST:PORT) or "
-                f"remove peer_directory_ttl_s")
+                f"remove peer_directory_ttl_s"
+            )
         return
     if not (kwargs.get("peer_reads") or "pool_serve_port" in shown or "pool_socket" in shown):
         raise KVBMConfigError(
             f"peer_directory_url (from {shown['peer_directory_url']}) is set, but this engine "
             f"neither reads peers' pools (peer_reads) nor serves its own pool to peers "
             f"(pool_serve_port, or pool_socket with kvbm-pool --serve-port); set one of them, "
-            f"or remove peer_directory_url")
+            f"or remove peer_directory_url"
+        )
     ttl = kwargs.get("peer_directory_ttl_s", KVBMConfig.peer_directory_ttl_s)
     if ttl < MIN_DIRECTORY_TTL_S:
         raise KVBMConfigError(
             f"peer_directory_ttl_s: {ttl:g} s is shorter than {MIN_DIRECTORY_TTL_S:g} s (the "
             f"holder refreshes its entries every third of it); set it to a few minutes, e.g. "
-            f"300")
+            f"300"
+        )
 
 
 # The shortest directory entry TTL: entries are refreshed every third of it.

@@ -22,7 +22,8 @@ def _dyn_disk_filter(text: str) -> str:
     except KVBMConfigError:
         raise KVBMConfigError(
             f"DYN_KVBM_DISABLE_DISK_OFFLOAD_FILTER (sets disk_admission): expected true "
-            f"(disk_admission \"always\") or false (\"frequency\"), got {text!r}") from None
+            f'(disk_admission "always") or false ("frequency"), got {text!r}'
+        ) from None
     return "always" if disabled else "frequency"
 
 
@@ -51,7 +52,8 @@ def apply_dyn_metrics(environ: Mapping[str, str], given: dict) -> None:
         raise KVBMConfigError(
             f"DYN_KVBM_METRICS (turns metrics_port on): expected true or false, got "
             f"{text!r}; set it to true and DYN_KVBM_METRICS_PORT (default "
-            f"{DYN_KVBM_METRICS_DEFAULT_PORT}) to serve the kvbm_* metrics on a port") from None
+            f"{DYN_KVBM_METRICS_DEFAULT_PORT}) to serve the kvbm_* metrics on a port"
+        ) from None
     ports = given.get("metrics_port", [])
     if enabled and not ports:
         given["metrics_port"] = [("DYN_KVBM_METRICS", DYN_KVBM_METRICS_DEFAULT_PORT)]
@@ -65,5 +67,11 @@ def apply_dyn_metrics(environ: Mapping[str, str], given: dict) -> None:
 
 def dynamo_env_not_read(environ: Mapping[str, str]) -> list[str]:
     """DYN_KVBM_* variables that are set but mean nothing in KVBM (docs/configuration.md)."""
-    return sorted(name for name, value in environ.items() if name.startswith("DYN_KVBM_")
-                  and name not in DYN_ENV and name != "DYN_KVBM_METRICS" and value.strip())
+    return sorted(
+        name
+        for name, value in environ.items()
+        if name.startswith("DYN_KVBM_")
+        and name not in DYN_ENV
+        and name != "DYN_KVBM_METRICS"
+        and value.strip()
+    )

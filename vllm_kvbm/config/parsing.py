@@ -15,18 +15,38 @@ from vllm_kvbm.config.errors import KVBMConfigError
 # K/M/G/T is binary (16G = 16 GiB, what --kv-offloading-size 16 and LMCache's
 # max_local_cpu_size 16 mean), a lower-case one decimal (16g = 16e9 bytes).
 # Ki/KiB... are binary and KB/MB/GB/TB decimal in any case.
-_LETTER_UNITS = {"K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4,
-                 "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+_LETTER_UNITS = {
+    "K": 1024,
+    "M": 1024**2,
+    "G": 1024**3,
+    "T": 1024**4,
+    "k": 1000,
+    "m": 1000**2,
+    "g": 1000**3,
+    "t": 1000**4,
+}
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "ki": 1024,
+    "mi": 1024**2,
+    "gi": 1024**3,
+    "ti": 1024**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-SIZE_EXAMPLES = ("\"16GiB\", \"16Gi\" or \"16G\" (16 x 1024^3 bytes, as vLLM's "
-                 "--kv-offloading-size 16), \"16GB\" or \"16g\" (16 x 10^9 bytes), "
-                 "\"512MiB\" or a number of bytes")
+SIZE_EXAMPLES = (
+    '"16GiB", "16Gi" or "16G" (16 x 1024^3 bytes, as vLLM\'s '
+    '--kv-offloading-size 16), "16GB" or "16g" (16 x 10^9 bytes), '
+    '"512MiB" or a number of bytes'
+)
 
 
 def _unit_bytes(unit: str) -> int | None:
@@ -39,8 +59,9 @@ def parse_size(key: str, value: Any) -> int:
     """Parses "16GiB", "16Gi", "16G" (binary), "16GB", "16g" (decimal), "1.5 GiB"
     or a plain byte count into bytes."""
     if isinstance(value, bool):
-        raise KVBMConfigError(f"{key}: expected a size, got {value!r}; write it like "
-                              f"{SIZE_EXAMPLES}")
+        raise KVBMConfigError(
+            f"{key}: expected a size, got {value!r}; write it like {SIZE_EXAMPLES}"
+        )
     if isinstance(value, int):
         number, unit = value, ""  # exact: float() would round counts past 2**53
     elif isinstance(value, float):
@@ -49,13 +70,15 @@ def parse_size(key: str, value: Any) -> int:
         number, unit = float(m.group(1)), m.group(2)
     else:
         raise KVBMConfigError(
-            f"{key}: cannot read {value!r} as a size; write it like {SIZE_EXAMPLES}")
+            f"{key}: cannot read {value!r} as a size; write it like {SIZE_EXAMPLES}"
+        )
     scale = _unit_bytes(unit)
     if scale is None:
         raise KVBMConfigError(
             f"{key}: unknown unit {unit!r} in {value!r}; write it like {SIZE_EXAMPLES} "
             f"(Ki, Mi, Gi, Ti, KiB... and K, M, G, T are 1024-based; KB, MB, GB, TB and "
-            f"k, m, g, t are 1000-based)")
+            f"k, m, g, t are 1000-based)"
+        )
     if not math.isfinite(number):
         raise KVBMConfigError(f"{key}: size must be a finite number of bytes, got {value!r}")
     if number < 0:
@@ -66,8 +89,9 @@ def parse_size(key: str, value: Any) -> int:
         shown = f"{number:g}"
         raise KVBMConfigError(
             f"{key}: {value!r} has no unit, so it reads as {shown} bytes, less than 1 MiB; "
-            f"write the unit: \"{shown}GiB\" (what vLLM's --kv-offloading-size {shown} and "
-            f"LMCache's max_local_cpu_size: {shown} mean), or a byte count of at least {MIN_UNITLESS_BYTES}")
+            f'write the unit: "{shown}GiB" (what vLLM\'s --kv-offloading-size {shown} and '
+            f"LMCache's max_local_cpu_size: {shown} mean), or a byte count of at least {MIN_UNITLESS_BYTES}"
+        )
     return int(number * scale)
 
 
@@ -109,11 +133,13 @@ def parse_dir(key: str, value: Any) -> str:
     if not os.path.isdir(path):
         raise KVBMConfigError(
             f"{key}: directory {path!r} does not exist; create it (mkdir -p {path}) "
-            f"or set {key} to an existing directory")
+            f"or set {key} to an existing directory"
+        )
     if not os.access(path, os.W_OK | os.X_OK):
         raise KVBMConfigError(
             f"{key}: directory {path!r} is not writable by this process; fix its "
-            f"permissions or set {key} to a writable directory")
+            f"permissions or set {key} to a writable directory"
+        )
     return os.path.abspath(path)
 
 
@@ -147,8 +173,9 @@ def parse_host(key: str, value: Any) -> str:
     host = parse_str(key, value)
     if not host or any(c.isspace() for c in host):
         raise KVBMConfigError(
-            f"{key}: {host!r} is not a host name or address; use \"0.0.0.0\" (every "
-            f"interface) or \"127.0.0.1\" (this machine only)")
+            f'{key}: {host!r} is not a host name or address; use "0.0.0.0" (every '
+            f'interface) or "127.0.0.1" (this machine only)'
+        )
     return host
 
 
@@ -168,7 +195,7 @@ def parse_nixl_backend(key: str, value: Any) -> str:
     KV cache and the host tier, to itself: device <-> host memory on CUDA
     (VRAM <-> DRAM), host <-> host on CPU. UCX does that; nothing else is tested."""
     if not isinstance(value, str):
-        raise KVBMConfigError(f"{key}: expected a string such as \"UCX\", got {value!r}")
+        raise KVBMConfigError(f'{key}: expected a string such as "UCX", got {value!r}')
     name = value.strip().upper()
     if name == "UCX":
         return name
@@ -176,8 +203,10 @@ def parse_nixl_backend(key: str, value: Any) -> str:
         raise KVBMConfigError(
             f"{key}: {value!r} is a NIXL storage backend (host memory <-> files or "
             f"objects); it cannot copy the engine's KV blocks between device memory and "
-            f"the host tier. Set {key} to \"UCX\" (the default) or remove it; the disk "
-            f"tier is set with disk_cache_dir")
+            f'the host tier. Set {key} to "UCX" (the default) or remove it; the disk '
+            f"tier is set with disk_cache_dir"
+        )
     raise KVBMConfigError(
         f"{key}: {value!r} is not a NIXL backend that copies between the engine's KV "
-        f"memory and host RAM; set {key} to \"UCX\" (the default) or remove it")
+        f'memory and host RAM; set {key} to "UCX" (the default) or remove it'
+    )

@@ -37,8 +37,11 @@ class Secret:
     __str__ = __repr__
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, Secret) and type(self._value) is type(other._value)
-                and hmac.compare_digest(self._bytes(), other._bytes()))
+        return (
+            isinstance(other, Secret)
+            and type(self._value) is type(other._value)
+            and hmac.compare_digest(self._bytes(), other._bytes())
+        )
 
     def __hash__(self) -> int:
         return hash(Secret)  # equal secrets must hash alike; the value must not leak
@@ -46,11 +49,15 @@ class Secret:
 
 MIN_PAGE_SECRET_BYTES = 16  # = page_seal.MIN_SECRET_BYTES (a test checks)
 _MAX_FILE_BYTES = 64 * 1024
-_PASSWORD_FIX = ("write one password (the Redis/Valkey server's) into it, on one line, "
-                 "readable only by the engine's user (chmod 600 FILE)")
-_PAGE_SECRET_FIX = ("put at least 32 random bytes in it, readable only by the engine's user "
-                    "(head -c 32 /dev/urandom > FILE && chmod 600 FILE), the same file on "
-                    "every engine sharing the disk or remote tier")
+_PASSWORD_FIX = (
+    "write one password (the Redis/Valkey server's) into it, on one line, "
+    "readable only by the engine's user (chmod 600 FILE)"
+)
+_PAGE_SECRET_FIX = (
+    "put at least 32 random bytes in it, readable only by the engine's user "
+    "(head -c 32 /dev/urandom > FILE && chmod 600 FILE), the same file on "
+    "every engine sharing the disk or remote tier"
+)
 
 
 def _read_secret_file(key: str, value: Any, what: str, fix: str) -> bytes:
@@ -63,33 +70,38 @@ def _read_secret_file(key: str, value: Any, what: str, fix: str) -> bytes:
             data = f.read(_MAX_FILE_BYTES + 1)
     except FileNotFoundError:
         raise KVBMConfigError(
-            f"{key}: {value!r} does not exist; create it ({fix}) or remove {key}") from None
+            f"{key}: {value!r} does not exist; create it ({fix}) or remove {key}"
+        ) from None
     except IsADirectoryError:
         raise KVBMConfigError(
-            f"{key}: {value!r} is a directory, not a file holding {what}; {fix}") from None
+            f"{key}: {value!r} is a directory, not a file holding {what}; {fix}"
+        ) from None
     except OSError as e:
         raise KVBMConfigError(
             f"{key}: cannot read {value!r} ({e.strerror or type(e).__name__}); make it a file "
-            f"readable by the user the engine runs as, or fix the path") from None
+            f"readable by the user the engine runs as, or fix the path"
+        ) from None
     if len(data) > _MAX_FILE_BYTES:
         raise KVBMConfigError(
-            f"{key}: {value!r} is over {_MAX_FILE_BYTES} bytes, not a secret file; {fix}")
+            f"{key}: {value!r} is over {_MAX_FILE_BYTES} bytes, not a secret file; {fix}"
+        )
     secret = data.rstrip(b"\r\n")
     if not secret:
         raise KVBMConfigError(f"{key}: {value!r} is empty; {fix}")
     return secret
 
 
-def _secret_env(environ: Mapping[str, str], kwargs: dict, sources: dict, env: str,
-                field: str, file_key: str) -> str | None:
+def _secret_env(
+    environ: Mapping[str, str], kwargs: dict, sources: dict, env: str, field: str, file_key: str
+) -> str | None:
     """The text of ``env``, or None when unset; refused when ``file_key`` set ``field`` too."""
     text = environ.get(env, "")
     if not text.strip():
         return None
     if field in kwargs:
         raise KVBMConfigError(
-            f"{env} and {file_key} (from {sources[file_key]}) are both set; set only one of "
-            f"them")
+            f"{env} and {file_key} (from {sources[file_key]}) are both set; set only one of them"
+        )
     return text
 
 
@@ -104,18 +116,24 @@ def parse_password_file(key: str, value: Any) -> Secret:
 
 def remote_password_env(environ: Mapping[str, str], kwargs: dict, sources: dict) -> None:
     """KVBM_REMOTE_PASSWORD holds the password itself; a password needs a Redis/Valkey URL."""
-    text = _secret_env(environ, kwargs, sources, "KVBM_REMOTE_PASSWORD", "remote_password",
-                       "remote_password_file")
+    text = _secret_env(
+        environ, kwargs, sources, "KVBM_REMOTE_PASSWORD", "remote_password", "remote_password_file"
+    )
     if text is not None:
         kwargs["remote_password"] = Secret(text.rstrip("\r\n"), "KVBM_REMOTE_PASSWORD")
     password = kwargs.get("remote_password")
     url = kwargs.get("remote_url")
     # (the peer directory, a Redis/Valkey server, takes the same password)
-    if (password is not None and url is not None and kwargs.get("peer_directory_url") is None
-            and not parse_remote_url("remote_url", url).resp):
+    if (
+        password is not None
+        and url is not None
+        and kwargs.get("peer_directory_url") is None
+        and not parse_remote_url("remote_url", url).resp
+    ):
         raise KVBMConfigError(
             f"{password.source.split()[0]}: a password is set, but remote_url {url!r} is an "
-            f"LMCache server, which has no authentication; remove it or use a redis:// URL")
+            f"LMCache server, which has no authentication; remove it or use a redis:// URL"
+        )
 
 
 def parse_page_secret_file(key: str, value: Any) -> Secret:
@@ -124,14 +142,16 @@ def parse_page_secret_file(key: str, value: Any) -> Secret:
     if len(secret) < MIN_PAGE_SECRET_BYTES:
         raise KVBMConfigError(
             f"{key}: the secret in {value!r} is shorter than {MIN_PAGE_SECRET_BYTES} bytes; "
-            f"{_PAGE_SECRET_FIX}")
+            f"{_PAGE_SECRET_FIX}"
+        )
     return Secret(secret, f"{key} {value}")
 
 
 def page_secret_env(environ: Mapping[str, str], kwargs: dict, sources: dict) -> None:
     """KVBM_PAGE_SECRET holds the page secret itself."""
-    text = _secret_env(environ, kwargs, sources, "KVBM_PAGE_SECRET", "page_secret",
-                       "page_secret_file")
+    text = _secret_env(
+        environ, kwargs, sources, "KVBM_PAGE_SECRET", "page_secret", "page_secret_file"
+    )
     if text is None:
         return
     text = text.strip()
@@ -139,5 +159,6 @@ def page_secret_env(environ: Mapping[str, str], kwargs: dict, sources: dict) -> 
         raise KVBMConfigError(
             f"KVBM_PAGE_SECRET (the page secret): shorter than {MIN_PAGE_SECRET_BYTES} bytes; "
             f"set it to at least 32 random characters (e.g. openssl rand -hex 32), the same "
-            f"on every engine sharing the disk or remote tier, or use page_secret_file")
+            f"on every engine sharing the disk or remote tier, or use page_secret_file"
+        )
     kwargs["page_secret"] = Secret(text.encode(), "KVBM_PAGE_SECRET")

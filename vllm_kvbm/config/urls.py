@@ -24,7 +24,8 @@ def parse_lm_url(key: str, value: Any) -> tuple[str, int]:
     if host_port is None or parts.path or "?" in url or "#" in url:
         raise KVBMConfigError(
             f"{key}: {url!r} is not an LMCache server URL; write it as "
-            f"\"lm://HOST:PORT\" (start one with: python -m lmcache.v1.server HOST PORT)")
+            f'"lm://HOST:PORT" (start one with: python -m lmcache.v1.server HOST PORT)'
+        )
     return host_port
 
 
@@ -36,7 +37,8 @@ def check_remote_url(key: str, value: Any) -> str:
         raise KVBMConfigError(
             f"{key}: {value!r} names an IPv6 address, but LMCache's server and client "
             f"(lm://) speak IPv4 only; use an IPv4 address or a host name with one, or a "
-            f"redis:// server, which takes IPv6")
+            f"redis:// server, which takes IPv6"
+        )
     return value
 
 
@@ -75,10 +77,11 @@ def _host_port(netloc: str, default_port: int | None) -> tuple[str, int] | None:
 # remote_url schemes of a Redis/Valkey server (RESP), each with whether it is TLS.
 _RESP_SCHEMES = {"redis": False, "rediss": True, "valkey": False, "valkeys": True}
 REMOTE_URL_FORMS = (
-    "\"lm://HOST:PORT\" (an LMCache server), \"redis://[USER@]HOST[:PORT][/DB]\" (a Redis or "
+    '"lm://HOST:PORT" (an LMCache server), "redis://[USER@]HOST[:PORT][/DB]" (a Redis or '
     "Valkey server; rediss:// with TLS; valkey:// and valkeys:// mean the same) or "
-    "\"redis+cluster://[USER@]HOST[:PORT][,HOST[:PORT]...]\" (a Redis/Valkey Cluster by its "
-    "seed nodes; also rediss+cluster://, valkey+cluster://, valkeys+cluster://)")
+    '"redis+cluster://[USER@]HOST[:PORT][,HOST[:PORT]...]" (a Redis/Valkey Cluster by its '
+    "seed nodes; also rediss+cluster://, valkey+cluster://, valkeys+cluster://)"
+)
 _PASSWORD_KEYS = "remote_password_file (a file holding it) or KVBM_REMOTE_PASSWORD"
 _NOT_IN_HOST = set(" \t\r\n/?#,%")
 
@@ -87,8 +90,8 @@ _NOT_IN_HOST = set(" \t\r\n/?#,%")
 class RemoteTarget:
     """A parsed ``remote_url``. It never holds a password (a URL with one is refused)."""
 
-    scheme: str                              # "lm", "redis", "rediss", "valkey", "valkeys"
-    nodes: tuple[tuple[str, int], ...]       # one, or a cluster's seed nodes
+    scheme: str  # "lm", "redis", "rediss", "valkey", "valkeys"
+    nodes: tuple[tuple[str, int], ...]  # one, or a cluster's seed nodes
     cluster: bool = False
     db: int = 0
     username: str | None = None
@@ -136,15 +139,19 @@ def parse_remote_url(key: str, value: Any) -> RemoteTarget:
 
     parts = _split(url)
     scheme, plus, variant = (parts.scheme if parts else "").partition("+")
-    if parts is None or scheme not in _RESP_SCHEMES or variant not in (("cluster",) if plus
-                                                                      else ("",)):
+    if (
+        parts is None
+        or scheme not in _RESP_SCHEMES
+        or variant not in (("cluster",) if plus else ("",))
+    ):
         raise bad("is not a remote tier URL")
     cluster = bool(plus)
     if parts.password is not None:
         raise KVBMConfigError(
             f"{key}: {shown!r} has a password in it, which would be logged (vLLM logs its "
-            f"kv_transfer_config); remove it from the URL (\"{scheme}://USER@HOST:PORT\") "
-            f"and give it with {_PASSWORD_KEYS}")
+            f'kv_transfer_config); remove it from the URL ("{scheme}://USER@HOST:PORT") '
+            f"and give it with {_PASSWORD_KEYS}"
+        )
     username = parts.username
     if username is not None and (not username or "," in username):
         raise bad(f"has an empty or malformed user name {username!r}")
@@ -176,8 +183,9 @@ def check_directory_url(key: str, value: Any) -> str:
     if not target.resp or target.cluster:
         raise KVBMConfigError(
             f"{key}: {redact_url(str(value))!r} is not one Redis or Valkey server; write it as "
-            f"\"redis://[USER@]HOST[:PORT][/DB]\" (rediss:// with TLS; valkey:// and "
-            f"valkeys:// mean the same); the directory is small: one server, not a cluster")
+            f'"redis://[USER@]HOST[:PORT][/DB]" (rediss:// with TLS; valkey:// and '
+            f"valkeys:// mean the same); the directory is small: one server, not a cluster"
+        )
     return value
 
 
@@ -186,7 +194,8 @@ def parse_ca_file(key: str, value: Any) -> str:
     if not path or not os.path.isfile(os.path.expanduser(path)):
         raise KVBMConfigError(
             f"{key}: {path!r} is not a file; set it to the PEM file of the CA that signed the "
-            f"Redis/Valkey server's certificate, or remove it to use the system's CAs")
+            f"Redis/Valkey server's certificate, or remove it to use the system's CAs"
+        )
     if not os.access(os.path.expanduser(path), os.R_OK):
         raise KVBMConfigError(f"{key}: {path!r} is not readable by this process")
     return os.path.abspath(os.path.expanduser(path))
@@ -198,10 +207,12 @@ def check_remote_tls(kwargs: dict, sources: dict) -> None:
     url = kwargs.get("remote_url")
     directory = kwargs.get("peer_directory_url")
     if kwargs.get("remote_tls_ca_file") is not None and not any(
-            u is not None and parse_remote_url("remote_url", u).tls for u in (url, directory)):
+        u is not None and parse_remote_url("remote_url", u).tls for u in (url, directory)
+    ):
         source = sources["remote_tls_ca_file"]
         if source != "remote_tls_ca_file":
             source += " (sets remote_tls_ca_file)"
         raise KVBMConfigError(
             f"{source}: it only applies to a TLS remote_url or peer_directory_url (rediss://, "
-            f"valkeys://, ...+cluster://), not {url!r}; use one or remove it")
+            f"valkeys://, ...+cluster://), not {url!r}; use one or remove it"
+        )

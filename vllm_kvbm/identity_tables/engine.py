@@ -5,9 +5,22 @@ offloading (and ``VllmConfig`` itself, the root)."""
 from __future__ import annotations
 
 from vllm_kvbm.canonical_values import callable_name, hf_config_identity
-from vllm_kvbm.identity_tables.rules import (CAPACITY, DP, EXPERT_PLACEMENT, LOG, MM_IO,
-                                             PATH, PORT, PROFILE, RESOLVED, SCHED, STRUCT,
-                                             H, I, Rule)
+from vllm_kvbm.identity_tables.rules import (
+    CAPACITY,
+    DP,
+    EXPERT_PLACEMENT,
+    LOG,
+    MM_IO,
+    PATH,
+    PORT,
+    PROFILE,
+    RESOLVED,
+    SCHED,
+    STRUCT,
+    H,
+    I,
+    Rule,
+)
 
 ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
     "VllmConfig": {
@@ -30,34 +43,45 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "structured_outputs_config": H(STRUCT),
         "observability_config": H(LOG),
         "logging_config": H(LOG),
-        "quant_config": H("built from model_config.quantization, quantization_config and "
-                          "the hf_config's quantization_config, all identity"),
+        "quant_config": H(
+            "built from model_config.quantization, quantization_config and "
+            "the hf_config's quantization_config, all identity"
+        ),
         "compilation_config": I("compilation and fusions change numerics"),
         "profiler_config": H(PROFILE),
-        "kv_transfer_config": H("how KV moves between engines; KVBM's own page settings "
-                                "are in its namespace (engine_info), and its secrets "
-                                "must never be hashed into a public name"),
+        "kv_transfer_config": H(
+            "how KV moves between engines; KVBM's own page settings "
+            "are in its namespace (engine_info), and its secrets "
+            "must never be hashed into a public name"
+        ),
         "kv_events_config": H("KV events are published, the KV is not changed"),
-        "ec_transfer_config": H("where encoder outputs are fetched from; the encoder "
-                                "settings are in model_config.multimodal_config"),
+        "ec_transfer_config": H(
+            "where encoder outputs are fetched from; the encoder "
+            "settings are in model_config.multimodal_config"
+        ),
         "ec_manager_config": H("encoder output cache management"),
         "reasoning_config": H("reasoning parsing acts on generated text"),
         "additional_config": I("platform plugins read it: unknown effect, identity"),
         "instance_id": H("a random id per engine"),
         "optimization_level": I("selects compilation and fusion defaults"),
         "performance_mode": I("selects kernel and compilation defaults"),
-        "weight_transfer_config": H("how weight updates arrive; the weights themselves "
-                                    "are identity through their hash"),
+        "weight_transfer_config": H(
+            "how weight updates arrive; the weights themselves are identity through their hash"
+        ),
         "shutdown_timeout": H("shutdown behaviour"),
         "watchdog_config": H("a hang watchdog"),
         "num_hash_lookahead_tokens": H("how far ahead vLLM hashes blocks for lookups"),
     },
     "ModelConfig": {
-        "model": H("where the model is (a hub id or a local path that differs between "
-                   "replicas); what it computes is its effective hf_config (identity) "
-                   "and its weights' hash"),
-        "model_weights": H("where the weights came from (a URI when `model` is a local "
-                           "staging copy); their content is hashed (fingerprints.py)"),
+        "model": H(
+            "where the model is (a hub id or a local path that differs between "
+            "replicas); what it computes is its effective hf_config (identity) "
+            "and its weights' hash"
+        ),
+        "model_weights": H(
+            "where the weights came from (a URI when `model` is a local "
+            "staging copy); their content is hashed (fingerprints.py)"
+        ),
         "runner": I("generate vs pooling runners build different models"),
         "convert": I("adapters convert the model (e.g. to pooling)"),
         "tokenizer": H("token ids are already in the key"),
@@ -65,10 +89,10 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "trust_remote_code": I("remote code may replace the model class"),
         "dtype": I("activation and KV dtype"),
         "seed": H("seeds sampling; the prefill is deterministic in the seed"),
-        "hf_config": I("the effective HF config after hf_overrides",
-                       reduce=hf_config_identity),
-        "hf_text_config": I("the language model's part of hf_config, as vLLM patched it",
-                            reduce=hf_config_identity),
+        "hf_config": I("the effective HF config after hf_overrides", reduce=hf_config_identity),
+        "hf_text_config": I(
+            "the language model's part of hf_config, as vLLM patched it", reduce=hf_config_identity
+        ),
         "is_submodel_config": I("a submodel view of a multimodal model"),
         "word_embeddings_untied_by_checkpoint": I("untied embeddings are other weights"),
         "hf_config_path": H(PATH + " (hf_config)"),
@@ -91,8 +115,7 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "disable_sliding_window": I("changes the attention a layer computes"),
         "disable_cascade_attn": I("cascade attention is another kernel"),
         "skip_tokenizer_init": H("token ids are already in the key"),
-        "enable_prompt_embeds": I("prompt embeddings instead of token ids: unsure, "
-                                  "identity"),
+        "enable_prompt_embeds": I("prompt embeddings instead of token ids: unsure, identity"),
         "served_model_name": H("the name the API answers to"),
         "config_format": H("how the config was read; its content is hf_config"),
         "hf_token": H("a credential, never hashed or logged"),
@@ -115,31 +138,34 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "checkpoint_prepare_on_startup": H("when the checkpoint is prepared"),
     },
     "CacheConfig": {
-        "block_size": H("the engine core resets it from the KV cache groups in its own "
-                        "process only; the block size the KV is laid out in is the KV "
-                        "cache spec's, which the namespace hashes (identity.py)"),
-        "user_specified_block_size": H("whether block_size was given; block_size is "
-                                       "identity"),
+        "block_size": H(
+            "the engine core resets it from the KV cache groups in its own "
+            "process only; the block size the KV is laid out in is the KV "
+            "cache spec's, which the namespace hashes (identity.py)"
+        ),
+        "user_specified_block_size": H("whether block_size was given; block_size is identity"),
         "kv_cache_layout": H(RESOLVED),
-        "prefix_match_unit": I("where prefix hits can land, finer than blocks: unsure, "
-                               "identity"),
+        "prefix_match_unit": I("where prefix hits can land, finer than blocks: unsure, identity"),
         "gpu_memory_utilization": H(CAPACITY),
         "cache_dtype": I("the KV cache dtype (--kv-cache-dtype)"),
         "is_attention_free": I("attention-free models keep no KV"),
         "num_gpu_blocks_override": H(CAPACITY),
         "sliding_window": I("which tokens a layer attends to"),
         "enable_prefix_caching": H("KVBM refuses to run without it (engine_info)"),
-        "prefix_caching_hash_algo": H("how vLLM names blocks; KVBM's keys bind its "
-                                      "own namespace"),
+        "prefix_caching_hash_algo": H("how vLLM names blocks; KVBM's keys bind its own namespace"),
         "prefix_cache_retention_interval": H("how long vLLM keeps blocks"),
         "kv_cache_dtype_skip_layers": I("layers kept in the model dtype"),
-        "mamba_page_size_padded": H("set in one process only (vLLM's hybrid model config, "
-                                    "in the worker); the state's page padding is the "
-                                    "MambaSpec's, which the namespace hashes (kv_spec)"),
+        "mamba_page_size_padded": H(
+            "set in one process only (vLLM's hybrid model config, "
+            "in the worker); the state's page padding is the "
+            "MambaSpec's, which the namespace hashes (kv_spec)"
+        ),
         "skip_page_size_padded": I("page padding layout"),
-        "mamba_block_size": H("set in one process only (vLLM's hybrid model config, in the "
-                              "worker); the state's block size is the MambaSpec's, which "
-                              "the namespace hashes (kv_spec)"),
+        "mamba_block_size": H(
+            "set in one process only (vLLM's hybrid model config, in the "
+            "worker); the state's block size is the MambaSpec's, which "
+            "the namespace hashes (kv_spec)"
+        ),
         "mamba_cache_dtype": I("state dtype (hybrid models)"),
         "mamba_ssm_cache_dtype": I("state dtype (hybrid models)"),
         "mamba_cache_mode": I("state caching mode (hybrid models)"),
@@ -159,12 +185,13 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "kv_cache_memory_bytes": H(CAPACITY),
         "kv_offloading_size": H("vLLM's own offloading capacity"),
         "kv_offloading_backend": H("vLLM's own offloading, not the KV computed"),
-        "_block_size_resolved": H("whether block_size was resolved; block_size is "
-                                  "identity"),
+        "_block_size_resolved": H("whether block_size was resolved; block_size is identity"),
         "simple_cpu_offload_num_blocks": H("vLLM's own offloading capacity"),
-        "enable_extensible_kv_cache": H("how the cache grows, resolved by the executor in "
-                                        "the engine core only; its layout is the KV cache "
-                                        "spec's"),
+        "enable_extensible_kv_cache": H(
+            "how the cache grows, resolved by the executor in "
+            "the engine core only; its layout is the KV cache "
+            "spec's"
+        ),
         "_extensible_kv_cache_resolved": H("whether the option was resolved"),
     },
     "ParallelConfig": {
@@ -182,8 +209,7 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "data_parallel_backend": H(DP),
         "data_parallel_external_lb": H(DP),
         "data_parallel_hybrid_lb": H(DP),
-        "is_moe_model": I("set from the model, which is identity: harmless duplicate, "
-                          "kept"),
+        "is_moe_model": I("set from the model, which is identity: harmless duplicate, kept"),
         "enable_hc_sp": I("sequence-parallel HyperConnection reorders reductions"),
         "enable_expert_parallel": I("expert sharding changes MoE reductions"),
         "enable_batch_sharded_sampling": H("sampling, after the KV"),
@@ -193,9 +219,11 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "expert_placement_strategy": H(EXPERT_PLACEMENT),
         "all2all_backend": I("all-to-all kernels (and their quantization)"),
         "max_parallel_loading_workers": H("how weights are loaded, not which"),
-        "disable_custom_all_reduce": H("one engine already reduces small tensors with the "
-                                       "custom kernel and large ones with NCCL; the CPU "
-                                       "worker sets it in its own process"),
+        "disable_custom_all_reduce": H(
+            "one engine already reduces small tensors with the "
+            "custom kernel and large ones with NCCL; the CPU "
+            "worker sets it in its own process"
+        ),
         "enable_shm_tensor_arena": H("how inputs reach the workers"),
         "enable_elastic_ep": H(EXPERT_PLACEMENT),
         "elastic_ep_max_dp_size": H(DP),
@@ -209,8 +237,7 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "placement_group": H("where Ray places the workers"),
         "distributed_executor_backend": H("how workers are started"),
         "worker_cls": I("a worker class may run the model differently: unsure, identity"),
-        "worker_extension_cls": I("a worker extension may change the model: unsure, "
-                                  "identity"),
+        "worker_extension_cls": I("a worker extension may change the model: unsure, identity"),
         "master_addr": H(PORT),
         "master_port": H(PORT),
         "node_rank": H("this node's rank: differs between the nodes of one engine"),
@@ -223,8 +250,10 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "distributed_timeout_seconds": H("a timeout"),
         "cpu_distributed_timeout_seconds": H("a timeout"),
         "world_size": I("ranks of one engine (TP x PP x PCP)"),
-        "rank": H("a process's rank: differs between the workers of one engine; the "
-                  "rank is bound into each page (page format)"),
+        "rank": H(
+            "a process's rank: differs between the workers of one engine; the "
+            "rank is bound into each page (page format)"
+        ),
         "_data_parallel_master_port_list": H(PORT),
         "_coord_store_port": H(PORT),
         "decode_context_parallel_size": I("tokens per rank"),
@@ -232,8 +261,9 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "dcp_comm_backend": I("context-parallel communication: unsure, identity"),
         "dcp_q_replicate": I("context-parallel queries: unsure, identity"),
         "cp_kv_cache_interleave_size": I("how tokens interleave over ranks"),
-        "_allow_auto_resolve_cp_interleave_size": H("whether the interleave size may be "
-                                                    "resolved; the size is identity"),
+        "_allow_auto_resolve_cp_interleave_size": H(
+            "whether the interleave size may be resolved; the size is identity"
+        ),
         "data_parallel_index": H(DP),
         "_api_process_count": H("API server processes"),
         "_api_process_rank": H("API server processes"),
@@ -258,8 +288,9 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "policy": H(SCHED),
         "disable_chunked_mm_input": H(SCHED),
         "scheduler_cls": H("which scheduler class; KVBM keys by tokens and namespace"),
-        "disable_hybrid_kv_cache_manager": I("hybrid models' KV groups change; KVBM "
-                                             "keeps several groups out, identity anyway"),
+        "disable_hybrid_kv_cache_manager": I(
+            "hybrid models' KV groups change; KVBM keeps several groups out, identity anyway"
+        ),
         "scheduler_reserve_full_isl": H(SCHED),
         "watermark": H(CAPACITY),
         "prefill_schedule_interval": H(SCHED),
@@ -270,8 +301,10 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "max_num_inflight_kv_loads": H("how many KV loads run at once"),
     },
     "DeviceConfig": {
-        "device": H("the device object (a torch.device with an index that differs "
-                    "between ranks); device_type is identity"),
+        "device": H(
+            "the device object (a torch.device with an index that differs "
+            "between ranks); device_type is identity"
+        ),
         "device_type": I("the device kind selects kernels"),
     },
     "LoadConfig": {
@@ -280,8 +313,9 @@ ENGINE_FIELDS: dict[str, dict[str, Rule]] = {
         "safetensors_load_strategy": H("how files are read, not which"),
         "safetensors_prefetch_num_threads": H("how files are read, not which"),
         "safetensors_prefetch_block_size": H("how files are read, not which"),
-        "model_loader_extra_config": I("loader options (e.g. tensorizer) may change the "
-                                       "weights: unsure, identity"),
+        "model_loader_extra_config": I(
+            "loader options (e.g. tensorizer) may change the weights: unsure, identity"
+        ),
         "device": I("where weights are loaded: unsure, identity"),
         "ignore_patterns": I("which weight files are loaded"),
         "use_tqdm_on_load": H("a progress bar"),

@@ -23,10 +23,14 @@ PORT = "a network address, port or id: differs between replicas"
 LOG = "logging, metrics, tracing or profiling only"
 BUILD = "read when vLLM is built or packaged, not when it runs"
 PATH = "where caches, assets or logs are kept; what they hold is not KV"
-API = ("acts on the API server's requests and responses (text, tools, limits): "
-       "the token ids, which are in the key, are what the KV follows")
-MEDIA = ("how multimodal inputs are fetched or limited, not what they encode to "
-         "(a refused input has no KV)")
+API = (
+    "acts on the API server's requests and responses (text, tools, limits): "
+    "the token ids, which are in the key, are what the KV follows"
+)
+MEDIA = (
+    "how multimodal inputs are fetched or limited, not what they encode to "
+    "(a refused input has no KV)"
+)
 TIMEOUT = "a timeout or a retry"
 PROCESSES = "how vLLM's processes start and talk to each other, not what they compute"
 PLACEMENT = "which cores, memory or devices run the work, not what it computes"
@@ -34,8 +38,10 @@ DP = "data parallel replicas of one model compute the same KV"
 SAMPLING = "acts on logits or sampled tokens, after the KV"
 OFFLOAD = "vLLM's own KV offloading or KV transfer, not the KV computed"
 STREAMS = "overlaps work on other streams; the same kernels compute the same values"
-GRAPHS = ("CUDA graphs replay the kernels a batch would run eagerly (the config "
-          "table's reason for cudagraph settings)")
+GRAPHS = (
+    "CUDA graphs replay the kernels a batch would run eagerly (the config "
+    "table's reason for cudagraph settings)"
+)
 WEIGHTS_IO = "how weight files are read or where weights wait, not which weights run"
 
 HARMLESS_ENV: dict[str, str] = {
@@ -213,6 +219,12 @@ HARMLESS_ENV: dict[str, str] = {
 
 # Variables vLLM 0.32 reads or sets through os.environ without declaring them
 # in vllm/envs.py (the test that checks this table's names against vLLM's).
-UNDECLARED_BY_VLLM = frozenset({"VLLM_DIST_IDENT", "VLLM_CPU_SIM_MULTI_NUMA",
-                                "VLLM_PRECOMPILED_WHEEL_LOCATION", "VLLM_SNAPSHOT_TIMEOUT_S",
-                                "VLLM_MORIIO_TRANSFER_TIMEOUT_S"})
+UNDECLARED_BY_VLLM = frozenset(
+    {
+        "VLLM_DIST_IDENT",
+        "VLLM_CPU_SIM_MULTI_NUMA",
+        "VLLM_PRECOMPILED_WHEEL_LOCATION",
+        "VLLM_SNAPSHOT_TIMEOUT_S",
+        "VLLM_MORIIO_TRANSFER_TIMEOUT_S",
+    }
+)

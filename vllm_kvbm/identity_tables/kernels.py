@@ -4,8 +4,18 @@ its passes, quantization and multimodal encoding."""
 
 from __future__ import annotations
 
-from vllm_kvbm.identity_tables.rules import (AUTOTUNE, GRAPHS, MM_IO, RUNTIME, SCHED,
-                                             SHAPES, SPEC_DRAFT, H, I, Rule)
+from vllm_kvbm.identity_tables.rules import (
+    AUTOTUNE,
+    GRAPHS,
+    MM_IO,
+    RUNTIME,
+    SCHED,
+    SHAPES,
+    SPEC_DRAFT,
+    H,
+    I,
+    Rule,
+)
 
 KERNEL_FIELDS: dict[str, dict[str, Rule]] = {
     "AttentionConfig": {
@@ -25,8 +35,9 @@ KERNEL_FIELDS: dict[str, dict[str, Rule]] = {
         "hisparse_config": I("sparse attention selection"),
         "use_non_causal": I("bidirectional attention computes other KV downstream"),
         "sparse_mla_force_mqa": I("an attention kernel"),
-        "sparse_mla_prefill_workspace_factor": I("an attention kernel's workspace: "
-                                                 "unsure, identity"),
+        "sparse_mla_prefill_workspace_factor": I(
+            "an attention kernel's workspace: unsure, identity"
+        ),
         "flex_attn_block_m": I("an attention kernel's tiling"),
         "flex_attn_block_n": I("an attention kernel's tiling"),
         "flex_attn_q_block_size": I("an attention kernel's tiling"),
@@ -95,8 +106,9 @@ KERNEL_FIELDS: dict[str, dict[str, Rule]] = {
     },
     "SpeculativeConfig": {
         "enforce_eager": I("the draft's eager or compiled path"),
-        "num_speculative_tokens": I("draft layers' KV of accepted tokens may come from "
-                                    "drafting passes: unsure, identity"),
+        "num_speculative_tokens": I(
+            "draft layers' KV of accepted tokens may come from drafting passes: unsure, identity"
+        ),
         "model": H("where the draft model is; draft_model_config is identity"),
         "method": I("the drafting method (which draft layers hold KV)"),
         "custom_method": I("the drafting method"),
@@ -118,10 +130,12 @@ KERNEL_FIELDS: dict[str, dict[str, Rule]] = {
         "prompt_lookup_max": H("n-gram drafting proposes tokens, verified by the target"),
         "prompt_lookup_min": H("n-gram drafting proposes tokens, verified by the target"),
         "parallel_drafting": I("the draft's passes: unsure, identity"),
-        "target_model_config": H("the engine's own model_config, hashed at "
-                                 "VllmConfig.model_config"),
-        "target_parallel_config": H("the engine's own parallel_config, hashed at "
-                                    "VllmConfig.parallel_config"),
+        "target_model_config": H(
+            "the engine's own model_config, hashed at VllmConfig.model_config"
+        ),
+        "target_parallel_config": H(
+            "the engine's own parallel_config, hashed at VllmConfig.parallel_config"
+        ),
         "num_speculative_tokens_per_batch_size": I("draft lengths: unsure, identity"),
         "draft_model_config": I("the draft model as vLLM runs it"),
         "draft_parallel_config": I("the draft's sharding"),
@@ -227,8 +241,7 @@ KERNEL_FIELDS: dict[str, dict[str, Rule]] = {
     "MultiModalConfig": {
         "language_model_only": I("vLLM hashes it into the language model's graph"),
         "limit_per_prompt": H("how many items a prompt may carry"),
-        "enable_mm_embeds": I("precomputed embeddings instead of the encoder: unsure, "
-                              "identity"),
+        "enable_mm_embeds": I("precomputed embeddings instead of the encoder: unsure, identity"),
         "media_io_kwargs": I("how media are decoded (frames, sizes): the embeddings"),
         "mm_processor_kwargs": I("how inputs are processed into embeddings"),
         "mm_device_do_normalize": I("where and how inputs are normalized: other rounding"),
@@ -240,8 +253,7 @@ KERNEL_FIELDS: dict[str, dict[str, Rule]] = {
         "mm_encoder_tp_mode": I("encoder sharding changes reductions"),
         "mm_encoder_attn_backend": I("the encoder's attention kernel"),
         "mm_encoder_attn_dtype": I("the encoder's precision"),
-        "mm_encoder_fp8_scale_path": I("the encoder's fp8 scales (a path: unsure, "
-                                       "identity)"),
+        "mm_encoder_fp8_scale_path": I("the encoder's fp8 scales (a path: unsure, identity)"),
         "mm_encoder_fp8_scale_save_path": H("where scales are saved"),
         "mm_encoder_fp8_scale_save_margin": H("scales saved, not used"),
         "interleave_mm_strings": I("how text and media interleave in the prompt"),

@@ -64,8 +64,9 @@ class AdapterFingerprints:
                 self._queue.append(path)
                 self._cond.notify()
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, daemon=True,
-                                                    name="kvbm-lora-fingerprints")
+                    self._thread = threading.Thread(
+                        target=self._run, daemon=True, name="kvbm-lora-fingerprints"
+                    )
                     self._thread.start()
             elif now - asked > CHECK_OVERDUE_S:
                 return None
@@ -84,8 +85,9 @@ class AdapterFingerprints:
             try:
                 fingerprint: str | None = self._fingerprint(path)
             except Exception:  # noqa: BLE001 - an adapter not fingerprinted is a miss
-                logger.exception("KVBM: fingerprinting LoRA adapter %s failed; its requests "
-                                 "are not cached", path)
+                logger.exception(
+                    "KVBM: fingerprinting LoRA adapter %s failed; its requests are not cached", path
+                )
                 fingerprint = None
             with self._cond:
                 self._known.pop(path, None)

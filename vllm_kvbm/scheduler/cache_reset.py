@@ -72,9 +72,11 @@ class CacheReset:
         vLLM's own refusal (or resets with ``reset_running_requests``).
         """
         if not self._vllm_cache_was_reset():
-            logger.warning("KVBM: cache reset refused: vLLM's own prefix cache was not reset "
-                           "(blocks still in use); retry when requests finish, or reset with "
-                           "reset_running_requests=True")
+            logger.warning(
+                "KVBM: cache reset refused: vLLM's own prefix cache was not reset "
+                "(blocks still in use); retry when requests finish, or reset with "
+                "reset_running_requests=True"
+            )
             return False
         paused = part_of_a_pause()
         if paused:
@@ -87,9 +89,14 @@ class CacheReset:
             job.stale = True
         self.weights.new_epoch()
         self._new_keys()
-        logger.info("KVBM: cache reset: %s, %d stores in flight dropped; weights epoch %d: "
-                    "pages are served again where the workers' weights are those they were "
-                    "stored under", kept, len(self._store_jobs), self.weights.epoch)
+        logger.info(
+            "KVBM: cache reset: %s, %d stores in flight dropped; weights epoch %d: "
+            "pages are served again where the workers' weights are those they were "
+            "stored under",
+            kept,
+            len(self._store_jobs),
+            self.weights.epoch,
+        )
         return True
 
     def _new_keys(self) -> None:
@@ -117,6 +124,7 @@ class CacheReset:
             if done and self.weights.new_epoch():
                 self._new_keys()  # the labels the workers announced for it
             return done
+
         manager.reset_prefix_cache = reset_prefix_cache
 
     def _vllm_cache_was_reset(self) -> bool:

@@ -73,8 +73,7 @@ class GroupPages:
         self.others = tuple(g for g in info.groups if g.index != info.primary)
         self.page_tokens = info.page_tokens
         self.page_blocks = info.page_blocks
-        self._spacing = {g.index: self._hit_spacing(g) for g in self.others
-                         if g.kind in WINDOWED}
+        self._spacing = {g.index: self._hit_spacing(g) for g in self.others if g.kind in WINDOWED}
         self._state_groups = frozenset(g.index for g in self.others if g.kind == "state")
         # vLLM names the block of each state boundary (else: by position)
         self.handed_off = vllm_hands_off_states()
@@ -90,8 +89,9 @@ class GroupPages:
         longer in the request's table may be another's: both skipped (as
         vLLM's own offloading does). ``block_ids(req_id)``: its blocks per
         group, as vLLM's KV cache manager has them now."""
-        handoffs = getattr(getattr(out, "kv_connector_block_state", None),
-                           "boundary_state_offloads", None)
+        handoffs = getattr(
+            getattr(out, "kv_connector_block_state", None), "boundary_state_offloads", None
+        )
         if not handoffs or not self._state_groups:
             return {}
         gone = set(out.preempted_req_ids or ()) | set(out.finished_req_ids or ())
@@ -101,8 +101,12 @@ class GroupPages:
                 continue
             table = None
             for group, block, boundary in entries:
-                if (group not in self._state_groups or block == NULL_BLOCK
-                        or boundary <= 0 or boundary % self.page_tokens):
+                if (
+                    group not in self._state_groups
+                    or block == NULL_BLOCK
+                    or boundary <= 0
+                    or boundary % self.page_tokens
+                ):
                     continue
                 table = table if table is not None else block_ids(req_id)
                 if block in table[group]:
@@ -139,9 +143,14 @@ class GroupPages:
         boundary = (page // spacing + 1) * spacing  # the first one after the page
         return self.first_window_page(g, boundary) <= page
 
-    def store_units(self, keys: list[PageKey], pages: range, group_blocks,
-                    prompt_tokens: int, states: dict[tuple[int, int], int] | None = None
-                    ) -> list[Unit]:
+    def store_units(
+        self,
+        keys: list[PageKey],
+        pages: range,
+        group_blocks,
+        prompt_tokens: int,
+        states: dict[tuple[int, int], int] | None = None,
+    ) -> list[Unit]:
         """The group pages to store of ``pages`` (completed this step):
         ``group_blocks[g]`` are group g's engine block ids for the request,
         ``states`` the state blocks vLLM handed off this step by (page,
@@ -161,7 +170,8 @@ class GroupPages:
                         continue  # no state kept at this page's end
                     blocks = (SKIP,) * (g_blocks - 1) + (state,)
                 elif NULL_BLOCK in blocks or (
-                        g.kind in WINDOWED and not self._window_kept(g, i, prompt_tokens)):
+                    g.kind in WINDOWED and not self._window_kept(g, i, prompt_tokens)
+                ):
                     continue
                 units.append(Unit(i, g.index, group_key(keys[i], g.index), blocks))
         return units
@@ -169,8 +179,9 @@ class GroupPages:
     def needed(self, start: int, boundary: int) -> list[tuple[int, int]]:
         """(page, group) of the other groups' pages a hit of pages
         [start, boundary) loads."""
-        full = [(i, g.index) for g in self.others if g.kind == "full"
-                for i in range(start, boundary)]
+        full = [
+            (i, g.index) for g in self.others if g.kind == "full" for i in range(start, boundary)
+        ]
         return full + self._tail(start, boundary)
 
     def _tail(self, start: int, boundary: int) -> list[tuple[int, int]]:
@@ -198,8 +209,9 @@ class GroupPages:
                 return b
         return start
 
-    def load_units(self, keys: list[PageKey], start: int, boundary: int, local_blocks: int,
-                   group_blocks) -> list[Unit] | None:
+    def load_units(
+        self, keys: list[PageKey], start: int, boundary: int, local_blocks: int, group_blocks
+    ) -> list[Unit] | None:
         """The other groups' pages to load of a hit of pages [start, boundary)
         into the blocks vLLM allocated (a null block: not loaded; blocks
         vLLM's own cache had: SKIP). None when vLLM allocated a block this hit
@@ -210,9 +222,11 @@ class GroupPages:
         want = set(self.needed(start, boundary))
         for g in self.others:
             for i in range(start, boundary):
-                span = group_blocks[g.index][i * g_blocks:(i + 1) * g_blocks]
-                blocks = tuple(SKIP if b == NULL_BLOCK or i * g_blocks + j < local_blocks else b
-                               for j, b in enumerate(span))
+                span = group_blocks[g.index][i * g_blocks : (i + 1) * g_blocks]
+                blocks = tuple(
+                    SKIP if b == NULL_BLOCK or i * g_blocks + j < local_blocks else b
+                    for j, b in enumerate(span)
+                )
                 if all(b == SKIP for b in blocks):
                     continue
                 if (i, g.index) not in want or (g.kind == "state" and blocks[-1] == SKIP):

@@ -40,8 +40,9 @@ class VllmBlockHashes:
     """vLLM's block hashes as a key source: ``covers(request)`` says whether
     a request's keys may come from its ``block_hashes``."""
 
-    def __init__(self, algo: str, hash_fn: Callable[[Any], bytes], none_hash: bytes,
-                 block_size: int, kcu):
+    def __init__(
+        self, algo: str, hash_fn: Callable[[Any], bytes], none_hash: bytes, block_size: int, kcu
+    ):
         self.algo = algo
         self._hash_fn = hash_fn
         self._none_hash = none_hash
@@ -75,20 +76,29 @@ class VllmBlockHashes:
             from vllm.v1.request import Request
 
             tokens = list(range(1, 2 * bs + 2))  # two full blocks and a token
-            probe = Request("kvbm-key-source-probe", tokens, SamplingParams(max_tokens=1),
-                            None, block_hasher=kcu.get_request_block_hasher(bs, hash_fn))
+            probe = Request(
+                "kvbm-key-source-probe",
+                tokens,
+                SamplingParams(max_tokens=1),
+                None,
+                block_hasher=kcu.get_request_block_hasher(bs, hash_fn),
+            )
             h0 = hash_fn((self._none_hash, tuple(tokens[:bs]), None))
-            h1 = hash_fn((h0, tuple(tokens[bs:2 * bs]), None))
+            h1 = hash_fn((h0, tuple(tokens[bs : 2 * bs]), None))
             if list(probe.block_hashes) != [h0, h1]:
                 raise ValueError("a probe request's block hashes are not the ones expected")
-            self.inputs = _covers_inputs(Request, SamplingParams, kcu.get_request_block_hasher(
-                bs, hash_fn), tokens, [h0, h1])
+            self.inputs = _covers_inputs(
+                Request, SamplingParams, kcu.get_request_block_hasher(bs, hash_fn), tokens, [h0, h1]
+            )
             if self.inputs:
                 logger.info("KVBM: %s", self.inputs)
         except Exception as err:  # noqa: BLE001 - any doubt: our own chain
             self.failed = f"{type(err).__name__}: {err}"
-            logger.warning("KVBM: vLLM's block hashes are not as checked (%s): block keys "
-                           "come from KVBM's own SHA-256 chain", self.failed)
+            logger.warning(
+                "KVBM: vLLM's block hashes are not as checked (%s): block keys "
+                "come from KVBM's own SHA-256 chain",
+                self.failed,
+            )
             return False
         self._verified = True
         return True
@@ -106,47 +116,74 @@ def _covers_inputs(Request, SamplingParams, hasher, tokens: list[int], text: lis
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
         def hashes(i: int, **inputs) -> list:
-            probe = Request(f"kvbm-key-source-probe-{i}", tokens, SamplingParams(max_tokens=1),
-                            None, block_hasher=hasher, **inputs)
+            probe = Request(
+                f"kvbm-key-source-probe-{i}",
+                tokens,
+                SamplingParams(max_tokens=1),
+                None,
+                block_hasher=hasher,
+                **inputs,
+            )
             return list(probe.block_hashes)
 
         def item(name: str) -> list:
-            return [MultiModalFeatureSpec(data=None, modality="image", identifier=name,
-                                          mm_position=PlaceholderRange(offset=2, length=4))]
+            return [
+                MultiModalFeatureSpec(
+                    data=None,
+                    modality="image",
+                    identifier=name,
+                    mm_position=PlaceholderRange(offset=2, length=4),
+                )
+            ]
 
-        a, b, a2 = hashes(1, mm_features=item("a")), hashes(2, mm_features=item("b")), \
-            hashes(3, mm_features=item("a"))
+        a, b, a2 = (
+            hashes(1, mm_features=item("a")),
+            hashes(2, mm_features=item("b")),
+            hashes(3, mm_features=item("a")),
+        )
         gen = torch.Generator().manual_seed(0)
         e = torch.randn(len(tokens), 8, generator=gen)
         f = e.clone()
         f[1, 0] += 1.0
-        ea, eb, ea2 = hashes(4, prompt_embeds=e), hashes(5, prompt_embeds=f), \
-            hashes(6, prompt_embeds=e.clone())
+        ea, eb, ea2 = (
+            hashes(4, prompt_embeds=e),
+            hashes(5, prompt_embeds=f),
+            hashes(6, prompt_embeds=e.clone()),
+        )
     except Exception as err:  # noqa: BLE001 - any doubt: such requests are not cached
-        logger.info("KVBM: requests with images or prompt embeddings are not cached: this "
-                    "vLLM's block hashes could not be checked for them (%s: %s)",
-                    type(err).__name__, err)
+        logger.info(
+            "KVBM: requests with images or prompt embeddings are not cached: this "
+            "vLLM's block hashes could not be checked for them (%s: %s)",
+            type(err).__name__,
+            err,
+        )
         return ""
     for x, y, same in ((a, b, a2), (ea, eb, ea2)):
-        if len(x) != 2 or x != same or any(
-                x[i] == y[i] or x[i] == text[i] for i in range(2)):
-            logger.info("KVBM: requests with images or prompt embeddings are not cached: "
-                        "this vLLM's block hashes do not name them as checked")
+        if len(x) != 2 or x != same or any(x[i] == y[i] or x[i] == text[i] for i in range(2)):
+            logger.info(
+                "KVBM: requests with images or prompt embeddings are not cached: "
+                "this vLLM's block hashes do not name them as checked"
+            )
             return ""
-    return ("requests with images, audio or prompt embeddings are cached: vLLM's block hashes "
-            "name each item's content hash and the embeddings")
+    return (
+        "requests with images, audio or prompt embeddings are cached: vLLM's block hashes "
+        "name each item's content hash and the embeddings"
+    )
 
 
-def vllm_block_hashes(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
-                      block_size: int) -> tuple[VllmBlockHashes | None, str]:
+def vllm_block_hashes(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", block_size: int
+) -> tuple[VllmBlockHashes | None, str]:
     """vLLM's block hashes as a key source, or None; and a line that says
     which source the keys come from, and why."""
     algo = getattr(vllm_config.cache_config, "prefix_caching_hash_algo", None)
     chain = "block keys from KVBM's own SHA-256 chain"
     if algo not in _ALGOS:
-        return None, (f"{chain}: vLLM's --prefix-caching-hash-algo {algo} is not collision "
-                      f"resistant and its hashes are seeded per process (sha256 and "
-                      f"sha256_cbor give keys from vLLM's hashes)")
+        return None, (
+            f"{chain}: vLLM's --prefix-caching-hash-algo {algo} is not collision "
+            f"resistant and its hashes are seeded per process (sha256 and "
+            f"sha256_cbor give keys from vLLM's hashes)"
+        )
     try:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils as kcu
@@ -165,8 +202,11 @@ def vllm_block_hashes(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig
     if not isinstance(none_hash, bytes) or len(none_hash) != 32:
         return None, f"{chain}: vLLM's {algo} hashes are not 32 bytes"
     if hash_block_size != block_size:
-        return None, (f"{chain}: vLLM hashes blocks of {hash_block_size} tokens, "
-                      f"KVBM's are {block_size}")
+        return None, (
+            f"{chain}: vLLM hashes blocks of {hash_block_size} tokens, KVBM's are {block_size}"
+        )
     root = "PYTHONHASHSEED" if os.getenv("PYTHONHASHSEED") is not None else "vLLM's fixed seed"
-    return (VllmBlockHashes(algo, hash_fn, none_hash, block_size, kcu),
-            f"block keys from vLLM's {algo} block hashes (root hash from {root})")
+    return (
+        VllmBlockHashes(algo, hash_fn, none_hash, block_size, kcu),
+        f"block keys from vLLM's {algo} block hashes (root hash from {root})",
+    )

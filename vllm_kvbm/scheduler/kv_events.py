@@ -118,8 +118,14 @@ class NoKVEvents:
 class KVEvents(NoKVEvents):
     enabled = True
 
-    def __init__(self, block_size: int, page_blocks: int, num_workers: int,
-                 lower_pages: int = LOWER_PAGES, group_idx: int = 0):
+    def __init__(
+        self,
+        block_size: int,
+        page_blocks: int,
+        num_workers: int,
+        lower_pages: int = LOWER_PAGES,
+        group_idx: int = 0,
+    ):
         from vllm.distributed import kv_events as ev
         from vllm.v1.core import kv_cache_utils as kcu
 
@@ -239,17 +245,21 @@ class KVEvents(NoKVEvents):
 
     def _page(self, request: "Request", p: int) -> _Page | None:
         g, bs = self.page_blocks, self.block_size
-        raw = request.block_hashes[p * g:(p + 1) * g]
+        raw = request.block_hashes[p * g : (p + 1) * g]
         if len(raw) != g or any(h is None for h in raw):
             return None
         convert = self._kcu.maybe_convert_block_hash
         parent = convert(request.block_hashes[p * g - 1]) if p > 0 else None
         start = p * g * bs
         lora = request.lora_request
-        return _Page([convert(h) for h in raw], parent,
-                     array("q", request.all_token_ids[start:start + g * bs]),
-                     lora.adapter_id if lora else None, lora.name if lora else None,
-                     self._extra_keys(request, start))
+        return _Page(
+            [convert(h) for h in raw],
+            parent,
+            array("q", request.all_token_ids[start : start + g * bs]),
+            lora.adapter_id if lora else None,
+            lora.name if lora else None,
+            self._extra_keys(request, start),
+        )
 
     def _extra_keys(self, request: "Request", start: int) -> list | None:
         """Per block, what vLLM's hash mixed in besides tokens (LoRA name,
@@ -267,27 +277,40 @@ class KVEvents(NoKVEvents):
     def _stored(self, page: _Page, tier: str) -> None:
         medium = MEDIUM[tier]
         last = self._events[-1] if self._events else None
-        if (isinstance(last, self._ev.BlockStored) and last.medium == medium
-                and getattr(last, "locality", None) == self._locality(tier)
-                and getattr(last, "ownership", None) == self._owner(tier, self._stored_fields)
-                and page.parent is not None and last.block_hashes[-1] == page.parent
-                and last.lora_name == page.lora_name):
+        if (
+            isinstance(last, self._ev.BlockStored)
+            and last.medium == medium
+            and getattr(last, "locality", None) == self._locality(tier)
+            and getattr(last, "ownership", None) == self._owner(tier, self._stored_fields)
+            and page.parent is not None
+            and last.block_hashes[-1] == page.parent
+            and last.lora_name == page.lora_name
+        ):
             # the next page of the same prompt: one event, as vLLM makes one
             # per newly cached run of blocks
             if last.extra_keys is not None or page.extra_keys is not None:
-                last.extra_keys = ((last.extra_keys or [None] * len(last.block_hashes))
-                                   + (page.extra_keys or [None] * len(page.hashes)))
+                last.extra_keys = (last.extra_keys or [None] * len(last.block_hashes)) + (
+                    page.extra_keys or [None] * len(page.hashes)
+                )
             last.block_hashes.extend(page.hashes)
             last.token_ids.extend(page.tokens)
             return
-        fields = dict(block_hashes=list(page.hashes), parent_block_hash=page.parent,
-                      token_ids=page.tokens.tolist(), block_size=self.block_size,
-                      lora_id=page.lora_id, medium=medium, lora_name=page.lora_name,
-                      extra_keys=list(page.extra_keys) if page.extra_keys else None,
-                      group_idx=self.group_idx, locality=_LOCALITY[tier],
-                      ownership=self._owner(tier, self._stored_fields))
-        self._events.append(self._ev.BlockStored(
-            **{k: v for k, v in fields.items() if k in self._stored_fields}))
+        fields = dict(
+            block_hashes=list(page.hashes),
+            parent_block_hash=page.parent,
+            token_ids=page.tokens.tolist(),
+            block_size=self.block_size,
+            lora_id=page.lora_id,
+            medium=medium,
+            lora_name=page.lora_name,
+            extra_keys=list(page.extra_keys) if page.extra_keys else None,
+            group_idx=self.group_idx,
+            locality=_LOCALITY[tier],
+            ownership=self._owner(tier, self._stored_fields),
+        )
+        self._events.append(
+            self._ev.BlockStored(**{k: v for k, v in fields.items() if k in self._stored_fields})
+        )
 
     def _locality(self, tier: str) -> str | None:
         """The locality an event of ``tier`` carries (None where this vLLM's
@@ -303,19 +326,29 @@ class KVEvents(NoKVEvents):
         medium = MEDIUM[tier]
         last = self._events[-1] if self._events else None
         owner = self._owner(tier, self._removed_fields)
-        if (isinstance(last, self._ev.BlockRemoved) and last.medium == medium
-                and getattr(last, "locality", None) == self._locality(tier)
-                and getattr(last, "ownership", None) == owner):
+        if (
+            isinstance(last, self._ev.BlockRemoved)
+            and last.medium == medium
+            and getattr(last, "locality", None) == self._locality(tier)
+            and getattr(last, "ownership", None) == owner
+        ):
             last.block_hashes.extend(hashes)
             return
-        fields = dict(block_hashes=list(hashes), medium=medium, group_idx=self.group_idx,
-                      locality=_LOCALITY[tier], ownership=owner)
-        self._events.append(self._ev.BlockRemoved(
-            **{k: v for k, v in fields.items() if k in self._removed_fields}))
+        fields = dict(
+            block_hashes=list(hashes),
+            medium=medium,
+            group_idx=self.group_idx,
+            locality=_LOCALITY[tier],
+            ownership=owner,
+        )
+        self._events.append(
+            self._ev.BlockRemoved(**{k: v for k, v in fields.items() if k in self._removed_fields})
+        )
 
 
-def kv_events(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
-              info: "EngineInfo") -> NoKVEvents:
+def kv_events(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", info: "EngineInfo"
+) -> NoKVEvents:
     """KVEvents when vLLM publishes KV events (``--kv-events-config`` with
     ``enable_kv_cache_events``), else the no-op."""
     config = getattr(vllm_config, "kv_events_config", None)
@@ -326,15 +359,23 @@ def kv_events(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig",
 
         _, hash_block_size = kcu.resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
     except Exception as err:  # noqa: BLE001 - a vLLM without it: say so, publish nothing
-        logger.warning("KVBM: no KV events for the host, disk and remote tiers: this vLLM's "
-                       "block hashing is not the one checked (%s)", err)
+        logger.warning(
+            "KVBM: no KV events for the host, disk and remote tiers: this vLLM's "
+            "block hashing is not the one checked (%s)",
+            err,
+        )
         return NoKVEvents()
     if hash_block_size != info.block_size:
-        logger.warning("KVBM: no KV events for the host, disk and remote tiers: vLLM hashes "
-                       "blocks of %d tokens, its KV cache blocks are %d (set --block-size "
-                       "and the hash block size alike)", hash_block_size, info.block_size)
+        logger.warning(
+            "KVBM: no KV events for the host, disk and remote tiers: vLLM hashes "
+            "blocks of %d tokens, its KV cache blocks are %d (set --block-size "
+            "and the hash block size alike)",
+            hash_block_size,
+            info.block_size,
+        )
         return NoKVEvents()
-    logger.info("KVBM: KV events on: host, disk and remote pages published with mediums "
-                "%s", ", ".join(f"{t}={m}" for t, m in MEDIUM.items()))
-    return KVEvents(info.block_size, info.page_blocks, info.num_workers,
-                    group_idx=info.primary)
+    logger.info(
+        "KVBM: KV events on: host, disk and remote pages published with mediums %s",
+        ", ".join(f"{t}={m}" for t, m in MEDIUM.items()),
+    )
+    return KVEvents(info.block_size, info.page_blocks, info.num_workers, group_idx=info.primary)

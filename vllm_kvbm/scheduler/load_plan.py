@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 class LoadPlanning:
     """Part of ``KVBMScheduler`` (planner.py, which holds the state): loads."""
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
+    ) -> None:
         state = self._reqs.get(request.request_id)
         if state is None:
             return
@@ -33,15 +34,16 @@ class LoadPlanning:
         self._count_lookup(state, num_external_tokens)
         if num_external_tokens == 0:
             return
-        keys = state.chain.keys[start:start + count]
-        block_ids = blocks.get_block_ids()[self.info.primary][start * g:(start + count) * g]
+        keys = state.chain.keys[start : start + count]
+        block_ids = blocks.get_block_ids()[self.info.primary][start * g : (start + count) * g]
         if skip:  # vLLM's own cache has the first page's first blocks
             block_ids[:skip] = [SKIP] * skip
         sources = state.lookup.hit_sources[:count]
         assert len(keys) == len(sources) == count and len(block_ids) == count * g
         if self.groups is not None:
-            units = self.groups.load_units(state.chain.keys, start, start + count, local,
-                                           blocks.get_block_ids())
+            units = self.groups.load_units(
+                state.chain.keys, start, start + count, local, blocks.get_block_ids()
+            )
             tiers = state.lookup.group_sources
             if units is None or any((u.page, u.group) not in tiers for u in units):
                 self._refuse_load(state, block_ids, count)
@@ -52,10 +54,14 @@ class LoadPlanning:
         # Pin the host hits first, so promotions below cannot evict them.
         host_keys = [k for k, src in zip(keys, sources) if src == "host"]
         host_slots = iter(self.host.pin(host_keys))
-        job = TransferJob(next(self._job_ids), request.request_id, block_ids, [],
-                          adapter=state.adapter,
-                          peer=(state.lookup.peer or state.params.peer or "")
-                          if "peer" in sources else "")
+        job = TransferJob(
+            next(self._job_ids),
+            request.request_id,
+            block_ids,
+            [],
+            adapter=state.adapter,
+            peer=(state.lookup.peer or state.params.peer or "") if "peer" in sources else "",
+        )
         for i, (key, src) in enumerate(zip(keys, sources)):
             if src == "host":
                 job.slots.append(next(host_slots))
@@ -92,8 +98,11 @@ class LoadPlanning:
         found: a load the worker fails without copying, so vLLM recomputes."""
         state.load.started, state.load.block_count = self.split.clock(), count
         state.load.sources = []
-        self._loads.append(TransferJob(next(self._job_ids), state.request.request_id,
-                                       block_ids, [0] * count, refuse=True))
+        self._loads.append(
+            TransferJob(
+                next(self._job_ids), state.request.request_id, block_ids, [0] * count, refuse=True
+            )
+        )
 
     def _fetches_ahead(self) -> dict[str, tuple[int, int]]:
         """(loads, pages) per lower tier of the loads in flight."""
@@ -132,14 +141,14 @@ class LoadPlanning:
                 self.host.drop(key)
             self.stats.add("load_error_blocks", state.load.block_count)
             # vLLM recomputes these blocks: store them again once it has.
-            state.store.cursor = min(state.store.cursor,
-                                     state.lookup.local_hit_blocks // self.page_blocks)
+            state.store.cursor = min(
+                state.store.cursor, state.lookup.local_hit_blocks // self.page_blocks
+            )
             self._watched[state.request.request_id] = state
             state.lookup.recompute_only = True
             state.lookup.failed_at_preemption = _preemptions(state.request)
         else:
-            self.stats.observe("load_latency_seconds",
-                               [self.split.clock() - state.load.started])
+            self.stats.observe("load_latency_seconds", [self.split.clock() - state.load.started])
             self._learn_load(state)
             self.stats.add("onboard_blocks_h2d", state.load.block_count)
             self.host.commit([key for key, _ in promoted])  # now in the host tier
@@ -150,8 +159,9 @@ class LoadPlanning:
             self._spill(keys, reused=True)
         self._maybe_forget(state)
 
-    def _finish_cut_load(self, state: _ReqState, keys: list[PageKey],
-                         promoted: list[tuple[PageKey, str]], cut: int) -> None:
+    def _finish_cut_load(
+        self, state: _ReqState, keys: list[PageKey], promoted: list[tuple[PageKey, str]], cut: int
+    ) -> None:
         """A load cut for running late after its first ``cut`` pages: those
         are loaded and kept (promoted ones enter the host tier), vLLM
         recomputes the rest (their blocks were reported as load errors)."""
@@ -174,10 +184,11 @@ class LoadPlanning:
         if load.tier_pages is not None and len(lower) == 1:
             [(tier, pages)] = lower.items()
             got = sum(1 for t in load.sources[:cut] if t == tier)
-            self.split.load_done(Counter({tier: pages}), elapsed * pages / max(got, 1),
-                                 load.ahead)
-            self.stats.set_gauge(f"load_seconds_per_block_{tier}",
-                                 self.split.seconds_per_block(tier) / self.page_blocks)
+            self.split.load_done(Counter({tier: pages}), elapsed * pages / max(got, 1), load.ahead)
+            self.stats.set_gauge(
+                f"load_seconds_per_block_{tier}",
+                self.split.seconds_per_block(tier) / self.page_blocks,
+            )
         load.tier_pages = None
         start = state.lookup.local_hit_blocks // self.page_blocks
         state.store.cursor = min(state.store.cursor, start + cut)  # stored once recomputed
@@ -193,8 +204,10 @@ class LoadPlanning:
         blocks, state.load.tier_pages = state.load.tier_pages, None
         self.split.load_done(blocks, self.split.clock() - state.load.started, state.load.ahead)
         for tier in blocks:
-            self.stats.set_gauge(f"load_seconds_per_block_{tier}",
-                                 self.split.seconds_per_block(tier) / self.page_blocks)
+            self.stats.set_gauge(
+                f"load_seconds_per_block_{tier}",
+                self.split.seconds_per_block(tier) / self.page_blocks,
+            )
 
     def _watch_prefill(self, state: _ReqState, num_scheduled: int, now: float) -> None:
         """Notes when a request's prompt starts and ends computing (the
@@ -227,5 +240,6 @@ class LoadPlanning:
             return
         started, cached = start
         self.split.prefill_done(cached, state.request.num_prompt_tokens - cached, now - started)
-        self.stats.set_gauge("recompute_seconds_per_block",
-                             self.split.prefill.block_seconds(0, self.block_size))
+        self.stats.set_gauge(
+            "recompute_seconds_per_block", self.split.prefill.block_seconds(0, self.block_size)
+        )

@@ -125,8 +125,15 @@ class PrefillModel:
 
         def residual(ab):
             a, b = ab  # sum of (t - a*x1 - b*x2)^2, from the sums
-            return (self._stt - 2 * a * self._s1t - 2 * b * self._s2t + a * a * self._s11
-                    + 2 * a * b * self._s12 + b * b * self._s22)
+            return (
+                self._stt
+                - 2 * a * self._s1t
+                - 2 * b * self._s2t
+                + a * a * self._s11
+                + 2 * a * b * self._s12
+                + b * b * self._s22
+            )
+
         return min(candidates, key=residual)
 
     def seconds(self, start: int, tokens: int) -> float:
@@ -157,8 +164,9 @@ class LoadSplit:
         if tokens >= 2 * self.block_size and seconds > 0:  # shorter: mostly step overhead
             self.prefill.add(start, tokens, seconds)
 
-    def load_done(self, blocks: Counter, seconds: float,
-                  ahead: dict[str, tuple[int, int]] | None = None) -> None:
+    def load_done(
+        self, blocks: Counter, seconds: float, ahead: dict[str, tuple[int, int]] | None = None
+    ) -> None:
         """A load of ``blocks[tier]`` blocks per tier took ``seconds``,
         planned behind ``ahead[tier]`` = (loads, pages) of lower-tier loads
         in flight. The host tier's cost comes from host-only loads; a lower
@@ -171,11 +179,13 @@ class LoadSplit:
             self._learn("host", host, seconds, now)
         elif len(lower) == 1:
             rest = seconds - self.load_seconds("host", host)
-            self._learn(lower[0], blocks[lower[0]], max(rest, 0.0), now,
-                        (ahead or {}).get(lower[0], (0, 0)))
+            self._learn(
+                lower[0], blocks[lower[0]], max(rest, 0.0), now, (ahead or {}).get(lower[0], (0, 0))
+            )
 
-    def _learn(self, tier: str, pages: int, seconds: float, now: float,
-               ahead: tuple[int, int] = (0, 0)) -> None:
+    def _learn(
+        self, tier: str, pages: int, seconds: float, now: float, ahead: tuple[int, int] = (0, 0)
+    ) -> None:
         self.load.setdefault(tier, TierCost()).add(pages, seconds, now, ahead)
 
     def load_seconds(self, tier: str, pages: int) -> float:
@@ -199,8 +209,9 @@ class LoadSplit:
             return None
         return self.prefill.seconds(start * self.block_size, count * self.block_size)
 
-    def cut(self, sources: list[str], start: int,
-            ahead: dict[str, tuple[int, int]] | None = None) -> int:
+    def cut(
+        self, sources: list[str], start: int, ahead: dict[str, tuple[int, int]] | None = None
+    ) -> int:
         """How many of the found blocks (``sources[i]`` holds block
         ``start + i``) to load: the prefix whose expected load time, less the
         recompute time it saves, is least; a tier's fixed part (its latency,
@@ -213,8 +224,11 @@ class LoadSplit:
         costs, probes = {}, set()
         for tier in set(sources):
             est = self.load.get(tier)
-            if est is not None and now - est.updated > PROBE_AFTER_S \
-                    and now - self._probed.get(tier, -PROBE_AFTER_S) > PROBE_AFTER_S:
+            if (
+                est is not None
+                and now - est.updated > PROBE_AFTER_S
+                and now - self._probed.get(tier, -PROBE_AFTER_S) > PROBE_AFTER_S
+            ):
                 probes.add(tier)
             # Unknown: load it (the load measures the tier).
             if est is None:

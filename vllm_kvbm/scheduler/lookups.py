@@ -62,13 +62,15 @@ class BackgroundLookups:
         self.checks_pending = 0  # disk checks queued or being answered
         # (start, first key) -> (keys asked, run, answered at) of answers that
         # came after their request went on (``went_on``), newest last
-        self._late: dict[tuple[int, PageKey],
-                         tuple[list[PageKey], list[str], float, str | None]] = {}
+        self._late: dict[
+            tuple[int, PageKey], tuple[list[PageKey], list[str], float, str | None]
+        ] = {}
         self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
         self._thread.start()
 
-    def ask(self, req_id: str, keys: list[PageKey], start: int, end: int,
-            peer: str | None = None) -> tuple[list[str], int] | None:
+    def ask(
+        self, req_id: str, keys: list[PageKey], start: int, end: int, peer: str | None = None
+    ) -> tuple[list[str], int] | None:
         """The lower tiers of the longest run held of ``keys[start:end]``, as
         (run, offset): block ``start + k`` is in tier ``run[offset + k]`` for
         ``offset + k < len(run)``. None: asked, not answered yet. ``peer``:
@@ -77,23 +79,27 @@ class BackgroundLookups:
         got = self.ask_at(req_id, keys, start, end, peer)
         return None if got is None else (got[0], got[1])
 
-    def ask_at(self, req_id: str, keys: list[PageKey], start: int, end: int,
-               peer: str | None = None) -> tuple[list[str], int, str | None] | None:
+    def ask_at(
+        self, req_id: str, keys: list[PageKey], start: int, end: int, peer: str | None = None
+    ) -> tuple[list[str], int, str | None] | None:
         """``ask``'s (run, offset) and the endpoint of the peer its "peer"
         pages are at: the hint's, or without one the peer the directory
         named (None: the run names no peer page)."""
         with self._lock:
             q = self._entries.get(req_id)
-            if (q is not None and q.start <= start < q.start + q.count
-                    and keys[q.start] == q.first  # same chain: same blocks
-                    and q.peer == peer
-                    # an answer whose run ends before ``start`` says nothing of it
-                    and (q.run is None or start - q.start <= len(q.run))):
+            if (
+                q is not None
+                and q.start <= start < q.start + q.count
+                and keys[q.start] == q.first  # same chain: same blocks
+                and q.peer == peer
+                # an answer whose run ends before ``start`` says nothing of it
+                and (q.run is None or start - q.start <= len(q.run))
+            ):
                 if q.run is None:
                     return None
                 if not q.asking and time.monotonic() - q.answered_at > REFRESH_S:
                     q.asking = True
-                    self._queue.put((req_id, q, keys[q.start:q.start + q.count]))
+                    self._queue.put((req_id, q, keys[q.start : q.start + q.count]))
                 return q.run, start - q.start, q.found_peer
             q = self._entries[req_id] = _Question(start, keys[start], end - start, peer=peer)
             # (an answer that named a peer's pages is the hinted request's own)
@@ -107,8 +113,9 @@ class BackgroundLookups:
         self._queue.put((req_id, q, keys[start:end]))
         return None
 
-    def ask_each(self, req_id: str, keys: list[PageKey],
-                 peer: str | None = None) -> list[str | None] | None:
+    def ask_each(
+        self, req_id: str, keys: list[PageKey], peer: str | None = None
+    ) -> list[str | None] | None:
         """The first lower tier holding each of ``keys`` (None: none does),
         for a hybrid model's group pages (scheduler/group_pages.py); None:
         asked, not answered yet. The question is ``req_id``'s second one,
@@ -116,8 +123,9 @@ class BackgroundLookups:
         got = self.ask_each_at(req_id, keys, peer)
         return None if got is None else got[0]
 
-    def ask_each_at(self, req_id: str, keys: list[PageKey], peer: str | None = None
-                    ) -> tuple[list[str | None], str | None] | None:
+    def ask_each_at(
+        self, req_id: str, keys: list[PageKey], peer: str | None = None
+    ) -> tuple[list[str | None], str | None] | None:
         """``ask_each``'s answer and the endpoint of the peer its "peer"
         pages are at (as ``ask_at``)."""
         qid, first = req_id + _EACH, hashlib.sha256(b"".join(keys)).digest()
@@ -147,8 +155,9 @@ class BackgroundLookups:
             if q is not None:
                 q.abandoned = True
 
-    def _late_answer(self, keys: list[PageKey], start: int,
-                     end: int) -> tuple[list[str], float, str | None] | None:
+    def _late_answer(
+        self, keys: list[PageKey], start: int, end: int
+    ) -> tuple[list[str], float, str | None] | None:
         """A recent answer to a question some request went on without, if it
         asked about the same pages: the same start page (so the same prefix)
         and the same keys as far as its run and the page after it."""
@@ -160,7 +169,7 @@ class BackgroundLookups:
             del self._late[(start, keys[start])]
             return None
         m = min(len(run) + 1, len(asked), end - start)
-        if keys[start:start + m] != asked[:m]:
+        if keys[start : start + m] != asked[:m]:
             return None
         return run, answered_at, found_peer
 
@@ -203,8 +212,11 @@ class BackgroundLookups:
                     continue  # forgotten or asked again meanwhile
             target = PeerTarget(q.peer)  # the directory may name one (no hint)
             try:
-                run = (self._lower.find_each(keys, target) if q.each
-                       else self._lower.find_run_doubling(keys, target))
+                run = (
+                    self._lower.find_each(keys, target)
+                    if q.each
+                    else self._lower.find_run_doubling(keys, target)
+                )
             except Exception as err:  # a view must not kill the thread: a miss
                 logger.warning("KVBM: lower-tier lookup failed: %s", err)
                 run = []
@@ -249,5 +261,9 @@ _EACH = "\0groups"
 def lower_tiers(config: "KVBMConfig", info: "EngineInfo") -> LowerTiers:
     """The scheduler's views of the configured pool, disk and remote tiers,
     and of peers' pools (tiers/registry.py)."""
-    return LowerTiers(open_views(config, info), config.disk_admission,
-                      config.disk_admission_min_uses, peer_view=open_peer_view(config, info))
+    return LowerTiers(
+        open_views(config, info),
+        config.disk_admission,
+        config.disk_admission_min_uses,
+        peer_view=open_peer_view(config, info),
+    )

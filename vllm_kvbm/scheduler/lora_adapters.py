@@ -28,8 +28,9 @@ logger = logging.getLogger(__name__)
 Adapter = tuple[int, str]
 
 
-def lora_identity(lora, fingerprint: Callable[[str], str | None] | None = None
-                  ) -> LoRAIdentity | None:
+def lora_identity(
+    lora, fingerprint: Callable[[str], str | None] | None = None
+) -> LoRAIdentity | None:
     """A LoRA request's adapter as keys see it: its name alone could be
     reused for other weights, so its id, path and a fingerprint of its files
     count too. ``fingerprint(path)``: where that comes from (default: the
@@ -67,8 +68,11 @@ class LoRAAdapters:
         """Whether a request of this adapter may be looked up and stored."""
         first = self._first.setdefault(lora.int_id, lora)
         loaded = self._loaded.get(lora.int_id, {lora.fingerprint})
-        if lora.fingerprint and first == replace(lora, fingerprint="") \
-                and loaded == {lora.fingerprint}:
+        if (
+            lora.fingerprint
+            and first == replace(lora, fingerprint="")
+            and loaded == {lora.fingerprint}
+        ):
             # First seen without local files (an HF id vLLM had not downloaded
             # yet); the workers loaded exactly the files now found. Its
             # requests before were keyed without them, and refused by the
@@ -86,8 +90,9 @@ class LoRAAdapters:
         weights = self._loaded.setdefault(int_id, set())
         weights.add(fingerprint)
         first = self._first.get(int_id)
-        if len(weights) > 1 or (first is not None and first.fingerprint
-                                and first.fingerprint != fingerprint):
+        if len(weights) > 1 or (
+            first is not None and first.fingerprint and first.fingerprint != fingerprint
+        ):
             self._changed_now(int_id, repr(first.name) if first else "")
         elif first is not None and not first.fingerprint:
             # Keyed without its files (not local when first seen): what the
@@ -103,4 +108,7 @@ class LoRAAdapters:
             "KVBM: LoRA adapter %s(id %d) changed on disk since this engine first used or "
             "loaded it; its requests are no longer cached (vLLM may still run the weights it "
             "loaded). To cache it again, load the new files under a new adapter name, or "
-            "restart the engine", f"{name} " if name else "", int_id)
+            "restart the engine",
+            f"{name} " if name else "",
+            int_id,
+        )

@@ -42,15 +42,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, WorkerReports,
-                    CacheReset):
+class KVBMScheduler(
+    RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, WorkerReports, CacheReset
+):
     """The scheduler side vLLM's connector calls: the state, and each engine
     step's metadata; each phase's methods are in the module it is named for."""
 
-    def __init__(self, info: "EngineInfo", num_host_slots: int,
-                 offload_decode_blocks: bool = False, metrics_sink=None,
-                 lower: LowerTiers | None = None, load_split: bool = True,
-                 vllm_hashes: VllmBlockHashes | None = None, kv_events: NoKVEvents | None = None):
+    def __init__(
+        self,
+        info: "EngineInfo",
+        num_host_slots: int,
+        offload_decode_blocks: bool = False,
+        metrics_sink=None,
+        lower: LowerTiers | None = None,
+        load_split: bool = True,
+        vllm_hashes: VllmBlockHashes | None = None,
+        kv_events: NoKVEvents | None = None,
+    ):
         self.info = info
         # vLLM's block hashes, when keys may come from them (key_source.py)
         self._vllm_hashes = vllm_hashes
@@ -79,8 +87,11 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self.events = kv_events or NoKVEvents()
         self.events.watch(self.host)
         self.stats = KVBMStats(metrics_sink)
-        self.stats.declare(["host"] + [view.name for view in self.lower.views]
-                           + (["peer"] if self.lower.peer_view is not None else []))
+        self.stats.declare(
+            ["host"]
+            + [view.name for view in self.lower.views]
+            + (["peer"] if self.lower.peer_view is not None else [])
+        )
         # The namespace's seed, and the keys' seed: that one as the weights
         # the workers run derive it (the same on every engine they run on)
         self._base_seed = info.key_namespace.seed()
@@ -110,12 +121,17 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         self.stats.set_gauge("peer_quarantined_slots", 0)
         # (tier, TP rank) -> a store's own counts last reported (TierStore.counts)
         self._tier_counts: dict[tuple[str, int], dict[str, int]] = {}
-        for name in ([f"load_seconds_per_block_{tier}" for tier in self.stats.tiers]
-                     + ["recompute_seconds_per_block"]):
+        for name in [f"load_seconds_per_block_{tier}" for tier in self.stats.tiers] + [
+            "recompute_seconds_per_block"
+        ]:
             self.stats.set_gauge(name, 0.0)  # not learned yet
         self._update_gauges()
-        logger.info("KVBM scheduler: host tier of %d pages of %d tokens (%d bytes each)",
-                    num_host_slots, info.page_tokens, info.page_bytes)
+        logger.info(
+            "KVBM scheduler: host tier of %d pages of %d tokens (%d bytes each)",
+            num_host_slots,
+            info.page_tokens,
+            info.page_bytes,
+        )
 
     def bind_kv_cache_manager(self, manager: "KVCacheManager") -> None:
         self._kv_cache_manager = manager
@@ -128,17 +144,23 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         # (and may have handed them out), so no backlog of theirs is drained.
         flush = self._preempted(out.preempted_req_ids or ())
         backlog_stores = self._drain_backlogs()
-        meta = KVBMConnectorMetadata(loads=self._loads,
-                                     delayed_free_req_ids=self._delayed_free,
-                                     spills=self._spills, weights=self.weights.meta())
+        meta = KVBMConnectorMetadata(
+            loads=self._loads,
+            delayed_free_req_ids=self._delayed_free,
+            spills=self._spills,
+            weights=self.weights.meta(),
+        )
         meta.flush_req_ids += flush
         meta.stores += backlog_stores
         self._loads, self._delayed_free, self._spills = [], [], []
         now = self.split.clock()
         self._time_prefills(now)
         watched = self._watched
-        states = {} if self.groups is None else self.groups.boundary_states(
-            out, self._kv_cache_manager.get_block_ids)
+        states = (
+            {}
+            if self.groups is None
+            else self.groups.boundary_states(out, self._kv_cache_manager.get_block_ids)
+        )
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             state = watched.get(req_id)
             if state is not None and num_scheduled > 0:
@@ -169,17 +191,24 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         """After this step, nothing in its steps concerns the connector until
         a preemption or a failed load (which watch it again)."""
         request = state.request
-        return (not self.offload_decode_blocks
-                and request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens
-                and (state.no_store or state.store.cursor
-                     >= request.num_prompt_tokens // self.page_tokens))
+        return (
+            not self.offload_decode_blocks
+            and request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens
+            and (
+                state.no_store
+                or state.store.cursor >= request.num_prompt_tokens // self.page_tokens
+            )
+        )
 
     def _maybe_forget(self, state: _ReqState) -> None:
         if self._background is not None and state.finished:
             self._background.forget(state.request.request_id)
-        if state.finished and not (state.store.jobs or state.load.in_flight()
-                                   or state.store.backlog is not None
-                                   or state.store.free_pending):
+        if state.finished and not (
+            state.store.jobs
+            or state.load.in_flight()
+            or state.store.backlog is not None
+            or state.store.free_pending
+        ):
             self._reqs.pop(state.request.request_id, None)
             self._watched.pop(state.request.request_id, None)
 
@@ -203,6 +232,12 @@ class KVBMScheduler(RequestKeys, PrefixLookup, LoadPlanning, StorePlanning, Work
         return False, None
 
     def has_pending_work(self) -> bool:
-        return bool(self._store_jobs or self._loads or self._delayed_free
-                    or self._spills or self._pending_spills or self._backlogged
-                    or (self._background is not None and self._background.checks_pending))
+        return bool(
+            self._store_jobs
+            or self._loads
+            or self._delayed_free
+            or self._spills
+            or self._pending_spills
+            or self._backlogged
+            or (self._background is not None and self._background.checks_pending)
+        )

@@ -26,8 +26,9 @@ OVERDUE_WAIT_SHARE = 0.1
 class PrefixLookup:
     """Part of ``KVBMScheduler`` (planner.py, which holds the state): lookups."""
 
-    def get_num_new_matched_tokens(self, request: "Request",
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: "Request", num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         state = self._state(request)
         if state is None:
             return 0, False
@@ -56,8 +57,11 @@ class PrefixLookup:
         # Only the tiers and tokens the request allows (kv_load_tiers,
         # max_load_tokens), and of those the part whose load beats
         # recomputing it (learned costs).
-        sources = sources[:state.params.loadable(
-            sources, local * self.block_size - start * self.page_tokens, self.page_tokens)]
+        sources = sources[
+            : state.params.loadable(
+                sources, local * self.block_size - start * self.page_tokens, self.page_tokens
+            )
+        ]
         keep = self.split.cut(sources, start, self._fetches_ahead() if self._fetch_queue else None)
         state.lookup.split_dropped = len(sources) - keep
         sources = sources[:keep]
@@ -103,8 +107,9 @@ class PrefixLookup:
             break
         return ["host"] * (i - start)
 
-    def _lookup_in_background(self, state: _ReqState, sources: list[str], i: int,
-                              end: int) -> list[str] | None:
+    def _lookup_in_background(
+        self, state: _ReqState, sources: list[str], i: int, end: int
+    ) -> list[str] | None:
         """The rest of ``_lookup`` from block ``i`` (the first the host tier
         lacks): the lower tiers' answer comes from the background thread,
         None until it has one. Their pages are promoted into free host slots,
@@ -114,8 +119,9 @@ class PrefixLookup:
         keys = state.chain.keys
         if len(keys) < i + n:
             state.chain.extend_to(state.request.all_token_ids, i + n)
-        answer = self._background.ask_at(state.request.request_id, keys, i, i + n,
-                                         state.params.peer)
+        answer = self._background.ask_at(
+            state.request.request_id, keys, i, i + n, state.params.peer
+        )
         if answer is None:
             if self._waited_enough(state, i, n):
                 # Goes on with what is known: the host part; the answer,
@@ -144,30 +150,42 @@ class PrefixLookup:
         ``lookup.group_sources``. Group pages the host tier lacks are asked
         of the lower tiers on the lookup thread: None until it answers."""
         end, keys, groups = start + len(sources), state.chain.keys, self.groups
-        names = {(i, g.index): group_key(keys[i], g.index)
-                 for i in range(start, end) for g in groups.others}
+        names = {
+            (i, g.index): group_key(keys[i], g.index)
+            for i in range(start, end)
+            for g in groups.others
+        }
         allowed = state.params.load_tiers  # kv_load_tiers (None: every tier)
-        found = {u: "host" for u, key in names.items()
-                 if self.host.is_ready(key) and (allowed is None or "host" in allowed)}
+        found = {
+            u: "host"
+            for u, key in names.items()
+            if self.host.is_ready(key) and (allowed is None or "host" in allowed)
+        }
         boundary = groups.longest_hit(start, end, found.__contains__)
         if boundary < end and self._background is not None:
             missing = [u for u in names if u not in found]
             # the primary pages' peer, if any: a load reads from one peer
-            answer = self._background.ask_each_at(state.request.request_id,
-                                                  [names[u] for u in missing],
-                                                  state.lookup.peer or state.params.peer)
+            answer = self._background.ask_each_at(
+                state.request.request_id,
+                [names[u] for u in missing],
+                state.lookup.peer or state.params.peer,
+            )
             if answer is None:
                 if not self._waited_enough(state, start, len(sources)):
                     return None
             else:
                 tiers, peer = answer
-                found.update((u, tier) for u, tier in zip(missing, tiers)
-                             if tier and (allowed is None or tier in allowed))
+                found.update(
+                    (u, tier)
+                    for u, tier in zip(missing, tiers)
+                    if tier and (allowed is None or tier in allowed)
+                )
                 state.lookup.peer = state.lookup.peer or peer
                 boundary = groups.longest_hit(start, end, found.__contains__)
-        state.lookup.group_sources = {u: found[u] for u in groups.needed(start, boundary)
-                                      if u in found}
-        return sources[:boundary - start]
+        state.lookup.group_sources = {
+            u: found[u] for u in groups.needed(start, boundary) if u in found
+        }
+        return sources[: boundary - start]
 
     def _waited_enough(self, state: _ReqState, i: int, n: int) -> bool:
         """Whether the request has waited for the lower tiers' answer about
@@ -184,8 +202,10 @@ class PrefixLookup:
         if bound is None:
             return False
         waited = now - state.lookup.waiting_since
-        return waited >= bound or (waited >= OVERDUE_WAIT_SHARE * bound
-                                   and self._background.overdue(state.request.request_id))
+        return waited >= bound or (
+            waited >= OVERDUE_WAIT_SHARE * bound
+            and self._background.overdue(state.request.request_id)
+        )
 
     def _count_lookup(self, state: _ReqState, hit_tokens: int) -> None:
         """Counts a lookup once, when vLLM admits the request with its result.

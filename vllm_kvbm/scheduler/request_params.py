@@ -30,8 +30,13 @@ TIERS = ("host", "pool", "disk", "peer", "remote")
 # Each tier as vLLM's TierMatcher sees it: (medium, locality); a remote
 # server's medium is its own business (None matches every medium). The pool
 # is host memory of this machine, a peer's pool another machine's.
-_MATCHED_AS = {"host": ("CPU", "LOCAL"), "pool": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"),
-               "peer": ("CPU", "REMOTE"), "remote": (None, "REMOTE")}
+_MATCHED_AS = {
+    "host": ("CPU", "LOCAL"),
+    "pool": ("CPU", "LOCAL"),
+    "disk": ("STORAGE", "LOCAL"),
+    "peer": ("CPU", "REMOTE"),
+    "remote": (None, "REMOTE"),
+}
 _MEDIUMS = ("CPU", "STORAGE")
 _LOCALITIES = ("LOCAL", "REMOTE")
 
@@ -113,10 +118,13 @@ def parse_apart(params: Mapping[str, Any] | None) -> tuple[RequestParams, list[s
     if not params:
         return ALL, []
     if not isinstance(params, Mapping):
-        err = (f"kv_transfer_params: expected an object, got {type(params).__name__}; "
-               f"send e.g. {{\"{LOAD_TIERS}\": [\"host\"]}}")
-        return RequestParams(load_tiers=frozenset(), store_tiers=frozenset(), error=err,
-                             refused=("object",)), [err]
+        err = (
+            f"kv_transfer_params: expected an object, got {type(params).__name__}; "
+            f'send e.g. {{"{LOAD_TIERS}": ["host"]}}'
+        )
+        return RequestParams(
+            load_tiers=frozenset(), store_tiers=frozenset(), error=err, refused=("object",)
+        ), [err]
     errors, refused = [], []
     try:
         load_tiers, max_load = _tiers(params, LOAD_TIERS), _tokens(params, MAX_LOAD)
@@ -136,9 +144,15 @@ def parse_apart(params: Mapping[str, Any] | None) -> tuple[RequestParams, list[s
         errors.append(str(err))
         refused.append("hint")
         peer = None
-    return RequestParams(load_tiers=load_tiers, store_tiers=store_tiers,
-                         max_load_tokens=max_load, max_store_tokens=max_store, peer=peer,
-                         error="; ".join(errors) or None, refused=tuple(refused)), errors
+    return RequestParams(
+        load_tiers=load_tiers,
+        store_tiers=store_tiers,
+        max_load_tokens=max_load,
+        max_store_tokens=max_store,
+        peer=peer,
+        error="; ".join(errors) or None,
+        refused=tuple(refused),
+    ), errors
 
 
 def _store_fields(params: Mapping[str, Any]) -> tuple[frozenset[str] | None, int | None]:
@@ -148,8 +162,9 @@ def _store_fields(params: Mapping[str, Any]) -> tuple[frozenset[str] | None, int
     store_tiers = _tiers(params, STORE_TIERS)
     if store_tiers and "host" not in store_tiers:
         raise RequestParamsError(
-            f"{STORE_TIERS}: {sorted(store_tiers)} leaves out \"host\", through which "
-            f"every store passes; add \"host\", or send [] to store nothing")
+            f'{STORE_TIERS}: {sorted(store_tiers)} leaves out "host", through which '
+            f'every store passes; add "host", or send [] to store nothing'
+        )
     max_store = _tokens(params, MAX_STORE)
     return (frozenset() if skip else store_tiers), max_store
 
@@ -160,10 +175,15 @@ def for_request(request) -> RequestParams:
     as asked."""
     params, errors = parse_apart(request.kv_transfer_params)
     if errors:
-        off = " and ".join(what for what, on in (("loads", params.loads),
-                                                  ("stores", params.stores)) if not on)
-        logger.warning("request %s: %s (%s)", request.request_id, "; ".join(errors),
-                       f"it {off} no KV" if off else "the hint is ignored")
+        off = " and ".join(
+            what for what, on in (("loads", params.loads), ("stores", params.stores)) if not on
+        )
+        logger.warning(
+            "request %s: %s (%s)",
+            request.request_id,
+            "; ".join(errors),
+            f"it {off} no KV" if off else "the hint is ignored",
+        )
     return params
 
 
@@ -178,8 +198,7 @@ def _tokens(params: Mapping[str, Any], name: str) -> int | None:
     if raw is None:
         return None
     if type(raw) is not int or raw < 0:  # bool is an int: refused too
-        raise RequestParamsError(
-            f"{name}: expected a whole number of tokens >= 0, got {raw!r}")
+        raise RequestParamsError(f"{name}: expected a whole number of tokens >= 0, got {raw!r}")
     return raw
 
 
@@ -190,7 +209,7 @@ def _tiers(params: Mapping[str, Any], name: str) -> frozenset[str] | None:
     raw = params.get(name)
     if raw is None:
         return None
-    fix = f"send a list of {list(TIERS)} or of {{\"medium\": ..., \"locality\": ...}}"
+    fix = f'send a list of {list(TIERS)} or of {{"medium": ..., "locality": ...}}'
     if not isinstance(raw, list):
         raise RequestParamsError(f"{name}: expected a list, got {raw!r}; {fix}")
     tiers = set()
@@ -202,7 +221,9 @@ def _tiers(params: Mapping[str, Any], name: str) -> frozenset[str] | None:
         elif isinstance(entry, Mapping):
             tiers |= _matched(name, entry, fix)
         else:
-            raise RequestParamsError(f"{name}: entry {entry!r} is neither a tier nor a matcher; {fix}")
+            raise RequestParamsError(
+                f"{name}: entry {entry!r} is neither a tier nor a matcher; {fix}"
+            )
     return frozenset(tiers)
 
 
@@ -216,7 +237,11 @@ def _matched(name: str, matcher: Mapping[str, Any], fix: str) -> set[str]:
         value = matcher.get(field)
         if value is not None and (not isinstance(value, str) or value.upper() not in allowed):
             raise RequestParamsError(
-                f"{name}: {field} {value!r} is not one of {list(allowed)}; {fix}")
+                f"{name}: {field} {value!r} is not one of {list(allowed)}; {fix}"
+            )
         want.append(None if value is None else value.upper())
-    return {tier for tier, have in _MATCHED_AS.items()
-            if all(w is None or h is None or w == h for w, h in zip(want, have))}
+    return {
+        tier
+        for tier, have in _MATCHED_AS.items()
+        if all(w is None or h is None or w == h for w, h in zip(want, have))
+    }

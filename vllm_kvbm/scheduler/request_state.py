@@ -149,8 +149,12 @@ class RequestKeys:
 
     def _state(self, request: "Request") -> _ReqState | None:
         state = self._reqs.get(request.request_id)
-        if state is not None and (state.params.loads or state.params.stores) \
-                and _beyond_tokens(request) and not self._inputs_named(state.chain):
+        if (
+            state is not None
+            and (state.params.loads or state.params.stores)
+            and _beyond_tokens(request)
+            and not self._inputs_named(state.chain)
+        ):
             # A streaming session that began as text and added an image or
             # embeddings in a later chunk, under keys that do not name them:
             # neither loads nor stores from now on.
@@ -168,8 +172,9 @@ class RequestKeys:
             chain = self._key_chain(request, salt)
             if _beyond_tokens(request) and not self._inputs_named(chain):
                 return None  # KV depends on inputs that these keys don't name
-            state = _ReqState(request, chain, salt,
-                              None if lora is None else (lora.int_id, lora.fingerprint))
+            state = _ReqState(
+                request, chain, salt, None if lora is None else (lora.int_id, lora.fingerprint)
+            )
             state.params = for_request(request)
             for part in state.params.refused:
                 self.stats.add("refused_params", 1, part)
@@ -181,8 +186,11 @@ class RequestKeys:
         """Whether ``chain``'s keys name a request's images, audio and prompt
         embeddings: vLLM's block hashes do, where they were checked to
         (key_source.py); our own chain covers token ids only."""
-        return isinstance(chain, VllmHashKeys) and self._vllm_hashes is not None \
+        return (
+            isinstance(chain, VllmHashKeys)
+            and self._vllm_hashes is not None
             and bool(self._vllm_hashes.inputs)
+        )
 
     def _stop_storing(self, match) -> None:
         """Requests in flight whose adapter ``match`` accepts store nothing more."""
@@ -195,16 +203,23 @@ class RequestKeys:
         hashes when they qualify for it, else our own chain (keys.py)."""
         hashes = self._vllm_hashes
         if hashes is not None and hashes.covers(request):
-            return VllmHashKeys(self._seed, self.page_tokens, salt, request.block_hashes,
-                                hashes.algo, stride=self.page_blocks)
+            return VllmHashKeys(
+                self._seed,
+                self.page_tokens,
+                salt,
+                request.block_hashes,
+                hashes.algo,
+                stride=self.page_blocks,
+            )
         return KeyChain(self._seed, self.page_tokens, salt)
 
     def key_chain(self, request: "Request") -> KeyChain | VllmHashKeys:
         """A fresh copy of the keys lookups and stores use for ``request``
         (computed on demand: ``extend``), e.g. to see what a prompt is stored as.
         Reads a LoRA adapter's files now: for tools and tests, not vLLM's threads."""
-        return self._key_chain(request, request_salt(lora_identity(request.lora_request),
-                                                     request.cache_salt))
+        return self._key_chain(
+            request, request_salt(lora_identity(request.lora_request), request.cache_salt)
+        )
 
     def _keys(self, state: _ReqState, num_tokens: int) -> list[PageKey]:
         """Keys of the first ``num_tokens // page_tokens`` pages. Copies only

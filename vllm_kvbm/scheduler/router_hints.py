@@ -49,41 +49,49 @@ def peer_endpoint(params: Mapping[str, Any]) -> str | None:
 
 def _from_router_hint(field: str, hint: Any) -> str:
     if not isinstance(hint, Mapping):
-        raise HintError(f"{field}: expected an object with source_control_endpoint, got "
-                        f"{hint!r}; send {{\"source_control_endpoint\": \"tcp://HOST:PORT\"}}")
+        raise HintError(
+            f"{field}: expected an object with source_control_endpoint, got "
+            f'{hint!r}; send {{"source_control_endpoint": "tcp://HOST:PORT"}}'
+        )
     endpoint = _endpoint(f"{field}.source_control_endpoint", hint.get("source_control_endpoint"))
     hashes = hint.get("block_hashes")
-    if hashes is not None and (not isinstance(hashes, list) or not all(
-            type(h) is int and 0 <= h < _U64 for h in hashes)):
-        raise HintError(f"{field}.block_hashes: expected a list of unsigned 64-bit integers, "
-                        f"got {hashes!r}")
+    if hashes is not None and (
+        not isinstance(hashes, list) or not all(type(h) is int and 0 <= h < _U64 for h in hashes)
+    ):
+        raise HintError(
+            f"{field}.block_hashes: expected a list of unsigned 64-bit integers, got {hashes!r}"
+        )
     return endpoint
 
 
 def _from_envelope(envelope: Any) -> str:
     actions = envelope.get("actions") if isinstance(envelope, Mapping) else None
     if not isinstance(actions, list):
-        raise HintError(f"{KV_HINT}: expected an object with a list of actions, got "
-                        f"{envelope!r}")
+        raise HintError(f"{KV_HINT}: expected an object with a list of actions, got {envelope!r}")
     for action in actions:
         if not isinstance(action, Mapping) or action.get("action_type") != "kv.fetch":
             continue
         version = str(action.get("action_version", "1"))
         if version.split(".")[0] != "1":
-            raise HintError(f"{KV_HINT}: kv.fetch action_version {version!r} is not 1.x, "
-                            f"the version KVBM reads")
+            raise HintError(
+                f"{KV_HINT}: kv.fetch action_version {version!r} is not 1.x, the version KVBM reads"
+            )
         return _from_router_hint(f"{KV_HINT}.actions[].payload", action.get("payload"))
     raise HintError(f"{KV_HINT}: no kv.fetch action among {len(actions)}")
 
 
 def _from_remote_kv_source(source: Any) -> str:
     if not isinstance(source, Mapping):
-        raise HintError(f"{REMOTE_KV_SOURCE}: expected an object with remote_host and "
-                        f"remote_port, got {source!r}")
+        raise HintError(
+            f"{REMOTE_KV_SOURCE}: expected an object with remote_host and "
+            f"remote_port, got {source!r}"
+        )
     host, port = source.get("remote_host"), source.get("remote_port")
     if not isinstance(host, str) or not host or type(port) is not int:
-        raise HintError(f"{REMOTE_KV_SOURCE}: expected remote_host (a string) and remote_port "
-                        f"(an integer), got {host!r} and {port!r}")
+        raise HintError(
+            f"{REMOTE_KV_SOURCE}: expected remote_host (a string) and remote_port "
+            f"(an integer), got {host!r} and {port!r}"
+        )
     bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
     return _endpoint(REMOTE_KV_SOURCE, f"tcp://{bracketed}:{port}")
 

@@ -107,8 +107,9 @@ class SlotIndex:
         _, slots, _ = self.allocate_missing([key], 0, 1)
         return slots[0] if slots else None
 
-    def allocate_missing(self, keys: list[PageKey], start: int,
-                         end: int) -> tuple[list[int], list[int], int]:
+    def allocate_missing(
+        self, keys: list[PageKey], start: int, end: int
+    ) -> tuple[list[int], list[int], int]:
         """Reserves slots, in order, for the keys of ``keys[start:end]`` the
         index lacks, until every slot is busy. Returns the positions given a
         slot, their slots, and the position it stopped at (``end`` when no

@@ -21,15 +21,21 @@ BACKLOG_TIMEOUT_STEPS = 20
 class StorePlanning:
     """Part of ``KVBMScheduler`` (planner.py, which holds the state): stores."""
 
-    def _plan_store(self, state: _ReqState, num_scheduled: int,
-                    states: dict[tuple[int, int], int] | None = None) -> TransferJob | None:
+    def _plan_store(
+        self, state: _ReqState, num_scheduled: int, states: dict[tuple[int, int], int] | None = None
+    ) -> TransferJob | None:
         """Stores every full page this step completes that the host lacks
         (after the request's backlog); ``states``: a hybrid's state blocks
         vLLM handed off this step (GroupPages.boundary_states)."""
         request = state.request
-        if state.no_store or not state.params.stores or (
+        if (
+            state.no_store
+            or not state.params.stores
+            or (
                 not self.offload_decode_blocks
-                and state.store.cursor >= request.num_prompt_tokens // self.page_tokens):
+                and state.store.cursor >= request.num_prompt_tokens // self.page_tokens
+            )
+        ):
             return None  # e.g. decoding, prompt stored: the common case, kept cheap
         # Tokens whose KV exists after this step and whose ids are known.
         end = min(request.num_computed_tokens + num_scheduled, request.num_tokens)
@@ -63,8 +69,13 @@ class StorePlanning:
                 jobs.append(job)
         return jobs
 
-    def _store_pages(self, state: _ReqState, start: int, full: int,
-                     states: dict[tuple[int, int], int] | None = None) -> TransferJob | None:
+    def _store_pages(
+        self,
+        state: _ReqState,
+        start: int,
+        full: int,
+        states: dict[tuple[int, int], int] | None = None,
+    ) -> TransferJob | None:
         """A store of pages [start, full) the host lacks, into the host slots
         free or evictable now. Pages that find none wait as the request's
         backlog when lower tiers exist (stored as slots come free, vLLM
@@ -86,18 +97,31 @@ class StorePlanning:
         if g == 1:
             job_blocks = [blocks[i].block_id for i in positions]
         else:
-            job_blocks = [b.block_id for i in positions for b in blocks[i * g:(i + 1) * g]]
+            job_blocks = [b.block_id for i in positions for b in blocks[i * g : (i + 1) * g]]
         return self._store_job(state, job_keys, job_blocks, job_slots)
 
-    def _store_job(self, state: _ReqState, keys: list[PageKey], blocks: list[int],
-                   slots: list[int], before_next_step: bool = False) -> TransferJob:
+    def _store_job(
+        self,
+        state: _ReqState,
+        keys: list[PageKey],
+        blocks: list[int],
+        slots: list[int],
+        before_next_step: bool = False,
+    ) -> TransferJob:
         job_id = next(self._job_ids)
         pinned = self._pin(blocks) if self.groups is not None else []
-        self._store_jobs[job_id] = _StoreJob(state.request.request_id, keys,
-                                             self.info.num_workers, pinned=pinned)
+        self._store_jobs[job_id] = _StoreJob(
+            state.request.request_id, keys, self.info.num_workers, pinned=pinned
+        )
         state.store.jobs.add(job_id)
-        return TransferJob(job_id, state.request.request_id, blocks, slots,
-                           adapter=state.adapter, before_next_step=before_next_step)
+        return TransferJob(
+            job_id,
+            state.request.request_id,
+            blocks,
+            slots,
+            adapter=state.adapter,
+            before_next_step=before_next_step,
+        )
 
     def _pin(self, block_ids: list[int]) -> list:
         """A hybrid store's blocks, held in vLLM's block pool (a reference,
@@ -111,26 +135,34 @@ class StorePlanning:
         pool.touch(blocks)
         return blocks
 
-    def _store_group_pages(self, state: _ReqState, start: int, full: int,
-                           states: dict[tuple[int, int], int] | None) -> TransferJob | None:
+    def _store_group_pages(
+        self, state: _ReqState, start: int, full: int, states: dict[tuple[int, int], int] | None
+    ) -> TransferJob | None:
         """``_store_pages`` for a hybrid model: each group's pages of pages
         [start, full) that its hits read (scheduler/group_pages.py)."""
         request, keys = state.request, state.chain.keys
         blocks = self._kv_cache_manager.get_blocks(request.request_id).get_block_ids()
-        units = self.groups.store_units(keys, range(start, full), blocks,
-                                        request.num_prompt_tokens, states)
+        units = self.groups.store_units(
+            keys, range(start, full), blocks, request.num_prompt_tokens, states
+        )
         unit_keys = [u.key for u in units]
         positions, job_slots, stopped = self.host.allocate_missing(unit_keys, 0, len(units))
-        self._note_backlog(state, units[stopped].page if stopped < len(units) else full,
-                           progressed=bool(positions))
+        self._note_backlog(
+            state, units[stopped].page if stopped < len(units) else full, progressed=bool(positions)
+        )
         if not positions:
             return None
         primary = self.groups.primary
-        self.events.describe(request, keys, [units[i].page for i in positions
-                                             if units[i].group == primary])
-        return self._store_job(state, [unit_keys[i] for i in positions],
-                               [b for i in positions for b in units[i].blocks], job_slots,
-                               before_next_step=True)
+        self.events.describe(
+            request, keys, [units[i].page for i in positions if units[i].group == primary]
+        )
+        return self._store_job(
+            state,
+            [unit_keys[i] for i in positions],
+            [b for i in positions for b in units[i].blocks],
+            job_slots,
+            before_next_step=True,
+        )
 
     def _finish_stores(self, counts: Counter, ok: bool) -> None:
         for job_id, n in counts.items():
@@ -151,8 +183,9 @@ class StorePlanning:
             else:
                 self.host.commit(job.keys)
                 # the lower tiers the request allows (kv_store_tiers)
-                self._spill_now(job.keys, False,
-                                only=None if state is None else state.params.store_tiers)
+                self._spill_now(
+                    job.keys, False, only=None if state is None else state.params.store_tiers
+                )
             if job.failed:
                 self.stats.add("store_errors")
             else:
@@ -178,9 +211,13 @@ class StorePlanning:
             for keys, on_disk in self._background.take_checked():
                 self._spill_now(keys, True, on_disk)
 
-    def _spill_now(self, keys: list[PageKey], reused: bool,
-                   on_disk: set[PageKey] | frozenset = frozenset(),
-                   only: frozenset[str] | None = None) -> None:
+    def _spill_now(
+        self,
+        keys: list[PageKey],
+        reused: bool,
+        on_disk: set[PageKey] | frozenset = frozenset(),
+        only: frozenset[str] | None = None,
+    ) -> None:
         for tiers, run in self.lower.admit(keys, reused, on_disk, only):
             run = [key for key in run if self.host.is_ready(key)]
             if not run:
@@ -212,8 +249,9 @@ class StorePlanning:
         if not (self.lower and self.lower.writes_fresh_pages()):
             # No lower tier takes them now: a later store would only evict
             # this prompt's own pages from the host tier.
-            self.stats.add("store_skipped_blocks",
-                           (state.store.cursor - stopped) * self.page_blocks)
+            self.stats.add(
+                "store_skipped_blocks", (state.store.cursor - stopped) * self.page_blocks
+            )
             return
         now = self.split.clock()
         if state.store.backlog is None or progressed:
@@ -222,14 +260,17 @@ class StorePlanning:
             state.store.backlog_idle += 1
         state.store.backlog = stopped
         self._backlogged[state.request.request_id] = state
-        if (now - state.store.backlog_since > BACKLOG_TIMEOUT_S
-                and state.store.backlog_idle > BACKLOG_TIMEOUT_STEPS):
+        if (
+            now - state.store.backlog_since > BACKLOG_TIMEOUT_S
+            and state.store.backlog_idle > BACKLOG_TIMEOUT_STEPS
+        ):
             self._drop_backlog(state)
 
     def _drop_backlog(self, state: _ReqState) -> None:
         """Its blocks are gone or it waited too long: those pages are not stored."""
-        self.stats.add("store_skipped_blocks",
-                       (state.store.cursor - state.store.backlog) * self.page_blocks)
+        self.stats.add(
+            "store_skipped_blocks", (state.store.cursor - state.store.backlog) * self.page_blocks
+        )
         state.store.backlog = None
         self._backlog_done(state)
 

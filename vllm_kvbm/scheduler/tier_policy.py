@@ -53,8 +53,13 @@ class PeerTarget:
 
 
 class LowerTiers:
-    def __init__(self, views: list[TierView], disk_admission: str = "always",
-                 disk_min_uses: int = 2, peer_view=None):
+    def __init__(
+        self,
+        views: list[TierView],
+        disk_admission: str = "always",
+        disk_min_uses: int = 2,
+        peer_view=None,
+    ):
         self.views = views
         # peers' pools (tiers/peer/view.py), asked for requests whose hint
         # names one, after this machine's tiers; never written
@@ -77,15 +82,16 @@ class LowerTiers:
     def __bool__(self) -> bool:
         return bool(self.views) or self.peer_view is not None
 
-    def find_run_doubling(self, keys: list[PageKey],
-                          peer: "str | PeerTarget | None" = None) -> list[str]:
+    def find_run_doubling(
+        self, keys: list[PageKey], peer: "str | PeerTarget | None" = None
+    ) -> list[str]:
         """``find_run`` asked in runs of 1, 2, 4, ... keys: a miss at the
         first block costs one small question, a long hit a few."""
         run: list[str] = []
         size = 1
         peer = _target(peer)  # one peer for the whole question
         while len(run) < len(keys):
-            part = keys[len(run):len(run) + size]
+            part = keys[len(run) : len(run) + size]
             found = self.find_run(part, peer)
             run += found
             if len(found) < len(part):
@@ -93,8 +99,7 @@ class LowerTiers:
             size *= 2
         return run
 
-    def find_run(self, keys: list[PageKey],
-                 peer: "str | PeerTarget | None" = None) -> list[str]:
+    def find_run(self, keys: list[PageKey], peer: "str | PeerTarget | None" = None) -> list[str]:
         """The tier of each key of the longest leading run of ``keys`` held
         below the host tier (the first tier, in lookup order, that has it)."""
         run: list[str] = []
@@ -104,8 +109,9 @@ class LowerTiers:
             run.append(tier)
         return run
 
-    def find_each(self, keys: list[PageKey],
-                  peer: "str | PeerTarget | None" = None) -> list[str | None]:
+    def find_each(
+        self, keys: list[PageKey], peer: "str | PeerTarget | None" = None
+    ) -> list[str | None]:
         """The first tier (in lookup order) holding each of ``keys``, None
         where none does. Each tier is asked once for all the keys the tiers
         before it lack (``contains_many``: one round trip to a server); the
@@ -125,8 +131,11 @@ class LowerTiers:
                 else:
                     if target.endpoint is None:
                         target.endpoint = view.locate(batch)
-                    hits = ([False] * len(batch) if target.endpoint is None
-                            else view.contains_many_at(target.endpoint, batch))
+                    hits = (
+                        [False] * len(batch)
+                        if target.endpoint is None
+                        else view.contains_many_at(target.endpoint, batch)
+                    )
             for i, hit in zip(todo, hits):
                 if hit:
                     found[i] = view.name
@@ -135,8 +144,9 @@ class LowerTiers:
     def _in_order(self, peer: PeerTarget) -> list:
         """The views to ask, in lookup order: a peer's host memory, read
         over the network, before a remote server's."""
-        if self.peer_view is None or (peer.endpoint is None
-                                      and getattr(self.peer_view, "directory", None) is None):
+        if self.peer_view is None or (
+            peer.endpoint is None and getattr(self.peer_view, "directory", None) is None
+        ):
             return self.views
         local = [v for v in self.views if v.name != "remote"]
         return local + [self.peer_view] + [v for v in self.views if v.name == "remote"]
@@ -149,8 +159,7 @@ class LowerTiers:
     def writes_fresh_pages(self) -> bool:
         """Whether a page stored for the first time is written to some tier
         (not so when only a frequency-filtered disk is configured)."""
-        return any(view.name != "disk" or self.disk_admission != "frequency"
-                   for view in self.views)
+        return any(view.name != "disk" or self.disk_admission != "frequency" for view in self.views)
 
     def disk_unknown(self, keys: list[PageKey]) -> list[PageKey]:
         """Of reused ``keys``, those to ask the disk about (``on_disk``) before
@@ -173,9 +182,13 @@ class LowerTiers:
                             found.add(key)
         return found
 
-    def admit(self, keys: list[PageKey], reused: bool,
-              on_disk: set[PageKey] | frozenset = frozenset(),
-              only: frozenset[str] | None = None) -> list[tuple[list[str], list[PageKey]]]:
+    def admit(
+        self,
+        keys: list[PageKey],
+        reused: bool,
+        on_disk: set[PageKey] | frozenset = frozenset(),
+        only: frozenset[str] | None = None,
+    ) -> list[tuple[list[str], list[PageKey]]]:
         """The tiers ready host blocks ``keys`` should now be written to, as
         runs of consecutive keys going to the same tiers (keys no tier admits
         left out, order kept). ``on_disk``: reused keys the disk is known to
@@ -187,11 +200,13 @@ class LowerTiers:
             return runs
         shorts = [hash(key) for key in keys]
         # Use counts matter only to the frequency filter: not kept otherwise.
-        uses = ([self._uses.bump(short) for short in shorts]
-                if self.disk_admission == "frequency" else None)
+        uses = (
+            [self._uses.bump(short) for short in shorts]
+            if self.disk_admission == "frequency"
+            else None
+        )
         # Tier by tier (their tables are independent), then key by key.
-        takes = [self._admit_to(view, keys, shorts, reused, uses, on_disk)
-                 for view in views]
+        takes = [self._admit_to(view, keys, shorts, reused, uses, on_disk) for view in views]
         names = [view.name for view in views]
         last = None
         for key, flags in zip(keys, zip(*takes)):
@@ -203,8 +218,15 @@ class LowerTiers:
             runs[-1][1].append(key)
         return runs
 
-    def _admit_to(self, view: TierView, keys: list[PageKey], shorts: list[int],
-                  reused: bool, uses: list[int] | None, on_disk) -> list[bool]:
+    def _admit_to(
+        self,
+        view: TierView,
+        keys: list[PageKey],
+        shorts: list[int],
+        reused: bool,
+        uses: list[int] | None,
+        on_disk,
+    ) -> list[bool]:
         """Whether ``view``'s tier takes each of ``keys`` (noted as written)."""
         written = self._written[view.name]
         disk = view.name == "disk"
@@ -238,8 +260,12 @@ class LowerTiers:
 
     @staticmethod
     def onboard_counter(tier: str) -> str:
-        return {"pool": "onboard_blocks_pool", "disk": "onboard_blocks_d2d",
-                "peer": "onboard_blocks_peer", "remote": "onboard_blocks_remote"}[tier]
+        return {
+            "pool": "onboard_blocks_pool",
+            "disk": "onboard_blocks_d2d",
+            "peer": "onboard_blocks_peer",
+            "remote": "onboard_blocks_remote",
+        }[tier]
 
     def record(self, events: Counter, stats, num_workers: int = 1) -> None:
         """Turns the workers' (tier, outcome, rank) page counts into counters.
@@ -250,12 +276,19 @@ class LowerTiers:
         stored its shard (the least total), and failed once any rank failed
         (the greatest). All count pages, the unit a tier stores (the
         engine-side counters count blocks: ``kvbm_page_size_blocks``)."""
-        names = {"stored": {"pool": "offload_blocks_pool", "disk": "offload_blocks_h2d",
-                            "remote": "offload_blocks_remote"},
-                 "refused": "tier_write_errors", "dropped": "tier_write_drops",
-                 "miss": "tier_read_misses",
-                 "corrupt": "checksum_failures", "error": "tier_read_errors",
-                 "unauthenticated": "page_auth_failures"}
+        names = {
+            "stored": {
+                "pool": "offload_blocks_pool",
+                "disk": "offload_blocks_h2d",
+                "remote": "offload_blocks_remote",
+            },
+            "refused": "tier_write_errors",
+            "dropped": "tier_write_drops",
+            "miss": "tier_read_misses",
+            "corrupt": "checksum_failures",
+            "error": "tier_read_errors",
+            "unauthenticated": "page_auth_failures",
+        }
         touched = set()
         for (tier, outcome, rank), count in events.items():
             self._rank_totals[(tier, outcome)][rank] += count

@@ -90,8 +90,12 @@ class WeightsEpochs:
         if labels == self.labels:
             return False
         self.labels = labels
-        logger.info("KVBM: weights epoch %d: %s", self.epoch,
-                    "the weights are as loaded again" if not any(labels) else
-                    "the weights differ from those loaded; keys now name them (%s)"
-                    % ", ".join(sorted({label.split(":")[0] for label in labels if label})))
+        logger.info(
+            "KVBM: weights epoch %d: %s",
+            self.epoch,
+            "the weights are as loaded again"
+            if not any(labels)
+            else "the weights differ from those loaded; keys now name them (%s)"
+            % ", ".join(sorted({label.split(":")[0] for label in labels if label})),
+        )
         return True

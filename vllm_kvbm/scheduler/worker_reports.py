@@ -77,8 +77,9 @@ class WorkerReports:
             if state is None or not state.load.in_flight():
                 continue
             self._finish_load(state)
-        self.stats.add("host_evictions",
-                       (self.host.evictions - self._evictions_seen) * self.page_blocks)
+        self.stats.add(
+            "host_evictions", (self.host.evictions - self._evictions_seen) * self.page_blocks
+        )
         self._evictions_seen = self.host.evictions
         self._update_gauges()
 
@@ -95,8 +96,14 @@ class WorkerReports:
                 if grew > 0:
                     self.stats.add("peer_directory_entries", grew, result)
         elif tier == "peer":
-            self.stats.set_gauge("peer_quarantined_slots", max(
-                c.get("quarantined", 0) for (t, _), c in self._tier_counts.items() if t == "peer"))
+            self.stats.set_gauge(
+                "peer_quarantined_slots",
+                max(
+                    c.get("quarantined", 0)
+                    for (t, _), c in self._tier_counts.items()
+                    if t == "peer"
+                ),
+            )
 
     def _update_gauges(self) -> None:
         used = self.host.used_slots

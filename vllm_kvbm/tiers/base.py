@@ -45,8 +45,9 @@ class TierStore(ABC):
         its deadline and may still write ``out``): nor may the caller reuse
         ``out`` before take_ended_writes names its address."""
 
-    def get_many_into(self, items: list[tuple[bytes, "torch.Tensor"]],
-                      stop: "Callable[[], bool] | None" = None) -> list[str]:
+    def get_many_into(
+        self, items: list[tuple[bytes, "torch.Tensor"]], stop: "Callable[[], bool] | None" = None
+    ) -> list[str]:
         """get_into for each ``(key, out)``; the statuses in order. Once
         ``stop()`` is true the pages not read yet are "skipped" (a fetch
         given up on stops at its next page). A store that can read several

@@ -88,32 +88,50 @@ def lmcache_api():
     return CacheEngineKey, parse_cache_key, LMCacheEngineConfig, MemoryFormat, LMCacheMetadata
 
 
-
 class LMCacheStore(TierStore):
     """A store whose pages live in an LMCache backend under our page format."""
 
-    def __init__(self, page_bytes: int, namespace: str, rank: int, world_size: int,
-                 page_secret: bytes | None = None, layout: str = ""):
+    def __init__(
+        self,
+        page_bytes: int,
+        namespace: str,
+        rank: int,
+        world_size: int,
+        page_secret: bytes | None = None,
+        layout: str = "",
+    ):
         if not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
         if not (0 <= rank < world_size):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        (self._CacheEngineKey, self._parse_cache_key, self._Config, MemoryFormat,
-         LMCacheMetadata) = lmcache_api()
+        (
+            self._CacheEngineKey,
+            self._parse_cache_key,
+            self._Config,
+            MemoryFormat,
+            LMCacheMetadata,
+        ) = lmcache_api()
         self._fmt = MemoryFormat.KV_2LTD  # any non-binary format; arena-backed
-        self._codec = PageCodec(namespace, page_bytes, page_secret, rank=rank,
-                                world_size=world_size, layout=layout)
+        self._codec = PageCodec(
+            namespace, page_bytes, page_secret, rank=rank, world_size=world_size, layout=layout
+        )
         self.page_bytes = page_bytes
         self._rank, self._world_size = rank, world_size
         self._model = self._codec.model_name
         n = self._codec.stored_bytes
-        self._shape = torch.Size([1, 1, 1, n])          # 4-D: close() needs it
+        self._shape = torch.Size([1, 1, 1, n])  # 4-D: close() needs it
         self._tomb_shape = torch.Size([1, 1, 1, HEADER_BYTES])
-        self._phys = disk_page_bytes(page_bytes)       # allocator/disk accounting unit
+        self._phys = disk_page_bytes(page_bytes)  # allocator/disk accounting unit
         self._md = LMCacheMetadata(
-            model_name=self._model, world_size=world_size, local_world_size=world_size,
-            worker_id=rank, local_worker_id=rank, kv_dtype=torch.uint8,
-            kv_shape=(1, 1, 1, 1, n), chunk_size=1)
+            model_name=self._model,
+            world_size=world_size,
+            local_world_size=world_size,
+            worker_id=rank,
+            local_worker_id=rank,
+            kv_dtype=torch.uint8,
+            kv_shape=(1, 1, 1, 1, n),
+            chunk_size=1,
+        )
 
     def _ckey(self, key: bytes):
         return self._ckey_of(self._codec.chunk_hash(key))
@@ -121,6 +139,6 @@ class LMCacheStore(TierStore):
     def _ckey_of(self, chunk_hash: int):
         """LMCache's key of the page named by ``chunk_hash`` (the page key
         itself, or its keyed hash under a page secret: page_names.PageNames)."""
-        return self._CacheEngineKey(self._model, self._world_size, self._rank, chunk_hash,
-                                    torch.uint8)
-
+        return self._CacheEngineKey(
+            self._model, self._world_size, self._rank, chunk_hash, torch.uint8
+        )

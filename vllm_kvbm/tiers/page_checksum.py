@@ -21,8 +21,8 @@ import zlib
 import numpy as np
 import torch
 
-ALG_CRC32 = 1     # zlib.crc32 (computed with ISA-L where installed)
-ALG_CRC32C = 2    # Castagnoli, hardware accelerated
+ALG_CRC32 = 1  # zlib.crc32 (computed with ISA-L where installed)
+ALG_CRC32C = 2  # Castagnoli, hardware accelerated
 
 
 def _load_crc32c():
@@ -66,7 +66,7 @@ def _load_crc32():
 
 crc32c_extend = _load_crc32c()
 crc32, FAST_CRC32 = _load_crc32()
-WRITE_ALG = (ALG_CRC32 if FAST_CRC32 or crc32c_extend is None else ALG_CRC32C)
+WRITE_ALG = ALG_CRC32 if FAST_CRC32 or crc32c_extend is None else ALG_CRC32C
 
 
 def checksum_name() -> str:
@@ -93,8 +93,7 @@ class Crc:
 
     def __init__(self, alg: int, prefix: bytes):
         self._alg = alg
-        self.value = (crc32c_extend(0, prefix, len(prefix)) if alg == ALG_CRC32C
-                      else crc32(prefix))
+        self.value = crc32c_extend(0, prefix, len(prefix)) if alg == ALG_CRC32C else crc32(prefix)
 
     def update(self, chunk: memoryview) -> None:
         if not len(chunk):

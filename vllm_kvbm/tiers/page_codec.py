@@ -20,10 +20,25 @@ import torch
 
 from vllm_kvbm.tiers import page_checksum
 from vllm_kvbm.tiers.page_checksum import ALG_CRC32, ALG_CRC32C, Crc
-from vllm_kvbm.tiers.page_format import (FLAG_SEALED, FLAG_TOMBSTONE, FLAGS, GCM_NONCE,
-                                         GCM_TAG, HDR, HEADER_BYTES, MAC_AES_GCM, MAC_BYTES,
-                                         MAC_NONE, MAC_OFF, MAGIC, NO_KEY, NO_MAC, VERSION,
-                                         copy_bytes, page_scope)
+from vllm_kvbm.tiers.page_format import (
+    FLAG_SEALED,
+    FLAG_TOMBSTONE,
+    FLAGS,
+    GCM_NONCE,
+    GCM_TAG,
+    HDR,
+    HEADER_BYTES,
+    MAC_AES_GCM,
+    MAC_BYTES,
+    MAC_NONE,
+    MAC_OFF,
+    MAGIC,
+    NO_KEY,
+    NO_MAC,
+    VERSION,
+    copy_bytes,
+    page_scope,
+)
 from vllm_kvbm.tiers.page_names import PageNames
 from vllm_kvbm.tiers.page_seal import PageSeal
 
@@ -65,8 +80,16 @@ class PageCodec:
     only where all of them are the writer's.
     """
 
-    def __init__(self, namespace: str, page_bytes: int, secret: bytes | None = None, *,
-                 rank: int = 0, world_size: int = 1, layout: str = ""):
+    def __init__(
+        self,
+        namespace: str,
+        page_bytes: int,
+        secret: bytes | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        layout: str = "",
+    ):
         self.names = PageNames(namespace, page_bytes, secret)
         self.model_name = self.names.model
         self.page_bytes = page_bytes
@@ -173,7 +196,7 @@ class PageCodec:
             return "corrupt"
         if flags & FLAG_SEALED:
             # Sealed pages do not carry their key: it is authenticated instead.
-            if mac_alg != MAC_AES_GCM or k != NO_KEY or any(mac[GCM_NONCE + GCM_TAG:]):
+            if mac_alg != MAC_AES_GCM or k != NO_KEY or any(mac[GCM_NONCE + GCM_TAG :]):
                 return "corrupt"
         elif mac_alg != MAC_NONE or mac != NO_MAC or k != key:
             return "corrupt"
@@ -192,7 +215,8 @@ class PageCodec:
             logger.warning(
                 "KVBM: pages in this tier are sealed with a page secret this engine does not "
                 "have, so it cannot read them; set the same page_secret_file (or "
-                "KVBM_PAGE_SECRET) on every engine sharing the tier")
+                "KVBM_PAGE_SECRET) on every engine sharing the tier"
+            )
 
 
 class PageSigner:
@@ -205,8 +229,9 @@ class PageSigner:
         if codec._seal is not None:
             flags, mac_alg, key_field = flags | FLAG_SEALED, MAC_AES_GCM, NO_KEY
         write_alg = page_checksum.WRITE_ALG  # looked up per page: a test switches it
-        self._prefix = HDR.pack(MAGIC, VERSION, write_alg, flags, mac_alg, plen,
-                                codec.ns8, key_field, NO_MAC, 0)[:MAC_OFF]
+        self._prefix = HDR.pack(
+            MAGIC, VERSION, write_alg, flags, mac_alg, plen, codec.ns8, key_field, NO_MAC, 0
+        )[:MAC_OFF]
         self._crc = Crc(write_alg, self._prefix)
         self._ctx = None
         if codec._seal is not None:
@@ -246,8 +271,18 @@ class PageCheck:
     Otherwise the checksum alone.
     """
 
-    def __init__(self, codec: PageCodec, hdr: bytes, key: bytes, alg: int, flags: int,
-                 plen: int, mac: bytes, crc: int, foreign: bool = False):
+    def __init__(
+        self,
+        codec: PageCodec,
+        hdr: bytes,
+        key: bytes,
+        alg: int,
+        flags: int,
+        plen: int,
+        mac: bytes,
+        crc: int,
+        foreign: bool = False,
+    ):
         self._codec, self._hdr, self._key, self._alg = codec, hdr, key, alg
         self._flags, self._plen, self._mac, self._crc_field = flags, plen, mac, crc
         self._seen, self._foreign = 0, foreign
@@ -270,8 +305,8 @@ class PageCheck:
         # cache-sized piece into this thread's scratch, then copy it back.
         scratch = _scratch()
         for off in range(0, len(chunk), len(scratch)):
-            part = chunk[off:off + len(scratch)]
-            plain = scratch[:len(part)]
+            part = chunk[off : off + len(scratch)]
+            plain = scratch[: len(part)]
             self._ctx.update_into(part, plain)
             part[:] = plain
 
@@ -281,7 +316,7 @@ class PageCheck:
         assert self.opens
         self._seen += len(chunk)
         if len(chunk):
-            self._ctx.update_into(chunk, out[:len(chunk)])
+            self._ctx.update_into(chunk, out[: len(chunk)])
 
     def finish(self, payload: "torch.Tensor | memoryview") -> str:
         """The status, once every byte went through update; ``payload`` is the
@@ -321,8 +356,8 @@ class PageCheck:
             ctx = self._codec._seal.keystream(self._key, self._mac)
             scratch = memoryview(bytearray(min(len(plain), 1 << 20)))
             for off in range(0, len(plain), len(scratch)):
-                part = plain[off:off + len(scratch)]
-                stored = scratch[:len(part)]
+                part = plain[off : off + len(scratch)]
+                stored = scratch[: len(part)]
                 ctx.update_into(part, stored)
                 crc.update(stored)
         crc.update(self._mac)

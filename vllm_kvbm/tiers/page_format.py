@@ -38,13 +38,13 @@ MAGIC = b"KVBT"
 # another name: the version is part of the namespace hash).
 VERSION = 3
 FLAG_TOMBSTONE = 1
-FLAG_SEALED = 2   # payload encrypted and authenticated with the deployment secret
+FLAG_SEALED = 2  # payload encrypted and authenticated with the deployment secret
 FLAG_MAC = FLAG_SEALED
 FLAGS = FLAG_TOMBSTONE | FLAG_SEALED
 MAC_NONE = 0
-MAC_BLAKE3 = 1    # version 2 only (keyed BLAKE3): never read
-MAC_GMAC = 2      # version 2 only (AES-256-GMAC): never read
-MAC_AES_GCM = 3   # AES-256-GCM: 12-byte nonce, 16-byte tag, 4 zero bytes
+MAC_BLAKE3 = 1  # version 2 only (keyed BLAKE3): never read
+MAC_GMAC = 2  # version 2 only (AES-256-GMAC): never read
+MAC_AES_GCM = 3  # AES-256-GCM: 12-byte nonce, 16-byte tag, 4 zero bytes
 GCM_NONCE, GCM_TAG = 12, 16
 MAC_BYTES = 32
 NO_MAC = bytes(MAC_BYTES)
@@ -85,14 +85,17 @@ def name_scope(namespace: str, page_bytes: int) -> bytes:
     return length_prefixed(namespace.encode()) + struct.pack("<QQ", page_bytes, VERSION)
 
 
-def page_scope(namespace: str, page_bytes: int, rank: int, world_size: int,
-               layout: str) -> bytes:
+def page_scope(namespace: str, page_bytes: int, rank: int, world_size: int, layout: str) -> bytes:
     """What a page's header check and seal cover besides its own fields."""
-    return (name_scope(namespace, page_bytes) + struct.pack("<QQ", rank, world_size)
-            + length_prefixed(layout.encode()))
+    return (
+        name_scope(namespace, page_bytes)
+        + struct.pack("<QQ", rank, world_size)
+        + length_prefixed(layout.encode())
+    )
 
 
 # ---- byte buffers the tiers share ------------------------------------------------
+
 
 def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst[:] = src for 1-D uint8 CPU tensors of equal length.
@@ -115,5 +118,10 @@ def valid_key(key) -> bool:
 
 
 def valid_page(t, page_bytes: int) -> bool:
-    return (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1
-            and t.device.type == "cpu" and t.numel() == page_bytes)
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype == torch.uint8
+        and t.dim() == 1
+        and t.device.type == "cpu"
+        and t.numel() == page_bytes
+    )

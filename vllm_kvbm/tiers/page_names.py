@@ -59,8 +59,9 @@ class PageNames:
         return int.from_bytes(h.digest(), "big")
 
 
-def page_namer(namespace: str, page_bytes: int, rank: int, world_size: int,
-               secret: bytes | None = None) -> Callable[[bytes], str]:
+def page_namer(
+    namespace: str, page_bytes: int, rank: int, world_size: int, secret: bytes | None = None
+) -> Callable[[bytes], str]:
     """``key -> name`` a tier stores ``key``'s page under for one TP rank.
 
     It is LMCache's ``CacheEngineKey.to_string()`` of the key the stores use
@@ -75,13 +76,25 @@ def page_namer(namespace: str, page_bytes: int, rank: int, world_size: int,
     return lambda key: f"{prefix}{names.chunk_hash(key):x}@uint8"
 
 
-def page_name(namespace: str, page_bytes: int, rank: int, world_size: int,
-              key: bytes, secret: bytes | None = None) -> str:
+def page_name(
+    namespace: str,
+    page_bytes: int,
+    rank: int,
+    world_size: int,
+    key: bytes,
+    secret: bytes | None = None,
+) -> str:
     return page_namer(namespace, page_bytes, rank, world_size, secret)(key)
 
 
-def disk_page_namer(directory: str, namespace: str, page_bytes: int, rank: int,
-                    world_size: int, secret: bytes | None = None) -> Callable[[bytes], str]:
+def disk_page_namer(
+    directory: str,
+    namespace: str,
+    page_bytes: int,
+    rank: int,
+    world_size: int,
+    secret: bytes | None = None,
+) -> Callable[[bytes], str]:
     """``key -> path`` of the file the disk store keeps ``key``'s page in.
 
     Files appear only complete (written as ``.tmp`` and renamed) and vanish
@@ -93,6 +106,13 @@ def disk_page_namer(directory: str, namespace: str, page_bytes: int, rank: int,
     return lambda key: f"{base}{name(key)}.pt"
 
 
-def disk_page_path(directory: str, namespace: str, page_bytes: int, rank: int,
-                   world_size: int, key: bytes, secret: bytes | None = None) -> str:
+def disk_page_path(
+    directory: str,
+    namespace: str,
+    page_bytes: int,
+    rank: int,
+    world_size: int,
+    key: bytes,
+    secret: bytes | None = None,
+) -> str:
     return disk_page_namer(directory, namespace, page_bytes, rank, world_size, secret)(key)

@@ -85,7 +85,7 @@ class PageSeal:
         return ctx, nonce
 
     def decryptor(self, key: bytes, fields: bytes, mac: bytes):
-        nonce, tag = mac[:GCM_NONCE], mac[GCM_NONCE:GCM_NONCE + GCM_TAG]
+        nonce, tag = mac[:GCM_NONCE], mac[GCM_NONCE : GCM_NONCE + GCM_TAG]
         ctx = self._cipher(self._page_key(key), self._gcm(nonce, tag)).decryptor()
         ctx.authenticate_additional_data(self._scope + fields + key)
         return ctx

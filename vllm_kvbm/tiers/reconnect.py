@@ -46,8 +46,15 @@ class Reconnect:
     ``random`` module, which a test seeds.
     """
 
-    def __init__(self, retry_interval_s: float, what: str, target: str, role: str = "", *,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        retry_interval_s: float,
+        what: str,
+        target: str,
+        role: str = "",
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.retry_s = float(retry_interval_s)
         self.max_s = self.retry_s * MAX_BACKOFF_FACTOR
         self._what, self._target = what, target
@@ -58,7 +65,7 @@ class Reconnect:
         self._clock = clock
         self._lock = threading.Lock()
         self._next_try = 0.0
-        self._failures = 0       # failed attempts of this outage
+        self._failures = 0  # failed attempts of this outage
         self._attempted = False  # an attempt started since the last failure
         self.state = "new"  # "new" | "up" | "down"
         self.outages_ended = 0  # outages the server answered after (the metrics)
@@ -95,10 +102,17 @@ class Reconnect:
             self._attempted = False
             self._next_try = self._clock() + self.delay(self._failures)
         if was != "down":
-            logger.warning("KVBM: %s %s unavailable%s (%s); its calls miss at once, "
-                           "reconnecting after %.1f-%.1fs, backing off to at most %.0fs",
-                           self._what, self._target, self._role, why,
-                           self.retry_s * (1 - JITTER), self.retry_s, self.max_s)
+            logger.warning(
+                "KVBM: %s %s unavailable%s (%s); its calls miss at once, "
+                "reconnecting after %.1f-%.1fs, backing off to at most %.0fs",
+                self._what,
+                self._target,
+                self._role,
+                why,
+                self.retry_s * (1 - JITTER),
+                self.retry_s,
+                self.max_s,
+            )
 
     def answered(self) -> None:
         """The server answered a call: up (the backoff starts over), logged when
@@ -110,5 +124,4 @@ class Reconnect:
             if was == "down":
                 self.outages_ended += 1
         if was == "down":
-            logger.warning("KVBM: %s %s reachable again%s", self._what, self._target,
-                           self._role)
+            logger.warning("KVBM: %s %s reachable again%s", self._what, self._target, self._role)

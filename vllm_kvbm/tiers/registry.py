@@ -42,13 +42,15 @@ DISK = Medium("vllm_kvbm.tiers.disk.view:DiskView", "vllm_kvbm.tiers.disk.store:
 # Other engines' pools: read on a router's hint (peer_reads), never written.
 PEER = Medium("vllm_kvbm.tiers.peer.view:PeerView", "vllm_kvbm.tiers.peer.store:PeerStore")
 _LM = Medium("vllm_kvbm.tiers.lm.view:RemoteView", "vllm_kvbm.tiers.lm.store:RemoteStore")
-_REDIS = Medium("vllm_kvbm.tiers.redis.view:RedisView",
-                "vllm_kvbm.tiers.redis.store:RedisStore")
+_REDIS = Medium("vllm_kvbm.tiers.redis.view:RedisView", "vllm_kvbm.tiers.redis.store:RedisStore")
 
 # remote_url's scheme (``+cluster`` is part of the URL, not of the scheme).
 REMOTE: dict[str, Medium] = {
     "lm": _LM,
-    "redis": _REDIS, "rediss": _REDIS, "valkey": _REDIS, "valkeys": _REDIS,
+    "redis": _REDIS,
+    "rediss": _REDIS,
+    "valkey": _REDIS,
+    "valkeys": _REDIS,
 }
 
 
@@ -63,8 +65,10 @@ def configured(config: "KVBMConfig") -> list[Medium]:
     if config.remote_url is not None:
         scheme = parse_remote_url("remote_url", config.remote_url).scheme
         if scheme not in REMOTE:  # config accepted a scheme no medium serves
-            raise ValueError(f"remote_url: no tier registered for {scheme}:// "
-                             f"(vllm_kvbm/tiers/registry.py REMOTE)")
+            raise ValueError(
+                f"remote_url: no tier registered for {scheme}:// "
+                f"(vllm_kvbm/tiers/registry.py REMOTE)"
+            )
         media.append(REMOTE[scheme])
     return media
 
@@ -91,8 +95,9 @@ def open_peer_view(config: "KVBMConfig", info: "EngineInfo"):
     return PEER.view_class().from_config(config, info, page_secret(config))
 
 
-def open_stores(config: "KVBMConfig", info: "EngineInfo", rank: int,
-                layout: str = "") -> list["TierStore"]:
+def open_stores(
+    config: "KVBMConfig", info: "EngineInfo", rank: int, layout: str = ""
+) -> list["TierStore"]:
     """This worker's stores of the configured lower tiers, and its reader of
     peers' pools with peer_reads. ``layout``: layout_fingerprint of this
     worker's KV cache ("" where unknown)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class Param:
     name: str
@@ -71,12 +72,14 @@ def class_members(source: str, class_name: str) -> dict[str, Member]:
     for item in node.body:
         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
             decos = _decorators(item)
-            kind = next((k for k in ("property", "classmethod", "staticmethod")
-                         if k in decos), "method")
+            kind = next(
+                (k for k in ("property", "classmethod", "staticmethod") if k in decos), "method"
+            )
             if kind == "method" and ({"setter", "deleter"} & decos):
                 continue  # part of a property already recorded
-            members[item.name] = Member(item.name, kind, _params(item.args),
-                                        "abstractmethod" in decos, item.lineno)
+            members[item.name] = Member(
+                item.name, kind, _params(item.args), "abstractmethod" in decos, item.lineno
+            )
         elif isinstance(item, (ast.Assign, ast.AnnAssign)):
             targets = item.targets if isinstance(item, ast.Assign) else [item.target]
             for t in targets:
@@ -97,21 +100,32 @@ def signature_problem(ours: Member, base: Member) -> str | None:
         if b.kind in ("vararg", "varkw"):
             # vLLM may pass anything there: we must accept it too.
             if not any(p.kind == b.kind for p in mine):
-                return f"lacks {'*' if b.kind == 'vararg' else '**'}{b.name} of vLLM's " \
-                       f"{base.signature()}"
+                return (
+                    f"lacks {'*' if b.kind == 'vararg' else '**'}{b.name} of vLLM's "
+                    f"{base.signature()}"
+                )
             continue
-        match = mine[i] if i < len(mine) and b.kind in ("posonly", "positional") else \
-            next((p for p in mine if p.name == b.name), None)
+        match = (
+            mine[i]
+            if i < len(mine) and b.kind in ("posonly", "positional")
+            else next((p for p in mine if p.name == b.name), None)
+        )
         if match is None or match.name != b.name or match.kind != b.kind:
             got = "nothing" if match is None else f"{match.kind} {match.name!r}"
-            return (f"parameter {i} is {got}, vLLM passes {b.kind} {b.name!r}: "
-                    f"ours {ours.signature()} vs vLLM's {base.signature()}")
+            return (
+                f"parameter {i} is {got}, vLLM passes {b.kind} {b.name!r}: "
+                f"ours {ours.signature()} vs vLLM's {base.signature()}"
+            )
         if match.default != b.default:
-            return (f"default of {b.name!r} is {match.default}, vLLM's is {b.default}: "
-                    f"ours {ours.signature()} vs vLLM's {base.signature()}")
+            return (
+                f"default of {b.name!r} is {match.default}, vLLM's is {b.default}: "
+                f"ours {ours.signature()} vs vLLM's {base.signature()}"
+            )
     names = {b.name for b in theirs}
     for p in mine:
         if p.name not in names and p.kind not in ("vararg", "varkw") and p.default is None:
-            return (f"requires {p.name!r}, which vLLM never passes: ours "
-                    f"{ours.signature()} vs vLLM's {base.signature()}")
+            return (
+                f"requires {p.name!r}, which vLLM never passes: ours "
+                f"{ours.signature()} vs vLLM's {base.signature()}"
+            )
     return None

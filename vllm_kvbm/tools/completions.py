@@ -22,15 +22,16 @@ from dataclasses import dataclass, field
 @dataclass
 class Streamed:
     """One streamed completion, as it arrives."""
-    sent: float                                       # perf_counter when sent
-    launch: float = 0.0                               # unix time when sent
+
+    sent: float  # perf_counter when sent
+    launch: float = 0.0  # unix time when sent
     stamps: list[float] = field(default_factory=list)  # perf_counter per chunk with tokens
-    tokens: list[int] = field(default_factory=list)    # tokens in each of those chunks
+    tokens: list[int] = field(default_factory=list)  # tokens in each of those chunks
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # with return_token_ids
-    prompt_tokens: int | None = None                   # the usage, when the server sent it
+    prompt_tokens: int | None = None  # the usage, when the server sent it
     completion_tokens: int | None = None
-    end: float | None = None                           # perf_counter when the stream ended
+    end: float | None = None  # perf_counter when the stream ended
     done: bool = False
 
     @property
@@ -51,23 +52,36 @@ def async_client(base_url: str, timeout: float = 600, http_client=None):
     """An ``AsyncOpenAI`` for ``base_url`` (the server's root, without /v1)."""
     from openai import AsyncOpenAI
 
-    return AsyncOpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key=_api_key(),
-                       max_retries=0, timeout=timeout, http_client=http_client)
+    return AsyncOpenAI(
+        base_url=f"{base_url.rstrip('/')}/v1",
+        api_key=_api_key(),
+        max_retries=0,
+        timeout=timeout,
+        http_client=http_client,
+    )
 
 
 def sync_client(base_url: str, timeout: float = 600):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{base_url.rstrip('/')}/v1", api_key=_api_key(),
-                  max_retries=0, timeout=timeout)
+    return OpenAI(
+        base_url=f"{base_url.rstrip('/')}/v1", api_key=_api_key(), max_retries=0, timeout=timeout
+    )
 
 
 def _request(model: str, prompt, max_tokens: int, token_ids: bool) -> dict:
     extra = {"ignore_eos": True}
     if token_ids:
         extra["return_token_ids"] = True
-    return dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                stream=True, stream_options={"include_usage": True}, extra_body=extra)
+    return dict(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
 
 
 def _take(out: Streamed, chunk) -> None:
@@ -94,35 +108,48 @@ def _finish(out: Streamed) -> Streamed:
     return out
 
 
-async def stream_into(client, model: str, prompt, max_tokens: int, out: Streamed,
-                      timeout: float = 600, token_ids: bool = False) -> Streamed:
+async def stream_into(
+    client,
+    model: str,
+    prompt,
+    max_tokens: int,
+    out: Streamed,
+    timeout: float = 600,
+    token_ids: bool = False,
+) -> Streamed:
     """Streams one completion into ``out``; the whole request is bounded by
     ``timeout`` seconds (TimeoutError). Cancelling it closes the connection,
     which makes vLLM abort the request."""
     out.launch = time.time() - (time.perf_counter() - out.sent)
     async with asyncio.timeout(timeout):
-        stream = await client.completions.create(**_request(model, prompt, max_tokens,
-                                                            token_ids))
+        stream = await client.completions.create(**_request(model, prompt, max_tokens, token_ids))
         async with stream:
             async for chunk in stream:
                 _take(out, chunk)
     return _finish(out)
 
 
-async def stream(client, model: str, prompt, max_tokens: int, timeout: float = 600,
-                 token_ids: bool = False) -> Streamed:
-    return await stream_into(client, model, prompt, max_tokens, Streamed(time.perf_counter()),
-                             timeout, token_ids)
+async def stream(
+    client, model: str, prompt, max_tokens: int, timeout: float = 600, token_ids: bool = False
+) -> Streamed:
+    return await stream_into(
+        client, model, prompt, max_tokens, Streamed(time.perf_counter()), timeout, token_ids
+    )
 
 
-def stream_sync(base_url: str, model: str, prompt, max_tokens: int, timeout: float = 600,
-                token_ids: bool = False) -> Streamed:
+def stream_sync(
+    base_url: str,
+    model: str,
+    prompt,
+    max_tokens: int,
+    timeout: float = 600,
+    token_ids: bool = False,
+) -> Streamed:
     """The same without an event loop; ``timeout`` bounds each read."""
     with sync_client(base_url, timeout) as client:
         out = Streamed(time.perf_counter())
         out.launch = time.time()
-        with client.completions.create(**_request(model, prompt, max_tokens,
-                                                  token_ids)) as chunks:
+        with client.completions.create(**_request(model, prompt, max_tokens, token_ids)) as chunks:
             for chunk in chunks:
                 _take(out, chunk)
     return _finish(out)

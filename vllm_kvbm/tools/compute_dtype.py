@@ -56,8 +56,10 @@ def compute_dtype() -> str:
     forced = os.environ.get(ENV, "").strip()
     if forced:
         if forced not in DTYPES:
-            raise ValueError(f"{ENV}={forced!r}: expected one of {', '.join(DTYPES)} "
-                             f"(or unset it to choose from the CPU)")
+            raise ValueError(
+                f"{ENV}={forced!r}: expected one of {', '.join(DTYPES)} "
+                f"(or unset it to choose from the CPU)"
+            )
         return forced
     return "bfloat16" if native_bf16() else "float32"
 
@@ -72,6 +74,8 @@ def describe() -> str:
     elif torch.cuda.is_available():
         why = "CUDA device"
     else:
-        why = (f"CPU {torch.backends.cpu.get_cpu_capability()}, "
-               f"{'native' if native_bf16() else 'no native'} bf16")
+        why = (
+            f"CPU {torch.backends.cpu.get_cpu_capability()}, "
+            f"{'native' if native_bf16() else 'no native'} bf16"
+        )
     return f"{dtype} ({why})"

@@ -33,8 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model path (default: local model)")
     parser.add_argument("--prompt-tokens", type=int, default=3000)
-    parser.add_argument("--engine-kv-blocks", type=int, default=28,
-                        help="engine KV cache size in blocks (too small for two prompts)")
+    parser.add_argument(
+        "--engine-kv-blocks",
+        type=int,
+        default=28,
+        help="engine KV cache size in blocks (too small for two prompts)",
+    )
     parser.add_argument("--host-cache-size", default="1GiB")
     args = parser.parse_args(argv)
 
@@ -55,14 +59,20 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dtype: {describe()}", flush=True)
     block_size = 128
     serve_args = [
-        "--block-size", str(block_size),
-        "--num-gpu-blocks-override", str(args.engine_kv_blocks),
+        "--block-size",
+        str(block_size),
+        "--num-gpu-blocks-override",
+        str(args.engine_kv_blocks),
         # One block is vLLM's reserved null block.
-        "--max-model-len", str((args.engine_kv_blocks - 1) * block_size),
-        "--max-num-batched-tokens", str((args.engine_kv_blocks - 1) * block_size),
-        "--gpu-memory-utilization", "0.3",
+        "--max-model-len",
+        str((args.engine_kv_blocks - 1) * block_size),
+        "--max-num-batched-tokens",
+        str((args.engine_kv_blocks - 1) * block_size),
+        "--gpu-memory-utilization",
+        "0.3",
         "--enforce-eager",
-        "--dtype", dtype,
+        "--dtype",
+        dtype,
     ]
     kv_config = kvbm_transfer_config(host_cache_size=args.host_cache_size)
     print(f"Starting vllm serve {args.model} with KVBMConnector ...", flush=True)
@@ -82,16 +92,20 @@ def main(argv: list[str] | None = None) -> int:
         binding = process_binding(server.process.pid)  # its OpenMP cores, read while it runs
 
     print()
-    print(f"prompt: ~{args.prompt_tokens} tokens; engine KV cache: "
-          f"{args.engine_kv_blocks} blocks of {block_size} tokens; dtype {dtype}; "
-          f"engine on {binding.describe() if binding else 'an unreported binding'} "
-          f"({' '.join(f'{k}={v}' for k, v in cpu_env.items())}: a plain engine's binding)")
+    print(
+        f"prompt: ~{args.prompt_tokens} tokens; engine KV cache: "
+        f"{args.engine_kv_blocks} blocks of {block_size} tokens; dtype {dtype}; "
+        f"engine on {binding.describe() if binding else 'an unreported binding'} "
+        f"({' '.join(f'{k}={v}' for k, v in cpu_env.items())}: a plain engine's binding)"
+    )
     print(f"TTFT, first request (miss, full prefill):   {ttft_miss * 1000:8.0f} ms")
     print(f"TTFT, returning request (KVBM host hit):    {ttft_hit * 1000:8.0f} ms")
     print(f"speedup: {ttft_miss / ttft_hit:.1f}x")
-    print(f"blocks offloaded to host: {offloaded:.0f}; onboarded from host: "
-          f"{onboarded:.0f}; tokens matched in KVBM: {matched:.0f}; "
-          f"tokens still in the engine's own cache: {local_hits:.0f}")
+    print(
+        f"blocks offloaded to host: {offloaded:.0f}; onboarded from host: "
+        f"{onboarded:.0f}; tokens matched in KVBM: {matched:.0f}; "
+        f"tokens still in the engine's own cache: {local_hits:.0f}"
+    )
     if onboarded <= 0:
         print("ERROR: the returning request did not onboard any block", file=sys.stderr)
         return 1

@@ -36,10 +36,23 @@ RECIPE_VERSION = 2
 def _corpus() -> list[str]:
     """Deterministic training text: the Python standard library's sources."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    names = ["argparse.py", "collections/__init__.py", "difflib.py", "email/message.py",
-             "functools.py", "http/client.py", "inspect.py", "json/decoder.py",
-             "logging/__init__.py", "pathlib.py", "statistics.py", "textwrap.py",
-             "typing.py", "unittest/case.py", "zipfile.py"]
+    names = [
+        "argparse.py",
+        "collections/__init__.py",
+        "difflib.py",
+        "email/message.py",
+        "functools.py",
+        "http/client.py",
+        "inspect.py",
+        "json/decoder.py",
+        "logging/__init__.py",
+        "pathlib.py",
+        "statistics.py",
+        "textwrap.py",
+        "typing.py",
+        "unittest/case.py",
+        "zipfile.py",
+    ]
     texts = []
     for name in names:
         path = stdlib / name
@@ -80,22 +93,44 @@ def build_tokenizer(out: Path, vocab_size: int, special_tokens: tuple[str, ...] 
     return fast
 
 
-def build(out: str | os.PathLike = DEFAULT_DIR, layers: int = 8, hidden: int = 512,
-          heads: int = 8, kv_heads: int = 8, vocab_size: int = 8000,
-          max_positions: int = 32768, seed: int = 0, force: bool = False) -> Path:
+def build(
+    out: str | os.PathLike = DEFAULT_DIR,
+    layers: int = 8,
+    hidden: int = 512,
+    heads: int = 8,
+    kv_heads: int = 8,
+    vocab_size: int = 8000,
+    max_positions: int = 32768,
+    seed: int = 0,
+    force: bool = False,
+) -> Path:
     """Writes the model to ``out`` (skipped when an identical build is there)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    recipe = dict(version=RECIPE_VERSION, layers=layers, hidden=hidden, heads=heads,
-                  kv_heads=kv_heads, vocab_size=vocab_size,
-                  max_positions=max_positions, seed=seed)
-    return _write(out, recipe, lambda tokenizer: LlamaForCausalLM(LlamaConfig(
-        **_shared_config(tokenizer, hidden, layers),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-        rope_theta=500000.0,
-    )), force)
+    recipe = dict(
+        version=RECIPE_VERSION,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=kv_heads,
+        vocab_size=vocab_size,
+        max_positions=max_positions,
+        seed=seed,
+    )
+    return _write(
+        out,
+        recipe,
+        lambda tokenizer: LlamaForCausalLM(
+            LlamaConfig(
+                **_shared_config(tokenizer, hidden, layers),
+                num_attention_heads=heads,
+                num_key_value_heads=kv_heads,
+                max_position_embeddings=max_positions,
+                rope_theta=500000.0,
+            )
+        ),
+        force,
+    )
 
 
 def _shared_config(tokenizer, hidden: int, layers: int) -> dict:
@@ -115,8 +150,14 @@ def _shared_config(tokenizer, hidden: int, layers: int) -> dict:
     )
 
 
-def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool,
-           special_tokens: tuple[str, ...] = (), save_extra=None) -> Path:
+def _write(
+    out: str | os.PathLike,
+    recipe: dict,
+    make_model,
+    force: bool,
+    special_tokens: tuple[str, ...] = (),
+    save_extra=None,
+) -> Path:
     """Trains the tokenizer, builds ``make_model(tokenizer)`` seeded with the
     recipe's seed, and saves both to ``out`` in bf16, then calls
     ``save_extra(out, tokenizer)`` when given, unless ``out`` holds a build of
@@ -144,30 +185,48 @@ def _write(out: str | os.PathLike, recipe: dict, make_model, force: bool,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_kvbm.tools.local_model_archs import (GEMMA3_DIR, GPT_OSS_DIR, HYBRID_DIR,
-                                                   LLAMA4_DIR, VL_DIR, build_gemma3,
-                                                   build_gpt_oss, build_idefics3,
-                                                   build_llama4, build_qwen3_next)
+    from vllm_kvbm.tools.local_model_archs import (
+        GEMMA3_DIR,
+        GPT_OSS_DIR,
+        HYBRID_DIR,
+        LLAMA4_DIR,
+        VL_DIR,
+        build_gemma3,
+        build_gpt_oss,
+        build_idefics3,
+        build_llama4,
+        build_qwen3_next,
+    )
 
-    builders = {"llama": (build, DEFAULT_DIR, 8, 512),
-                "qwen3-next": (build_qwen3_next, HYBRID_DIR, 4, 64),
-                "gemma3": (build_gemma3, GEMMA3_DIR, 6, 256),
-                "gpt_oss": (build_gpt_oss, GPT_OSS_DIR, 4, 256),
-                "llama4": (build_llama4, LLAMA4_DIR, 4, 256),
-                "idefics3": (build_idefics3, VL_DIR, 2, 256)}
+    builders = {
+        "llama": (build, DEFAULT_DIR, 8, 512),
+        "qwen3-next": (build_qwen3_next, HYBRID_DIR, 4, 64),
+        "gemma3": (build_gemma3, GEMMA3_DIR, 6, 256),
+        "gpt_oss": (build_gpt_oss, GPT_OSS_DIR, 4, 256),
+        "llama4": (build_llama4, LLAMA4_DIR, 4, 256),
+        "idefics3": (build_idefics3, VL_DIR, 2, 256),
+    }
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=builders, default="llama",
-                        help="llama (text), qwen3-next (hybrid attention), gemma3 (sliding "
-                             "window), gpt_oss (sliding window, attention sinks), llama4 "
-                             "(chunked-local attention) or idefics3 (vision-language: images)")
+    parser.add_argument(
+        "--arch",
+        choices=builders,
+        default="llama",
+        help="llama (text), qwen3-next (hybrid attention), gemma3 (sliding "
+        "window), gpt_oss (sliding window, attention sinks), llama4 "
+        "(chunked-local attention) or idefics3 (vision-language: images)",
+    )
     parser.add_argument("--out", help="default: models/<the arch's directory>")
     parser.add_argument("--layers", type=int)
     parser.add_argument("--hidden", type=int)
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args(argv)
     builder, out, layers, hidden = builders[args.arch]
-    path = builder(args.out or out, layers=args.layers or layers,
-                   hidden=args.hidden or hidden, force=args.force)
+    path = builder(
+        args.out or out,
+        layers=args.layers or layers,
+        hidden=args.hidden or hidden,
+        force=args.force,
+    )
     print(path)
     return 0
 

@@ -54,9 +54,15 @@ _CLIENT_TIMEOUT_S = 10.0
 
 
 class PoolService:
-    def __init__(self, directory: str, socket_path: str, serve_host: str = "0.0.0.0",
-                 serve_port: int | None = None, max_bytes: int | None = None,
-                 peer_directory: dict | None = None):
+    def __init__(
+        self,
+        directory: str,
+        socket_path: str,
+        serve_host: str = "0.0.0.0",
+        serve_port: int | None = None,
+        max_bytes: int | None = None,
+        peer_directory: dict | None = None,
+    ):
         self.directory = os.path.abspath(directory)
         if not os.path.isdir(self.directory) or not os.access(self.directory, os.W_OK):
             raise KVBMConfigError(f"--dir: {self.directory!r} is not a writable directory")
@@ -80,18 +86,29 @@ class PoolService:
             self.close()
             raise
 
-    def _open_directory(self, url: str, password=None, ttl_s: float = 300.0,
-                        tls_ca_file: str | None = None, timeout_s: float = 2.0) -> None:
+    def _open_directory(
+        self,
+        url: str,
+        password=None,
+        ttl_s: float = 300.0,
+        tls_ca_file: str | None = None,
+        timeout_s: float = 2.0,
+    ) -> None:
         from vllm_kvbm.tiers.peer.directory import Liveness, open_link
 
         if self.server is None:
-            raise KVBMConfigError("--directory-url: it lists the pool files served to peers, "
-                                  "and none are: set --serve-port too")
+            raise KVBMConfigError(
+                "--directory-url: it lists the pool files served to peers, "
+                "and none are: set --serve-port too"
+            )
         link = open_link(url, password, timeout_s, "for kvbm-pool", tls_ca_file)
         self._directory = (link, ttl_s)
         self._liveness = Liveness(link, self.endpoint, self.server.incarnation)
-        logger.info("kvbm-pool: its liveness and its rank-0 pool files' pages listed in the "
-                    "peer directory at %s", link.target)
+        logger.info(
+            "kvbm-pool: its liveness and its rank-0 pool files' pages listed in the "
+            "peer directory at %s",
+            link.target,
+        )
 
     @property
     def endpoint(self) -> str | None:
@@ -111,17 +128,21 @@ class PoolService:
             path = os.path.join(self.directory, name)
             try:
                 with open(path, "rb") as f:
-                    sb = Superblock.unpack(f.read(layout.SUPERBLOCK_BYTES),
-                                           os.fstat(f.fileno()).st_size)
+                    sb = Superblock.unpack(
+                        f.read(layout.SUPERBLOCK_BYTES), os.fstat(f.fileno()).st_size
+                    )
                 if sb is None or sb.state != layout.LIVE:
                     continue
-                self._hold(PoolSpec(self.directory, name, sb.name_digest, sb.scope_digest,
-                                    sb.geometry), create=False)
+                self._hold(
+                    PoolSpec(self.directory, name, sb.name_digest, sb.scope_digest, sb.geometry),
+                    create=False,
+                )
             except (OSError, KVBMConfigError) as err:
                 logger.warning("kvbm-pool: not taking up %s: %s", path, err)
         if self.files:
-            logger.info("kvbm-pool: took up %d pool file(s) left in %s", len(self.files),
-                        self.directory)
+            logger.info(
+                "kvbm-pool: took up %d pool file(s) left in %s", len(self.files), self.directory
+            )
         return len(self.files)
 
     def _hold(self, spec: PoolSpec, create: bool = True) -> PoolFile:
@@ -133,8 +154,12 @@ class PoolService:
                 self.server.bind(self.serve_port + rank)
                 self.server.serve(pool)
             except Exception as err:  # noqa: BLE001 - the file still serves its engines
-                logger.warning("kvbm-pool: cannot serve %s to peers on port %d: %s",
-                               spec.path, self.serve_port + rank, err)
+                logger.warning(
+                    "kvbm-pool: cannot serve %s to peers on port %d: %s",
+                    spec.path,
+                    self.serve_port + rank,
+                    err,
+                )
             else:
                 self._list(pool, rank)
         return pool
@@ -151,14 +176,15 @@ class PoolService:
         old = self._writers.pop(pool.name, None)
         if old is not None:
             old.close()
-        self._writers[pool.name] = DirectoryWriter(link, pool.name, self.endpoint, ttl_s,
-                                                   pool=pool)
+        self._writers[pool.name] = DirectoryWriter(link, pool.name, self.endpoint, ttl_s, pool=pool)
 
     def attach(self, message: dict, uid: int) -> dict:
         """The reply to one engine's attach request."""
         if uid != os.geteuid():
-            return _no(f"kvbm-pool runs as uid {os.geteuid()}, the engine as uid {uid}: the "
-                       f"pool files are 0600, run both as one user")
+            return _no(
+                f"kvbm-pool runs as uid {os.geteuid()}, the engine as uid {uid}: the "
+                f"pool files are 0600, run both as one user"
+            )
         if message.get("op") != "attach" or message.get("version") != VERSION:
             return _no(f"an attach request of version {VERSION} expected")
         try:
@@ -168,18 +194,24 @@ class PoolService:
         held = self.files.get(spec.name)
         if held is not None:
             sb = held.superblock
-            if (sb.scope_digest != spec.scope_digest
-                    or sb.geometry.stored_bytes != spec.geometry.stored_bytes):
-                return _no(f"{held.path} holds pages of another KV layout, page size or "
-                           f"format (another engine's, still held); give this engine "
-                           f"another pool_dir, or restart kvbm-pool once that engine is gone")
+            if (
+                sb.scope_digest != spec.scope_digest
+                or sb.geometry.stored_bytes != spec.geometry.stored_bytes
+            ):
+                return _no(
+                    f"{held.path} holds pages of another KV layout, page size or "
+                    f"format (another engine's, still held); give this engine "
+                    f"another pool_dir, or restart kvbm-pool once that engine is gone"
+                )
             pool = held
         else:
             total = sum(p.size for p in self.files.values()) + spec.geometry.file_bytes
             if self.max_bytes is not None and total > self.max_bytes:
-                return _no(f"--max-bytes {self.max_bytes} reached ({total} bytes with this "
-                           f"file); give kvbm-pool more, or the engines a smaller "
-                           f"pool_cache_size")
+                return _no(
+                    f"--max-bytes {self.max_bytes} reached ({total} bytes with this "
+                    f"file); give kvbm-pool more, or the engines a smaller "
+                    f"pool_cache_size"
+                )
             try:
                 pool = self._hold(spec)
             except (KVBMConfigError, OSError, TimeoutError) as err:
@@ -190,10 +222,20 @@ class PoolService:
             from vllm_kvbm.tiers.peer.protocol import endpoint_of
 
             endpoint = endpoint_of(self.serve_host, self.serve_port)
-        logger.info("kvbm-pool: pid %s attached to %s (rank %d, %d slots)",
-                    message.get("pid"), pool.path, rank, pool.geometry.nslots)
-        return {"ok": True, "path": pool.path, "nslots": pool.geometry.nslots,
-                "ways": pool.geometry.ways, "endpoint": endpoint}
+        logger.info(
+            "kvbm-pool: pid %s attached to %s (rank %d, %d slots)",
+            message.get("pid"),
+            pool.path,
+            rank,
+            pool.geometry.nslots,
+        )
+        return {
+            "ok": True,
+            "path": pool.path,
+            "nslots": pool.geometry.nslots,
+            "ways": pool.geometry.ways,
+            "endpoint": endpoint,
+        }
 
     def _spec(self, m: dict) -> PoolSpec:
         name = m["name"]
@@ -201,12 +243,15 @@ class PoolService:
             raise ValueError(f"not a pool file name: {name!r}")
         digest, scope = bytes.fromhex(m["name_digest"]), bytes.fromhex(m["scope_digest"])
         rank, world = _rank_of(name), int(name.rsplit("of", 1)[1])
-        if len(digest) != 16 or len(scope) != 32 or layout.file_name(digest, rank,
-                                                                     world) != name:
+        if len(digest) != 16 or len(scope) != 32 or layout.file_name(digest, rank, world) != name:
             raise ValueError("digests that do not name this file")
         g = Geometry(int(m["stored_bytes"]), int(m["nslots"]), int(m["ways"]))
-        if (not 0 < g.ways <= MAX_WAYS or g.nslots < g.ways or g.nslots % g.ways
-                or g.stored_bytes <= HEADER_BYTES):
+        if (
+            not 0 < g.ways <= MAX_WAYS
+            or g.nslots < g.ways
+            or g.nslots % g.ways
+            or g.stored_bytes <= HEADER_BYTES
+        ):
             raise ValueError("a geometry that is not a pool's")
         return PoolSpec(self.directory, name, digest, scope, g)
 
@@ -225,8 +270,7 @@ class PoolService:
     def _answer(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(_CLIENT_TIMEOUT_S)
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize("3i"))
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             _, uid, _ = struct.unpack("3i", creds)
             message = recv_message(conn)
             if message.get("op") == "ping":
@@ -234,8 +278,9 @@ class PoolService:
             else:
                 reply = self.attach(message, uid)
             if not reply.get("ok"):
-                logger.warning("kvbm-pool: refused pid %s: %s", message.get("pid"),
-                               reply.get("error"))
+                logger.warning(
+                    "kvbm-pool: refused pid %s: %s", message.get("pid"), reply.get("error")
+                )
             send_message(conn, reply)
         except (OSError, ValueError, ConnectionError) as err:
             logger.warning("kvbm-pool: a client: %s", err)
@@ -306,17 +351,27 @@ def _directory_args(args) -> dict | None:
 
     url = check_directory_url("--directory-url", args.directory_url)
     if not args.directory_ttl >= MIN_DIRECTORY_TTL_S:
-        raise KVBMConfigError(f"--directory-ttl: at least {MIN_DIRECTORY_TTL_S:g} seconds "
-                              f"(entries are renewed every third of it), e.g. 300")
+        raise KVBMConfigError(
+            f"--directory-ttl: at least {MIN_DIRECTORY_TTL_S:g} seconds "
+            f"(entries are renewed every third of it), e.g. 300"
+        )
     env = os.environ.get("KVBM_REMOTE_PASSWORD", "")
     if args.directory_password_file is not None and env.strip():
-        raise KVBMConfigError("KVBM_REMOTE_PASSWORD and --directory-password-file are both "
-                              "set; set only one of them")
-    password = (parse_password_file("--directory-password-file", args.directory_password_file)
-                if args.directory_password_file is not None
-                else Secret(env.rstrip("\r\n"), "KVBM_REMOTE_PASSWORD") if env.strip() else None)
-    ca = (parse_ca_file("--directory-tls-ca-file", args.directory_tls_ca_file)
-          if args.directory_tls_ca_file is not None else None)
+        raise KVBMConfigError(
+            "KVBM_REMOTE_PASSWORD and --directory-password-file are both set; set only one of them"
+        )
+    password = (
+        parse_password_file("--directory-password-file", args.directory_password_file)
+        if args.directory_password_file is not None
+        else Secret(env.rstrip("\r\n"), "KVBM_REMOTE_PASSWORD")
+        if env.strip()
+        else None
+    )
+    ca = (
+        parse_ca_file("--directory-tls-ca-file", args.directory_tls_ca_file)
+        if args.directory_tls_ca_file is not None
+        else None
+    )
     return {"url": url, "password": password, "ttl_s": args.directory_ttl, "tls_ca_file": ca}
 
 
@@ -337,35 +392,65 @@ def check(socket_path: str, timeout_s: float = 5.0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvbm-pool", description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", default="/dev/shm",
-                   help="where the pool files are (a memory filesystem); the engines' pool_dir")
-    p.add_argument("--socket", required=True, help="the Unix socket engines attach on "
-                                                   "(their pool_socket)")
-    p.add_argument("--serve-port", type=int, default=None,
-                   help="serve the pool files to peers: TP rank r's on this port + r")
+    p.add_argument(
+        "--dir",
+        default="/dev/shm",
+        help="where the pool files are (a memory filesystem); the engines' pool_dir",
+    )
+    p.add_argument(
+        "--socket", required=True, help="the Unix socket engines attach on (their pool_socket)"
+    )
+    p.add_argument(
+        "--serve-port",
+        type=int,
+        default=None,
+        help="serve the pool files to peers: TP rank r's on this port + r",
+    )
     p.add_argument("--serve-host", default="0.0.0.0", help="address to serve peers on")
-    p.add_argument("--max-bytes", default=None,
-                   help="most bytes of pool files to hold, e.g. 64GiB (default: no cap)")
-    p.add_argument("--directory-url", default=None,
-                   help="the peer directory (the engines' peer_directory_url, redis://HOST:PORT): "
-                        "keep this process's liveness there and renew its files' entries")
-    p.add_argument("--directory-ttl", type=float, default=300.0,
-                   help="seconds a directory entry lives (the engines' peer_directory_ttl_s)")
-    p.add_argument("--directory-password-file", default=None,
-                   help="a file holding the directory's password (or KVBM_REMOTE_PASSWORD)")
-    p.add_argument("--directory-tls-ca-file", default=None,
-                   help="CA certificates (PEM) a rediss:// directory's certificate chains to")
+    p.add_argument(
+        "--max-bytes",
+        default=None,
+        help="most bytes of pool files to hold, e.g. 64GiB (default: no cap)",
+    )
+    p.add_argument(
+        "--directory-url",
+        default=None,
+        help="the peer directory (the engines' peer_directory_url, redis://HOST:PORT): "
+        "keep this process's liveness there and renew its files' entries",
+    )
+    p.add_argument(
+        "--directory-ttl",
+        type=float,
+        default=300.0,
+        help="seconds a directory entry lives (the engines' peer_directory_ttl_s)",
+    )
+    p.add_argument(
+        "--directory-password-file",
+        default=None,
+        help="a file holding the directory's password (or KVBM_REMOTE_PASSWORD)",
+    )
+    p.add_argument(
+        "--directory-tls-ca-file",
+        default=None,
+        help="CA certificates (PEM) a rediss:// directory's certificate chains to",
+    )
     p.add_argument("--check", action="store_true", help="ask a running kvbm-pool and exit")
     args = p.parse_args(argv)
     if args.check:
         return check(args.socket)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+    )
     try:
-        max_bytes = None if args.max_bytes is None else parse_size("--max-bytes",
-                                                                  args.max_bytes)
-        service = PoolService(args.dir, args.socket, args.serve_host, args.serve_port,
-                              max_bytes, _directory_args(args))
+        max_bytes = None if args.max_bytes is None else parse_size("--max-bytes", args.max_bytes)
+        service = PoolService(
+            args.dir,
+            args.socket,
+            args.serve_host,
+            args.serve_port,
+            max_bytes,
+            _directory_args(args),
+        )
     except KVBMConfigError as err:
         print(f"kvbm-pool: {err}", file=sys.stderr)
         return 2
@@ -374,9 +459,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         service.adopt_existing()
-        logger.info("kvbm-pool: pool files in %s; engines attach on %s%s", service.directory,
-                    service.socket_path, f"; peers served on {args.serve_host}:"
-                    f"{args.serve_port}+rank" if args.serve_port is not None else "")
+        logger.info(
+            "kvbm-pool: pool files in %s; engines attach on %s%s",
+            service.directory,
+            service.socket_path,
+            f"; peers served on {args.serve_host}:{args.serve_port}+rank"
+            if args.serve_port is not None
+            else "",
+        )
         service.serve_forever(stop)
     finally:
         service.close()

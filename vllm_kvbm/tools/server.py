@@ -90,12 +90,16 @@ class Server:
         prometheus_client's parser."""
         from prometheus_client.parser import text_string_to_metric_families
 
-        return sum(sample.value for family in text_string_to_metric_families(text)
-                   for sample in family.samples
-                   if sample.name == name and labels.items() <= sample.labels.items())
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
-    def stream_completion(self, prompt, max_tokens: int = 16,
-                          timeout: float = 600) -> tuple[float, float, str]:
+    def stream_completion(
+        self, prompt, max_tokens: int = 16, timeout: float = 600
+    ) -> tuple[float, float, str]:
         """Greedy streaming completion: (ttft seconds, total seconds, text)."""
         from vllm_kvbm.tools.completions import stream_sync
 
@@ -104,11 +108,16 @@ class Server:
 
 
 @contextmanager
-def vllm_server(model: str, kv_transfer_config: dict | None = None,
-                extra_args: list[str] | None = None, env: dict | None = None,
-                log_path: str | os.PathLike | None = None,
-                startup_timeout: float = 600, port: int | None = None,
-                on_wait: Callable[[float, str], None] | None = None) -> Iterator[Server]:
+def vllm_server(
+    model: str,
+    kv_transfer_config: dict | None = None,
+    extra_args: list[str] | None = None,
+    env: dict | None = None,
+    log_path: str | os.PathLike | None = None,
+    startup_timeout: float = 600,
+    port: int | None = None,
+    on_wait: Callable[[float, str], None] | None = None,
+) -> Iterator[Server]:
     """A running ``vllm serve``, stopped on exit. ``on_wait(seconds, line)``
     is called about once a second while it starts, with the last line of its
     log (a caller's progress display)."""
@@ -117,28 +126,55 @@ def vllm_server(model: str, kv_transfer_config: dict | None = None,
     if not any(a == "--dtype" or a.startswith("--dtype=") for a in extra_args):
         # float32 where bf16 would be emulated (tools/compute_dtype.py)
         extra_args += ["--dtype", compute_dtype()]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-           "--host", "127.0.0.1", "--port", str(port), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     log_path = Path(log_path or f"/tmp/vllm-serve-{port}.log")
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     server = Server(f"http://127.0.0.1:{port}", model, proc, log_path)
     try:
-        wait_for_http(f"{server.url}/health", proc, startup_timeout, "vllm serve",
-                      on_exit=lambda: f"errors in {log_path}:\n{_errors(log_path)}",
-                      on_timeout=lambda: f"log: {log_path}\n{_tail(log_path)}",
-                      on_poll=on_wait and (lambda s: on_wait(s, last_line(log_path))))
+        wait_for_http(
+            f"{server.url}/health",
+            proc,
+            startup_timeout,
+            "vllm serve",
+            on_exit=lambda: f"errors in {log_path}:\n{_errors(log_path)}",
+            on_timeout=lambda: f"log: {log_path}\n{_tail(log_path)}",
+            on_poll=on_wait and (lambda s: on_wait(s, last_line(log_path))),
+        )
         yield server
     finally:
         _stop(proc)
         log.close()
 
 
-def wait_for_http(url: str, proc: subprocess.Popen, timeout: float, what: str,
-                  on_exit=lambda: "", on_timeout=lambda: "", on_poll=None) -> None:
+def wait_for_http(
+    url: str,
+    proc: subprocess.Popen,
+    timeout: float,
+    what: str,
+    on_exit=lambda: "",
+    on_timeout=lambda: "",
+    on_poll=None,
+) -> None:
     """Waits until ``url`` answers 200, failing early if ``proc`` exits;
     ``on_poll(seconds waited)`` between tries."""
     start = time.monotonic()
@@ -147,8 +183,7 @@ def wait_for_http(url: str, proc: subprocess.Popen, timeout: float, what: str,
         if on_poll is not None:
             on_poll(time.monotonic() - start)
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} during startup; "
-                               f"{on_exit()}")
+            raise RuntimeError(f"{what} exited with {proc.returncode} during startup; {on_exit()}")
         try:
             with urllib.request.urlopen(url, timeout=5) as resp:
                 if resp.status == 200:
@@ -250,10 +285,14 @@ def last_line(path: Path, width: int = 100) -> str:
         return ""
     for line in reversed(lines):
         text = re.sub(r"\x1b\[[0-9;]*m", "", line).strip()
-        text = re.sub(r"^(\([\w ]+ pid=\d+\)\s*)?(\w+ \d\d-\d\d \d\d:\d\d:\d\d "
-                      r"\[[^\]]*\]\s*)?", "", text)
+        text = re.sub(
+            r"^(\([\w ]+ pid=\d+\)\s*)?(\w+ \d\d-\d\d \d\d:\d\d:\d\d "
+            r"\[[^\]]*\]\s*)?",
+            "",
+            text,
+        )
         if text:
-            return text if len(text) <= width else text[:width - 3] + "..."
+            return text if len(text) <= width else text[: width - 3] + "..."
     return ""
 
 
@@ -264,12 +303,16 @@ def _tail(path: Path, lines: int = 30) -> str:
         return ""
 
 
-def start_lmcache_server(port: int, host: str = "127.0.0.1",
-                         timeout: float = 60) -> subprocess.Popen:
+def start_lmcache_server(
+    port: int, host: str = "127.0.0.1", timeout: float = 60
+) -> subprocess.Popen:
     """LMCache's cache server (the remote tier), listening when this returns."""
-    proc = subprocess.Popen([sys.executable, "-m", "lmcache.v1.server", host, str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lmcache.v1.server", host, str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

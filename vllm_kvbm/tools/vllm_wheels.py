@@ -68,9 +68,11 @@ def cache_dir() -> Path:
 
 # ---- reading members of a remote zip ---------------------------------------
 
+
 def _open_url(url: str, headers: dict[str, str] | None = None):
-    request = urllib.request.Request(url, headers={"User-Agent": "vllm-kvbm-compat",
-                                                   **(headers or {})})
+    request = urllib.request.Request(
+        url, headers={"User-Agent": "vllm-kvbm-compat", **(headers or {})}
+    )
     try:
         return urllib.request.urlopen(request, timeout=TIMEOUT_S)
     except urllib.error.HTTPError as err:
@@ -102,8 +104,10 @@ class RemoteFile:
             rng = resp.headers.get("Content-Range", "")
             m = re.match(r"bytes 0-0/(\d+)$", rng)
             if resp.status != 206 or not m:
-                raise FetchError(f"{self.url}: the server ignores range requests "
-                                 f"(status {resp.status}, Content-Range {rng!r})")
+                raise FetchError(
+                    f"{self.url}: the server ignores range requests "
+                    f"(status {resp.status}, Content-Range {rng!r})"
+                )
             return int(m.group(1))
 
     def _fetch(self, first: int, last: int) -> None:
@@ -113,12 +117,14 @@ class RemoteFile:
         with _open_url(self.url, {"Range": f"bytes={start}-{end}"}) as resp:
             data = resp.read()
             if resp.status != 206 or len(data) != end - start + 1:
-                raise FetchError(f"{self.url}: asked for bytes {start}-{end}, got status "
-                                 f"{resp.status} with {len(data)} bytes")
+                raise FetchError(
+                    f"{self.url}: asked for bytes {start}-{end}, got status "
+                    f"{resp.status} with {len(data)} bytes"
+                )
         self.bytes_fetched += len(data)
         for i in range(first, last + 1):
             off = (i - first) * self.BLOCK
-            self._blocks[i] = data[off:off + self.BLOCK]
+            self._blocks[i] = data[off : off + self.BLOCK]
 
     def read(self, n: int = -1) -> bytes:
         if n is None or n < 0:
@@ -133,7 +139,7 @@ class RemoteFile:
         data = b"".join(self._blocks[i] for i in range(first, last + 1))
         off = self._pos - first * self.BLOCK
         self._pos += n
-        return data[off:off + n]
+        return data[off : off + n]
 
     def seek(self, offset: int, whence: int = 0) -> int:
         base = {0: 0, 1: self._pos, 2: self.size}[whence]
@@ -152,6 +158,7 @@ class RemoteFile:
 
 # ---- releases and their sources ----------------------------------------------
 
+
 @dataclass(frozen=True)
 class Release:
     version: str
@@ -164,8 +171,9 @@ def _pick_wheel(files: list[tuple[dict, frozenset]]) -> dict | None:
     """The release's x86_64 wheel (any wheel holds the same Python sources);
     ``files``: (index entry, its wheel tags)."""
     wheels = [(f, tags) for f, tags in files if not f.get("yanked")]
-    wheels.sort(key=lambda ft: (not any(t.platform.endswith("x86_64") for t in ft[1]),
-                                ft[0]["filename"]))
+    wheels.sort(
+        key=lambda ft: (not any(t.platform.endswith("x86_64") for t in ft[1]), ft[0]["filename"])
+    )
     return wheels[0][0] if wheels else None
 
 
@@ -185,8 +193,9 @@ def list_releases(index: dict) -> list[Release]:
             continue
         wheel = _pick_wheel(files)
         if wheel is not None:
-            releases.append(Release(version, wheel["filename"], wheel["url"],
-                                    int(wheel.get("size") or 0)))
+            releases.append(
+                Release(version, wheel["filename"], wheel["url"], int(wheel.get("size") or 0))
+            )
     return sorted(releases, key=lambda r: vllm_release(r.version))
 
 
@@ -215,8 +224,9 @@ def fetch_index() -> tuple[dict, str]:
     return index, INDEX_URL
 
 
-def release_sources(release: Release, members: Iterable[str] = (BASE_MEMBER,),
-                    optional: bool = False) -> dict[str, str]:
+def release_sources(
+    release: Release, members: Iterable[str] = (BASE_MEMBER,), optional: bool = False
+) -> dict[str, str]:
     """The text of ``members`` of the release's wheel, from the cache or PyPI.
 
     A member the wheel lacks is an error, or left out when ``optional``.
@@ -280,11 +290,15 @@ def python_sources(release: Release) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         with zipfile.ZipFile(remote) as zf:
-            infos = sorted((i for i in zf.infolist()
-                            if (i.filename.startswith("vllm/") and i.filename.endswith(".py"))
-                            or (i.filename.split("/")[0].endswith(".dist-info")
-                                and not i.is_dir())),
-                           key=lambda i: i.header_offset)
+            infos = sorted(
+                (
+                    i
+                    for i in zf.infolist()
+                    if (i.filename.startswith("vllm/") and i.filename.endswith(".py"))
+                    or (i.filename.split("/")[0].endswith(".dist-info") and not i.is_dir())
+                ),
+                key=lambda i: i.header_offset,
+            )
             if not any(i.filename == "vllm/__init__.py" for i in infos):
                 raise _not_in_wheel(release, "vllm/__init__.py")
             for info in infos:
@@ -300,8 +314,9 @@ def python_sources(release: Release) -> Path:
 
 
 def _not_in_wheel(release: Release, member: str) -> FetchError:
-    return FetchError(f"{release.wheel} has no {member}: vLLM moved it; "
-                      f"update vllm_kvbm/tools/vllm_wheels.py")
+    return FetchError(
+        f"{release.wheel} has no {member}: vLLM moved it; update vllm_kvbm/tools/vllm_wheels.py"
+    )
 
 
 def installed_source(member: str = BASE_MEMBER) -> tuple[str, str]:

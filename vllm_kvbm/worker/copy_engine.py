@@ -52,8 +52,10 @@ def vllm_swap_blocks_batch():
     try:
         torch.ops._C_cache_ops.swap_blocks_batch  # noqa: B018 - registered by vLLM's CUDA build
     except (AttributeError, RuntimeError):
-        return None, ("torch.ops._C_cache_ops.swap_blocks_batch is not registered (vLLM's "
-                      "CUDA build registers it)")
+        return None, (
+            "torch.ops._C_cache_ops.swap_blocks_batch is not registered (vLLM's "
+            "CUDA build registers it)"
+        )
     return fn, ""
 
 
@@ -66,15 +68,18 @@ class SpanViews:
         for t in tensors:
             storage = t.untyped_storage()
             spans[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-                storage, 0, (storage.nbytes(),))
+                storage, 0, (storage.nbytes(),)
+            )
         self._bases = np.array(sorted(spans), dtype=np.int64)
         self._views = [spans[int(b)] for b in self._bases]
 
     def views(self, addrs: np.ndarray, sizes: np.ndarray) -> list[torch.Tensor]:
         idx = np.searchsorted(self._bases, addrs, side="right") - 1
         offs = addrs - self._bases[idx]
-        return [self._views[i].narrow(0, o, n)
-                for i, o, n in zip(idx.tolist(), offs.tolist(), sizes.tolist())]
+        return [
+            self._views[i].narrow(0, o, n)
+            for i, o, n in zip(idx.tolist(), offs.tolist(), sizes.tolist())
+        ]
 
 
 class CopyHandle:
@@ -100,16 +105,23 @@ class CudaCopies:
     ``cuda``: torch.cuda's stream and event API; ``find_batch`` what finds
     vLLM's batch copy; ``foreach_copy`` PyTorch's: fakes in tests."""
 
-    def __init__(self, device: torch.device, spans: SpanViews, cuda=torch.cuda,
-                 find_batch=vllm_swap_blocks_batch, foreach_copy=torch._foreach_copy_):
+    def __init__(
+        self,
+        device: torch.device,
+        spans: SpanViews,
+        cuda=torch.cuda,
+        find_batch=vllm_swap_blocks_batch,
+        foreach_copy=torch._foreach_copy_,
+    ):
         self.device = device
         self._cuda = cuda
         self.streams = {True: cuda.Stream(device), False: cuda.Stream(device)}
         self._batch, self.missing = find_batch()
         self._foreach_copy = foreach_copy
         self._spans = spans
-        self.name = ("vLLM swap_blocks_batch" if self._batch is not None
-                     else "PyTorch _foreach_copy_")
+        self.name = (
+            "vLLM swap_blocks_batch" if self._batch is not None else "PyTorch _foreach_copy_"
+        )
 
     def order(self, stream, after) -> None:
         """``stream``'s next work waits for ``after`` (an event on the engine's
@@ -119,8 +131,15 @@ class CudaCopies:
         else:
             stream.wait_event(after)
 
-    def submit(self, src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, to_host: bool,
-               after=None, timed: bool = False) -> CopyHandle:
+    def submit(
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        sizes: np.ndarray,
+        to_host: bool,
+        after=None,
+        timed: bool = False,
+    ) -> CopyHandle:
         """Queues the copies after ``after``; returns their handle."""
         stream = self.streams[to_host]
         self.order(stream, after)
@@ -130,8 +149,9 @@ class CudaCopies:
                 start = self._cuda.Event(enable_timing=True)
                 start.record(stream)
             if self._batch is not None:
-                keep = tuple(torch.from_numpy(np.require(a, np.int64, ("C", "W")))
-                             for a in (src, dst, sizes))
+                keep = tuple(
+                    torch.from_numpy(np.require(a, np.int64, ("C", "W"))) for a in (src, dst, sizes)
+                )
                 # Host -> GPU reads memory no stream writes: the driver may
                 # prefetch it out of order (as vLLM does for loads).
                 self._batch(*keep, is_src_access_order_any=not to_host)
@@ -155,9 +175,15 @@ class CopyEngineMover:
     # on the GPU (NIXL's posts wait for it on the host instead).
     orders_on_gpu = True
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                 host_pool: torch.Tensor, block_dims: dict[str, int] | None = None,
-                 copies=None, page_blocks: int = 1):
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        host_pool: torch.Tensor,
+        block_dims: dict[str, int] | None = None,
+        copies=None,
+        page_blocks: int = 1,
+    ):
         self.regions = block_regions(kv_caches, num_blocks, block_dims)
         self.table = RegionTable.of(self.regions)
         self.num_blocks = num_blocks
@@ -166,12 +192,14 @@ class CopyEngineMover:
         if slot_bytes != self.block_bytes:
             raise KVBMConfigError(
                 f"host pool slot is {slot_bytes} bytes but one block of the "
-                f"registered KV cache is {self.block_bytes}; KV layout mismatch")
+                f"registered KV cache is {self.block_bytes}; KV layout mismatch"
+            )
         self.num_slots = host_pool.shape[0]
         self._host_base = host_pool.data_ptr()
         first = next(iter(kv_caches.values()))
-        self.copies = copies or CudaCopies(first.device,
-                                           SpanViews([*kv_caches.values(), host_pool]))
+        self.copies = copies or CudaCopies(
+            first.device, SpanViews([*kv_caches.values(), host_pool])
+        )
         self.path = f"copy engine ({self.copies.name}, a stream each for stores and loads)"
         self.page_copies = page_copies(self.table, page_blocks)
         missing = getattr(self.copies, "missing", "")
@@ -181,24 +209,28 @@ class CopyEngineMover:
                 "KVBM: vLLM's batched block copy is missing here: %s. Each copy is a "
                 "cudaMemcpyAsync of its own through PyTorch's _foreach_copy_, with a tensor "
                 "view made per copy on the engine thread (%s), where vLLM's swap_blocks_batch "
-                "posts a job in one call; install vLLM's CUDA wheels", missing,
-                self.page_copies)
+                "posts a job in one call; install vLLM's CUDA wheels",
+                missing,
+                self.page_copies,
+            )
 
     def _runs(self, to_host: bool, block_ids, slots):
         blocks, rows = checked_ids(block_ids, slots, self.num_blocks, self.num_slots)
         return copy_runs(self.table, self._host_base, blocks, rows, to_host)
 
-    def post(self, to_host: bool, block_ids: list[int], slots: list[int], after=None,
-             timed: bool = False) -> CopyHandle:
+    def post(
+        self, to_host: bool, block_ids: list[int], slots: list[int], after=None, timed: bool = False
+    ) -> CopyHandle:
         """Queues the copies of blocks to or from host pool rows after
         ``after`` (a step fence: its CUDA event); returns a handle for
         ``poll``. Raises on failure (nothing was queued)."""
         src, dst, sizes = self._runs(to_host, block_ids, slots)
-        return self.copies.submit(src, dst, sizes, to_host,
-                                  after=getattr(after, "event", None), timed=timed)
+        return self.copies.submit(
+            src, dst, sizes, to_host, after=getattr(after, "event", None), timed=timed
+        )
 
     def poll(self, handle: CopyHandle) -> str:
-        """"DONE", "PROC" or "ERR" (a CUDA error the event reports)."""
+        """ "DONE", "PROC" or "ERR" (a CUDA error the event reports)."""
         try:
             done = handle.event.query()
         except Exception as err:  # noqa: BLE001 - a sticky CUDA error surfaces here

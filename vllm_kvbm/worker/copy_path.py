@@ -44,31 +44,41 @@ class CopyPathError(RuntimeError):
     """The startup round trip found the copy path broken; the engine stops."""
 
 
-def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: torch.Tensor,
-               backend: str, name: str, block_dims: dict[str, int] | None,
-               page_blocks: int):
+def make_mover(
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    host_rows: torch.Tensor,
+    backend: str,
+    name: str,
+    block_dims: dict[str, int] | None,
+    page_blocks: int,
+):
     """The mover for this KV cache's memory, with its choice logged after a
     checked round trip (CopyPathError if it fails)."""
     first = next(iter(kv_caches.values()))
     if first.is_cuda:
         from vllm_kvbm.worker.copy_engine import CopyEngineMover
 
-        mover = CopyEngineMover(kv_caches, num_blocks, host_rows, block_dims,
-                                page_blocks=page_blocks)
+        mover = CopyEngineMover(
+            kv_caches, num_blocks, host_rows, block_dims, page_blocks=page_blocks
+        )
     else:
         from vllm_kvbm.worker.page_mover import PageMover
 
-        mover = PageMover(kv_caches, num_blocks, host_rows, backend=backend, name=name,
-                          block_dims=block_dims)
+        mover = PageMover(
+            kv_caches, num_blocks, host_rows, backend=backend, name=name, block_dims=block_dims
+        )
     copies = getattr(mover, "page_copies", None) or nixl_page_copies(mover.regions, page_blocks)
     hint = ""
     if first.is_cuda and copies.best > page_blocks:
         # Layer by layer (LBNHC, LBHNC), a host row and the engine cache cross:
         # vLLM did not take the layout KVBM asks for (engine_info.py).
-        hint = (f"; the KV cache is laid out layer by layer: {BLOCK_MAJOR_LAYOUT}, which KVBM "
-                f"asks vLLM for, makes a page of consecutive blocks one copy (vLLM keeps its "
-                f"own when VLLM_KV_CACHE_LAYOUT is set, an attention backend refuses "
-                f"{BLOCK_MAJOR_LAYOUT}, or blocks exceed {MAX_BLOCK_MAJOR_TOKENS} tokens)")
+        hint = (
+            f"; the KV cache is laid out layer by layer: {BLOCK_MAJOR_LAYOUT}, which KVBM "
+            f"asks vLLM for, makes a page of consecutive blocks one copy (vLLM keeps its "
+            f"own when VLLM_KV_CACHE_LAYOUT is set, an attention backend refuses "
+            f"{BLOCK_MAJOR_LAYOUT}, or blocks exceed {MAX_BLOCK_MAJOR_TOKENS} tokens)"
+        )
     try:
         measured = round_trip(mover, kv_caches, host_rows, page_blocks)
     except Unfinished:
@@ -76,8 +86,9 @@ def make_mover(kv_caches: dict[str, torch.Tensor], num_blocks: int, host_rows: t
     except Exception:
         mover.close()
         raise
-    logger.info("KVBM worker: engine<->host copies by %s; %s; %s%s",
-                mover.path, copies, measured, hint)
+    logger.info(
+        "KVBM worker: engine<->host copies by %s; %s; %s%s", mover.path, copies, measured, hint
+    )
     return mover
 
 
@@ -109,13 +120,15 @@ class BlockBytes:
         row = torch.empty(t.row_bytes, dtype=torch.uint8)
         views = self._spans.views(t.kv_base + block * t.kv_stride, t.sizes)
         for view, off, n in zip(views, t.host_offset.tolist(), t.sizes.tolist()):
-            row[off:off + n].copy_(view)  # device -> host, in the engine stream's order
+            row[off : off + n].copy_(view)  # device -> host, in the engine stream's order
         return row
 
     def where(self, byte: int) -> str:
         i = int(np.searchsorted(self._offsets, byte, side="right")) - 1
-        return (f"byte {byte - int(self._offsets[i])} of layer block region {i + 1} of "
-                f"{len(self._sizes)} ({self._sizes[i]} bytes)")
+        return (
+            f"byte {byte - int(self._offsets[i])} of layer block region {i + 1} of "
+            f"{len(self._sizes)} ({self._sizes[i]} bytes)"
+        )
 
 
 def _transfer(mover, to_host: bool, blocks: list[int], rows: list[int], what: str) -> float:
@@ -124,8 +137,11 @@ def _transfer(mover, to_host: bool, blocks: list[int], rows: list[int], what: st
     timed = getattr(mover, "orders_on_gpu", False)
     start = time.perf_counter()
     try:
-        handle = mover.post(to_host, blocks, rows, timed=True) if timed else mover.post(
-            to_host, blocks, rows)
+        handle = (
+            mover.post(to_host, blocks, rows, timed=True)
+            if timed
+            else mover.post(to_host, blocks, rows)
+        )
     except Exception as err:
         raise CopyPathError(f"{what}: the post failed: {type(err).__name__}: {err}") from err
     while (state := mover.poll(handle)) == "PROC":
@@ -139,26 +155,34 @@ def _transfer(mover, to_host: bool, blocks: list[int], rows: list[int], what: st
     return elapsed if gpu is None else gpu
 
 
-def _pages(mover, to_host: bool, blocks: list[int], rows: list[int], g: int,
-           what: str) -> float:
+def _pages(mover, to_host: bool, blocks: list[int], rows: list[int], g: int, what: str) -> float:
     """``blocks`` moved page by page; the seconds they took."""
-    return sum(_transfer(mover, to_host, blocks[i:i + g], rows[i:i + g], what)
-               for i in range(0, len(blocks), g))
+    return sum(
+        _transfer(mover, to_host, blocks[i : i + g], rows[i : i + g], what)
+        for i in range(0, len(blocks), g)
+    )
 
 
-def _check(reader: BlockBytes, blocks: list[int], rows: list[int], want: torch.Tensor,
-           what: str) -> None:
+def _check(
+    reader: BlockBytes, blocks: list[int], rows: list[int], want: torch.Tensor, what: str
+) -> None:
     """Each engine block of ``blocks`` holds its row of ``want``."""
     for b, r, w in zip(blocks, rows, want):
         got = reader.read(b)
         if not torch.equal(got, w):
             byte = int(torch.nonzero(got != w)[0])
-            raise CopyPathError(f"{what}: engine block {b} and host row {r} differ first at "
-                                f"{reader.where(byte)}")
+            raise CopyPathError(
+                f"{what}: engine block {b} and host row {r} differ first at {reader.where(byte)}"
+            )
 
 
-def round_trip(mover, kv_caches: dict[str, torch.Tensor], host_rows: torch.Tensor,
-               page_blocks: int, pages: int = ROUND_TRIP_PAGES) -> str:
+def round_trip(
+    mover,
+    kv_caches: dict[str, torch.Tensor],
+    host_rows: torch.Tensor,
+    page_blocks: int,
+    pages: int = ROUND_TRIP_PAGES,
+) -> str:
     """``pages`` pages stored into host rows and loaded back, every byte
     checked (see the module docstring): "round trip ... GB/s", or
     CopyPathError naming what failed."""
@@ -173,7 +197,7 @@ def round_trip(mover, kv_caches: dict[str, torch.Tensor], host_rows: torch.Tenso
         _pages(mover, False, blocks[:g], saved[:g], g, "warm-up load")  # the same bytes back
         store_s = _pages(mover, True, blocks, saved, g, "store")
         _check(reader, blocks, saved, host_rows[:n], "store")
-        torch.bitwise_not(host_rows[:n], out=host_rows[n:2 * n])  # every byte differs
+        torch.bitwise_not(host_rows[:n], out=host_rows[n : 2 * n])  # every byte differs
         load_s = _pages(mover, False, blocks, probe, g, "load")
         _check(reader, blocks, probe, ~host_rows[:n], "load")
         _pages(mover, False, blocks, saved, g, "load back")
@@ -183,10 +207,13 @@ def round_trip(mover, kv_caches: dict[str, torch.Tensor], host_rows: torch.Tenso
             f"KVBM: the startup round trip of pages between the KV cache and the host tier "
             f"through {mover.path} failed: {err}. A cache that copies wrong bytes would serve "
             f"wrong KV, so the engine does not start; on a GPU, bash scripts/gpu_check.sh "
-            f"checks each KV layout and copy path on this machine") from err
+            f"checks each KV layout and copy path on this machine"
+        ) from err
     nbytes = n * int(np.sum([r.layer_block_bytes for r in mover.regions]))
     how = "CUDA events" if getattr(mover, "orders_on_gpu", False) else "until done"
-    return (f"round trip of {n} blocks ({nbytes / 2**20:.1f} MiB) each way, every byte "
-            f"checked: store {nbytes / max(store_s, 1e-9) / 1e9:.2f} GB/s, load "
-            f"{nbytes / max(load_s, 1e-9) / 1e9:.2f} GB/s ({how}, page by page, after a "
-            f"one-page warm-up)")
+    return (
+        f"round trip of {n} blocks ({nbytes / 2**20:.1f} MiB) each way, every byte "
+        f"checked: store {nbytes / max(store_s, 1e-9) / 1e9:.2f} GB/s, load "
+        f"{nbytes / max(load_s, 1e-9) / 1e9:.2f} GB/s ({how}, page by page, after a "
+        f"one-page warm-up)"
+    )

@@ -41,30 +41,37 @@ class RegionTable:
         stride = np.array([r.stride for r in regions], dtype=np.int64)
         host = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
         # host rows hold the regions side by side, so only the engine side can break a run
-        starts = np.flatnonzero(np.concatenate(([True], (base[1:] != base[:-1] + sizes[:-1])
-                                                | (stride[1:] != stride[:-1]))))
-        return cls(kv_base=base[starts], kv_stride=stride[starts],
-                   sizes=np.add.reduceat(sizes, starts) if sizes.size else sizes,
-                   host_offset=host[starts])
+        starts = np.flatnonzero(
+            np.concatenate(
+                ([True], (base[1:] != base[:-1] + sizes[:-1]) | (stride[1:] != stride[:-1]))
+            )
+        )
+        return cls(
+            kv_base=base[starts],
+            kv_stride=stride[starts],
+            sizes=np.add.reduceat(sizes, starts) if sizes.size else sizes,
+            host_offset=host[starts],
+        )
 
     @property
     def row_bytes(self) -> int:
         return int(self.sizes.sum())
 
 
-def merge_runs(src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def merge_runs(
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Copies that continue the previous one on both sides joined into one."""
     if src.size <= 1:
         return src, dst, sizes
     ends_src, ends_dst = src[:-1] + sizes[:-1], dst[:-1] + sizes[:-1]
-    starts = np.flatnonzero(np.concatenate(([True], (src[1:] != ends_src)
-                                            | (dst[1:] != ends_dst))))
+    starts = np.flatnonzero(np.concatenate(([True], (src[1:] != ends_src) | (dst[1:] != ends_dst))))
     return src[starts], dst[starts], np.add.reduceat(sizes, starts)
 
 
-def copy_runs(table: RegionTable, host_base: int, blocks: np.ndarray, rows: np.ndarray,
-              to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def copy_runs(
+    table: RegionTable, host_base: int, blocks: np.ndarray, rows: np.ndarray, to_host: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(source addresses, destination addresses, bytes) of copying engine
     ``blocks`` into (or, ``to_host`` False, out of) host pool ``rows``."""
     b = blocks.astype(np.int64)[:, None]
@@ -85,9 +92,11 @@ class PageCopies:
     smallest: int  # bytes of the smallest copy
 
     def __str__(self) -> str:
-        return (f"a {self.page_blocks}-block page is {self.best} "
-                f"{'copy' if self.best == 1 else 'copies'} (consecutive engine "
-                f"blocks) to {self.worst} (scattered), the smallest {self.smallest / 1024:g} KiB")
+        return (
+            f"a {self.page_blocks}-block page is {self.best} "
+            f"{'copy' if self.best == 1 else 'copies'} (consecutive engine "
+            f"blocks) to {self.worst} (scattered), the smallest {self.smallest / 1024:g} KiB"
+        )
 
 
 def page_copies(table: RegionTable, page_blocks: int) -> PageCopies:

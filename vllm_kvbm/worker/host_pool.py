@@ -164,9 +164,11 @@ def clear_last_error() -> int | None:
     if fn is None:
         if not _said_no_runtime.is_set():
             _said_no_runtime.set()
-            logger.warning("KVBM: no libcudart loaded in this process (PyTorch without CUDA, "
-                           "or linked statically): a refused cudaHostRegister's error cannot "
-                           "be cleared; the next CUDA call on its thread may report it")
+            logger.warning(
+                "KVBM: no libcudart loaded in this process (PyTorch without CUDA, "
+                "or linked statically): a refused cudaHostRegister's error cannot "
+                "be cleared; the next CUDA call on its thread may report it"
+            )
         return None
     return fn()
 
@@ -174,9 +176,16 @@ def clear_last_error() -> int | None:
 _said_no_runtime = threading.Event()
 
 
-def register_chunks(cudart, base: int, total: int, chunk: int, threads: int = 1,
-                    cpus: set[int] | None = None, setup=None,
-                    clear_error: Callable[[], int | None] = clear_last_error) -> list[int]:
+def register_chunks(
+    cudart,
+    base: int,
+    total: int,
+    chunk: int,
+    threads: int = 1,
+    cpus: set[int] | None = None,
+    setup=None,
+    clear_error: Callable[[], int | None] = clear_last_error,
+) -> list[int]:
     """Registers [base, base + total) in ``chunk``-byte pieces on ``threads``
     helper threads bound to ``cpus`` (each first calls ``setup``: the CUDA
     device); the registered addresses. The caller's thread registers nothing:
@@ -217,12 +226,14 @@ def register_chunks(cudart, base: int, total: int, chunk: int, threads: int = 1,
             f"cudaHostRegister failed ({why}) for the host tier at "
             f"{off / 1024**3:.2f} of {total / 1024**3:.2f} GiB; the {len(done)} chunks "
             f"registered were unregistered. Lower host_cache_size or raise the locked-"
-            f"memory limit (ulimit -l, the container's memlock)")
+            f"memory limit (ulimit -l, the container's memlock)"
+        )
     return done
 
 
-def unregister(cudart, addrs: list[int],
-               clear_error: Callable[[], int | None] = clear_last_error) -> None:
+def unregister(
+    cudart, addrs: list[int], clear_error: Callable[[], int | None] = clear_last_error
+) -> None:
     for addr in reversed(sorted(addrs)):
         err = cudart.cudaHostUnregister(addr)
         if _code(err) != 0:
@@ -244,8 +255,10 @@ def populate(base: int, total: int, chunk: int = 256 * 1024**2, threads: int = 2
 
     def one(offset: int) -> None:
         size = min(chunk, total - offset)
-        if how[0] == "MADV_POPULATE_WRITE" and madvise(base + offset, size,
-                                                       _MADV_POPULATE_WRITE) == 0:
+        if (
+            how[0] == "MADV_POPULATE_WRITE"
+            and madvise(base + offset, size, _MADV_POPULATE_WRITE) == 0
+        ):
             return
         how[0] = "a write per page"  # EINVAL: a kernel before 5.14
         view = (ctypes.c_char * size).from_address(base + offset)
@@ -275,14 +288,22 @@ class HostPool:
     libcudart by default): fakes in tests. ``device``: the GPU whose NUMA
     node the pages go to."""
 
-    def __init__(self, num_slots: int, slot_bytes: int, pin: bool,
-                 max_register_bytes: int = MAX_REGISTER_BYTES, cudart=None,
-                 device: torch.device | None = None, threads: int = MAX_REGISTER_THREADS,
-                 clear_error: Callable[[], int | None] = clear_last_error):
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        pin: bool,
+        max_register_bytes: int = MAX_REGISTER_BYTES,
+        cudart=None,
+        device: torch.device | None = None,
+        threads: int = MAX_REGISTER_THREADS,
+        clear_error: Callable[[], int | None] = clear_last_error,
+    ):
         total = num_slots * slot_bytes
         self._mapping, self.pages = anonymous_mapping(total)
-        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8,
-                                       count=total).view(num_slots, slot_bytes)
+        self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8, count=total).view(
+            num_slots, slot_bytes
+        )
         self._registered: list[int] = []
         self._cudart = cudart
         self._clear_error = clear_error
@@ -297,13 +318,21 @@ class HostPool:
                     f"host_cache_size: the host tier needs {total / 1024**3:.2f} GiB on this "
                     f"worker and {free / 1024**3:.2f} GiB of memory is available "
                     f"(MemAvailable); lower host_cache_size (or host_cache_blocks), or free "
-                    f"memory: populating it would have the kernel kill the engine")
+                    f"memory: populating it would have the kernel kill the engine"
+                )
             start = time.perf_counter()
-            how = populate(self.tensor.data_ptr(), total,
-                           threads=max(1, min(threads, os.cpu_count() or 1)))
+            how = populate(
+                self.tensor.data_ptr(), total, threads=max(1, min(threads, os.cpu_count() or 1))
+            )
             took = time.perf_counter() - start
-            logger.info("KVBM: host tier populated: %.2f GiB in %.1f s (%.1f GB/s, %s), %s",
-                        total / 1024**3, took, total / max(took, 1e-9) / 1e9, how, self.pages)
+            logger.info(
+                "KVBM: host tier populated: %.2f GiB in %.1f s (%.1f GB/s, %s), %s",
+                total / 1024**3,
+                took,
+                total / max(took, 1e-9) / 1e9,
+                how,
+                self.pages,
+            )
 
     @property
     def pinned(self) -> bool:
@@ -319,17 +348,31 @@ class HostPool:
         start = time.perf_counter()
         try:
             self._registered = register_chunks(
-                cudart, base, total, chunk, threads, cpus,
-                setup=None if self._cudart or device is None else
-                lambda: torch.cuda.set_device(device), clear_error=self._clear_error)
+                cudart,
+                base,
+                total,
+                chunk,
+                threads,
+                cpus,
+                setup=None
+                if self._cudart or device is None
+                else lambda: torch.cuda.set_device(device),
+                clear_error=self._clear_error,
+            )
         except HostPinError as err:
-            logger.warning("KVBM: %s; the host tier stays pageable: transfers stay correct "
-                           "but slower", err)
+            logger.warning(
+                "KVBM: %s; the host tier stays pageable: transfers stay correct but slower", err
+            )
             return
-        logger.info("KVBM: host tier pinned: %.2f GiB in %d chunks on %d threads in %.1f s, "
-                    "%s, %s", total / 1024**3, len(self._registered), threads,
-                    time.perf_counter() - start,
-                    f"NUMA node {node}" if node >= 0 else "NUMA node unknown", self.pages)
+        logger.info(
+            "KVBM: host tier pinned: %.2f GiB in %d chunks on %d threads in %.1f s, %s, %s",
+            total / 1024**3,
+            len(self._registered),
+            threads,
+            time.perf_counter() - start,
+            f"NUMA node {node}" if node >= 0 else "NUMA node unknown",
+            self.pages,
+        )
 
     def release(self) -> None:
         """Unregisters the pinned ranges. Only once no transfer can touch them."""

@@ -25,8 +25,9 @@ class BlockRegion:
     layer_block_bytes: int
 
 
-def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
-                 declared: int | None) -> tuple[int, int]:
+def block_dim_of(
+    name: str, t: torch.Tensor, num_blocks: int, declared: int | None
+) -> tuple[int, int]:
     """(block dim, kernel blocks per block) of one layer's KV cache view.
 
     ``declared`` comes from vLLM's KV layout (vllm_kvbm.vllm_layout). Without
@@ -39,13 +40,15 @@ def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
         if not -t.dim() <= declared < t.dim():
             raise KVBMConfigError(
                 f"KV cache of layer {name} has shape {shape}, but vLLM's KV layout puts "
-                f"the block dimension at index {declared}; this KV layout is unsupported")
+                f"the block dimension at index {declared}; this KV layout is unsupported"
+            )
         d = declared % t.dim()
         if shape[d] < num_blocks or shape[d] % num_blocks:
             raise KVBMConfigError(
                 f"KV cache of layer {name} has shape {shape}: its block dimension {d} "
                 f"(from vLLM's KV layout) has {shape[d]} entries, not a multiple of "
-                f"num_blocks={num_blocks}; this KV layout is unsupported")
+                f"num_blocks={num_blocks}; this KV layout is unsupported"
+            )
         # vLLM splits a block into equal kernel blocks when the attention
         # kernel's block size is smaller; they are adjacent in memory.
         return d, shape[d] // num_blocks
@@ -53,17 +56,20 @@ def block_dim_of(name: str, t: torch.Tensor, num_blocks: int,
     if not dims:
         raise KVBMConfigError(
             f"KV cache of layer {name} has shape {shape} with no "
-            f"dimension of size num_blocks={num_blocks}; this KV layout is unsupported")
+            f"dimension of size num_blocks={num_blocks}; this KV layout is unsupported"
+        )
     if len(dims) > 1:
         raise KVBMConfigError(
             f"KV cache of layer {name} has shape {shape}: dimensions {dims} all have "
             f"size num_blocks={num_blocks}, and vLLM's KV layout (which says which one "
-            f"holds the blocks) was not available; cannot tell which to copy")
+            f"holds the blocks) was not available; cannot tell which to copy"
+        )
     return dims[0], 1
 
 
-def block_view(name: str, t: torch.Tensor, num_blocks: int,
-               block_dims: dict[str, int] | None) -> tuple[torch.Tensor, int, int]:
+def block_view(
+    name: str, t: torch.Tensor, num_blocks: int, block_dims: dict[str, int] | None
+) -> tuple[torch.Tensor, int, int]:
     """(view, block dim, kernel blocks per block) of one layer's KV cache: the
     view splits a dim holding kernel blocks into (num_blocks, kernel blocks),
     so the block dim indexes vLLM blocks."""
@@ -74,8 +80,9 @@ def block_view(name: str, t: torch.Tensor, num_blocks: int,
     return t, d, ratio
 
 
-def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                  block_dims: dict[str, int] | None = None) -> list[BlockRegion]:
+def block_regions(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, block_dims: dict[str, int] | None = None
+) -> list[BlockRegion]:
     """Finds where each block's bytes live, for any layout with a block dim.
 
     vLLM 0.32 hands every layer as a ``[blocks, heads, tokens, content]``
@@ -94,22 +101,22 @@ def block_regions(kv_caches: dict[str, torch.Tensor], num_blocks: int,
         outer = [i for i in others if t.shape[i] > 1 and t.stride()[i] > block_stride]
         inner = [i for i in others if i not in outer]
         expected = 1
-        for stride, size in sorted((t.stride()[i], t.shape[i]) for i in inner
-                                   if t.shape[i] > 1):
+        for stride, size in sorted((t.stride()[i], t.shape[i]) for i in inner if t.shape[i] > 1):
             if stride != expected:
                 raise KVBMConfigError(
                     f"KV cache of layer {name}: a layer block is not contiguous "
-                    f"(shape {tuple(t.shape)}, stride {t.stride()}); unsupported layout")
+                    f"(shape {tuple(t.shape)}, stride {t.stride()}); unsupported layout"
+                )
             expected *= size
         layer_block = expected * elem
         if num_blocks > 1 and block_stride * elem < layer_block:
             raise KVBMConfigError(
                 f"KV cache of layer {name}: blocks overlap (shape {tuple(t.shape)}, "
-                f"stride {t.stride()}); unsupported layout")
+                f"stride {t.stride()}); unsupported layout"
+            )
         for idx in np.ndindex(*[t.shape[i] for i in outer]):
             offset = sum(j * t.stride()[i] for i, j in zip(outer, idx)) * elem
-            regions.append(BlockRegion(t.data_ptr() + offset, block_stride * elem,
-                                       layer_block))
+            regions.append(BlockRegion(t.data_ptr() + offset, block_stride * elem, layer_block))
     return _distinct(regions)
 
 
@@ -125,8 +132,7 @@ def _distinct(regions: list[BlockRegion]) -> list[BlockRegion]:
     return [BlockRegion(base, stride, n) for (base, stride), n in longest.items()]
 
 
-def checked_ids(block_ids, slots, num_blocks: int, num_slots: int
-                ) -> tuple[np.ndarray, np.ndarray]:
+def checked_ids(block_ids, slots, num_blocks: int, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
     """A job's engine blocks and host rows as int64 arrays, refused (before
     anything is copied) unless paired one to one and in range."""
     blocks = np.asarray(block_ids, dtype=np.int64)
@@ -134,9 +140,9 @@ def checked_ids(block_ids, slots, num_blocks: int, num_slots: int
     if blocks.shape != rows.shape or blocks.ndim != 1:
         raise ValueError(f"{len(block_ids)} block ids but {len(slots)} slots")
     if blocks.size and (blocks.min() < 0 or blocks.max() >= num_blocks):
-        raise IndexError(f"block ids must be in [0, {num_blocks}), got "
-                         f"{blocks.min()}..{blocks.max()}")
+        raise IndexError(
+            f"block ids must be in [0, {num_blocks}), got {blocks.min()}..{blocks.max()}"
+        )
     if rows.size and (rows.min() < 0 or rows.max() >= num_slots):
-        raise IndexError(f"host slots must be in [0, {num_slots}), got "
-                         f"{rows.min()}..{rows.max()}")
+        raise IndexError(f"host slots must be in [0, {num_slots}), got {rows.min()}..{rows.max()}")
     return blocks, rows

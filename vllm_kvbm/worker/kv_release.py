@@ -63,17 +63,25 @@ class KVRelease:
                 f"{len(stuck)} transfer(s) between it and the host tier are still running "
                 f"after the transfer timeout ({self.transfer_timeout_s:g} s; the oldest "
                 f"for request {stuck[0].job.req_id}). Nothing was released; a copy that "
-                f"runs this long means the device is stuck: retry, or restart the engine")
+                f"runs this long means the device is stuck: retry, or restart the engine"
+            )
         if first:
-            logger.info("KVBM: the engine's KV memory is released (%s): %d queued transfers "
-                        "not started, %d running ones finished first; loads and stores are "
-                        "refused until it is back", why, unposted, running)
+            logger.info(
+                "KVBM: the engine's KV memory is released (%s): %d queued transfers "
+                "not started, %d running ones finished first; loads and stores are "
+                "refused until it is back",
+                why,
+                unposted,
+                running,
+            )
 
     def restore_kv(self) -> None:
         """The engine's KV memory is mapped again (at the same addresses)."""
         if self.kv_released is not None:
-            logger.info("KVBM: the engine's KV memory is back (after %s); loads and stores "
-                        "run again", self.kv_released)
+            logger.info(
+                "KVBM: the engine's KV memory is back (after %s); loads and stores run again",
+                self.kv_released,
+            )
         self.kv_released = None
 
     def _refused_released(self, job: TransferJob, is_store: bool, started: float) -> bool:
@@ -81,8 +89,12 @@ class KVRelease:
         while the engine's KV memory is released."""
         if self.kv_released is None:
             return False
-        logger.info("KVBM: %s of %d blocks for %s refused: the engine's KV memory is "
-                    "released (%s)", "store" if is_store else "load", len(job.block_ids),
-                    job.req_id, self.kv_released)
+        logger.info(
+            "KVBM: %s of %d blocks for %s refused: the engine's KV memory is released (%s)",
+            "store" if is_store else "load",
+            len(job.block_ids),
+            job.req_id,
+            self.kv_released,
+        )
         self._complete(job, is_store, ok=False, started=started)
         return True

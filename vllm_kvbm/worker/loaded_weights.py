@@ -46,8 +46,7 @@ from typing import Any, Callable
 
 from vllm_kvbm import opened_files
 from vllm_kvbm.worker import sleep_mode, weight_changes
-from vllm_kvbm.worker.weight_digests import (DigestStopped, LoadDigest, weights_bytes,
-                                             weights_digest)
+from vllm_kvbm.worker.weight_digests import DigestStopped, LoadDigest, weights_bytes, weights_digest
 
 logger = logging.getLogger(__name__)
 
@@ -137,21 +136,29 @@ class LoadedWeights:
             logger.warning("KVBM: cannot digest the model's parameters (%s)", err)
             runner = weights._model = None
         if runner is None:
-            logger.warning("KVBM: without the model's parameters, each reset of vLLM's "
-                           "prefix cache moves this engine's keys to a new epoch (pages are "
-                           "not shared across a reset)")
+            logger.warning(
+                "KVBM: without the model's parameters, each reset of vLLM's "
+                "prefix cache moves this engine's keys to a new epoch (pages are "
+                "not shared across a reset)"
+            )
         worker = _find_worker()
-        model = getattr(getattr(getattr(worker, "vllm_config", None), "model_config", None),
-                        "model", None)
+        model = getattr(
+            getattr(getattr(worker, "vllm_config", None), "model_config", None), "model", None
+        )
         weights._files = opened_files.latest(model) if model else None
-        followed = (sleep_mode.follow(weights, worker, kv)
-                    if worker is not None and kv is not None else frozenset())
+        followed = (
+            sleep_mode.follow(weights, worker, kv)
+            if worker is not None and kv is not None
+            else frozenset()
+        )
         weights.follows_sleep = "sleep" in followed
         if weight_changes.watch(weights, worker, followed) is None:
-            logger.warning("KVBM: cannot see the calls vLLM's executor runs on this worker "
-                           "(collective_rpc), so not whether they change the weights: this "
-                           "engine's pages are its own (shared with no other engine), and "
-                           "each reset of vLLM's prefix cache starts a new label")
+            logger.warning(
+                "KVBM: cannot see the calls vLLM's executor runs on this worker "
+                "(collective_rpc), so not whether they change the weights: this "
+                "engine's pages are its own (shared with no other engine), and "
+                "each reset of vLLM's prefix cache starts a new label"
+            )
             weights.blind()
         return weights
 
@@ -182,8 +189,13 @@ class LoadedWeights:
                 self.session.ok = False  # something else changed them mid-update
         return base
 
-    def end_change(self, label: str | None, what: str, loaded: set[str] = frozenset(),
-                   params: set[str] | None = None) -> None:
+    def end_change(
+        self,
+        label: str | None,
+        what: str,
+        loaded: set[str] = frozenset(),
+        params: set[str] | None = None,
+    ) -> None:
         """The change is over: ``label`` is the weights' label from the next
         epoch on (None: one KVBM cannot identify: a new private label).
         ``params``: the parameters the load wrote (None: not known); after a
@@ -205,12 +217,18 @@ class LoadedWeights:
             # once as a warning: an RL loop may send such a change every step
             log = logger.info if self._warned else logger.warning
             self._warned = True
-            log("KVBM: %s changed the weights in a way KVBM cannot identify: this engine's "
-                "pages are its own from now on (until a restart)", what)
+            log(
+                "KVBM: %s changed the weights in a way KVBM cannot identify: this engine's "
+                "pages are its own from now on (until a restart)",
+                what,
+            )
         else:
-            logger.info("KVBM: %s loaded %s: from the next reset of vLLM's prefix cache on, "
-                        "pages are keyed by them (until then, this engine's own)", what,
-                        "the weights' files as loaded" if not label else "other weights")
+            logger.info(
+                "KVBM: %s loaded %s: from the next reset of vLLM's prefix cache on, "
+                "pages are keyed by them (until then, this engine's own)",
+                what,
+                "the weights' files as loaded" if not label else "other weights",
+            )
 
     def dropped(self, params: frozenset[str] | None, what: str) -> None:
         """vLLM drops the weights' memory (level-2 sleep, ``discard``): a
@@ -254,8 +272,9 @@ class LoadedWeights:
         finally:
             self.end_change(None, what)
 
-    def load_label(self, base: str, digest: LoadDigest,
-                   selections: list[opened_files.Selection]) -> str | None:
+    def load_label(
+        self, base: str, digest: LoadDigest, selections: list[opened_files.Selection]
+    ) -> str | None:
         """The label of the weights after a load of ``digest`` on weights
         labelled ``base``: "" for a reload of exactly the files loaded at
         startup (``selections``: the files it read) when only identified
@@ -269,8 +288,9 @@ class LoadedWeights:
 
         return "load:" + blake3.blake3(f"{base}|{digest.hexdigest()}".encode()).hexdigest()
 
-    def _reloads_the_files(self, digest: LoadDigest,
-                           selections: list[opened_files.Selection]) -> bool:
+    def _reloads_the_files(
+        self, digest: LoadDigest, selections: list[opened_files.Selection]
+    ) -> bool:
         if self._tainted or self._files is None or len(selections) != 1:
             return False
         [read] = selections
@@ -290,13 +310,19 @@ class LoadedWeights:
             self._start(epoch)
         with self._lock:
             label = self.label
-            ok = (epoch == self.epoch and not self._checking and self.rank < len(labels)
-                  and labels[self.rank] == label)
+            ok = (
+                epoch == self.epoch
+                and not self._checking
+                and self.rank < len(labels)
+                and labels[self.rank] == label
+            )
         if not ok and self._refusing_logged != (epoch, label):
             self._refusing_logged = (epoch, label)
-            logger.info("KVBM: weights epoch %d: this worker's weights are not (yet) the ones "
-                        "the scheduler's keys name; loads and stores refused until they are",
-                        epoch)
+            logger.info(
+                "KVBM: weights epoch %d: this worker's weights are not (yet) the ones "
+                "the scheduler's keys name; loads and stores refused until they are",
+                epoch,
+            )
         return ok
 
     def _start(self, epoch: int) -> None:
@@ -353,9 +379,11 @@ class LoadedWeights:
             self._checking = False
             self._unreported.append((epoch, self.rank, self.label))
         if unseen:
-            logger.warning("KVBM: the model's parameters changed without a call KVBM saw "
-                           "(not through collective_rpc): this engine's pages are its own "
-                           "from now on (until a restart)")
+            logger.warning(
+                "KVBM: the model's parameters changed without a call KVBM saw "
+                "(not through collective_rpc): this engine's pages are its own "
+                "from now on (until a restart)"
+            )
 
     def take_unreported(self) -> list[tuple[int, int, str]]:
         """(epoch, rank, label) of each label this worker took since the last

@@ -48,8 +48,11 @@ def watch() -> bool:
         try:
             original = WorkerLoRAManager._load_adapter
         except AttributeError as err:
-            logger.warning("KVBM: cannot observe vLLM's LoRA loads (%s): an adapter rewritten "
-                           "in place is seen only at its next request's arrival", err)
+            logger.warning(
+                "KVBM: cannot observe vLLM's LoRA loads (%s): an adapter rewritten "
+                "in place is seen only at its next request's arrival",
+                err,
+            )
             return False
         WorkerLoRAManager._load_adapter = _observed(original)
         _watching = True
@@ -66,6 +69,7 @@ def _observed(original):
         model = original(self, lora_request)
         loaded(lora_request.lora_int_id, path, before)
         return model
+
     _load_adapter.__kvbm_observed__ = True
     return _load_adapter
 

@@ -38,11 +38,21 @@ import numpy as np
 import torch
 
 from vllm_kvbm.config import KVBMConfigError
+
 # Re-exported: where callers have always found them.
-from vllm_kvbm.worker.kv_regions import (BlockRegion, block_dim_of,  # noqa: F401
-                                         block_regions, block_view, checked_ids)
-from vllm_kvbm.nixl_api import (NixlBuildError, _nixl_api, load_nixl,  # noqa: F401
-                                nixl_builds_for)
+from vllm_kvbm.worker.kv_regions import (  # noqa: F401
+    BlockRegion,
+    block_dim_of,
+    block_regions,
+    block_view,
+    checked_ids,
+)
+from vllm_kvbm.nixl_api import (  # noqa: F401
+    NixlBuildError,
+    _nixl_api,
+    load_nixl,
+    nixl_builds_for,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -131,10 +141,17 @@ class PageMover:
     rather than copy inside ``post``. A KV cache in GPU memory always uses
     UCX's own choice."""
 
-    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                 host_pool: torch.Tensor, backend: str = "UCX", name: str = "kvbm",
-                 block_dims: dict[str, int] | None = None, loopback: str = "self",
-                 copy_thread: bool = False):
+    def __init__(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        host_pool: torch.Tensor,
+        backend: str = "UCX",
+        name: str = "kvbm",
+        block_dims: dict[str, int] | None = None,
+        loopback: str = "self",
+        copy_thread: bool = False,
+    ):
         if loopback not in ("self", "default"):
             raise ValueError(f"loopback must be 'self' or 'default', not {loopback!r}")
         nixl_agent, nixl_agent_config, self.nixl_module = _nixl_api()
@@ -145,41 +162,54 @@ class PageMover:
         if slot_bytes != self.block_bytes:
             raise KVBMConfigError(
                 f"host pool slot is {slot_bytes} bytes but one block of the "
-                f"registered KV cache is {self.block_bytes}; KV layout mismatch")
+                f"registered KV cache is {self.block_bytes}; KV layout mismatch"
+            )
         first = next(iter(kv_caches.values()))
         kv_mem = "VRAM" if first.is_cuda else "DRAM"
         kv_dev = first.device.index or 0 if first.is_cuda else 0
         host_only = kv_mem == "DRAM" and backend == "UCX" and loopback == "self"
         if host_only:
             sync = importlib.import_module(f"{self.nixl_module}._api").nixl_thread_sync_t
-            self.agent = nixl_agent(name, nixl_agent_config(
-                backends=[], enable_prog_thread=False,
-                sync_mode=sync.NIXL_THREAD_SYNC_RW if copy_thread else None))
+            self.agent = nixl_agent(
+                name,
+                nixl_agent_config(
+                    backends=[],
+                    enable_prog_thread=False,
+                    sync_mode=sync.NIXL_THREAD_SYNC_RW if copy_thread else None,
+                ),
+            )
             self.agent.create_backend(backend, dict(HOST_LOOPBACK_PARAMS))
         else:
             # One UCX worker thread: large posts return at once and the copy
             # runs beside the engine. No progress thread: it spins a whole core idle.
-            self.agent = nixl_agent(name, nixl_agent_config(
-                backends=[backend], num_threads=1, enable_prog_thread=False))
+            self.agent = nixl_agent(
+                name, nixl_agent_config(backends=[backend], num_threads=1, enable_prog_thread=False)
+            )
         self._registered = [
             self.agent.register_memory(self._kv_spans(kv_caches), mem_type=kv_mem),
             self.agent.register_memory(host_pool),
         ]
         nreg = len(self.regions)
-        kv_addr = np.array([[r.base + b * r.stride for b in range(num_blocks)]
-                            for r in self.regions], dtype=np.uint64).ravel()
-        kv_len = np.repeat(np.array([r.layer_block_bytes for r in self.regions], dtype=np.uint64),
-                           num_blocks)
+        kv_addr = np.array(
+            [[r.base + b * r.stride for b in range(num_blocks)] for r in self.regions],
+            dtype=np.uint64,
+        ).ravel()
+        kv_len = np.repeat(
+            np.array([r.layer_block_bytes for r in self.regions], dtype=np.uint64), num_blocks
+        )
         kv_rows = self._dlist(kv_addr, kv_len, kv_dev)
         self._kv_side = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", kv_rows, kv_mem)
         num_slots = host_pool.shape[0]
         self.num_slots = num_slots
         offsets = np.cumsum([0] + [r.layer_block_bytes for r in self.regions[:-1]], dtype=np.uint64)
-        host_addr = (host_pool.data_ptr()
-                     + np.arange(num_slots, dtype=np.uint64)[:, None] * np.uint64(slot_bytes)
-                     + offsets[None, :]).ravel()
-        host_len = np.tile(np.array([r.layer_block_bytes for r in self.regions], dtype=np.uint64),
-                           num_slots)
+        host_addr = (
+            host_pool.data_ptr()
+            + np.arange(num_slots, dtype=np.uint64)[:, None] * np.uint64(slot_bytes)
+            + offsets[None, :]
+        ).ravel()
+        host_len = np.tile(
+            np.array([r.layer_block_bytes for r in self.regions], dtype=np.uint64), num_slots
+        )
         host_rows = self._dlist(host_addr, host_len, 0)
         self._host_side = self.agent.prep_xfer_dlist(self.agent.name, host_rows, "DRAM")
         self._dlists = [self._kv_side, self._host_side]
@@ -228,14 +258,17 @@ class PageMover:
         kv_idx, host_idx = self._indices(block_ids, slots)
         if to_host:
             # WRITE pushes local (KV) layer blocks to the "remote" (host pool) side.
-            handle = self.agent.make_prepped_xfer("WRITE", self._kv_side, kv_idx,
-                                                  self._host_side, host_idx)
+            handle = self.agent.make_prepped_xfer(
+                "WRITE", self._kv_side, kv_idx, self._host_side, host_idx
+            )
         elif self._loads_as_writes:
-            handle = self.agent.make_prepped_xfer("WRITE", self._host_src, host_idx,
-                                                  self._kv_dst, kv_idx)
+            handle = self.agent.make_prepped_xfer(
+                "WRITE", self._host_src, host_idx, self._kv_dst, kv_idx
+            )
         else:
-            handle = self.agent.make_prepped_xfer("READ", self._kv_side, kv_idx,
-                                                  self._host_side, host_idx)
+            handle = self.agent.make_prepped_xfer(
+                "READ", self._kv_side, kv_idx, self._host_side, host_idx
+            )
         if self._copier is not None:
             return self._copier.submit(handle, not to_host)
         try:
@@ -249,7 +282,7 @@ class PageMover:
         return handle
 
     def poll(self, handle) -> str:
-        """"DONE", "PROC" or "ERR"; a finished handle is released here."""
+        """ "DONE", "PROC" or "ERR"; a finished handle is released here."""
         if isinstance(handle, _HostCopy):
             state = handle.state
             if state != "PROC":

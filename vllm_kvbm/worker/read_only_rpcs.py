@@ -20,13 +20,17 @@ from __future__ import annotations
 RUN = "runs the model: a step, a dummy batch or the draft tokens of one"
 START = "sets the engine up: memory, the KV cache, compilation, warmup"
 ASK = "answers a question about the worker"
-LORA = ("LoRA adapters: the base weights are untouched, and each adapter's own weights "
-        "are identified per request (worker/lora_loads.py)")
+LORA = (
+    "LoRA adapters: the base weights are untouched, and each adapter's own weights "
+    "are identified per request (worker/lora_loads.py)"
+)
 CACHES = "clears a cache of inputs or outputs, not of weights"
 KV_MEMORY = "the KV cache's memory (vLLM 0.34's extensible KV cache), not the weights"
 READS = "reads the weights (checksums, an inspection, a save to files)"
-TRANSFER = ("connects to or disconnects from a trainer: the weights change only in "
-            "update_weights, between start_weight_update and finish_weight_update")
+TRANSFER = (
+    "connects to or disconnects from a trainer: the weights change only in "
+    "update_weights, between start_weight_update and finish_weight_update"
+)
 
 READ_ONLY: dict[str, str] = {
     "execute_model": RUN,
@@ -80,8 +84,7 @@ NOT_READ_ONLY: dict[str, str] = {
     "reset_weights": "zeroes the weights (the RL weight checker's reset)",
     "start_draft_weight_update": "updates the draft model's weights, which KVBM does not digest",
     "load_model": "loads the weights (at startup, before KVBM watches)",
-    "update_max_model_len": "may rebuild length-dependent tables (at startup, before KVBM "
-                            "watches)",
+    "update_max_model_len": "may rebuild length-dependent tables (at startup, before KVBM watches)",
     "checkpoint_prepare": "checkpoints and restores the process: unreviewed",
     "checkpoint_restore": "checkpoints and restores the process: unreviewed",
     "handle_ft_command": "fault-tolerance commands: unreviewed",
@@ -95,7 +98,7 @@ NOT_READ_ONLY: dict[str, str] = {
 # the weights' label by what each call does to the weights.
 SLEEP_MODE: dict[str, str] = {
     "sleep": "level 1 keeps the weights in host memory and maps the same bytes back: the "
-             "label stays; level 2 drops them: private until an identified load of them all",
+    "label stays; level 2 drops them: private until an identified load of them all",
     "wake_up": "maps the memory back (the weights a level-1 sleep kept)",
     "discard": "drops the weights' or the KV cache's memory: for the weights, as level 2",
 }
@@ -103,14 +106,17 @@ SLEEP_MODE: dict[str, str] = {
 # Weight changes KVBM identifies by what they load (the (name, tensor) pairs
 # that pass to the model's load_weights): reload_weights from a path or an
 # iterator, and vLLM's weight-transfer API over the engines below.
-IDENTIFIED = frozenset({"reload_weights", "start_weight_update", "update_weights",
-                        "finish_weight_update"})
+IDENTIFIED = frozenset(
+    {"reload_weights", "start_weight_update", "update_weights", "finish_weight_update"}
+)
 
 # Weight-transfer engines (vllm/distributed/weight_transfer/) that hand every
 # weight they receive to the model's load_weights (the NCCL one unless vLLM
 # 0.34's use_load_plan is on); others (sparse deltas, direct copies into
 # parameters) change the weights where KVBM cannot see what: a private label.
-LOADING_TRANSFER_ENGINES = frozenset({
-    "vllm.distributed.weight_transfer.nccl_engine.NCCLWeightTransferEngine",
-    "vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferEngine",
-})
+LOADING_TRANSFER_ENGINES = frozenset(
+    {
+        "vllm.distributed.weight_transfer.nccl_engine.NCCLWeightTransferEngine",
+        "vllm.distributed.weight_transfer.ipc_engine.IPCWeightTransferEngine",
+    }
+)

@@ -67,8 +67,11 @@ def dropped_parameters(worker: Any) -> frozenset[str] | None:
     try:
         return _dropped_parameters(worker)
     except Exception as err:  # noqa: BLE001 - the sleep goes on; the label stays private
-        logger.warning("KVBM: cannot list the parameters sleep drops (%s): this engine's "
-                       "pages are its own from now on", err)
+        logger.warning(
+            "KVBM: cannot list the parameters sleep drops (%s): this engine's "
+            "pages are its own from now on",
+            err,
+        )
         return None
 
 
@@ -79,12 +82,16 @@ def _dropped_parameters(worker: Any) -> frozenset[str]:
     draft = get_draft() if callable(get_draft) else None
     if draft is not None:
         shared = {id(p) for p in params.values()}
-        params.update((f"draft.{name}", p) for name, p in draft.named_parameters()
-                      if id(p) not in shared)
+        params.update(
+            (f"draft.{name}", p) for name, p in draft.named_parameters() if id(p) not in shared
+        )
     config = getattr(getattr(worker, "vllm_config", None), "model_config", None)
     kept = list(getattr(config, "sleep_preserve_parameter_names", None) or ())
-    return frozenset(parameter_name(name) for name in params
-                     if not any(fnmatch.fnmatchcase(name, p) for p in kept))
+    return frozenset(
+        parameter_name(name)
+        for name in params
+        if not any(fnmatch.fnmatchcase(name, p) for p in kept)
+    )
 
 
 def _arg(args: tuple, kwargs: dict, name: str, default: Any) -> Any:
@@ -109,6 +116,7 @@ def _sleep(worker: Any, method: Callable, held: list) -> Callable:
             kv.restore_kv()
             weights.resume_checks()
             raise
+
     sleep.__kvbm_sleep__ = held
     return sleep
 
@@ -124,6 +132,7 @@ def _wake_up(worker: Any, method: Callable, held: list) -> Callable:
         if tags is None or "weights" in tags:
             weights.resume_checks()
         return out
+
     wake_up.__kvbm_sleep__ = held
     return wake_up
 
@@ -142,6 +151,7 @@ def _discard(worker: Any, method: Callable, held: list) -> Callable:
             weights.suspend_checks()
             weights.dropped(dropped_parameters(worker), what)
         return method(*args, **kwargs)
+
     discard.__kvbm_sleep__ = held
     return discard
 

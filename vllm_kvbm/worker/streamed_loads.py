@@ -20,8 +20,9 @@ class StreamedLoads:
     loads and the slots of overdue fetches."""
 
     def _start_streamed(self, job: TransferJob, fence: StepFence) -> None:
-        load = StreamedLoad(job, fence, time.perf_counter(),
-                            fetch={i: (tier, key) for i, tier, key in job.fetch})
+        load = StreamedLoad(
+            job, fence, time.perf_counter(), fetch={i: (tier, key) for i, tier, key in job.fetch}
+        )
         in_host = []
         for i, slot in enumerate(job.slots):
             (load.pending if slot == STREAM else in_host).append(i)
@@ -41,7 +42,7 @@ class StreamedLoads:
         chunk = max(1, self._staging.count // 2)
         while load.ok and load.pending and self._staging.free:
             slots = self._staging.take(min(chunk, len(load.pending)))
-            indexes, load.pending = load.pending[:len(slots)], load.pending[len(slots):]
+            indexes, load.pending = load.pending[: len(slots)], load.pending[len(slots) :]
             self._start_part(load, part(load, next(self._part_ids), indexes, slots))
             load.waiting_since = None  # got slots: its deadline starts again
         waiting = load.ok and load.pending
@@ -64,9 +65,13 @@ class StreamedLoads:
         for load in list(self._streams_waiting):
             if load.waiting_since is None or now - load.waiting_since <= limit:
                 continue
-            logger.error("KVBM: streamed load of %d pages for %s got no staging slot for "
-                         "%g s (tier_read_timeout_s); vLLM recomputes it",
-                         len(load.pending), load.job.req_id, limit)
+            logger.error(
+                "KVBM: streamed load of %d pages for %s got no staging slot for "
+                "%g s (tier_read_timeout_s); vLLM recomputes it",
+                len(load.pending),
+                load.job.req_id,
+                limit,
+            )
             self._meta.transfer_timeouts["no_staging_slot"] += 1
             load.ok, load.pending = False, []
             self._streams_waiting.remove(load)

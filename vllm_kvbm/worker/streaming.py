@@ -38,7 +38,7 @@ class StagingSlots:
 
     def take(self, n: int) -> list[int]:
         n = min(n, len(self._free))
-        taken, self._free = self._free[len(self._free) - n:], self._free[:len(self._free) - n]
+        taken, self._free = self._free[len(self._free) - n :], self._free[: len(self._free) - n]
         return taken
 
     def give(self, slots: list[int]) -> None:
@@ -74,15 +74,19 @@ def needs_streaming(job: TransferJob) -> bool:
     return any(job.slots[i] == STREAM for i, _, _ in job.fetch)
 
 
-def part(load: StreamedLoad, part_id: int, indexes: list[int],
-         slots: list[int] | None = None) -> TransferJob:
+def part(
+    load: StreamedLoad, part_id: int, indexes: list[int], slots: list[int] | None = None
+) -> TransferJob:
     """The sub-job of ``load``'s job for pages ``indexes``, in ``slots``
     (default: theirs)."""
     job, fetch = load.job, load.fetch
     g = job.page_blocks
-    sub = TransferJob(part_id, job.req_id,
-                      [b for i in indexes for b in job.block_ids[i * g:(i + 1) * g]],
-                      slots if slots is not None else [job.slots[i] for i in indexes])
+    sub = TransferJob(
+        part_id,
+        job.req_id,
+        [b for i in indexes for b in job.block_ids[i * g : (i + 1) * g]],
+        slots if slots is not None else [job.slots[i] for i in indexes],
+    )
     sub.fetch = [(p, *fetch[i]) for p, i in enumerate(indexes) if i in fetch]
     sub.peer = job.peer
     return sub

@@ -145,8 +145,11 @@ class _Fetch:
 
 
 class TierIO:
-    def __init__(self, write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
-                 read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
+        read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S,
+    ) -> None:
         if write_queue_pages < 1:
             raise ValueError(f"write_queue_pages must be >= 1, got {write_queue_pages}")
         self.write_queue_pages = write_queue_pages
@@ -183,8 +186,9 @@ class TierIO:
         self._reader[name] = IOThreads(1, f"kvbm-{name}-read", widen_thread_affinity)
         if host_memory is not None:  # first in the read thread's queue
             self._reader[name].submit(store.reads_into, host_memory)
-        self._writer[name] = IOThreads(max(1, store.write_inflight), f"kvbm-{name}-write",
-                                       widen_thread_affinity)
+        self._writer[name] = IOThreads(
+            max(1, store.write_inflight), f"kvbm-{name}-write", widen_thread_affinity
+        )
         self.queues[name] = _WriteQueue(self.write_queue_pages)
 
     def fetch(self, job: "TransferJob", host_pool: torch.Tensor) -> None:
@@ -207,12 +211,14 @@ class TierIO:
                 results, start, size = [], 0, 1
                 first = time.monotonic()
                 while start < len(items) and not fetch.stopped():
-                    group = items[start:start + size]
+                    group = items[start : start + size]
                     began = time.monotonic()
                     try:
                         statuses = store.get_many_into(
                             [(key, host_pool[job.slots[i]]) for i, key in group],
-                            stop=fetch.stopped, **peer)
+                            stop=fetch.stopped,
+                            **peer,
+                        )
                     except Exception as err:  # a store must not take the engine down
                         logger.warning("KVBM: %s read failed: %s", tier, err)
                         statuses = ["error"] * len(group)
@@ -222,8 +228,10 @@ class TierIO:
                             fetch.fetched += 1
                         elif status == "late":  # its slot may still be written
                             fetch.late.add((tier, host_pool[job.slots[i]].data_ptr()))
-                    results += [(tier, key, "error" if status == "late" else status)
-                                for (_, key), status in zip(group, statuses)]
+                    results += [
+                        (tier, key, "error" if status == "late" else status)
+                        for (_, key), status in zip(group, statuses)
+                    ]
                     fetch.progress = time.monotonic()
                     if fetch.first_at is None:
                         fetch.first_at, fetch.first_pages = fetch.progress, fetch.fetched
@@ -233,8 +241,12 @@ class TierIO:
                 if results:
                     self._read_times.append((tier, time.monotonic() - first))
                 return results
-            fetch.futures.append(self._reader[tier].submit(read) if store is not None
-                                 else _done([(tier, key, "error") for _, key in items]))
+
+            fetch.futures.append(
+                self._reader[tier].submit(read)
+                if store is not None
+                else _done([(tier, key, "error") for _, key in items])
+            )
         self._fetching.append(fetch)
 
     def spill(self, to: list[str], key: bytes, slot_page: torch.Tensor) -> None:
@@ -257,11 +269,19 @@ class TierIO:
         page = torch.empty_like(slot_page)
         copy_bytes(page, slot_page)
         for tier in tiers:
-            self._writing.append((tier, key, self._writer[tier].submit(
-                _write, self.tiers[tier], self.queues[tier], key, page, self._write_times)))
+            self._writing.append(
+                (
+                    tier,
+                    key,
+                    self._writer[tier].submit(
+                        _write, self.tiers[tier], self.queues[tier], key, page, self._write_times
+                    ),
+                )
+            )
 
-    def poll(self, meta: "KVBMWorkerMetadata") -> list[tuple["TransferJob", bool, bool,
-                                                             int | None]]:
+    def poll(
+        self, meta: "KVBMWorkerMetadata"
+    ) -> list[tuple["TransferJob", bool, bool, int | None]]:
         """Records finished fetches and writes in ``meta``; returns the fetched
         load jobs, each with whether every page arrived intact, whether
         its reads are still running (an overdue fetch, failed: the slots it
@@ -301,10 +321,14 @@ class TierIO:
                 for tier, key, status in results:
                     meta.tier_events[(tier, status, self.rank)] += 1
                 meta.bad_pages.extend((t, k) for t, k, status in results if status != "ok")
-                logger.warning("KVBM: reading %d pages for %s: %d reads missed their "
-                               "deadline; vLLM recomputes the pages, their host slots wait "
-                               "for those reads to end", len(results), job.req_id,
-                               len(fetch.late))
+                logger.warning(
+                    "KVBM: reading %d pages for %s: %d reads missed their "
+                    "deadline; vLLM recomputes the pages, their host slots wait "
+                    "for those reads to end",
+                    len(results),
+                    job.req_id,
+                    len(fetch.late),
+                )
                 fetch.overdue = True
                 ready.append((job, False, True, None))
                 still.append(fetch)
@@ -319,9 +343,13 @@ class TierIO:
             for tier, _, status in results:
                 meta.tier_events[(tier, status, self.rank)] += 1
             if bad:
-                logger.warning("KVBM: %d of %d lower-tier pages for %s unusable (%s); "
-                               "vLLM recomputes them", len(bad), len(results), job.req_id,
-                               ", ".join(sorted({f"{t}:{s}" for t, _, s in bad})))
+                logger.warning(
+                    "KVBM: %d of %d lower-tier pages for %s unusable (%s); vLLM recomputes them",
+                    len(bad),
+                    len(results),
+                    job.req_id,
+                    ", ".join(sorted({f"{t}:{s}" for t, _, s in bad})),
+                )
                 meta.bad_pages.extend((tier, key) for tier, key, _ in bad)
             ready.append((job, not bad, False, None))
         self._fetching = still
@@ -355,8 +383,10 @@ class TierIO:
             pool = getattr(self.tiers["pool"], "pool", None)
             meta.pool_served_at = getattr(pool, "served_at", None) or ""
             self._served_said = True
-        for times, out in ((self._read_times, meta.tier_read_seconds),
-                           (self._write_times, meta.tier_write_seconds)):
+        for times, out in (
+            (self._read_times, meta.tier_read_seconds),
+            (self._write_times, meta.tier_write_seconds),
+        ):
             while times:
                 out.append(times.popleft())
         return ready
@@ -375,7 +405,8 @@ class TierIO:
                 self._reaped_at[tier] = now
                 try:
                     self._reaping[tier] = self._reader[tier].submit(
-                        self.tiers[tier].take_ended_writes)
+                        self.tiers[tier].take_ended_writes
+                    )
                 except RuntimeError:  # closing
                     pass
 
@@ -386,9 +417,13 @@ class TierIO:
         fetch.cut_at = fetch.landed_prefix()
         for f in fetch.futures:
             f.cancel()
-        logger.info("KVBM: reading %d pages for %s runs later than recomputing them: "
-                    "cut after %d landed pages; vLLM recomputes the rest",
-                    len(fetch.job.fetch), fetch.job.req_id, fetch.cut_at)
+        logger.info(
+            "KVBM: reading %d pages for %s runs later than recomputing them: "
+            "cut after %d landed pages; vLLM recomputes the rest",
+            len(fetch.job.fetch),
+            fetch.job.req_id,
+            fetch.cut_at,
+        )
 
     def _overdue(self, fetch: _Fetch, meta: "KVBMWorkerMetadata") -> None:
         fetch.overdue = True
@@ -397,9 +432,14 @@ class TierIO:
         tiers = sorted({tier for _, tier, _ in fetch.job.fetch})
         for _, tier, _ in fetch.job.fetch:
             meta.tier_events[(tier, "error", self.rank)] += 1
-        logger.error("KVBM: reading %d pages from %s for %s made no progress for %g s "
-                     "(tier_read_timeout_s); vLLM recomputes them", len(fetch.job.fetch),
-                     "/".join(tiers), fetch.job.req_id, self.read_timeout_s)
+        logger.error(
+            "KVBM: reading %d pages from %s for %s made no progress for %g s "
+            "(tier_read_timeout_s); vLLM recomputes them",
+            len(fetch.job.fetch),
+            "/".join(tiers),
+            fetch.job.req_id,
+            self.read_timeout_s,
+        )
 
     def take_ended(self) -> list["TransferJob"]:
         """Overdue fetches whose reads have ended since last asked: their
@@ -413,26 +453,35 @@ class TierIO:
         self._dropped = []
         now = time.monotonic()
         if self._unreported and now - self._warned_at >= 60:
-            logger.warning("KVBM: %d page writes dropped since last said: a lower tier is "
-                           "slower than the offload rate and its write queue "
-                           "(tier_write_queue_pages=%d) is full; those pages are written when "
-                           "next reused (said at most once a minute)", self._unreported,
-                           self.write_queue_pages)
+            logger.warning(
+                "KVBM: %d page writes dropped since last said: a lower tier is "
+                "slower than the offload rate and its write queue "
+                "(tier_write_queue_pages=%d) is full; those pages are written when "
+                "next reused (said at most once a minute)",
+                self._unreported,
+                self.write_queue_pages,
+            )
             self._unreported, self._warned_at = 0, now
 
     def close(self) -> None:
         """Drops queued reads and writes, waits up to ``read_timeout_s`` for
         those running (a hung filesystem's are left behind, said in a
         warning), then closes the stores."""
-        close_pools([*self._reader.values(), *self._writer.values()], self.read_timeout_s,
-                    "lower tiers")
+        close_pools(
+            [*self._reader.values(), *self._writer.values()], self.read_timeout_s, "lower tiers"
+        )
         for store in self.tiers.values():
             store.close()
         self.tiers, self._reader, self._writer = {}, {}, {}
 
 
-def _write(store: "TierStore", queue: _WriteQueue, key: bytes, page: torch.Tensor,
-           times: "deque[tuple[str, float]]") -> bool:
+def _write(
+    store: "TierStore",
+    queue: _WriteQueue,
+    key: bytes,
+    page: torch.Tensor,
+    times: "deque[tuple[str, float]]",
+) -> bool:
     began = time.monotonic()
     try:
         return store.put(key, page)
@@ -450,8 +499,11 @@ def _done(value) -> Future:
     return future
 
 
-def layout_fingerprint(kv_caches: "dict[str, torch.Tensor]", num_blocks: int,
-                       block_dims: "dict[str, int] | None" = None) -> str:
+def layout_fingerprint(
+    kv_caches: "dict[str, torch.Tensor]",
+    num_blocks: int,
+    block_dims: "dict[str, int] | None" = None,
+) -> str:
     """A fingerprint of how this worker's KV cache lays out a page's bytes:
     per layer (in the order pages are cut) its name, dtype, the block dim and
     kernel blocks per block (page_mover.block_dim_of), and every other dim's
@@ -468,15 +520,19 @@ def layout_fingerprint(kv_caches: "dict[str, torch.Tensor]", num_blocks: int,
     for name, t in kv_caches.items():
         t, d, ratio = block_view(name, t, num_blocks, block_dims)
         block_stride = t.stride()[d]
-        dims = [[t.shape[i], t.stride()[i] if t.stride()[i] < block_stride else -1]
-                for i in range(t.dim()) if i != d]
+        dims = [
+            [t.shape[i], t.stride()[i] if t.stride()[i] < block_stride else -1]
+            for i in range(t.dim())
+            if i != d
+        ]
         layers.append([name, str(t.dtype), d, ratio, dims])
     text = json.dumps(layers, separators=(",", ":"))
     return "kv-layout:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def open_tiers(config: "KVBMConfig", info: "EngineInfo", rank: int,
-               layout: str = "") -> list["TierStore"]:
+def open_tiers(
+    config: "KVBMConfig", info: "EngineInfo", rank: int, layout: str = ""
+) -> list["TierStore"]:
     """This worker's stores of the configured disk and remote tiers (tiers/registry.py).
     ``layout``: layout_fingerprint of this worker's KV cache ("" where unknown)."""
     return open_stores(config, info, rank, layout)

@@ -39,16 +39,19 @@ def layer_specs(kv_cache_config: "KVCacheConfig") -> dict:
     return specs
 
 
-def declared_block_dims(kv_cache_config: "KVCacheConfig",
-                        kv_caches: dict[str, "torch.Tensor"]) -> dict[str, int] | None:
+def declared_block_dims(
+    kv_cache_config: "KVCacheConfig", kv_caches: dict[str, "torch.Tensor"]
+) -> dict[str, int] | None:
     """layer -> block dim from vLLM's declared layout; None without vLLM's
     layout function. A layer left out is located from its shape, and only if
     that is unambiguous (vllm_kvbm.worker.kv_regions.block_dim_of)."""
     try:
         from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
     except ImportError:
-        logger.warning("KVBM: this vLLM declares no per-layer KV cache shape; block "
-                       "dimensions are found from the tensors' shapes")
+        logger.warning(
+            "KVBM: this vLLM declares no per-layer KV cache shape; block "
+            "dimensions are found from the tensors' shapes"
+        )
         return None
     specs = layer_specs(kv_cache_config)
     dims: dict[str, int] = {}
@@ -59,9 +62,14 @@ def declared_block_dims(kv_cache_config: "KVCacheConfig",
         shape = compute_layer_kv_cache_shape_bytes(spec, _SENTINEL)
         hits = [i for i, n in enumerate(shape) if n == _SENTINEL]
         if len(hits) != 1 or len(shape) != t.dim():
-            logger.warning("KVBM: layer %s: vLLM declares a KV cache shape %s that does "
-                           "not describe its %d-dim tensor; its block dimension is found "
-                           "from the shape", name, shape, t.dim())
+            logger.warning(
+                "KVBM: layer %s: vLLM declares a KV cache shape %s that does "
+                "not describe its %d-dim tensor; its block dimension is found "
+                "from the shape",
+                name,
+                shape,
+                t.dim(),
+            )
             continue
         dims[name] = hits[0]
     return dims

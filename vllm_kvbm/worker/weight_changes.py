@@ -42,8 +42,7 @@ if TYPE_CHECKING:
 _STACK_DEPTH = 64
 
 
-def watch(weights: "LoadedWeights", worker: Any,
-          followed: frozenset = frozenset()) -> str | None:
+def watch(weights: "LoadedWeights", worker: Any, followed: frozenset = frozenset()) -> str | None:
     """Routes this process's collective_rpc calls through ``weights`` and
     instruments ``worker``'s identified methods; the dispatch place wrapped
     (None: none found, nothing wrapped). ``followed``: methods of ``worker``
@@ -51,13 +50,21 @@ def watch(weights: "LoadedWeights", worker: Any,
     owner, kind = _find_dispatch()
     if owner is None:
         return None
-    passing = frozenset(READ_ONLY) | followed | (instrument(weights, worker)
-                                                 if worker is not None else frozenset())
+    passing = (
+        frozenset(READ_ONLY)
+        | followed
+        | (instrument(weights, worker) if worker is not None else frozenset())
+    )
     if kind == "WorkerProc":
         _wrap(owner, "_execute_worker_rpc", weights, passing, lambda request: request[0])
     else:
-        _wrap(owner, "collective_rpc", weights, passing,
-              lambda *args, **kwargs: args[0] if args else kwargs.get("method"))
+        _wrap(
+            owner,
+            "collective_rpc",
+            weights,
+            passing,
+            lambda *args, **kwargs: args[0] if args else kwargs.get("method"),
+        )
     return kind
 
 
@@ -71,15 +78,15 @@ def _find_dispatch() -> tuple[Any, str]:
         if owner is not None:
             if callable(getattr(owner, "_execute_worker_rpc", None)) and hasattr(owner, "worker"):
                 return owner, "WorkerProc"
-            if callable(getattr(owner, "collective_rpc", None)) and hasattr(owner,
-                                                                           "driver_worker"):
+            if callable(getattr(owner, "collective_rpc", None)) and hasattr(owner, "driver_worker"):
                 return owner, "UniProcExecutor"
         frame = frame.f_back
     return None, ""
 
 
-def _wrap(owner: Any, attr: str, weights: "LoadedWeights", passing: frozenset,
-          method_of: Callable) -> None:
+def _wrap(
+    owner: Any, attr: str, weights: "LoadedWeights", passing: frozenset, method_of: Callable
+) -> None:
     """Wraps ``owner.attr`` (on the instance) once; a later call only points
     the wrapper at new ``weights``."""
     current = getattr(owner, attr)
@@ -157,6 +164,7 @@ def _reload_weights(weights: "LoadedWeights", worker: Any, method: Callable) -> 
             return out
         finally:
             weights.end_change(label, "reload_weights", digest.names, digest.params)
+
     reload_weights.__kvbm_weights__ = held
     return reload_weights
 
@@ -172,7 +180,8 @@ def _start_weight_update(weights: "LoadedWeights", worker: Any, method: Callable
         # vLLM 0.34's NCCL engine with use_load_plan copies planned updates
         # straight into the parameters, past load_weights
         identified = kind in LOADING_TRANSFER_ENGINES and not any(
-            getattr(engine, attr, None) is not None for attr in ("_plan", "_plan_metadata"))
+            getattr(engine, attr, None) is not None for attr in ("_plan", "_plan_metadata")
+        )
         base = weights.begin_change("start_weight_update")
         try:
             out = method(*args, **kwargs)
@@ -181,6 +190,7 @@ def _start_weight_update(weights: "LoadedWeights", worker: Any, method: Callable
             raise
         weights.session = _Session(base, identified)
         return out
+
     start_weight_update.__kvbm_weights__ = held
     return start_weight_update
 
@@ -201,6 +211,7 @@ def _update_weights(weights: "LoadedWeights", worker: Any, method: Callable) -> 
         except BaseException:
             session.ok = False  # vLLM ends the update: partly loaded
             raise
+
     update_weights.__kvbm_weights__ = held
     return update_weights
 
@@ -222,8 +233,10 @@ def _finish_weight_update(weights: "LoadedWeights", worker: Any, method: Callabl
                 label = weights.load_label(session.base, session.digest, [])
             return out
         finally:
-            weights.end_change(label, "a weight update", session.digest.names,
-                               session.digest.params)
+            weights.end_change(
+                label, "a weight update", session.digest.names, session.digest.params
+            )
+
     finish_weight_update.__kvbm_weights__ = held
     return finish_weight_update
 

@@ -73,7 +73,7 @@ def _update(hasher, name: str, tensor, stop=None) -> None:
     for start in range(0, data.numel(), _CHUNK_BYTES):
         if stop is not None and stop.is_set():
             raise DigestStopped
-        hasher.update(data[start:start + _CHUNK_BYTES].cpu().numpy())
+        hasher.update(data[start : start + _CHUNK_BYTES].cpu().numpy())
 
 
 def weights_digest(model, threads: int | None = None, stop=None) -> str:
@@ -120,8 +120,7 @@ class LoadDigest:
 
         try:
             size = tensor.numel() * tensor.element_size()
-            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO
-                                   if size >= _THREADED_BYTES else 1)
+            hasher = blake3.blake3(max_threads=blake3.blake3.AUTO if size >= _THREADED_BYTES else 1)
             for inner_name, inner in _flat_tensors(str(name), tensor):
                 _update(hasher, inner_name, inner)
             self._pairs.setdefault(str(name), []).append(hasher.hexdigest())

@@ -69,10 +69,16 @@ logger = logging.getLogger(__name__)
 
 
 class KVBMWorker(StreamedLoads, KVRelease):
-    def __init__(self, info: "EngineInfo", num_host_slots: int, nixl_backend: str,
-                 agent_name: str, transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
-                 tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
-                 tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S):
+    def __init__(
+        self,
+        info: "EngineInfo",
+        num_host_slots: int,
+        nixl_backend: str,
+        agent_name: str,
+        transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
+        tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
+        tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S,
+    ):
         self.info = info
         self.transfer_timeout_s = transfer_timeout_s
         self.num_host_slots = num_host_slots
@@ -113,8 +119,12 @@ class KVBMWorker(StreamedLoads, KVRelease):
         self.tier_io.rank = rank
         self.tier_io.add(store, self.host_pool)
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int,
-                           block_dims: dict[str, int] | None = None) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        block_dims: dict[str, int] | None = None,
+    ) -> None:
         """``block_dims``: each layer's block dimension, from vLLM's declared
         KV layout (see vllm_kvbm.vllm_layout); None: found from the shapes
         where that is unambiguous."""
@@ -123,28 +133,44 @@ class KVBMWorker(StreamedLoads, KVRelease):
         # host tier's are the staging slots of streamed loads.
         staging = staging_slots(self.info.page_bytes)
         self._staging = StagingSlots(self.num_host_slots, staging)
-        self._host = HostPool(self.num_host_slots + staging, self.info.page_bytes,
-                              pin=first.is_cuda, device=first.device)
+        self._host = HostPool(
+            self.num_host_slots + staging,
+            self.info.page_bytes,
+            pin=first.is_cuda,
+            device=first.device,
+        )
         self.host_pool = self._host.tensor  # a row per page (slot)
         try:
             # The mover copies blocks: it sees the same memory as a row per block.
-            self.mover = make_mover(kv_caches, num_blocks,
-                                    self.host_pool.view(-1, self.info.block_bytes),
-                                    self.nixl_backend, self.agent_name, block_dims,
-                                    self.info.page_blocks)
+            self.mover = make_mover(
+                kv_caches,
+                num_blocks,
+                self.host_pool.view(-1, self.info.block_bytes),
+                self.nixl_backend,
+                self.agent_name,
+                block_dims,
+                self.info.page_blocks,
+            )
         except Exception:
             self._host.release()
             raise
         self.make_fence = fence_maker(first.device)
-        logger.info("KVBM worker: %d KV layers registered (%s; block dim declared "
-                    "by vLLM for %d), host tier %d blocks (%.2f GiB%s)", len(kv_caches),
-                    self.mover.path, len(block_dims or {}), self.num_host_slots,
-                    self.host_pool.numel() / 1024**3, ", pinned" if self._host.pinned else "")
+        logger.info(
+            "KVBM worker: %d KV layers registered (%s; block dim declared "
+            "by vLLM for %d), host tier %d blocks (%.2f GiB%s)",
+            len(kv_caches),
+            self.mover.path,
+            len(block_dims or {}),
+            self.num_host_slots,
+            self.host_pool.numel() / 1024**3,
+            ", pinned" if self._host.pinned else "",
+        )
 
     # ---- posting ----------------------------------------------------------
 
-    def _post(self, job: TransferJob, is_store: bool, started: float,
-              fence: StepFence | None = None) -> None:
+    def _post(
+        self, job: TransferJob, is_store: bool, started: float, fence: StepFence | None = None
+    ) -> None:
         """``fence``: for a mover that orders the copies after it on the GPU.
         Every transfer that touches the engine's KV memory starts here: none
         while that memory is released (kv_release.py)."""
@@ -157,15 +183,20 @@ class KVBMWorker(StreamedLoads, KVRelease):
             else:
                 handle = self.mover.post(is_store, *block_rows(job), after=fence)
         except Exception as err:
-            logger.warning("KVBM: could not start %s of %d blocks for %s: %s",
-                           "store" if is_store else "load", len(job.block_ids),
-                           job.req_id, err)
+            logger.warning(
+                "KVBM: could not start %s of %d blocks for %s: %s",
+                "store" if is_store else "load",
+                len(job.block_ids),
+                job.req_id,
+                err,
+            )
             self._complete(job, is_store, ok=False, started=started)
             return
         self._inflight.append(InFlight(job, is_store, handle, started))
 
-    def _queue(self, job: TransferJob, is_store: bool, fence: StepFence,
-               queued: float | None = None) -> None:
+    def _queue(
+        self, job: TransferJob, is_store: bool, fence: StepFence, queued: float | None = None
+    ) -> None:
         """Posts ``job`` once ``fence`` is done (see the module docstring); at
         once, with the fence, to a mover that orders it on the GPU."""
         queued = time.perf_counter() if queued is None else queued
@@ -186,10 +217,14 @@ class KVBMWorker(StreamedLoads, KVRelease):
             elif now - p.queued > self.transfer_timeout_s:
                 # Never posted, so it touches no memory: it simply fails (a
                 # store is not cached, a load's blocks are recomputed).
-                logger.error("KVBM: %s of %d blocks for %s: the engine's stream did not "
-                             "reach it within %g s; dropped",
-                             "store" if p.is_store else "load", len(p.job.block_ids),
-                             p.job.req_id, self.transfer_timeout_s)
+                logger.error(
+                    "KVBM: %s of %d blocks for %s: the engine's stream did not "
+                    "reach it within %g s; dropped",
+                    "store" if p.is_store else "load",
+                    len(p.job.block_ids),
+                    p.job.req_id,
+                    self.transfer_timeout_s,
+                )
                 self._meta.transfer_timeouts["not_started"] += 1
                 self._complete(p.job, p.is_store, ok=False, started=p.queued)
             else:
@@ -226,11 +261,11 @@ class KVBMWorker(StreamedLoads, KVRelease):
         the landed pages, None when there are none (then the load is done)."""
         g = job.page_blocks
         self._meta.loads_cut.append((job.req_id, cut))
-        self._load_failed(job.req_id, [b for b in job.block_ids[cut * g:] if b >= 0])
+        self._load_failed(job.req_id, [b for b in job.block_ids[cut * g :] if b >= 0])
         if cut == 0:
             self._finished_recving.add(job.req_id)
             return None
-        return TransferJob(job.job_id, job.req_id, job.block_ids[:cut * g], job.slots[:cut])
+        return TransferJob(job.job_id, job.req_id, job.block_ids[: cut * g], job.slots[:cut])
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for spill in meta.spills:
@@ -259,8 +294,9 @@ class KVBMWorker(StreamedLoads, KVRelease):
         failed and holds only host slots)."""
         req_ids = set(meta.flush_req_ids)
         if req_ids or self.info.hybrid:
-            self._wait(lambda job, is_store: is_store and (job.req_id in req_ids
-                                                          or job.before_next_step))
+            self._wait(
+                lambda job, is_store: is_store and (job.req_id in req_ids or job.before_next_step)
+            )
 
     def _refused(self, job: TransferJob, is_store: bool, weights_ok: bool = True) -> bool:
         """A job whose keys name other weights than this worker runs (the model's
@@ -273,13 +309,21 @@ class KVBMWorker(StreamedLoads, KVRelease):
             return False
         int_id, fingerprint = job.adapter or (0, "")
         if weights_ok and fingerprint:
-            logger.warning("KVBM: %s for %s refused: LoRA adapter id %d runs other weights than "
-                           "its files had when the request arrived (rewritten in place)",
-                           "store" if is_store else "load", job.req_id, int_id)
+            logger.warning(
+                "KVBM: %s for %s refused: LoRA adapter id %d runs other weights than "
+                "its files had when the request arrived (rewritten in place)",
+                "store" if is_store else "load",
+                job.req_id,
+                int_id,
+            )
         elif weights_ok:  # keyed before its files were local: vLLM downloaded them as it loaded it
-            logger.info("KVBM: %s for %s not done: LoRA adapter id %d had no local files when "
-                        "the request arrived; its next requests are cached",
-                        "store" if is_store else "load", job.req_id, int_id)
+            logger.info(
+                "KVBM: %s for %s not done: LoRA adapter id %d had no local files when "
+                "the request arrived; its next requests are cached",
+                "store" if is_store else "load",
+                job.req_id,
+                int_id,
+            )
         self._complete(job, is_store, ok=False, started=time.perf_counter())
         return True
 
@@ -319,9 +363,12 @@ class KVBMWorker(StreamedLoads, KVRelease):
                 if f.overdue and f.is_store:
                     # Already reported failed; its slots may be reused now.
                     self._meta.slots_released.update(f.job.slots)
-                    logger.warning("KVBM: overdue store for %s ended (%s); its %d host "
-                                   "slots are free again", f.job.req_id, state,
-                                   len(f.job.slots))
+                    logger.warning(
+                        "KVBM: overdue store for %s ended (%s); its %d host slots are free again",
+                        f.job.req_id,
+                        state,
+                        len(f.job.slots),
+                    )
                 else:
                     self._complete(f.job, f.is_store, ok=state == "DONE", started=f.started)
                 continue
@@ -346,15 +393,23 @@ class KVBMWorker(StreamedLoads, KVRelease):
         """
         self._meta.transfer_timeouts["overdue"] += 1
         if f.is_store:
-            logger.error("KVBM: store of %d blocks for %s not finished after %g s; not "
-                         "cached, its host slots held until the copy ends",
-                         len(f.job.block_ids), f.job.req_id, self.transfer_timeout_s)
+            logger.error(
+                "KVBM: store of %d blocks for %s not finished after %g s; not "
+                "cached, its host slots held until the copy ends",
+                len(f.job.block_ids),
+                f.job.req_id,
+                self.transfer_timeout_s,
+            )
             self._meta.slots_held.update(f.job.slots)
             self._complete(f.job, True, ok=False, started=f.started)
         else:
-            logger.error("KVBM: load of %d blocks for %s not finished after %g s; the "
-                         "request waits for it (its blocks are still being written)",
-                         len(f.job.block_ids), f.job.req_id, self.transfer_timeout_s)
+            logger.error(
+                "KVBM: load of %d blocks for %s not finished after %g s; the "
+                "request waits for it (its blocks are still being written)",
+                len(f.job.block_ids),
+                f.job.req_id,
+                self.transfer_timeout_s,
+            )
 
     def _wait(self, match) -> bool:
         """Waits for the fences of the queued transfers that ``match(job,
@@ -366,9 +421,9 @@ class KVBMWorker(StreamedLoads, KVRelease):
         self._post_ready()
 
         def busy() -> bool:
-            return (any(match(p.job, p.is_store) for p in self._pending)
-                    or any(match(f.job, f.is_store) and not f.overdue
-                           for f in self._inflight))
+            return any(match(p.job, p.is_store) for p in self._pending) or any(
+                match(f.job, f.is_store) and not f.overdue for f in self._inflight
+            )
 
         while busy():
             self._poll()
@@ -441,12 +496,13 @@ class KVBMWorker(StreamedLoads, KVRelease):
         if not self._wait(lambda job, is_store: True):
             # Deregistering memory under a running transfer is undefined:
             # leave it to process exit.
-            logger.error("KVBM: %d transfers still running at shutdown; NIXL memory "
-                         "left registered", len(self._inflight))
+            logger.error(
+                "KVBM: %d transfers still running at shutdown; NIXL memory left registered",
+                len(self._inflight),
+            )
             self.mover = None
             return
         self.mover.close()
         self.mover = None
         if self._host is not None:
             self._host.release()
-

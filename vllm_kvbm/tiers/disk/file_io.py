@@ -69,7 +69,7 @@ def _write_page(path: str, codec, key: bytes, payload: torch.Tensor) -> None:
             signer = codec.signer(key)
             scratch = _write_scratch() if codec.keyed else None
             for off in range(0, len(view), _WRITE_CHUNK):
-                stored = signer.seal(view[off:off + _WRITE_CHUNK], scratch)
+                stored = signer.seal(view[off : off + _WRITE_CHUNK], scratch)
                 _pwrite_all(fd, [stored], HEADER_BYTES + off)
             _pwrite_all(fd, [memoryview(signer.header())], 0)
         finally:
@@ -114,8 +114,9 @@ _ALIGN = 4096  # O_DIRECT's buffer, offset and length alignment
 _TOUCH_EVERY_S = 60.0
 
 
-def _read_page(path: str, codec, key: bytes, out: "_Out", touch: bool,
-               bounce: "_Bounce | None" = None) -> str:
+def _read_page(
+    path: str, codec, key: bytes, out: "_Out", touch: bool, bounce: "_Bounce | None" = None
+) -> str:
     """Reads and checks the page file at ``path`` into ``out`` -> the codec's
     status ("ok", "corrupt", "unauthenticated", "miss" for a tombstone, "error").
     No torch call on the way (see _Out).
@@ -168,15 +169,16 @@ def _read_page(path: str, codec, key: bytes, out: "_Out", touch: bool,
         os.close(fd)
 
 
-def _check_in_place(fd: int, codec, key: bytes, header: bytearray, view: memoryview,
-                    path: str) -> str:
+def _check_in_place(
+    fd: int, codec, key: bytes, header: bytearray, view: memoryview, path: str
+) -> str:
     """The buffered read's rest: its first chunk is in ``view`` already."""
     check = codec.start_verify(bytes(header), key)
     if isinstance(check, str):
         return check
     check.update(view[:_READ_CHUNK])
     for off in range(_READ_CHUNK, len(view), _READ_CHUNK):
-        part = view[off:off + _READ_CHUNK]
+        part = view[off : off + _READ_CHUNK]
         _pread_into(fd, [part], HEADER_BYTES + off, path)
         check.update(part)
     return check.finish(view)
@@ -200,8 +202,10 @@ class _CacheRange(ctypes.Structure):
 
 
 class _CacheStat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in
-                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
 
 
 _SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}.get(os.uname().machine)
@@ -237,7 +241,7 @@ class _Bounce:
         try:
             got, want = 0, HEADER_BYTES + size
             while got < want:  # the last 4 KiB block is short: EOF ends it
-                n = os.preadv(fd, [self._view[got:self._span]], got)
+                n = os.preadv(fd, [self._view[got : self._span]], got)
                 if n <= 0:
                     raise _ShortFile(f"{path}: ends at {got}")
                 got += n
@@ -249,9 +253,9 @@ class _Bounce:
             return check
         view, src = self._view[HEADER_BYTES:want], self._addr + HEADER_BYTES
         for off in range(0, size, _READ_CHUNK):
-            part = view[off:off + _READ_CHUNK]
+            part = view[off : off + _READ_CHUNK]
             if check.opens:  # a sealed page: decrypted from here into the slot
-                check.update_into(part, out.view[off:off + _READ_CHUNK])
+                check.update_into(part, out.view[off : off + _READ_CHUNK])
                 continue
             check.update(part)  # then copied while still in cache (GIL released)
             ctypes.memmove(out.addr + off, src + off, len(part))
@@ -300,7 +304,8 @@ def _prepare_dir(directory: str) -> str:
         os.makedirs(d, exist_ok=True)
     except OSError as e:
         raise KVBMConfigError(
-            f"disk_cache_dir: cannot create directory {d!r} ({e.strerror or e}); {fix}") from None
+            f"disk_cache_dir: cannot create directory {d!r} ({e.strerror or e}); {fix}"
+        ) from None
     try:
         fd, probe = tempfile.mkstemp(prefix=".kvbm-probe-", dir=d)
         try:
@@ -310,7 +315,8 @@ def _prepare_dir(directory: str) -> str:
             os.remove(probe)
     except OSError as e:
         raise KVBMConfigError(
-            f"disk_cache_dir: directory {d!r} is not writable ({e.strerror or e}); {fix}") from None
+            f"disk_cache_dir: directory {d!r} is not writable ({e.strerror or e}); {fix}"
+        ) from None
     return d
 
 
@@ -327,7 +333,8 @@ def _claim(directory: str, owner: str) -> int:
             f"disk_cache_dir: {directory!r} is in use by another engine (pid {holder}) for "
             f"the same model, KV format and TP rank; two of them would evict each other's "
             f"pages. Give each engine its own disk_cache_dir (engines of different models "
-            f"may share one)") from None
+            f"may share one)"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd

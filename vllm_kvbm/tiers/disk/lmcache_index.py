@@ -61,8 +61,7 @@ def _disk_backend_class():
                     if not self.disk_worker.try_insert_put_task(key):
                         return "busy"
                     while self.current_cache_size + size > self.max_cache_size:
-                        evict = self.cache_policy.get_evict_candidates(self.dict,
-                                                                       num_candidates=1)
+                        evict = self.cache_policy.get_evict_candidates(self.dict, num_candidates=1)
                         if not evict:
                             self.disk_worker.remove_put_task(key)
                             return "full"

@@ -52,9 +52,17 @@ import torch
 from vllm_kvbm.config import disk_tier_too_small
 from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.io_threads import IOThreads, close_pools
-from vllm_kvbm.tiers.disk.file_io import (_SYS_CACHESTAT, _allows_o_direct, _Bounce, _claim,
-                                          _Out, _prepare_dir, _read_page, _ShortFile,
-                                          _write_page)
+from vllm_kvbm.tiers.disk.file_io import (
+    _SYS_CACHESTAT,
+    _allows_o_direct,
+    _Bounce,
+    _claim,
+    _Out,
+    _prepare_dir,
+    _read_page,
+    _ShortFile,
+    _write_page,
+)
 from vllm_kvbm.tiers.disk.lmcache_index import _disk_backend_class
 from vllm_kvbm.tiers.disk.view import replica_directory
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
@@ -95,18 +103,37 @@ class DiskStore(LMCacheStore):
     name = "disk"
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
-                    secret: bytes | None, layout: str) -> "DiskStore":
-        return cls(replica_directory(config.disk_cache_dir, info.data_parallel_index),
-                   config.disk_cache_bytes, info.page_bytes,
-                   info.tier_namespace, rank, info.key_namespace.tp_size, page_secret=secret,
-                   layout=layout)
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", rank: int, secret: bytes | None, layout: str
+    ) -> "DiskStore":
+        return cls(
+            replica_directory(config.disk_cache_dir, info.data_parallel_index),
+            config.disk_cache_bytes,
+            info.page_bytes,
+            info.tier_namespace,
+            rank,
+            info.key_namespace.tp_size,
+            page_secret=secret,
+            layout=layout,
+        )
 
-    def __init__(self, directory: str, capacity_bytes: int, page_bytes: int, namespace: str,
-                 rank: int, world_size: int, *, io_timeout_s: float = 30.0, max_inflight: int = 8,
-                 read_inflight: int = 4, write_inflight: int = 4,
-                 page_secret: bytes | None = None, direct_reads: bool = True,
-                 layout: str = ""):
+    def __init__(
+        self,
+        directory: str,
+        capacity_bytes: int,
+        page_bytes: int,
+        namespace: str,
+        rank: int,
+        world_size: int,
+        *,
+        io_timeout_s: float = 30.0,
+        max_inflight: int = 8,
+        read_inflight: int = 4,
+        write_inflight: int = 4,
+        page_secret: bytes | None = None,
+        direct_reads: bool = True,
+        layout: str = "",
+    ):
         super().__init__(page_bytes, namespace, rank, world_size, page_secret, layout)
         # Keys of the pages this store put or read, by their names' chunk
         # hash: under a page secret names are keyed hashes, so take_removed
@@ -117,8 +144,9 @@ class DiskStore(LMCacheStore):
         # Keys of the pages deleted since take_removed last ran: appended on
         # the tier's threads, taken on vLLM's without a lock (deque).
         self._removed: deque[bytes] = deque()
-        self._retired = tuple(f"{m}@{world_size}@{rank}@"
-                              for m in retired_model_names(namespace, page_bytes))
+        self._retired = tuple(
+            f"{m}@{world_size}@{rank}@" for m in retired_model_names(namespace, page_bytes)
+        )
         if capacity_bytes < self._phys:
             raise disk_tier_too_small(capacity_bytes, self._phys)
         self.directory = _prepare_dir(directory)
@@ -129,11 +157,14 @@ class DiskStore(LMCacheStore):
             from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
             cfg = self._Config.from_defaults(
-                chunk_size=1, local_cpu=False,
+                chunk_size=1,
+                local_cpu=False,
                 # One page: the probe below (pages never pass through LMCache
                 # memory); slack in case the allocator aligns more coarsely.
                 max_local_cpu_size=(self._phys + 8 * 1024**2) / GIB,
-                local_disk=self.directory, max_local_disk_size=self.capacity_bytes / GIB)
+                local_disk=self.directory,
+                max_local_disk_size=self.capacity_bytes / GIB,
+            )
             self._slots = threading.BoundedSemaphore(max_inflight)  # pages in flight (put + get)
             # TierIO's writer threads for this store: puts of different keys
             # run in parallel (one key's second put waits for its first, see
@@ -141,18 +172,23 @@ class DiskStore(LMCacheStore):
             # (benchmarks/bench_disk.py).
             self.write_inflight = max(1, min(write_inflight, max_inflight - read_inflight))
             # Pages not in the page cache are read with O_DIRECT where allowed.
-            self._direct = (direct_reads and _SYS_CACHESTAT is not None
-                            and _allows_o_direct(self.directory))
+            self._direct = (
+                direct_reads and _SYS_CACHESTAT is not None and _allows_o_direct(self.directory)
+            )
             self._bounces = threading.local()
             # get_many_into's readers: several reads in flight keep the device
             # queue busy (cold) and verify on both cores (warm).
             self._read_inflight = read_inflight
-            self._readers = (IOThreads(read_inflight, "kvbm-disk-read", widen_thread_affinity)
-                             if read_inflight > 1 else None)
+            self._readers = (
+                IOThreads(read_inflight, "kvbm-disk-read", widen_thread_affinity)
+                if read_inflight > 1
+                else None
+            )
             self._loop, self._thread = start_loop("kvbm-disk-io")
             self._staging = LocalCPUBackend(cfg, self._md)
-            self._disk = _disk_backend_class()(cfg, self._loop, self._staging, dst_device="cpu",
-                                               metadata=self._md)
+            self._disk = _disk_backend_class()(
+                cfg, self._loop, self._staging, dst_device="cpu", metadata=self._md
+            )
             self._disk.max_cache_size = self.capacity_bytes  # exact, not via float GiB
             self._disk.on_removed = self._on_removed  # deleted pages (LRU, damage)
             self._closed = False
@@ -214,8 +250,9 @@ class DiskStore(LMCacheStore):
                 self._disk.current_cache_size += self._phys
             self._disk.usage += self._phys
         if keep:
-            logger.info("disk tier: adopted %d pages (%d bytes) from %s", len(keep), total,
-                        self.directory)
+            logger.info(
+                "disk tier: adopted %d pages (%d bytes) from %s", len(keep), total, self.directory
+            )
         return len(keep)
 
     @staticmethod
@@ -270,8 +307,11 @@ class DiskStore(LMCacheStore):
     def _note_write(self, err) -> None:
         if err is not None and not self._writes_failing:
             self._writes_failing = True
-            logger.warning("disk tier: writes to %s failing (%s); puts return False until "
-                           "one succeeds", self.directory, err)
+            logger.warning(
+                "disk tier: writes to %s failing (%s); puts return False until one succeeds",
+                self.directory,
+                err,
+            )
         elif err is None and self._writes_failing:
             self._writes_failing = False
             logger.warning("disk tier: writes to %s succeed again", self.directory)
@@ -315,8 +355,7 @@ class DiskStore(LMCacheStore):
         # that fails leaves the slot written but unused (the load fails and
         # the scheduler drops the slot; test_page_auth, test_worker_tiers).
         try:
-            status = _read_page(path, self._codec, key, out, touch=True,
-                                bounce=self._bounce())
+            status = _read_page(path, self._codec, key, out, touch=True, bounce=self._bounce())
         except FileNotFoundError:
             self._disk.remove(ck)  # deleted behind our back: forget it
             return "miss"
@@ -328,8 +367,11 @@ class DiskStore(LMCacheStore):
             logger.warning("disk tier: corrupt page removed: %s", path)
             self._disk.remove(ck)
         elif status == "unauthenticated":
-            logger.warning("disk tier: page without a valid MAC (not written with this "
-                           "deployment's page secret) removed: %s", path)
+            logger.warning(
+                "disk tier: page without a valid MAC (not written with this "
+                "deployment's page secret) removed: %s",
+                path,
+            )
             self._disk.remove(ck)
         return status
 
@@ -342,8 +384,7 @@ class DiskStore(LMCacheStore):
             bounce = self._bounces.buf = _Bounce(self._codec.stored_bytes)
         return bounce
 
-    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]],
-                      stop=None) -> list[str]:
+    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]], stop=None) -> list[str]:
         """get_into for each ``(key, out)``, several in flight; the statuses in
         order ("skipped": not read, ``stop()`` having turned true)."""
         targets = [self._target(key, out) for key, out in items]  # torch here, not there
@@ -368,8 +409,9 @@ class DiskStore(LMCacheStore):
 
     def contains(self, key: bytes) -> bool:
         try:
-            return (not self._closed and valid_key(key)
-                    and self._disk.contains(self._ckey(bytes(key))))
+            return (
+                not self._closed and valid_key(key) and self._disk.contains(self._ckey(bytes(key)))
+            )
         except Exception:  # noqa: BLE001
             return False
 

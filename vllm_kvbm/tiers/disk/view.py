@@ -37,24 +37,36 @@ class DiskView(TierView):
 
     name = "disk"
 
-    def __init__(self, directory: str, namespace: str, page_bytes: int, world_size: int,
-                 secret: bytes | None = None):
+    def __init__(
+        self,
+        directory: str,
+        namespace: str,
+        page_bytes: int,
+        world_size: int,
+        secret: bytes | None = None,
+    ):
         # ``secret``: the page secret, which keys the pages' names (page_names).
         self._paths = [
             disk_page_namer(directory, namespace, page_bytes, rank, world_size, secret)
-            for rank in range(world_size)]
+            for rank in range(world_size)
+        ]
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo",
-                    secret: bytes | None) -> "DiskView":
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", secret: bytes | None
+    ) -> "DiskView":
         config.disk_blocks(info.page_bytes)  # fails early if too small
         directory = replica_directory(config.disk_cache_dir, info.data_parallel_index)
         if info.data_parallel_index:
-            logger.info("KVBM: data-parallel rank %d keeps its disk tier in %s (each DP rank "
-                        "a directory of its own; rank 0 uses disk_cache_dir itself)",
-                        info.data_parallel_index, directory)
-        return cls(directory, info.tier_namespace, info.page_bytes,
-                   info.key_namespace.tp_size, secret)
+            logger.info(
+                "KVBM: data-parallel rank %d keeps its disk tier in %s (each DP rank "
+                "a directory of its own; rank 0 uses disk_cache_dir itself)",
+                info.data_parallel_index,
+                directory,
+            )
+        return cls(
+            directory, info.tier_namespace, info.page_bytes, info.key_namespace.tp_size, secret
+        )
 
     def contains(self, key: PageKey) -> bool:
         return all(os.path.exists(path(key)) for path in self._paths)

@@ -15,10 +15,10 @@ MAX_KEY_LENGTH = 150
 _REQUEST = struct.Struct(f"iiiiiiiii{MAX_KEY_LENGTH}s")
 _REPLY = struct.Struct("iiiiiiiii")
 REPLY_BYTES = _REPLY.size
-_EXIST = 3            # ClientCommand.EXIST
-_FMT_KV_2LTD = 1      # MemoryFormat(1), what LMCache's own EXIST sends
-_DTYPE_FLOAT16 = 2    # DTYPE_TO_INT[torch.float16], likewise
-_SUCCESS = 200        # ServerReturnCode.SUCCESS
+_EXIST = 3  # ClientCommand.EXIST
+_FMT_KV_2LTD = 1  # MemoryFormat(1), what LMCache's own EXIST sends
+_DTYPE_FLOAT16 = 2  # DTYPE_TO_INT[torch.float16], likewise
+_SUCCESS = 200  # ServerReturnCode.SUCCESS
 
 
 def exist_request(name: str) -> bytes:
@@ -26,8 +26,9 @@ def exist_request(name: str) -> bytes:
     raw = name.encode()
     if len(raw) > MAX_KEY_LENGTH:
         raise ValueError(f"page name longer than {MAX_KEY_LENGTH} bytes: {name!r}")
-    return _REQUEST.pack(_EXIST, 0, _FMT_KV_2LTD, _DTYPE_FLOAT16, 0, 0, 0, 0, 0,
-                         raw.ljust(MAX_KEY_LENGTH))
+    return _REQUEST.pack(
+        _EXIST, 0, _FMT_KV_2LTD, _DTYPE_FLOAT16, 0, 0, 0, 0, 0, raw.ljust(MAX_KEY_LENGTH)
+    )
 
 
 def exist_reply(data: bytes) -> bool:

@@ -140,15 +140,33 @@ class RemoteStore(LMCacheStore):
     name = "remote"
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
-                    secret: bytes | None, layout: str) -> "RemoteStore":
-        return cls(config.remote_url, info.page_bytes, info.tier_namespace, rank,
-                   info.key_namespace.tp_size, config.remote_timeout_s, page_secret=secret,
-                   layout=layout)
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", rank: int, secret: bytes | None, layout: str
+    ) -> "RemoteStore":
+        return cls(
+            config.remote_url,
+            info.page_bytes,
+            info.tier_namespace,
+            rank,
+            info.key_namespace.tp_size,
+            config.remote_timeout_s,
+            page_secret=secret,
+            layout=layout,
+        )
 
-    def __init__(self, url: str, page_bytes: int, namespace: str, rank: int, world_size: int,
-                 timeout_s: float = 2.0, *, retry_interval_s: float = 2.0,
-                 page_secret: bytes | None = None, layout: str = ""):
+    def __init__(
+        self,
+        url: str,
+        page_bytes: int,
+        namespace: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 2.0,
+        *,
+        retry_interval_s: float = 2.0,
+        page_secret: bytes | None = None,
+        layout: str = "",
+    ):
         super().__init__(page_bytes, namespace, rank, world_size, page_secret, layout)
         self._host, self._port = parse_lm_url("remote_url", url)
         if not timeout_s > 0:
@@ -157,8 +175,13 @@ class RemoteStore(LMCacheStore):
         self._timeout_s = float(timeout_s)
         self._retry_s = float(retry_interval_s)
         self._cfg = self._Config.from_defaults(
-            chunk_size=1, local_cpu=False, max_local_cpu_size=4 * self._phys / GIB,
-            remote_url=url, remote_serde="naive", blocking_timeout_secs=max(1, int(timeout_s + 1)))
+            chunk_size=1,
+            local_cpu=False,
+            max_local_cpu_size=4 * self._phys / GIB,
+            remote_url=url,
+            remote_serde="naive",
+            blocking_timeout_secs=max(1, int(timeout_s + 1)),
+        )
         self._reads = _Link("reads", url, self._retry_s)
         self._writes = _Link("writes", url, self._retry_s)
         self._closed = False
@@ -176,8 +199,14 @@ class RemoteStore(LMCacheStore):
         if not link.retry.may_try():
             return None
         try:
-            conn = _RemoteConn(self._host, self._port, self._cfg, self._md, self._timeout_s,
-                               deadline - time.monotonic())
+            conn = _RemoteConn(
+                self._host,
+                self._port,
+                self._cfg,
+                self._md,
+                self._timeout_s,
+                deadline - time.monotonic(),
+            )
         except Exception as e:  # noqa: BLE001
             link.retry.failed(e)
             return None
@@ -257,6 +286,7 @@ class RemoteStore(LMCacheStore):
                 return False
             self._removed.discard(key)
             return True
+
         try:
             return self._call(self._writes, op, False)
         except Exception as e:  # noqa: BLE001
@@ -294,12 +324,17 @@ class RemoteStore(LMCacheStore):
                 mo.ref_count_down()
             if status in ("corrupt", "unauthenticated"):
                 self._overwritten += 1
-                logger.warning("remote tier: %s page overwritten (%d by this worker so far)",
-                               "corrupt" if status == "corrupt" else "unauthenticated (no valid "
-                               "MAC for this deployment's page secret)", self._overwritten)
+                logger.warning(
+                    "remote tier: %s page overwritten (%d by this worker so far)",
+                    "corrupt"
+                    if status == "corrupt"
+                    else "unauthenticated (no valid MAC for this deployment's page secret)",
+                    self._overwritten,
+                )
                 self._forget(key)
                 self._send(conn, key, None, deadline)
             return status
+
         try:
             return self._call(self._reads, op, "error")
         except Exception as e:  # noqa: BLE001
@@ -311,9 +346,15 @@ class RemoteStore(LMCacheStore):
             return False
         ck = self._ckey(bytes(key))
         try:
-            return bool(self._call(
-                self._reads, lambda conn, deadline: conn.run(conn.conn.exists(ck), deadline - time.monotonic()),
-                False))
+            return bool(
+                self._call(
+                    self._reads,
+                    lambda conn, deadline: conn.run(
+                        conn.conn.exists(ck), deadline - time.monotonic()
+                    ),
+                    False,
+                )
+            )
         except Exception:  # noqa: BLE001
             return False
 
@@ -323,8 +364,9 @@ class RemoteStore(LMCacheStore):
         key = bytes(key)
         self._forget(key)
         try:
-            self._call(self._writes,
-                       lambda conn, deadline: self._send(conn, key, None, deadline), None)
+            self._call(
+                self._writes, lambda conn, deadline: self._send(conn, key, None, deadline), None
+            )
         except Exception:  # noqa: BLE001
             pass
 

@@ -30,9 +30,16 @@ class RemoteView(TierView):
 
     name = "remote"
 
-    def __init__(self, url: str, namespace: str, page_bytes: int, world_size: int,
-                 timeout_s: float = 2.0, retry_interval_s: float = 2.0,
-                 secret: bytes | None = None):
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        page_bytes: int,
+        world_size: int,
+        timeout_s: float = 2.0,
+        retry_interval_s: float = 2.0,
+        secret: bytes | None = None,
+    ):
         self.url = url
         self._addr = parse_lm_url("remote_url", url)
         self._name = page_namer(namespace, page_bytes, 0, world_size, secret)
@@ -42,10 +49,17 @@ class RemoteView(TierView):
         self._retry = Reconnect(retry_interval_s, "remote tier", url, "for lookups")
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo",
-                    secret: bytes | None) -> "RemoteView":
-        return cls(config.remote_url, info.tier_namespace, info.page_bytes,
-                   info.key_namespace.tp_size, config.remote_timeout_s, secret=secret)
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", secret: bytes | None
+    ) -> "RemoteView":
+        return cls(
+            config.remote_url,
+            info.tier_namespace,
+            info.page_bytes,
+            info.key_namespace.tp_size,
+            config.remote_timeout_s,
+            secret=secret,
+        )
 
     def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
@@ -75,8 +89,10 @@ class RemoteView(TierView):
                     if not chunk:
                         raise ConnectionError("server closed the connection")
                     reply += chunk
-                found = [exist_reply(bytes(reply[i:i + REPLY_BYTES]))
-                         for i in range(0, want, REPLY_BYTES)]
+                found = [
+                    exist_reply(bytes(reply[i : i + REPLY_BYTES]))
+                    for i in range(0, want, REPLY_BYTES)
+                ]
             except (OSError, ValueError) as err:
                 self._drop(err)
                 return [False] * len(keys)

@@ -50,8 +50,9 @@ class PeerAgent:
         nixl_agent, nixl_agent_config, self.module = _nixl_api()
         self.name = f"{role}-{uuid.uuid4().hex[:16]}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(
-                enable_prog_thread=False, backends=["UCX"]))
+            self.agent = nixl_agent(
+                self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            )
         except Exception as err:  # noqa: BLE001 - say what failed, not a binding's name
             raise NixlCallError(f"NIXL agent with UCX: {type(err).__name__}: {err}") from None
         if "UCX" not in self.agent.backends:
@@ -62,13 +63,15 @@ class PeerAgent:
         try:
             return getattr(self.agent, fn)(*args, **kwargs)
         except Exception as err:  # noqa: BLE001 - every NIXL call raises its own types
-            raise NixlCallError(f"{what}: {type(err).__name__}: {err}",
-                                _disconnected(err)) from None
+            raise NixlCallError(
+                f"{what}: {type(err).__name__}: {err}", _disconnected(err)
+            ) from None
 
     def register(self, addr: int, length: int):
         """``length`` bytes of host memory at ``addr``, for transfers."""
-        return self.call("register_memory", "register_memory", [(addr, length, 0, "")],
-                         mem_type="DRAM")
+        return self.call(
+            "register_memory", "register_memory", [(addr, length, 0, "")], mem_type="DRAM"
+        )
 
     def deregister(self, reg) -> None:
         try:
@@ -78,8 +81,9 @@ class PeerAgent:
 
     def descs(self, spans: list[tuple[int, int]]):
         """Transfer descriptors of host memory spans (address, length)."""
-        return self.call("get_xfer_descs", "get_xfer_descs",
-                         [(addr, n, 0) for addr, n in spans], "DRAM")
+        return self.call(
+            "get_xfer_descs", "get_xfer_descs", [(addr, n, 0) for addr, n in spans], "DRAM"
+        )
 
     def metadata(self) -> bytes:
         return self.call("get_agent_metadata", "get_agent_metadata")

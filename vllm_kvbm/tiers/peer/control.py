@@ -39,8 +39,7 @@ class ControlLink:
         rid = next(_ids)
         deadline = time.monotonic() + max(0.0, timeout_s)
         try:
-            self._sock.send_multipart([b""] + protocol.encode({**message, "id": rid}),
-                                      zmq.NOBLOCK)
+            self._sock.send_multipart([b""] + protocol.encode({**message, "id": rid}), zmq.NOBLOCK)
         except zmq.Again:
             raise TimeoutError(f"{self.endpoint}: not accepting requests") from None
         while True:
@@ -62,8 +61,14 @@ class ControlLink:
             self._ctx.term()
 
 
-def peer_lookup(endpoint: str, file: str, scope: bytes | None, table_keys: list[bytes],
-                timeout_s: float, link: ControlLink | None = None) -> list[bool]:
+def peer_lookup(
+    endpoint: str,
+    file: str,
+    scope: bytes | None,
+    table_keys: list[bytes],
+    timeout_s: float,
+    link: ControlLink | None = None,
+) -> list[bool]:
     """Which of ``table_keys`` the pool file ``file`` at ``endpoint`` (the
     endpoint of this rank: protocol.rank_endpoint) holds now. ``scope``: the
     file's scope digest, or None where it is not known (a scheduler: no KV
@@ -74,7 +79,7 @@ def peer_lookup(endpoint: str, file: str, scope: bytes | None, table_keys: list[
     try:
         found: list[bool] = []
         for start in range(0, len(table_keys), 4096):
-            part = table_keys[start:start + 4096]
+            part = table_keys[start : start + 4096]
             message = {"op": "lookup", "file": file, "keys": [k.hex() for k in part]}
             if scope is not None:
                 message["scope"] = scope.hex()

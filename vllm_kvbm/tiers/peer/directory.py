@@ -69,8 +69,9 @@ _HEAD = struct.Struct(f"<Q32s{ENTRY_BYTES - 40}x")  # generation, key
 # Deletes KEYS[1] only while it holds ARGV[1]: another holder's entry (the
 # same page in another machine's pool) or a restarted process's liveness is
 # left alone.
-_DEL_IF = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
-           "return redis.call('DEL', KEYS[1]) end return 0")
+_DEL_IF = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+)
 
 
 def entry_key(file_name: str, tkey: bytes) -> str:
@@ -81,20 +82,32 @@ def alive_key(endpoint: str) -> str:
     return f"{ALIVE_PREFIX}:{endpoint}"
 
 
-def open_link(url: str, password, timeout_s: float, role: str,
-              tls_ca_file: str | None = None) -> "RedisLink":
+def open_link(
+    url: str, password, timeout_s: float, role: str, tls_ca_file: str | None = None
+) -> "RedisLink":
     """A link to the directory at ``url``; a refused password raises
     KVBMConfigError naming the key that sets it."""
     from vllm_kvbm.config import parse_remote_url
     from vllm_kvbm.tiers.redis.connection import RedisLink
 
-    return RedisLink(parse_remote_url("peer_directory_url", url), password, timeout_s,
-                     role=role, tls_ca_file=tls_ca_file, what="peer directory")
+    return RedisLink(
+        parse_remote_url("peer_directory_url", url),
+        password,
+        timeout_s,
+        role=role,
+        tls_ca_file=tls_ca_file,
+        what="peer directory",
+    )
 
 
 def config_link(config: "KVBMConfig", role: str) -> "RedisLink":
-    return open_link(config.peer_directory_url, config.remote_password,
-                     config.remote_timeout_s, role, config.remote_tls_ca_file)
+    return open_link(
+        config.peer_directory_url,
+        config.remote_password,
+        config.remote_timeout_s,
+        role,
+        config.remote_tls_ca_file,
+    )
 
 
 class DirectoryWriter:
@@ -103,9 +116,16 @@ class DirectoryWriter:
     writes them. ``pool``: the PoolFile whose table is swept every
     ``sweep_every_s`` (None: no sweep)."""
 
-    def __init__(self, link: "RedisLink", file_name: str, endpoint: str, ttl_s: float,
-                 pool=None, queue_entries: int = QUEUE_ENTRIES,
-                 sweep_every_s: float | None = None):
+    def __init__(
+        self,
+        link: "RedisLink",
+        file_name: str,
+        endpoint: str,
+        ttl_s: float,
+        pool=None,
+        queue_entries: int = QUEUE_ENTRIES,
+        sweep_every_s: float | None = None,
+    ):
         self._link = link
         self.file_name, self.endpoint = file_name, endpoint
         self._ttl_ms = max(1, int(ttl_s * 1000))
@@ -121,8 +141,7 @@ class DirectoryWriter:
         self.written = self.deleted = self.dropped = self.failed = 0
         self.sweeps = 0
         self._drops_said, self._said_at = 0, -1e9
-        self._thread = threading.Thread(target=self._run, name="kvbm-peer-directory",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvbm-peer-directory", daemon=True)
         self._thread.start()
 
     def stored(self, tkey: bytes) -> None:
@@ -168,8 +187,11 @@ class DirectoryWriter:
         while True:
             with self._cv:
                 while not (self._ops or self._closed or self._sweep_due()):
-                    self._cv.wait(None if self._pool is None
-                                  else max(0.01, self._next_sweep - time.monotonic()))
+                    self._cv.wait(
+                        None
+                        if self._pool is None
+                        else max(0.01, self._next_sweep - time.monotonic())
+                    )
                 if self._closed:
                     self._ops.clear()
                     self._cv.notify_all()
@@ -182,8 +204,9 @@ class DirectoryWriter:
                 else:
                     self._sweep()
             except Exception as err:  # noqa: BLE001 - the thread must go on
-                logger.warning("KVBM: peer directory: writing %s's entries: %s",
-                               self.file_name, err)
+                logger.warning(
+                    "KVBM: peer directory: writing %s's entries: %s", self.file_name, err
+                )
             finally:
                 with self._cv:
                     self._busy = False
@@ -220,20 +243,27 @@ class DirectoryWriter:
             if self._closed or pool.closed:
                 return
             count = min(_SWEEP_SLOTS, g.nslots - first)
-            table = bytes(pool.view[g.entry_off(first):g.entry_off(first + count)])
-            held = [(tkey, True) for gen, tkey in _HEAD.iter_unpack(table)
-                    if not gen & 1 and tkey != EMPTY_KEY]
+            table = bytes(pool.view[g.entry_off(first) : g.entry_off(first + count)])
+            held = [
+                (tkey, True)
+                for gen, tkey in _HEAD.iter_unpack(table)
+                if not gen & 1 and tkey != EMPTY_KEY
+            ]
             for start in range(0, len(held), BATCH):
-                self._send(held[start:start + BATCH])
+                self._send(held[start : start + BATCH])
         self.sweeps += 1
 
     def _say_drops(self) -> None:
         now = time.monotonic()
         if self.dropped > self._drops_said and now - self._said_at >= 60:
-            logger.warning("KVBM: peer directory: %d entries of %s dropped so far (the queue "
-                           "of %d was full: the directory is slower than pages enter the pool; "
-                           "the next sweep writes them; said at most once a minute)",
-                           self.dropped, self.file_name, self.queue_entries)
+            logger.warning(
+                "KVBM: peer directory: %d entries of %s dropped so far (the queue "
+                "of %d was full: the directory is slower than pages enter the pool; "
+                "the next sweep writes them; said at most once a minute)",
+                self.dropped,
+                self.file_name,
+                self.queue_entries,
+            )
             self._drops_said, self._said_at = self.dropped, now
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -249,8 +279,14 @@ class Liveness:
     """Keeps ``alive_key(endpoint)`` set (to ``token``, the serving process's
     incarnation) while the process runs; deleted at close."""
 
-    def __init__(self, link: "RedisLink", endpoint: str, token: str,
-                 every_s: float = LIVENESS_EVERY_S, ttl_s: float = LIVENESS_TTL_S):
+    def __init__(
+        self,
+        link: "RedisLink",
+        endpoint: str,
+        token: str,
+        every_s: float = LIVENESS_EVERY_S,
+        ttl_s: float = LIVENESS_TTL_S,
+    ):
         self._link, self.endpoint, self.token = link, endpoint, token
         self._key = alive_key(endpoint)
         self._every_s, self._ttl_ms = every_s, max(1, int(ttl_s * 1000))
@@ -319,6 +355,7 @@ class DirectoryReader(OnRedisLink):
             for e in candidates:
                 pipe.exists(alive_key(e))
             return pipe.execute()
+
         flags = self._link.call(exists, None, "liveness lookup")
         if flags is None:
             return None
@@ -381,17 +418,23 @@ def pool_directory(config: "KVBMConfig", pool, server, rank: int) -> PoolDirecto
         return None
     endpoint = getattr(pool, "served_at", None)
     if endpoint is None:
-        logger.warning("KVBM: peer directory: this engine's pool is not served to peers, so "
-                       "none of its pages are listed in the directory")
+        logger.warning(
+            "KVBM: peer directory: this engine's pool is not served to peers, so "
+            "none of its pages are listed in the directory"
+        )
         return None
     link = config_link(config, "for the pool's entries")
     try:
-        writer = DirectoryWriter(link, pool.name, endpoint, config.peer_directory_ttl_s,
-                                 pool=pool)
+        writer = DirectoryWriter(link, pool.name, endpoint, config.peer_directory_ttl_s, pool=pool)
         liveness = Liveness(link, endpoint, server.incarnation) if server is not None else None
     except BaseException:
         link.close()
         raise
-    logger.info("KVBM: peer directory: pages of %s listed at %s as held by %s (TTL %g s)",
-                pool.path, link.target, endpoint, config.peer_directory_ttl_s)
+    logger.info(
+        "KVBM: peer directory: pages of %s listed at %s as held by %s (TTL %g s)",
+        pool.path,
+        link.target,
+        endpoint,
+        config.peer_directory_ttl_s,
+    )
     return PoolDirectory(writer, liveness, link)

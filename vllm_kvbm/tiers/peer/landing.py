@@ -97,13 +97,19 @@ class LandingSlots:
         """Host slots a transfer past its deadline may still write."""
         return sum(len(s.dests) for s in self._stuck)
 
-    def quarantine(self, slots: list[int], handle, peer: int,
-                   dests: list[int] | None = None) -> None:
+    def quarantine(
+        self, slots: list[int], handle, peer: int, dests: list[int] | None = None
+    ) -> None:
         self._stuck.append(_Stuck(handle, list(slots), peer, list(dests or ())))
-        logger.warning("KVBM: peer tier: a READ missed its deadline; %d landing slot(s) "
-                       "(%d of %d now) and %d host slot(s) quarantined until it ends or its "
-                       "peer is known gone", len(slots), self.quarantined, self.count,
-                       len(dests or ()))
+        logger.warning(
+            "KVBM: peer tier: a READ missed its deadline; %d landing slot(s) "
+            "(%d of %d now) and %d host slot(s) quarantined until it ends or its "
+            "peer is known gone",
+            len(slots),
+            self.quarantined,
+            self.count,
+            len(dests or ()),
+        )
 
     def take_ended(self) -> list[int]:
         """The ``dests`` of quarantined transfers that ended since last asked."""
@@ -118,8 +124,7 @@ class LandingSlots:
             ended = gone(stuck.peer)
             if not ended:
                 try:
-                    state = self._agent.call("check_xfer_state", "check_xfer_state",
-                                             stuck.handle)
+                    state = self._agent.call("check_xfer_state", "check_xfer_state", stuck.handle)
                     ended = state != "PROC"
                 except NixlCallError as err:
                     ended = err.disconnected
@@ -130,9 +135,13 @@ class LandingSlots:
                 self._free.extend(stuck.slots)
                 self._ended.extend(stuck.dests)
                 freed += len(stuck.slots)
-                logger.info("KVBM: peer tier: %d landing and %d host slot(s) out of "
-                            "quarantine after %.1f s", len(stuck.slots), len(stuck.dests),
-                            time.monotonic() - stuck.since)
+                logger.info(
+                    "KVBM: peer tier: %d landing and %d host slot(s) out of "
+                    "quarantine after %.1f s",
+                    len(stuck.slots),
+                    len(stuck.dests),
+                    time.monotonic() - stuck.since,
+                )
             else:
                 still.append(stuck)
         self._stuck = still
@@ -149,9 +158,11 @@ class LandingSlots:
         then the memory stays (see the module docstring)."""
         self.reap()
         if self._stuck:
-            logger.warning("KVBM: peer tier: %d landing slot(s) still quarantined at close: "
-                           "their memory stays mapped until the process exits",
-                           self.quarantined)
+            logger.warning(
+                "KVBM: peer tier: %d landing slot(s) still quarantined at close: "
+                "their memory stays mapped until the process exits",
+                self.quarantined,
+            )
             return
         self._agent.deregister(self._reg)
         self.view.release()

@@ -41,8 +41,10 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` -> (host, port); ValueError naming the fix."""
     m = _ENDPOINT.fullmatch(text.strip()) if isinstance(text, str) else None
     if m is None or not 0 < int(m.group(2)) < 65536:
-        raise ValueError(f"{text!r} is not a peer control endpoint; write it as "
-                         f"tcp://HOST:PORT (an IPv6 address in brackets)")
+        raise ValueError(
+            f"{text!r} is not a peer control endpoint; write it as "
+            f"tcp://HOST:PORT (an IPv6 address in brackets)"
+        )
     return m.group(1), int(m.group(2))
 
 

@@ -48,8 +48,7 @@ class _Served:
 class PeerServer:
     """Serves pool files on ``tcp://host:port`` (and more ports: ``bind``)."""
 
-    def __init__(self, host: str, port: int,
-                 progress_interval_s: float = PROGRESS_INTERVAL_S):
+    def __init__(self, host: str, port: int, progress_interval_s: float = PROGRESS_INTERVAL_S):
         import zmq
 
         self._zmq = zmq
@@ -73,8 +72,7 @@ class PeerServer:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._interval_ms = max(1, int(progress_interval_s * 1000))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvbm-peer-server",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvbm-peer-server", daemon=True)
         self._thread.start()
 
     @property
@@ -118,8 +116,12 @@ class PeerServer:
             reg = self._agent.register(arg.addr, arg.size)
             self._files[name] = _Served(arg, reg, arg.superblock.scope_digest.hex())
             self._refresh_metadata()
-            logger.info("KVBM: serving pool file %s to peers at %s (%.2f GiB registered "
-                        "with NIXL)", arg.path, self.endpoint, arg.size / 1024**3)
+            logger.info(
+                "KVBM: serving pool file %s to peers at %s (%.2f GiB registered with NIXL)",
+                arg.path,
+                self.endpoint,
+                arg.size / 1024**3,
+            )
         elif what == "withdraw":
             self._drop(arg)
             self._refresh_metadata()
@@ -176,8 +178,9 @@ class PeerServer:
         except (ValueError, KeyError, TypeError) as err:
             answer, blob = {"ok": False, "error": f"bad request: {err}"}, None
         answer["id"] = message.get("id")
-        self._sock.send_multipart([frames[0], b""] + protocol.encode(answer, blob),
-                                  self._zmq.NOBLOCK)
+        self._sock.send_multipart(
+            [frames[0], b""] + protocol.encode(answer, blob), self._zmq.NOBLOCK
+        )
 
     def _answer(self, message: dict) -> tuple[dict, bytes | None]:
         op, name, scope = message.get("op"), message.get("file"), message.get("scope")
@@ -190,30 +193,45 @@ class PeerServer:
         if scope != served.scope_hex and not (op == "lookup" and scope is None):
             if (name, str(scope)) not in self._refused:
                 self._refused.add((name, str(scope)))
-                logger.warning("KVBM: peer server: refused a peer whose pages do not match "
-                               "%s (another model, page size, KV layout or format; said once "
-                               "per file and scope)", name)
-            return {"ok": False, "error": "scope mismatch: the peer's pages do not verify "
-                                          "against this engine's (another model, page size, "
-                                          "KV layout or format)"}, None
+                logger.warning(
+                    "KVBM: peer server: refused a peer whose pages do not match "
+                    "%s (another model, page size, KV layout or format; said once "
+                    "per file and scope)",
+                    name,
+                )
+            return {
+                "ok": False,
+                "error": "scope mismatch: the peer's pages do not verify "
+                "against this engine's (another model, page size, "
+                "KV layout or format)",
+            }, None
         pool = served.pool
         if op == "hello":
             g = pool.geometry
             known = message.get("known")
             fresh = known != [self.incarnation, self._metadata_version]
-            return {"ok": True, "agent": self._agent.name, "incarnation": self.incarnation,
-                    "metadata_version": self._metadata_version, "base": pool.addr,
-                    "length": pool.size, "stored_bytes": g.stored_bytes, "nslots": g.nslots,
-                    "ways": g.ways, "table_off": g.table_off, "data_off": g.data_off,
-                    "stride": g.stride,
-                    "file_incarnation": pool.superblock.incarnation.hex()}, \
-                (self._metadata if fresh else None)
+            return {
+                "ok": True,
+                "agent": self._agent.name,
+                "incarnation": self.incarnation,
+                "metadata_version": self._metadata_version,
+                "base": pool.addr,
+                "length": pool.size,
+                "stored_bytes": g.stored_bytes,
+                "nslots": g.nslots,
+                "ways": g.ways,
+                "table_off": g.table_off,
+                "data_off": g.data_off,
+                "stride": g.stride,
+                "file_incarnation": pool.superblock.incarnation.hex(),
+            }, (self._metadata if fresh else None)
         if op == "lookup":
             keys = message["keys"]
             if not isinstance(keys, list) or len(keys) > MAX_LOOKUP_KEYS:
                 return {"ok": False, "error": f"keys: a list of at most {MAX_LOOKUP_KEYS}"}, None
-            found = [layout.find(pool.view, pool.geometry, bytes.fromhex(k)) is not None
-                     for k in keys]
+            found = [
+                layout.find(pool.view, pool.geometry, bytes.fromhex(k)) is not None for k in keys
+            ]
             return {"ok": True, "found": found}, None
         return {"ok": False, "error": f"unknown op {op!r}"}, None
 

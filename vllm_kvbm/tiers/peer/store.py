@@ -101,10 +101,20 @@ class PeerStore(TierStore):
     # on the reading thread, for measuring what the overlap buys)
     check_ahead = True
 
-    def __init__(self, codec: PageCodec, rank: int, world_size: int, scope: bytes,
-                 file_name: str, *, read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
-                 landing_pages: int = LANDING_PAGES, hello_every_s: float = 5.0,
-                 idle_s: float = 300.0, retry_s: float | None = None):
+    def __init__(
+        self,
+        codec: PageCodec,
+        rank: int,
+        world_size: int,
+        scope: bytes,
+        file_name: str,
+        *,
+        read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
+        landing_pages: int = LANDING_PAGES,
+        hello_every_s: float = 5.0,
+        idle_s: float = 300.0,
+        retry_s: float | None = None,
+    ):
         self._codec, self.rank, self.world_size = codec, rank, world_size
         self.page_bytes = codec.page_bytes
         self.scope, self.file_name = scope, file_name
@@ -127,17 +137,32 @@ class PeerStore(TierStore):
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
-                    secret: bytes | None, layout_fp: str) -> "PeerStore":
+    def from_config(
+        cls,
+        config: "KVBMConfig",
+        info: "EngineInfo",
+        rank: int,
+        secret: bytes | None,
+        layout_fp: str,
+    ) -> "PeerStore":
         world = info.key_namespace.tp_size
-        codec = PageCodec(info.tier_namespace, info.page_bytes, secret, rank=rank,
-                          world_size=world, layout=layout_fp)
+        codec = PageCodec(
+            info.tier_namespace,
+            info.page_bytes,
+            secret,
+            rank=rank,
+            world_size=world,
+            layout=layout_fp,
+        )
         digest = layout.name_digest(info.tier_namespace, info.page_bytes, rank, world)
-        return cls(codec, rank, world,
-                   layout.scope_digest(info.tier_namespace, info.page_bytes, rank, world,
-                                       layout_fp),
-                   layout.file_name(digest, rank, world),
-                   read_timeout_s=config.peer_read_timeout_s)
+        return cls(
+            codec,
+            rank,
+            world,
+            layout.scope_digest(info.tier_namespace, info.page_bytes, rank, world, layout_fp),
+            layout.file_name(digest, rank, world),
+            read_timeout_s=config.peer_read_timeout_s,
+        )
 
     # -- TierStore ---------------------------------------------------------------
     def put(self, key: bytes, page: torch.Tensor) -> bool:
@@ -152,8 +177,9 @@ class PeerStore(TierStore):
     def get_into(self, key: bytes, out: torch.Tensor, endpoint: str | None = None) -> str:
         return self.get_many_into([(key, out)], endpoint=endpoint)[0]
 
-    def get_many_into(self, items: list[tuple[bytes, torch.Tensor]], stop=None,
-                      endpoint: str | None = None) -> list[str]:
+    def get_many_into(
+        self, items: list[tuple[bytes, torch.Tensor]], stop=None, endpoint: str | None = None
+    ) -> list[str]:
         """Reads each ``(key, out)`` from the peer at ``endpoint`` (its rank-0
         control endpoint); the statuses in order. Without an endpoint, or
         for a peer that cannot be asked now: "miss" / "error"."""
@@ -173,7 +199,7 @@ class PeerStore(TierStore):
         statuses: list = []  # a status, or the Future of a page's check
         try:
             for start in range(0, len(items), self.landing.count):
-                part = items[start:start + self.landing.count]
+                part = items[start : start + self.landing.count]
                 if stop is not None and stop():
                     statuses += ["skipped"] * len(part)
                     continue
@@ -181,12 +207,11 @@ class PeerStore(TierStore):
                     statuses += ["error"] * len(part)  # failed earlier in this call
                     continue
                 try:
-                    statuses += self._read_batch(peer, part,
-                                                 ahead=self.check_ahead
-                                                 and start + len(part) < len(items))
+                    statuses += self._read_batch(
+                        peer, part, ahead=self.check_ahead and start + len(part) < len(items)
+                    )
                 except Exception as err:  # noqa: BLE001
-                    logger.warning("KVBM: peer tier: read from %s failed: %s",
-                                   peer.endpoint, err)
+                    logger.warning("KVBM: peer tier: read from %s failed: %s", peer.endpoint, err)
                     statuses += ["error"] * len(part)
         finally:
             # none outlives the call: a check may decrypt in place into ``out``
@@ -204,8 +229,11 @@ class PeerStore(TierStore):
         try:
             self._memory.append((addr, addr + n, self._agent.register(addr, n)))
         except NixlCallError as err:
-            logger.warning("KVBM: peer tier: pages are copied through landing slots: the "
-                           "host tier's memory could not be registered (%s)", err)
+            logger.warning(
+                "KVBM: peer tier: pages are copied through landing slots: the "
+                "host tier's memory could not be registered (%s)",
+                err,
+            )
 
     def _in_place(self, out: torch.Tensor) -> bool:
         start = out.data_ptr()
@@ -236,17 +264,20 @@ class PeerStore(TierStore):
         its own table: no NIXL)."""
         from vllm_kvbm.tiers.peer.control import peer_lookup
 
-        return peer_lookup(protocol.rank_endpoint(endpoint, self.rank), self.file_name,
-                           self.scope, [layout.table_key(self._codec.names, k) for k in keys],
-                           self.read_timeout_s)
+        return peer_lookup(
+            protocol.rank_endpoint(endpoint, self.rank),
+            self.file_name,
+            self.scope,
+            [layout.table_key(self._codec.names, k) for k in keys],
+            self.read_timeout_s,
+        )
 
     # -- peers -------------------------------------------------------------------
     def _peer(self, endpoint: str) -> _Peer | None:
         now = time.monotonic()
         peer = self._peers.get(endpoint)
         if peer is None:
-            peer = self._peers[endpoint] = _Peer(endpoint,
-                                                 ControlLink(endpoint, self._zmq_context))
+            peer = self._peers[endpoint] = _Peer(endpoint, ControlLink(endpoint, self._zmq_context))
         peer.used_at = now
         if now < peer.down_until:
             return None
@@ -264,14 +295,20 @@ class PeerStore(TierStore):
         known = [peer.incarnation, peer.metadata_version]
         reply, metadata = peer.link.request(
             {"op": "hello", "file": self.file_name, "scope": self.scope.hex(), "known": known},
-            deadline - time.monotonic())
+            deadline - time.monotonic(),
+        )
         if not reply.get("ok"):
             raise ValueError(str(reply.get("error")))
         g = Geometry(int(reply["stored_bytes"]), int(reply["nslots"]), int(reply["ways"]))
-        if (g.stored_bytes != self._codec.stored_bytes or not 0 < g.ways <= MAX_WAYS
-                or g.nslots % g.ways or g.stride != reply["stride"]
-                or g.table_off != reply["table_off"] or g.data_off != reply["data_off"]
-                or int(reply["length"]) < g.file_bytes):
+        if (
+            g.stored_bytes != self._codec.stored_bytes
+            or not 0 < g.ways <= MAX_WAYS
+            or g.nslots % g.ways
+            or g.stride != reply["stride"]
+            or g.table_off != reply["table_off"]
+            or g.data_off != reply["data_off"]
+            or int(reply["length"]) < g.file_bytes
+        ):
             raise ValueError("the peer's pool file has another page size or layout")
         if [reply["incarnation"], reply["metadata_version"]] != known:
             if metadata is None:
@@ -288,8 +325,9 @@ class PeerStore(TierStore):
                 self._unload(peer, gone=False)  # more files registered: new metadata
             name = self._agent.call("add_remote_agent", "add_remote_agent", metadata)
             peer.remote = name.decode() if isinstance(name, bytes) else str(name)
-            while not self._agent.call("check_remote_metadata", "check_remote_metadata",
-                                       peer.remote):
+            while not self._agent.call(
+                "check_remote_metadata", "check_remote_metadata", peer.remote
+            ):
                 if time.monotonic() > deadline:
                     raise TimeoutError("the peer's NIXL metadata did not load")
                 time.sleep(0.001)
@@ -313,16 +351,19 @@ class PeerStore(TierStore):
     def _gone(self, generation: int) -> bool:
         return generation not in self._live_generations
 
-    def _down(self, peer: _Peer, why: str, refused: bool = False,
-              dead: bool = False) -> None:
+    def _down(self, peer: _Peer, why: str, refused: bool = False, dead: bool = False) -> None:
         """Not asked again for ``retry_s`` (a refusal: a minute); a peer NIXL
         reports dead is forgotten (its transfers ended)."""
         peer.down_until = time.monotonic() + (60.0 if refused else self.retry_s)
         peer.hello_at = -1e9
         if peer.said != why:
             peer.said = why
-            logger.warning("KVBM: peer tier: %s: %s; its pages are recomputed (asked again in "
-                           "%g s)", peer.endpoint, why, 60.0 if refused else self.retry_s)
+            logger.warning(
+                "KVBM: peer tier: %s: %s; its pages are recomputed (asked again in %g s)",
+                peer.endpoint,
+                why,
+                60.0 if refused else self.retry_s,
+            )
         if dead:
             if peer.remote is not None:
                 self._unload(peer, gone=True)
@@ -339,37 +380,53 @@ class PeerStore(TierStore):
                 del self._peers[endpoint]
 
     # -- one batch ---------------------------------------------------------------
-    def _read_batch(self, peer: _Peer, items: list[tuple[bytes, torch.Tensor]],
-                    ahead: bool = False) -> list:
+    def _read_batch(
+        self, peer: _Peer, items: list[tuple[bytes, torch.Tensor]], ahead: bool = False
+    ) -> list:
         slots = self.landing.take(len(items))
         statuses = ["error"] * len(items)  # past the landing slots free: recomputed
         if not slots:
             return statuses
         deadline = time.monotonic() + self.read_timeout_s
         try:
-            self._read_into(peer, items[:len(slots)], slots, statuses, deadline, ahead)
+            self._read_into(peer, items[: len(slots)], slots, statuses, deadline, ahead)
         finally:
             if slots and not self._quarantined(slots):
                 self.landing.give(slots)
         return statuses
 
-    def _read_into(self, peer: _Peer, items, slots: list[int], statuses: list,
-                   deadline: float, ahead: bool = False) -> None:
+    def _read_into(
+        self,
+        peer: _Peer,
+        items,
+        slots: list[int],
+        statuses: list,
+        deadline: float,
+        ahead: bool = False,
+    ) -> None:
         """``ahead``: another batch follows: the pages are checked on the
         helper thread meanwhile (their statuses Futures)."""
         g, land, base = peer.geometry, self.landing, peer.base
         tkeys = [layout.table_key(self._codec.names, bytes(key)) for key, _ in items]
         set_bytes = g.ways * ENTRY_BYTES
         firsts = [g.set_of(t) * g.ways for t in tkeys]
-        if self._xfer(peer, slots, deadline,
-                      [(land.addr + land.set_off(s), base + g.entry_off(f), set_bytes)
-                       for s, f in zip(slots, firsts)]) != "done":
+        if (
+            self._xfer(
+                peer,
+                slots,
+                deadline,
+                [
+                    (land.addr + land.set_off(s), base + g.entry_off(f), set_bytes)
+                    for s, f in zip(slots, firsts)
+                ],
+            )
+            != "done"
+        ):
             return
         picked: list[tuple[int, int, int]] = []  # (item, slot in the pool, generation)
         for i, (s, t) in enumerate(zip(slots, tkeys)):
             key, out = items[i]
-            if not (valid_key(key) and valid_page(out, self.page_bytes)
-                    and out.is_contiguous()):
+            if not (valid_key(key) and valid_page(out, self.page_bytes) and out.is_contiguous()):
                 continue  # "error"
             hit = layout.find_in_set(land.view, land.set_off(s), g.ways, t)
             if hit is None:
@@ -382,21 +439,30 @@ class PeerStore(TierStore):
         for i, slot, _ in picked:
             at, out = land.addr + land.page_off(slots[i]), items[i][1]
             if self._in_place(out):  # the header lands, the payload goes to its slot
-                spans += [(at, base + g.slot_off(slot), HEADER_BYTES),
-                          (out.data_ptr(), base + g.slot_off(slot) + HEADER_BYTES,
-                           self.page_bytes)]
+                spans += [
+                    (at, base + g.slot_off(slot), HEADER_BYTES),
+                    (out.data_ptr(), base + g.slot_off(slot) + HEADER_BYTES, self.page_bytes),
+                ]
                 dests.append(i)
             else:
                 spans.append((at, base + g.slot_off(slot), g.stored_bytes))
-        state = self._xfer(peer, slots, deadline, spans,
-                           [items[i][1].data_ptr() for i in dests])
+        state = self._xfer(peer, slots, deadline, spans, [items[i][1].data_ptr() for i in dests])
         if state == "late":
             for i in dests:
                 statuses[i] = "late"  # its slot may still be written: held by the caller
-        if state != "done" or self._xfer(
-                peer, slots, deadline,
-                [(land.addr + land.again_off(slots[i]), base + g.entry_off(slot), ENTRY_BYTES)
-                 for i, slot, _ in picked]) != "done":
+        if (
+            state != "done"
+            or self._xfer(
+                peer,
+                slots,
+                deadline,
+                [
+                    (land.addr + land.again_off(slots[i]), base + g.entry_off(slot), ENTRY_BYTES)
+                    for i, slot, _ in picked
+                ],
+            )
+            != "done"
+        ):
             return
         in_place = set(dests)
         for i, _, gen in picked:
@@ -407,21 +473,27 @@ class PeerStore(TierStore):
                 continue
             key, out = items[i]
             off = land.page_off(s)
-            hdr = bytes(land.view[off:off + HEADER_BYTES])
+            hdr = bytes(land.view[off : off + HEADER_BYTES])
             if i not in in_place:
                 # copied, then checked where it lies: a late write into the
                 # landing slot cannot change what was checked
-                ctypes.memmove(out.data_ptr(), land.addr + off + HEADER_BYTES,
-                               self.page_bytes)
+                ctypes.memmove(out.data_ptr(), land.addr + off + HEADER_BYTES, self.page_bytes)
             if ahead:
-                self._checks.append(check := self._checker.submit(
-                    self._codec.verify, hdr, bytes(key), out))
+                self._checks.append(
+                    check := self._checker.submit(self._codec.verify, hdr, bytes(key), out)
+                )
                 statuses[i] = check
             else:
                 statuses[i] = self._codec.verify(hdr, bytes(key), out)
 
-    def _xfer(self, peer: _Peer, slots: list[int], deadline: float,
-              spans: list[tuple[int, int, int]], dests: list[int] | None = None) -> str:
+    def _xfer(
+        self,
+        peer: _Peer,
+        slots: list[int],
+        deadline: float,
+        spans: list[tuple[int, int, int]],
+        dests: list[int] | None = None,
+    ) -> str:
         """One READ of (local address, remote address, length) spans, polled
         until done or ``deadline``: "done"; "failed" (the peer then down;
         an error NIXL reports ends the transfer); "late": past the deadline,
@@ -432,8 +504,9 @@ class PeerStore(TierStore):
         try:
             local = self._agent.descs([(addr, n) for addr, _, n in spans])
             remote = self._agent.descs([(addr, n) for _, addr, n in spans])
-            handle = self._agent.call("initialize_xfer", "initialize_xfer", "READ", local,
-                                      remote, peer.remote)
+            handle = self._agent.call(
+                "initialize_xfer", "initialize_xfer", "READ", local, remote, peer.remote
+            )
             state = self._agent.call("transfer", "transfer", handle)
             pause = 0.0
             while state == "PROC":
@@ -441,8 +514,11 @@ class PeerStore(TierStore):
                     land.quarantine(slots, handle, peer.generation, dests)
                     self._quarantine_marks.update(slots)
                     handle = None  # released when it ends (landing.reap)
-                    self._down(peer, f"no answer to a READ within {self.read_timeout_s:g} s "
-                                     f"(peer_read_timeout_s)")
+                    self._down(
+                        peer,
+                        f"no answer to a READ within {self.read_timeout_s:g} s "
+                        f"(peer_read_timeout_s)",
+                    )
                     return "late"
                 time.sleep(pause)
                 pause = min(0.0005, pause + 0.0001)
@@ -478,7 +554,9 @@ class PeerStore(TierStore):
         self._zmq_context.term()
         self._checker.shutdown(wait=False)
         self.landing.close()  # reaps first
-        if not self.landing.quarantined_dests:  # else left registered: a late READ may still write there
+        if (
+            not self.landing.quarantined_dests
+        ):  # else left registered: a late READ may still write there
             for _, _, reg in self._memory:
                 self._agent.deregister(reg)
         self._memory = []

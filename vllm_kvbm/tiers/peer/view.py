@@ -40,13 +40,24 @@ _MAX_LINKS = 64
 class PeerView:
     name = "peer"
 
-    def __init__(self, namespace: str, page_bytes: int, world_size: int,
-                 secret: bytes | None = None, timeout_s: float = 1.0,
-                 retry_s: float | None = None, directory=None,
-                 own: str | None = None):
+    def __init__(
+        self,
+        namespace: str,
+        page_bytes: int,
+        world_size: int,
+        secret: bytes | None = None,
+        timeout_s: float = 1.0,
+        retry_s: float | None = None,
+        directory=None,
+        own: str | None = None,
+    ):
         self._names = PageNames(namespace, page_bytes, secret)
-        self._files = [layout.file_name(layout.name_digest(namespace, page_bytes, r, world_size),
-                                        r, world_size) for r in range(world_size)]
+        self._files = [
+            layout.file_name(
+                layout.name_digest(namespace, page_bytes, r, world_size), r, world_size
+            )
+            for r in range(world_size)
+        ]
         self.timeout_s = timeout_s
         self.retry_s = 4 * timeout_s if retry_s is None else retry_s
         self._links: dict[str, "ControlLink"] = {}
@@ -59,24 +70,37 @@ class PeerView:
         self.own = own
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo",
-                    secret: bytes | None) -> "PeerView":
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", secret: bytes | None
+    ) -> "PeerView":
         directory = None
         if config.peer_directory_url is not None:
             from vllm_kvbm.tiers.peer.directory import DirectoryReader, config_link
 
-            directory = DirectoryReader(config_link(config, "for lookups"),
-                                        layout.file_name(layout.name_digest(
-                                            info.tier_namespace, info.page_bytes, 0,
-                                            info.key_namespace.tp_size), 0,
-                                            info.key_namespace.tp_size))
+            directory = DirectoryReader(
+                config_link(config, "for lookups"),
+                layout.file_name(
+                    layout.name_digest(
+                        info.tier_namespace, info.page_bytes, 0, info.key_namespace.tp_size
+                    ),
+                    0,
+                    info.key_namespace.tp_size,
+                ),
+            )
         own = None
         if config.pool_serve_port is not None and config.pool_socket is None:
             # what its worker serves on (the workers say so once they run:
             # kvbm-pool's endpoint, or none when the server did not start)
             own = protocol.endpoint_of(config.pool_serve_host, config.pool_serve_port)
-        return cls(info.tier_namespace, info.page_bytes, info.key_namespace.tp_size, secret,
-                   timeout_s=config.peer_read_timeout_s, directory=directory, own=own)
+        return cls(
+            info.tier_namespace,
+            info.page_bytes,
+            info.key_namespace.tp_size,
+            secret,
+            timeout_s=config.peer_read_timeout_s,
+            directory=directory,
+            own=own,
+        )
 
     @property
     def link(self):
@@ -125,16 +149,26 @@ class PeerView:
                 if not todo:
                     break
                 rank_ep = protocol.rank_endpoint(endpoint, rank)
-                held = peer_lookup(rank_ep, file, None, [table_keys[i] for i in todo],
-                                   self.timeout_s, link=self._link(rank_ep))
+                held = peer_lookup(
+                    rank_ep,
+                    file,
+                    None,
+                    [table_keys[i] for i in todo],
+                    self.timeout_s,
+                    link=self._link(rank_ep),
+                )
                 for i, h in zip(todo, held):
                     found[i] = h
         except Exception as err:  # noqa: BLE001 - a miss, never an error for vLLM
             self._drop(endpoint)
             self._down_until[endpoint] = now + self.retry_s
             self.down = True
-            logger.info("KVBM: peer %s did not answer a lookup (%s); its pages are misses "
-                        "for %g s", endpoint, err, self.retry_s)
+            logger.info(
+                "KVBM: peer %s did not answer a lookup (%s); its pages are misses for %g s",
+                endpoint,
+                err,
+                self.retry_s,
+            )
             return [False] * len(keys)
         self.down = False
         return found

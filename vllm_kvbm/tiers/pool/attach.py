@@ -74,14 +74,23 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 def attach_message(spec: PoolSpec, rank: int) -> dict:
     g = spec.geometry
-    return {"op": "attach", "version": VERSION, "name": spec.name,
-            "name_digest": spec.name_digest.hex(), "scope_digest": spec.scope_digest.hex(),
-            "stored_bytes": g.stored_bytes, "nslots": g.nslots, "ways": g.ways, "rank": rank,
-            "pid": os.getpid()}
+    return {
+        "op": "attach",
+        "version": VERSION,
+        "name": spec.name,
+        "name_digest": spec.name_digest.hex(),
+        "scope_digest": spec.scope_digest.hex(),
+        "stored_bytes": g.stored_bytes,
+        "nslots": g.nslots,
+        "ways": g.ways,
+        "rank": rank,
+        "pid": os.getpid(),
+    }
 
 
-def attach(socket_path: str, spec: PoolSpec, rank: int,
-           timeout_s: float = ATTACH_TIMEOUT_S) -> tuple[PoolFile, str | None]:
+def attach(
+    socket_path: str, spec: PoolSpec, rank: int, timeout_s: float = ATTACH_TIMEOUT_S
+) -> tuple[PoolFile, str | None]:
     """The file kvbm-pool at ``socket_path`` holds for ``spec``, mapped, and
     the endpoint it serves peers on (None: it does not). Raises OSError,
     TimeoutError, AttachRefused."""
@@ -102,7 +111,8 @@ def attach(socket_path: str, spec: PoolSpec, rank: int,
         raise AttachRefused(
             f"kvbm-pool keeps this file at {path!r}, not in this engine's pool_dir "
             f"{spec.directory!r}; start kvbm-pool with --dir {spec.directory} (or set "
-            f"pool_dir to its directory)")
+            f"pool_dir to its directory)"
+        )
     try:
         pool = open_pool(spec, create=False)
     except KVBMConfigError as err:
@@ -119,16 +129,25 @@ def open_engine_pool(config: "KVBMConfig", spec: PoolSpec, rank: int):
         try:
             pool, endpoint = attach(config.pool_socket, spec, rank)
             pool.served_at = _valid_endpoint(endpoint)  # kvbm-pool's, rank 0's
-            logger.info("KVBM: pool tier: attached to kvbm-pool at %s: %s (%d slots); %s",
-                        config.pool_socket, pool.path, pool.geometry.nslots,
-                        f"served to peers by kvbm-pool at {endpoint}" if endpoint
-                        else "kvbm-pool serves no peers")
+            logger.info(
+                "KVBM: pool tier: attached to kvbm-pool at %s: %s (%d slots); %s",
+                config.pool_socket,
+                pool.path,
+                pool.geometry.nslots,
+                f"served to peers by kvbm-pool at {endpoint}"
+                if endpoint
+                else "kvbm-pool serves no peers",
+            )
             return pool, None
         except (OSError, TimeoutError, AttachRefused) as err:
             logger.warning(
                 "KVBM: pool tier: cannot attach to kvbm-pool at %s (%s); this worker keeps "
-                "its own pool file %s%s", config.pool_socket, err, spec.path,
-                f" and serves it to peers itself on port {serve + rank}" if serve else "")
+                "its own pool file %s%s",
+                config.pool_socket,
+                err,
+                spec.path,
+                f" and serves it to peers itself on port {serve + rank}" if serve else "",
+            )
     pool = open_pool(spec)
     server = None
     try:
@@ -139,9 +158,13 @@ def open_engine_pool(config: "KVBMConfig", spec: PoolSpec, rank: int):
 
                 pool.served_at = endpoint_of(config.pool_serve_host, serve)
         if config.pool_socket is None:
-            logger.info("KVBM: pool tier: %s (%d slots of %d bytes)%s", pool.path,
-                        pool.geometry.nslots, pool.geometry.stride,
-                        f"; served to peers at {server.endpoint}" if server else "")
+            logger.info(
+                "KVBM: pool tier: %s (%d slots of %d bytes)%s",
+                pool.path,
+                pool.geometry.nslots,
+                pool.geometry.stride,
+                f"; served to peers at {server.endpoint}" if server else "",
+            )
     except BaseException:
         pool.close()
         raise
@@ -169,14 +192,24 @@ def start_server(pool: PoolFile, host: str, port: int):
     try:
         server = PeerServer(host, port)
     except Exception as err:  # noqa: BLE001 - a port in use, no NIXL: not fatal
-        logger.warning("KVBM: pool tier: cannot serve %s to peers on %s:%d (%s); peers "
-                       "cannot read this engine's pool", pool.path, host, port, err)
+        logger.warning(
+            "KVBM: pool tier: cannot serve %s to peers on %s:%d (%s); peers "
+            "cannot read this engine's pool",
+            pool.path,
+            host,
+            port,
+            err,
+        )
         return None
     try:
         server.serve(pool)
     except Exception as err:  # noqa: BLE001
-        logger.warning("KVBM: pool tier: cannot register %s with NIXL (%s); peers cannot "
-                       "read this engine's pool", pool.path, err)
+        logger.warning(
+            "KVBM: pool tier: cannot register %s with NIXL (%s); peers cannot "
+            "read this engine's pool",
+            pool.path,
+            err,
+        )
         server.close()
         return None
     return server

@@ -141,10 +141,24 @@ class Superblock:
 
     def pack(self) -> bytes:
         g = self.geometry
-        return _SUPER.pack(MAGIC, FORMAT, self.state, self.name_digest, self.scope_digest,
-                           g.stored_bytes, g.stride, g.nslots, g.ways, g.table_off,
-                           g.data_off, g.file_bytes, self.incarnation, self.owner_pid,
-                           self.created_ns, self.used_slots)
+        return _SUPER.pack(
+            MAGIC,
+            FORMAT,
+            self.state,
+            self.name_digest,
+            self.scope_digest,
+            g.stored_bytes,
+            g.stride,
+            g.nslots,
+            g.ways,
+            g.table_off,
+            g.data_off,
+            g.file_bytes,
+            self.incarnation,
+            self.owner_pid,
+            self.created_ns,
+            self.used_slots,
+        )
 
     @classmethod
     def unpack(cls, buf, size: int | None = None) -> "Superblock | None":
@@ -153,14 +167,35 @@ class Superblock:
         ``size``, the file's length)."""
         if len(buf) < _SUPER.size:
             return None
-        (magic, fmt, state, name, scope, stored, stride, nslots, ways, table_off, data_off,
-         file_bytes, inc, pid, created, used) = _SUPER.unpack_from(buf, 0)
+        (
+            magic,
+            fmt,
+            state,
+            name,
+            scope,
+            stored,
+            stride,
+            nslots,
+            ways,
+            table_off,
+            data_off,
+            file_bytes,
+            inc,
+            pid,
+            created,
+            used,
+        ) = _SUPER.unpack_from(buf, 0)
         if magic != MAGIC or fmt != FORMAT or not 0 < ways <= MAX_WAYS or nslots < ways:
             return None
         g = Geometry(stored, nslots, ways)
-        if (nslots % ways or stride != g.stride or table_off != g.table_off
-                or data_off != g.data_off or file_bytes != g.file_bytes
-                or (size is not None and size < file_bytes)):
+        if (
+            nslots % ways
+            or stride != g.stride
+            or table_off != g.table_off
+            or data_off != g.data_off
+            or file_bytes != g.file_bytes
+            or (size is not None and size < file_bytes)
+        ):
             return None
         return cls(name, scope, g, inc, pid, created, state, used)
 
@@ -211,21 +246,25 @@ def find(buf, g: Geometry, tkey: bytes) -> tuple[int, int] | None:
 
 # ---- names: what every process computes alike ---------------------------------------
 
+
 def name_digest(namespace: str, page_bytes: int, rank: int, world_size: int) -> bytes:
     """What a pool file's name is derived from: what page names depend on
     (namespace, page size, format version), the rank and the world size. The
     scheduler, which knows no KV layout, computes it too. Never the secret."""
-    return hashlib.sha256(b"kvbm-pool-name|" + name_scope(namespace, page_bytes)
-                          + struct.pack("<QQ", rank, world_size)).digest()[:16]
+    return hashlib.sha256(
+        b"kvbm-pool-name|"
+        + name_scope(namespace, page_bytes)
+        + struct.pack("<QQ", rank, world_size)
+    ).digest()[:16]
 
 
-def scope_digest(namespace: str, page_bytes: int, rank: int, world_size: int,
-                 layout: str) -> bytes:
+def scope_digest(namespace: str, page_bytes: int, rank: int, world_size: int, layout: str) -> bytes:
     """What a pool file's pages verify against (page_format.page_scope: the
     name's parts and the worker's KV layout): the check a writer and a peer
     make before using a file."""
-    return hashlib.sha256(b"kvbm-pool-scope|" + page_scope(
-        namespace, page_bytes, rank, world_size, layout)).digest()
+    return hashlib.sha256(
+        b"kvbm-pool-scope|" + page_scope(namespace, page_bytes, rank, world_size, layout)
+    ).digest()
 
 
 def file_name(digest: bytes, rank: int, world_size: int) -> str:

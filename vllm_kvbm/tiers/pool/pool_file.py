@@ -63,17 +63,29 @@ class PoolSpec:
         return os.path.join(self.directory, self.name)
 
     @classmethod
-    def for_worker(cls, directory: str, namespace: str, page_bytes: int, rank: int,
-                   world_size: int, layout_fp: str, capacity_bytes: int) -> "PoolSpec":
+    def for_worker(
+        cls,
+        directory: str,
+        namespace: str,
+        page_bytes: int,
+        rank: int,
+        world_size: int,
+        layout_fp: str,
+        capacity_bytes: int,
+    ) -> "PoolSpec":
         from vllm_kvbm.tiers.page_format import HEADER_BYTES
 
         geometry = Geometry.for_capacity(capacity_bytes, HEADER_BYTES + page_bytes)
         if geometry is None:
             raise pool_too_small(capacity_bytes, HEADER_BYTES + page_bytes)
         digest = layout.name_digest(namespace, page_bytes, rank, world_size)
-        return cls(os.path.abspath(directory), layout.file_name(digest, rank, world_size),
-                   digest, layout.scope_digest(namespace, page_bytes, rank, world_size,
-                                               layout_fp), geometry)
+        return cls(
+            os.path.abspath(directory),
+            layout.file_name(digest, rank, world_size),
+            digest,
+            layout.scope_digest(namespace, page_bytes, rank, world_size, layout_fp),
+            geometry,
+        )
 
 
 def pool_too_small(capacity_bytes: int, stored_bytes: int) -> KVBMConfigError:
@@ -81,7 +93,8 @@ def pool_too_small(capacity_bytes: int, stored_bytes: int) -> KVBMConfigError:
     return KVBMConfigError(
         f"pool_cache_size: {capacity_bytes} bytes cannot hold one KV page of this model "
         f"({stored_bytes} bytes with its header, and the pool's table); set pool_cache_size "
-        f"to at least {need} bytes")
+        f"to at least {need} bytes"
+    )
 
 
 class PoolFile:
@@ -158,8 +171,9 @@ def _flock(fd: int, how: int, timeout_s: float, path: str) -> None:
             return
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"pool file {path}: lock held by another process for "
-                                   f"{timeout_s:g} s") from None
+                raise TimeoutError(
+                    f"pool file {path}: lock held by another process for {timeout_s:g} s"
+                ) from None
             time.sleep(0.001)
 
 
@@ -206,18 +220,27 @@ def _existing(spec: PoolSpec, lock_fd: int) -> PoolFile | None:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             raise KVBMConfigError(
                 f"pool_dir: {spec.path} is not a pool file of this user (uid {os.geteuid()}); "
-                f"remove it, or set pool_dir to a directory of this user's")
+                f"remove it, or set pool_dir to a directory of this user's"
+            )
         sb = Superblock.unpack(os.pread(fd, layout.SUPERBLOCK_BYTES, 0), st.st_size)
-        if (sb is not None and sb.state == layout.LIVE and sb.name_digest == spec.name_digest
-                and sb.scope_digest == spec.scope_digest
-                and sb.geometry.stored_bytes == spec.geometry.stored_bytes
-                and not stat.S_IMODE(st.st_mode) & 0o077):
+        if (
+            sb is not None
+            and sb.state == layout.LIVE
+            and sb.name_digest == spec.name_digest
+            and sb.scope_digest == spec.scope_digest
+            and sb.geometry.stored_bytes == spec.geometry.stored_bytes
+            and not stat.S_IMODE(st.st_mode) & 0o077
+        ):
             fcntl.flock(fd, fcntl.LOCK_SH)
             pool = PoolFile(spec.path, fd, lock_fd, sb)
             if sb.geometry.nslots != spec.geometry.nslots:
-                logger.info("KVBM: pool file %s keeps its %d slots (created by another engine "
-                            "or an earlier pool_cache_size; this one asked for %d)", spec.path,
-                            sb.geometry.nslots, spec.geometry.nslots)
+                logger.info(
+                    "KVBM: pool file %s keeps its %d slots (created by another engine "
+                    "or an earlier pool_cache_size; this one asked for %d)",
+                    spec.path,
+                    sb.geometry.nslots,
+                    spec.geometry.nslots,
+                )
             return pool
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -225,12 +248,16 @@ def _existing(spec: PoolSpec, lock_fd: int) -> PoolFile | None:
             raise KVBMConfigError(
                 f"pool_dir: {spec.path} is in use by another engine or kvbm-pool whose pages do "
                 f"not match this engine's (another KV cache layout, page size or pool format); "
-                f"give this engine its own pool_dir") from None
+                f"give this engine its own pool_dir"
+            ) from None
         if sb is not None:
             os.pwrite(fd, layout._U32.pack(RETIRED), layout.STATE_OFF)  # views drop it
         os.unlink(spec.path)
-        logger.info("KVBM: replaced stale pool file %s (%s)", spec.path,
-                    "not a pool file" if sb is None else "its pages do not match this engine")
+        logger.info(
+            "KVBM: replaced stale pool file %s (%s)",
+            spec.path,
+            "not a pool file" if sb is None else "its pages do not match this engine",
+        )
         os.close(fd)
         return None
     except BaseException:
@@ -254,14 +281,20 @@ def _create(spec: PoolSpec, lock_fd: int) -> PoolFile:
             if e.errno not in (errno.ENOSPC, errno.EFBIG):
                 raise
             raise _no_room(spec.directory, g.file_bytes) from None
-        sb = Superblock(spec.name_digest, spec.scope_digest, g, uuid.uuid4().bytes,
-                        os.getpid(), time.time_ns())
+        sb = Superblock(
+            spec.name_digest, spec.scope_digest, g, uuid.uuid4().bytes, os.getpid(), time.time_ns()
+        )
         os.pwrite(fd, sb.pack(), 0)
         os.rename(tmp, spec.path)
         fcntl.flock(fd, fcntl.LOCK_SH)
         # said by the caller, in its own startup line
-        logger.debug("KVBM: created pool file %s: %d slots of %d bytes (%.2f GiB)", spec.path,
-                    g.nslots, g.stride, g.file_bytes / 1024**3)
+        logger.debug(
+            "KVBM: created pool file %s: %d slots of %d bytes (%.2f GiB)",
+            spec.path,
+            g.nslots,
+            g.stride,
+            g.file_bytes / 1024**3,
+        )
         return PoolFile(spec.path, fd, lock_fd, sb)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -285,7 +318,8 @@ def _no_room(directory: str, need: int) -> KVBMConfigError:
         f"in {directory} ({free} bytes free of {total}); containers get a 64 MiB /dev/shm by "
         f"default: give the container more (docker run --shm-size, compose shm_size, a "
         f"Kubernetes emptyDir with medium: Memory and a sizeLimit), set pool_dir to a larger "
-        f"memory filesystem, or set a smaller pool_cache_size")
+        f"memory filesystem, or set a smaller pool_cache_size"
+    )
 
 
 @dataclass

@@ -55,12 +55,20 @@ class PoolStore(TierStore):
     name = "pool"
     write_inflight = 1  # writes into one file take turns under its lock anyway
 
-    def __init__(self, pool: PoolFile, codec: PageCodec, server=None,
-                 lock_wait_s: float = 5.0, directory=None):
+    def __init__(
+        self,
+        pool: PoolFile,
+        codec: PageCodec,
+        server=None,
+        lock_wait_s: float = 5.0,
+        directory=None,
+    ):
         if pool.geometry.stored_bytes != codec.stored_bytes:
-            raise ValueError(f"pool file {pool.path} holds pages of "
-                             f"{pool.geometry.stored_bytes} bytes, this engine's are "
-                             f"{codec.stored_bytes}")
+            raise ValueError(
+                f"pool file {pool.path} holds pages of "
+                f"{pool.geometry.stored_bytes} bytes, this engine's are "
+                f"{codec.stored_bytes}"
+            )
         self.pool, self._codec, self.server = pool, codec, server
         self.directory = directory
         self.page_bytes = codec.page_bytes
@@ -78,15 +86,34 @@ class PoolStore(TierStore):
         self._writes_failing = False
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
-                    secret: bytes | None, layout_fp: str) -> "PoolStore":
+    def from_config(
+        cls,
+        config: "KVBMConfig",
+        info: "EngineInfo",
+        rank: int,
+        secret: bytes | None,
+        layout_fp: str,
+    ) -> "PoolStore":
         from vllm_kvbm.tiers.pool.attach import open_engine_pool
 
         world = info.key_namespace.tp_size
-        codec = PageCodec(info.tier_namespace, info.page_bytes, secret, rank=rank,
-                          world_size=world, layout=layout_fp)
-        spec = PoolSpec.for_worker(config.pool_dir, info.tier_namespace, info.page_bytes,
-                                   rank, world, layout_fp, config.pool_cache_bytes)
+        codec = PageCodec(
+            info.tier_namespace,
+            info.page_bytes,
+            secret,
+            rank=rank,
+            world_size=world,
+            layout=layout_fp,
+        )
+        spec = PoolSpec.for_worker(
+            config.pool_dir,
+            info.tier_namespace,
+            info.page_bytes,
+            rank,
+            world,
+            layout_fp,
+            config.pool_cache_bytes,
+        )
         pool, server = open_engine_pool(config, spec, rank)
         directory = None
         try:
@@ -136,7 +163,7 @@ class PoolStore(TierStore):
         e = g.entry_off(slot)
         layout.write_u64(view, e, gen + 1)  # odd: being written
         self._encode(g.slot_off(slot), key, src)
-        view[e + 8:e + 8 + 32] = tkey
+        view[e + 8 : e + 8 + 32] = tkey
         layout.write_u64(view, e + LAST_USE_OFF, time.monotonic_ns())
         layout.write_u64(view, e, gen + 2)  # even: readable
         if old == EMPTY_KEY:
@@ -170,11 +197,11 @@ class PoolStore(TierStore):
     def _encode(self, off: int, key: bytes, src: memoryview) -> None:
         """The page's stored bytes into the slot at ``off``: payload chunk by
         chunk (sealed straight into the slot under a secret), header last."""
-        dst = self.pool.view[off:off + HEADER_BYTES + len(src)]
+        dst = self.pool.view[off : off + HEADER_BYTES + len(src)]
         signer = self._codec.signer(key)
         for pos in range(0, len(src), _CHUNK):
-            chunk = src[pos:pos + _CHUNK]
-            out = dst[HEADER_BYTES + pos:HEADER_BYTES + pos + len(chunk)]
+            chunk = src[pos : pos + _CHUNK]
+            out = dst[HEADER_BYTES + pos : HEADER_BYTES + pos + len(chunk)]
             stored = signer.seal(chunk, out)
             if stored is chunk:
                 out[:] = chunk
@@ -203,8 +230,11 @@ class PoolStore(TierStore):
     def _note_write(self, err) -> None:
         if err is not None and not self._writes_failing:
             self._writes_failing = True
-            logger.warning("pool tier: writes to %s failing (%s); puts return False until one "
-                           "succeeds", self.pool.path, err)
+            logger.warning(
+                "pool tier: writes to %s failing (%s); puts return False until one succeeds",
+                self.pool.path,
+                err,
+            )
         elif err is None and self._writes_failing:
             self._writes_failing = False
             logger.warning("pool tier: writes to %s succeed again", self.pool.path)
@@ -212,8 +242,12 @@ class PoolStore(TierStore):
     # -- reads ---------------------------------------------------------------
     def get_into(self, key: bytes, out: torch.Tensor) -> str:
         try:
-            if self._closed or not valid_key(key) or not valid_page(out, self.page_bytes) \
-                    or not out.is_contiguous():
+            if (
+                self._closed
+                or not valid_key(key)
+                or not valid_page(out, self.page_bytes)
+                or not out.is_contiguous()
+            ):
                 return "error"
             return self._read(bytes(key), out)
         except Exception as e:  # noqa: BLE001 - never raises
@@ -228,7 +262,7 @@ class PoolStore(TierStore):
             return "miss"
         slot, gen = hit
         e, off = g.entry_off(slot), g.slot_off(slot)
-        hdr = bytes(view[off:off + HEADER_BYTES])
+        hdr = bytes(view[off : off + HEADER_BYTES])
         # Copied first, checked where it landed: what is checked is what is used.
         ctypes.memmove(out.data_ptr(), self.pool.addr + off + HEADER_BYTES, self.page_bytes)
         if layout.read_head(view, e) != (gen, tkey):
@@ -244,9 +278,14 @@ class PoolStore(TierStore):
 
     def contains(self, key: bytes) -> bool:
         try:
-            return (not self._closed and valid_key(key) and layout.find(
-                self.pool.view, self._g, layout.table_key(self._codec.names, bytes(key)))
-                is not None)
+            return (
+                not self._closed
+                and valid_key(key)
+                and layout.find(
+                    self.pool.view, self._g, layout.table_key(self._codec.names, bytes(key))
+                )
+                is not None
+            )
         except Exception:  # noqa: BLE001
             return False
 
@@ -268,7 +307,7 @@ class PoolStore(TierStore):
             if layout.read_head(view, e) != (gen, tkey):
                 return  # rewritten meanwhile: not the page meant
             layout.write_u64(view, e, gen + 1)
-            view[e + 8:e + 8 + 32] = EMPTY_KEY
+            view[e + 8 : e + 8 + 32] = EMPTY_KEY
             layout.write_u64(view, e, gen + 2)
             self.pool.add_used(-1)
         if self.directory is not None:
@@ -288,8 +327,12 @@ class PoolStore(TierStore):
         if self.directory is None:
             return {}
         w = self.directory.writer
-        return {"written": w.written, "deleted": w.deleted, "dropped": w.dropped,
-                "failed": w.failed}
+        return {
+            "written": w.written,
+            "deleted": w.deleted,
+            "dropped": w.dropped,
+            "failed": w.failed,
+        }
 
     def take_removed(self) -> list[bytes]:
         keys = []
@@ -311,4 +354,4 @@ class PoolStore(TierStore):
 def entry_bytes(pool: PoolFile, slot: int) -> bytes:
     """The raw entry of ``slot`` (tests)."""
     e = pool.geometry.entry_off(slot)
-    return bytes(pool.view[e:e + ENTRY_BYTES])
+    return bytes(pool.view[e : e + ENTRY_BYTES])

@@ -63,22 +63,37 @@ class _RankFile:
 class PoolView(TierView):
     name = "pool"
 
-    def __init__(self, directory: str, namespace: str, page_bytes: int, world_size: int,
-                 secret: bytes | None = None):
+    def __init__(
+        self,
+        directory: str,
+        namespace: str,
+        page_bytes: int,
+        world_size: int,
+        secret: bytes | None = None,
+    ):
         self._names = PageNames(namespace, page_bytes, secret)
         directory = os.path.abspath(directory)
         self._files = []
         for rank in range(world_size):
             digest = layout.name_digest(namespace, page_bytes, rank, world_size)
-            self._files.append(_RankFile(
-                os.path.join(directory, layout.file_name(digest, rank, world_size)), digest))
+            self._files.append(
+                _RankFile(
+                    os.path.join(directory, layout.file_name(digest, rank, world_size)), digest
+                )
+            )
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo",
-                    secret: bytes | None) -> "PoolView":
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", secret: bytes | None
+    ) -> "PoolView":
         config.pool_slots(info.page_bytes)  # fails early if too small
-        return cls(config.pool_dir, info.tier_namespace, info.page_bytes,
-                   info.key_namespace.tp_size, secret)
+        return cls(
+            config.pool_dir,
+            info.tier_namespace,
+            info.page_bytes,
+            info.key_namespace.tp_size,
+            secret,
+        )
 
     def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
@@ -90,8 +105,9 @@ class PoolView(TierView):
         found = []
         for key in keys:
             tkey = layout.table_key(self._names, key)
-            found.append(all(layout.find(t.buf, t.superblock.geometry, tkey) is not None
-                             for t in tables))
+            found.append(
+                all(layout.find(t.buf, t.superblock.geometry, tkey) is not None for t in tables)
+            )
         return found
 
     def close(self) -> None:

@@ -41,8 +41,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Replies that mean the credentials, not the network, are wrong.
-_AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "NOPERM", "AUTH", "invalid password",
-                 "invalid username-password")
+_AUTH_REPLIES = (
+    "WRONGPASS",
+    "NOAUTH",
+    "NOPERM",
+    "AUTH",
+    "invalid password",
+    "invalid username-password",
+)
 
 
 class OnRedisLink:
@@ -64,9 +70,16 @@ class RedisLink:
     """One redis-py client (``redis.Redis`` or ``redis.cluster.RedisCluster``),
     replaced whole after a failure. ``call(fn, fail)`` runs ``fn(client)``."""
 
-    def __init__(self, target: RemoteTarget, password: Secret | None, timeout_s: float,
-                 retry_interval_s: float = 2.0, role: str = "",
-                 tls_ca_file: str | None = None, what: str = "remote tier"):
+    def __init__(
+        self,
+        target: RemoteTarget,
+        password: Secret | None,
+        timeout_s: float,
+        retry_interval_s: float = 2.0,
+        role: str = "",
+        tls_ca_file: str | None = None,
+        what: str = "remote tier",
+    ):
         if not target.resp:
             raise ValueError(f"{target} is not a Redis/Valkey URL")
         if not timeout_s > 0:
@@ -110,19 +123,23 @@ class RedisLink:
     def _build(self):
         t = self.target
         kwargs: dict[str, Any] = dict(
-            username=t.username, socket_timeout=self._timeout_s,
-            socket_connect_timeout=self._timeout_s, retry=Retry(NoBackoff(), 0),
-            ssl=t.tls, health_check_interval=0, decode_responses=False,
+            username=t.username,
+            socket_timeout=self._timeout_s,
+            socket_connect_timeout=self._timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            ssl=t.tls,
+            health_check_interval=0,
+            decode_responses=False,
             # redis-py 7+ asks every new connection to enable maintenance
             # notifications (an extra round trip, refused by Redis < 8).
             maint_notifications_config=MaintNotificationsConfig(enabled=False),
             **({"ssl_ca_certs": self._tls_ca_file} if t.tls and self._tls_ca_file else {}),
-            password=self._password.reveal() if self._password is not None else None)
+            password=self._password.reveal() if self._password is not None else None,
+        )
         if t.cluster:
             from redis.cluster import ClusterNode, RedisCluster
 
-            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes],
-                                **kwargs)
+            return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in t.nodes], **kwargs)
         host, port = t.nodes[0]
         return redis.Redis(host=host, port=port, db=t.db, max_connections=8, **kwargs)
 
@@ -131,12 +148,14 @@ class RedisLink:
             return KVBMConfigError(
                 f"remote_password_file: {self.target} refused the connection ({self.safe(err)}); "
                 f"it needs a password: write it into a file named by remote_password_file, or "
-                f"set KVBM_REMOTE_PASSWORD")
+                f"set KVBM_REMOTE_PASSWORD"
+            )
         key = self._password.source.split()[0]
         return KVBMConfigError(
             f"{key}: {self.target} refused the password from {self._password.source} "
             f"({self.safe(err)}); put the server's password (requirepass, or the ACL user "
-            f"{self.target.username or 'default'}'s) there")
+            f"{self.target.username or 'default'}'s) there"
+        )
 
     def _connect(self, at_startup: bool):
         """A fresh client that answered PING, or None. At startup a refused
@@ -157,7 +176,8 @@ class RedisLink:
                 raise KVBMConfigError(
                     f"remote_tls_ca_file: the certificate of {self.target} did not verify against "
                     f"{self._tls_ca_file or 'the system CAs'} ({self.safe(err)}); set "
-                    f"remote_tls_ca_file to the PEM file of the CA that signed it") from None
+                    f"remote_tls_ca_file to the PEM file of the CA that signed it"
+                ) from None
             self._retry.failed(self.safe(err))
         except Exception as err:  # noqa: BLE001 - never into vLLM
             _close(client)
@@ -169,8 +189,9 @@ class RedisLink:
             if self._reconnecting or self._closed.is_set():
                 return
             self._reconnecting = True
-        threading.Thread(target=self._reconnect_loop, name="kvbm-redis-reconnect",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._reconnect_loop, name="kvbm-redis-reconnect", daemon=True
+        ).start()
 
     def _reconnect_loop(self) -> None:
         try:
@@ -216,8 +237,13 @@ class RedisLink:
                     if len(self._warned) > 64:
                         self._warned.clear()
                     self._warned[text] = now
-                    logger.warning("KVBM: %s %s: %s failed: %s (said at most once a "
-                                   "minute)", self._what, self.target, what, text)
+                    logger.warning(
+                        "KVBM: %s %s: %s failed: %s (said at most once a minute)",
+                        self._what,
+                        self.target,
+                        what,
+                        text,
+                    )
             return fail
         except Exception as err:  # noqa: BLE001 - timeout, reset, cluster moved, ...
             self._drop(client, err)

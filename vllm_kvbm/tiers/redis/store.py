@@ -73,28 +73,50 @@ class RedisStore(TierStore):
     name = "remote"
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo", rank: int,
-                    secret: bytes | None, layout: str) -> "RedisStore":
-        return cls(parse_remote_url("remote_url", config.remote_url), config.remote_password,
-                   info.page_bytes, info.tier_namespace, rank, info.key_namespace.tp_size,
-                   config.remote_timeout_s, page_secret=secret,
-                   tls_ca_file=config.remote_tls_ca_file, layout=layout)
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", rank: int, secret: bytes | None, layout: str
+    ) -> "RedisStore":
+        return cls(
+            parse_remote_url("remote_url", config.remote_url),
+            config.remote_password,
+            info.page_bytes,
+            info.tier_namespace,
+            rank,
+            info.key_namespace.tp_size,
+            config.remote_timeout_s,
+            page_secret=secret,
+            tls_ca_file=config.remote_tls_ca_file,
+            layout=layout,
+        )
 
-    def __init__(self, target: RemoteTarget, password: Secret | None, page_bytes: int,
-                 namespace: str, rank: int, world_size: int, timeout_s: float = 2.0, *,
-                 retry_interval_s: float = 2.0, page_secret: bytes | None = None,
-                 tls_ca_file: str | None = None, layout: str = ""):
+    def __init__(
+        self,
+        target: RemoteTarget,
+        password: Secret | None,
+        page_bytes: int,
+        namespace: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 2.0,
+        *,
+        retry_interval_s: float = 2.0,
+        page_secret: bytes | None = None,
+        tls_ca_file: str | None = None,
+        layout: str = "",
+    ):
         if not isinstance(page_bytes, int) or page_bytes <= 0:
             raise ValueError(f"page_bytes must be a positive int, got {page_bytes!r}")
         if not (0 <= rank < world_size):
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.page_bytes = page_bytes
         self.url = str(target)
-        self._codec = PageCodec(namespace, page_bytes, page_secret, rank=rank,
-                                world_size=world_size, layout=layout)
+        self._codec = PageCodec(
+            namespace, page_bytes, page_secret, rank=rank, world_size=world_size, layout=layout
+        )
         self._page_name = page_namer(namespace, page_bytes, rank, world_size, page_secret)
-        self._link = RedisLink(target, password, timeout_s, retry_interval_s,
-                               tls_ca_file=tls_ca_file)
+        self._link = RedisLink(
+            target, password, timeout_s, retry_interval_s, tls_ca_file=tls_ca_file
+        )
         # Each writing thread encodes into its own buffer, reused for every put:
         # a fresh one per page costs its page faults (SET has sent it all
         # before put returns).
@@ -105,10 +127,12 @@ class RedisStore(TierStore):
     def _check_eviction_policy(self) -> None:
         """Warns once if the server would refuse pages when full instead of evicting.
         CONFIG is often not allowed (managed servers, ACLs): then nothing is said."""
+
         def policy(client):
             if self._link.target.cluster:
                 return None
             return client.config_get("maxmemory-policy").get("maxmemory-policy")
+
         try:
             found = self._link.call(policy, None, "CONFIG GET")
         except Exception:  # noqa: BLE001
@@ -116,9 +140,13 @@ class RedisStore(TierStore):
         if isinstance(found, bytes):
             found = found.decode()
         if found is not None and not str(found).startswith("allkeys-"):
-            logger.warning("KVBM: remote tier %s has maxmemory-policy %s; once full it refuses "
-                           "new pages (or keeps only expiring keys) instead of dropping old ones. "
-                           "Set maxmemory and maxmemory-policy allkeys-lru on it", self.url, found)
+            logger.warning(
+                "KVBM: remote tier %s has maxmemory-policy %s; once full it refuses "
+                "new pages (or keeps only expiring keys) instead of dropping old ones. "
+                "Set maxmemory and maxmemory-policy allkeys-lru on it",
+                self.url,
+                found,
+            )
 
     # -- API -------------------------------------------------------------
     def put(self, key: bytes, page: torch.Tensor) -> bool:
@@ -134,12 +162,10 @@ class RedisStore(TierStore):
                 signer = self._codec.signer(key)
                 signer.seal(view, view)  # without a secret: checksums, writes nothing
                 hdr = signer.header()
-                return bool(self._link.call(lambda c: _set_page(c, name, hdr, view), False,
-                                            "put"))
+                return bool(self._link.call(lambda c: _set_page(c, name, hdr, view), False, "put"))
             buf = getattr(self._scratch, "buf", None)
             if buf is None:
-                buf = self._scratch.buf = torch.empty(self._codec.stored_bytes,
-                                                      dtype=torch.uint8)
+                buf = self._scratch.buf = torch.empty(self._codec.stored_bytes, dtype=torch.uint8)
             self._codec.encode_into(buf, key, page)  # sealed: encrypted into buf
             data = memoryview(buf.numpy())  # sent without another copy
             return bool(self._link.call(lambda c: c.set(name, data), False, "put"))
@@ -162,7 +188,8 @@ class RedisStore(TierStore):
                 status = _decode_into(self._codec, data, key, out)
             else:
                 status = self._link.call(
-                    lambda c: _get_into_slot(c, name, self._codec, key, out), "error", "get")
+                    lambda c: _get_into_slot(c, name, self._codec, key, out), "error", "get"
+                )
             if status in ("corrupt", "unauthenticated"):  # the latter: a page MAC failed
                 logger.warning("KVBM: remote tier: %s page %s deleted", status, name)
                 self._link.call(lambda c: c.delete(name), 0, "delete")
@@ -186,6 +213,7 @@ class RedisStore(TierStore):
             for n in wanted:
                 pipe.exists(n)
             return pipe.execute()
+
         try:
             found = iter(self._link.call(exists, [0] * len(wanted), "exists"))
         except Exception:  # noqa: BLE001
@@ -225,8 +253,9 @@ def _decode_into(codec: PageCodec, data: bytes, key: bytes, out: torch.Tensor) -
         check.update(payload)
     status = check.finish(payload)
     if status == "ok":  # finish checked the length; memmove copies without the GIL
-        ctypes.memmove(out.data_ptr(), np.frombuffer(data, np.uint8).ctypes.data + HEADER_BYTES,
-                       len(payload))
+        ctypes.memmove(
+            out.data_ptr(), np.frombuffer(data, np.uint8).ctypes.data + HEADER_BYTES, len(payload)
+        )
     return status
 
 
@@ -256,16 +285,16 @@ class _Reply:
         while True:
             i = self._buf.find(b"\r\n", self._start, self._end)
             if i >= 0:
-                text, self._start = bytes(self._buf[self._start:i]), i + 2
+                text, self._start = bytes(self._buf[self._start : i]), i + 2
                 return text
             if self._end == len(self._buf):
                 raise redis.ConnectionError("a reply line longer than 64 KiB")
-            self._end += self._recv(self._view[self._end:])
+            self._end += self._recv(self._view[self._end :])
 
     def read_into(self, dst: memoryview) -> None:
         have = min(self._end - self._start, len(dst))
         if have:
-            dst[:have] = self._view[self._start:self._start + have]
+            dst[:have] = self._view[self._start : self._start + have]
             self._start += have
         while have < len(dst):
             have += self._recv(dst[have:])
@@ -281,8 +310,7 @@ def _set_page(client, name: str, hdr: bytes, payload: memoryview) -> bool:
         conn = pool.get_connection("SET")
     try:
         key = name.encode()
-        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
-            len(key), key, len(hdr) + len(payload))
+        head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(hdr) + len(payload))
         # redis-py sends each part with sendall and closes the connection
         # on a failure; read_response raises an error the server answered
         conn.send_packed_command([head + hdr, payload, b"\r\n"], check_health=False)
@@ -328,7 +356,7 @@ def _get_into_slot(client, name: str, codec: PageCodec, key: bytes, out: torch.T
             return check
         dst = memoryview(out.numpy())
         for off in range(0, len(dst), _CHUNK):
-            part = dst[off:off + _CHUNK]
+            part = dst[off : off + _CHUNK]
             reply.read_into(part)
             check.update(part)  # checksummed, or decrypted in place
         end = bytearray(2)

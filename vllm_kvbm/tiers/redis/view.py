@@ -28,22 +28,46 @@ class RedisView(OnRedisLink, TierView):
 
     name = "remote"
 
-    def __init__(self, url: str, password, namespace: str, page_bytes: int, world_size: int,
-                 timeout_s: float = 2.0, retry_interval_s: float = 2.0,
-                 tls_ca_file: str | None = None, secret: bytes | None = None):
+    def __init__(
+        self,
+        url: str,
+        password,
+        namespace: str,
+        page_bytes: int,
+        world_size: int,
+        timeout_s: float = 2.0,
+        retry_interval_s: float = 2.0,
+        tls_ca_file: str | None = None,
+        secret: bytes | None = None,
+    ):
         self.url = url
         self._names = [
             page_namer(namespace, page_bytes, rank, world_size, secret)
-            for rank in range(world_size)]
-        self._link = RedisLink(parse_remote_url("remote_url", url), password, timeout_s,
-                               retry_interval_s, "for lookups", tls_ca_file)
+            for rank in range(world_size)
+        ]
+        self._link = RedisLink(
+            parse_remote_url("remote_url", url),
+            password,
+            timeout_s,
+            retry_interval_s,
+            "for lookups",
+            tls_ca_file,
+        )
 
     @classmethod
-    def from_config(cls, config: "KVBMConfig", info: "EngineInfo",
-                    secret: bytes | None) -> "RedisView":
-        return cls(config.remote_url, config.remote_password, info.tier_namespace,
-                   info.page_bytes, info.key_namespace.tp_size, config.remote_timeout_s,
-                   tls_ca_file=config.remote_tls_ca_file, secret=secret)
+    def from_config(
+        cls, config: "KVBMConfig", info: "EngineInfo", secret: bytes | None
+    ) -> "RedisView":
+        return cls(
+            config.remote_url,
+            config.remote_password,
+            info.tier_namespace,
+            info.page_bytes,
+            info.key_namespace.tp_size,
+            config.remote_timeout_s,
+            tls_ca_file=config.remote_tls_ca_file,
+            secret=secret,
+        )
 
     def contains(self, key: PageKey) -> bool:
         return self.contains_many([key])[0]
@@ -58,11 +82,12 @@ class RedisView(OnRedisLink, TierView):
             for n in names:
                 pipe.exists(n)
             return pipe.execute()
+
         found = self._link.call(exists, None, "lookup")
         if found is None:
             return [False] * len(keys)
         ranks = len(self._names)
-        return [all(found[i * ranks:(i + 1) * ranks]) for i in range(len(keys))]
+        return [all(found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
 
     def close(self) -> None:
         self._link.close()
