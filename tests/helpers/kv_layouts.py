@@ -11,7 +11,7 @@ content of a host slot holding block ``b`` is ``slot_bytes(raw, b)``.
 per layer a logical ``[blocks, heads, tokens, content]`` view whose strides
 follow the resolved ``KVCacheLayout``); it imports no vLLM, so
 benchmarks/gpu_check.py uses it on a machine without vLLM, and
-tests/unit/test_page_mover.py checks it against vLLM's own function.
+tests/unit/test_page_mover_vllm_layouts.py checks it against vLLM's own function.
 """
 
 from __future__ import annotations
