@@ -13,14 +13,11 @@ import pytest
 import torch
 
 from helpers.kv_layouts import (
-    VLLM_LAYOUTS,
     KVLayout,
     agent_name,
     cpu_layout,
     flash_layout,
-    layer_name,
     random_fill,
-    vllm_layout,
 )
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.worker.page_mover import (
