@@ -34,7 +34,8 @@ def _import(name: str, folder: Path):
 # the standard library (those a worker could import): gpu_check needs no vLLM.
 DEVICE_IMPORTS = (
     "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check "
-    "gpu_check_gds gpu_check_harness gpu_check_hybrid gpu_check_paths gpu_check_peer "
+    "gpu_check_gds gpu_check_harness gpu_check_hybrid gpu_check_layouts gpu_check_paths "
+    "gpu_check_peer "
     "gpu_check_vllm "
     "msgpack xxhash psutil prometheus_client yaml packaging typing_extensions filelock sympy "
     "mpmath networkx jinja2 markupsafe fsspec triton setuptools pkg_resources cuda nvidia "
@@ -248,13 +249,14 @@ def test_gpu_check_reports_a_stale_page_as_failed(monkeypatch, capsys):
     A stale page cannot be produced on CPU (the forward pass is synchronous),
     so one byte of a stored page is flipped before the script compares."""
     gpu_check = _import("gpu_check", SCRIPT.parent)
-    real = gpu_check.slot_pages_equal
+    layouts = sys.modules["gpu_check_layouts"]
+    real = layouts.slot_pages_equal
 
     def stale(pool, lay, kv_cpu, blocks, slots):
         pool[slots[0], 0] ^= 0xFF
         return real(pool, lay, kv_cpu, blocks, slots)
 
-    monkeypatch.setattr(gpu_check, "slot_pages_equal", stale)
+    monkeypatch.setattr(layouts, "slot_pages_equal", stale)
     rc = gpu_check.main(
         [
             "--device",
@@ -364,25 +366,26 @@ def test_the_control_sees_the_race_the_fence_prevents(monkeypatch):
     copies run before the kernel that rewrites the KV (the fake runs copy
     streams first wherever nothing holds them) and every page is stale; the
     copy engine is ordered again afterwards."""
-    gpu_check = _import("gpu_check", SCRIPT.parent)
+    _import("gpu_check", SCRIPT.parent)  # loads gpu_check_layouts too
     import torch
 
     lay, pool, mover, cuda = _fake_copy_engine()
-    real_rewrite = gpu_check.rewrite_kv
+    layouts = sys.modules["gpu_check_layouts"]
+    real_rewrite = layouts.rewrite_kv
     monkeypatch.setattr(
-        gpu_check,
+        layouts,
         "rewrite_kv",
         lambda lay, step: cuda.launch(lambda: real_rewrite(lay, step), "the forward"),
     )
     args = type("Args", (), {"kernel_delay": 0.0, "timeout": 5.0})()
     blocks, slots = [0, 2, 4], [0, 1, 2]
-    stale = gpu_check.unordered_stores(mover, lay, pool, blocks, slots, torch.device("cpu"), args)
+    stale = layouts.unordered_stores(mover, lay, pool, blocks, slots, torch.device("cpu"), args)
     assert stale == 3
     assert "order" not in vars(mover.copies)  # the wait is back
     cuda.launch(lambda: real_rewrite(lay, 3), "the next forward")
     h = mover.post(True, blocks, slots)
     assert mover.poll(h) == "DONE"
-    assert gpu_check.slot_pages_equal(pool, lay, [lay.raw[0]], blocks, slots) == 0
+    assert layouts.slot_pages_equal(pool, lay, [lay.raw[0]], blocks, slots) == 0
 
 
 def test_the_copy_engines_are_timed_by_their_cuda_events(capsys):
