@@ -46,22 +46,22 @@ BLOCK_SIZE = 128
 class SoakConfig:
     requests: int = 200
     concurrency: int = 16
-    duration_limit: float = 1200.0     # overall deadline for the request phase, seconds
-    request_timeout: float = 300.0     # per request, seconds
+    duration_limit: float = 1200.0  # overall deadline for the request phase, seconds
+    request_timeout: float = 300.0  # per request, seconds
     doc_lengths: tuple[int, ...] = (1100, 2000, 2900)
     suffix_range: tuple[int, int] = (8, 300)
-    repeat_fraction: float = 0.25      # share of requests that repeat an earlier prompt
+    repeat_fraction: float = 0.25  # share of requests that repeat an earlier prompt
     max_tokens: int = 12
-    one_token_fraction: float = 0.1    # requests with max_tokens=1
-    cancel_fraction: float = 0.1       # requests the client abandons
-    cancel_within: float = 20.0        # ... after a uniform delay up to this, seconds
+    one_token_fraction: float = 0.1  # requests with max_tokens=1
+    cancel_fraction: float = 0.1  # requests the client abandons
+    cancel_within: float = 20.0  # ... after a uniform delay up to this, seconds
     # Both tiers evict constantly. The host tier holds more blocks than the
     # engine: it only serves blocks the engine's own prefix cache has lost,
     # and a host tier smaller than the engine cache mostly holds a subset of
     # it (measured: 40 engine / 24 host blocks onboard ~10 blocks per 50
     # requests, 28 / 40 onboard ~200).
-    engine_blocks: int = 28            # --num-gpu-blocks-override
-    host_blocks: int = 40              # host_cache_blocks
+    engine_blocks: int = 28  # --num-gpu-blocks-override
+    host_blocks: int = 40  # host_cache_blocks
     max_num_batched_tokens: int = 1024
     max_num_seqs: int = 16
     # Admit requests whose whole prompt does not fit yet: prefills then preempt
@@ -69,8 +69,8 @@ class SoakConfig:
     overadmit: bool = True
     seed: int = 0
     kvbm: bool = True
-    idle_timeout: float = 60.0         # for the engine to drain after the last request
-    reset_every: float = 0.0           # seconds between cache resets under traffic; 0: none
+    idle_timeout: float = 60.0  # for the engine to drain after the last request
+    reset_every: float = 0.0  # seconds between cache resets under traffic; 0: none
 
 
 @dataclass
@@ -105,8 +105,7 @@ def make_workload(cfg: SoakConfig) -> list[SoakRequest]:
             prompt = doc + [rng.randrange(10, 7000) for _ in range(n)]
             prompts.append(prompt)
         max_tokens = 1 if rng.random() < cfg.one_token_fraction else cfg.max_tokens
-        cancel = (rng.uniform(0.0, cfg.cancel_within)
-                  if rng.random() < cfg.cancel_fraction else None)
+        cancel = rng.uniform(0.0, cfg.cancel_within) if rng.random() < cfg.cancel_fraction else None
         reqs.append(SoakRequest(prompt, max_tokens, cancel))
     return reqs
 
@@ -114,14 +113,14 @@ def make_workload(cfg: SoakConfig) -> list[SoakRequest]:
 @dataclass
 class SoakResult:
     requests: list[SoakRequest]
-    outputs: list[list[int] | None]    # None: failed, hung or cancelled
+    outputs: list[list[int] | None]  # None: failed, hung or cancelled
     latencies: list[float]
-    errors: dict[int, str]             # request index -> what went wrong
+    errors: dict[int, str]  # request index -> what went wrong
     cancelled: set[int]
     wall_s: float
     counters: dict[str, float] = field(default_factory=dict)
     mismatches: list[int] = field(default_factory=list)
-    not_idle: str = ""                 # what the engine still held after the run
+    not_idle: str = ""  # what the engine still held after the run
     # (query, outcome) of each reset under traffic: "ok", "refused" (vLLM
     # said success=false: blocks still held) or the HTTP error
     resets: list[tuple[str, str]] = field(default_factory=list)
@@ -131,18 +130,30 @@ class SoakResult:
 
 def serve_args(cfg: SoakConfig) -> list[str]:
     return [
-        "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK_SIZE),
-        "--num-gpu-blocks-override", str(cfg.engine_blocks),
-        "--max-model-len", str(min(4096, (cfg.engine_blocks - 1) * BLOCK_SIZE)),
-        "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
-        "--max-num-seqs", str(cfg.max_num_seqs),
-        "--gpu-memory-utilization", "0.25", "--seed", "0",
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--num-gpu-blocks-override",
+        str(cfg.engine_blocks),
+        "--max-model-len",
+        str(min(4096, (cfg.engine_blocks - 1) * BLOCK_SIZE)),
+        "--max-num-batched-tokens",
+        str(cfg.max_num_batched_tokens),
+        "--max-num-seqs",
+        str(cfg.max_num_seqs),
+        "--gpu-memory-utilization",
+        "0.25",
+        "--seed",
+        "0",
         *(["--no-scheduler-reserve-full-isl"] if cfg.overadmit else []),
     ]
 
 
-def reference_outputs(prompts: list[list[int]], max_tokens: int, llm=None,
-                      model: str | None = None) -> dict[tuple[int, ...], list[int]]:
+def reference_outputs(
+    prompts: list[list[int]], max_tokens: int, llm=None, model: str | None = None
+) -> dict[tuple[int, ...], list[int]]:
     """Greedy outputs (``max_tokens`` each) of every distinct prompt, run alone on
     a plain engine that recomputes everything: its prefix cache is reset before
     each prompt. Shorter requests must produce a prefix of these."""
@@ -150,9 +161,17 @@ def reference_outputs(prompts: list[list[int]], max_tokens: int, llm=None,
 
     own = llm is None
     if own:
-        llm = LLM(model=model, dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
-                  max_model_len=4096, max_num_batched_tokens=4096, seed=0,
-                  gpu_memory_utilization=0.25, kv_cache_memory_bytes=512 << 20)
+        llm = LLM(
+            model=model,
+            dtype="float32",
+            enforce_eager=True,
+            block_size=BLOCK_SIZE,
+            max_model_len=4096,
+            max_num_batched_tokens=4096,
+            seed=0,
+            gpu_memory_utilization=0.25,
+            kv_cache_memory_bytes=512 << 20,
+        )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     want: dict[tuple[int, ...], list[int]] = {}
     try:
@@ -169,12 +188,12 @@ def reference_outputs(prompts: list[list[int]], max_tokens: int, llm=None,
     return want
 
 
-async def _one(link: "Link", model: str, req: SoakRequest,
-               timeout: float) -> tuple[list[int], float]:
+async def _one(
+    link: "Link", model: str, req: SoakRequest, timeout: float
+) -> tuple[list[int], float]:
     from vllm_kvbm.tools.completions import stream
 
-    out = await stream(link.client, model, req.prompt, req.max_tokens, timeout,
-                       token_ids=True)
+    out = await stream(link.client, model, req.prompt, req.max_tokens, timeout, token_ids=True)
     return out.token_ids, out.total
 
 
@@ -182,6 +201,7 @@ async def _one(link: "Link", model: str, req: SoakRequest,
 class Link:
     """The openai client the completions go through, and its HTTP client
     (the resets: not an OpenAI route)."""
+
     client: object
     http: object
 
@@ -197,8 +217,9 @@ async def _link(url: str, timeout: float):
         yield Link(client, http)
 
 
-async def _run_requests(url: str, model: str, reqs: list[SoakRequest],
-                        cfg: SoakConfig) -> SoakResult:
+async def _run_requests(
+    url: str, model: str, reqs: list[SoakRequest], cfg: SoakConfig
+) -> SoakResult:
     from openai import APITimeoutError
 
     result = SoakResult(reqs, [None] * len(reqs), [0.0] * len(reqs), {}, set(), 0.0)
@@ -225,8 +246,11 @@ async def _run_requests(url: str, model: str, reqs: list[SoakRequest],
     start = time.perf_counter()
     async with _link(url, cfg.request_timeout) as link:
         tasks = [asyncio.ensure_future(worker(link, i)) for i in range(len(reqs))]
-        resetter = (asyncio.ensure_future(_reset_loop(link, url, cfg, result))
-                    if cfg.reset_every > 0 else None)
+        resetter = (
+            asyncio.ensure_future(_reset_loop(link, url, cfg, result))
+            if cfg.reset_every > 0
+            else None
+        )
         _, pending = await asyncio.wait(tasks, timeout=cfg.duration_limit)
         for t in pending:
             t.cancel()
@@ -243,10 +267,12 @@ async def _run_requests(url: str, model: str, reqs: list[SoakRequest],
 
 # Reset variants, in turn: running requests kept (refused while any holds
 # blocks) or preempted, and the connector's tiers kept or cleared too.
-RESET_QUERIES = ("reset_running_requests=true&reset_external=true",
-                 "reset_running_requests=false&reset_external=true",
-                 "reset_running_requests=true&reset_external=false",
-                 "reset_running_requests=false&reset_external=false")
+RESET_QUERIES = (
+    "reset_running_requests=true&reset_external=true",
+    "reset_running_requests=false&reset_external=true",
+    "reset_running_requests=true&reset_external=false",
+    "reset_running_requests=false&reset_external=false",
+)
 
 
 # vLLM 0.32 raises this (HTTP 500) for reset_running_requests=true while a
@@ -291,6 +317,7 @@ def _check_after_reset(server, model: str, req: SoakRequest, want: list[int]) ->
     """Resets every cache on the idle engine and repeats a prompt: it must be
     computed from scratch (nothing onboarded from before the reset) and
     correct. Returns what went wrong, or ""."""
+
     async def go():
         async with _link(server.url, 120) as link:
             outcome = await _reset(link, server.url, RESET_QUERIES[0])
@@ -306,6 +333,7 @@ def _check_after_reset(server, model: str, req: SoakRequest, want: list[int]) ->
             if tokens != want:
                 return f"wrong output after the reset: {tokens} != {want}"
             return ""
+
     return asyncio.run(go())
 
 
@@ -321,8 +349,7 @@ COUNTERS = {
     "vllm:prefix_cache_hits_total": "local prefix hit tokens",
     "vllm:num_preemptions_total": "preemptions",
 }
-IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
-               "vllm:kv_cache_usage_perc")
+IDLE_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
 def _settle(server, timeout: float) -> tuple[dict[str, float], str]:
@@ -343,8 +370,9 @@ def _settle(server, timeout: float) -> tuple[dict[str, float], str]:
         time.sleep(5)
 
 
-def run_soak(model: str, cfg: SoakConfig, want: dict | None = None, llm=None,
-             log_path: str | None = None) -> SoakResult:
+def run_soak(
+    model: str, cfg: SoakConfig, want: dict | None = None, llm=None, log_path: str | None = None
+) -> SoakResult:
     """Reference outputs first (one engine at a time: ``llm`` if given, else a
     fresh plain engine), then the soak against ``vllm serve``; returns the
     result with mismatches filled in."""
@@ -353,8 +381,7 @@ def run_soak(model: str, cfg: SoakConfig, want: dict | None = None, llm=None,
 
     reqs = make_workload(cfg)
     if want is None:
-        want = reference_outputs([r.prompt for r in reqs], cfg.max_tokens, llm=llm,
-                                 model=model)
+        want = reference_outputs([r.prompt for r in reqs], cfg.max_tokens, llm=llm, model=model)
     kv = kvbm_transfer_config(host_cache_blocks=cfg.host_blocks) if cfg.kvbm else None
     # The reset endpoint exists in vLLM's development mode only.
     env = {"VLLM_SERVER_DEV_MODE": "1"} if cfg.reset_every > 0 else None
@@ -366,11 +393,14 @@ def run_soak(model: str, cfg: SoakConfig, want: dict | None = None, llm=None,
             if done:
                 req = reqs[max(done, key=lambda i: len(reqs[i].prompt))]
                 result.after_reset = _check_after_reset(
-                    server, model, req, want[tuple(req.prompt)][:req.max_tokens])
+                    server, model, req, want[tuple(req.prompt)][: req.max_tokens]
+                )
         log = server.log_path
     result.mismatches = [
-        i for i, out in enumerate(result.outputs)
-        if out is not None and out != want[tuple(reqs[i].prompt)][:reqs[i].max_tokens]]
+        i
+        for i, out in enumerate(result.outputs)
+        if out is not None and out != want[tuple(reqs[i].prompt)][: reqs[i].max_tokens]
+    ]
     if result.errors or result.mismatches or result.not_idle:
         print(f"vllm serve log: {log}")
     return result
@@ -399,15 +429,23 @@ def summary(result: SoakResult, cfg: SoakConfig) -> str:
         outcomes: dict[str, int] = {}
         for _, outcome in result.resets:
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
-        lines.append(f"cache resets under traffic: {len(result.resets)} ("
-                     + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())) + ")"
-                     + (f"; after the run: {result.after_reset}" if result.after_reset
-                        else "; after the run: nothing onboarded after a full reset"))
+        lines.append(
+            f"cache resets under traffic: {len(result.resets)} ("
+            + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+            + ")"
+            + (
+                f"; after the run: {result.after_reset}"
+                if result.after_reset
+                else "; after the run: nothing onboarded after a full reset"
+            )
+        )
     for i, err in sorted(result.errors.items())[:5]:
         lines.append(f"  request {i}: {err}")
     for i in result.mismatches[:5]:
-        lines.append(f"  request {i} (prompt of {len(result.requests[i].prompt)} tokens): "
-                     f"got {result.outputs[i]}")
+        lines.append(
+            f"  request {i} (prompt of {len(result.requests[i].prompt)} tokens): "
+            f"got {result.outputs[i]}"
+        )
     return "\n".join(lines)
 
 
@@ -419,12 +457,12 @@ def check(result: SoakResult, cfg: SoakConfig) -> list[str]:
     if result.mismatches:
         problems.append(f"{len(result.mismatches)} outputs differ from the reference")
     if result.not_idle:
-        problems.append(f"engine still busy {cfg.idle_timeout:.0f} s after the last "
-                        f"request: {result.not_idle}")
+        problems.append(
+            f"engine still busy {cfg.idle_timeout:.0f} s after the last request: {result.not_idle}"
+        )
     if cfg.reset_every > 0:
         if not any(outcome == "ok" for _, outcome in result.resets):
-            problems.append(f"no cache reset succeeded during the run "
-                            f"({len(result.resets)} tried)")
+            problems.append(f"no cache reset succeeded during the run ({len(result.resets)} tried)")
         broken = [o for _, o in result.resets if o not in ("ok", "refused")]
         if broken:
             problems.append(f"{len(broken)} reset calls failed: {broken[0]}")
@@ -448,24 +486,41 @@ def main(argv: list[str] | None = None) -> int:
     d = SoakConfig()
     parser.add_argument("--requests", type=int, default=d.requests)
     parser.add_argument("--concurrency", type=int, default=d.concurrency)
-    parser.add_argument("--duration-limit", type=float, default=d.duration_limit,
-                        help="deadline for all requests to finish, seconds")
+    parser.add_argument(
+        "--duration-limit",
+        type=float,
+        default=d.duration_limit,
+        help="deadline for all requests to finish, seconds",
+    )
     parser.add_argument("--request-timeout", type=float, default=d.request_timeout)
     parser.add_argument("--model", default=None, help="model path (default: local model)")
     parser.add_argument("--max-tokens", type=int, default=d.max_tokens)
     parser.add_argument("--engine-blocks", type=int, default=d.engine_blocks)
     parser.add_argument("--host-blocks", type=int, default=d.host_blocks)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    parser.add_argument("--doc-lengths", type=int, nargs="+", default=list(d.doc_lengths),
-                        help="token counts of the shared documents")
+    parser.add_argument(
+        "--doc-lengths",
+        type=int,
+        nargs="+",
+        default=list(d.doc_lengths),
+        help="token counts of the shared documents",
+    )
     parser.add_argument("--cancel-fraction", type=float, default=d.cancel_fraction)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--reset-every", type=float, default=d.reset_every,
-                        help="reset the prefix caches every this many seconds (0: never)")
-    parser.add_argument("--no-overadmit", action="store_true",
-                        help="keep vLLM's admission check (fewer preemptions)")
-    parser.add_argument("--no-kvbm", action="store_true",
-                        help="control run: the same workload on a plain server")
+    parser.add_argument(
+        "--reset-every",
+        type=float,
+        default=d.reset_every,
+        help="reset the prefix caches every this many seconds (0: never)",
+    )
+    parser.add_argument(
+        "--no-overadmit",
+        action="store_true",
+        help="keep vLLM's admission check (fewer preemptions)",
+    )
+    parser.add_argument(
+        "--no-kvbm", action="store_true", help="control run: the same workload on a plain server"
+    )
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -473,18 +528,27 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
-    cfg = SoakConfig(requests=args.requests, concurrency=args.concurrency,
-                     duration_limit=args.duration_limit, request_timeout=args.request_timeout,
-                     max_tokens=args.max_tokens, engine_blocks=args.engine_blocks,
-                     host_blocks=args.host_blocks, doc_lengths=tuple(args.doc_lengths),
-                     cancel_fraction=args.cancel_fraction, seed=args.seed,
-                     overadmit=not args.no_overadmit,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     reset_every=args.reset_every, kvbm=not args.no_kvbm)
+    cfg = SoakConfig(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        duration_limit=args.duration_limit,
+        request_timeout=args.request_timeout,
+        max_tokens=args.max_tokens,
+        engine_blocks=args.engine_blocks,
+        host_blocks=args.host_blocks,
+        doc_lengths=tuple(args.doc_lengths),
+        cancel_fraction=args.cancel_fraction,
+        seed=args.seed,
+        overadmit=not args.no_overadmit,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        reset_every=args.reset_every,
+        kvbm=not args.no_kvbm,
+    )
     print("Reference outputs on a plain engine, one prompt at a time ...", flush=True)
     t0 = time.perf_counter()
-    want = reference_outputs([r.prompt for r in make_workload(cfg)], cfg.max_tokens,
-                             model=args.model)
+    want = reference_outputs(
+        [r.prompt for r in make_workload(cfg)], cfg.max_tokens, model=args.model
+    )
     print(f"  {len(want)} distinct prompts in {time.perf_counter() - t0:.0f} s", flush=True)
     print("Soak against vllm serve ...", flush=True)
     result = run_soak(args.model, cfg, want=want)

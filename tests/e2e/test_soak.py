@@ -30,16 +30,25 @@ def _soak_module():
 
 soak = _soak_module()
 CFG = soak.SoakConfig(
-    requests=24, concurrency=8, max_tokens=12,
+    requests=24,
+    concurrency=8,
+    max_tokens=12,
     # The engine holds one long prompt and a bit: concurrent ones preempt.
-    doc_lengths=(600, 1000, 1400), repeat_fraction=0.4,
-    engine_blocks=16, host_blocks=24,
+    doc_lengths=(600, 1000, 1400),
+    repeat_fraction=0.4,
+    engine_blocks=16,
+    host_blocks=24,
     # a few clients give up early: aborts while queued, loading or running
-    cancel_fraction=0.15, cancel_within=6.0,
+    cancel_fraction=0.15,
+    cancel_within=6.0,
     # and some stop after one token, finishing while their stores are in flight
     one_token_fraction=0.15,
     # bounded everywhere: the machine may be shared with other engines
-    request_timeout=240, duration_limit=360, idle_timeout=60, seed=2)
+    request_timeout=240,
+    duration_limit=360,
+    idle_timeout=60,
+    seed=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +68,11 @@ def _run(cfg, reference):
     assert len(result.outputs) - len(result.cancelled) >= 16
     assert result.counters["kvbm_offload_blocks_total"] > cfg.host_blocks
     # KVBM's hit counter and vLLM's agree even under preemption and retries
-    assert (result.counters["kvbm_matched_tokens_total"]
-            == result.counters["vllm:external_prefix_cache_hits_total"] > 0)
+    assert (
+        result.counters["kvbm_matched_tokens_total"]
+        == result.counters["vllm:external_prefix_cache_hits_total"]
+        > 0
+    )
     return result
 
 
@@ -73,4 +85,5 @@ def test_soak_with_cache_resets_under_traffic(reference):
     result = _run(cfg, reference)
     assert sum(outcome == "ok" for _, outcome in result.resets) >= 2, result.resets
     assert {q for q, o in result.resets if o == "ok"} & {
-        q for q in soak.RESET_QUERIES if "reset_external=true" in q}, result.resets
+        q for q in soak.RESET_QUERIES if "reset_external=true" in q
+    }, result.resets
