@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def _soak_module():
+    sys.path.append(str(ROOT / "benchmarks"))  # soak.py imports its sibling soak_report
     spec = importlib.util.spec_from_file_location("kvbm_soak", ROOT / "benchmarks" / "soak.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
