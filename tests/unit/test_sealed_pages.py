@@ -103,6 +103,24 @@ def test_rank_world_size_and_layout_are_bound_into_every_page():
     assert page_name(NS, SMALL, 0, 2, k) != page_name(NS, SMALL, 1, 2, k)
 
 
+def test_a_workers_codec_binds_its_engines_namespace_rank_world_size_and_layout():
+    """PageCodec.for_worker (the pool's and the peer reader's codec) writes
+    what the codec of the same fields writes, and reads no other rank's page."""
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(
+        tier_namespace=NS, page_bytes=SMALL, key_namespace=SimpleNamespace(tp_size=2)
+    )
+    k, p = key(4), page(4, SMALL)
+    for secret in (None, SECRET):
+        worker = PageCodec.for_worker(info, 1, secret, "L")
+        same = PageCodec(NS, SMALL, secret, rank=1, world_size=2, layout="L")
+        assert worker.ns8 == same.ns8 and worker.keyed == (secret is not None)
+        assert decode(same, encoded(worker, k, p), k)[0] == "ok"
+        rank0 = PageCodec.for_worker(info, 0, secret, "L")
+        assert decode(rank0, encoded(worker, k, p), k)[0] != "ok"
+
+
 def test_damage_is_corrupt_and_forgery_unauthenticated_under_a_secret():
     sealed = PageCodec(NS, SMALL, SECRET)
     k, p = key(4), page(4, SMALL)

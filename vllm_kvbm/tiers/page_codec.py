@@ -15,6 +15,7 @@ import hashlib
 import logging
 import struct
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,9 @@ from vllm_kvbm.tiers.page_format import (
 )
 from vllm_kvbm.tiers.page_names import PageNames
 from vllm_kvbm.tiers.page_seal import PageSeal
+
+if TYPE_CHECKING:
+    from vllm_kvbm.engine_info import EngineInfo
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,20 @@ class PageCodec:
             self.ns8 = self.names.tag(b"header", scope)[:8]
             self._seal = PageSeal(secret, scope)
         self._warned_sealed = False
+
+    @classmethod
+    def for_worker(
+        cls, info: "EngineInfo", rank: int, secret: bytes | None, layout: str
+    ) -> "PageCodec":
+        """The codec of one TP rank's pages, as a worker's stores write them."""
+        return cls(
+            info.tier_namespace,
+            info.page_bytes,
+            secret,
+            rank=rank,
+            world_size=info.key_namespace.tp_size,
+            layout=layout,
+        )
 
     @property
     def keyed(self) -> bool:

@@ -145,14 +145,7 @@ class PeerStore(BatchReads, TierStore):
         layout_fp: str,
     ) -> "PeerStore":
         world = info.key_namespace.tp_size
-        codec = PageCodec(
-            info.tier_namespace,
-            info.page_bytes,
-            secret,
-            rank=rank,
-            world_size=world,
-            layout=layout_fp,
-        )
+        codec = PageCodec.for_worker(info, rank, secret, layout_fp)
         digest = layout.name_digest(info.tier_namespace, info.page_bytes, rank, world)
         return cls(
             codec,

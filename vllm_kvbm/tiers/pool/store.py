@@ -97,14 +97,7 @@ class PoolStore(TierStore):
         from vllm_kvbm.tiers.pool.attach import open_engine_pool
 
         world = info.key_namespace.tp_size
-        codec = PageCodec(
-            info.tier_namespace,
-            info.page_bytes,
-            secret,
-            rank=rank,
-            world_size=world,
-            layout=layout_fp,
-        )
+        codec = PageCodec.for_worker(info, rank, secret, layout_fp)
         spec = PoolSpec.for_worker(
             config.pool_dir,
             info.tier_namespace,
