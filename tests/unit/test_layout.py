@@ -161,3 +161,15 @@ def test_test_files_have_unique_names():
     tests = Path(__file__).resolve().parents[1]
     names = [p.name for p in tests.rglob("test_*.py")]
     assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
+def test_every_python_file_is_at_most_500_lines():
+    """Modules stay small enough to read whole: a file past 500 lines (as
+    `ruff format` writes it) is split where the split is natural."""
+    root = PKG.parent
+    files = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert len(files) > 100, files  # the repository's files, not an empty listing
+    long = {f: n for f in files if (n := len((root / f).read_text().splitlines())) > 500}
+    assert not long, long
