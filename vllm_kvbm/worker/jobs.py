@@ -1,6 +1,6 @@
-"""The worker's records of its transfers: one posted to NIXL (``InFlight``) and
-one waiting for its step's fence (``Pending``); ``KVBMWorker`` (worker.py)
-keeps lists of them."""
+"""The worker's records of its transfers: one posted to the page mover (NIXL
+or the copy engine: ``InFlight``) and one waiting for its step's fence
+(``Pending``); ``KVBMWorker`` (worker.py) keeps lists of them."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ TRANSFER_TIMEOUT_S = 30.0
 
 @dataclass
 class InFlight:
-    """A transfer posted to NIXL, polled until it ends."""
+    """A transfer posted to the page mover, polled until it ends."""
 
     job: TransferJob
     is_store: bool
     handle: object
     started: float
-    # past the timeout and already dealt with; still polled until NIXL ends it
+    # past the timeout and already dealt with; still polled until the copy ends
     overdue: bool = False
 
 

@@ -385,7 +385,7 @@ class KVBMWorker(StreamedLoads, KVRelease, Completions):
             # Deregistering memory under a running transfer is undefined:
             # leave it to process exit.
             logger.error(
-                "KVBM: %d transfers still running at shutdown; NIXL memory left registered",
+                "KVBM: %d transfers still running at shutdown; their memory left registered",
                 len(self._inflight),
             )
             self.mover = None
