@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 
+from pool_process import pool_hello, start_pool
+
 NS = "bench-peer"
 
 
@@ -76,23 +78,8 @@ def child(args) -> dict:
         assert writer.put(k, torch.randint(0, 256, (page_bytes,), dtype=torch.uint8, generator=gen))
     port = free_port()
     sock = os.path.join(args.dir, "pool.sock")
-    pool = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm_kvbm.tools.pool",
-            "--dir",
-            args.dir,
-            "--socket",
-            sock,
-            "--serve-port",
-            str(port),
-            "--serve-host",
-            "127.0.0.1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    pool = start_pool(
+        args.dir, sock, port, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
     endpoint = f"tcp://127.0.0.1:{port}"
     reader = PeerStore(
@@ -107,25 +94,10 @@ def child(args) -> dict:
     link = ControlLink(endpoint)
     agent = PeerAgent("bench-raw-reader")
     try:
-        deadline = time.monotonic() + 60
-        while True:  # kvbm-pool takes up the file it finds at start
-            try:
-                reply, metadata = link.request(
-                    {
-                        "op": "hello",
-                        "file": spec.name,
-                        "scope": spec.scope_digest.hex(),
-                        "known": ["", -1],
-                    },
-                    2.0,
-                )
-                if reply.get("ok"):
-                    break
-            except TimeoutError:
-                pass
-            if time.monotonic() > deadline or pool.poll() is not None:
-                raise RuntimeError(f"kvbm-pool did not serve the file: {pool.stderr.read()}")
-            time.sleep(0.2)
+        try:  # kvbm-pool takes up the file it finds at start
+            reply, metadata = pool_hello(link, spec, pool, 60.0)
+        except (RuntimeError, TimeoutError) as err:
+            raise RuntimeError(f"{err}: {pool.stderr.read()}") from None
         # raw: the data region's slots, as one READ
         first, span = int(reply["data_off"]), pages * 4 * stride
         span = min(span, int(reply["length"]) - first)

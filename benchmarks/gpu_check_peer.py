@@ -25,8 +25,8 @@ are copied to the GPU with ``copy_`` and compared there. Rows:
 - the pages copied to the GPU equal the served pages, with the copy's GB/s
   timed by CUDA events (a CPU run says the GPU copy is skipped).
 
-Everything runs in a child process (this file with ``--child``, a session of
-its own) that starts ``kvbm-pool`` in its process group: a NIXL or UCX
+Everything runs in a child process (this file with ``--child``, started with
+``start_new_session``) that starts ``kvbm-pool`` in its process group: a NIXL or UCX
 failure or hang ends only this case, and the parent kills both at the
 case's deadline. The child
 prints its rows as tab-separated lines; the parent reports them as they
@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from gpu_check_vllm import report_child
+from pool_process import pool_hello, start_pool
 
 NAME = "peer-read"
 REPO = Path(__file__).resolve().parent.parent
@@ -141,54 +142,6 @@ def _check(what: str, ok: bool, detail: str) -> bool:
     return ok
 
 
-def _serve(args, sock: str, port: int) -> subprocess.Popen:
-    """kvbm-pool in this process group (the parent's kill ends it too); its
-    log into this process's stderr (the parent's log of the case)."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm_kvbm.tools.pool",
-            "--dir",
-            args.dir,
-            "--socket",
-            sock,
-            "--serve-port",
-            str(port),
-            "--serve-host",
-            "127.0.0.1",
-        ],
-        stdin=subprocess.DEVNULL,
-        stdout=2,
-    )  # fd 2: the log
-
-
-def _hello(link, spec, pool: subprocess.Popen, timeout_s: float) -> tuple[dict, bytes]:
-    """The served file's hello (kvbm-pool takes it up at start): where it lies
-    and the pool's NIXL metadata."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            reply, metadata = link.request(
-                {
-                    "op": "hello",
-                    "file": spec.name,
-                    "scope": spec.scope_digest.hex(),
-                    "known": ["", -1],
-                },
-                2.0,
-            )
-            if reply.get("ok") and metadata:
-                return reply, metadata
-        except TimeoutError:
-            pass
-        if pool.poll() is not None:
-            raise RuntimeError(f"kvbm-pool exited ({pool.returncode}) before serving the file")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"kvbm-pool did not serve the file within {timeout_s:g} s")
-        time.sleep(0.2)
-
-
 def _raw_read(agent, remote: str, local: tuple[int, int], addr: int, timeout_s: float) -> float:
     """One NIXL READ of ``local[1]`` bytes at the peer's ``addr``; its seconds."""
     t0 = time.perf_counter()
@@ -262,14 +215,17 @@ def child(argv: list[str]) -> int:
     stored = sum(writer.put(k, served[i]) for i, k in enumerate(keys))
     port = free_port()
     endpoint = f"tcp://127.0.0.1:{port}"
-    pool = _serve(args, os.path.join(args.dir, "pool.sock"), port)
+    # In this process group (the parent's kill ends it too); its log into
+    # this process's stderr, the parent's log of the case (fd 2).
+    sock = os.path.join(args.dir, "pool.sock")
+    pool = start_pool(args.dir, sock, port, stdin=subprocess.DEVNULL, stdout=2)
     link = agent = reader = dst = raw = None
     regs = []
     running = False  # a READ still in flight: its memory is kept to the process's exit
     try:
         _check("pages written into the pool file", stored == n, f"{stored}/{n} stored")
         link = ControlLink(endpoint)
-        reply, metadata = _hello(link, spec, pool, min(args.timeout, 60.0))
+        reply, metadata = pool_hello(link, spec, pool, min(args.timeout, 60.0))
         _row(
             "pool",
             "info",

@@ -35,7 +35,7 @@ def _import(name: str, folder: Path):
 DEVICE_IMPORTS = (
     "torch numpy nixl nixl_cu12 nixl_cu13 nixl_meta_utils vllm_kvbm helpers gpu_check "
     "gpu_check_gds gpu_check_harness gpu_check_hybrid gpu_check_layouts gpu_check_paths "
-    "gpu_check_peer "
+    "gpu_check_peer pool_process "
     "gpu_check_vllm "
     "msgpack xxhash psutil prometheus_client yaml packaging typing_extensions filelock sympy "
     "mpmath networkx jinja2 markupsafe fsspec triton setuptools pkg_resources cuda nvidia "
