@@ -2,9 +2,12 @@
 and each lower tier's bandwidth.
 
 One engine with the host, disk and remote tiers (an LMCache server started
-here on 127.0.0.1); one prompt length; ratios printed from one run. The
-engine gets the cores vLLM gives an engine without a connector (see
-bench_host_tier.py); they are read from its log and printed.
+here on 127.0.0.1); for each prompt length its miss, then rounds of vLLM's
+own hit, a host hit, and a disk hit with the page files in the page cache
+and evicted from it (POSIX_FADV_DONTNEED: the disk tier then reads them
+with O_DIRECT), then one remote hit; medians and ratios printed from one
+run. The engine gets the cores vLLM gives an engine without a connector
+(see bench_host_tier.py); they are read from its log and printed.
 
 Bandwidth, before the engine starts: reads (``get_into``: read, checksum
 verified, copied into a host slot) of the disk tier and of the remote tier on
@@ -14,7 +17,7 @@ get of pages against redis-py's plain SET and GET of the same bytes (the
 stored pages) on the same server through the store's own client, the two
 interleaved round by round, best round of each, ratios printed.
 
-    .venv/bin/python benchmarks/bench_tiers.py [--tokens 8192] [--model PATH]
+    .venv/bin/python benchmarks/bench_tiers.py [--tokens 2048 8192 16384] [--repeats 3] [--model PATH]
     .venv/bin/python benchmarks/bench_tiers.py --bandwidth-only [--page-mib 2 16]
 """
 
@@ -44,18 +47,28 @@ def ttft(llm, prompt) -> float:
     return time.perf_counter() - start
 
 
-def settle(llm, host_blocks: int, rng: random.Random) -> None:
-    """Lets write-through to the lower tiers land, then pushes everything out
-    of the host tier with fresh prompts and clears vLLM's own prefix cache.
-    (A connector reset would clear the host tier in one call, but it drops
-    the host stores still in flight.)"""
-    time.sleep(2.0)
-    ttft(llm, [7] * 8)
-    for _ in range(2):
-        ttft(llm, [rng.randrange(10, 7000) for _ in range((host_blocks // 2 + 2) * BLOCK_SIZE)])
-    time.sleep(2.0)
-    ttft(llm, [7] * 8)
-    llm.reset_prefix_cache()
+def drop_page_cache(paths) -> int:
+    """Evicts ``paths`` from the page cache (clean pages: POSIX_FADV_DONTNEED,
+    no privilege needed); the pages still cached after, where the kernel says
+    (cachestat), else -1."""
+    from vllm_kvbm.tiers.disk.file_io import _cached_pages
+
+    left = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # written back first: dirty pages are not dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            cached = _cached_pages(fd, os.fstat(fd).st_size)
+            left = -1 if cached is None or left < 0 else left + cached
+        finally:
+            os.close(fd)
+    return left
+
+
+def warm_page_cache(paths) -> None:
+    for path in paths:
+        Path(path).read_bytes()
 
 
 def tier_bandwidth(store, page_bytes: int, pages: int = 32, rounds: int = 3) -> float:
@@ -222,7 +235,8 @@ def report_bandwidth(bw: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192])
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of each hit per length")
     parser.add_argument(
         "--bandwidth-only", action="store_true", help="only the lower tiers' bandwidth (no engine)"
     )
@@ -257,66 +271,101 @@ def main() -> None:
 
 
 def measure(args) -> tuple[dict, object]:
-    """The TTFT of each path, and the cores the engine ran on."""
+    """The TTFTs of each path by prompt length ({tokens: {path: [seconds]}}),
+    and the cores the engine ran on."""
     from vllm import LLM
 
     from vllm_kvbm.bench.cores import process_binding
+    from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
     from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
     from vllm_kvbm.tools.server import stop_process as stop
 
     port = free_port()
     server = start_lmcache_server(port)
     disk = Path(tempfile.mkdtemp(prefix="kvbm-bench-disk-"))
+    longest = max(args.tokens)
     try:
-        host_blocks = args.tokens // BLOCK_SIZE + 8  # the prompt, and fresh prompts push it out
-        from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
-
         print(f"dtype: {describe()}", flush=True)
         llm = LLM(
             model=args.model,
             dtype=compute_dtype(),
             block_size=BLOCK_SIZE,
             enforce_eager=True,
-            max_model_len=args.tokens + BLOCK_SIZE,
+            max_model_len=longest + BLOCK_SIZE,
             max_num_batched_tokens=8192,
-            kv_cache_memory_bytes=1 << 30,
+            kv_cache_memory_bytes=max(1 << 30, (longest // BLOCK_SIZE + 16) * 4 << 20),
             gpu_memory_utilization=0.3,
             kv_transfer_config=kvbm_transfer_config(
-                host_cache_blocks=host_blocks,
+                host_cache_blocks=longest // BLOCK_SIZE + 8,
                 disk_cache_dir=str(disk),
-                disk_cache_size="4GiB",
+                disk_cache_size="8GiB",
                 remote_url=f"lm://127.0.0.1:{port}",
             ),
         )
         ttft(llm, [11] * 64)
         binding = process_binding(os.getpid())  # this process's engine core and its workers
-        rng = random.Random(args.tokens)
-        prompt = [rng.randrange(10, 7000) for _ in range(args.tokens)]
-        before = set(disk.glob("*.pt"))
-        t = {"miss": ttft(llm, prompt)}
-        time.sleep(1.0)
-        t["vLLM prefix hit"] = ttft(llm, prompt)
-        llm.reset_prefix_cache()
-        t["host hit"] = ttft(llm, prompt)
-        settle(llm, host_blocks, rng)
-        t["disk hit"] = ttft(llm, prompt)
-        settle(llm, host_blocks, rng)
-        for path in set(disk.glob("*.pt")) - before:
-            path.unlink()  # only the server has the prompt now
-        t["remote hit"] = ttft(llm, prompt)
+        t = {n: _measure_prompt(llm, n, disk, args.repeats) for n in args.tokens}
         llm.llm_engine.engine_core.shutdown()
     finally:
         stop(server)
+        shutil.rmtree(disk, ignore_errors=True)
     return t, binding
 
 
+def _measure_prompt(llm, tokens: int, disk: Path, repeats: int) -> dict[str, list[float]]:
+    """One prompt of ``tokens``: its miss, then ``repeats`` rounds of each hit
+    in turn (vLLM's, the host tier's, the disk tier's with its files in the
+    page cache and evicted from it), then the remote hit once. Between hits
+    vLLM's prefix cache is reset, and with it the host tier (a connector
+    reset) where the page must come from below."""
+    rng = random.Random(tokens)
+    prompt = [rng.randrange(10, 7000) for _ in range(tokens)]
+    before = set(disk.glob("*.pt"))
+    t: dict[str, list[float]] = {"miss": [ttft(llm, prompt)]}
+    time.sleep(2.0)  # write-through to disk and the server lands
+    files = sorted(set(disk.glob("*.pt")) - before)
+    print(f"{tokens} tokens: miss {t['miss'][0]:.2f} s, {len(files)} disk pages", flush=True)
+    for _ in range(repeats):
+        t.setdefault("vLLM prefix hit", []).append(ttft(llm, prompt))
+        llm.reset_prefix_cache()
+        t.setdefault("host hit", []).append(ttft(llm, prompt))
+        warm_page_cache(files)
+        llm.reset_prefix_cache(reset_connector=True)
+        t.setdefault("disk hit, page cache warm", []).append(ttft(llm, prompt))
+        llm.reset_prefix_cache(reset_connector=True)
+        left = drop_page_cache(files)
+        if left:
+            print(f"  {left} pages of the prompt's disk files still cached", flush=True)
+        t.setdefault("disk hit, page cache cold", []).append(ttft(llm, prompt))
+    llm.reset_prefix_cache(reset_connector=True)
+    for path in files:
+        path.unlink()  # only the server has the prompt now
+    t["remote hit"] = [ttft(llm, prompt)]
+    return t
+
+
 def report(args, t: dict) -> None:
+    """Per prompt length: each path's median TTFT, and the ratios the copy
+    goals are read from."""
+    from statistics import median
+
     print()
-    print(f"prompt: {args.tokens} tokens, {args.tokens // BLOCK_SIZE} blocks of 2 MiB")
-    print("| path | TTFT | miss / this |")
-    print("|---|---:|---:|")
-    for name, seconds in t.items():
-        print(f"| {name} | {seconds * 1000:.0f} ms | {t['miss'] / seconds:.1f}x |")
+    print(f"medians of {args.repeats} rounds (miss and remote hit: one each)")
+    for tokens, paths in t.items():
+        m = {name: median(times) for name, times in paths.items()}
+        print()
+        print(f"prompt: {tokens} tokens, {tokens // BLOCK_SIZE} blocks")
+        print("| path | TTFT | miss / this | rounds |")
+        print("|---|---:|---:|---|")
+        for name, seconds in m.items():
+            rounds = ", ".join(f"{x * 1000:.0f}" for x in paths[name])
+            print(f"| {name} | {seconds * 1000:.0f} ms | {m['miss'] / seconds:.1f}x | {rounds} |")
+        host = m["host hit"]
+        print(
+            f"host hit / vLLM hit {host / m['vLLM prefix hit']:.3f}x; disk hit / host hit "
+            f"{m['disk hit, page cache warm'] / host:.3f}x (page cache warm), "
+            f"{m['disk hit, page cache cold'] / host:.3f}x (cold)"
+        )
 
 
 if __name__ == "__main__":
