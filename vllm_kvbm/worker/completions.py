@@ -23,6 +23,8 @@ class Completions:
         if load is not None:  # one part of a streamed load
             self._part_done(load, job, ok)
             return
+        if self._early_part_done(job, ok):  # a copy of a load's first pages
+            return
         elapsed = time.perf_counter() - started
         nbytes = job.num_blocks * self.info.block_bytes
         meta = self._meta

@@ -159,6 +159,14 @@ class TierIO(TierFetches):
                 )
             )
 
+    def landed(self) -> list[tuple["TransferJob", int]]:
+        """Each running fetch (not stopped) with its pages landed so far: the
+        first n of its job, each intact in its host slot, never written again
+        by the fetch (early_copies.py copies them while it reads the rest)."""
+        return [
+            (f.job, f.landed_prefix()) for f in self._fetching if not f.stopped() and not f.done()
+        ]
+
     def poll(
         self, meta: "KVBMWorkerMetadata"
     ) -> list[tuple["TransferJob", bool, bool, int | None]]:

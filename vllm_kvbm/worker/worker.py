@@ -52,6 +52,7 @@ from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUE
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob, block_rows
 from vllm_kvbm.worker.completions import Completions
 from vllm_kvbm.worker.copy_path import make_mover
+from vllm_kvbm.worker.early_copies import EarlyCopies, EarlyLoad
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
 from vllm_kvbm.worker.host_pool import HostPool
 from vllm_kvbm.worker import lora_loads
@@ -69,7 +70,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class KVBMWorker(StreamedLoads, KVRelease, Completions):
+class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
     def __init__(
         self,
         info: "EngineInfo",
@@ -112,6 +113,10 @@ class KVBMWorker(StreamedLoads, KVRelease, Completions):
         self._parts: dict[int, StreamedLoad] = {}
         self._streams_waiting: list[StreamedLoad] = []
         self._part_ids = itertools.count(-1, -1)
+        # Loads whose landed pages were copied while their fetch ran
+        # (early_copies.py), by job id; each such copy's job id -> its load.
+        self._early: dict[int, EarlyLoad] = {}
+        self._early_parts: dict[int, EarlyLoad] = {}
         lora_loads.watch()  # before vLLM loads any adapter in this process
         self.weights = LoadedWeights(0, None)  # the connector sets vLLM's model's
 
@@ -249,8 +254,8 @@ class KVBMWorker(StreamedLoads, KVRelease, Completions):
             self._queue(job, False, fence)
             return
         # Lower-tier pages go into their host slots first (on the tiers' I/O
-        # threads), then the whole job is one NIXL read, still behind the
-        # step's fence.
+        # threads), and into the engine as they land (early_copies.py), still
+        # behind the step's fence.
         assert self.host_pool is not None
         self._fetching[job.job_id] = (fence, time.perf_counter())
         self.tier_io.fetch(job, self.host_pool)
@@ -331,6 +336,10 @@ class KVBMWorker(StreamedLoads, KVRelease, Completions):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         for job, ok, reading, cut in self.tier_io.poll(self._meta):
             fence, queued = self._fetching.pop(job.job_id, (DONE, time.perf_counter()))
+            if reading and not ok:
+                self._hold_read_slots(job, True)
+            if self._fetched_early(job, ok, cut, fence):
+                continue
             if cut is not None:
                 job = self._cut_load(job, cut)
                 if job is None:
@@ -338,9 +347,8 @@ class KVBMWorker(StreamedLoads, KVRelease, Completions):
             if ok:
                 self._queue(job, False, fence, queued)
                 continue
-            if reading:
-                self._hold_read_slots(job, True)
             self._complete(job, False, ok=False, started=queued)
+        self._copy_landed()
         for job in self.tier_io.take_ended():
             self._hold_read_slots(job, False)
         self._expire_waiting_streams()
