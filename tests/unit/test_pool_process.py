@@ -27,6 +27,7 @@ from vllm_kvbm.tiers.page_codec import PageCodec
 from vllm_kvbm.tiers.peer.store import PeerStore
 from vllm_kvbm.tiers.pool.attach import open_engine_pool
 from vllm_kvbm.tiers.pool.pool_file import PoolSpec
+from vllm_kvbm.tiers.pool import watch
 from vllm_kvbm.tiers.pool.store import PoolStore
 from vllm_kvbm.tools.server import free_port
 
@@ -223,6 +224,43 @@ def test_a_page_evicted_between_a_peers_lookup_and_its_read_is_a_miss_never_anot
     finally:
         r.close()
         w.close()
+
+
+def test_an_attached_engine_says_when_kvbm_pool_is_gone_and_when_it_is_back(
+    shm, procs, monkeypatch, caplog
+):
+    """kvbm-pool SIGKILLed under an attached worker: one warning (its pages
+    stay in the file it keeps writing); the pool restarted: the worker
+    attaches again and says so; its watch ends with the file."""
+    monkeypatch.setattr(watch, "WATCH_EVERY_S", 0.2)
+    caplog.set_level(logging.INFO, logger="vllm_kvbm")
+    pool, sock = start_pool(shm, None, procs)
+    store = attached_store(shm, sock)
+    w = store.pool.watch
+    try:
+        assert w is not None and w.answering
+        os.killpg(pool.pid, signal.SIGKILL)
+        pool.wait(10)
+        _until(lambda: not w.answering, 20, "the loss of kvbm-pool noticed")
+        [gone] = [r for r in caplog.records if "stopped answering" in r.getMessage()]
+        assert gone.levelno == logging.WARNING and store.pool.path in gone.getMessage()
+        assert store.put(key(2), page(2, PAGE))  # the engine's own tier goes on
+        start_pool(shm, None, procs)
+        _until(lambda: w.answering, 30, "kvbm-pool's return noticed")
+        assert any("answers again" in r.getMessage() for r in caplog.records)
+        assert w.lost == 1
+        out = torch.zeros(PAGE, dtype=torch.uint8)
+        assert store.get_into(key(2), out) == "ok" and torch.equal(out, page(2, PAGE))
+    finally:
+        store.close()
+    assert not w._thread.is_alive()
+
+
+def _until(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.05)
 
 
 def test_an_engine_that_cannot_attach_keeps_its_own_file_in_one_line(shm, caplog):

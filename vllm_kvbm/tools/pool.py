@@ -43,7 +43,14 @@ from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.config.parsing import parse_size
 from vllm_kvbm.tiers.page_format import HEADER_BYTES
 from vllm_kvbm.tiers.pool import layout
-from vllm_kvbm.tiers.pool.attach import VERSION, recv_message, send_message
+from vllm_kvbm.tiers.pool.attach import (
+    VERSION,
+    AttachRefused,
+    ask,
+    ping_message,
+    recv_message,
+    send_message,
+)
 from vllm_kvbm.tiers.pool.layout import MAX_WAYS, Geometry, Superblock
 from vllm_kvbm.tiers.pool.pool_file import PoolFile, PoolSpec, open_pool
 
@@ -378,14 +385,10 @@ def _directory_args(args) -> dict | None:
 def check(socket_path: str, timeout_s: float = 5.0) -> int:
     """0 when the kvbm-pool at ``socket_path`` answers (a healthcheck), else 1."""
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout_s)
-            sock.connect(socket_path)
-            send_message(sock, {"op": "ping", "pid": os.getpid()})
-            reply = recv_message(sock)
+        reply = ask(socket_path, ping_message(), timeout_s)
         print(f"kvbm-pool at {socket_path}: {reply.get('files')} pool file(s)")
         return 0 if reply.get("ok") else 1
-    except (OSError, ValueError, ConnectionError) as err:
+    except (OSError, AttachRefused) as err:
         print(f"kvbm-pool at {socket_path}: {err}", file=sys.stderr)
         return 1
 

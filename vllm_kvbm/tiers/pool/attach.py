@@ -72,6 +72,10 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
+def ping_message() -> dict:
+    return {"op": "ping", "pid": os.getpid()}
+
+
 def attach_message(spec: PoolSpec, rank: int) -> dict:
     g = spec.geometry
     return {
@@ -88,22 +92,30 @@ def attach_message(spec: PoolSpec, rank: int) -> dict:
     }
 
 
-def attach(
-    socket_path: str, spec: PoolSpec, rank: int, timeout_s: float = ATTACH_TIMEOUT_S
-) -> tuple[PoolFile, str | None]:
-    """The file kvbm-pool at ``socket_path`` holds for ``spec``, mapped, and
-    the endpoint it serves peers on (None: it does not). Raises OSError,
-    TimeoutError, AttachRefused."""
+def ask(socket_path: str, message: dict, timeout_s: float) -> dict:
+    """kvbm-pool's reply to ``message`` (one request on its socket, bounded
+    by ``timeout_s``). Raises OSError, TimeoutError, AttachRefused."""
     deadline = time.monotonic() + timeout_s
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
         sock.connect(socket_path)
-        send_message(sock, attach_message(spec, rank))
+        send_message(sock, message)
         sock.settimeout(max(0.1, deadline - time.monotonic()))
         try:
-            reply = recv_message(sock)
+            return recv_message(sock)
         except ValueError as err:
             raise AttachRefused(f"an answer that is not kvbm-pool's ({err})") from None
+        except ConnectionError as err:
+            raise OSError(str(err)) from None
+
+
+def ask_attach(
+    socket_path: str, spec: PoolSpec, rank: int, timeout_s: float = ATTACH_TIMEOUT_S
+) -> dict:
+    """kvbm-pool's yes to holding ``spec``'s file (it creates it or finds it
+    again: asking twice is harmless). Raises OSError, TimeoutError,
+    AttachRefused (a no, or a file elsewhere than this engine's pool_dir)."""
+    reply = ask(socket_path, attach_message(spec, rank), timeout_s)
     if not reply.get("ok"):
         raise AttachRefused(str(reply.get("error", "refused")))
     path = reply.get("path")
@@ -113,6 +125,16 @@ def attach(
             f"{spec.directory!r}; start kvbm-pool with --dir {spec.directory} (or set "
             f"pool_dir to its directory)"
         )
+    return reply
+
+
+def attach(
+    socket_path: str, spec: PoolSpec, rank: int, timeout_s: float = ATTACH_TIMEOUT_S
+) -> tuple[PoolFile, str | None]:
+    """The file kvbm-pool at ``socket_path`` holds for ``spec``, mapped, and
+    the endpoint it serves peers on (None: it does not). Raises OSError,
+    TimeoutError, AttachRefused."""
+    reply = ask_attach(socket_path, spec, rank, timeout_s)
     try:
         pool = open_pool(spec, create=False)
     except KVBMConfigError as err:
@@ -129,6 +151,9 @@ def open_engine_pool(config: "KVBMConfig", spec: PoolSpec, rank: int):
         try:
             pool, endpoint = attach(config.pool_socket, spec, rank)
             pool.served_at = _valid_endpoint(endpoint)  # kvbm-pool's, rank 0's
+            from vllm_kvbm.tiers.pool.watch import PoolWatch
+
+            pool.watch = PoolWatch(config.pool_socket, spec, rank)
             logger.info(
                 "KVBM: pool tier: attached to kvbm-pool at %s: %s (%d slots); %s",
                 config.pool_socket,

@@ -120,6 +120,8 @@ class PoolFile:
         # worker's own server or kvbm-pool's; None: not served), for the
         # peer directory's entries (tiers/peer/directory.py)
         self.served_at: str | None = None
+        # an attached worker's watch on kvbm-pool (tiers/pool/watch.py), ended at close
+        self.watch = None
 
     @property
     def name(self) -> str:
@@ -152,6 +154,8 @@ class PoolFile:
         if self.closed:
             return
         self.closed = True
+        if self.watch is not None:
+            self.watch.close()
         self.view.release()
         del self._cbuf
         try:
