@@ -281,8 +281,10 @@ FAMILIES = _families(
     Family(
         "kvbm_tier_up",
         "gauge",
-        "1 while the scheduler's link to the tier's server answers, 0 during an outage",
-        ("remote",),
+        "1 while the tier's server answers, 0 during an outage: the remote tier's (the "
+        "scheduler's link to it), the pool tier's kvbm-pool (asked by each worker attached "
+        "to it every 5 s; 0 if any rank's does not)",
+        ("remote", "pool"),
     ),
     Family(
         "kvbm_tier_reconnects",

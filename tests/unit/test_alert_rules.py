@@ -26,6 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 RULES = ROOT / "deploy" / "prometheus" / "kvbm-alerts.yml"
 ALERTS = {
     "KVBMRemoteTierDown",
+    "KVBMPoolProcessDown",
     "KVBMCorruptPages",
     "KVBMUnauthenticatedPages",
     "KVBMTierWritesFailing",
@@ -136,12 +137,16 @@ def test_each_alert_fires_on_its_fault_and_stays_quiet_when_healthy(tmp_path):
         for rule in group["rules"]:
             rule.pop("annotations")
     (tmp_path / "rules.yml").write_text(json.dumps(stripped))
-    per_tier = {tier: f'{{{BAD}, tier="{tier}"}}' for tier in ("host", "disk", "remote")}
-    good_tier = {tier: f'{{{GOOD}, tier="{tier}"}}' for tier in ("host", "disk", "remote")}
+    tiers = ("host", "disk", "remote", "pool")
+    per_tier = {tier: f'{{{BAD}, tier="{tier}"}}' for tier in tiers}
+    good_tier = {tier: f'{{{GOOD}, tier="{tier}"}}' for tier in tiers}
     series = [
         # the remote server gone from minute 2 on one replica, up on the other
         ("kvbm_tier_up" + per_tier["remote"], "1 1 0x60"),
         ("kvbm_tier_up" + good_tier["remote"], "1x62"),
+        # kvbm-pool gone from minute 2 on one replica, answering on the other
+        ("kvbm_tier_up" + per_tier["pool"], "1 1 0x60"),
+        ("kvbm_tier_up" + good_tier["pool"], "1x62"),
         # one damaged disk page and one unauthenticated remote page at minute 11
         ("kvbm_checksum_failed_pages_total" + per_tier["disk"], "0x10 1x50"),
         ("kvbm_checksum_failed_pages_total" + good_tier["disk"], "0x60"),
@@ -194,6 +199,15 @@ def test_each_alert_fires_on_its_fault_and_stays_quiet_when_healthy(tmp_path):
                         **LABELS,
                         engine="0",
                         tier="remote",
+                        severity="warning",
+                    ),
+                    alert("KVBMPoolProcessDown", 3),  # down 1 minute: not yet
+                    alert(
+                        "KVBMPoolProcessDown",
+                        5,
+                        **LABELS,
+                        engine="0",
+                        tier="pool",
                         severity="warning",
                     ),
                     alert("KVBMCorruptPages", 10),

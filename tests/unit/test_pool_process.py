@@ -241,14 +241,16 @@ def test_an_attached_engine_says_when_kvbm_pool_is_gone_and_when_it_is_back(
         assert w is not None and w.answering
         os.killpg(pool.pid, signal.SIGKILL)
         pool.wait(10)
+        assert store.counts()["up"] == 1  # kvbm_tier_up{tier="pool"}
         _until(lambda: not w.answering, 20, "the loss of kvbm-pool noticed")
+        assert store.counts()["up"] == 0
         [gone] = [r for r in caplog.records if "stopped answering" in r.getMessage()]
         assert gone.levelno == logging.WARNING and store.pool.path in gone.getMessage()
         assert store.put(key(2), page(2, PAGE))  # the engine's own tier goes on
         start_pool(shm, None, procs)
         _until(lambda: w.answering, 30, "kvbm-pool's return noticed")
         assert any("answers again" in r.getMessage() for r in caplog.records)
-        assert w.lost == 1
+        assert w.lost == 1 and store.counts()["up"] == 1
         out = torch.zeros(PAGE, dtype=torch.uint8)
         assert store.get_into(key(2), out) == "ok" and torch.equal(out, page(2, PAGE))
     finally:

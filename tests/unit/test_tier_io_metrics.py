@@ -94,8 +94,9 @@ def test_the_scheduler_side_labels_them_by_tier():
 
 def test_a_stores_own_counts_become_the_peer_series():
     """TierStore.counts as the workers report them: the pool's peer-directory
-    entries (running totals, per rank: only what grew is counted) and the peer
-    tier's quarantined landing slots (the fullest rank's)."""
+    entries (running totals, per rank: only what grew is counted), whether
+    kvbm-pool answers the attached ranks, and the peer tier's quarantined
+    landing slots (the fullest rank's)."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from helpers.scheduler_harness import kvbm, make_scheduler
@@ -120,3 +121,9 @@ def test_a_stores_own_counts_become_the_peer_series():
         "peer_directory_entries@failed": 4,
     }
     assert k.stats.gauges["peer_quarantined_slots"] == 2  # rank 0's, rank 1's back to 0
+    assert "tier_up@pool" not in k.stats.gauges  # not attached to kvbm-pool: no series
+    # attached ranks: whether their kvbm-pool answers, 0 while any rank's does not
+    report({("pool", 0): {**pool, "up": 1}, ("pool", 1): {"up": 0}})
+    assert k.stats.gauges["tier_up@pool"] == 0
+    report({("pool", 1): {"up": 1}})
+    assert k.stats.gauges["tier_up@pool"] == 1

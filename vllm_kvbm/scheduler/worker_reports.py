@@ -86,8 +86,9 @@ class WorkerReports:
     def _store_counts(self, tier: str, rank: int, counts: dict[str, int]) -> None:
         """A store's own counts (TierStore.counts) into the metrics: the
         pool's peer-directory entries (running totals: what grew since the
-        rank's last report), the peer tier's quarantined landing slots (the
-        fullest rank's)."""
+        rank's last report), whether the kvbm-pool the pool tier is attached
+        to answers (0 if any rank's does not), the peer tier's quarantined
+        landing slots (the fullest rank's)."""
         last = self._tier_counts.get((tier, rank), {})
         self._tier_counts[(tier, rank)] = counts
         if tier == "pool":
@@ -95,6 +96,9 @@ class WorkerReports:
                 grew = counts.get(result, 0) - last.get(result, 0)
                 if grew > 0:
                     self.stats.add("peer_directory_entries", grew, result)
+            ups = [c["up"] for (t, _), c in self._tier_counts.items() if t == "pool" and "up" in c]
+            if ups:
+                self.stats.set_gauge("tier_up", min(ups), "pool")
         elif tier == "peer":
             self.stats.set_gauge(
                 "peer_quarantined_slots",

@@ -316,16 +316,15 @@ class PoolStore(TierStore):
 
     def counts(self) -> dict[str, int]:
         """The peer directory's entries sent for this pool (rank 0's, where
-        a directory is set): kvbm_peer_directory_entries_total."""
-        if self.directory is None:
-            return {}
-        w = self.directory.writer
-        return {
-            "written": w.written,
-            "deleted": w.deleted,
-            "dropped": w.dropped,
-            "failed": w.failed,
-        }
+        a directory is set): kvbm_peer_directory_entries_total; and, attached
+        to kvbm-pool, whether it answers (``up``): kvbm_tier_up{tier="pool"}."""
+        counts = {}
+        if self.pool.watch is not None:
+            counts["up"] = int(self.pool.watch.answering)
+        if self.directory is not None:
+            w = self.directory.writer
+            counts.update(written=w.written, deleted=w.deleted, dropped=w.dropped, failed=w.failed)
+        return counts
 
     def take_removed(self) -> list[bytes]:
         keys = []
