@@ -322,12 +322,18 @@ def test_kvbm_pool_serves_a_dead_engines_pages_and_a_restarted_one_hits_at_once(
 def test_a_restarted_kvbm_pool_takes_the_file_up_and_serves_what_a_wrote_meanwhile(
     fleet, pool, want, redis_server
 ):  # noqa: F811
+    assert fleet.a.server.metric("kvbm_tier_up", tier="pool") == 1  # attached, answered
     pool.kill()  # A still maps the file: it keeps serving, and writing into it
     assert os.path.exists(pool.sock)  # the dead one's socket, left behind
+    # A's worker asks kvbm-pool every 5 s: it says the pool is gone, and its gauge reads 0
+    log = fleet.a.server.log_path
+    assert wait_for(lambda: lines_with(log, "stopped answering"), 20)
     got, cached = complete(fleet.a, PROMPTS["pool_down"], None)
     assert len(got) == TOKENS and cached == 0
+    assert wait_for(lambda: fleet.a.server.metric("kvbm_tier_up", tier="pool") == 0, 20)
     pool.start()  # neither the stale socket nor the file refuses it
     assert lines_with(pool.log, "took up 1 pool file(s)")
+    assert wait_for(lambda: lines_with(log, "answers again"), 20)
     with redis_server.admin() as c:
         assert wait_for(lambda: c.exists(pd.alive_key(pool.endpoint)), 10)
     got, cached = complete(fleet.b, PROMPTS["pool_down"], hint(pool))
