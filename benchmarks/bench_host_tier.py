@@ -76,12 +76,15 @@ def bench_bandwidth(
     alike: a single-threaded memcpy of the same bytes (one contiguous run),
     torch ``copy_`` per block, NIXL as the connector used it before
     (``loopback="default"``: UCX picks cma, loads are READs), as it does now
-    (``loopback="self"``), and the same posted from a copy thread. Returns
+    (``loopback="self"``), the same posted from a copy thread, and plain
+    copies shared by the posting thread and helper threads (host_copies.py,
+    one thread per core up to 4). Returns
     bytes per transfer and, per path and direction, (best, median) GB/s."""
     import ctypes
 
     import torch
 
+    from vllm_kvbm.worker.host_copies import HostCopies
     from vllm_kvbm.worker.page_mover import PageMover
 
     kv = torch.randint(-128, 127, (layers, num_blocks, page), dtype=torch.int8)
@@ -138,6 +141,8 @@ def bench_bandwidth(
             caches, num_blocks, pool, name="bench-thread", copy_thread=True
         ),
     }
+    threaded = HostCopies(caches, num_blocks, pool)
+    movers[f"memory copies shared by {threaded.threads} threads (HostCopies)"] = threaded
     paths = {
         "memcpy (one thread, same bytes, contiguous)": {"load": memcpy, "store": memcpy},
         "memcpy per page (one thread, the same pages)": {

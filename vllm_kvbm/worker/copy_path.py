@@ -4,13 +4,16 @@ A KV cache in GPU memory: the GPU's copy engines in batches on a stream of
 the mover's own (copy_engine.py), as vLLM's own offloading does; a NIXL
 agent copying to itself would route device memory through UCX (TCP or
 emulated 8 KiB pieces where there is no RDMA NIC). A KV cache in host memory
-(vLLM's CPU build): NIXL's UCX ``self`` transport (page_mover.py). Disk and
-remote tiers never go through either: they read and write host slots.
+(vLLM's CPU build): NIXL's UCX ``self`` transport (page_mover.py) and plain
+copies shared by a few threads (host_copies.py), both measured, the faster
+kept (the log line gives the other's figures too). Disk and remote tiers
+never go through either: they read and write host slots.
 
 The log line gives the path, how a page is cut into copies, and the GB/s of
 a round trip at startup, before the engine runs anything: a one-page warm-up
 each way, then ``ROUND_TRIP_PAGES`` pages stored into host rows and loaded
-back, timed by CUDA events on the copy engines (their time on the GPU) and
+back, each way one transfer (as a hit's or a prefill's job of several pages
+is posted), timed by CUDA events on the copy engines (their time on the GPU) and
 by perf_counter until each transfer is done for NIXL (which copies inside
 its post on CPU). Every byte is checked: the stored rows against the
 engine's blocks read through PyTorch, then the bitwise complement of those
@@ -54,20 +57,56 @@ def make_mover(
     page_blocks: int,
 ):
     """The mover for this KV cache's memory, with its choice logged after a
-    checked round trip (CopyPathError if it fails)."""
+    checked round trip (CopyPathError if it fails). Host memory: NIXL's and
+    plain copies in a few threads (host_copies.py) both measured, the faster
+    kept."""
     first = next(iter(kv_caches.values()))
     if first.is_cuda:
         from vllm_kvbm.worker.copy_engine import CopyEngineMover
 
-        mover = CopyEngineMover(
-            kv_caches, num_blocks, host_rows, block_dims, page_blocks=page_blocks
-        )
-    else:
-        from vllm_kvbm.worker.page_mover import PageMover
+        def engines():
+            return CopyEngineMover(
+                kv_caches, num_blocks, host_rows, block_dims, page_blocks=page_blocks
+            )
 
-        mover = PageMover(
-            kv_caches, num_blocks, host_rows, backend=backend, name=name, block_dims=block_dims
-        )
+        candidates = [engines]
+    else:
+        from vllm_kvbm.worker import page_mover
+        from vllm_kvbm.worker.host_copies import HostCopies
+
+        def nixl():
+            return page_mover.PageMover(
+                kv_caches, num_blocks, host_rows, backend=backend, name=name, block_dims=block_dims
+            )
+
+        def threads():
+            return HostCopies(kv_caches, num_blocks, host_rows, block_dims, page_blocks)
+
+        candidates = [nixl, threads]
+    measured = []
+    try:
+        for make in candidates:
+            mover = make()
+            measured.append((mover, None))
+            measured[-1] = (mover, round_trip(mover, kv_caches, host_rows, page_blocks))
+    except Unfinished:
+        # a transfer may still write: nothing is released under it
+        for mover, _ in measured[:-1]:
+            mover.close()
+        raise
+    except Exception:
+        for mover, _ in measured:
+            mover.close()
+        raise
+    mover, trip = min(measured, key=lambda m: m[1].seconds)
+    others = "".join(
+        f"; {m.path}: store {t.store_gbps:.2f} GB/s, load {t.load_gbps:.2f} GB/s"
+        for m, t in measured
+        if m is not mover
+    )
+    for other, _ in measured:
+        if other is not mover:
+            other.close()
     copies = getattr(mover, "page_copies", None) or nixl_page_copies(mover.regions, page_blocks)
     hint = ""
     if first.is_cuda and copies.best > page_blocks:
@@ -79,15 +118,13 @@ def make_mover(
             f"own when VLLM_KV_CACHE_LAYOUT is set, an attention backend refuses "
             f"{BLOCK_MAJOR_LAYOUT}, or blocks exceed {MAX_BLOCK_MAJOR_TOKENS} tokens)"
         )
-    try:
-        measured = round_trip(mover, kv_caches, host_rows, page_blocks)
-    except Unfinished:
-        raise  # a transfer may still write: nothing is released under it
-    except Exception:
-        mover.close()
-        raise
     logger.info(
-        "KVBM worker: engine<->host copies by %s; %s; %s%s", mover.path, copies, measured, hint
+        "KVBM worker: engine<->host copies by %s; %s; %s%s%s",
+        mover.path,
+        copies,
+        trip,
+        f" (the faster measured{others})" if others else "",
+        hint,
     )
     return mover
 
@@ -176,29 +213,40 @@ def _check(
             )
 
 
+class RoundTrip(str):
+    """round_trip's line, with its figures."""
+
+    seconds: float  # store and load together
+    store_gbps: float
+    load_gbps: float
+
+
 def round_trip(
     mover,
     kv_caches: dict[str, torch.Tensor],
     host_rows: torch.Tensor,
     page_blocks: int,
     pages: int = ROUND_TRIP_PAGES,
-) -> str:
+) -> RoundTrip:
     """``pages`` pages stored into host rows and loaded back, every byte
     checked (see the module docstring): "round trip ... GB/s", or
     CopyPathError naming what failed."""
     n = min(pages * page_blocks, mover.num_blocks, host_rows.shape[0] // 2)
     if n < 1:
-        return "round trip not measured: fewer than 2 host rows"
+        trip = RoundTrip("round trip not measured: fewer than 2 host rows")
+        trip.seconds, trip.store_gbps, trip.load_gbps = 0.0, 0.0, 0.0
+        return trip
     g = min(page_blocks, n)
     blocks, saved, probe = list(range(n)), list(range(n)), list(range(n, 2 * n))
     reader = BlockBytes(kv_caches, mover.regions)
     try:
         _pages(mover, True, blocks[:g], saved[:g], g, "warm-up store")
         _pages(mover, False, blocks[:g], saved[:g], g, "warm-up load")  # the same bytes back
-        store_s = _pages(mover, True, blocks, saved, g, "store")
+        # timed as a job of several pages is posted: one transfer
+        store_s = _pages(mover, True, blocks, saved, n, "store")
         _check(reader, blocks, saved, host_rows[:n], "store")
         torch.bitwise_not(host_rows[:n], out=host_rows[n : 2 * n])  # every byte differs
-        load_s = _pages(mover, False, blocks, probe, g, "load")
+        load_s = _pages(mover, False, blocks, probe, n, "load")
         _check(reader, blocks, probe, ~host_rows[:n], "load")
         _pages(mover, False, blocks, saved, g, "load back")
         _check(reader, blocks, saved, host_rows[:n], "load back")
@@ -211,9 +259,12 @@ def round_trip(
         ) from err
     nbytes = n * int(np.sum([r.layer_block_bytes for r in mover.regions]))
     how = "CUDA events" if getattr(mover, "orders_on_gpu", False) else "until done"
-    return (
+    store_gbps = nbytes / max(store_s, 1e-9) / 1e9
+    load_gbps = nbytes / max(load_s, 1e-9) / 1e9
+    trip = RoundTrip(
         f"round trip of {n} blocks ({nbytes / 2**20:.1f} MiB) each way, every byte "
-        f"checked: store {nbytes / max(store_s, 1e-9) / 1e9:.2f} GB/s, load "
-        f"{nbytes / max(load_s, 1e-9) / 1e9:.2f} GB/s ({how}, page by page, after a "
-        f"one-page warm-up)"
+        f"checked: store {store_gbps:.2f} GB/s, load {load_gbps:.2f} GB/s ({how}, one "
+        f"transfer each way, after a one-page warm-up)"
     )
+    trip.seconds, trip.store_gbps, trip.load_gbps = store_s + load_s, store_gbps, load_gbps
+    return trip
