@@ -1,5 +1,5 @@
 """PageMover / block_regions on vLLM's declared KV layouts (real NIXL, UCX
-loopback, CPU memory): the test layouts match vLLM 0.32's own views, the block
+loopback, CPU memory; and the threaded host copies, host_copies.py): the test layouts match vLLM 0.32's own views, the block
 dimension comes from vLLM's shape function where the shape is ambiguous, and a
 layout whose pages are not contiguous is an error, never wrong bytes."""
 
@@ -12,6 +12,7 @@ from helpers.kv_layouts import VLLM_LAYOUTS, agent_name, flash_layout, layer_nam
 from test_page_mover import make_pool, wait
 from test_page_mover import gen, movers  # noqa: F401 (fixtures)
 from vllm_kvbm.config import KVBMConfigError
+from vllm_kvbm.worker import host_copies
 from vllm_kvbm.worker.page_mover import PageMover, block_regions
 
 
@@ -108,7 +109,8 @@ def test_ambiguous_block_dim_without_declared_layout_is_an_error(gen):
     "case",
     ["flash_nb2", "nb_eq_heads", "nb_eq_block_size", "kernel_split", "mla", "LHBNC", "BLHNC"],
 )
-def test_declared_block_dim_round_trip(case, gen, movers):
+@pytest.mark.parametrize("path", ["nixl", "threads"])
+def test_declared_block_dim_round_trip(case, path, gen, movers, monkeypatch):
     if case == "flash_nb2":  # [2, nb, bs, h, hd], nb == 2: the block dim is 1
         lay = flash_layout(num_layers=2, num_blocks=2, block_size=4, heads=2, head_dim=8, gen=gen)
         lay.block_dims = {name: 1 for name in lay.caches}
@@ -127,9 +129,14 @@ def test_declared_block_dim_round_trip(case, gen, movers):
         lay = vllm_layout(case, 3, 6, heads=2, block_size=4, head_size=8, gen=gen)
     nb = lay.num_blocks
     pool = make_pool(nb, lay.block_bytes(), gen)
-    mover = PageMover(lay.caches, nb, pool, name=agent_name(), block_dims=lay.block_dims)
+    if path == "nixl":
+        mover = PageMover(lay.caches, nb, pool, name=agent_name(), block_dims=lay.block_dims)
+        assert mover.block_bytes == lay.block_bytes()
+    else:  # the other host-memory path, its copies cut small and shared by 3 threads
+        monkeypatch.setattr(host_copies, "PIECE_BYTES", 64)
+        monkeypatch.setattr(host_copies, "HELP_BYTES", 0)
+        mover = host_copies.HostCopies(lay.caches, nb, pool, lay.block_dims, threads=3)
     movers.append(mover)
-    assert mover.block_bytes == lay.block_bytes()
     slots = list(range(nb))[::-1]
     assert wait(mover, mover.post(True, list(range(nb)), slots)) == "DONE"
     for b, s in zip(range(nb), slots):
