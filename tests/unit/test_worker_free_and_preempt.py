@@ -20,7 +20,9 @@ def test_delayed_free_reported_only_after_its_stores(harness, gen, monkeypatch):
     import functools
 
     import vllm_kvbm.worker.page_mover as page_mover
+    from vllm_kvbm.worker import copy_path
 
+    monkeypatch.setattr(copy_path, "HOST_PATHS", ("nixl",))  # not the synchronous threads
     monkeypatch.setattr(
         page_mover, "PageMover", functools.partial(page_mover.PageMover, copy_thread=True)
     )
