@@ -45,33 +45,36 @@ def _load(h, mount, blocks):
     h.worker.start_loads(KVBMConnectorMetadata(loads=[job]))
 
 
-def test_landed_pages_reach_the_engine_before_the_fetch_ends(mount, harness):
-    h = harness()
-    pages, _ = _write_pages(mount, h.lay.block_bytes())
-    blocks = list(range(10, 10 + PAGES))
-    first_copied_while_reading = False
+def _step_until_reported(h, mount, blocks, pages) -> bool:
+    """Loads the pages into ``blocks`` through the slow mount, stepping the
+    worker until the load is reported; whether block 0 held its page before
+    that while some block did not hold its own yet (copied while reading)."""
+    early = False
     with mount.slow(blocked_s=0.3, open_s=0.05):
         _load(h, mount, blocks)
         deadline = time.monotonic() + 60
         while "R" not in h.recving:
             assert time.monotonic() < deadline, "the load never ended"
             h.step()
-            if (
-                "R" not in h.recving
-                and not first_copied_while_reading
-                and torch.equal(h.lay.slot_bytes(blocks[0]), pages[0])
-            ):
-                first_copied_while_reading = True
-                # the fetch is still reading: some page is not in its block yet
-                assert not all(torch.equal(h.lay.slot_bytes(b), p) for b, p in zip(blocks, pages))
+            if not early and "R" not in h.recving:
+                early = torch.equal(h.lay.slot_bytes(blocks[0]), pages[0]) and not all(
+                    torch.equal(h.lay.slot_bytes(b), p) for b, p in zip(blocks, pages)
+                )
             time.sleep(0.002)
-    assert first_copied_while_reading, "no page was copied before the fetch ended"
     assert h.recving == ["R"]
+    assert not h.worker._early and not h.worker._early_parts
+    return early
+
+
+def test_landed_pages_reach_the_engine_before_the_fetch_ends(mount, harness):
+    h = harness()
+    pages, _ = _write_pages(mount, h.lay.block_bytes())
+    blocks = list(range(10, 10 + PAGES))
+    assert _step_until_reported(h, mount, blocks, pages), "no page copied before the fetch ended"
     assert not h.meta.loads_failed and not h.worker.get_block_ids_with_load_errors()
     assert h.meta.bytes_loaded == PAGES * h.lay.block_bytes()
     for b, p in zip(blocks, pages):
         assert torch.equal(h.lay.slot_bytes(b), p)
-    assert not h.worker._early and not h.worker._early_parts
 
 
 def test_a_corrupt_page_after_early_copies_fails_the_whole_load(mount, harness):
@@ -83,20 +86,7 @@ def test_a_corrupt_page_after_early_copies_fails_the_whole_load(mount, harness):
         f.seek(HEADER_BYTES + 5)
         f.write(bytes([b[0] ^ 0x01]))
     blocks = list(range(20, 20 + PAGES))
-    copied_early = False
-    with mount.slow(blocked_s=0.3, open_s=0.05):
-        _load(h, mount, blocks)
-        deadline = time.monotonic() + 60
-        while "R" not in h.recving:
-            assert time.monotonic() < deadline, "the load never ended"
-            h.step()
-            copied_early |= "R" not in h.recving and torch.equal(
-                h.lay.slot_bytes(blocks[0]), pages[0]
-            )
-            time.sleep(0.002)
-    assert copied_early
-    assert h.recving == ["R"]
+    assert _step_until_reported(h, mount, blocks, pages)
     assert h.meta.loads_failed["R"] == 1
     # every block of the load is recomputed, those copied early included
     assert h.worker.get_block_ids_with_load_errors() == set(blocks)
-    assert not h.worker._early and not h.worker._early_parts
