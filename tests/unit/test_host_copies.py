@@ -33,6 +33,7 @@ def gen():
 @pytest.mark.parametrize("threads", [1, 3])
 def test_both_directions_move_every_byte_and_nothing_else(kind, threads, gen, movers, monkeypatch):
     monkeypatch.setattr(host_copies, "PIECE_BYTES", 256)  # many pieces for the threads
+    monkeypatch.setattr(host_copies, "HELP_BYTES", 0)  # and the helpers woken for each job
     lay = make_layout(kind, gen)
     pool = make_pool(12, lay.block_bytes(), gen)
     mover = HostCopies(lay.caches, NB, pool, threads=threads)

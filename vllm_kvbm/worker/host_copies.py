@@ -6,22 +6,21 @@ what one core's memory path allows: NIXL's UCX ``self`` transport is one
 ``memcpy`` per layer block in the posting thread (page_mover.py), about 9
 GB/s here, where two threads on two cores move 12-14 GB/s. So a job's copies
 (copy_runs.py: one per layer block, or fewer where both sides continue) are
-cut into pieces of at most PIECE_BYTES and, from HELP_BYTES on, shared out: the posting thread
-(vLLM's engine thread, between forward passes) takes pieces one at a time
-from a shared counter, and so do the helper threads, woken for each job.
-The post returns once every piece is copied; a helper that has no core at
-the moment costs nothing but its help, since the posting thread takes every
-piece no helper has taken, and waits only for the pieces in flight (a piece
-is well under a millisecond). ``ctypes.memmove`` releases the GIL while it
-copies. copy_path.py measures this path and NIXL's at startup and keeps the
-faster.
+cut into pieces of at most PIECE_BYTES and, from HELP_BYTES on, shared out:
+the posting thread (vLLM's engine thread, between forward passes) takes
+pieces one at a time from a shared counter, and so do the helper threads,
+woken for each job. The post returns once every piece is copied; a helper
+that has no core at the moment costs nothing but its help, since the
+posting thread takes every piece no helper has taken, and waits only for
+the pieces in flight (a piece is well under a millisecond).
+``ctypes.memmove`` releases the GIL while it copies. copy_path.py measures
+this path and NIXL's at startup and keeps the faster.
 """
 
 from __future__ import annotations
 
 import ctypes
 import itertools
-import logging
 import queue
 import threading
 import time
@@ -33,8 +32,6 @@ from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.cpus import process_cpus, widen_thread_affinity
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs, page_copies
 from vllm_kvbm.worker.kv_regions import block_regions, checked_ids
-
-logger = logging.getLogger(__name__)
 
 # A piece of a copy: small enough that the pieces in flight when the posting
 # thread runs out of work end at once, large enough that Python's per-piece
@@ -69,7 +66,7 @@ class _Job:
 
 
 def pieces(
-    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, piece: int = PIECE_BYTES
+    src: np.ndarray, dst: np.ndarray, sizes: np.ndarray, piece: int
 ) -> tuple[list[int], list[int], list[int]]:
     """The copies (src, dst, sizes) cut into pieces of at most ``piece`` bytes."""
     counts = np.maximum(1, -(-sizes // piece))
@@ -127,7 +124,7 @@ class HostCopies:
         Raises (before copying anything) on ids out of range."""
         blocks, rows = checked_ids(block_ids, slots, self.num_blocks, self.num_slots)
         src, dst, sizes = copy_runs(self._table, self._host_base, blocks, rows, to_host)
-        job = _Job(*pieces(src, dst, sizes))
+        job = _Job(*pieces(src, dst, sizes, PIECE_BYTES))
         if job.n > 1 and int(sizes.sum()) >= HELP_BYTES:
             for q in self._queues[: job.n - 1]:
                 q.put(job)
