@@ -87,29 +87,24 @@ def make_mover(
             return HostCopies(kv_caches, num_blocks, host_rows, block_dims, page_blocks)
 
         candidates = [{"nixl": nixl, "threads": threads}[p] for p in HOST_PATHS]
-    measured = []
+    made, trips = [], []
     try:
         for make in candidates:
-            mover = make()
-            measured.append((mover, None))
-            measured[-1] = (mover, round_trip(mover, kv_caches, host_rows, page_blocks))
+            made.append(make())
+            trips.append(round_trip(made[-1], kv_caches, host_rows, page_blocks))
     except Unfinished:
-        # a transfer may still write: nothing is released under it
-        for mover, _ in measured[:-1]:
-            mover.close()
+        for other in made[:-1]:  # the last may still write: nothing is released under it
+            other.close()
         raise
     except Exception:
-        for mover, _ in measured:
-            mover.close()
+        for other in made:
+            other.close()
         raise
-    mover, trip = min(measured, key=lambda m: m[1].seconds)
-    others = "".join(
-        f"; {m.path}: store {t.store_gbps:.2f} GB/s, load {t.load_gbps:.2f} GB/s"
-        for m, t in measured
-        if m is not mover
-    )
-    for other, _ in measured:
+    mover, trip = min(zip(made, trips), key=lambda m: m[1].seconds)
+    others = ""
+    for other, t in zip(made, trips):
         if other is not mover:
+            others += f"; {other.path}: store {t.store_gbps:.2f} GB/s, load {t.load_gbps:.2f} GB/s"
             other.close()
     copies = getattr(mover, "page_copies", None) or nixl_page_copies(mover.regions, page_blocks)
     hint = ""
