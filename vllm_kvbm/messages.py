@@ -77,6 +77,13 @@ class TransferJob:
     def page_blocks(self) -> int:
         return len(self.block_ids) // len(self.slots) if self.slots else 1
 
+    def page_range(self, job_id: int, start: int, end: int) -> "TransferJob":
+        """The copy of pages [start, end) alone, as job ``job_id`` (nothing to fetch)."""
+        g = self.page_blocks
+        return TransferJob(
+            job_id, self.req_id, self.block_ids[start * g : end * g], self.slots[start:end]
+        )
+
     @property
     def num_blocks(self) -> int:
         """Engine blocks the job copies."""

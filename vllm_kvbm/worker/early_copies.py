@@ -57,13 +57,7 @@ class EarlyCopies:
             self._post_early(early, landed, fence)
 
     def _post_early(self, early: EarlyLoad, end: int, fence: StepFence) -> None:
-        job, g = early.job, early.job.page_blocks
-        sub = TransferJob(
-            next(self._part_ids),
-            job.req_id,
-            job.block_ids[early.copied * g : end * g],
-            job.slots[early.copied : end],
-        )
+        sub = early.job.page_range(next(self._part_ids), early.copied, end)
         early.copied = end
         early.running += 1
         self._early_parts[sub.job_id] = early

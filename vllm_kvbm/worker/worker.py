@@ -271,7 +271,7 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
         if cut == 0:
             self._finished_recving.add(job.req_id)
             return None
-        return TransferJob(job.job_id, job.req_id, job.block_ids[: cut * g], job.slots[:cut])
+        return job.page_range(job.job_id, 0, cut)
 
     def start_stores(self, meta: KVBMConnectorMetadata) -> None:
         for spill in meta.spills:
