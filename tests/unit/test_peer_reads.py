@@ -280,3 +280,37 @@ def test_a_restarted_peer_is_a_new_incarnation(shm, procs, transport):
     finally:
         r.close()
         w.close()
+
+
+@pytest.mark.parametrize("old", ["reader", "holder"])
+def test_tcp_segments_read_both_ways_with_a_peer_at_ucxs_defaults(shm, procs, monkeypatch, old):
+    """Over TCP the holder sends a READ's bytes in segments of its
+    UCX_TCP_TX_SEG_SIZE, which KVBM sets to 64 KiB where the environment
+    does not (UCX's own: 8 KiB); a peer at UCX's defaults (a version of KVBM
+    before it, another UCX user) receives 64 KiB segments and is read from.
+    A segment larger than the reader's RX segment would crash the reader."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE", raising=False)
+    at_defaults = {"UCX_TCP_TX_SEG_SIZE": "8kb"}
+    port = free_port()
+    w = writer(shm, 8)
+    holder_env = {"UCX_TLS": "tcp", **(at_defaults if old == "holder" else {})}
+    proc, _ = pool_peer.start(shm, port, PAGE, 8, env=holder_env)
+    procs.append(proc)
+    if old == "reader":
+        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8kb")
+    r = reader(read_timeout_s=10.0)
+    if old == "holder":
+        assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "64kb"  # KVBM's, as the holder's is not
+    try:
+        for i in range(1, 9):
+            assert w.put(key(i), page(i, PAGE))
+        out = outs(8)
+        got = r.get_many_into(
+            [(key(i + 1), o) for i, o in enumerate(out)], endpoint=f"tcp://127.0.0.1:{port}"
+        )
+        assert got == ["ok"] * 8
+        assert all(torch.equal(o, page(i + 1, PAGE)) for i, o in enumerate(out))
+    finally:
+        r.close()
+        w.close()

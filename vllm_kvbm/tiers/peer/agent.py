@@ -13,7 +13,8 @@ millisecond or so (peer/server.py: about 2% of a core); the reading side
 progresses it while it polls its transfers. UCX's transport is UCX's choice
 (``UCX_TLS`` in the environment, read when the agent is created): on one
 machine it copies through the kernel (cma, synchronously inside
-``transfer``), across machines over TCP or RDMA.
+``transfer``), across machines over TCP or RDMA. UCX_TCP_TX_SEG_SIZE is
+set to 64 KiB unless the environment sets it (below).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 import uuid
 
 logger = logging.getLogger(__name__)
+
+TCP_TX_SEG_SIZE = "64kb"
 
 
 class NixlCallError(Exception):
@@ -45,6 +48,11 @@ class PeerAgent:
         # vLLM does this before it imports NIXL (distributed/nixl_utils.py):
         # UCX's registration cache otherwise grows without bound.
         os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+        # Over TCP UCX emulates a READ: the holder sends the bytes back in
+        # segments of its TX size, 8 KiB by default (about 1 GB/s on one
+        # machine); 64 KiB, UCX's default RX segment, is what every peer
+        # left at UCX's defaults can receive (a larger one crashes it).
+        os.environ.setdefault("UCX_TCP_TX_SEG_SIZE", TCP_TX_SEG_SIZE)
         from vllm_kvbm.nixl_api import _nixl_api
 
         nixl_agent, nixl_agent_config, self.module = _nixl_api()
