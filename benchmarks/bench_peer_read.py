@@ -151,7 +151,12 @@ def main() -> None:
     p.add_argument("--pages", type=int, default=64)
     p.add_argument("--page-mib", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--landing", type=int, default=4, help="the reader's landing slots")
+    p.add_argument(
+        "--landing",
+        type=int,
+        default=None,
+        help="the reader's landing slots (default: an engine's, about 64 MiB of pages, 4-16)",
+    )
     p.add_argument("--transport", nargs="+", default=["default", "tcp"], choices=["default", "tcp"])
     p.add_argument("--secret", action="store_true", help="pages sealed under a page secret")
     p.add_argument(
@@ -172,7 +177,7 @@ def main() -> None:
         return
     print(
         f"{args.pages} pages of {args.page_mib} MiB, {args.repeats} rounds, "
-        f"{'sealed' if args.secret else 'CRC only'}, landing slots {args.landing}"
+        f"{'sealed' if args.secret else 'CRC only'}, landing slots {args.landing or 'as an engine'}"
         f"{', copied out of them' if args.landing_copy else ', pages read in place'}"
         f"{', checks on the reading thread' if args.serial_checks else ''}",
         flush=True,
@@ -194,9 +199,8 @@ def main() -> None:
             str(args.page_mib),
             "--repeats",
             str(args.repeats),
-            "--landing",
-            str(args.landing),
         ]
+        cmd += ["--landing", str(args.landing)] if args.landing else []
         if args.secret:
             cmd.append("--secret")
         cmd += ["--landing-copy"] * args.landing_copy + ["--serial-checks"] * args.serial_checks

@@ -314,3 +314,16 @@ def test_tcp_segments_read_both_ways_with_a_peer_at_ucxs_defaults(shm, procs, mo
     finally:
         r.close()
         w.close()
+
+
+def test_a_batch_holds_about_64_mib_of_pages_4_to_16():
+    """Each batch waits on three READs in turn: bigger batches pay fewer of
+    them per byte, bounded by the landing memory (a slot a page)."""
+    from vllm_kvbm.tiers.peer.store import landing_count
+
+    assert [landing_count(n << 20) for n in (1, 4, 8, 16, 64)] == [16, 16, 8, 4, 4]
+    r = reader()
+    try:
+        assert r.landing.count == 16  # 1 MiB pages
+    finally:
+        r.close()
