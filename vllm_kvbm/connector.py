@@ -201,6 +201,7 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
                 num_slots,
                 self.config.nixl_backend,
                 agent_name=f"kvbm-{os.getpid()}",
+                host_copy_path=self.config.host_copy_path,
                 tier_write_queue_pages=self.config.tier_write_queue_pages,
                 tier_read_timeout_s=self.config.tier_read_timeout_s,
             )

@@ -68,6 +68,7 @@ def test_defaults():
         "disk_cache_size",
         "host_cache_blocks",
         "host_cache_size",
+        "host_copy_path",
         "load_split",
         "metrics_host",
         "metrics_port",
@@ -281,6 +282,14 @@ def test_disk_tier_too_small_for_one_block(tmp_path):
     )
 
 
+def test_host_copy_path_choices():
+    assert load_config({}).host_copy_path == "auto"
+    assert load_config({"host_copy_path": "Threads"}).host_copy_path == "threads"
+    assert load({}, KVBM_HOST_COPY_PATH="nixl").host_copy_path == "nixl"
+    with pytest.raises(KVBMConfigError, match="host_copy_path: 'memcpy' is not one of AUTO"):
+        load_config({"host_copy_path": "memcpy"})
+
+
 def test_disk_admission_choices():
     assert load_config({"disk_admission": "Frequency"}).disk_admission == "frequency"
     with pytest.raises(KVBMConfigError, match="disk_admission: 'lru' is not one of"):
@@ -291,6 +300,7 @@ def test_disk_admission_choices():
 
 BAD_INPUT = {
     "disk_admission": [["always"], "lru"],
+    "host_copy_path": [1, "memcpy"],
     "disk_admission_min_uses": ["x", 1.5, 0],
     "disk_cache_dir": [5, None, "/nonexistent/kvbm"],
     "disk_cache_size": [[1], "lots", "-1GiB"],

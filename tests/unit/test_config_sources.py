@@ -147,6 +147,7 @@ def test_describe_lists_each_set_value_with_its_source_and_no_secret(tmp_path):
 ENV_EXAMPLES = {
     "host_cache_size": ("2Gi", "host_cache_bytes", 2 * GiB),
     "host_cache_blocks": ("12", "host_cache_blocks", 12),
+    "host_copy_path": ("threads", "host_copy_path", "threads"),
     "page_tokens": ("512", "page_tokens", 512),
     "offload_decode_blocks": ("true", "offload_decode_blocks", True),
     "disk_cache_dir": (None, "disk_cache_dir", None),  # tmp_path

@@ -179,3 +179,15 @@ def test_the_copy_engines_round_trip_is_timed_by_cuda_events(gen, caplog):
     assert torch.equal(lay.raw[0], before[0])
     # every post: the warm-ups, the timed store and load (one each), the load back page by page
     assert sum("wait_stream compute" in line for line in cuda.log) == 2 + 1 + 1 + 4
+
+
+def test_host_copy_path_is_refused_for_a_kv_cache_on_a_gpu():
+    """A GPU's KV moves on its copy engines: naming a CPU copy path there is
+    a configuration error at startup, not a setting silently ignored."""
+    from types import SimpleNamespace
+
+    from vllm_kvbm.config.errors import KVBMConfigError
+
+    gpu = SimpleNamespace(is_cuda=True, device="cuda:0")
+    with pytest.raises(KVBMConfigError, match=r"host_copy_path: 'threads' .* cuda:0"):
+        make_mover({"layer.0": gpu}, NB, None, "UCX", agent_name(), None, 2, "threads")

@@ -115,3 +115,20 @@ def test_make_mover_keeps_the_faster_host_path_and_logs_both(gen, caplog):
         assert f"(the faster measured; {other}" in line and line.count(" GB/s") == 4, line
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("path", ["nixl", "threads"])
+def test_host_copy_path_fixes_the_path_and_still_checks_it(gen, caplog, path):
+    """host_copy_path names one path: only it is made, its round trip still
+    checks every byte, and the startup line says the setting chose it."""
+    lay = vllm_layout("LBHNC", 3, NB, heads=2, block_size=4, head_size=8, gen=gen)
+    pool = torch.zeros(20, lay.block_bytes(), dtype=torch.uint8)
+    with caplog.at_level("INFO", logger="vllm_kvbm.worker.copy_path"):
+        m = make_mover(lay.caches, NB, pool, "UCX", agent_name(), lay.block_dims, 2, path)
+    try:
+        assert isinstance(m, HostCopies) == (path == "threads")
+        line = caplog.messages[-1]
+        assert line.endswith("(host_copy_path)") and "faster measured" not in line, line
+        assert line.count(" GB/s") == 2, line  # its own round trip
+    finally:
+        m.close()

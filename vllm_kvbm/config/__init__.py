@@ -81,6 +81,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIER_WRITE_QUEUE_PAGES = 64
 DEFAULT_TIER_READ_TIMEOUT_S = 10.0
+HOST_COPY_PATHS = ("AUTO", "NIXL", "THREADS")  # host_copy_path, as parse_choice reads it
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,9 @@ class KVBMConfig:
     metrics_host: str = "127.0.0.1"  # a metrics port is for this machine unless opened
     # NIXL backend moving pages between the engine's KV cache and the host tier.
     nixl_backend: str = "UCX"
+    # CPU build: "auto" measures NIXL's copies and plain threaded copies at
+    # startup and keeps the faster; "nixl" or "threads" fixes the path.
+    host_copy_path: str = "auto"
     # Extra text mixed into every block key: engines that must never share
     # cached KV (e.g. different fine-tunes under one name) set different ones.
     namespace: str = ""
@@ -316,6 +320,7 @@ _KEYS = {
     "metrics_port": ("metrics_port", parse_port),
     "metrics_host": ("metrics_host", parse_host),
     "nixl_backend": ("nixl_backend", parse_nixl_backend),
+    "host_copy_path": ("host_copy_path", lambda k, v: parse_choice(k, v, HOST_COPY_PATHS).lower()),
     "namespace": ("namespace", parse_str),
     "page_secret_file": ("page_secret", parse_page_secret_file),
     "load_split": ("load_split", parse_bool),
@@ -352,6 +357,7 @@ _ENV = {
     "KVBM_METRICS_PORT": ("metrics_port", str),
     "KVBM_METRICS_HOST": ("metrics_host", str),
     "KVBM_NIXL_BACKEND": ("nixl_backend", str),
+    "KVBM_HOST_COPY_PATH": ("host_copy_path", str),
     "KVBM_NAMESPACE": ("namespace", str),
     "KVBM_PAGE_SECRET_FILE": ("page_secret_file", str),
     "KVBM_LOAD_SPLIT": ("load_split", str),

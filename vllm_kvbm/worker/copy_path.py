@@ -31,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from vllm_kvbm.config.errors import KVBMConfigError
 from vllm_kvbm.worker.copy_runs import PageCopies, RegionTable
 from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT, MAX_BLOCK_MAJOR_TOKENS
 
@@ -59,11 +60,12 @@ def make_mover(
     name: str,
     block_dims: dict[str, int] | None,
     page_blocks: int,
+    host_path: str = "auto",
 ):
     """The mover for this KV cache's memory, with its choice logged after a
     checked round trip (CopyPathError if it fails). Host memory: NIXL's and
     plain copies in a few threads (host_copies.py) both measured, the faster
-    kept."""
+    kept, unless ``host_path`` (host_copy_path) names one."""
     first = next(iter(kv_caches.values()))
     if first.is_cuda:
         from vllm_kvbm.worker.copy_engine import CopyEngineMover
@@ -73,6 +75,12 @@ def make_mover(
                 kv_caches, num_blocks, host_rows, block_dims, page_blocks=page_blocks
             )
 
+        if host_path != "auto":
+            raise KVBMConfigError(
+                f"host_copy_path: {host_path!r} names a copy path of vLLM's CPU build; this "
+                f"engine's KV cache is on {first.device}, whose copies run on its copy engines. "
+                f'Remove host_copy_path or set it to "auto"'
+            )
         candidates = [engines]
     else:
         from vllm_kvbm.worker import page_mover
@@ -86,7 +94,8 @@ def make_mover(
         def threads():
             return HostCopies(kv_caches, num_blocks, host_rows, block_dims, page_blocks)
 
-        candidates = [{"nixl": nixl, "threads": threads}[p] for p in HOST_PATHS]
+        paths = HOST_PATHS if host_path == "auto" else (host_path,)
+        candidates = [{"nixl": nixl, "threads": threads}[p] for p in paths]
     made, trips = [], []
     try:
         for make in candidates:
@@ -123,7 +132,7 @@ def make_mover(
         copies,
         trip,
         f" (the faster measured{others})" if others else "",
-        hint,
+        hint or (" (host_copy_path)" if host_path != "auto" else ""),
     )
     return mover
 

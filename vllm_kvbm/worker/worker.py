@@ -80,8 +80,10 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
         transfer_timeout_s: float = TRANSFER_TIMEOUT_S,
         tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
         tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S,
+        host_copy_path: str = "auto",
     ):
         self.info = info
+        self.host_copy_path = host_copy_path
         self.transfer_timeout_s = transfer_timeout_s
         self.num_host_slots = num_host_slots
         self.nixl_backend = nixl_backend
@@ -156,6 +158,7 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
                 self.agent_name,
                 block_dims,
                 self.info.page_blocks,
+                self.host_copy_path,
             )
         except Exception:
             self._host.release()
