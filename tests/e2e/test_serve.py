@@ -66,13 +66,21 @@ def wait_for(cond, timeout: float, what: str) -> None:
 def test_remote_url_that_does_not_answer_costs_only_its_hits(model_dir):
     # Nothing listens on the port: the engine starts and serves, the remote
     # tier's writes fail fast (logged, counted), the host tier still hits; once
-    # an LMCache server appears there, the remote tier is used.
+    # an LMCache server appears there, the remote tier is used. The host copies
+    # by the threaded path, fixed from the operator's environment.
     port = free_port()
     url = f"lm://127.0.0.1:{port}"
     kv = kvbm_transfer_config(host_cache_blocks=64, remote_url=url, remote_timeout_s=1)
-    with vllm_server(
-        str(MODEL_DIR), kv, SERVE_ARGS, startup_timeout=300, env={"VLLM_SERVER_DEV_MODE": "1"}
-    ) as server:
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_LOGGING_LEVEL": "INFO",
+        "KVBM_HOST_COPY_PATH": "threads",
+    }
+    with vllm_server(str(MODEL_DIR), kv, SERVE_ARGS, startup_timeout=300, env=env) as server:
+        [copies] = [
+            line for line in server.log_path.read_text().splitlines() if "copies by" in line
+        ]
+        assert "copies by memory copies in" in copies and copies.endswith("(host_copy_path)")
         prompt = random_prompt(3 * 128 + 10, seed=4242)
         _, _, first = server.stream_completion(prompt, max_tokens=8, timeout=120)
         # vLLM's own prefix cache forgets the prompt; KVBM's host tier keeps it.
