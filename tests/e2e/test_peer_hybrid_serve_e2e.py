@@ -15,23 +15,20 @@ reads from A must be exactly what B would have kept.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from helpers import ROOT
 from helpers.engines import RECOMPUTE, random_prompt
-from test_peer_serve_e2e import TCP, counted, read_transports, wait_for
+from test_peer_serve_e2e import TCP, complete, counted, read_transports, wait_for
 from test_request_params_e2e import Client
 from vllm_kvbm.tools.local_model_archs import HYBRID_DIR, build_qwen3_next
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, vllm_server
 
 pytestmark = pytest.mark.timeout(1800)
 
-TOKENS = 16
 # vLLM keeps a prompt's state at its last full block before its last token
 # (test_hybrid_state_e2e): 700 -> 640, 2100 -> 2048
 LENGTHS = (700, 2100)
@@ -58,30 +55,6 @@ SERVE_ENV = {
     "VLLM_LOGGING_LEVEL": "INFO",
     "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, len(os.sched_getaffinity(0)) - 1)}",
 }
-
-
-def complete(client: Client, prompt: list[int], params: dict | None) -> tuple[list[int], int]:
-    """(greedy tokens, tokens cached) of a 16-token completion."""
-    body = {
-        "model": client.server.model,
-        "prompt": prompt,
-        "max_tokens": TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "logprobs": 0,
-    }
-    if params is not None:
-        body["kv_transfer_params"] = params
-    req = urllib.request.Request(
-        f"{client.server.url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        out = json.load(resp)
-    assert "kvbm_error" not in (out.get("kv_transfer_params") or {}), out
-    cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return out["choices"][0]["logprobs"]["tokens"], cached
 
 
 @pytest.fixture(scope="module")
@@ -126,19 +99,17 @@ def test_b_reads_a_gdn_hybrids_prefix_from_a_over_tcp_as_its_own_cache_would(ser
     hint = {"router_hint": {"source_control_endpoint": f"tcp://127.0.0.1:{port}"}}
     prompts = [random_prompt(n, seed=9450 + n) for n in LENGTHS]
     for p in prompts:  # A computes them: its pool keeps the pages and states
-        complete(a, p, None)
+        complete(a, p, None, reset=False)
     # B's reads must find all of them: 5 + 16 attention pages, each GDN
     # group's state at each boundary (2 x 3)
     assert wait_for(lambda: a.server.metric("kvbm_offload_blocks_total") == 27, 30)
     want = []
     for p, hit in zip(prompts, HITS):
-        b.reset()
         complete(b, p, RECOMPUTE)  # B computes it once, nothing stored...
-        got, cached = complete(b, p, RECOMPUTE)  # ...and serves it from vLLM's own cache
+        got, cached = complete(b, p, RECOMPUTE, reset=False)  # ...then from vLLM's own cache
         assert cached == hit
         want.append(got)
     for p, w, hit in zip(prompts, want, HITS):
-        b.reset()
         got, cached = complete(b, p, hint)
         assert (got, cached) == (w, hit)
     assert counted(b, "peer", sum(HITS))

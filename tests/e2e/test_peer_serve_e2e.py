@@ -59,10 +59,13 @@ PROMPTS = {
 }
 
 
-def complete(client: Client, prompt: list[int], params: dict | None) -> tuple[list[int], int]:
+def complete(
+    client: Client, prompt: list[int], params: dict | None, reset: bool = True
+) -> tuple[list[int], int]:
     """(greedy tokens, tokens cached) of a 16-token completion, vLLM's own
-    prefix cache emptied first."""
-    client.reset()
+    prefix cache emptied first (``reset``)."""
+    if reset:
+        client.reset()
     body = {
         "model": client.server.model,
         "prompt": prompt,
