@@ -22,6 +22,7 @@ import pytest
 
 from helpers import ROOT
 from helpers.engines import RECOMPUTE, random_prompt
+from helpers.system import shm_dir
 from test_peer_serve_e2e import TCP, complete, counted, read_transports, wait_for
 from test_request_params_e2e import Client
 from vllm_kvbm.tools.local_model_archs import HYBRID_DIR, build_qwen3_next
@@ -65,20 +66,20 @@ def qwen3_next():
 @pytest.fixture(scope="module")
 def servers(qwen3_next, tmp_path_factory):
     port = free_port()
-    shm = tmp_path_factory.mktemp("pool")
     logs = tmp_path_factory.mktemp("logs")
-    a_kv = kvbm_transfer_config(
-        host_cache_blocks=64,
-        pool_cache_size="512MiB",
-        pool_dir=str(shm),
-        pool_serve_port=port,
-        pool_serve_host="127.0.0.1",
-        load_split=False,
-    )
-    b_kv = kvbm_transfer_config(
-        host_cache_blocks=64, peer_reads=True, peer_read_timeout_s=10, load_split=False
-    )
     with contextlib.ExitStack() as stack:
+        a_kv = kvbm_transfer_config(
+            host_cache_blocks=64,
+            pool_cache_size="512MiB",
+            # in memory (/dev/shm), as operators keep pool files
+            pool_dir=stack.enter_context(shm_dir("kvbm-e2e-peer-hybrid-serve-")),
+            pool_serve_port=port,
+            pool_serve_host="127.0.0.1",
+            load_split=False,
+        )
+        b_kv = kvbm_transfer_config(
+            host_cache_blocks=64, peer_reads=True, peer_read_timeout_s=10, load_split=False
+        )
 
         def serve(name: str, kv: dict, env: dict) -> Client:
             server = vllm_server(
