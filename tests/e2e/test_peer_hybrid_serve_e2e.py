@@ -23,6 +23,8 @@ import pytest
 from helpers import ROOT
 from helpers.engines import RECOMPUTE, random_prompt
 from helpers.system import shm_dir
+from test_hybrid_state_e2e import GDN_ENGINE
+from test_peer_serve_e2e import SERVE_ENV as PEER_SERVE_ENV
 from test_peer_serve_e2e import TCP, complete, counted, read_transports, wait_for
 from test_request_params_e2e import Client
 from vllm_kvbm.tools.local_model_archs import HYBRID_DIR, build_qwen3_next
@@ -34,26 +36,15 @@ pytestmark = pytest.mark.timeout(1800)
 # (test_hybrid_state_e2e): 700 -> 640, 2100 -> 2048
 LENGTHS = (700, 2100)
 HITS = (640, 2048)
-# One request a step (bf16 tokens depend on what shares a step); vLLM picks
-# 128-token blocks for this model.
-SERVE_ARGS = [
-    "--dtype",
-    "bfloat16",
+# The engine test_hybrid_state_e2e runs (one request a step, bf16, vLLM's
+# own 128-token blocks), as `vllm serve` flags.
+SERVE_ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in GDN_ENGINE.items() if v is not None] + [
     "--enforce-eager",
-    "--max-model-len",
-    "4096",
-    "--max-num-batched-tokens",
-    "1024",
-    "--max-num-seqs",
-    "1",
-    "--kv-cache-memory-bytes",
-    "512M",
     "--enable-prompt-tokens-details",
 ]
 # Both servers on the same cores, so A computes the pages B would.
 SERVE_ENV = {
-    "VLLM_SERVER_DEV_MODE": "1",
-    "VLLM_LOGGING_LEVEL": "INFO",
+    **PEER_SERVE_ENV,
     "VLLM_CPU_OMP_THREADS_BIND": f"0-{max(0, len(os.sched_getaffinity(0)) - 1)}",
 }
 
@@ -101,7 +92,7 @@ def servers(qwen3_next, tmp_path_factory):
     "it) A's control endpoint, served from its worker, answered neither B's lookup (one run) nor "
     "its hello (the other) within 10 s after A had been idle 10-35 s, both times while the other "
     "worker started test_prometheus_dashboard's server: the hit became a bounded recompute. "
-    "Passes alone (three runs).",
+    "Passes alone (four runs).",
 )
 def test_b_reads_a_gdn_hybrids_prefix_from_a_over_tcp_as_its_own_cache_would(servers):
     a, b, port = servers
