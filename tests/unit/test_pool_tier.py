@@ -5,6 +5,7 @@ process reading and writing the same file while the first keeps it mapped."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -18,7 +19,12 @@ from vllm_kvbm.tiers.page_codec import PageCodec
 from vllm_kvbm.tiers.page_format import HEADER_BYTES
 from vllm_kvbm.tiers.pool import layout
 from vllm_kvbm.tiers.pool.layout import Geometry, Superblock
-from vllm_kvbm.tiers.pool.pool_file import PoolSpec, open_pool
+from vllm_kvbm.tiers.pool.pool_file import (
+    MEMORY_FILESYSTEMS,
+    PoolSpec,
+    filesystem_type,
+    open_pool,
+)
 from vllm_kvbm.tiers.pool.store import PoolStore
 from vllm_kvbm.tiers.pool.view import PoolView
 
@@ -226,6 +232,38 @@ def test_a_pool_that_does_not_fit_names_the_key_and_the_fix(shm):
     with pytest.raises(KVBMConfigError, match=r"pool_cache_size: .*--shm-size"):
         open_pool(big)
     assert os.listdir(shm) == [big.name + ".lock"]  # nothing half made left behind
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+25 22 0:22 / /dev/shm rw,nosuid shared:3 - tmpfs tmpfs rw
+31 22 0:30 / /srv/kv\\040pool rw - tmpfs kv rw
+32 31 8:2 / /srv/kv\\040pool/disk rw shared:9 master:2 - xfs /dev/sdb rw
+33 25 0:31 / /dev/shm rw - ramfs none rw
+"""
+
+
+def test_filesystem_type_reads_the_innermost_and_last_mount():
+    assert filesystem_type("/srv/kv pool/disk/x", MOUNTINFO) == "xfs"
+    assert filesystem_type("/srv/kv pool/x", MOUNTINFO) == "tmpfs"  # the space unescaped
+    assert filesystem_type("/srv/kv", MOUNTINFO) == "ext4"  # a prefix is not a parent
+    assert filesystem_type("/dev/shm/a", MOUNTINFO) == "ramfs"  # mounted over
+    assert filesystem_type("/x", "garbage\n") is None
+
+
+def test_a_pool_dir_on_a_disk_is_said_once_and_one_in_memory_is_not(shm, tmp_path, caplog):
+    assert filesystem_type(shm) in MEMORY_FILESYSTEMS
+    disk = str(tmp_path)
+    if filesystem_type(disk) in MEMORY_FILESYSTEMS:
+        pytest.skip("the test's temporary directory is in memory here")
+    with caplog.at_level(logging.WARNING, logger="vllm_kvbm.tiers.pool.pool_file"):
+        open_pool(spec(shm)).close()
+        assert not caplog.records
+        for _ in range(2):
+            open_pool(spec(disk)).close()
+    [record] = caplog.records
+    assert f"pool_dir {disk} is on a {filesystem_type(disk)} filesystem" in record.getMessage()
+    assert "tmpfs, such as /dev/shm" in record.getMessage()
 
 
 def test_config_refuses_pool_keys_without_a_pool_and_a_pool_too_small():

@@ -30,6 +30,7 @@ import glob
 import logging
 import mmap
 import os
+import re
 import stat
 import threading
 import time
@@ -44,6 +45,11 @@ logger = logging.getLogger(__name__)
 
 # How long a writer waits for another process's write (one page) to end.
 LOCK_WAIT_S = 5.0
+# Filesystems that keep a file's pages in memory only. On any other the
+# kernel writes a pool's pages back to a disk, and a copy into the mapping
+# (on vLLM's worker thread) can wait on that disk.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+_warned_dirs: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,7 @@ def open_pool(spec: PoolSpec, create: bool = True) -> PoolFile:
     the directory cannot hold the file, or another engine whose pages do not
     match uses a file of this name."""
     lock_fd = _open_nofollow(spec.path + ".lock", os.O_RDWR | os.O_CREAT)
+    _warn_unless_in_memory(spec.directory)
     try:
         _flock(lock_fd, fcntl.LOCK_EX, LOCK_WAIT_S, spec.path)
         try:
@@ -305,6 +312,44 @@ def _create(spec: PoolSpec, lock_fd: int) -> PoolFile:
             os.unlink(tmp)
         os.close(fd)
         raise
+
+
+def filesystem_type(path: str, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` lies on, from /proc/self/mountinfo
+    (or ``mountinfo``'s text): the last mount of the longest mount point
+    above it. None where it cannot be told."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+        except OSError:
+            return None
+    real, best, found = os.path.realpath(path), -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        # mountinfo writes a space in a mount point as \040 (octal escapes)
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        under = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if under and len(mount) >= best:
+            best, found = len(mount), fields[fields.index("-", 6) + 1]
+    return found
+
+
+def _warn_unless_in_memory(directory: str) -> None:
+    """Says once per directory when pool_dir is not a memory filesystem."""
+    fstype = filesystem_type(directory)
+    if fstype is None or fstype in MEMORY_FILESYSTEMS or directory in _warned_dirs:
+        return
+    _warned_dirs.add(directory)
+    logger.warning(
+        "KVBM: pool tier: pool_dir %s is on a %s filesystem, not in memory: the kernel "
+        "writes the pool's pages back to its disk and a copy into the pool can wait on "
+        "that disk; set pool_dir to a memory filesystem (tmpfs, such as /dev/shm)",
+        directory,
+        fstype,
+    )
 
 
 def check_space(directory: str, need: int) -> None:
