@@ -327,3 +327,29 @@ def test_a_batch_holds_about_64_mib_of_pages_4_to_16():
         assert r.landing.count == 16  # 1 MiB pages
     finally:
         r.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_serving_thread_is_not_bound_to_the_starting_threads_core():
+    """vLLM pins its worker thread to one core; the server's thread, started
+    from it, must not share that core with the forward pass (cpus.py)."""
+    from vllm_kvbm.tiers.peer.server import PeerServer
+
+    allowed = os.sched_getaffinity(0)
+    made = []
+
+    def make():  # from a thread pinned to one core, as vLLM pins the worker thread
+        os.sched_setaffinity(0, {min(allowed)})
+        made.append(PeerServer("127.0.0.1", free_port()))
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join()
+    [server] = made
+    try:
+        deadline = time.monotonic() + 10  # widened first thing when it starts
+        while os.sched_getaffinity(server._thread.native_id) != allowed:
+            assert time.monotonic() < deadline, os.sched_getaffinity(server._thread.native_id)
+            time.sleep(0.01)
+    finally:
+        server.close()

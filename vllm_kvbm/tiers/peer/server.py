@@ -25,6 +25,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.tiers.peer import protocol
 from vllm_kvbm.tiers.peer.agent import NixlCallError, PeerAgent
 from vllm_kvbm.tiers.pool import layout
@@ -141,6 +142,9 @@ class PeerServer:
 
     # -- the serving loop -------------------------------------------------------
     def _run(self) -> None:
+        # Started from vLLM's worker thread, it would share that thread's one
+        # core with the forward pass (cpus.py); peers' TCP READs wait on it.
+        widen_thread_affinity()
         zmq = self._zmq
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
