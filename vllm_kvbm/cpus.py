@@ -68,3 +68,29 @@ def widen_thread_affinity() -> None:
             os.sched_setaffinity(0, cpus)
     except (OSError, ValueError, AttributeError) as e:  # not Linux, or refused: keep as is
         logger.debug("KVBM: thread affinity left as it is: %s", e)
+
+
+def run_widened(fn, *args):
+    """``fn(*args)`` on a short-lived thread widened first, its result (or
+    its exception) returned here. For setup that starts native threads
+    (ZMQ's I/O thread, UCX's async thread): they inherit the affinity of the
+    thread that starts them, and on vLLM's worker thread that is one core,
+    where a busy machine can hold a peer's connection unaccepted for
+    seconds (measured: 10 s with the core shared by the forward pass and
+    other processes)."""
+    import threading
+    from concurrent.futures import Future
+
+    done: Future = Future()
+
+    def run() -> None:
+        widen_thread_affinity()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - re-raised on the caller's thread
+            done.set_exception(err)
+
+    t = threading.Thread(target=run, name="kvbm-setup", daemon=True)
+    t.start()
+    t.join()
+    return done.result()

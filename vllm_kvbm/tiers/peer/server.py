@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vllm_kvbm.cpus import widen_thread_affinity
+from vllm_kvbm.cpus import run_widened, widen_thread_affinity
 from vllm_kvbm.tiers.peer import protocol
 from vllm_kvbm.tiers.peer.agent import NixlCallError, PeerAgent
 from vllm_kvbm.tiers.pool import layout
@@ -55,16 +55,8 @@ class PeerServer:
         self._zmq = zmq
         self.host = host
         self.incarnation = uuid.uuid4().hex
-        self._agent = PeerAgent("kvbm-pool-server")
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        try:
-            self._sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError:
-            self._sock.close()
-            self._ctx.term()
-            raise
+        # UCX's and ZMQ's own threads start here: not on the caller's one core
+        self._agent, self._ctx, self._sock = run_widened(self._open, host, port)
         self.ports = [port]
         self._files: dict[str, _Served] = {}
         self._metadata = self._agent.metadata()
@@ -75,6 +67,20 @@ class PeerServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvbm-peer-server", daemon=True)
         self._thread.start()
+
+    def _open(self, host: str, port: int):
+        zmq = self._zmq
+        agent = PeerAgent("kvbm-pool-server")
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:
+            sock.close()
+            ctx.term()
+            raise
+        return agent, ctx, sock
 
     @property
     def endpoint(self) -> str:

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm.cpus import widen_thread_affinity
+from vllm_kvbm.cpus import run_widened, widen_thread_affinity
 from vllm_kvbm.io_threads import IOThreads
 from vllm_kvbm.tiers.base import TierStore
 from vllm_kvbm.tiers.page_codec import PageCodec
@@ -131,7 +131,8 @@ class PeerStore(BatchReads, TierStore):
         self.read_timeout_s = read_timeout_s
         self.hello_every_s, self.idle_s = hello_every_s, idle_s
         self.retry_s = 2 * read_timeout_s if retry_s is None else retry_s
-        self._agent = PeerAgent("kvbm-peer-reader")
+        # UCX's async thread starts here: not on vLLM's worker thread's one core
+        self._agent = run_widened(PeerAgent, "kvbm-peer-reader")
         if landing_pages is None:
             landing_pages = landing_count(codec.stored_bytes)
         self.landing = LandingSlots(self._agent, codec.stored_bytes, landing_pages, MAX_WAYS)
