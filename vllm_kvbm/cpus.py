@@ -94,3 +94,16 @@ def run_widened(fn, *args):
     t.start()
     t.join()
     return done.result()
+
+
+def widened_thread(target, name: str, *args):
+    """A daemon thread (not started) that widens itself, then runs
+    ``target(*args)``: for every thread KVBM starts in a worker, where the
+    thread starting it is vLLM's, pinned to one core."""
+    import threading
+
+    def run() -> None:
+        widen_thread_affinity()
+        target(*args)
+
+    return threading.Thread(target=run, name=name, daemon=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
-from vllm_kvbm.cpus import _parse_list, process_cpus
+from vllm_kvbm.cpus import _parse_list, process_cpus, widened_thread
 
 
 def test_cpu_lists_parse():
@@ -97,3 +98,72 @@ def test_a_process_whose_threads_are_all_pinned_sees_its_parents_cpus():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert set(eval(out)) >= os.sched_getaffinity(0)
+
+
+def _threads_started_by(start):
+    """(what ``start()`` returned on a pinned thread, the ids of the threads
+    started meanwhile)."""
+    before = set(os.listdir("/proc/self/task"))
+    value = _started_from_a_pinned_thread(start)
+    return value, {int(t) for t in set(os.listdir("/proc/self/task")) - before}
+
+
+def _all_widened(tids: set[int]) -> None:
+    deadline = time.monotonic() + 10  # a thread may widen itself first thing
+    alive = {t for t in tids if os.path.exists(f"/proc/self/task/{t}")}
+    while any(os.sched_getaffinity(t) != process_cpus() for t in alive):
+        assert time.monotonic() < deadline, {t: os.sched_getaffinity(t) for t in alive}
+        time.sleep(0.01)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_no_thread_of_the_peer_server_is_bound_to_the_starting_threads_core():
+    """Its own thread and the native ones its setup starts (ZMQ's I/O thread,
+    which accepts peers' connections; UCX's async thread): on that one core a
+    busy machine left a peer's connection unaccepted for 10 s (measured)."""
+    from vllm_kvbm.tiers.peer.server import PeerServer
+    from vllm_kvbm.tools.server import free_port
+
+    server, started = _threads_started_by(lambda: PeerServer("127.0.0.1", free_port()))
+    try:
+        assert server._thread.native_id in started and len(started) >= 3  # + ZMQ's, UCX's
+        _all_widened(started)
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_no_thread_of_the_peer_reader_is_bound_to_the_starting_threads_core():
+    from test_peer_reads import reader
+
+    store, started = _threads_started_by(reader)  # its NIXL agent starts UCX's thread
+    try:
+        assert started
+        _all_widened(started)
+    finally:
+        store.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_tier_event_loops_and_worker_threads_run_on_every_cpu_of_the_process():
+    """The remote and disk tiers' event loops (their network and file I/O),
+    the directory's and the weights digest's threads: widened_thread."""
+    from vllm_kvbm.tiers.lmcache_store import start_loop, stop_loop
+
+    (loop, thread), started = _threads_started_by(lambda: start_loop("kvbm-test-io"))
+    try:
+        assert thread.native_id in started
+        _all_widened({thread.native_id})
+    finally:
+        stop_loop(loop, thread, 5.0)
+    stop = threading.Event()
+    t, _ = _threads_started_by(lambda: _started(widened_thread(stop.wait, "kvbm-test", 30)))
+    try:
+        _all_widened({t.native_id})
+    finally:
+        stop.set()
+
+
+def _started(t: threading.Thread) -> threading.Thread:
+    t.start()
+    return t

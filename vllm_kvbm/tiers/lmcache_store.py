@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from vllm_kvbm.cpus import widened_thread
 from vllm_kvbm.tiers.base import TierStore
 from vllm_kvbm.tiers.page_codec import PageCodec
 from vllm_kvbm.tiers.page_format import HEADER_BYTES, disk_page_bytes
@@ -38,7 +39,7 @@ def start_loop(name: str):
             except Exception:  # noqa: BLE001
                 pass
 
-    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread = widened_thread(run, name)  # the tier's network I/O: not the worker's core
     thread.start()
     return loop, thread
 

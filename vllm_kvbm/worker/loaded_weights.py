@@ -44,6 +44,7 @@ import sys
 import threading
 from typing import Any, Callable
 
+from vllm_kvbm.cpus import widened_thread
 from vllm_kvbm import opened_files
 from vllm_kvbm.worker import sleep_mode, weight_changes
 from vllm_kvbm.worker.weight_digests import DigestStopped, LoadDigest, weights_bytes, weights_digest
@@ -356,7 +357,7 @@ class LoadedWeights:
                 return  # sleep stopped it: resume_checks runs it again
             self._checked(epoch, changes, digest)
 
-        thread = threading.Thread(target=run, name="kvbm-weights-digest", daemon=True)
+        thread = widened_thread(run, "kvbm-weights-digest")  # hashing: not the forward's core
         self._pass = (thread, stop, epoch)
         thread.start()
 

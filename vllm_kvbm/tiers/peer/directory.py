@@ -40,6 +40,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from vllm_kvbm.cpus import widened_thread
 from vllm_kvbm.tiers.peer.protocol import parse_endpoint
 from vllm_kvbm.tiers.pool.layout import EMPTY_KEY, ENTRY_BYTES
 from vllm_kvbm.tiers.redis.connection import OnRedisLink
@@ -141,7 +142,7 @@ class DirectoryWriter:
         self.written = self.deleted = self.dropped = self.failed = 0
         self.sweeps = 0
         self._drops_said, self._said_at = 0, -1e9
-        self._thread = threading.Thread(target=self._run, name="kvbm-peer-directory", daemon=True)
+        self._thread = widened_thread(self._run, "kvbm-peer-directory")
         self._thread.start()
 
     def stored(self, tkey: bytes) -> None:
@@ -292,7 +293,7 @@ class Liveness:
         self._every_s, self._ttl_ms = every_s, max(1, int(ttl_s * 1000))
         self.beats = 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvbm-peer-alive", daemon=True)
+        self._thread = widened_thread(self._run, "kvbm-peer-alive")
         self._thread.start()
 
     def _run(self) -> None:

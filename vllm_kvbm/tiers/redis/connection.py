@@ -32,6 +32,7 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 from redis.maint_notifications import MaintNotificationsConfig
 from redis.retry import Retry
 
+from vllm_kvbm.cpus import widened_thread
 from vllm_kvbm.config import KVBMConfigError
 from vllm_kvbm.config.secrets import Secret
 from vllm_kvbm.config.urls import RemoteTarget
@@ -189,9 +190,7 @@ class RedisLink:
             if self._reconnecting or self._closed.is_set():
                 return
             self._reconnecting = True
-        threading.Thread(
-            target=self._reconnect_loop, name="kvbm-redis-reconnect", daemon=True
-        ).start()
+        widened_thread(self._reconnect_loop, "kvbm-redis-reconnect").start()
 
     def _reconnect_loop(self) -> None:
         try:
