@@ -49,6 +49,10 @@ pytestmark = pytest.mark.timeout(1500)
 
 REMOTE_TIMEOUT_S = 1.0
 LENGTH = 1001  # 7 full pages of 128 tokens: a hit of 896
+# A host tier that holds a prompt's pages, and one filler longer than it (27
+# pages): every prefill of a filler is seconds of the test.
+HOST_BLOCKS = 24
+FILLER = 3500
 # Both models with 128-token blocks and a context the fillers fit in.
 ENGINE = dict(max_model_len=4096, max_num_batched_tokens=4096)
 MODELS = {
@@ -90,7 +94,7 @@ def kvbm(model, same_binding, relay, disk_dir, tmp_path_factory):  # noqa: F811
     for f in secrets.iterdir():
         f.chmod(0o600)
     config = kvbm_transfer_config(
-        host_cache_blocks=48,
+        host_cache_blocks=HOST_BLOCKS,
         disk_cache_dir=str(disk_dir),
         disk_cache_size="2GiB",
         remote_url=f"redis://127.0.0.1:{relay.port}",
@@ -112,17 +116,17 @@ def plain(model, same_binding):  # noqa: F811
 
 
 def only_lower_tiers_keep(llm) -> None:
-    """Fresh prompts stored in the host tier only push every page out of it
-    (LRU), then vLLM's own prefix cache is cleared: only the disk and Redis
-    keep what was stored before, and they hold nothing of the fillers."""
+    """A fresh prompt stored in the host tier only pushes every page out of
+    it (LRU: more pages than HOST_BLOCKS), then vLLM's own prefix cache is
+    cleared: only the disk and Redis keep what was stored before, and they
+    hold nothing of the filler."""
     settle(llm)
-    for i in range(3):
-        generate_request(
-            llm,
-            {"prompt_token_ids": random_prompt(3000, seed=next(_fillers))},
-            {"kv_store_tiers": ["host"]},
-            max_tokens=1,
-        )
+    generate_request(
+        llm,
+        {"prompt_token_ids": random_prompt(FILLER, seed=next(_fillers))},
+        {"kv_store_tiers": ["host"]},
+        max_tokens=1,
+    )
     settle(llm)
     assert llm.reset_prefix_cache()
 
