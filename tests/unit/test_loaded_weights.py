@@ -217,6 +217,8 @@ def test_a_pass_overtaken_by_the_next_epoch_reports_nothing(monkeypatch):
     model = _model()
     worker = _worker(model)
     assert not worker.serves((1, ("",)))
+    while len(calls) < 2:  # the first pass is in its digest (its thread started first)
+        threading.Event().wait(0.01)
     worker.serves((2, ("",)))  # the next epoch while the first pass runs
     while not (reports := worker.take_unreported()):
         threading.Event().wait(0.01)
