@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vllm_kvbm.cpus import widen_thread_affinity
+from vllm_kvbm.cpus import widened_thread
 from vllm_kvbm.keys import PageKey
 from vllm_kvbm.scheduler.tier_policy import LowerTiers, PeerTarget
 from vllm_kvbm.tiers.registry import open_peer_view, open_views
@@ -65,7 +65,8 @@ class BackgroundLookups:
         self._late: dict[
             tuple[int, PageKey], tuple[list[PageKey], list[str], float, str | None]
         ] = {}
-        self._thread = threading.Thread(target=self._serve, name="kvbm-lookup", daemon=True)
+        # not the engine thread's one core (cpus.py)
+        self._thread = widened_thread(self._serve, "kvbm-lookup")
         self._thread.start()
 
     def ask(
@@ -201,7 +202,6 @@ class BackgroundLookups:
             self.checks_pending -= 1
 
     def _serve(self) -> None:
-        widen_thread_affinity()  # not the engine thread's one core (cpus.py)
         while True:
             req_id, q, keys = self._queue.get()
             if req_id is None:

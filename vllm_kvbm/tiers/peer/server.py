@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vllm_kvbm.cpus import run_widened, widen_thread_affinity
+from vllm_kvbm.cpus import run_widened, widened_thread
 from vllm_kvbm.tiers.peer import protocol
 from vllm_kvbm.tiers.peer.agent import NixlCallError, PeerAgent
 from vllm_kvbm.tiers.pool import layout
@@ -65,7 +65,8 @@ class PeerServer:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._interval_ms = max(1, int(progress_interval_s * 1000))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvbm-peer-server", daemon=True)
+        # not vLLM's worker thread's one core: peers' TCP READs wait on its progress loop
+        self._thread = widened_thread(self._run, "kvbm-peer-server")
         self._thread.start()
 
     def _open(self, host: str, port: int):
@@ -148,9 +149,6 @@ class PeerServer:
 
     # -- the serving loop -------------------------------------------------------
     def _run(self) -> None:
-        # Started from vLLM's worker thread, it would share that thread's one
-        # core with the forward pass (cpus.py); peers' TCP READs wait on it.
-        widen_thread_affinity()
         zmq = self._zmq
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)

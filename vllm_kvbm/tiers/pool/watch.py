@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from vllm_kvbm.cpus import widen_thread_affinity
+from vllm_kvbm.cpus import widened_thread
 from vllm_kvbm.tiers.pool.attach import AttachRefused, ask, ask_attach, ping_message
 from vllm_kvbm.tiers.pool.pool_file import PoolSpec
 
@@ -35,11 +35,10 @@ class PoolWatch:
         self.answering = True
         self.lost = 0  # times it stopped answering
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvbm-pool-watch", daemon=True)
+        self._thread = widened_thread(self._run, "kvbm-pool-watch")
         self._thread.start()
 
     def _run(self) -> None:
-        widen_thread_affinity()
         while not self._stop.wait(WATCH_EVERY_S):
             self.check()
 
