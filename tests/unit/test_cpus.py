@@ -110,10 +110,17 @@ def _threads_started_by(start):
 
 def _all_widened(tids: set[int]) -> None:
     deadline = time.monotonic() + 10  # a thread may widen itself first thing
-    alive = {t for t in tids if os.path.exists(f"/proc/self/task/{t}")}
-    while any(os.sched_getaffinity(t) != process_cpus() for t in alive):
-        assert time.monotonic() < deadline, {t: os.sched_getaffinity(t) for t in alive}
+    while pinned := {t: cpus for t in tids if (cpus := _cpus_of(t)) not in (None, process_cpus())}:
+        assert time.monotonic() < deadline, pinned
         time.sleep(0.01)
+
+
+def _cpus_of(tid: int) -> set[int] | None:
+    """The thread's CPUs; None once it has ended (a short-lived setup thread)."""
+    try:
+        return os.sched_getaffinity(tid)
+    except (ProcessLookupError, OSError):
+        return None
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
