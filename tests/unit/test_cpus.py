@@ -174,3 +174,28 @@ def test_tier_event_loops_and_worker_threads_run_on_every_cpu_of_the_process():
 def _started(t: threading.Thread) -> threading.Thread:
     t.start()
     return t
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_page_movers_copy_thread_stays_within_a_taskset_placement():
+    """Widened to the process's CPUs, not to every CPU of the machine: an
+    operator's ``taskset`` (no cpuset behind it) is kept."""
+    import subprocess
+
+    one = min(os.sched_getaffinity(0))
+    code = (
+        "import os, threading; from vllm_kvbm.worker.page_mover import _CopyThread; "
+        "t = _CopyThread(object(), 'kvbm-test'); "
+        "import time; time.sleep(0.5); "
+        "print(sorted(os.sched_getaffinity(t._thread.native_id))); t.stop()"
+    )
+    # Through sh, so that the process's parent is not a python that
+    # process_cpus would count as part of the engine.
+    out = subprocess.run(
+        ["sh", "-c", f'taskset -c {one} "$0" -c "$1"; :', __import__("sys").executable, code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    assert eval(out) == [one]

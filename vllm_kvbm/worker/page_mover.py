@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import queue
-import threading
 import time
 
 import numpy as np
 import torch
 
 from vllm_kvbm.config import KVBMConfigError
+from vllm_kvbm.cpus import widened_thread
 
 # Re-exported: where callers have always found them.
 from vllm_kvbm.worker.kv_regions import (  # noqa: F401
@@ -79,20 +78,6 @@ class _HostCopy:
         self.state = "PROC"
 
 
-def _any_core() -> None:
-    """Lets the calling thread run on every core the process may use.
-
-    vLLM on CPU binds the engine thread to its OpenMP cores, and a thread
-    inherits its creator's binding: the copies would take turns with the
-    forward pass on those cores while the cores vLLM reserved for everything
-    else idle. The kernel keeps the mask within the process's cpuset.
-    """
-    try:
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    except (AttributeError, OSError) as err:  # not Linux, or a cpuset that refuses
-        logger.debug("KVBM: copy thread keeps its CPU binding: %s", err)
-
-
 class _CopyThread:
     """Posts host-memory transfers to NIXL one after another, off the engine thread.
 
@@ -107,7 +92,10 @@ class _CopyThread:
     def __init__(self, agent, name: str):
         self._agent = agent
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=f"{name}-copy", daemon=True)
+        # Widened: vLLM binds the engine thread to its OpenMP cores and a
+        # thread inherits its creator's binding, so the copies would take
+        # turns with the forward pass while the cores vLLM reserved idle.
+        self._thread = widened_thread(self._run, f"{name}-copy")
         self._thread.start()
 
     def submit(self, handle, is_load: bool) -> _HostCopy:
@@ -116,7 +104,6 @@ class _CopyThread:
         return job
 
     def _run(self) -> None:
-        _any_core()
         while (job := self._queue.get()) is not None:
             try:
                 state = self._agent.transfer(job.handle)
