@@ -18,13 +18,12 @@ process that never loads a model pays nothing.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass
+
+from vllm_kvbm.on_import import when_imported
 
 logger = logging.getLogger(__name__)
 
@@ -136,30 +135,6 @@ def _patch(module) -> None:
     loader._prepare_weights = _prepare_weights
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches vLLM's loader module right after it is first imported."""
-
-    def find_spec(self, name, path, target=None):
-        if name != LOADER_MODULE:
-            return None
-        sys.meta_path.remove(self)  # the real finders find it; we only wrap
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 def install() -> None:
     """Records vLLM's weight file picks in this process from now on."""
-    module = sys.modules.get(LOADER_MODULE)
-    if module is not None:
-        _patch(module)
-    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    when_imported(LOADER_MODULE, _patch)

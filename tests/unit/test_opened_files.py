@@ -112,6 +112,7 @@ def test_the_record_is_installed_before_vllms_loader_is_imported():
         f"assert {opened_files.LOADER_MODULE!r} not in sys.modules; "
         "from vllm.model_executor.model_loader.default_loader import DefaultModelLoader; "
         "assert DefaultModelLoader._prepare_weights.__kvbm_recorded__; "
-        "assert not any(isinstance(f, opened_files._PatchOnImport) for f in sys.meta_path)"
+        "from vllm_kvbm.on_import import PatchOnImport; "
+        "assert not any(isinstance(f, PatchOnImport) for f in sys.meta_path)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
