@@ -65,6 +65,11 @@ def register() -> None:
     from vllm_kvbm import opened_files
 
     opened_files.install()
+    # A bad KVBM setting stops `vllm serve` (or LLM(...)) where vLLM builds
+    # its config, before an engine core starts (startup_check.py).
+    from vllm_kvbm import startup_check
+
+    startup_check.install()
     # Only the factory is imported: the connector itself (and torch, NIXL)
     # loads when an engine asks for it, so a vLLM process that never uses
     # KVBM pays nothing for the plugin.

@@ -47,13 +47,13 @@ def assert_names(log: str, expected: list[str]) -> None:
 
 
 def test_bad_config_stops_startup_with_a_clear_message(model_dir):
-    """One bad key through a real `vllm serve`: the message reaches its log.
-    Every other startup error, on the same start path without a server:
-    tests/unit/test_startup_errors.py."""
-    assert_names(
-        startup_error({"host_cache_sise": "1GiB"}),
-        ["unknown key 'host_cache_sise'", "did you mean 'host_cache_size'"],
-    )
+    """One bad key through a real `vllm serve`: the message reaches its log,
+    from the API server, before an engine core starts (startup_check.py).
+    Every other startup error, on the connector's start path without a
+    server: tests/unit/test_startup_errors.py."""
+    log = startup_error({"host_cache_sise": "1GiB"})
+    assert_names(log, ["unknown key 'host_cache_sise'", "did you mean 'host_cache_size'"])
+    assert "Engine core initialization failed" not in log and "EngineCore" not in log, log[-2000:]
 
 
 def wait_for(cond, timeout: float, what: str) -> None:
