@@ -43,16 +43,40 @@ GDN_ENGINE = dict(
     max_num_seqs=1,
     kv_cache_memory_bytes=512 << 20,
     block_size=None,
-)  # vLLM picks 128 for this model (asserted)
-GDN_BLOCK = 128
+)  # vLLM picks the block size, big enough for a page to hold a GDN state: 128 on
+# an AVX2 CPU, 256 on an Intel Xeon with AVX-512 and AMX
 GDN_LENGTHS = (300, 700, 1100, 2100)
-# vLLM's prefix cache keeps a prompt's state at its replay boundary (its last
-# full block before its last token; --prefix-cache-retention-interval 0, the
-# default), and KVBM stores the state vLLM hands off there: 300 -> 256,
-# 700 -> 640, 1100 -> 1024, 2100 -> 2048.
-GDN_HITS = [256, 640, 1024, 2048]
-# every page of the four prompts: 2 + 5 + 8 + 16 attention pages, and each of
-# the three GDN groups' state at each prompt's replay boundary (12)
+
+
+def gdn_hit(length: int, block: int) -> int:
+    """Where vLLM's prefix cache keeps a prompt's state: at its replay
+    boundary, its last full block before its last token
+    (--prefix-cache-retention-interval 0, the default); KVBM stores the state
+    vLLM hands off there. 128-token blocks: 300 -> 256, 700 -> 640,
+    1100 -> 1024, 2100 -> 2048."""
+    return (length - 1) // block * block
+
+
+def assert_at_replay_boundaries(hits: list[int], lengths, block: int) -> None:
+    """vLLM's own cache hit each prompt at its replay boundary. At 128-token
+    blocks, every one; at 256 (vLLM's pick on an Intel Xeon with AMX) vLLM may keep no state
+    for a prompt on its first pass (seen for 700 and 760 tokens: a miss on
+    the first repeat, a hit at 512 on the second), so one prompt may miss."""
+    expected = [gdn_hit(n, block) for n in lengths]
+    if block == 128:
+        assert hits == expected
+    else:
+        assert all(h in (0, e) for h, e in zip(hits, expected)), (hits, expected)
+        assert sum(h == e for h, e in zip(hits, expected)) >= len(expected) - 1, hits
+
+
+def block_size(llm) -> int:
+    return llm.llm_engine.vllm_config.cache_config.block_size
+
+
+# every page of the four prompts at 128-token blocks: 2 + 5 + 8 + 16 attention
+# pages, and each of the three GDN groups' state at each prompt's replay
+# boundary (12)
 GDN_HOST_BLOCKS = 48
 
 
@@ -108,20 +132,25 @@ def test_gdn_hybrid_hits_from_host_and_disk_equal_the_plain_engines(plain_gdn, k
     # vLLM kept its hybrid allocator on (without SupportsHMA this model stops at startup)
     assert kvbm_gdn.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
     prompts = [random_prompt(n, seed=9700 + n) for n in GDN_LENGTHS]
-    assert plain_gdn.llm_engine.vllm_config.cache_config.block_size == GDN_BLOCK
+    block = block_size(plain_gdn)
+    assert block_size(kvbm_gdn) == block
     want, hits = from_own_cache(plain_gdn, prompts)
-    assert hits == GDN_HITS  # vLLM's own cache hits where KVBM does
+    assert_at_replay_boundaries(hits, GDN_LENGTHS, block)
     for p in prompts:
         generate(kvbm_gdn, [p])
 
-    hits_from_host_then_disk(kvbm_gdn, prompts, want, GDN_HITS)
+    # KVBM hits where vLLM's own cache does; from disk once 3000-token
+    # fillers (their pages and three states each) outnumber the host slots
+    fillers = max(3, GDN_HOST_BLOCKS // (3000 // block + 3) + 1)
+    hits_from_host_then_disk(kvbm_gdn, prompts, want, hits, fillers)
 
 
 def test_gdn_hybrid_growing_conversation_equals_the_plain_engines(plain_gdn, kvbm_gdn):
     """Each turn sends the last turn's prompt and answer and a new message;
     the plain engine keeps its own cache across turns, KVBM's engine loses
     its own before each: both resume at the last prompt's last full block
-    (no answer crosses a block boundary: 1100, 1616, 2132 tokens)."""
+    (no answer crosses a block boundary of 128 or 256 tokens: 1100, 1616,
+    2132 tokens)."""
     assert plain_gdn.reset_prefix_cache()
     conversation = random_prompt(1100, seed=9801)
     previous = 0  # the length of the last turn's prompt
@@ -131,7 +160,8 @@ def test_gdn_hybrid_growing_conversation_equals_the_plain_engines(plain_gdn, kvb
         got, cached = generate(kvbm_gdn, [conversation])
         assert got == want and cached == own
         if turn:  # the last prompt's state, at its last full block
-            assert cached[0] == previous // GDN_BLOCK * GDN_BLOCK
+            block = block_size(kvbm_gdn)
+            assert cached[0] == previous // block * block
         previous = len(conversation)
         conversation = conversation + want[0] + random_prompt(500, seed=9810 + turn)
 
@@ -143,7 +173,7 @@ def test_gdn_hybrid_second_engine_hits_from_redis_equal_the_plain_engines(
     with Redis as its only lower tier loads them."""
     prompts = [random_prompt(n, seed=9900 + n) for n in (1100, 2100)]
     want, hits = from_own_cache(plain_gdn, prompts)
-    assert hits == [1024, 2048]
+    assert_at_replay_boundaries(hits, (1100, 2100), block_size(plain_gdn))
     for p in prompts:
         generate(kvbm_gdn, [p])
     settle(kvbm_gdn)

@@ -48,7 +48,7 @@ def only_lower_tiers_keep(llm, fillers: int = 3) -> None:
     assert llm.reset_prefix_cache()
 
 
-def hits_from_host_then_disk(llm, prompts, want, hits) -> None:
+def hits_from_host_then_disk(llm, prompts, want, hits, fillers: int = 3) -> None:
     """``prompts`` (stored before) in one batch, vLLM's own cache cleared:
     outputs ``want`` with ``hits`` tokens from the host tier; then again
     from the disk tier once only the lower tiers keep them."""
@@ -56,7 +56,7 @@ def hits_from_host_then_disk(llm, prompts, want, hits) -> None:
         if tier == "host":
             assert llm.reset_prefix_cache()  # vLLM's own cache only
         else:
-            only_lower_tiers_keep(llm)
+            only_lower_tiers_keep(llm, fillers)
         before = kvbm_counter(f"matched_tokens_{tier}")
         got, cached = generate(llm, prompts)
         assert got == want and cached == hits
