@@ -55,9 +55,10 @@ def _kvbm_in(entry: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
 
 def check_engine_config(vllm_config: Any) -> None:
     """Raises KVBMConfigError for the first bad KVBM setting in
-    ``vllm_config``, or for a vLLM KVBM does not support. Skipped where no engine of this node runs (an API
-    server in front of headless engines elsewhere): their files,
-    environment and directories are not this process's."""
+    ``vllm_config``, or for a vLLM KVBM does not support. Skipped where no
+    engine of this node runs (an API server in front of headless engines
+    elsewhere): their files, environment and directories are not this
+    process's."""
     parallel = getattr(vllm_config, "parallel_config", None)
     if getattr(parallel, "data_parallel_size_local", 1) == 0:
         return
