@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 
 CONNECTOR_NAME = "KVBMConnector"
+CONNECTOR_MODULE = "vllm_kvbm.connector"
 
 
 class _ToVllmHandlers(logging.Handler):
@@ -79,4 +80,4 @@ def register() -> None:
     # register_connector raises on a name it already has.
     if CONNECTOR_NAME in KVConnectorFactory._registry:
         return
-    KVConnectorFactory.register_connector(CONNECTOR_NAME, "vllm_kvbm.connector", CONNECTOR_NAME)
+    KVConnectorFactory.register_connector(CONNECTOR_NAME, CONNECTOR_MODULE, CONNECTOR_NAME)

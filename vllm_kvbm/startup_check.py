@@ -18,9 +18,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from vllm_kvbm.on_import import when_imported
-from vllm_kvbm.plugin import CONNECTOR_NAME
-
-CONNECTOR_MODULE = "vllm_kvbm.connector"
+from vllm_kvbm.plugin import CONNECTOR_MODULE, CONNECTOR_NAME
 
 
 def kvbm_extra_configs(kv_transfer_config: Any) -> Iterator[Mapping[str, Any]]:

@@ -59,9 +59,11 @@ def _bindable(port: int) -> bool:
 
 
 def kvbm_transfer_config(**extra) -> dict:
+    from vllm_kvbm.plugin import CONNECTOR_MODULE, CONNECTOR_NAME
+
     return {
-        "kv_connector": "KVBMConnector",
-        "kv_connector_module_path": "vllm_kvbm.connector",
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }
