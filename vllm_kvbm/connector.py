@@ -296,8 +296,10 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
-        # Whole-block stores are posted once per step in wait_for_save.
-        return
+        # Stores are posted once per step in wait_for_save; on CPU, where a
+        # core is free, each layer's part is copied as it is written.
+        if self.kept_out is None and self.worker is not None and self.worker.stores_by_layer:
+            self.worker.save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:
         if self.kept_out is not None:

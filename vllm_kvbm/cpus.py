@@ -41,6 +41,61 @@ def process_cpus() -> set[int]:
     return cpus
 
 
+def spare_cpus() -> set[int]:
+    """CPUs of this process (``process_cpus``) that no OpenMP thread of vLLM
+    runs on: the cores vLLM keeps out of the forward pass
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU``, or a ``VLLM_CPU_OMP_THREADS_BIND``
+    that leaves some out). vLLM pins each OpenMP thread to one core, so the
+    cores taken are those some thread of this process or of a sibling worker
+    (tensor parallel ranks: the same parent and executable) is pinned to
+    alone, and those the binding names. Empty when the calling thread (vLLM's
+    engine thread, at KV cache registration) is not pinned: nothing tells
+    which cores the forward pass uses."""
+    try:
+        mine = os.sched_getaffinity(0)
+    except (OSError, AttributeError):
+        return set()
+    allowed = process_cpus()
+    if not mine < allowed:
+        return set()
+    taken = set(mine)
+    parent = os.getppid()
+    pids = [os.getpid()]
+    if _same_executable(parent):
+        pids += [pid for pid in _children(parent) if pid != os.getpid() and _same_executable(pid)]
+    for status in [path for pid in pids for path in glob.glob(f"/proc/{pid}/task/*/status")]:
+        try:
+            with open(status) as f:
+                line = next((x for x in f if x.startswith("Cpus_allowed_list:")), "")
+        except OSError:
+            continue
+        cpus = _parse_list(line.partition(":")[2])
+        if len(cpus) == 1:
+            taken |= cpus
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if bind and bind[0].isdigit():
+        try:
+            for rank in bind.split("|"):
+                taken |= _parse_list(rank)
+        except ValueError:
+            pass  # vLLM refuses it itself
+    return allowed - taken
+
+
+def _children(parent: int) -> list[int]:
+    pids = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+                fields = f.read().rpartition(")")[2].split()
+            if int(fields[1]) == parent:
+                pids.append(int(stat.split("/")[2]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
 def _same_executable(pid: int) -> bool:
     try:
         return os.readlink(f"/proc/{pid}/exe") == os.readlink("/proc/self/exe")

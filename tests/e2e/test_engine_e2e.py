@@ -188,3 +188,31 @@ def test_vllm_counts_host_tier_hits_as_source_host(kvbm_llm):
     assert cached[0] == expected_hit_tokens(1000)
     assert delta["host"] == expected_hit_tokens(1000)
     assert delta["external_unspecified"] == 0 and delta["disk"] == 0
+
+
+def test_stores_are_copied_on_the_core_vllm_leaves_free(kvbm_llm):
+    """scripts/test.sh binds each worker's engines to one core: the other is
+    free of vLLM's OpenMP threads, so the session's engine copies its stores
+    layer by layer there (worker/layer_stores.py) while the tests above
+    compare its hits with recompute. Its copy thread is the one thread of
+    the engine pinned to that core alone."""
+    import os
+
+    import psutil
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    cpus = os.sched_getaffinity(0)
+    if not bind.isdigit() or len(cpus) < 2:
+        pytest.skip("the engine is not bound to one core of several (scripts/test.sh's workers)")
+    spare = sorted(cpus - {int(bind)})
+    core = kvbm_llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
+    engine = psutil.Process(core)
+    pinned, seen = [], []
+    for proc in [engine, *engine.children(recursive=True)]:
+        seen.append(f"{proc.pid} {proc.name()}")
+        for thread in proc.threads():
+            try:
+                pinned.append(sorted(os.sched_getaffinity(thread.id)))
+            except OSError:
+                continue  # ended meanwhile
+    assert pinned.count(spare) == 1, f"{seen}: {pinned}"

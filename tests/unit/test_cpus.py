@@ -199,3 +199,49 @@ def test_the_page_movers_copy_thread_stays_within_a_taskset_placement():
         timeout=120,
     ).stdout
     assert eval(out) == [one]
+
+
+def _spare_in_a_pinned_child(env: dict[str, str]) -> set[int]:
+    """spare_cpus() in a child pinned to one CPU, as vLLM pins a worker's
+    engine thread; its parent (this python) keeps the process's CPUs."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "from vllm_kvbm.cpus import spare_cpus; print(sorted(spare_cpus()))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**{k: v for k, v in os.environ.items() if k != "VLLM_CPU_OMP_THREADS_BIND"}, **env},
+    ).stdout
+    return set(eval(out))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_spare_cpus_are_those_no_openmp_thread_is_pinned_to():
+    cpus = os.sched_getaffinity(0)
+    one, other = min(cpus), max(cpus)
+    # a core reserved: every other CPU of the process is spare
+    assert _spare_in_a_pinned_child({}) == cpus - {one}
+    # a binding that names every core: none is
+    every = ",".join(map(str, sorted(cpus)))
+    assert _spare_in_a_pinned_child({"VLLM_CPU_OMP_THREADS_BIND": every}) == set()
+    # another rank's core (tensor parallel: "0|1") is not spare either
+    bind = f"{one}|{other}"
+    assert _spare_in_a_pinned_child({"VLLM_CPU_OMP_THREADS_BIND": bind}) == cpus - {one, other}
+
+
+def test_no_cpu_is_spare_for_a_thread_that_is_not_pinned():
+    # vLLM's binding off (nobind): nothing says where the forward pass runs.
+    from vllm_kvbm.cpus import spare_cpus
+
+    result: list[set[int]] = []
+    t = widened_thread(lambda: result.append(spare_cpus()), "kvbm-test")
+    t.start()
+    t.join(10)
+    assert result == [set()]

@@ -6,7 +6,9 @@ agent copying to itself would route device memory through UCX (TCP or
 emulated 8 KiB pieces where there is no RDMA NIC). A KV cache in host memory
 (vLLM's CPU build): NIXL's UCX ``self`` transport (page_mover.py) and plain
 copies shared by a few threads (host_copies.py), both measured, the faster
-kept (the log line gives the other's figures too). Disk and remote tiers
+kept (the log line gives the other's figures too); plain copies without
+measuring where a core is free of vLLM's OpenMP threads, since their stores
+are copied there during the forward pass (layer_stores.py). Disk and remote tiers
 never go through either: they read and write host slots.
 
 The log line gives the path, how a page is cut into copies, and the GB/s of
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 
 from vllm_kvbm.config.errors import KVBMConfigError
+from vllm_kvbm.cpus import spare_cpus
 from vllm_kvbm.worker.copy_runs import PageCopies, RegionTable
 from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT, MAX_BLOCK_MAJOR_TOKENS
 
@@ -67,6 +70,7 @@ def make_mover(
     plain copies in a few threads (host_copies.py) both measured, the faster
     kept, unless ``host_path`` (host_copy_path) names one."""
     first = next(iter(kv_caches.values()))
+    chosen = ""
     if first.is_cuda:
         from vllm_kvbm.worker.copy_engine import CopyEngineMover
 
@@ -95,6 +99,10 @@ def make_mover(
             return HostCopies(kv_caches, num_blocks, host_rows, block_dims, page_blocks)
 
         paths = HOST_PATHS if host_path == "auto" else (host_path,)
+        if host_path == "auto" and "threads" in paths and spare_cpus():
+            # Plain copies' stores run on that core during the forward pass
+            # (layer_stores.py): off the engine's time, whatever either path's speed.
+            paths, chosen = ("threads",), " (a core is free of vLLM's OpenMP threads)"
         candidates = [{"nixl": nixl, "threads": threads}[p] for p in paths]
     made, trips = [], []
     try:
@@ -131,7 +139,7 @@ def make_mover(
         mover.path,
         copies,
         trip,
-        f" (the faster measured{others})" if others else "",
+        f" (the faster measured{others})" if others else chosen,
         hint or (" (host_copy_path)" if host_path != "auto" else ""),
     )
     return mover

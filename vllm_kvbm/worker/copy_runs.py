@@ -23,27 +23,43 @@ from vllm_kvbm.worker.kv_regions import BlockRegion
 @dataclass(frozen=True)
 class RegionTable:
     """Per region: engine base address and block stride, layer block bytes,
-    and its offset inside a host pool row."""
+    and its offset inside a host pool row of ``row_bytes``."""
 
     kv_base: np.ndarray
     kv_stride: np.ndarray
     sizes: np.ndarray
     host_offset: np.ndarray
+    row_bytes: int
 
     @classmethod
-    def of(cls, regions: list[BlockRegion]) -> "RegionTable":
+    def of(
+        cls,
+        regions: list[BlockRegion],
+        host_offset: np.ndarray | None = None,
+        row_bytes: int | None = None,
+    ) -> "RegionTable":
         """Regions that continue each other in every block (same stride, one
         ending where the next starts, as a block's layers do in BLHNC/BLNHC)
         are joined once here: a post then lists one entry per block, not one
-        per layer block, before merging consecutive blocks."""
+        per layer block, before merging consecutive blocks. A host row holds
+        ``regions`` side by side unless ``host_offset`` and ``row_bytes`` say
+        where they are (some of a row's regions: one layer's)."""
         sizes = np.array([r.layer_block_bytes for r in regions], dtype=np.int64)
         base = np.array([r.base for r in regions], dtype=np.int64)
         stride = np.array([r.stride for r in regions], dtype=np.int64)
-        host = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
-        # host rows hold the regions side by side, so only the engine side can break a run
+        if host_offset is None:
+            host = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+        else:
+            host = np.asarray(host_offset, dtype=np.int64)
+        row = int(sizes.sum()) if row_bytes is None else row_bytes
         starts = np.flatnonzero(
             np.concatenate(
-                ([True], (base[1:] != base[:-1] + sizes[:-1]) | (stride[1:] != stride[:-1]))
+                (
+                    [True],
+                    (base[1:] != base[:-1] + sizes[:-1])
+                    | (stride[1:] != stride[:-1])
+                    | (host[1:] != host[:-1] + sizes[:-1]),
+                )
             )
         )
         return cls(
@@ -51,11 +67,8 @@ class RegionTable:
             kv_stride=stride[starts],
             sizes=np.add.reduceat(sizes, starts) if sizes.size else sizes,
             host_offset=host[starts],
+            row_bytes=row,
         )
-
-    @property
-    def row_bytes(self) -> int:
-        return int(self.sizes.sum())
 
 
 def merge_runs(

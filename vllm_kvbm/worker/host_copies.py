@@ -104,7 +104,7 @@ class HostCopies:
                 f"host pool slot is {slot_bytes} bytes but one block of the "
                 f"registered KV cache is {self._table.row_bytes}; KV layout mismatch"
             )
-        self._host_base = host_pool.data_ptr()
+        self.host_base = host_pool.data_ptr()
         self.page_copies = page_copies(self._table, page_blocks)
         if threads is None:
             threads = min(MAX_THREADS, max(1, len(process_cpus())))
@@ -123,7 +123,7 @@ class HostCopies:
         """Copies blocks to or from host pool rows; "DONE" once copied.
         Raises (before copying anything) on ids out of range."""
         blocks, rows = checked_ids(block_ids, slots, self.num_blocks, self.num_slots)
-        src, dst, sizes = copy_runs(self._table, self._host_base, blocks, rows, to_host)
+        src, dst, sizes = copy_runs(self._table, self.host_base, blocks, rows, to_host)
         job = _Job(*pieces(src, dst, sizes, PIECE_BYTES))
         if job.n > 1 and int(sizes.sum()) >= HELP_BYTES:
             for q in self._queues[: job.n - 1]:
@@ -134,7 +134,8 @@ class HostCopies:
         return "DONE"
 
     def poll(self, handle) -> str:
-        return handle
+        """A post's "DONE", or a step of layer-wise stores' state (layer_stores.py)."""
+        return handle if isinstance(handle, str) else handle.poll()
 
     def close(self) -> None:
         """Only once no post is running (posts end before they return)."""

@@ -59,6 +59,7 @@ from vllm_kvbm.worker import lora_loads
 from vllm_kvbm.worker.loaded_weights import LoadedWeights
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
 from vllm_kvbm.worker.kv_release import KVRelease
+from vllm_kvbm.worker.layer_stores import LayerStores
 from vllm_kvbm.worker.streamed_loads import StreamedLoads
 from vllm_kvbm.worker.streaming import StagingSlots, StreamedLoad, needs_streaming, staging_slots
 from vllm_kvbm.worker.tier_io import TierIO
@@ -121,6 +122,8 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
         self._early_parts: dict[int, EarlyLoad] = {}
         lora_loads.watch()  # before vLLM loads any adapter in this process
         self.weights = LoadedWeights(0, None)  # the connector sets vLLM's model's
+        # Stores copied during the forward pass, where a core is free (layer_stores.py).
+        self._layer_stores: LayerStores | None = None
 
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
@@ -173,6 +176,9 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             self.num_host_slots,
             self.host_pool.numel() / 1024**3,
             ", pinned" if self._host.pinned else "",
+        )
+        self._layer_stores = LayerStores.start(
+            self.mover, kv_caches, num_blocks, block_dims, self.info.hybrid
         )
 
     # ---- posting ----------------------------------------------------------
@@ -290,11 +296,33 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             # the copies wait for it.
             fence = self.make_fence()
             weights_ok = self.weights.serves(meta.weights)
+            step = self._layer_stores.finish(meta) if self._layer_stores is not None else None
+            if step is not None:
+                # Copied layer by layer: the last layer's copy is all that may be left.
+                step.wait(self.transfer_timeout_s)  # past it: polled, overdue as any
             for job in meta.stores:
-                if not self._refused(job, True, weights_ok):
+                if step is not None and id(job) in step.job_ids:
+                    self._inflight.append(InFlight(job, True, step, step.started))
+                elif not self._refused(job, True, weights_ok):
                     self._queue(job, True, fence)
         self._awaiting_free.update(meta.delayed_free_req_ids)
         self._post_ready()
+
+    @property
+    def stores_by_layer(self) -> bool:
+        return self._layer_stores is not None
+
+    def save_layer(self, layer_name: str, meta: KVBMConnectorMetadata) -> None:
+        """vLLM's ``save_kv_layer``: the layer's KV of this step is written."""
+        if self._layer_stores is not None:
+            self._layer_stores.layer_saved(layer_name, meta, self._storable)
+
+    def _storable(self, meta: KVBMConnectorMetadata) -> list[TransferJob]:
+        """The step's stores ``start_stores`` will copy (what ``_refused``
+        and a released KV cache leave), found without failing any."""
+        if self.kv_released is not None or not self.weights.serves(meta.weights):
+            return []
+        return [j for j in meta.stores if not j.refuse and not lora_loads.refuses(j.adapter)]
 
     def handle_preemptions(self, meta: KVBMConnectorMetadata) -> None:
         """Preempted requests' blocks, and a hybrid model's sliding-window and
@@ -401,6 +429,9 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             )
             self.mover = None
             return
+        if self._layer_stores is not None:
+            self._layer_stores.close()
+            self._layer_stores = None
         self.mover.close()
         self.mover = None
         if self._host is not None:
