@@ -66,10 +66,12 @@ def spare_cpus() -> set[int]:
     for status in [path for pid in pids for path in glob.glob(f"/proc/{pid}/task/*/status")]:
         try:
             with open(status) as f:
-                line = next((x for x in f if x.startswith("Cpus_allowed_list:")), "")
+                fields = dict(x.split(":", 1) for x in f if ":" in x)
         except OSError:
             continue
-        cpus = _parse_list(line.partition(":")[2])
+        if fields.get("Name", "").strip().startswith(OS_THREAD_PREFIX):
+            continue  # KVBM's own (a layer store thread), not OpenMP's
+        cpus = _parse_list(fields.get("Cpus_allowed_list", ""))
         if len(cpus) == 1:
             taken |= cpus
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
@@ -80,6 +82,23 @@ def spare_cpus() -> set[int]:
         except ValueError:
             pass  # vLLM refuses it itself
     return allowed - taken
+
+
+# The OS-level name (``/proc/.../comm``) of threads KVBM pins itself: what
+# reads a process's OpenMP cores from its pinned threads skips them.
+OS_THREAD_PREFIX = "kvbm"
+
+
+def name_os_thread(name: str) -> None:
+    """Names the calling thread for the OS (15 bytes at most), as ``top -H``
+    and /proc show it; Python's thread names stay inside Python."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _children(parent: int) -> list[int]:

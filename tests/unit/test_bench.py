@@ -448,3 +448,36 @@ def test_plots_answer_one_question_each_at_a_readable_size(tmp_path):
     for path in paths:
         with Image.open(path) as image:
             assert image.size == (1200, 675), path.name
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_kvbms_layer_copy_thread_is_not_read_as_an_openmp_thread():
+    """pinned to one core as OpenMP's threads are, but named kvbm-...: an
+    engine with KVBM reads as bound like one without."""
+    import threading
+
+    import psutil
+
+    from vllm_kvbm.bench.cores import pinned_cores
+    from vllm_kvbm.cpus import name_os_thread
+
+    ready, done = threading.Event(), threading.Event()
+
+    def copier(name):
+        name_os_thread(name)
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        ready.set()
+        done.wait(10)
+
+    everything = tuple(sorted(os.sched_getaffinity(0)))
+    for name, expected in (("kvbm-layer-copy", everything), ("omp", everything[:1])):
+        ready.clear()
+        done.clear()
+        t = threading.Thread(target=copier, args=(name,))
+        t.start()
+        try:
+            assert ready.wait(10)
+            assert pinned_cores(psutil.Process()) == expected
+        finally:
+            done.set()
+            t.join(10)

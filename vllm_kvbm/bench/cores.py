@@ -34,6 +34,8 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from vllm_kvbm.cpus import OS_THREAD_PREFIX
+
 BIND_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
 
@@ -69,12 +71,16 @@ def _title(proc: psutil.Process) -> str:
 
 def pinned_cores(proc: psutil.Process) -> tuple[int, ...]:
     """The cores ``proc``'s threads are pinned to one by one (its OpenMP
-    threads'), else the process's affinity."""
+    threads': not KVBM's layer store thread, pinned to a core OpenMP left
+    free), else the process's affinity."""
     cores: set[int] = set()
     for thread in proc.threads():
         try:
             cpus = psutil.Process(thread.id).cpu_affinity()
-        except psutil.Error:
+            with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as f:
+                if f.read().startswith(OS_THREAD_PREFIX):
+                    continue
+        except (psutil.Error, OSError):
             continue  # the thread ended meanwhile
         if len(cpus) == 1:
             cores.update(cpus)

@@ -29,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_kvbm.cpus import spare_cpus
+from vllm_kvbm.cpus import name_os_thread, spare_cpus
 from vllm_kvbm.messages import TransferJob, block_rows
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs
 from vllm_kvbm.worker.kv_regions import BlockRegion, block_regions, checked_ids
@@ -190,6 +190,7 @@ class LayerStores:
         self._queue.put((step, src.tolist(), dst.tolist(), sizes.tolist()))
 
     def _run(self) -> None:
+        name_os_thread("kvbm-layer-copy")  # not an OpenMP thread to bench/cores.py
         try:
             os.sched_setaffinity(0, self.cpus)
         except (OSError, ValueError) as err:
