@@ -193,7 +193,7 @@ def test_vllm_counts_host_tier_hits_as_source_host(kvbm_llm):
 def test_stores_are_copied_on_the_core_vllm_leaves_free(kvbm_llm):
     """scripts/test.sh binds each worker's engines to one core: the other is
     free of vLLM's OpenMP threads, so the session's engine copies its stores
-    layer by layer there (worker/layer_stores.py) while the tests above
+    layer by layer there (worker/layer_copies.py) while the tests above
     compare its hits with recompute."""
     import os
 

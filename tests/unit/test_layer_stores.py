@@ -1,5 +1,5 @@
 """A step's stores copied layer by layer as vLLM reports each layer written
-(worker/layer_stores.py), on real KV layouts and real threads.
+(worker/layer_copies.py), on real KV layouts and real threads.
 
 Every byte of a store lands where the whole-block copy puts it, whichever
 layers vLLM reports and in whatever order (those it does not report are
@@ -22,10 +22,10 @@ import torch
 from test_page_mover import NB, make_layout, make_pool, movers  # noqa: F401 (fixture)
 from test_worker_unit import engine_info
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
-from vllm_kvbm.worker import layer_stores
+from vllm_kvbm.worker import layer_copies
 from vllm_kvbm.worker.host_copies import HostCopies
 from vllm_kvbm.worker.kv_regions import block_regions
-from vllm_kvbm.worker.layer_stores import LayerStores, layer_tables
+from vllm_kvbm.worker.layer_copies import LayerStores, layer_tables
 from vllm_kvbm.worker.worker import KVBMWorker
 
 
@@ -95,7 +95,7 @@ def test_the_caller_waits_for_one_copy_at_most(gen, movers, monkeypatch):
     pool = make_pool(8, lay.block_bytes(), gen)
     ls = stores(lay, pool, movers)
     stuck, entered = threading.Event(), threading.Event()
-    real = layer_stores._memmove
+    real = layer_copies._memmove
 
     def memmove(dst, src, n):
         if threading.current_thread().name == "kvbm-layer-store" and not stuck.is_set():
@@ -103,7 +103,7 @@ def test_the_caller_waits_for_one_copy_at_most(gen, movers, monkeypatch):
             assert stuck.wait(10)
         return real(dst, src, n)
 
-    monkeypatch.setattr(layer_stores, "_memmove", memmove)
+    monkeypatch.setattr(layer_copies, "_memmove", memmove)
     meta = KVBMConnectorMetadata(stores=[TransferJob(1, "A", [4, 9], [0, 5])])
     for name in lay.caches:
         ls.layer_saved(name, meta, lambda m: m.stores)
@@ -124,7 +124,7 @@ def test_layers_viewing_shared_memory_keep_whole_block_stores(gen):
 
 
 def test_a_worker_reports_layer_copied_stores_in_their_step(gen, monkeypatch):
-    monkeypatch.setattr(layer_stores, "spare_cpus", lambda: {0})
+    monkeypatch.setattr(layer_copies, "spare_cpus", lambda: {0})
     lay = make_layout("cpu", gen)
     worker = KVBMWorker(engine_info(lay), 8, "UCX", "kvbm-layer-test", host_copy_path="threads")
     worker.register_kv_caches(lay.caches, NB)
@@ -135,7 +135,7 @@ def test_a_worker_reports_layer_copied_stores_in_their_step(gen, monkeypatch):
         worker.start_loads(meta)  # start_load_kv
         for name in lay.caches:  # the forward pass, layer by layer
             worker.save_layer(name, meta)
-        step = worker._layer_stores._step
+        step = worker._layer_copies._step
         deadline = time.monotonic() + 10
         while step.left:  # the copy thread copies while the "forward pass" runs
             assert time.monotonic() < deadline

@@ -8,7 +8,7 @@ emulated 8 KiB pieces where there is no RDMA NIC). A KV cache in host memory
 copies shared by a few threads (host_copies.py), both measured, the faster
 kept (the log line gives the other's figures too); plain copies without
 measuring where a core is free of vLLM's OpenMP threads, since their stores
-are copied there during the forward pass (layer_stores.py). Disk and remote tiers
+are copied there during the forward pass (layer_copies.py). Disk and remote tiers
 never go through either: they read and write host slots.
 
 The log line gives the path, how a page is cut into copies, and the GB/s of
@@ -101,7 +101,7 @@ def make_mover(
         paths = HOST_PATHS if host_path == "auto" else (host_path,)
         if host_path == "auto" and "threads" in paths and spare_cpus():
             # Plain copies' stores run on that core during the forward pass
-            # (layer_stores.py): off the engine's time, whatever either path's speed.
+            # (layer_copies.py): off the engine's time, whatever either path's speed.
             paths, chosen = ("threads",), " (a core is free of vLLM's OpenMP threads)"
         candidates = [{"nixl": nixl, "threads": threads}[p] for p in paths]
     made, trips = [], []

@@ -134,7 +134,7 @@ class HostCopies:
         return "DONE"
 
     def poll(self, handle) -> str:
-        """A post's "DONE", or a step of layer-wise stores' state (layer_stores.py)."""
+        """A post's "DONE", or a step of layer-wise stores' state (layer_copies.py)."""
         return handle if isinstance(handle, str) else handle.poll()
 
     def close(self) -> None:

@@ -59,7 +59,7 @@ from vllm_kvbm.worker import lora_loads
 from vllm_kvbm.worker.loaded_weights import LoadedWeights
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
 from vllm_kvbm.worker.kv_release import KVRelease
-from vllm_kvbm.worker.layer_stores import LayerStores
+from vllm_kvbm.worker.layer_copies import LayerStores
 from vllm_kvbm.worker.streamed_loads import StreamedLoads
 from vllm_kvbm.worker.streaming import StagingSlots, StreamedLoad, needs_streaming, staging_slots
 from vllm_kvbm.worker.tier_io import TierIO
@@ -122,8 +122,8 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
         self._early_parts: dict[int, EarlyLoad] = {}
         lora_loads.watch()  # before vLLM loads any adapter in this process
         self.weights = LoadedWeights(0, None)  # the connector sets vLLM's model's
-        # Stores copied during the forward pass, where a core is free (layer_stores.py).
-        self._layer_stores: LayerStores | None = None
+        # Stores copied during the forward pass, where a core is free (layer_copies.py).
+        self._layer_copies: LayerStores | None = None
 
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
@@ -177,7 +177,7 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             self.host_pool.numel() / 1024**3,
             ", pinned" if self._host.pinned else "",
         )
-        self._layer_stores = LayerStores.start(
+        self._layer_copies = LayerStores.start(
             self.mover, kv_caches, num_blocks, block_dims, self.info.hybrid
         )
 
@@ -296,7 +296,7 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             # the copies wait for it.
             fence = self.make_fence()
             weights_ok = self.weights.serves(meta.weights)
-            step = self._layer_stores.finish(meta) if self._layer_stores is not None else None
+            step = self._layer_copies.finish(meta) if self._layer_copies is not None else None
             if step is not None:
                 # Copied layer by layer: the last layer's copy is all that may be left.
                 step.wait(self.transfer_timeout_s)  # past it: polled, overdue as any
@@ -310,12 +310,12 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
 
     @property
     def stores_by_layer(self) -> bool:
-        return self._layer_stores is not None
+        return self._layer_copies is not None
 
     def save_layer(self, layer_name: str, meta: KVBMConnectorMetadata) -> None:
         """vLLM's ``save_kv_layer``: the layer's KV of this step is written."""
-        if self._layer_stores is not None:
-            self._layer_stores.layer_saved(layer_name, meta, self._storable)
+        if self._layer_copies is not None:
+            self._layer_copies.layer_saved(layer_name, meta, self._storable)
 
     def _storable(self, meta: KVBMConnectorMetadata) -> list[TransferJob]:
         """The step's stores ``start_stores`` will copy (what ``_refused``
@@ -429,9 +429,9 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             )
             self.mover = None
             return
-        if self._layer_stores is not None:
-            self._layer_stores.close()
-            self._layer_stores = None
+        if self._layer_copies is not None:
+            self._layer_copies.close()
+            self._layer_copies = None
         self.mover.close()
         self.mover = None
         if self._host is not None:
