@@ -205,6 +205,9 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
                 tier_write_queue_pages=self.config.tier_write_queue_pages,
                 tier_read_timeout_s=self.config.tier_read_timeout_s,
             )
+            # A draft model's step reports the connector's results before its
+            # wait_for_save: a layered load's failure would reach vLLM a step late.
+            self.worker.layered_loads = vllm_config.speculative_config is None
 
     def _standalone_metrics(self) -> StandaloneMetrics | None:
         port = self.config.metrics_port
@@ -291,14 +294,16 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.start_loads(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Loads are asynchronous: the request waits in WAITING_FOR_REMOTE_KVS
-        # until its load finishes, so no layer ever waits here.
-        return
+        # A host-tier hit loaded layer by layer (worker/layer_copies.py, on
+        # CPU where a core is free) is waited for here; other loads are
+        # asynchronous (the request waits in WAITING_FOR_REMOTE_KVS).
+        if self.kept_out is None and self.worker is not None and self.worker.copies_by_layer:
+            self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
         # Stores are posted once per step in wait_for_save; on CPU, where a
         # core is free, each layer's part is copied as it is written.
-        if self.kept_out is None and self.worker is not None and self.worker.stores_by_layer:
+        if self.kept_out is None and self.worker is not None and self.worker.copies_by_layer:
             self.worker.save_layer(layer_name, self._meta())
 
     def wait_for_save(self) -> None:

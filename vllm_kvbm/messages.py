@@ -72,6 +72,10 @@ class TransferJob:
     # Loads only: the control endpoint of the peer whose pool its "peer"
     # pages are read from (the request's hint; "" when it has none).
     peer: str = ""
+    # Loads only: a host-tier hit vLLM was told is synchronous, copied layer
+    # by layer during the step's forward pass (worker/layer_copies.py) and
+    # reported in ``loads_done``, never as vLLM's finished_recving.
+    layered: bool = False
 
     @property
     def page_blocks(self) -> int:
@@ -145,6 +149,13 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     stores_failed: Counter = field(default_factory=Counter)
     # req id -> number of workers whose load for it failed
     loads_failed: Counter = field(default_factory=Counter)
+    # req id -> number of workers that finished its layered load (ok or not),
+    # and the longest any worker's forward pass waited for it (seconds)
+    loads_done: Counter = field(default_factory=Counter)
+    layered_waits: dict[str, float] = field(default_factory=dict)
+    # workers that load layer by layer: +1 from each once it can, -1 once it
+    # stopped (the scheduler asks for layered loads while every worker can)
+    layered_workers: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
     # spill job id -> workers that copied the slot (the slot may be reused)
@@ -198,6 +209,12 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             stores_done=self.stores_done + other.stores_done,
             stores_failed=self.stores_failed + other.stores_failed,
             loads_failed=self.loads_failed + other.loads_failed,
+            loads_done=self.loads_done + other.loads_done,
+            layered_waits={
+                r: max(self.layered_waits.get(r, 0.0), other.layered_waits.get(r, 0.0))
+                for r in self.layered_waits.keys() | other.layered_waits.keys()
+            },
+            layered_workers=self.layered_workers + other.layered_workers,
             spills_done=self.spills_done + other.spills_done,
             tier_events=self.tier_events + other.tier_events,
             tier_stored=self.tier_stored + other.tier_stored,
@@ -227,6 +244,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             self.stores_done
             or self.stores_failed
             or self.loads_failed
+            or self.loads_done
+            or self.layered_workers
             or self.spills_done
             or self.tier_events
             or self.transfer_timeouts

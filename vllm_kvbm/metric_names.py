@@ -108,6 +108,12 @@ FAMILIES = _families(
         "Blocks loaded into the engine's KV cache (from any tier, through host memory)",
     ),
     Family(
+        "kvbm_onboard_layered_blocks",
+        "counter",
+        "Blocks of host-tier hits loaded layer by layer during the step that computes the "
+        "request (vLLM's CPU build with a core free of its OpenMP threads)",
+    ),
+    Family(
         "kvbm_offload_bytes",
         "counter",
         "Bytes offloaded from the engine's KV cache into the host tier",
@@ -349,6 +355,7 @@ COUNTERS: dict[str, tuple[str, str | None]] = {
     "recompute_chosen_tokens": ("kvbm_recompute_chosen_tokens", None),
     "offload_blocks_d2h": ("kvbm_offload_blocks", None),
     "onboard_blocks_h2d": ("kvbm_onboard_blocks", None),
+    "onboard_layered_blocks": ("kvbm_onboard_layered_blocks", None),
     "offload_bytes_d2h": ("kvbm_offload_bytes", None),
     "onboard_bytes_h2d": ("kvbm_onboard_bytes", None),
     "store_skipped_blocks": ("kvbm_offload_skipped_blocks", None),

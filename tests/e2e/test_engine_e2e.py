@@ -218,3 +218,13 @@ def test_stores_are_copied_on_the_core_vllm_leaves_free(kvbm_llm):
             (copiers if name == "kvbm-layer-copy" else pinned).append(cpus)
     assert copiers == [spare]
     assert spare not in pinned  # no other thread there: no OpenMP thread
+    # and its host-tier hits are loaded layer by layer in the step that computes them
+    prompt = random_prompt(1000, seed=4242)
+    generate(kvbm_llm, [prompt])
+    kvbm_llm.reset_prefix_cache()
+    layered = kvbm_counter("onboard_layered_blocks")
+    _, cached = generate(kvbm_llm, [prompt])
+    assert cached[0] == expected_hit_tokens(1000)
+    assert (
+        kvbm_counter("onboard_layered_blocks") - layered == expected_hit_tokens(1000) // BLOCK_SIZE
+    )

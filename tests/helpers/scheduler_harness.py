@@ -204,6 +204,8 @@ def step(
     finished_sending=(),
     invalid_block_ids=(),
     failed_recving=(),
+    loads_done=(),
+    layered_workers: int = 0,
     complete: bool = False,
     token: int = 7,
 ):
@@ -228,6 +230,8 @@ def step(
         finished_sending=finished_sending,
         invalid_block_ids=invalid_block_ids,
         failed_recving=failed_recving,
+        loads_done=loads_done,
+        layered_workers=layered_workers,
         complete=complete,
         token=token,
     )
@@ -279,6 +283,8 @@ def worker_output(
     finished_sending=(),
     invalid_block_ids=(),
     failed_recving=(),
+    loads_done=(),
+    layered_workers: int = 0,
     complete: bool = False,
     token: int = 7,
 ) -> ModelRunnerOutput:
@@ -294,7 +300,12 @@ def worker_output(
     worker_meta = KVBMWorkerMetadata()
     if complete:
         stores_done = [*stores_done, *(job.job_id for job in meta.stores)]
-        finished_recving = [*finished_recving, *(job.req_id for job in meta.loads)]
+        # a layered load is synchronous to vLLM: done in its step, not "received"
+        finished_recving = [
+            *finished_recving,
+            *(job.req_id for job in meta.loads if not job.layered),
+        ]
+        loads_done = [*loads_done, *(job.req_id for job in meta.loads if job.layered)]
         finished_sending = [*finished_sending, *meta.delayed_free_req_ids]
     for job_id in stores_done:
         worker_meta.stores_done[job_id] += 1
@@ -302,6 +313,9 @@ def worker_output(
         worker_meta.stores_failed[job_id] += 1
     for rid in loads_failed:
         worker_meta.loads_failed[rid] += 1
+    for rid in loads_done:
+        worker_meta.loads_done[rid] += 1
+    worker_meta.layered_workers = layered_workers
     for job_id in spills_done:
         worker_meta.spills_done[job_id] += 1
     worker_meta.slots_held.update(slots_held)

@@ -25,7 +25,7 @@ from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, Transf
 from vllm_kvbm.worker import layer_copies
 from vllm_kvbm.worker.host_copies import HostCopies
 from vllm_kvbm.worker.kv_regions import block_regions
-from vllm_kvbm.worker.layer_copies import LayerStores, layer_tables
+from vllm_kvbm.worker.layer_copies import LayerCopies, layer_tables
 from vllm_kvbm.worker.worker import KVBMWorker
 
 
@@ -39,7 +39,7 @@ def stores(lay, pool, movers):
     movers.append(mover)
     tables = layer_tables(lay.caches, NB, None, mover.regions)
     assert tables is not None and set(tables) == set(lay.caches)
-    return LayerStores(tables, mover, {min(os.sched_getaffinity(0))})
+    return LayerCopies(tables, mover, {min(os.sched_getaffinity(0))})
 
 
 @pytest.mark.parametrize("kind", ["cpu", "flash", "flash_hnd"])
@@ -98,7 +98,7 @@ def test_the_caller_waits_for_one_copy_at_most(gen, movers, monkeypatch):
     real = layer_copies._memmove
 
     def memmove(dst, src, n):
-        if threading.current_thread().name == "kvbm-layer-store" and not stuck.is_set():
+        if threading.current_thread().name == "kvbm-layer-copy" and not stuck.is_set():
             entered.set()
             assert stuck.wait(10)
         return real(dst, src, n)
@@ -129,7 +129,7 @@ def test_a_worker_reports_layer_copied_stores_in_their_step(gen, monkeypatch):
     worker = KVBMWorker(engine_info(lay), 8, "UCX", "kvbm-layer-test", host_copy_path="threads")
     worker.register_kv_caches(lay.caches, NB)
     try:
-        assert worker.stores_by_layer
+        assert worker.copies_by_layer
         job = TransferJob(1, "A", [3, 4], [2, 6])
         meta = KVBMConnectorMetadata(stores=[job])
         worker.start_loads(meta)  # start_load_kv

@@ -216,3 +216,62 @@ def test_unreported_stores_are_not_loadable():
     assert k.get_num_new_matched_tokens(probe, 0) == (64, True)
     # Beyond a local hit of 1 block only 3 more are reported.
     assert k.get_num_new_matched_tokens(probe, BLOCK) == (48, True)
+
+
+# ---- host hits loaded layer by layer (worker/layer_copies.py) --------------------
+
+
+def test_a_host_hit_is_synchronous_once_every_worker_loads_layer_by_layer():
+    s = make_scheduler()
+    k = kvbm(s)
+    prompt = tokens(40, 41)
+    r1, load = load_again(s, prompt, max_tokens=1)  # no worker said it can: asynchronous
+    assert not load.layered and r1.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    step(s, finished_recving=[r1.request_id])
+    run_until_done(s, r1.request_id)
+
+    step(s, layered_workers=1)  # the one worker can
+    assert s.reset_prefix_cache()
+    keys = keys_of(s, prompt)
+    r2 = make_request(prompt[:32] + tokens(28, 42), max_tokens=2)
+    s.add_request(r2)
+    out, meta, _ = step(s, complete=True)
+    (load,) = meta.loads
+    assert load.layered and load.block_ids == block_ids(s, r2.request_id)[:2]
+    # computed in the step that loads it, the loaded blocks counted as computed
+    assert r2.status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens == {r2.request_id: 60 - 32}
+    assert all(k.host._entries[key].pins == 0 for key in keys)
+    assert k.stats.total["onboard_blocks_h2d"] == 4  # both loads
+    assert k.stats.total["onboard_layered_blocks"] == 2  # the second
+
+
+def test_a_failed_layered_load_is_recomputed_and_its_pages_dropped():
+    s = make_scheduler()
+    k = kvbm(s)
+    prompt = tokens(40, 43)
+    store_and_finish(s, prompt)
+    step(s, layered_workers=1)
+    assert s.reset_prefix_cache()
+    keys = keys_of(s, prompt)
+    r = make_request(prompt, max_tokens=2)
+    s.add_request(r)
+    out = s.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert load.layered and out.num_scheduled_tokens == {r.request_id: 40 - 32}
+    from helpers.scheduler_harness import worker_output
+
+    mro = worker_output(
+        s,
+        out,
+        loads_failed=[r.request_id],
+        loads_done=[r.request_id],
+        invalid_block_ids=load.block_ids,
+    )
+    s.update_from_output(out, mro)
+    # vLLM drops the step's token and recomputes from the first failed block
+    assert r.num_computed_tokens == 0 and not r.output_token_ids
+    assert not any(key in k.host for key in keys)  # the bytes may be bad: forgotten
+    assert k.stats.total["load_error_blocks"] == 2
+    out, meta, _ = step(s)
+    assert out.num_scheduled_tokens == {r.request_id: 40} and not meta.loads

@@ -78,6 +78,7 @@ class LoadPlanning:
                     self.events.describe(request, state.chain.keys, [start + i])
             job.slots.append(slot)
             job.fetch.append((i, src, key))
+        job.layered = state.load.layered = state.lookup.layered and not job.fetch
         state.load.keys = host_keys
         state.load.page_keys, state.load.sources = keys, sources
         lower = Counter(src for src in sources if src != "host")
@@ -133,6 +134,7 @@ class LoadPlanning:
         self.host.unpin(keys)
         failed, state.load.failed = state.load.failed, False
         cut, state.load.cut = state.load.cut, None
+        layered, state.load.layered = state.load.layered, False
         if cut is not None and not failed:
             self._finish_cut_load(state, keys, promoted, cut)
         elif failed:
@@ -148,8 +150,18 @@ class LoadPlanning:
             state.lookup.recompute_only = True
             state.lookup.failed_at_preemption = _preemptions(state.request)
         else:
-            self.stats.observe("load_latency_seconds", [self.split.clock() - state.load.started])
-            self._learn_load(state)
+            if layered:
+                # Copied during the step that computed the request: what it
+                # cost is the forward pass's waits, not the time to this
+                # report; nothing for load_split to learn.
+                self.stats.observe("load_latency_seconds", [state.load.wait_s])
+                self.stats.add("onboard_layered_blocks", state.load.block_count)
+                state.load.tier_pages, state.load.wait_s = None, 0.0
+            else:
+                self.stats.observe(
+                    "load_latency_seconds", [self.split.clock() - state.load.started]
+                )
+                self._learn_load(state)
             self.stats.add("onboard_blocks_h2d", state.load.block_count)
             self.host.commit([key for key, _ in promoted])  # now in the host tier
             fetched = Counter(streamed)

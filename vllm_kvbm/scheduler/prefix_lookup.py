@@ -44,6 +44,7 @@ class PrefixLookup:
         found.hit_sources = []
         found.peer = None
         found.split_dropped = 0
+        found.layered = False
         if found.recompute_only and _preemptions(request) > found.failed_at_preemption:
             found.recompute_only = False
         if start >= max_pages or found.recompute_only or not state.params.loads:
@@ -74,7 +75,14 @@ class PrefixLookup:
         hit = len(sources)
         if hit == 0:
             return 0, False
-        return (start + hit) * self.page_tokens - local * self.block_size, True
+        # A hit the host tier holds whole, where every worker copies loads
+        # layer by layer: synchronous, computed in this very step.
+        found.layered = (
+            self._layered_workers >= self.info.num_workers
+            and self.groups is None
+            and all(src == "host" for src in sources)
+        )
+        return (start + hit) * self.page_tokens - local * self.block_size, not found.layered
 
     def _lookup(self, state: _ReqState, start: int, end: int) -> list[str] | None:
         """Tier of each page of the longest prefix of pages [start, end)

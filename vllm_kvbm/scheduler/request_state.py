@@ -39,6 +39,9 @@ class _Lookup:
     tokens: int | None = None
     # pages found but left to recompute (cheaper than loading)
     split_dropped: int = 0
+    # told vLLM the load is synchronous: a host-tier hit the workers copy
+    # layer by layer during the forward pass (worker/layer_copies.py)
+    layered: bool = False
     # a load of it failed: lookups find nothing until it is next preempted
     # (vLLM looks it up again when the failed block was its first, and a tier
     # that keeps failing on a page it still lists would send it round load,
@@ -78,6 +81,10 @@ class _Load:
     cut: int | None = None
     # (loads, pages) per lower tier in flight when it was planned
     ahead: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # copied layer by layer in the step that computes the request, and the
+    # longest a worker's forward pass waited for it
+    layered: bool = False
+    wait_s: float = 0.0
 
     def in_flight(self) -> bool:
         return bool(self.keys or self.promoted or self.streamed)

@@ -66,6 +66,16 @@ class WorkerReports:
                 state = self._reqs.get(req_id)
                 if state is not None:
                     state.load.failed = True
+            self._layered_workers += meta.layered_workers
+            self._layered_done.update(meta.loads_done)
+            for req_id, n in list(self._layered_done.items()):
+                state = self._reqs.get(req_id)
+                if state is not None and req_id in meta.layered_waits:
+                    state.load.wait_s = max(state.load.wait_s, meta.layered_waits[req_id])
+                if n >= self.info.num_workers:
+                    del self._layered_done[req_id]
+                    if state is not None and state.load.in_flight():
+                        self._finish_load(state)
             for req_id, landed in meta.loads_cut:
                 state = self._reqs.get(req_id)
                 if state is not None:

@@ -40,8 +40,13 @@ class Completions:
             else:
                 meta.loads_failed[job.req_id] += 1
                 self._load_failed(job.req_id, block_rows(job)[0])
-            # Reported even when failed: vLLM recomputes the failed blocks.
-            self._finished_recving.add(job.req_id)
+            # Reported even when failed: vLLM recomputes the failed blocks. A
+            # layered load is synchronous to vLLM: never in finished_recving.
+            if job.layered:
+                meta.loads_done[job.req_id] += 1
+                meta.layered_waits[job.req_id] = elapsed
+            else:
+                self._finished_recving.add(job.req_id)
 
     def _poll(self) -> None:
         """Collects finished transfers and deals with overdue ones."""

@@ -1,20 +1,33 @@
-"""A step's stores copied layer by layer while its forward pass runs, on a
-core vLLM keeps out of the forward pass.
+"""A step's copies between the KV cache and the host tier made layer by layer
+while its forward pass runs, on a core vLLM keeps out of the forward pass.
 
-On vLLM's CPU build a step's stores are otherwise copied after its forward
-pass (``wait_for_save``, on the engine thread), so a miss's time to first
-token includes them. vLLM calls ``save_kv_layer`` as each attention layer
-returns, that layer's KV of the step written; where the process has a CPU
-none of vLLM's OpenMP threads runs on (the core vLLM reserves:
-``VLLM_CPU_NUM_OF_RESERVED_CPU``; cpus.spare_cpus), a copy thread pinned to
-it copies each layer's part of the step's stores then, and ``wait_for_save``
-waits only for what is left: the last layer's copy, and any layer vLLM did
-not report (copied then). A store is reported exactly as before, in the
-step that computed it. With every core bound to OpenMP there is no such core
-and stores stay after the forward pass: a thread there would take a core
-from it (docs/benchmarks.md). Models whose layers view shared memory
-(vLLM's hybrid allocator) keep whole-block stores: a layer's bytes are not
-its own.
+On vLLM's CPU build a step's copies otherwise run on the engine thread around
+its forward pass: stores after it (``wait_for_save``), so a miss's time to
+first token includes them; loads before the step that computes the request
+(which waits in WAITING_FOR_REMOTE_KVS meanwhile), so a hit's does. Where the
+process has a CPU none of vLLM's OpenMP threads runs on (the core vLLM
+reserves: ``VLLM_CPU_NUM_OF_RESERVED_CPU``; cpus.spare_cpus), a copy thread
+pinned to it does them layer by layer instead:
+
+- stores: vLLM calls ``save_kv_layer`` as each attention layer returns, that
+  layer's KV of the step written; its part of the step's stores is copied
+  then, and ``wait_for_save`` waits only for what is left (the last layer's
+  copy, and any layer vLLM did not report, copied then). A store is reported
+  in the step that computed it, as before.
+- loads: a hit the host tier holds whole is returned to vLLM as synchronous
+  (the scheduler asks for it once every worker said it can: ``layered``), so
+  the request computes in the step that loads it. ``start_load_kv`` posts
+  every layer's copy in order, and vLLM's ``wait_for_layer_load`` before each
+  attention layer waits for that layer's only (copying itself the layers up
+  to it the thread has not started). A layer whose attention ran without
+  that wait fails the step's loads (vLLM recomputes those blocks and drops
+  the step's token for them) and ends layered loads for this worker.
+
+The engine thread never waits for more than the one copy the thread is in.
+With every core bound to OpenMP there is no such core and copies stay around
+the forward pass: a thread there would take a core from it
+(docs/benchmarks.md). Models whose layers view shared memory (vLLM's hybrid
+allocator) keep whole-block copies: a layer's bytes are not its own.
 """
 
 from __future__ import annotations
@@ -22,9 +35,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -32,6 +45,7 @@ import torch
 from vllm_kvbm.cpus import name_os_thread, spare_cpus
 from vllm_kvbm.messages import TransferJob, block_rows
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs
+from vllm_kvbm.worker.host_copies import PIECE_BYTES, HostCopies, pieces
 from vllm_kvbm.worker.kv_regions import BlockRegion, block_regions, checked_ids
 
 logger = logging.getLogger(__name__)
@@ -64,8 +78,8 @@ def layer_tables(
     return tables if len(owner) == len(regions) else None
 
 
-class StepStores:
-    """One step's stores copied by layer; a mover handle (``poll``)."""
+class StepCopies:
+    """One step's stores (or loads) copied by layer; a mover handle (``poll``)."""
 
     def __init__(self, jobs: list[TransferJob], blocks: np.ndarray, rows: np.ndarray):
         self.jobs = jobs
@@ -73,7 +87,11 @@ class StepStores:
         self.blocks, self.rows = blocks, rows
         self.started = time.perf_counter()
         self.layers: set[str] = set()  # posted
-        self.left = 0  # layers posted and not copied yet
+        self.done: set[str] = set()  # copied
+        self.waited: set[str] = set()  # loads: layers vLLM waited for
+        self.wait_s = 0.0  # loads: how long the forward pass waited for them
+        self.left = 0  # copies posted and not done yet
+        self.parts: dict[str, int] = {}  # per layer: its copies not done yet
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
 
@@ -83,13 +101,39 @@ class StepStores:
                 return "PROC"
         return "ERR" if self.failed is not None else "DONE"
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float | None = None) -> bool:
         with self.cond:
             return self.cond.wait_for(lambda: self.left == 0, timeout)
 
 
-class LayerStores:
-    """The copy thread and the step being copied."""
+class _Work:
+    """The copies posted, in order; the copy thread takes the first, the
+    engine thread those it must not wait for."""
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._cv = threading.Condition()
+
+    def put(self, item) -> None:
+        with self._cv:
+            self._items.append(item)
+            self._cv.notify()
+
+    def get(self):
+        with self._cv:
+            self._cv.wait_for(lambda: self._items)
+            return self._items.popleft()
+
+    def take_if(self, wanted):
+        """The first item if ``wanted(item)``, else None."""
+        with self._cv:
+            if self._items and self._items[0] is not None and wanted(self._items[0]):
+                return self._items.popleft()
+            return None
+
+
+class LayerCopies:
+    """The copy thread, and the step's stores and loads being copied."""
 
     def __init__(self, tables: dict[str, RegionTable], mover, cpus: set[int]):
         self.tables, self.cpus = tables, cpus
@@ -98,21 +142,21 @@ class LayerStores:
             mover.num_blocks,
             mover.num_slots,
         )
-        self._step: StepStores | None = None
+        self.order = {name: i for i, name in enumerate(tables)}  # vLLM's layer order
+        self._step: StepCopies | None = None  # stores
         self._meta: object = None  # the connector metadata _step was planned from
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvbm-layer-store", daemon=True)
+        self._load: StepCopies | None = None
+        self._work = _Work()
+        self._thread = threading.Thread(target=self._run, name="kvbm-layer-copy", daemon=True)
         self._thread.start()
 
     @classmethod
     def start(
         cls, mover, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_dims, hybrid: bool
-    ) -> "LayerStores | None":
-        """Layer-wise stores for this worker, or None (logged: why not)."""
+    ) -> "LayerCopies | None":
+        """Layer-wise copies for this worker, or None (logged: why not)."""
         why = None
         tables = None
-        from vllm_kvbm.worker.host_copies import HostCopies
-
         if hybrid or not isinstance(mover, HostCopies):
             why = "a hybrid model" if hybrid else f"copies by {mover.path}"
         else:
@@ -122,11 +166,15 @@ class LayerStores:
         if tables and not cpus:
             why = "every core of this worker runs vLLM's OpenMP threads"
         if why is not None:
-            logger.info("KVBM worker: stores copied after each forward pass (%s)", why)
+            logger.info(
+                "KVBM worker: stores copied after each forward pass, host hits loaded before "
+                "it (%s)",
+                why,
+            )
             return None
         logger.info(
-            "KVBM worker: stores copied layer by layer during the forward pass, on CPU %s "
-            "(none of vLLM's OpenMP threads runs there)",
+            "KVBM worker: stores and host hits copied layer by layer during the forward pass, "
+            "on CPU %s (none of vLLM's OpenMP threads runs there)",
             ",".join(map(str, sorted(cpus))),
         )
         return cls(tables, mover, cpus)
@@ -140,13 +188,13 @@ class LayerStores:
             self._step = self._plan(storable(meta))
         step = self._step
         if step is not None and name in self.tables and name not in step.layers:
-            self._post(step, name)
+            self._post(step, name, True)
 
-    def finish(self, meta) -> StepStores | None:
+    def finish(self, meta) -> StepCopies | None:
         """``wait_for_save``: the step's stores planned from ``meta`` (None if
         none were), every layer posted. The layers vLLM did not report, and
         those the copy thread has not started, are copied here, so what the
-        caller then waits for (``StepStores.wait``) is the one copy that
+        caller then waits for (``StepCopies.wait``) is the one copy that
         thread is in, whatever its core is doing."""
         step, self._step = self._step, None
         planned, self._meta = self._meta, None
@@ -154,16 +202,52 @@ class LayerStores:
             return None
         for name in self.tables:
             if name not in step.layers:
-                self._post(step, name)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
+                self._post(step, name, True)
+        while (item := self._work.take_if(lambda it: it[0] is step)) is not None:
             _copy(*item)
         return step
 
-    def _plan(self, jobs: list[TransferJob]) -> StepStores | None:
+    def load(self, jobs: list[TransferJob]) -> list[TransferJob]:
+        """``start_load_kv``: the step's layered loads, every layer's copy
+        posted in vLLM's layer order; the jobs refused (ids out of range)."""
+        step = self._plan(jobs)
+        planned = step.job_ids if step is not None else set()
+        if step is not None:
+            self._load = step
+            for name in self.tables:
+                self._post(step, name, False)
+        return [job for job in jobs if id(job) not in planned]
+
+    def layer_needed(self, name: str) -> None:
+        """vLLM's ``wait_for_layer_load``: returns once layer ``name``'s loads
+        are copied, copying here those up to it the thread has not started."""
+        step = self._load
+        if step is None or name not in self.tables:
+            return
+        step.waited.add(name)
+        started = time.perf_counter()
+        last = self.order[name]
+        while name not in step.done:
+            item = self._work.take_if(lambda it: it[0] is step and self.order[it[1]] <= last)
+            if item is None:
+                break
+            _copy(*item)
+        with step.cond:
+            step.cond.wait_for(lambda: name in step.done)
+        step.wait_s += time.perf_counter() - started
+
+    def loads_ended(self) -> tuple[StepCopies, bool] | None:
+        """After the forward pass: the step's loads (None if none), every copy
+        ended, and whether each layer was waited for before its attention."""
+        step, self._load = self._load, None
+        if step is None:
+            return None
+        while (item := self._work.take_if(lambda it: it[0] is step)) is not None:
+            _copy(*item)
+        step.wait()
+        return step, step.waited >= step.layers
+
+    def _plan(self, jobs: list[TransferJob]) -> StepCopies | None:
         """The jobs' copies; a job whose ids are out of range is left to the
         whole-block path (which refuses it before copying anything)."""
         kept, blocks, rows = [], [], []
@@ -178,16 +262,26 @@ class LayerStores:
             rows += r
         if not kept:
             return None
-        return StepStores(
+        return StepCopies(
             kept, np.asarray(blocks, dtype=np.int64), np.asarray(rows, dtype=np.int64)
         )
 
-    def _post(self, step: StepStores, name: str) -> None:
-        src, dst, sizes = copy_runs(self.tables[name], self.host_base, step.blocks, step.rows, True)
+    def _post(self, step: StepCopies, name: str, to_host: bool) -> None:
+        """The layer's copies, as two halves: whoever waits for the layer
+        takes the half the thread has not started."""
+        table = self.tables[name]
+        runs = copy_runs(table, self.host_base, step.blocks, step.rows, to_host)
+        src, dst, sizes = pieces(*runs, PIECE_BYTES)
+        half = (len(sizes) + 1) // 2
+        items = [(a, b) for a, b in ((0, half), (half, len(sizes))) if b > a]
         step.layers.add(name)
         with step.cond:
-            step.left += 1
-        self._queue.put((step, src.tolist(), dst.tolist(), sizes.tolist()))
+            step.left += len(items)
+            step.parts[name] = len(items)
+            if not items:
+                step.done.add(name)
+        for a, b in items:
+            self._work.put((step, name, src[a:b], dst[a:b], sizes[a:b]))
 
     def _run(self) -> None:
         name_os_thread("kvbm-layer-copy")  # not an OpenMP thread to bench/cores.py
@@ -195,23 +289,25 @@ class LayerStores:
             os.sched_setaffinity(0, self.cpus)
         except (OSError, ValueError) as err:
             logger.debug("KVBM: layer store thread left on its CPUs: %s", err)
-        while (item := self._queue.get()) is not None:
+        while (item := self._work.get()) is not None:
             _copy(*item)
 
     def close(self) -> None:
         """Once no step is being copied (the worker waited for its stores)."""
-        self._queue.put(None)
+        self._work.put(None)
         self._thread.join(timeout=5.0)
 
 
-def _copy(step: StepStores, src: list[int], dst: list[int], sizes: list[int]) -> None:
+def _copy(step: StepCopies, name: str, src: list[int], dst: list[int], sizes: list[int]) -> None:
     """One layer's copies of a step (on the copy thread, or the engine's)."""
     try:
         for s, d, n in zip(src, dst, sizes):
             _memmove(d, s, n)
-    except BaseException as err:  # noqa: BLE001 - the step's stores fail, nothing else
+    except BaseException as err:  # noqa: BLE001 - the step's copies fail, nothing else
         step.failed = err
     with step.cond:
         step.left -= 1
-        if step.left == 0:
-            step.cond.notify_all()
+        step.parts[name] -= 1
+        if not step.parts[name]:
+            step.done.add(name)
+        step.cond.notify_all()

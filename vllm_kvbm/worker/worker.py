@@ -59,7 +59,8 @@ from vllm_kvbm.worker import lora_loads
 from vllm_kvbm.worker.loaded_weights import LoadedWeights
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
 from vllm_kvbm.worker.kv_release import KVRelease
-from vllm_kvbm.worker.layer_copies import LayerStores
+from vllm_kvbm.worker.layer_copies import LayerCopies
+from vllm_kvbm.worker.layered_steps import LayeredSteps
 from vllm_kvbm.worker.streamed_loads import StreamedLoads
 from vllm_kvbm.worker.streaming import StagingSlots, StreamedLoad, needs_streaming, staging_slots
 from vllm_kvbm.worker.tier_io import TierIO
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
+class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completions):
     def __init__(
         self,
         info: "EngineInfo",
@@ -122,8 +123,10 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
         self._early_parts: dict[int, EarlyLoad] = {}
         lora_loads.watch()  # before vLLM loads any adapter in this process
         self.weights = LoadedWeights(0, None)  # the connector sets vLLM's model's
-        # Stores copied during the forward pass, where a core is free (layer_copies.py).
-        self._layer_copies: LayerStores | None = None
+        # Copies made during the forward pass, where a core is free (layer_copies.py).
+        self._layer_copies: LayerCopies | None = None
+        self._layered_off = False  # a layer ran without waiting for its loads
+        self.layered_loads = True  # the connector's: whether to offer them
 
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
@@ -177,9 +180,11 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             self.host_pool.numel() / 1024**3,
             ", pinned" if self._host.pinned else "",
         )
-        self._layer_copies = LayerStores.start(
+        self._layer_copies = LayerCopies.start(
             self.mover, kv_caches, num_blocks, block_dims, self.info.hybrid
         )
+        if self._layer_copies is not None and self.layered_loads:
+            self._meta.layered_workers += 1  # the scheduler may ask for layered loads
 
     # ---- posting ----------------------------------------------------------
 
@@ -249,13 +254,18 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
     def start_loads(self, meta: KVBMConnectorMetadata) -> None:
         fence = self.make_fence() if meta.loads else DONE
         weights_ok = self.weights.serves(meta.weights)
+        layered = []
         for job in meta.loads:
             if self._refused(job, False, weights_ok):
                 continue
-            if needs_streaming(job):
+            if job.layered:
+                layered.append(job)
+            elif needs_streaming(job):
                 self._start_streamed(job, fence)
             else:
                 self._start_load(job, fence)
+        if layered:
+            self._start_layered(layered)
         self._post_ready()
 
     def _start_load(self, job: TransferJob, fence: StepFence) -> None:
@@ -291,6 +301,7 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
             for key, slot in zip(spill.keys, spill.slots):
                 self.tier_io.spill(spill.tiers, key, self.host_pool[slot])
             self._meta.spills_done[spill.job_id] += 1  # the slots may be reused now
+        self._end_layered()
         if meta.stores:
             # The forward pass that writes these blocks is only launched:
             # the copies wait for it.
@@ -307,22 +318,6 @@ class KVBMWorker(StreamedLoads, EarlyCopies, KVRelease, Completions):
                     self._queue(job, True, fence)
         self._awaiting_free.update(meta.delayed_free_req_ids)
         self._post_ready()
-
-    @property
-    def stores_by_layer(self) -> bool:
-        return self._layer_copies is not None
-
-    def save_layer(self, layer_name: str, meta: KVBMConnectorMetadata) -> None:
-        """vLLM's ``save_kv_layer``: the layer's KV of this step is written."""
-        if self._layer_copies is not None:
-            self._layer_copies.layer_saved(layer_name, meta, self._storable)
-
-    def _storable(self, meta: KVBMConnectorMetadata) -> list[TransferJob]:
-        """The step's stores ``start_stores`` will copy (what ``_refused``
-        and a released KV cache leave), found without failing any."""
-        if self.kv_released is not None or not self.weights.serves(meta.weights):
-            return []
-        return [j for j in meta.stores if not j.refuse and not lora_loads.refuses(j.adapter)]
 
     def handle_preemptions(self, meta: KVBMConnectorMetadata) -> None:
         """Preempted requests' blocks, and a hybrid model's sliding-window and
