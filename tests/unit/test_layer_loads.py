@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from test_page_mover import NB, make_layout, make_pool, movers  # noqa: F401 (fixture)
+from test_layer_stores import stores, stuck_copy_thread
 from test_worker_unit import engine_info
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.worker import layer_copies
@@ -34,18 +35,11 @@ def gen():
     return torch.Generator().manual_seed(17)
 
 
-def copies(lay, pool, movers):
-    mover = HostCopies(lay.caches, NB, pool, threads=1)
-    movers.append(mover)
-    tables = layer_tables(lay.caches, NB, None, mover.regions)
-    return LayerCopies(tables, mover, {min(os.sched_getaffinity(0))})
-
-
 @pytest.mark.parametrize("kind", ["cpu", "flash", "flash_hnd"])
 def test_each_layer_is_loaded_when_its_wait_returns(kind, gen, movers):
     lay = make_layout(kind, gen)
     pool = make_pool(12, lay.block_bytes(), gen)
-    lc = copies(lay, pool, movers)
+    lc = stores(lay, pool, movers)
     before = lay.clone_raw()
     blocks, slots = [5, 6, 20], [3, 9, 0]
     job = TransferJob(1, "A", blocks, slots, layered=True)
@@ -69,17 +63,8 @@ def test_a_wait_copies_the_earlier_layers_itself_and_never_waits_for_later_ones(
 ):
     lay = make_layout("cpu", gen)  # 3 layers
     pool = make_pool(8, lay.block_bytes(), gen)
-    lc = copies(lay, pool, movers)
-    stuck, entered = threading.Event(), threading.Event()
-    real = layer_copies._memmove
-
-    def memmove(dst, src, n):
-        if threading.current_thread().name == "kvbm-layer-copy" and not stuck.is_set():
-            entered.set()
-            assert stuck.wait(10)
-        return real(dst, src, n)
-
-    monkeypatch.setattr(layer_copies, "_memmove", memmove)
+    lc = stores(lay, pool, movers)
+    stuck, entered = stuck_copy_thread(monkeypatch)
     names = list(lay.caches)
     lc.load([TransferJob(1, "A", [4, 9], [0, 5], layered=True)])
     assert entered.wait(10)  # the thread is in layer 0's copy, stuck

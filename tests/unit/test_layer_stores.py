@@ -34,12 +34,29 @@ def gen():
     return torch.Generator().manual_seed(11)
 
 
-def stores(lay, pool, movers):
+def stores(lay, pool, movers) -> LayerCopies:
+    """Layer copies over ``lay`` and ``pool``, their thread on this process's first CPU."""
     mover = HostCopies(lay.caches, NB, pool, threads=1)
     movers.append(mover)
     tables = layer_tables(lay.caches, NB, None, mover.regions)
     assert tables is not None and set(tables) == set(lay.caches)
     return LayerCopies(tables, mover, {min(os.sched_getaffinity(0))})
+
+
+def stuck_copy_thread(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(stuck, entered): the copy thread's first copy waits in it (``entered``
+    set) until ``stuck`` is set, as a thread whose core is taken."""
+    stuck, entered = threading.Event(), threading.Event()
+    real = layer_copies._memmove
+
+    def memmove(dst, src, n):
+        if threading.current_thread().name == "kvbm-layer-copy" and not stuck.is_set():
+            entered.set()
+            assert stuck.wait(10)
+        return real(dst, src, n)
+
+    monkeypatch.setattr(layer_copies, "_memmove", memmove)
+    return stuck, entered
 
 
 @pytest.mark.parametrize("kind", ["cpu", "flash", "flash_hnd"])
@@ -94,16 +111,7 @@ def test_the_caller_waits_for_one_copy_at_most(gen, movers, monkeypatch):
     lay = make_layout("cpu", gen)
     pool = make_pool(8, lay.block_bytes(), gen)
     ls = stores(lay, pool, movers)
-    stuck, entered = threading.Event(), threading.Event()
-    real = layer_copies._memmove
-
-    def memmove(dst, src, n):
-        if threading.current_thread().name == "kvbm-layer-copy" and not stuck.is_set():
-            entered.set()
-            assert stuck.wait(10)
-        return real(dst, src, n)
-
-    monkeypatch.setattr(layer_copies, "_memmove", memmove)
+    stuck, entered = stuck_copy_thread(monkeypatch)
     meta = KVBMConnectorMetadata(stores=[TransferJob(1, "A", [4, 9], [0, 5])])
     for name in lay.caches:
         ls.layer_saved(name, meta, lambda m: m.stores)
