@@ -225,3 +225,19 @@ def test_a_pass_overtaken_by_the_next_epoch_reports_nothing(monkeypatch):
     first.set()
     threading.Event().wait(0.05)
     assert reports + worker.take_unreported() == [(2, 0, "")]
+
+
+def test_epochs_are_settled_once_every_rank_reported_and_none_announced_a_change():
+    """What the scheduler asks before it offers a load as synchronous
+    (layered): a worker would refuse one keyed under weights in doubt."""
+    w = WeightsEpochs(2)
+    assert w.settled  # as loaded
+    w.meta()
+    w.new_epoch()  # a reset: both ranks label their weights again
+    assert not w.settled
+    w.reported([(w.epoch, 0, "")])
+    assert not w.settled
+    w.reported([(w.epoch, 1, "")])
+    assert w.settled
+    w.reported([(w.epoch + 1, 0, "update:ab")])  # a change, for the next epoch
+    assert not w.settled

@@ -232,6 +232,7 @@ def test_a_host_hit_is_synchronous_once_every_worker_loads_layer_by_layer():
 
     step(s, layered_workers=1)  # the one worker can
     assert s.reset_prefix_cache()
+    k.weights.reported([(k.weights.epoch, 0, "")])  # the worker's weights, as loaded
     keys = keys_of(s, prompt)
     r2 = make_request(prompt[:32] + tokens(28, 42), max_tokens=2)
     s.add_request(r2)
@@ -253,6 +254,7 @@ def test_a_failed_layered_load_is_recomputed_and_its_pages_dropped():
     store_and_finish(s, prompt)
     step(s, layered_workers=1)
     assert s.reset_prefix_cache()
+    k.weights.reported([(k.weights.epoch, 0, "")])  # the worker's weights, as loaded
     keys = keys_of(s, prompt)
     r = make_request(prompt, max_tokens=2)
     s.add_request(r)

@@ -76,10 +76,13 @@ class PrefixLookup:
         if hit == 0:
             return 0, False
         # A hit the host tier holds whole, where every worker copies loads
-        # layer by layer: synchronous, computed in this very step.
+        # layer by layer: synchronous, computed in this very step. Not while
+        # the weights are in doubt: a worker would refuse it, and vLLM counts
+        # a refused synchronous load's tokens as cached though it recomputes them.
         found.layered = (
             self._layered_workers >= self.info.num_workers
             and self.groups is None
+            and self.weights.settled
             and all(src == "host" for src in sources)
         )
         return (start + hit) * self.page_tokens - local * self.block_size, not found.layered

@@ -62,6 +62,13 @@ class WeightsEpochs:
         self._sent = False
         return self._take()
 
+    @property
+    def settled(self) -> bool:
+        """Every rank reported in this epoch and none announced a change
+        since: the keys name the weights the workers run, so a load keyed
+        now is not refused for its weights."""
+        return len(self._reports) == len(self.labels) and not self._next
+
     def meta(self) -> tuple[int, tuple[str, ...]]:
         """What the connector metadata carries: the epoch, and the labels
         the keys of its jobs name. The workers learn of the epoch from it."""
