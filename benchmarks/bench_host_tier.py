@@ -18,16 +18,9 @@ import os
 import random
 import time
 
+from bench_tiers import reset, ttft  # noqa: E402 (this directory: the script's own)
+
 BLOCK_SIZE = 128
-
-
-def ttft(llm, prompt: list[int]) -> float:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    start = time.perf_counter()
-    llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    return time.perf_counter() - start
 
 
 def bench_ttft(model: str, lengths: list[int]) -> tuple[list[tuple], object]:
@@ -61,7 +54,7 @@ def bench_ttft(model: str, lengths: list[int]) -> tuple[list[tuple], object]:
         miss = ttft(llm, prompt)  # computes everything, offloads it
         time.sleep(0.5)  # let the stores of the last blocks land
         local = ttft(llm, prompt)  # vLLM's own prefix cache
-        llm.reset_prefix_cache()
+        reset(llm)
         host = ttft(llm, prompt)  # onboarded from the host tier
         rows.append((n, miss, local, host))
     llm.llm_engine.engine_core.shutdown()

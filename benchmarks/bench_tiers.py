@@ -47,6 +47,17 @@ def ttft(llm, prompt) -> float:
     return time.perf_counter() - start
 
 
+def reset(llm, **kwargs) -> None:
+    """vLLM's ``reset_prefix_cache``, then a few one-token requests: a reset
+    starts a weights epoch, and until every worker reported its weights in
+    it (the next steps) KVBM loads host hits before the step rather than
+    layer by layer, as within a few steps of any reset in a running server."""
+    llm.reset_prefix_cache(**kwargs)
+    for i in range(3):
+        ttft(llm, [13 + i] * 16)
+        time.sleep(0.05)
+
+
 def drop_page_cache(paths) -> int:
     """Evicts ``paths`` from the page cache (clean pages: POSIX_FADV_DONTNEED,
     no privilege needed); the pages still cached after, where the kernel says
@@ -327,17 +338,17 @@ def _measure_prompt(llm, tokens: int, disk: Path, repeats: int) -> dict[str, lis
     print(f"{tokens} tokens: miss {t['miss'][0]:.2f} s, {len(files)} disk pages", flush=True)
     for _ in range(repeats):
         t.setdefault("vLLM prefix hit", []).append(ttft(llm, prompt))
-        llm.reset_prefix_cache()
+        reset(llm)
         t.setdefault("host hit", []).append(ttft(llm, prompt))
         warm_page_cache(files)
-        llm.reset_prefix_cache(reset_connector=True)
+        reset(llm, reset_connector=True)
         t.setdefault("disk hit, page cache warm", []).append(ttft(llm, prompt))
-        llm.reset_prefix_cache(reset_connector=True)
+        reset(llm, reset_connector=True)
         left = drop_page_cache(files)
         if left:
             print(f"  {left} pages of the prompt's disk files still cached", flush=True)
         t.setdefault("disk hit, page cache cold", []).append(ttft(llm, prompt))
-    llm.reset_prefix_cache(reset_connector=True)
+    reset(llm, reset_connector=True)
     for path in files:
         path.unlink()  # only the server has the prompt now
     t["remote hit"] = [ttft(llm, prompt)]

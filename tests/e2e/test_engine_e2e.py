@@ -190,20 +190,27 @@ def test_vllm_counts_host_tier_hits_as_source_host(kvbm_llm):
     assert delta["external_unspecified"] == 0 and delta["disk"] == 0
 
 
-def test_stores_are_copied_on_the_core_vllm_leaves_free(kvbm_llm):
-    """scripts/test.sh binds each worker's engines to one core: the other is
-    free of vLLM's OpenMP threads, so the session's engine copies its stores
-    layer by layer there (worker/layer_copies.py) while the tests above
-    compare its hits with recompute."""
+def _bound_to_one_core_of_several() -> list[int]:
+    """The cores left free of the engines' OpenMP threads under scripts/test.sh
+    (each worker's engines bound to one core); skips otherwise."""
     import os
-
-    import psutil
 
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     cpus = os.sched_getaffinity(0)
     if not bind.isdigit() or len(cpus) < 2:
         pytest.skip("the engine is not bound to one core of several (scripts/test.sh's workers)")
-    spare = sorted(cpus - {int(bind)})
+    return sorted(cpus - {int(bind)})
+
+
+def test_stores_are_copied_on_the_core_vllm_leaves_free(kvbm_llm):
+    """scripts/test.sh binds each worker's engines to one core: the other is
+    free of vLLM's OpenMP threads, so the session's engine copies its stores
+    and host hits layer by layer there (worker/layer_copies.py)."""
+    import os
+
+    import psutil
+
+    spare = _bound_to_one_core_of_several()
     core = kvbm_llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
     engine = psutil.Process(core)
     copiers, pinned = [], []
@@ -218,13 +225,27 @@ def test_stores_are_copied_on_the_core_vllm_leaves_free(kvbm_llm):
             (copiers if name == "kvbm-layer-copy" else pinned).append(cpus)
     assert copiers == [spare]
     assert spare not in pinned  # no other thread there: no OpenMP thread
-    # and its host-tier hits are loaded layer by layer in the step that computes them
-    prompt = random_prompt(1000, seed=4242)
-    generate(kvbm_llm, [prompt])
+
+
+@pytest.mark.parametrize("length", [300, 1000, 3000])
+def test_host_hits_loaded_layer_by_layer_equal_recomputed(kvbm_llm, plain_llm, length):
+    """The synchronous, layer-by-layer load of a host-tier hit, computed in
+    the step that loads it: greedy outputs equal a plain engine's."""
+    _bound_to_one_core_of_several()
+    prompt = random_prompt(length, seed=4242 + length)
+    want = reference(plain_llm, [prompt])
+    first, _ = generate(kvbm_llm, [prompt])
     kvbm_llm.reset_prefix_cache()
+    # A reset starts a weights epoch; until the worker reported its weights
+    # in it (the next steps), hits stay asynchronous.
+    for i in range(5):
+        generate(kvbm_llm, [random_prompt(20, seed=5000 + i)], max_tokens=1)
+        time.sleep(0.2)
     layered = kvbm_counter("onboard_layered_blocks")
-    _, cached = generate(kvbm_llm, [prompt])
-    assert cached[0] == expected_hit_tokens(1000)
+    second, cached = generate(kvbm_llm, [prompt])
+    assert first == want and second == want
+    assert cached[0] == expected_hit_tokens(length)
     assert (
-        kvbm_counter("onboard_layered_blocks") - layered == expected_hit_tokens(1000) // BLOCK_SIZE
+        kvbm_counter("onboard_layered_blocks") - layered
+        == expected_hit_tokens(length) // BLOCK_SIZE
     )
