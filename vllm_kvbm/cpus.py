@@ -31,14 +31,21 @@ def process_cpus() -> set[int]:
     if _same_executable(os.getppid()):
         pids.append(os.getppid())
     cpus: set[int] = set()
+    for _, allowed in _threads(pids):
+        cpus |= allowed
+    return cpus
+
+
+def _threads(pids: list[int]):
+    """(OS name, allowed CPUs) of every thread of ``pids``; threads that
+    end meanwhile are skipped."""
     for status in [path for pid in pids for path in glob.glob(f"/proc/{pid}/task/*/status")]:
         try:
             with open(status) as f:
-                line = next((x for x in f if x.startswith("Cpus_allowed_list:")), "")
+                fields = dict(x.split(":", 1) for x in f if ":" in x)
         except OSError:
-            continue  # the thread ended meanwhile
-        cpus |= _parse_list(line.partition(":")[2])
-    return cpus
+            continue
+        yield fields.get("Name", "").strip(), _parse_list(fields.get("Cpus_allowed_list", ""))
 
 
 def spare_cpus() -> set[int]:
@@ -63,16 +70,9 @@ def spare_cpus() -> set[int]:
     pids = [os.getpid()]
     if _same_executable(parent):
         pids += [pid for pid in _children(parent) if pid != os.getpid() and _same_executable(pid)]
-    for status in [path for pid in pids for path in glob.glob(f"/proc/{pid}/task/*/status")]:
-        try:
-            with open(status) as f:
-                fields = dict(x.split(":", 1) for x in f if ":" in x)
-        except OSError:
-            continue
-        if fields.get("Name", "").strip().startswith(OS_THREAD_PREFIX):
-            continue  # KVBM's own (a layer store thread), not OpenMP's
-        cpus = _parse_list(fields.get("Cpus_allowed_list", ""))
-        if len(cpus) == 1:
+    for name, cpus in _threads(pids):
+        # KVBM's own (a layer copy thread) is not OpenMP's
+        if len(cpus) == 1 and not name.startswith(OS_THREAD_PREFIX):
             taken |= cpus
     bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
     if bind and bind[0].isdigit():
