@@ -1,21 +1,18 @@
 """Where a host-tier hit's time goes, next to vLLM's own prefix hit.
 
-One engine, run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so
-the scheduler, the worker and the connector can be timed together: per
-engine step, its start, the tokens scheduled, the forward pass
-(``execute_model``), and the connector's lookup, load post, copy and
-completion report. Per prompt length: a miss (stored to the host tier),
-vLLM's own hit, then ``reset_prefix_cache()`` and a host-tier hit; each
-best of ``--repeats`` fresh prompts (another machine load hits all alike).
+One engine, run in a child process's main thread
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the scheduler, the worker and the
+connector can be timed together: per engine step, its start, the tokens
+scheduled, the forward pass (``execute_model``) and each connector call.
+The child's OpenMP thread is pinned to one core as vLLM pins a worker's
+(``OMP_PLACES``; the engine thread is OpenMP's first), the other cores left
+free, so the connector copies layer by layer on a free core as in a served
+engine with a reserved core. Per prompt length: a miss (stored to the host
+tier), vLLM's own hit, then ``reset_prefix_cache()``, a few one-token
+requests (the weights epoch settles) and a host-tier hit; each best of
+``--repeats`` fresh prompts (another machine load hits all alike).
 
-``--sync-loads`` is an experiment, not a mode of the connector: host-only
-hits are returned to vLLM as synchronous loads (``load_kv_async=False``: the
-request is scheduled in the same step, and the worker waits for the copy in
-``start_load_kv`` before the forward pass) instead of waiting a step in
-WAITING_FOR_REMOTE_KVS. It measures what the asynchronous protocol's extra
-scheduler step costs. The experiment never unpins the loaded host slots.
-
-    .venv/bin/python benchmarks/profile_host_hit.py [--lengths 8192 16384] [--repeats 3] [--sync-loads]
+    .venv/bin/python benchmarks/profile_host_hit.py [--lengths 2048 8192] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -24,6 +21,11 @@ import argparse
 import functools
 import os
 import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
 import time
 from collections import defaultdict
 
@@ -58,54 +60,32 @@ def instrument() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_kvbm.connector import KVBMConnector
-    from vllm_kvbm.worker import page_mover
+    from vllm_kvbm.tiers.disk.store import DiskStore
 
     timed(EngineCore, "step")
     timed(Scheduler, "schedule", lambda a, out: out.total_num_scheduled_tokens)
     timed(Scheduler, "update_from_output")
     timed(GPUModelRunner, "execute_model")
     timed(KVBMConnector, "get_num_new_matched_tokens", lambda a, r: r)
-    timed(KVBMConnector, "update_state_after_alloc")
-    timed(
-        KVBMConnector, "build_connector_meta", lambda a, m: sum(len(j.block_ids) for j in m.loads)
-    )
-    timed(KVBMConnector, "start_load_kv")
-    timed(KVBMConnector, "get_finished", lambda a, r: len(r[1]))
-    timed(page_mover.PageMover, "post", lambda a, h: len(a[2]))
-    # the copy itself (on the mover's copy thread: one NIXL post per transfer)
-    timed(page_mover._nixl_api()[0], "transfer", lambda a, s: s)
+    for name in CONNECTOR_PARTS:
+        timed(KVBMConnector, name)
+    # a disk hit's reads (on the tier's reader thread; pages per call)
+    timed(DiskStore, "get_many_into", lambda a, r: len(r))
 
 
-def make_loads_synchronous() -> None:
-    """The ``--sync-loads`` experiment (see the module docstring)."""
-    from vllm_kvbm.scheduler.planner import KVBMScheduler
-    from vllm_kvbm.worker.worker import KVBMWorker
-
-    lookup = KVBMScheduler.get_num_new_matched_tokens
-
-    def sync_lookup(self, request, num_computed_tokens):
-        n, load_async = lookup(self, request, num_computed_tokens)
-        state = self._reqs.get(request.request_id)
-        if (
-            n
-            and state is not None
-            and set(state.lookup.hit_sources[: n // self.block_size]) == {"host"}
-        ):
-            return n, False
-        return n, load_async
-
-    start = KVBMWorker.start_loads
-
-    def start_and_wait(self, meta):
-        start(self, meta)
-        sync = {job.req_id for job in meta.loads if not job.fetch}
-        if sync:
-            self._wait(lambda job, is_store: not is_store and job.req_id in sync)
-            # vLLM expects no finished_recving for a synchronous load.
-            self._finished_recving -= sync
-
-    KVBMScheduler.get_num_new_matched_tokens = sync_lookup
-    KVBMWorker.start_loads = start_and_wait
+# The connector's calls timed in each step (summed per step kind).
+CONNECTOR_PARTS = (
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "build_connector_worker_meta",
+    "update_connector_output",
+    "request_finished",
+)
 
 
 def ttft(llm, prompt: list[int]) -> tuple[float, list]:
@@ -120,47 +100,44 @@ def ttft(llm, prompt: list[int]) -> tuple[float, list]:
 
 
 def breakdown(total: float, events: list) -> dict[str, float]:
-    """ms per part: steps that ran the model vs steps that did not, the
-    connector's parts, and the time outside engine steps."""
+    """ms per part: the steps that ran the model and those that did not,
+    the forward pass, each connector call, and the time outside engine
+    steps."""
     parts: dict[str, float] = defaultdict(float)
     steps = [e for e in events if e[1] == "EngineCore.step"]
-    forwards = [e for e in events if e[1] == "GPUModelRunner.execute_model"]
     scheduled = [e for e in events if e[1] == "Scheduler.schedule"]
-    for (t, _, dur, _), (_, _, _, tokens) in zip(steps, scheduled):
-        parts["steps with a forward pass" if tokens else "steps without one (waiting)"] += dur
+    for (_, _, dur, _), (_, _, _, tokens) in zip(steps, scheduled):
+        parts["steps with a forward pass" if tokens else "steps without one"] += dur
         parts["engine steps"] += dur
-    parts["forward passes (execute_model)"] = sum(e[2] for e in forwards if e[2] > 0.002)
-    for what in (
-        "KVBMConnector.get_num_new_matched_tokens",
-        "KVBMConnector.start_load_kv",
-        "KVBMConnector.get_finished",
-        "KVBMConnector.build_connector_meta",
-        "PageMover.post",
-        "nixl_agent.transfer",
-    ):
+    for what in ("Scheduler.schedule", "Scheduler.update_from_output"):
         parts[what] = sum(e[2] for e in events if e[1] == what)
+    parts["execute_model"] = sum(
+        e[2] for e in events if e[1] == "GPUModelRunner.execute_model" and e[2] > 0.002
+    )
+    for what in ("get_num_new_matched_tokens", *CONNECTOR_PARTS):
+        parts[what] = sum(e[2] for e in events if e[1] == f"KVBMConnector.{what}")
+    parts["disk reads (reader thread)"] = sum(
+        e[2] for e in events if e[1] == "DiskStore.get_many_into"
+    )
     parts["outside engine steps (generate, detokenize)"] = total - parts["engine steps"]
-    copies = [e for e in events if e[1] == "nixl_agent.transfer"]
-    computing = [st for st, sc in zip(steps, scheduled) if sc[3]]
-    if copies and computing:
-        parts["generate() to copy start"] = copies[0][0]
-        parts["copy end to the step that computes the rest"] = computing[0][0] - (
-            copies[-1][0] + copies[-1][2]
-        )
     parts["engine steps (count)"] = len(steps)
     parts["steps scheduling tokens (count)"] = sum(1 for s in scheduled if s[3])
     return {k: v * (1 if "count" in k else 1000) for k, v in parts.items()}
 
 
+KINDS = ("vLLM hit", "host hit", "disk hit")
+
+
 def run(model: str, lengths: list[int], repeats: int) -> None:
+    from bench_tiers import reset
     from vllm import LLM
 
+    from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
     from vllm_kvbm.tools.server import kvbm_transfer_config
 
     instrument()
     longest = max(lengths)
-    from vllm_kvbm.tools.compute_dtype import compute_dtype, describe
-
+    disk = tempfile.mkdtemp(prefix="kvbm-profile-disk-")
     print(f"dtype: {describe()}", flush=True)
     llm = LLM(
         model=model,
@@ -171,88 +148,91 @@ def run(model: str, lengths: list[int], repeats: int) -> None:
         max_num_batched_tokens=8192,
         kv_cache_memory_bytes=2 << 30,
         gpu_memory_utilization=0.3,
-        kv_transfer_config=kvbm_transfer_config(host_cache_size="4GiB"),
-    )
-    ttft(llm, [11] * 64)
-    for n in lengths:
-        best: dict[str, tuple[float, list]] = {}
-        for r in range(repeats):
-            rng = random.Random(n * 100 + r)
-            prompt = [rng.randrange(10, 7000) for _ in range(n)]
-            ttft(llm, prompt)  # miss: computes, stores to the host tier
-            time.sleep(0.5)
-            for kind in ("vLLM hit", "host hit"):
-                if kind == "host hit":
-                    llm.reset_prefix_cache()
-                t, ev = ttft(llm, prompt)
-                if kind not in best or t < best[kind][0]:
-                    best[kind] = (t, ev)
-        print(
-            f"\n## {n} tokens: best of {repeats}: vLLM hit {best['vLLM hit'][0] * 1000:.1f} ms, "
-            f"host hit {best['host hit'][0] * 1000:.1f} ms, ratio "
-            f"{best['host hit'][0] / best['vLLM hit'][0]:.2f}"
-        )
-        rows = {k: breakdown(*v) for k, v in best.items()}
-        print("| part | vLLM hit | host hit |\n|---|---:|---:|")
-        for part in rows["host hit"]:
-            unit = "" if "count" in part else " ms"
-            print(
-                f"| {part} | {rows['vLLM hit'].get(part, 0):.1f}{unit} "
-                f"| {rows['host hit'][part]:.1f}{unit} |"
-            )
-        print(
-            "\nhost hit timeline (ms from generate(); duration; detail), without the "
-            "steps that only wait for the copy:"
-        )
-        for t, what, dur, d in sorted(best["host hit"][1]):
-            if (
-                dur < 0.001
-                and what
-                not in (
-                    "KVBMConnector.get_num_new_matched_tokens",
-                    "PageMover.post",
-                    "nixl_agent.transfer",
-                )
-                and not (what == "KVBMConnector.get_finished" and d)
-            ):
-                continue
-            print(f"  {t * 1000:8.2f}  {what:45s} {dur * 1000:7.2f}  {'' if d is None else d}")
-    import threading
-
-    print(
-        "\ncores: engine thread",
-        sorted(os.sched_getaffinity(0)),
-        "".join(
-            f", {t.name} {sorted(os.sched_getaffinity(t.native_id))}"
-            for t in threading.enumerate()
-            if t.name.endswith("-copy")
+        kv_transfer_config=kvbm_transfer_config(
+            host_cache_size="4GiB", disk_cache_dir=disk, disk_cache_size="8GiB"
         ),
     )
-    llm.llm_engine.engine_core.shutdown()
+    try:
+        ttft(llm, [11] * 64)
+        for n in lengths:
+            report(n, repeats, _best(llm, n, repeats, reset))
+        print(
+            "\ncores: engine thread",
+            sorted(os.sched_getaffinity(0)),
+            "".join(
+                f", {t.name} {sorted(os.sched_getaffinity(t.native_id))}"
+                for t in threading.enumerate()
+                if t.name.endswith("copy")
+            ),
+        )
+        llm.llm_engine.engine_core.shutdown()
+    finally:
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def _best(llm, n: int, repeats: int, reset) -> dict[str, tuple[float, list]]:
+    """Per kind of hit, its fastest of ``repeats`` fresh prompts of ``n``
+    tokens: (seconds, events)."""
+    best: dict[str, tuple[float, list]] = {}
+    for r in range(repeats):
+        rng = random.Random(n * 100 + r)
+        prompt = [rng.randrange(10, 7000) for _ in range(n)]
+        ttft(llm, prompt)  # miss: computes, stores to the host and disk tiers
+        time.sleep(1.0)  # the disk's write-through lands (page files in the page cache)
+        for kind in KINDS:
+            if kind == "host hit":
+                reset(llm)
+            elif kind == "disk hit":  # the host tier emptied too
+                reset(llm, reset_connector=True)
+            t, ev = ttft(llm, prompt)
+            if kind not in best or t < best[kind][0]:
+                best[kind] = (t, ev)
+    return best
+
+
+def report(n: int, repeats: int, best: dict[str, tuple[float, list]]) -> None:
+    vllm_hit = best["vLLM hit"][0]
+    print(
+        f"\n## {n} tokens: best of {repeats}: "
+        + ", ".join(f"{k} {v[0] * 1000:.1f} ms ({v[0] / vllm_hit:.2f}x)" for k, v in best.items())
+    )
+    rows = {k: breakdown(*v) for k, v in best.items()}
+    print("| part | " + " | ".join(KINDS) + " |\n|---|" + "---:|" * len(KINDS))
+    for part in rows["disk hit"]:
+        unit = "" if "count" in part else " ms"
+        print(
+            f"| {part} | " + " | ".join(f"{rows[k].get(part, 0):.1f}{unit}" for k in KINDS) + " |"
+        )
+    for kind in ("host hit", "disk hit"):
+        print(f"\n{kind} timeline (ms from generate(); duration; detail), calls over 1 ms:")
+        for t, what, dur, d in sorted(best[kind][1]):
+            if dur >= 0.001 or what in ("KVBMConnector.get_num_new_matched_tokens",):
+                print(f"  {t * 1000:8.2f}  {what:45s} {dur * 1000:7.2f}  {'' if d is None else d}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--sync-loads", action="store_true", help="experiment: host-only hits as synchronous loads"
-    )
     args = parser.parse_args()
-    if args.sync_loads:
-        make_loads_synchronous()
     if args.model is None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
         args.model = str(build(DEFAULT_DIR))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # The cores benchmarks/bench_host_tier.py gives its engine (vLLM would
-    # reserve one more core for an engine with a KV connector).
-    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    if os.environ.get(CHILD) != "1":
+        # OpenMP binds its first thread (this child's main thread, the
+        # engine's) to the first core before any other thread starts.
+        cores = sorted(os.sched_getaffinity(0))
+        env = dict(os.environ, OMP_NUM_THREADS="1", OMP_PLACES=f"{{{cores[0]}}}")
+        env.update({CHILD: "1", "OMP_PROC_BIND": "true", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+        argv = [sys.executable, __file__, "--model", args.model, "--lengths"]
+        argv += [str(n) for n in args.lengths] + ["--repeats", str(args.repeats)]
+        sys.exit(subprocess.run(argv, env=env).returncode)
     run(args.model, args.lengths, args.repeats)
 
+
+CHILD = "PROFILE_HOST_HIT_CHILD"  # set in the child run
 
 if __name__ == "__main__":
     main()
