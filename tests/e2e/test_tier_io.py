@@ -74,7 +74,7 @@ def test_a_disk_fetch_does_not_wait_for_the_disks_writes_which_run_several_at_on
         assert store.put(key(1000), page(1000, SMALL))
         ext4.freeze()
         for i in range(n):
-            io.spill(["disk"], key(i), page(i, SMALL))
+            io.spill(["disk"], [(key(i), page(i, SMALL))])
         deadline = time.monotonic() + 10
         while len(writers()) < store.write_inflight:  # each blocked on its own page
             assert time.monotonic() < deadline, f"writers: {writers()}"
@@ -112,7 +112,7 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
         relay.freeze(store._writes.conn.sock)
         relay.freeze_new_connections()
         for i in range(10):
-            io.spill(["remote"], key(i), page(i, SMALL))
+            io.spill(["remote"], [(key(i), page(i, SMALL))])
         assert io.queues["remote"].queued == 4  # the writer is stuck on the first
         meta = KVBMWorkerMetadata()
         pool = torch.zeros(2, SMALL, dtype=torch.uint8)
@@ -175,9 +175,13 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
 
         relay.freeze(store._writes.conn.sock)
         worker.start_stores(KVBMConnectorMetadata(spills=spills))
-        worker.get_finished(set())
-        wmeta = worker.build_worker_meta()
-        assert wmeta.spills_done == Counter({s.job_id: 1 for s in spills})
+        wmeta = KVBMWorkerMetadata()
+        deadline = time.monotonic() + 10  # the slots are copied out on the spill copy thread
+        while wmeta.spills_done != Counter({s.job_id: 1 for s in spills}):
+            assert time.monotonic() < deadline, f"spills reported: {wmeta.spills_done}"
+            worker.get_finished(set())
+            wmeta = wmeta.aggregate(worker.build_worker_meta())
+            time.sleep(0.01)
         assert wmeta.tier_events[("remote", "dropped", 0)] == 2
         k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=wmeta))
         assert k.stats.total["tier_write_drops"] == 2
@@ -224,7 +228,7 @@ def test_a_refused_write_is_reported_as_a_page_the_tier_lacks(tmp_path):
         try:
             meta = KVBMWorkerMetadata()
             for i in range(6):
-                io.spill(["disk"], key(i), page(i, MiB))
+                io.spill(["disk"], [(key(i), page(i, MiB))])
             wait_writes(io, meta, "disk", 6)
             stored = meta.tier_events[("disk", "stored", 0)]
             refused = meta.tier_events[("disk", "refused", 0)]

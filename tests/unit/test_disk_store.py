@@ -438,7 +438,7 @@ def test_evictions_reach_the_scheduler_through_the_worker_metadata(disk):
     io.add(store)
     meta = KVBMWorkerMetadata()
     for i in range(3):
-        io.spill(["disk"], key(i), page(i, SMALL))
+        io.spill(["disk"], [(key(i), page(i, SMALL))])
     ended = lambda: sum(meta.tier_events[("disk", what, 0)] for what in ("stored", "refused"))  # noqa: E731
     deadline = _time.monotonic() + 30
     while ended() < 3:

@@ -58,7 +58,7 @@ def test_poll_returns_while_an_evicted_pages_unlink_is_blocked(mount):
         evicted = store._ckey(key(0))
         meta = KVBMWorkerMetadata()
         with mount.blocked():
-            io.spill(["disk"], key(2), page(2, SMALL))
+            io.spill(["disk"], [(key(2), page(2, SMALL))])
             # key(0) left the index: its unlink is under way, and blocked
             _until(lambda: evicted not in store._disk.dict, 10, "nothing was evicted")
             assert _returns(lambda: io.poll(meta)), "poll waited on a blocked unlink"

@@ -36,7 +36,7 @@ def test_writes_reads_and_disk_usage_reach_the_worker_metadata(tmp_path):
     try:
         meta = KVBMWorkerMetadata()
         for i in range(3):
-            io.spill(["disk"], key(i), page(i, SMALL))
+            io.spill(["disk"], [(key(i), page(i, SMALL))])
         _until(
             io,
             meta,

@@ -143,7 +143,7 @@ class TierFetches:
             fetch.futures.append(
                 self._reader[tier].submit(read)
                 if store is not None
-                else _done([(tier, key, "error") for _, key in items])
+                else done_future([(tier, key, "error") for _, key in items])
             )
         self._fetching.append(fetch)
 
@@ -204,7 +204,7 @@ class TierFetches:
         return ended
 
 
-def _done(value) -> Future:
+def done_future(value) -> Future:
     future: Future = Future()
     future.set_result(value)
     return future

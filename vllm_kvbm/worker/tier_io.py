@@ -44,7 +44,7 @@ from vllm_kvbm.cpus import widen_thread_affinity
 from vllm_kvbm.io_threads import IOThreads, close_pools
 from vllm_kvbm.tiers.page_format import copy_bytes
 from vllm_kvbm.tiers.registry import open_stores
-from vllm_kvbm.worker.tier_fetches import TierFetches
+from vllm_kvbm.worker.tier_fetches import TierFetches, done_future
 
 if TYPE_CHECKING:
     from vllm_kvbm.config import KVBMConfig
@@ -103,6 +103,9 @@ class TierIO(TierFetches):
         # Overdue fetches whose reads have ended since last asked (take_ended).
         self._ended: list[TransferJob] = []
         self._writing: list[tuple[str, bytes, Future]] = []
+        # (job id, its pages' copy out of the host slots), in submission order
+        self._spills: list[tuple[int | None, Future]] = []
+        self._copier: IOThreads | None = None  # started with the first tier
         # (tier, seconds) of reads and writes ended, for the metrics: appended
         # on the tiers' threads, taken by poll (deque: no lock needed)
         self._read_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
@@ -128,36 +131,63 @@ class TierIO(TierFetches):
             max(1, store.write_inflight), f"kvbm-{name}-write", widen_thread_affinity
         )
         self.queues[name] = _WriteQueue(self.write_queue_pages)
+        if self._copier is None:
+            self._copier = IOThreads(1, "kvbm-spill-copy", widen_thread_affinity)
 
-    def spill(self, to: list[str], key: bytes, slot_page: torch.Tensor) -> None:
-        """Copies the host slot of ``key`` now (so it can be reused at once)
-        and writes it to the tiers ``to`` in the background; a tier whose
-        write queue is full drops it instead."""
-        tiers = []
-        for tier in to:
-            if tier not in self.tiers:
-                continue
-            if self.queues[tier].enter():
-                tiers.append(tier)
-            else:
-                self._dropped.append((tier, key))
-        if not tiers:
-            return  # no copy made
-        # Stream order: host memory only. The slot is spilled after every
-        # worker reported its store done (its fence passed, NIXL finished the
-        # copy into host RAM) and stays pinned until this copy is reported.
-        page = torch.empty_like(slot_page)
-        copy_bytes(page, slot_page)
-        for tier in tiers:
-            self._writing.append(
-                (
-                    tier,
-                    key,
-                    self._writer[tier].submit(
+    def spill(
+        self, to: list[str], pages: list[tuple[bytes, torch.Tensor]], job_id: int | None = None
+    ) -> None:
+        """Writes each ``(key, host slot page)`` to the tiers ``to`` in the
+        background. A tier whose write queue is full drops the page (no copy
+        made). The others' pages are copied out of their slots on the spill
+        copy thread, never on the engine thread (126 MiB of slots took it 25
+        ms of the next step), then written; ``poll`` reports ``job_id`` in
+        ``spills_done`` once those copies ended: the slots, pinned by the
+        scheduler until then, may be reused."""
+        todo = []
+        for key, slot_page in pages:
+            tiers = []
+            for tier in to:
+                if tier not in self.tiers:
+                    continue
+                if self.queues[tier].enter():
+                    tiers.append(tier)
+                else:
+                    self._dropped.append((tier, key))
+            if tiers:
+                todo.append((key, slot_page, tiers))
+        copies = (
+            self._copier.submit(self._copy_out, todo)
+            if todo and self._copier is not None
+            else done_future(([], []))
+        )
+        self._spills.append((job_id, copies))
+
+    def _copy_out(self, todo: list) -> tuple[list, list[tuple[str, bytes]]]:
+        """On the spill copy thread: each page copied out of its slot (host
+        memory only: the slot was spilled after every worker reported its
+        store done), then queued on each tier's writers. -> the writes, and
+        the (tier, key) of pages not queued (reported as dropped). Never raises."""
+        writes, failed = [], []
+        for key, slot_page, tiers in todo:
+            try:
+                page = torch.empty_like(slot_page)
+                copy_bytes(page, slot_page)
+            except Exception as err:  # noqa: BLE001 - no memory for the copy
+                logger.warning("KVBM: spill copy failed: %s", err)
+                page = None
+            for tier in tiers:
+                try:
+                    if page is None:
+                        raise RuntimeError("not copied")
+                    future = self._writer[tier].submit(
                         _write, self.tiers[tier], self.queues[tier], key, page, self._write_times
-                    ),
-                )
-            )
+                    )
+                    writes.append((tier, key, future))
+                except Exception:  # noqa: BLE001 - closed under us
+                    self.queues[tier].leave()
+                    failed.append((tier, key))
+        return writes, failed
 
     def landed(self) -> list[tuple["TransferJob", int]]:
         """Each running fetch (not stopped) with its pages landed so far: the
@@ -241,6 +271,13 @@ class TierIO(TierFetches):
                 meta.bad_pages.extend((tier, key) for tier, key, _ in bad)
             ready.append((job, not bad, False, None))
         self._fetching = still
+        while self._spills and self._spills[0][1].done():  # one copy thread: in order
+            job_id, copies = self._spills.pop(0)
+            writes, failed = copies.result() if not copies.cancelled() else ([], [])
+            self._writing += writes
+            self._dropped += failed
+            if job_id is not None:
+                meta.spills_done[job_id] += 1  # the slots may be reused now
         writing = []
         for tier, key, future in self._writing:
             if future.done():
@@ -300,11 +337,14 @@ class TierIO(TierFetches):
         those running (a hung filesystem's are left behind, said in a
         warning), then closes the stores."""
         close_pools(
-            [*self._reader.values(), *self._writer.values()], self.read_timeout_s, "lower tiers"
+            [*([self._copier] if self._copier else []), *self._reader.values()]
+            + [*self._writer.values()],
+            self.read_timeout_s,
+            "lower tiers",
         )
         for store in self.tiers.values():
             store.close()
-        self.tiers, self._reader, self._writer = {}, {}, {}
+        self.tiers, self._reader, self._writer, self._copier = {}, {}, {}, None
 
 
 def _write(

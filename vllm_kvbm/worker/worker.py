@@ -298,9 +298,8 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
             # until this copy of them is reported; reported even when every
             # tier's write queue was full and no copy was made.
             assert self.host_pool is not None
-            for key, slot in zip(spill.keys, spill.slots):
-                self.tier_io.spill(spill.tiers, key, self.host_pool[slot])
-            self._meta.spills_done[spill.job_id] += 1  # the slots may be reused now
+            pages = [(key, self.host_pool[slot]) for key, slot in zip(spill.keys, spill.slots)]
+            self.tier_io.spill(spill.tiers, pages, spill.job_id)
         self._end_layered()
         if meta.stores:
             # The forward pass that writes these blocks is only launched:

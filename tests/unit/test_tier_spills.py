@@ -1,0 +1,86 @@
+"""Write-through spills (host slot -> disk) leave the engine thread alone:
+the slots are copied out on the spill copy thread, and the job is reported
+copied (its slots free for reuse) only once every copy ended. Real
+DiskStore, real TierIO threads, real files."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from helpers.tier_pages import SMALL, key, page
+from vllm_kvbm.messages import KVBMWorkerMetadata
+from vllm_kvbm.tiers.disk.store import DiskStore
+from vllm_kvbm.worker.tier_io import TierIO
+
+
+def _poll_until(io: TierIO, meta: KVBMWorkerMetadata, done, what: str) -> None:
+    deadline = time.monotonic() + 30
+    while not done():
+        assert time.monotonic() < deadline, what
+        io.poll(meta)
+        time.sleep(0.01)
+
+
+def test_slots_are_copied_off_the_caller_and_reported_once_copied(tmp_path):
+    """While the copy thread is busy the spill returns at once, nothing is
+    copied or reported; then each page is written as its slot held when
+    copied, and the job is reported copied once, after the copies."""
+    io = TierIO()
+    store = DiskStore(str(tmp_path / "disk"), 64 << 20, SMALL, "ns", 0, 1)
+    io.add(store)
+    slots = torch.stack([page(i, SMALL) for i in range(4)])
+    held = threading.Event()
+    try:
+        assert io._copier is not None
+        busy = io._copier.submit(held.wait, 10)  # the copy thread is taken
+        started = time.perf_counter()
+        io.spill(["disk"], [(key(i), slots[i]) for i in range(4)], job_id=7)
+        assert time.perf_counter() - started < 1.0
+        meta = KVBMWorkerMetadata()
+        io.poll(meta)
+        assert not meta.spills_done  # the slots are not free yet
+        assert not any(store.contains(key(i)) for i in range(4))
+        assert io.queues["disk"].queued == 4  # admitted, not yet written
+        held.set()
+        busy.result(10)
+        _poll_until(io, meta, lambda: meta.spills_done[7] == 1, "never reported copied")
+        assert dict(meta.spills_done) == {7: 1}
+        slots.zero_()  # the slots reused: the writes hold their own copies
+        _poll_until(
+            io,
+            meta,
+            lambda: meta.tier_events[("disk", "stored", 0)] == 4,
+            "the writes never ended",
+        )
+        out = torch.empty(SMALL, dtype=torch.uint8)
+        for i in range(4):
+            assert store.get_into(key(i), out) == "ok" and torch.equal(out, page(i, SMALL)), i
+        assert dict(meta.spills_done) == {7: 1}  # reported once
+    finally:
+        held.set()
+        io.close()
+
+
+def test_a_full_write_queue_drops_before_copying_and_still_reports_the_job(tmp_path):
+    """Pages beyond the write queue are dropped on the caller (no copy) and
+    reported as pages the tier lacks; the job is still reported copied."""
+    io = TierIO(write_queue_pages=2)
+    store = DiskStore(str(tmp_path / "disk"), 64 << 20, SMALL, "ns", 0, 1)
+    io.add(store)
+    held = threading.Event()
+    try:
+        assert io._copier is not None
+        io._copier.submit(held.wait, 10)
+        io.spill(["disk"], [(key(i), page(i, SMALL)) for i in range(5)], job_id=3)
+        assert io.queues["disk"].queued == 2
+        held.set()
+        meta = KVBMWorkerMetadata()
+        _poll_until(io, meta, lambda: meta.spills_done[3] == 1, "never reported copied")
+        assert meta.tier_events[("disk", "dropped", 0)] == 3
+        assert sorted(meta.removed_pages) == [("disk", key(i)) for i in range(2, 5)]
+    finally:
+        held.set()
+        io.close()
