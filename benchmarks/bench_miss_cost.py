@@ -1,5 +1,6 @@
 """What storing costs a miss: the same fresh prompts, alternately, to a plain
-engine and to one with KVBM (host tier), on the same cores.
+engine and to one with KVBM (host tier; ``--disk``: and a disk tier every stored page is written through
+to), on the same cores.
 
 Both engines run in this process (one engine-core process each, started with
 the same binding), take turns prompt by prompt (the order flips every pair,
@@ -26,7 +27,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
+import tempfile
 import time
 
 BLOCK_SIZE = 128
@@ -39,7 +42,7 @@ def bindings(name: str) -> dict[str, str]:
     return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 
 
-def engine(model: str, longest: int, kvbm: bool):
+def engine(model: str, longest: int, kvbm: bool, disk: str | None = None):
     from vllm import LLM
 
     from vllm_kvbm.tools.compute_dtype import compute_dtype
@@ -47,7 +50,8 @@ def engine(model: str, longest: int, kvbm: bool):
 
     extra = {}
     if kvbm:
-        extra["kv_transfer_config"] = kvbm_transfer_config(host_cache_size="4GiB")
+        tiers = {"disk_cache_dir": disk, "disk_cache_size": "16GiB"} if disk else {}
+        extra["kv_transfer_config"] = kvbm_transfer_config(host_cache_size="4GiB", **tiers)
     return LLM(
         model=model,
         dtype=compute_dtype(),
@@ -104,6 +108,11 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=10)
     p.add_argument("--batch", type=int, default=4, help="prompts per call in the batch rows")
     p.add_argument("--batch-length", type=int, default=2048)
+    p.add_argument(
+        "--disk",
+        action="store_true",
+        help="KVBM with a disk tier too (a temporary directory): every stored page written through",
+    )
     args = p.parse_args()
     if args.pairs < 2:
         p.error("--pairs: at least 2")
@@ -118,7 +127,8 @@ def main() -> None:
 
     longest = max(args.lengths + [args.batch_length])
     plain = engine(args.model, longest, kvbm=False)
-    kvbm = engine(args.model, longest, kvbm=True)
+    disk = tempfile.mkdtemp(prefix="kvbm-bench-disk-") if args.disk else None
+    kvbm = engine(args.model, longest, kvbm=True, disk=disk)
     for llm in (plain, kvbm):  # warm up: first-call allocations, NIXL handles
         timed(llm, [[11] * 256])
     rows = []
@@ -145,7 +155,8 @@ def main() -> None:
     print(
         f"binding {args.binding}: {' '.join(f'{k}={v}' for k, v in env.items())} on "
         f"{os.cpu_count()} cores ({cores.describe() if cores else 'cores not read'}); "
-        f"dtype {describe()}; KVBM host tier 4 GiB; TTFT of max_tokens=1"
+        f"dtype {describe()}; KVBM host tier 4 GiB{', disk tier' if disk else ''}; "
+        "TTFT of max_tokens=1"
     )
     print(
         "| misses | pairs | plain, median | KVBM, median | KVBM / plain (medians) "
@@ -156,6 +167,8 @@ def main() -> None:
         print(line)
     for llm in (plain, kvbm):
         llm.llm_engine.engine_core.shutdown()
+    if disk:
+        shutil.rmtree(disk, ignore_errors=True)
 
 
 if __name__ == "__main__":
