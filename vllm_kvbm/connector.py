@@ -204,10 +204,10 @@ class KVBMConnector(KVConnectorBase_V1, SupportsHMA):
                 host_copy_path=self.config.host_copy_path,
                 tier_write_queue_pages=self.config.tier_write_queue_pages,
                 tier_read_timeout_s=self.config.tier_read_timeout_s,
+                # A draft model's step reports the connector's results before its
+                # wait_for_save: a layered load's failure would reach vLLM a step late.
+                layered_loads=vllm_config.speculative_config is None,
             )
-            # A draft model's step reports the connector's results before its
-            # wait_for_save: a layered load's failure would reach vLLM a step late.
-            self.worker.layered_loads = vllm_config.speculative_config is None
 
     def _standalone_metrics(self) -> StandaloneMetrics | None:
         port = self.config.metrics_port

@@ -25,6 +25,7 @@ from test_layer_stores import stores, stuck_copy_thread
 from test_worker_unit import engine_info
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.worker import layer_copies
+from vllm_kvbm.worker import worker as worker_module
 from vllm_kvbm.worker.host_copies import HostCopies
 from vllm_kvbm.worker.layer_copies import LayerCopies, layer_tables
 from vllm_kvbm.worker.worker import KVBMWorker
@@ -47,7 +48,7 @@ def test_each_layer_is_loaded_when_its_wait_returns(kind, gen, movers):
     step = lc._load
     for name in lay.caches:
         lc.layer_needed(name)
-        assert name in step.done
+        assert step.copied(name)
     ended = lc.loads_ended()
     assert ended is not None and ended[1] and ended[0].poll() == "DONE"
     for b, s in zip(blocks, slots):
@@ -70,7 +71,7 @@ def test_a_wait_copies_the_earlier_layers_itself_and_never_waits_for_later_ones(
     assert entered.wait(10)  # the thread is in layer 0's copy, stuck
     step = lc._load
     lc.layer_needed(names[1])  # copied here, without waiting for layer 0
-    assert step.done == {names[1]} and names[2] not in step.done
+    assert [n for n in names if step.copied(n)] == [names[1]]
     stuck.set()
     for name in names:
         lc.layer_needed(name)
@@ -81,7 +82,7 @@ def test_a_wait_copies_the_earlier_layers_itself_and_never_waits_for_later_ones(
 
 
 def worker_with_layer_copies(lay, monkeypatch) -> KVBMWorker:
-    monkeypatch.setattr(layer_copies, "spare_cpus", lambda: {min(os.sched_getaffinity(0))})
+    monkeypatch.setattr(worker_module, "spare_cpus", lambda: {min(os.sched_getaffinity(0))})
     worker = KVBMWorker(engine_info(lay), 8, "UCX", "kvbm-layer-test", host_copy_path="threads")
     worker.register_kv_caches(lay.caches, NB)
     return worker

@@ -23,6 +23,7 @@ from test_page_mover import NB, make_layout, make_pool, movers  # noqa: F401 (fi
 from test_worker_unit import engine_info
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob
 from vllm_kvbm.worker import layer_copies
+from vllm_kvbm.worker import worker as worker_module
 from vllm_kvbm.worker.host_copies import HostCopies
 from vllm_kvbm.worker.kv_regions import block_regions
 from vllm_kvbm.worker.layer_copies import LayerCopies, layer_tables
@@ -132,7 +133,7 @@ def test_layers_viewing_shared_memory_keep_whole_block_stores(gen):
 
 
 def test_a_worker_reports_layer_copied_stores_in_their_step(gen, monkeypatch):
-    monkeypatch.setattr(layer_copies, "spare_cpus", lambda: {0})
+    monkeypatch.setattr(worker_module, "spare_cpus", lambda: {0})
     lay = make_layout("cpu", gen)
     worker = KVBMWorker(engine_info(lay), 8, "UCX", "kvbm-layer-test", host_copy_path="threads")
     worker.register_kv_caches(lay.caches, NB)

@@ -34,7 +34,6 @@ import numpy as np
 import torch
 
 from vllm_kvbm.config.errors import KVBMConfigError
-from vllm_kvbm.cpus import spare_cpus
 from vllm_kvbm.worker.copy_runs import PageCopies, RegionTable
 from vllm_kvbm.engine_info import BLOCK_MAJOR_LAYOUT, MAX_BLOCK_MAJOR_TOKENS
 
@@ -64,11 +63,13 @@ def make_mover(
     block_dims: dict[str, int] | None,
     page_blocks: int,
     host_path: str = "auto",
+    spare: "set[int] | frozenset[int]" = frozenset(),
 ):
     """The mover for this KV cache's memory, with its choice logged after a
     checked round trip (CopyPathError if it fails). Host memory: NIXL's and
     plain copies in a few threads (host_copies.py) both measured, the faster
-    kept, unless ``host_path`` (host_copy_path) names one."""
+    kept, unless ``host_path`` (host_copy_path) names one, or plain copies
+    without measuring where a core is ``spare`` (cpus.spare_cpus)."""
     first = next(iter(kv_caches.values()))
     chosen = ""
     if first.is_cuda:
@@ -99,7 +100,7 @@ def make_mover(
             return HostCopies(kv_caches, num_blocks, host_rows, block_dims, page_blocks)
 
         paths = HOST_PATHS if host_path == "auto" else (host_path,)
-        if host_path == "auto" and "threads" in paths and spare_cpus():
+        if host_path == "auto" and "threads" in paths and spare:
             # Plain copies' stores run on that core during the forward pass
             # (layer_copies.py): off the engine's time, whatever either path's speed.
             paths, chosen = ("threads",), " (a core is free of vLLM's OpenMP threads)"

@@ -42,7 +42,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from vllm_kvbm.cpus import name_os_thread, spare_cpus
+from vllm_kvbm.cpus import name_os_thread
 from vllm_kvbm.messages import TransferJob, block_rows
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs
 from vllm_kvbm.worker.host_copies import PIECE_BYTES, HostCopies, pieces
@@ -87,13 +87,20 @@ class StepCopies:
         self.blocks, self.rows = blocks, rows
         self.started = time.perf_counter()
         self.layers: set[str] = set()  # posted
-        self.done: set[str] = set()  # copied
         self.waited: set[str] = set()  # loads: layers vLLM waited for
         self.wait_s = 0.0  # loads: how long the forward pass waited for them
-        self.left = 0  # copies posted and not done yet
-        self.parts: dict[str, int] = {}  # per layer: its copies not done yet
+        self.parts: dict[str, int] = {}  # per layer posted: its copies not done yet
         self.failed: BaseException | None = None
         self.cond = threading.Condition()
+
+    @property
+    def left(self) -> int:
+        """Copies posted and not done yet (read under ``cond``)."""
+        return sum(self.parts.values())
+
+    def copied(self, name: str) -> bool:
+        """Layer ``name``'s copies are posted and done (read under ``cond``)."""
+        return self.parts.get(name) == 0
 
     def poll(self) -> str:
         with self.cond:
@@ -152,9 +159,16 @@ class LayerCopies:
 
     @classmethod
     def start(
-        cls, mover, kv_caches: dict[str, torch.Tensor], num_blocks: int, block_dims, hybrid: bool
+        cls,
+        mover,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        block_dims,
+        hybrid: bool,
+        spare: "set[int] | frozenset[int]",
     ) -> "LayerCopies | None":
-        """Layer-wise copies for this worker, or None (logged: why not)."""
+        """Layer-wise copies for this worker on the CPUs ``spare``
+        (cpus.spare_cpus), or None (logged: why not)."""
         why = None
         tables = None
         if hybrid or not isinstance(mover, HostCopies):
@@ -162,7 +176,7 @@ class LayerCopies:
         else:
             tables = layer_tables(kv_caches, num_blocks, block_dims, mover.regions)
             why = None if tables else "layers view shared KV memory"
-        cpus = spare_cpus() if tables else set()
+        cpus = set(spare) if tables else set()
         if tables and not cpus:
             why = "every core of this worker runs vLLM's OpenMP threads"
         if why is not None:
@@ -227,13 +241,13 @@ class LayerCopies:
         step.waited.add(name)
         started = time.perf_counter()
         last = self.order[name]
-        while name not in step.done:
+        while not step.copied(name):
             item = self._work.take_if(lambda it: it[0] is step and self.order[it[1]] <= last)
             if item is None:
                 break
             _copy(*item)
         with step.cond:
-            step.cond.wait_for(lambda: name in step.done)
+            step.cond.wait_for(lambda: step.copied(name))
         step.wait_s += time.perf_counter() - started
 
     def loads_ended(self) -> tuple[StepCopies, bool] | None:
@@ -276,10 +290,7 @@ class LayerCopies:
         items = [(a, b) for a, b in ((0, half), (half, len(sizes))) if b > a]
         step.layers.add(name)
         with step.cond:
-            step.left += len(items)
             step.parts[name] = len(items)
-            if not items:
-                step.done.add(name)
         for a, b in items:
             self._work.put((step, name, src[a:b], dst[a:b], sizes[a:b]))
 
@@ -306,8 +317,5 @@ def _copy(step: StepCopies, name: str, src: list[int], dst: list[int], sizes: li
     except BaseException as err:  # noqa: BLE001 - the step's copies fail, nothing else
         step.failed = err
     with step.cond:
-        step.left -= 1
         step.parts[name] -= 1
-        if not step.parts[name]:
-            step.done.add(name)
         step.cond.notify_all()

@@ -51,6 +51,7 @@ import torch
 from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob, block_rows
 from vllm_kvbm.worker.completions import Completions
+from vllm_kvbm.cpus import spare_cpus
 from vllm_kvbm.worker.copy_path import make_mover
 from vllm_kvbm.worker.early_copies import EarlyCopies, EarlyLoad
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
@@ -83,7 +84,11 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
         tier_write_queue_pages: int = DEFAULT_TIER_WRITE_QUEUE_PAGES,
         tier_read_timeout_s: float = DEFAULT_TIER_READ_TIMEOUT_S,
         host_copy_path: str = "auto",
+        layered_loads: bool = True,
     ):
+        """``layered_loads``: whether host hits may be loaded layer by layer
+        during the forward pass (off with a draft model: its step reports
+        the connector's results before ``wait_for_save``)."""
         self.info = info
         self.host_copy_path = host_copy_path
         self.transfer_timeout_s = transfer_timeout_s
@@ -126,7 +131,7 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
         # Copies made during the forward pass, where a core is free (layer_copies.py).
         self._layer_copies: LayerCopies | None = None
         self._layered_off = False  # a layer ran without waiting for its loads
-        self.layered_loads = True  # the connector's: whether to offer them
+        self.layered_loads = layered_loads
 
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
@@ -154,6 +159,8 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
             device=first.device,
         )
         self.host_pool = self._host.tensor  # a row per page (slot)
+        # CPUs none of vLLM's OpenMP threads runs on: where copies run during the forward pass
+        spare = set() if first.is_cuda else spare_cpus()
         try:
             # The mover copies blocks: it sees the same memory as a row per block.
             self.mover = make_mover(
@@ -165,6 +172,7 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
                 block_dims,
                 self.info.page_blocks,
                 self.host_copy_path,
+                spare,
             )
         except Exception:
             self._host.release()
@@ -181,7 +189,7 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
             ", pinned" if self._host.pinned else "",
         )
         self._layer_copies = LayerCopies.start(
-            self.mover, kv_caches, num_blocks, block_dims, self.info.hybrid
+            self.mover, kv_caches, num_blocks, block_dims, self.info.hybrid, spare
         )
         if self._layer_copies is not None and self.layered_loads:
             self._meta.layered_workers += 1  # the scheduler may ask for layered loads
