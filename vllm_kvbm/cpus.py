@@ -31,14 +31,15 @@ def process_cpus() -> set[int]:
     if _same_executable(os.getppid()):
         pids.append(os.getppid())
     cpus: set[int] = set()
-    for _, allowed in _threads(pids):
+    for _, allowed in threads(pids):
         cpus |= allowed
     return cpus
 
 
-def _threads(pids: list[int]):
+def threads(pids: list[int]):
     """(OS name, allowed CPUs) of every thread of ``pids``; threads that
-    end meanwhile are skipped."""
+    end meanwhile are skipped. KVBM's pinned threads are named
+    ``OS_THREAD_PREFIX``...: they are not vLLM's OpenMP threads."""
     for status in [path for pid in pids for path in glob.glob(f"/proc/{pid}/task/*/status")]:
         try:
             with open(status) as f:
@@ -70,7 +71,7 @@ def spare_cpus() -> set[int]:
     pids = [os.getpid()]
     if _same_executable(parent):
         pids += [pid for pid in _children(parent) if pid != os.getpid() and _same_executable(pid)]
-    for name, cpus in _threads(pids):
+    for name, cpus in threads(pids):
         # KVBM's own (a layer copy thread) is not OpenMP's
         if len(cpus) == 1 and not name.startswith(OS_THREAD_PREFIX):
             taken |= cpus

@@ -206,23 +206,16 @@ def test_stores_are_copied_on_the_core_vllm_leaves_free(kvbm_llm):
     """scripts/test.sh binds each worker's engines to one core: the other is
     free of vLLM's OpenMP threads, so the session's engine copies its stores
     and host hits layer by layer there (worker/layer_copies.py)."""
-    import os
-
     import psutil
+
+    from vllm_kvbm.cpus import threads
 
     spare = _bound_to_one_core_of_several()
     core = kvbm_llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
     engine = psutil.Process(core)
     copiers, pinned = [], []
-    for proc in [engine, *engine.children(recursive=True)]:
-        for thread in proc.threads():
-            try:
-                cpus = sorted(os.sched_getaffinity(thread.id))
-                with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as f:
-                    name = f.read().strip()
-            except OSError:
-                continue  # ended meanwhile
-            (copiers if name == "kvbm-layer-copy" else pinned).append(cpus)
+    for name, cpus in threads([p.pid for p in [engine, *engine.children(recursive=True)]]):
+        (copiers if name == "kvbm-layer-copy" else pinned).append(sorted(cpus))
     assert copiers == [spare]
     assert spare not in pinned  # no other thread there: no OpenMP thread
 

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from vllm_kvbm.cpus import OS_THREAD_PREFIX
+from vllm_kvbm.cpus import OS_THREAD_PREFIX, threads
 
 BIND_ENV = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")
 
@@ -74,15 +74,8 @@ def pinned_cores(proc: psutil.Process) -> tuple[int, ...]:
     threads': not KVBM's layer store thread, pinned to a core OpenMP left
     free), else the process's affinity."""
     cores: set[int] = set()
-    for thread in proc.threads():
-        try:
-            cpus = psutil.Process(thread.id).cpu_affinity()
-            with open(f"/proc/{proc.pid}/task/{thread.id}/comm") as f:
-                if f.read().startswith(OS_THREAD_PREFIX):
-                    continue
-        except (psutil.Error, OSError):
-            continue  # the thread ended meanwhile
-        if len(cpus) == 1:
+    for name, cpus in threads([proc.pid]):
+        if len(cpus) == 1 and not name.startswith(OS_THREAD_PREFIX):
             cores.update(cpus)
     return tuple(sorted(cores)) if cores else tuple(sorted(proc.cpu_affinity()))
 
