@@ -99,8 +99,9 @@ def test_a_disk_fetch_does_not_wait_for_the_disks_writes_which_run_several_at_on
 def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
     """The remote's write connection stalls (and so does any new one): its
     writer waits on the first spill, the queue holds 4, the other 6 spills
-    are dropped (no copy), counted and reported as pages the tier lacks; a
-    fetch from the same tier answers meanwhile on its read connection."""
+    wait for a place for ``spill_wait_s`` and are dropped (no copy), counted
+    and reported as pages the tier lacks; a fetch from the same tier answers
+    meanwhile on its read connection."""
     from vllm_kvbm.tiers.lm.store import RemoteStore
 
     timeout = 3.0
@@ -111,15 +112,19 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
         assert store.put(key(100), page(100, SMALL))
         relay.freeze(store._writes.conn.sock)
         relay.freeze_new_connections()
+        io.spill_wait_s = 0.5
         for i in range(10):
             io.spill(["remote"], [(key(i), page(i, SMALL))])
-        assert io.queues["remote"].queued == 4  # the writer is stuck on the first
         meta = KVBMWorkerMetadata()
         pool = torch.zeros(2, SMALL, dtype=torch.uint8)
         assert fetch_one(io, "remote", key(100), pool, 1, meta)
         assert torch.equal(pool[1], page(100, SMALL))
-        assert io.queues["remote"].queued == 4  # read while no write had finished
-        assert meta.tier_events[("remote", "dropped", 0)] == 6
+        deadline = time.monotonic() + 10
+        while meta.tier_events[("remote", "dropped", 0)] < 6:
+            assert time.monotonic() < deadline, meta.tier_events
+            io.poll(meta)
+            time.sleep(0.01)
+        assert io.queues["remote"].queued == 4  # the writer is stuck on the first
         assert sorted(meta.removed_pages) == [("remote", key(i)) for i in range(4, 10)]
         assert meta.tier_events[("remote", "ok", 0)] == 1 and not meta.is_empty()
     finally:
@@ -135,10 +140,10 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
 def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(relay):
     """Through the real worker and scheduler: a request's three blocks are
     spilled to a remote tier whose write connection stalled, with room for
-    one write. The worker still reports every spill copied (the host slots
-    are unpinned), the scheduler counts two drops, and when the prompt is
-    reused from the host tier exactly the two dropped blocks are spilled
-    again."""
+    one write. The worker still reports every spill copied once the other
+    two waited their ``spill_wait_s`` for room (the host slots are
+    unpinned), the scheduler counts two drops, and when the prompt is reused
+    from the host tier exactly the two dropped blocks are spilled again."""
     from helpers.scheduler_harness import BLOCK, kvbm, make_request, make_scheduler, step
     from helpers.scheduler_harness import keys_of, tokens
     from vllm.v1.outputs import KVConnectorOutput
@@ -180,7 +185,7 @@ def test_dropped_writes_reach_the_scheduler_and_are_written_again_when_reused(re
         while wmeta.spills_done != Counter({s.job_id: 1 for s in spills}):
             assert time.monotonic() < deadline, f"spills reported: {wmeta.spills_done}"
             worker.get_finished(set())
-            wmeta = wmeta.aggregate(worker.build_worker_meta())
+            wmeta = wmeta.aggregate(worker.build_worker_meta() or KVBMWorkerMetadata())
             time.sleep(0.01)
         assert wmeta.tier_events[("remote", "dropped", 0)] == 2
         k.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=wmeta))

@@ -43,7 +43,7 @@ def test_slots_are_copied_off_the_caller_and_reported_once_copied(tmp_path):
         io.poll(meta)
         assert not meta.spills_done  # the slots are not free yet
         assert not any(store.contains(key(i)) for i in range(4))
-        assert io.queues["disk"].queued == 4  # admitted, not yet written
+        assert io.queues["disk"].queued == 0  # not even admitted to the writers yet
         held.set()
         busy.result(10)
         _poll_until(io, meta, lambda: meta.spills_done[7] == 1, "never reported copied")
@@ -64,23 +64,46 @@ def test_slots_are_copied_off_the_caller_and_reported_once_copied(tmp_path):
         io.close()
 
 
-def test_a_full_write_queue_drops_before_copying_and_still_reports_the_job(tmp_path):
-    """Pages beyond the write queue are dropped on the caller (no copy) and
-    reported as pages the tier lacks; the job is still reported copied."""
+def test_a_burst_waits_for_room_in_the_write_queue_then_drops_what_finds_none(tmp_path):
+    """A full write queue makes the copy thread wait for a place (the slots
+    stay pinned) rather than drop at once: pages that get a place within
+    ``spill_wait_s`` are written; those that do not are dropped (no copy),
+    reported as pages the tier lacks, and the job is still reported copied."""
     io = TierIO(write_queue_pages=2)
     store = DiskStore(str(tmp_path / "disk"), 64 << 20, SMALL, "ns", 0, 1)
     io.add(store)
+    io.spill_wait_s = 0.5
     held = threading.Event()
     try:
-        assert io._copier is not None
-        io._copier.submit(held.wait, 10)
+        # every writer thread taken: the two queued writes cannot start
+        writers = [io._writer["disk"].submit(held.wait, 10) for _ in range(store.write_inflight)]
         io.spill(["disk"], [(key(i), page(i, SMALL)) for i in range(5)], job_id=3)
-        assert io.queues["disk"].queued == 2
-        held.set()
         meta = KVBMWorkerMetadata()
         _poll_until(io, meta, lambda: meta.spills_done[3] == 1, "never reported copied")
+        assert io.queues["disk"].queued == 2  # the first two, waiting for a writer
         assert meta.tier_events[("disk", "dropped", 0)] == 3
         assert sorted(meta.removed_pages) == [("disk", key(i)) for i in range(2, 5)]
+        held.set()
+        for w in writers:
+            w.result(10)
+        _poll_until(
+            io,
+            meta,
+            lambda: meta.tier_events[("disk", "stored", 0)] == 2,
+            "the two writes never ended",
+        )
+        assert store.contains(key(0)) and store.contains(key(1)) and not store.contains(key(2))
+
+        # With room, a burst larger than the queue waits and is written whole.
+        io.spill(["disk"], [(key(i), page(i, SMALL)) for i in range(10, 18)], job_id=4)
+        _poll_until(
+            io,
+            meta,
+            lambda: meta.tier_events[("disk", "stored", 0)] == 10,
+            "the burst was not written whole",
+        )
+        assert meta.spills_done[4] == 1 and meta.tier_events[("disk", "dropped", 0)] == 3
+        assert io.queues["disk"].peak == 2
     finally:
         held.set()
         io.close()

@@ -8,11 +8,13 @@ blocks on a tier. A load whose pages live below the host tier is fetched
 into its host slots here first; the worker then moves the whole job with one
 NIXL read.
 
-Each tier's writes are bounded (``write_queue_pages``): a spill that finds
-its tier's queue full is dropped before its page is copied, counted
-("dropped"), and reported like a page the tier does not have, so the
-scheduler writes it again when it is next admitted. A tier slower than the
-offload rate so costs write-throughs, never memory or reads.
+Each tier's writes are bounded (``write_queue_pages``): a spilled page
+waits for a place in its tier's queue before its page is copied (a burst is
+written at the tier's pace, its host slots pinned meanwhile), at most
+SPILL_WAIT_S; one still without a place is dropped, counted ("dropped"), and
+reported like a page the tier does not have, so the scheduler writes it
+again when it is next admitted. A tier slower than the offload rate so costs
+write-throughs, never memory or reads.
 
 Each fetch has a deadline: one that makes no progress (no group of its
 pages read) for ``read_timeout_s`` is reported failed, so its request
@@ -61,22 +63,35 @@ class _WriteQueue:
 
     def __init__(self, cap: int):
         self.cap = cap
-        self._lock = threading.Lock()  # entered on the engine thread, left on the writer
+        # entered on the spill copy thread, left on the writers
+        self._cond = threading.Condition()
         self.queued = 0
         self.peak = 0  # most ever queued at once (tests, debugging)
 
-    def enter(self) -> bool:
-        with self._lock:
-            if self.queued >= self.cap:
-                return False
+    def enter(self, deadline: float | None = None) -> bool:
+        """Takes a place; when all are taken, waits for one until
+        ``deadline`` (time.monotonic; None: no wait). False: none came."""
+        with self._cond:
+            while self.queued >= self.cap:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is None or left <= 0:
+                    return False
+                self._cond.wait(left)
             self.queued += 1
             self.peak = max(self.peak, self.queued)
             return True
 
     def leave(self) -> None:
-        with self._lock:
+        with self._cond:
             self.queued -= 1
+            self._cond.notify()
 
+
+# How long a spill's pages may wait for a place in a full write queue: a
+# burst (two prefill steps' pages back to back) is written at the tier's
+# pace, its slots pinned meanwhile; a tier slower than the offload rate for
+# longer costs write-throughs (dropped), never an unbounded hold on slots.
+SPILL_WAIT_S = 1.0
 
 # Read and write timings kept between two polls, at most (the metrics).
 _MAX_TIMINGS = 10_000
@@ -106,6 +121,7 @@ class TierIO(TierFetches):
         # (job id, its pages' copy out of the host slots), in submission order
         self._spills: list[tuple[int | None, Future]] = []
         self._copier: IOThreads | None = None  # started with the first tier
+        self.spill_wait_s = SPILL_WAIT_S
         # (tier, seconds) of reads and writes ended, for the metrics: appended
         # on the tiers' threads, taken by poll (deque: no lock needed)
         self._read_times: deque[tuple[str, float]] = deque(maxlen=_MAX_TIMINGS)
@@ -138,38 +154,34 @@ class TierIO(TierFetches):
         self, to: list[str], pages: list[tuple[bytes, torch.Tensor]], job_id: int | None = None
     ) -> None:
         """Writes each ``(key, host slot page)`` to the tiers ``to`` in the
-        background. A tier whose write queue is full drops the page (no copy
-        made). The others' pages are copied out of their slots on the spill
-        copy thread, never on the engine thread (126 MiB of slots took it 25
-        ms of the next step), then written; ``poll`` reports ``job_id`` in
-        ``spills_done`` once those copies ended: the slots, pinned by the
-        scheduler until then, may be reused."""
-        todo = []
-        for key, slot_page in pages:
-            tiers = []
-            for tier in to:
-                if tier not in self.tiers:
-                    continue
-                if self.queues[tier].enter():
-                    tiers.append(tier)
-                else:
-                    self._dropped.append((tier, key))
-            if tiers:
-                todo.append((key, slot_page, tiers))
+        background. The pages are copied out of their slots on the spill copy
+        thread, never on the engine thread (126 MiB of slots took it 25 ms of
+        the next step), each once a place in a tier's write queue is free
+        (waiting up to ``spill_wait_s`` from now; a tier with no place by
+        then drops the page, no copy made), then written; ``poll`` reports
+        ``job_id`` in ``spills_done`` once those copies ended or were
+        dropped: the slots, pinned by the scheduler until then, may be reused."""
+        todo = [(key, page, [t for t in to if t in self.tiers]) for key, page in pages]
+        todo = [item for item in todo if item[2]]
         copies = (
-            self._copier.submit(self._copy_out, todo)
+            self._copier.submit(self._copy_out, todo, time.monotonic() + self.spill_wait_s)
             if todo and self._copier is not None
             else done_future(([], []))
         )
         self._spills.append((job_id, copies))
 
-    def _copy_out(self, todo: list) -> tuple[list, list[tuple[str, bytes]]]:
+    def _copy_out(self, todo: list, deadline: float) -> tuple[list, list[tuple[str, bytes]]]:
         """On the spill copy thread: each page copied out of its slot (host
         memory only: the slot was spilled after every worker reported its
-        store done), then queued on each tier's writers. -> the writes, and
-        the (tier, key) of pages not queued (reported as dropped). Never raises."""
+        store done) once its tiers' queues have a place, then queued on each
+        tier's writers. -> the writes, and the (tier, key) of pages not
+        queued (reported as dropped). Never raises."""
         writes, failed = [], []
-        for key, slot_page, tiers in todo:
+        for key, slot_page, to in todo:
+            tiers = [tier for tier in to if self.queues[tier].enter(deadline)]
+            failed += [(tier, key) for tier in to if tier not in tiers]
+            if not tiers:
+                continue
             try:
                 page = torch.empty_like(slot_page)
                 copy_bytes(page, slot_page)
