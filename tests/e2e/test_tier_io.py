@@ -115,6 +115,11 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
         io.spill_wait_s = 0.5
         for i in range(10):
             io.spill(["remote"], [(key(i), page(i, SMALL))])
+        deadline = time.monotonic() + 10
+        while io.queues["remote"].queued < 4:  # taken on the spill copy thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert io.queues["remote"].queued == 4  # the writer is stuck on the first
         meta = KVBMWorkerMetadata()
         pool = torch.zeros(2, SMALL, dtype=torch.uint8)
         assert fetch_one(io, "remote", key(100), pool, 1, meta)
@@ -124,7 +129,6 @@ def test_a_stalled_remote_fills_its_write_queue_drops_and_still_reads(relay):
             assert time.monotonic() < deadline, meta.tier_events
             io.poll(meta)
             time.sleep(0.01)
-        assert io.queues["remote"].queued == 4  # the writer is stuck on the first
         assert sorted(meta.removed_pages) == [("remote", key(i)) for i in range(4, 10)]
         assert meta.tier_events[("remote", "ok", 0)] == 1 and not meta.is_empty()
     finally:

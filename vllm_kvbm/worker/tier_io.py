@@ -11,7 +11,8 @@ NIXL read.
 Each tier's writes are bounded (``write_queue_pages``): a spilled page
 waits for a place in its tier's queue before its page is copied (a burst is
 written at the tier's pace, its host slots pinned meanwhile), at most
-SPILL_WAIT_S; one still without a place is dropped, counted ("dropped"), and
+SPILL_WAIT_S from the spill, and not at all for a tier that has given no
+place back for STALL_S; one still without a place is dropped, counted ("dropped"), and
 reported like a page the tier does not have, so the scheduler writes it
 again when it is next admitted. A tier slower than the offload rate so costs
 write-throughs, never memory or reads.
@@ -67,31 +68,48 @@ class _WriteQueue:
         self._cond = threading.Condition()
         self.queued = 0
         self.peak = 0  # most ever queued at once (tests, debugging)
+        self._moved_at = time.monotonic()  # a place last taken or given back
+        self._closed = False
 
     def enter(self, deadline: float | None = None) -> bool:
         """Takes a place; when all are taken, waits for one until
-        ``deadline`` (time.monotonic; None: no wait). False: none came."""
+        ``deadline`` (time.monotonic; None: no wait) while the tier moves:
+        never longer than STALL_S since a place was last given back (a
+        stalled tier makes no spill wait twice). False: none came."""
         with self._cond:
             while self.queued >= self.cap:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is None or left <= 0:
+                if deadline is None or self._closed:
+                    return False
+                left = min(deadline, self._moved_at + STALL_S) - time.monotonic()
+                if left <= 0:
                     return False
                 self._cond.wait(left)
             self.queued += 1
             self.peak = max(self.peak, self.queued)
+            self._moved_at = time.monotonic()
             return True
 
     def leave(self) -> None:
         with self._cond:
             self.queued -= 1
+            self._moved_at = time.monotonic()
             self._cond.notify()
 
+    def close(self) -> None:
+        """No more waiting for a place (shutdown: queued writes are dropped)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
-# How long a spill's pages may wait for a place in a full write queue: a
-# burst (two prefill steps' pages back to back) is written at the tier's
-# pace, its slots pinned meanwhile; a tier slower than the offload rate for
-# longer costs write-throughs (dropped), never an unbounded hold on slots.
+
+# How long a spill's pages may wait for a place in a full write queue, from
+# the spill: a burst (two prefill steps' pages back to back) is written at
+# the tier's pace, its slots pinned meanwhile; a tier slower than the
+# offload rate for longer costs write-throughs (dropped), never an
+# unbounded hold on slots. A tier that gives no place back for STALL_S is
+# not waited for at all.
 SPILL_WAIT_S = 1.0
+STALL_S = 0.25
 
 # Read and write timings kept between two polls, at most (the metrics).
 _MAX_TIMINGS = 10_000
@@ -178,7 +196,9 @@ class TierIO(TierFetches):
         queued (reported as dropped). Never raises."""
         writes, failed = [], []
         for key, slot_page, to in todo:
-            tiers = [tier for tier in to if self.queues[tier].enter(deadline)]
+            # places free now first: a slow tier's wait delays no other's
+            tiers = [tier for tier in to if self.queues[tier].enter()]
+            tiers += [t for t in to if t not in tiers and self.queues[t].enter(deadline)]
             failed += [(tier, key) for tier in to if tier not in tiers]
             if not tiers:
                 continue
@@ -285,7 +305,12 @@ class TierIO(TierFetches):
         self._fetching = still
         while self._spills and self._spills[0][1].done():  # one copy thread: in order
             job_id, copies = self._spills.pop(0)
-            writes, failed = copies.result() if not copies.cancelled() else ([], [])
+            writes, failed = [], []
+            try:
+                if not copies.cancelled():
+                    writes, failed = copies.result()
+            except Exception as err:  # noqa: BLE001 - the slots are still given back
+                logger.warning("KVBM: spill copies failed: %s", err)
             self._writing += writes
             self._dropped += failed
             if job_id is not None:
@@ -348,6 +373,8 @@ class TierIO(TierFetches):
         """Drops queued reads and writes, waits up to ``read_timeout_s`` for
         those running (a hung filesystem's are left behind, said in a
         warning), then closes the stores."""
+        for queue in self.queues.values():
+            queue.close()  # a spill waiting for a place stops waiting
         close_pools(
             [*([self._copier] if self._copier else []), *self._reader.values()]
             + [*self._writer.values()],
