@@ -438,7 +438,10 @@ def load_again(sched, toks: list[int], max_tokens: int = 2):
 def fingerprinted(k, *lora_requests) -> None:
     """Has KVBMScheduler ``k``'s adapter thread fingerprint these adapters'
     files as they are now, as it does after their next request arrives (a
-    request whose adapter it has not fingerprinted yet is a miss)."""
+    request whose adapter it has not fingerprinted yet is a miss). A check
+    already under way may have read the files before they changed (a loaded
+    machine): it ends first, so the check asked here starts after the call."""
+    assert k.adapters.fingerprints.settled(60)
     for lora in lora_requests:
         k.adapters.fingerprints.get(lora.lora_path)
     assert k.adapters.fingerprints.settled(60)
