@@ -10,7 +10,9 @@ free, so the connector copies layer by layer on a free core as in a served
 engine with a reserved core. Per prompt length: a miss (stored to the host
 tier), vLLM's own hit, then ``reset_prefix_cache()``, a few one-token
 requests (the weights epoch settles) and a host-tier hit; each best of
-``--repeats`` fresh prompts (another machine load hits all alike).
+``--repeats`` fresh prompts (another machine load hits all alike). The disk
+hit here is slower than served: the scheduler's empty steps while its pages
+are read run in this one interpreter, beside the disk's reader threads.
 
     .venv/bin/python benchmarks/profile_host_hit.py [--lengths 2048 8192] [--repeats 3]
 """
