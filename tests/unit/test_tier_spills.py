@@ -11,17 +11,10 @@ import time
 import torch
 
 from helpers.tier_pages import SMALL, key, page
+from test_tier_io_metrics import _until
 from vllm_kvbm.messages import KVBMWorkerMetadata
 from vllm_kvbm.tiers.disk.store import DiskStore
 from vllm_kvbm.worker.tier_io import TierIO
-
-
-def _poll_until(io: TierIO, meta: KVBMWorkerMetadata, done, what: str) -> None:
-    deadline = time.monotonic() + 30
-    while not done():
-        assert time.monotonic() < deadline, what
-        io.poll(meta)
-        time.sleep(0.01)
 
 
 def test_slots_are_copied_off_the_caller_and_reported_once_copied(tmp_path):
@@ -46,13 +39,13 @@ def test_slots_are_copied_off_the_caller_and_reported_once_copied(tmp_path):
         assert io.queues["disk"].queued == 0  # not even admitted to the writers yet
         held.set()
         busy.result(10)
-        _poll_until(io, meta, lambda: meta.spills_done[7] == 1, "never reported copied")
+        _until(io, meta, lambda _: meta.spills_done[7] == 1, "never reported copied")
         assert dict(meta.spills_done) == {7: 1}
         slots.zero_()  # the slots reused: the writes hold their own copies
-        _poll_until(
+        _until(
             io,
             meta,
-            lambda: meta.tier_events[("disk", "stored", 0)] == 4,
+            lambda _: meta.tier_events[("disk", "stored", 0)] == 4,
             "the writes never ended",
         )
         out = torch.empty(SMALL, dtype=torch.uint8)
@@ -81,21 +74,21 @@ def test_a_burst_waits_for_room_in_the_write_queue_then_drops_what_finds_none(tm
         writers = [io._writer["disk"].submit(held.wait, 10) for _ in range(store.write_inflight)]
         io.spill(["disk"], [(key(i), page(i, SMALL)) for i in range(5)], job_id=3)
         meta = KVBMWorkerMetadata()
-        _poll_until(io, meta, lambda: meta.spills_done[3] == 1, "never reported copied")
+        _until(io, meta, lambda _: meta.spills_done[3] == 1, "never reported copied")
         assert io.queues["disk"].queued == 2  # the first two, waiting for a writer
         assert meta.tier_events[("disk", "dropped", 0)] == 3
         assert sorted(meta.removed_pages) == [("disk", key(i)) for i in range(2, 5)]
         io.spill_wait_s = 30  # the stalled tier is not waited for: dropped at once
         io.spill(["disk"], [(key(i), page(i, SMALL)) for i in range(5, 7)], job_id=5)
-        _poll_until(io, meta, lambda: meta.spills_done[5] == 1, "waited on a stalled tier")
+        _until(io, meta, lambda _: meta.spills_done[5] == 1, "waited on a stalled tier")
         assert meta.tier_events[("disk", "dropped", 0)] == 5
         held.set()
         for w in writers:
             w.result(10)
-        _poll_until(
+        _until(
             io,
             meta,
-            lambda: meta.tier_events[("disk", "stored", 0)] == 2,
+            lambda _: meta.tier_events[("disk", "stored", 0)] == 2,
             "the two writes never ended",
         )
         assert store.contains(key(0)) and store.contains(key(1)) and not store.contains(key(2))
@@ -103,10 +96,10 @@ def test_a_burst_waits_for_room_in_the_write_queue_then_drops_what_finds_none(tm
         # With room, a burst larger than the queue waits and is written whole.
         io.spill_wait_s = 30  # ends as each place comes free
         io.spill(["disk"], [(key(i), page(i, SMALL)) for i in range(10, 18)], job_id=4)
-        _poll_until(
+        _until(
             io,
             meta,
-            lambda: meta.tier_events[("disk", "stored", 0)] == 10,
+            lambda _: meta.tier_events[("disk", "stored", 0)] == 10,
             "the burst was not written whole",
         )
         assert meta.spills_done[4] == 1 and meta.tier_events[("disk", "dropped", 0)] == 5

@@ -12,9 +12,9 @@ Each tier's writes are bounded (``write_queue_pages``): a spilled page
 waits for a place in its tier's queue before its page is copied (a burst is
 written at the tier's pace, its host slots pinned meanwhile), at most
 SPILL_WAIT_S from the spill, and not at all for a tier that has given no
-place back for STALL_S; one still without a place is dropped, counted ("dropped"), and
-reported like a page the tier does not have, so the scheduler writes it
-again when it is next admitted. A tier slower than the offload rate so costs
+place back for STALL_S; one still without a place is dropped, counted
+("dropped"), and reported like a page the tier does not have, so the
+scheduler writes it again when it is next admitted. A tier slower than the offload rate so costs
 write-throughs, never memory or reads.
 
 Each fetch has a deadline: one that makes no progress (no group of its
@@ -137,7 +137,7 @@ class TierIO(TierFetches):
         self._ended: list[TransferJob] = []
         self._writing: list[tuple[str, bytes, Future]] = []
         # (job id, its pages' copy out of the host slots), in submission order
-        self._spills: list[tuple[int | None, Future]] = []
+        self._spills: deque[tuple[int | None, Future]] = deque()
         self._copier: IOThreads | None = None  # started with the first tier
         self.spill_wait_s = SPILL_WAIT_S
         # (tier, seconds) of reads and writes ended, for the metrics: appended
@@ -209,16 +209,24 @@ class TierIO(TierFetches):
                 logger.warning("KVBM: spill copy failed: %s", err)
                 page = None
             for tier in tiers:
-                try:
-                    if page is None:
-                        raise RuntimeError("not copied")
-                    future = self._writer[tier].submit(
-                        _write, self.tiers[tier], self.queues[tier], key, page, self._write_times
-                    )
-                    writes.append((tier, key, future))
-                except Exception:  # noqa: BLE001 - closed under us
+                future = None
+                if page is not None:
+                    try:
+                        future = self._writer[tier].submit(
+                            _write,
+                            self.tiers[tier],
+                            self.queues[tier],
+                            key,
+                            page,
+                            self._write_times,
+                        )
+                    except Exception:  # noqa: BLE001 - closed under us
+                        pass
+                if future is None:
                     self.queues[tier].leave()
                     failed.append((tier, key))
+                else:
+                    writes.append((tier, key, future))
         return writes, failed
 
     def landed(self) -> list[tuple["TransferJob", int]]:
@@ -304,7 +312,7 @@ class TierIO(TierFetches):
             ready.append((job, not bad, False, None))
         self._fetching = still
         while self._spills and self._spills[0][1].done():  # one copy thread: in order
-            job_id, copies = self._spills.pop(0)
+            job_id, copies = self._spills.popleft()
             writes, failed = [], []
             try:
                 if not copies.cancelled():
@@ -375,12 +383,9 @@ class TierIO(TierFetches):
         warning), then closes the stores."""
         for queue in self.queues.values():
             queue.close()  # a spill waiting for a place stops waiting
-        close_pools(
-            [*([self._copier] if self._copier else []), *self._reader.values()]
-            + [*self._writer.values()],
-            self.read_timeout_s,
-            "lower tiers",
-        )
+        pools = [self._copier] if self._copier is not None else []
+        pools += [*self._reader.values(), *self._writer.values()]
+        close_pools(pools, self.read_timeout_s, "lower tiers")
         for store in self.tiers.values():
             store.close()
         self.tiers, self._reader, self._writer, self._copier = {}, {}, {}, None

@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm_kvbm.config import DEFAULT_TIER_READ_TIMEOUT_S, DEFAULT_TIER_WRITE_QUEUE_PAGES
+from vllm_kvbm.cpus import spare_cpus
 from vllm_kvbm.messages import KVBMConnectorMetadata, KVBMWorkerMetadata, TransferJob, block_rows
 from vllm_kvbm.worker.completions import Completions
-from vllm_kvbm.cpus import spare_cpus
 from vllm_kvbm.worker.copy_path import make_mover
 from vllm_kvbm.worker.early_copies import EarlyCopies, EarlyLoad
 from vllm_kvbm.worker.fence import DONE, StepFence, fence_maker
