@@ -64,6 +64,7 @@ from vllm_kvbm.tiers.disk.file_io import (
     _write_page,
 )
 from vllm_kvbm.tiers.disk.lmcache_index import _disk_backend_class
+from vllm_kvbm.tiers.disk.page_slices import PageSlices, open_slices
 from vllm_kvbm.tiers.disk.view import replica_directory
 from vllm_kvbm.tiers.lmcache_store import GIB, LMCacheStore, start_loop, stop_loop
 from vllm_kvbm.tiers.page_format import KEY_BYTES, retired_model_names, valid_key, valid_page
@@ -363,6 +364,10 @@ class DiskStore(LMCacheStore):
             logger.warning("disk tier: truncated page removed: %s", e)
             self._disk.remove(ck)
             return "corrupt"
+        return self._judge(ck, path, status)
+
+    def _judge(self, ck, path: str, status: str) -> str:
+        """A read's status; a corrupt or unauthenticated page removed (said once)."""
         if status == "corrupt":
             logger.warning("disk tier: corrupt page removed: %s", path)
             self._disk.remove(ck)
@@ -374,6 +379,30 @@ class DiskStore(LMCacheStore):
             )
             self._disk.remove(ck)
         return status
+
+    def open_slices(self, key: bytes, out: torch.Tensor) -> "PageSlices | str":
+        """``key``'s page opened for ranged reads into ``out`` (its host slot),
+        layer by layer (page_slices.py), or the status that decides it now
+        ("miss", "corrupt", "error", ...). On the caller's thread, never vLLM's."""
+        target = self._target(key, out)
+        if target is None or self._closed:
+            return "error"
+        key, slot = target
+        try:
+            ck = self._ckey(key)
+            path = self._disk.where(ck, hit=True)
+            if path is None:
+                return "miss"
+            self._note_key(ck, key)
+            return open_slices(
+                path, self._codec, key, slot.view, lambda status: self._judge(ck, path, status)
+            )
+        except FileNotFoundError:
+            self._disk.remove(ck)
+            return "miss"
+        except Exception as e:  # noqa: BLE001 - never raises
+            logger.warning("disk tier: get failed: %s", e)
+            return "error"
 
     def _bounce(self) -> "_Bounce | None":
         """This thread's O_DIRECT buffer; None where the filesystem refuses O_DIRECT."""

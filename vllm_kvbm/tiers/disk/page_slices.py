@@ -1,0 +1,85 @@
+"""A disk page read a byte range at a time, for hits loaded layer by layer.
+
+A whole-page read (file_io._read_page) lands every layer of the page before
+any is used. A hit loaded during the forward pass (worker/layer_reads.py)
+wants layer 0 of every page first, then layer 1, ...: each layer's part of
+a host row is one range, and the ranges in layer order tile the row, so the
+page's bytes still arrive in order and are checked as they go (the checksum
+or, on a sealed page, the decryption and tag), exactly as a whole read
+checks them. The verdict comes with the last range (``finish``); until then
+the bytes in the slot are unchecked and whatever was computed from them is
+thrown away if the page turns out bad (the load fails, vLLM recomputes).
+
+Buffered reads only: the O_DIRECT path reads whole 4 KiB-aligned pages.
+Every call may block as long as the filesystem takes; the caller's thread
+is not vLLM's.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+from vllm_kvbm.tiers.disk.file_io import _pread_into, _ShortFile
+from vllm_kvbm.tiers.page_format import HEADER_BYTES
+
+
+class PageSlices:
+    """One page file open for ranged reads into its host slot (a byte
+    memoryview of ``page_bytes``), in ascending, gap-free order."""
+
+    def __init__(self, fd: int, path: str, check, view: memoryview, judge):
+        self._fd, self.path, self._check, self._view = fd, path, check, view
+        self._judge = judge  # status -> status, the store's verdict on a bad page
+        self._next = 0
+
+    def read(self, off: int, n: int) -> None:
+        """Bytes [off, off + n) of the payload into the slot, checked; raises
+        on a short file or an I/O error (the page is then not "ok")."""
+        if off != self._next:
+            raise ValueError(f"page ranges out of order: {off} after {self._next}")
+        part = self._view[off : off + n]
+        _pread_into(self._fd, [part], HEADER_BYTES + off, self.path)
+        self._check.update(part)
+        self._next = off + n
+
+    def finish(self) -> str:
+        """The page's status once every byte was read ("corrupt" if not all
+        were); the file closed. A bad page is removed from the store."""
+        self.close()
+        status = self._check.finish(self._view)
+        return self._judge(status) if status != "ok" else status
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def open_slices(path: str, codec, key: bytes, view: memoryview, judge) -> "PageSlices | str":
+    """The page at ``path`` opened, its size and header checked -> PageSlices,
+    or the status that decides it already (``judge``'s verdict). Raises
+    FileNotFoundError where the file is gone."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        return judge("corrupt")  # a symlink, not a page file
+    try:
+        size = os.fstat(fd).st_size
+        if size != HEADER_BYTES + len(view):
+            raise _ShortFile(f"{path}: {size} of {HEADER_BYTES + len(view)} bytes")
+        header = bytearray(HEADER_BYTES)
+        _pread_into(fd, [memoryview(header)], 0, path)
+        check = codec.start_verify(bytes(header), key)
+    except _ShortFile:
+        os.close(fd)
+        return judge("corrupt")
+    except BaseException:
+        os.close(fd)
+        raise
+    if isinstance(check, str):
+        os.close(fd)
+        return judge(check)
+    return PageSlices(fd, path, check, view, judge)
