@@ -73,7 +73,8 @@ class TransferJob:
     # pages are read from (the request's hint; "" when it has none).
     peer: str = ""
     # Loads only: a host-tier hit vLLM was told is synchronous, copied layer
-    # by layer during the step's forward pass (worker/layer_copies.py) and
+    # by layer during the step's forward pass (worker/layer_copies.py; its
+    # ``fetch`` pages, disk pages, read layer by layer: layer_reads.py) and
     # reported in ``loads_done``, never as vLLM's finished_recving.
     layered: bool = False
 
@@ -156,6 +157,8 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     # workers that load layer by layer: +1 from each once it can, -1 once it
     # stopped (the scheduler asks for layered loads while every worker can)
     layered_workers: int = 0
+    # workers that read disk hits layer by layer (worker/layer_reads.py), the same way
+    layered_read_workers: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
     # spill job id -> workers that copied the slot (the slot may be reused)
@@ -215,6 +218,7 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
                 for r in self.layered_waits.keys() | other.layered_waits.keys()
             },
             layered_workers=self.layered_workers + other.layered_workers,
+            layered_read_workers=self.layered_read_workers + other.layered_read_workers,
             spills_done=self.spills_done + other.spills_done,
             tier_events=self.tier_events + other.tier_events,
             tier_stored=self.tier_stored + other.tier_stored,
@@ -246,6 +250,7 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             or self.loads_failed
             or self.loads_done
             or self.layered_workers
+            or self.layered_read_workers
             or self.spills_done
             or self.tier_events
             or self.transfer_timeouts

@@ -31,6 +31,15 @@ from vllm_kvbm.tools.server import stop_process as stop
 pytestmark = pytest.mark.timeout(900)
 
 
+def spare_core() -> bool:
+    """Whether the engines are bound to one core of several (scripts/test.sh's
+    workers): a core is then free for layer-wise copies and reads."""
+    import os
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    return bind.isdigit() and len(os.sched_getaffinity(0)) > 1
+
+
 @pytest.fixture(scope="module")
 def remote():
     port = free_port()
@@ -99,14 +108,25 @@ PROMPT_FLIP = random_prompt(6 * BLOCK_SIZE + 3, seed=9003)
 
 
 def test_onboard_from_disk_equals_recompute(engine1, plain_llm):
+    """Where the engine leaves a core free of its OpenMP threads (scripts/
+    test.sh's workers), the disk hit is read layer by layer during the step
+    that computes the request (worker/layer_reads.py)."""
     want = reference(plain_llm, [PROMPT_DISK])
     generate(engine1, [PROMPT_DISK])  # computes; host, then disk and remote
     clear_engine_and_host(engine1)
+    # The reset started a weights epoch: hits stay asynchronous until the
+    # worker reported its weights in it (the next steps).
+    for i in range(3):
+        generate(engine1, [random_prompt(20, seed=6000 + i)], max_tokens=1)
+        time.sleep(0.2)
     before = kvbm_counter("onboard_blocks_d2d")
+    layered = kvbm_counter("onboard_layered_blocks")
     got, cached = generate(engine1, [PROMPT_DISK])
     assert got == want
     assert cached[0] == expected_hit_tokens(len(PROMPT_DISK))
     assert kvbm_counter("onboard_blocks_d2d") - before == cached[0] // BLOCK_SIZE
+    if spare_core():
+        assert kvbm_counter("onboard_layered_blocks") - layered == cached[0] // BLOCK_SIZE
 
 
 def test_corrupt_disk_page_is_recomputed_and_removed(engine1, plain_llm, disk_dir):

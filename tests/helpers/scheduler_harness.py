@@ -206,6 +206,7 @@ def step(
     failed_recving=(),
     loads_done=(),
     layered_workers: int = 0,
+    layered_read_workers: int = 0,
     complete: bool = False,
     token: int = 7,
 ):
@@ -232,6 +233,7 @@ def step(
         failed_recving=failed_recving,
         loads_done=loads_done,
         layered_workers=layered_workers,
+        layered_read_workers=layered_read_workers,
         complete=complete,
         token=token,
     )
@@ -285,6 +287,7 @@ def worker_output(
     failed_recving=(),
     loads_done=(),
     layered_workers: int = 0,
+    layered_read_workers: int = 0,
     complete: bool = False,
     token: int = 7,
 ) -> ModelRunnerOutput:
@@ -316,6 +319,7 @@ def worker_output(
     for rid in loads_done:
         worker_meta.loads_done[rid] += 1
     worker_meta.layered_workers = layered_workers
+    worker_meta.layered_read_workers = layered_read_workers
     for job_id in spills_done:
         worker_meta.spills_done[job_id] += 1
     worker_meta.slots_held.update(slots_held)

@@ -78,12 +78,16 @@ class LoadPlanning:
                     self.events.describe(request, state.chain.keys, [start + i])
             job.slots.append(slot)
             job.fetch.append((i, src, key))
-        job.layered = state.load.layered = state.lookup.layered and not job.fetch
+        job.layered = state.load.layered = state.lookup.layered
+        if job.layered and state.load.streamed:
+            # vLLM was told the load is synchronous, but a page found no host
+            # slot to be read into layer by layer: failed unread (recomputed).
+            job.refuse = True
         state.load.keys = host_keys
         state.load.page_keys, state.load.sources = keys, sources
         lower = Counter(src for src in sources if src != "host")
         state.load.ahead = self._fetches_ahead() if lower else {}
-        if lower:
+        if lower and not job.layered:  # a layered one is read during its step
             self._fetch_queue[request.request_id] = lower
         if job.fetch and not state.load.streamed and self.groups is None:
             # (a hybrid's load is never cut: its group pages are not a prefix)

@@ -104,9 +104,11 @@ class KVBMScheduler(
         self._store_jobs: dict[int, _StoreJob] = {}
         self._job_ids = itertools.count()
         self._loads: list[TransferJob] = []
-        # workers that copy loads layer by layer (worker_reports.py), and
-        # per request how many finished its layered load
+        # workers that copy loads layer by layer (worker_reports.py), those
+        # that read disk hits so too, and per request how many finished its
+        # layered load
         self._layered_workers = 0
+        self._layered_read_workers = 0
         self._layered_done: Counter = Counter()
         # lower-tier pages per tier of each request's load in flight: what a
         # new load queues behind on the tiers' read threads (load_split)

@@ -76,14 +76,22 @@ class PrefixLookup:
         if hit == 0:
             return 0, False
         # A hit the host tier holds whole, where every worker copies loads
-        # layer by layer: synchronous, computed in this very step. Not while
-        # the weights are in doubt: a worker would refuse it, and vLLM counts
-        # a refused synchronous load's tokens as cached though it recomputes them.
+        # layer by layer: synchronous, computed in this very step; one with
+        # disk pages too where every worker reads them layer by layer and
+        # the host tier has a slot for each. Not while the weights are in
+        # doubt: a worker would refuse it, and vLLM counts a refused
+        # synchronous load's tokens as cached though it recomputes them.
+        disk = sum(1 for src in sources if src == "disk")
         found.layered = (
             self._layered_workers >= self.info.num_workers
             and self.groups is None
             and self.weights.settled
-            and all(src == "host" for src in sources)
+            and all(src in ("host", "disk") for src in sources)
+            and (
+                not disk
+                or self._layered_read_workers >= self.info.num_workers
+                and len(sources) <= self.host.available()  # its host hits pinned first
+            )
         )
         return (start + hit) * self.page_tokens - local * self.block_size, not found.layered
 

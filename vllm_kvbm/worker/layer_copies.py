@@ -47,6 +47,7 @@ from vllm_kvbm.messages import TransferJob, block_rows
 from vllm_kvbm.worker.copy_runs import RegionTable, copy_runs
 from vllm_kvbm.worker.host_copies import PIECE_BYTES, HostCopies, pieces
 from vllm_kvbm.worker.kv_regions import BlockRegion, block_regions, checked_ids
+from vllm_kvbm.worker.layer_reads import LayerReader, StepReads
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class StepCopies:
         self.wait_s = 0.0  # loads: how long the forward pass waited for them
         self.parts: dict[str, int] = {}  # per layer posted: its copies not done yet
         self.failed: BaseException | None = None
+        self.reads: StepReads | None = None  # loads: layer-wise disk reads (layer_reads.py)
         self.cond = threading.Condition()
 
     @property
@@ -221,15 +223,25 @@ class LayerCopies:
             _copy(*item)
         return step
 
-    def load(self, jobs: list[TransferJob]) -> list[TransferJob]:
+    def load(
+        self, jobs: list[TransferJob], reader: "LayerReader | None" = None
+    ) -> list[TransferJob]:
         """``start_load_kv``: the step's layered loads, every layer's copy
-        posted in vLLM's layer order; the jobs refused (ids out of range)."""
+        posted in vLLM's layer order (with disk pages to read, by ``reader``
+        as each layer is read); the jobs refused (ids out of range)."""
         step = self._plan(jobs)
         planned = step.job_ids if step is not None else set()
         if step is not None:
             self._load = step
-            for name in self.tables:
-                self._post(step, name, False)
+            fetched = [job for job in step.jobs if job.fetch]
+            if fetched and reader is not None:
+                step.reads = reader.plan(fetched)
+                reader.start(
+                    step.reads, lambda name: self._post(step, name, False), lambda: _fail(step)
+                )
+            else:
+                for name in self.tables:
+                    self._post(step, name, False)
         return [job for job in jobs if id(job) not in planned]
 
     def layer_needed(self, name: str) -> None:
@@ -241,13 +253,25 @@ class LayerCopies:
         step.waited.add(name)
         started = time.perf_counter()
         last = self.order[name]
-        while not step.copied(name):
-            item = self._work.take_if(lambda it: it[0] is step and self.order[it[1]] <= last)
-            if item is None:
-                break
-            _copy(*item)
-        with step.cond:
-            step.cond.wait_for(lambda: step.copied(name))
+        reads = step.reads
+        while True:
+            while not step.copied(name):
+                item = self._work.take_if(lambda it: it[0] is step and self.order[it[1]] <= last)
+                if item is None:
+                    break
+                _copy(*item)
+            with step.cond:
+                if reads is None:
+                    step.cond.wait_for(lambda: step.copied(name))
+                    break
+                # Posted once read: woken by the post, each copy and a failure.
+                if step.copied(name) or reads.failed:
+                    break
+                left = reads.deadline - time.perf_counter()
+                if left <= 0:
+                    reads.abandoned = reads.failed = True  # the step's loads fail
+                    break
+                step.cond.wait(left)
         step.wait_s += time.perf_counter() - started
 
     def loads_ended(self) -> tuple[StepCopies, bool] | None:
@@ -256,6 +280,12 @@ class LayerCopies:
         step, self._load = self._load, None
         if step is None:
             return None
+        reads = step.reads
+        if reads is not None and not reads.ended.wait(
+            max(0.0, reads.deadline - time.perf_counter())
+        ):
+            with step.cond:
+                reads.abandoned = reads.failed = True  # no layer posted from now on
         while (item := self._work.take_if(lambda it: it[0] is step)) is not None:
             _copy(*item)
         step.wait()
@@ -288,9 +318,12 @@ class LayerCopies:
         src, dst, sizes = pieces(*runs, PIECE_BYTES)
         half = (len(sizes) + 1) // 2
         items = [(a, b) for a, b in ((0, half), (half, len(sizes))) if b > a]
-        step.layers.add(name)
         with step.cond:
+            if step.reads is not None and step.reads.abandoned:
+                return  # read after the step gave up: its blocks are not written
+            step.layers.add(name)
             step.parts[name] = len(items)
+            step.cond.notify_all()
         for a, b in items:
             self._work.put((step, name, src[a:b], dst[a:b], sizes[a:b]))
 
@@ -307,6 +340,13 @@ class LayerCopies:
         """Once no step is being copied (the worker waited for its stores)."""
         self._work.put(None)
         self._thread.join(timeout=5.0)
+
+
+def _fail(step: StepCopies) -> None:
+    """The step's disk reads cannot be used: its loads fail, no wait for them."""
+    with step.cond:
+        step.reads.failed = True
+        step.cond.notify_all()
 
 
 def _copy(step: StepCopies, name: str, src: list[int], dst: list[int], sizes: list[int]) -> None:

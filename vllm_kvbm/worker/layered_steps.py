@@ -1,6 +1,7 @@
 """Layer-wise copies, the worker's side: stores posted as vLLM reports each
-layer written, layered loads started before the forward pass and waited for
-layer by layer, and both ended after it (layer_copies.py says how)."""
+layer written, layered loads (host hits, and disk hits read layer by layer)
+started before the forward pass and waited for layer by layer, and both
+ended after it (layer_copies.py and layer_reads.py say how)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.worker import lora_loads
+from vllm_kvbm.worker import layer_reads
+from vllm_kvbm.worker.layer_reads import LayerReader, StepReads, layer_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,11 @@ class LayeredSteps:
         this worker cannot."""
         refused = jobs
         if self._layer_copies is not None and self.kv_released is None and not self._layered_off:
-            refused = self._layer_copies.load(jobs)
+            # Disk pages sent before the scheduler knew reads are off: failed.
+            reader = None if self._reads_off else self._layer_reader
+            refused = [job for job in jobs if job.fetch and reader is None]
+            rest = [job for job in jobs if not (job.fetch and reader is None)]
+            refused += self._layer_copies.load(rest, reader)
         for job in refused:
             self._complete(job, False, ok=False, started=time.perf_counter())
 
@@ -65,7 +72,90 @@ class LayeredSteps:
             )
             self._meta.layered_workers -= 1
             self._layered_off = True
+        read = step.reads is None or self._reads_done(step.reads)
         # What a layered load cost the request: the forward pass's waits for it.
         started = time.perf_counter() - step.wait_s
         for job in step.jobs:
-            self._complete(job, False, ok=waited and step.failed is None, started=started)
+            self._complete(job, False, ok=waited and step.failed is None and read, started=started)
+
+    # ---- disk hits read layer by layer (layer_reads.py) ------------------
+
+    def _start_layer_reads(self, store) -> None:
+        """A tier whose pages can be read layer by layer (the disk's): its
+        hits are, while this worker copies loads by layer."""
+        if self._layer_reader is not None or not hasattr(store, "open_slices"):
+            return
+        if self._layer_copies is None or not self.layered_loads:
+            return
+        ranges = layer_ranges(self._layer_copies.tables)
+        if ranges is None:
+            logger.info("KVBM worker: disk hits read before the step (layers not in row order)")
+            return
+        self._layer_reader = LayerReader(
+            ranges, self._layer_copies.cpus, self.host_pool, self.tier_io.tiers
+        )
+        self._meta.layered_read_workers += 1
+        logger.info("KVBM worker: disk hits read layer by layer during the forward pass")
+
+    def _reads_done(self, reads: StepReads) -> bool:
+        """After the step's forward pass: its disk reads' outcomes reported;
+        whether every page came intact in time. Reads still running (past
+        their deadline) keep their slots from the host tier until they end,
+        and layered reads stop for a while."""
+        meta, rank = self._meta, self.tier_io.rank
+        if self._layer_reader.hold(reads):
+            self._reads_stuck += 1
+            meta.slots_held.update(reads.slots())
+        if reads.held or reads.abandoned:
+            for _, tier, _, _ in reads.pages:
+                meta.tier_events[(tier, "error", rank)] += 1
+            self._reads_back_at = time.monotonic() + layer_reads.READS_BACK_AFTER_S
+            if not self._reads_off:
+                self._reads_off = True
+                meta.layered_read_workers -= 1
+                logger.error(
+                    "KVBM: reading %d disk pages layer by layer missed its deadline "
+                    "(%.2f s); vLLM recomputes them, and disk hits are read before the "
+                    "step until those reads ended and %g s passed",
+                    len(reads.pages),
+                    reads.deadline - reads.started,
+                    layer_reads.READS_BACK_AFTER_S,
+                )
+            return False
+        bad = []
+        for (_, tier, key, _), status in zip(reads.pages, reads.statuses):
+            if status != "skipped":
+                meta.tier_events[(tier, status, rank)] += 1
+            if status not in ("ok", "skipped"):
+                bad.append((tier, key))
+        if bad:
+            logger.warning(
+                "KVBM: %d of %d disk pages read layer by layer unusable; vLLM recomputes "
+                "the step's layered loads",
+                len(bad),
+                len(reads.pages),
+            )
+            meta.bad_pages.extend(bad)
+        meta.tier_read_seconds.append((reads.pages[0][1], reads.seconds))
+        return not reads.failed
+
+    def _reads_ended_late(self) -> None:
+        """Reads that ended after their deadline: their slots are free again;
+        layered reads come back once none runs and the pause passed."""
+        if self._layer_reader is None:
+            return
+        for reads in self._layer_reader.take_late():
+            self._reads_stuck -= 1
+            self._meta.slots_released.update(reads.slots())
+        if self._reads_off and not self._reads_stuck and time.monotonic() >= self._reads_back_at:
+            self._reads_off = False
+            self._meta.layered_read_workers += 1
+            logger.warning("KVBM: disk hits are read layer by layer again")
+
+    def _close_layer_reads(self) -> bool:
+        """Stops the read thread; False while a read may still write host memory."""
+        reader, self._layer_reader = self._layer_reader, None
+        if reader is None:
+            return True
+        reader.close()
+        return not reader.running

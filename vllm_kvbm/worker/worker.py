@@ -36,7 +36,8 @@ polled done (see ``_post_ready``). What orders each kind of transfer:
 - spill (host -> disk/remote): host memory only. The scheduler spills a slot
   only after every worker reported its store done (the fence passed and NIXL
   completed the copy into host RAM), and pins it until the spill is copied;
-  the copy is a CPU memcpy on the engine thread, so no stream is involved.
+  the copy is a CPU memcpy on a thread of its own (tier_io.py), so no
+  stream is involved.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from vllm_kvbm.worker.loaded_weights import LoadedWeights
 from vllm_kvbm.worker.jobs import TRANSFER_TIMEOUT_S, InFlight, Pending
 from vllm_kvbm.worker.kv_release import KVRelease
 from vllm_kvbm.worker.layer_copies import LayerCopies
+from vllm_kvbm.worker.layer_reads import LayerReader
 from vllm_kvbm.worker.layered_steps import LayeredSteps
 from vllm_kvbm.worker.streamed_loads import StreamedLoads
 from vllm_kvbm.worker.streaming import StagingSlots, StreamedLoad, needs_streaming, staging_slots
@@ -132,11 +134,18 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
         self._layer_copies: LayerCopies | None = None
         self._layered_off = False  # a layer ran without waiting for its loads
         self.layered_loads = layered_loads
+        # Disk hits read layer by layer (layer_reads.py): off for a while
+        # after reads missed their deadline.
+        self._layer_reader: LayerReader | None = None
+        self._reads_off = False
+        self._reads_stuck = 0  # steps whose reads still run after their deadline
+        self._reads_back_at = 0.0
 
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
         self.tier_io.rank = rank
         self.tier_io.add(store, self.host_pool)
+        self._start_layer_reads(store)
 
     def register_kv_caches(
         self,
@@ -384,6 +393,7 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
         self._copy_landed()
         for job in self.tier_io.take_ended():
             self._hold_read_slots(job, False)
+        self._reads_ended_late()
         self._expire_waiting_streams()
         self._post_ready()
         if self.mover is not None and self._inflight:
@@ -436,5 +446,5 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
             self._layer_copies = None
         self.mover.close()
         self.mover = None
-        if self._host is not None:
+        if self._host is not None and self._close_layer_reads():
             self._host.release()

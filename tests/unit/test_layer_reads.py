@@ -1,0 +1,265 @@
+"""Disk hits read layer by layer during the forward pass (worker/layer_reads.py,
+tiers/disk/page_slices.py), on a real disk tier, real KV layouts and real threads.
+
+A page read a layer's range at a time lands byte for byte as a whole read
+puts it, checked as it goes (sealed pages too); a damaged one is "corrupt"
+and removed. Through the worker: each layer's blocks hold the page's bytes
+once vLLM's wait for it returns; a damaged page fails the step's loads (vLLM
+recomputes them); reads that miss their deadline (a real FUSE mount whose
+opens hang) fail the step without stalling it past the deadline, keep their slots from the host tier until
+they end, and stop layered reads until then.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.v1.request import RequestStatus
+
+from helpers.scheduler_harness import (
+    BLOCK,
+    admit,
+    keys_of,
+    kvbm,
+    lookup,
+    make_request,
+    make_scheduler,
+    step,
+    tokens,
+)
+from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
+from test_layer_loads import run_step, worker_with_layer_copies
+from test_page_mover import NB, make_layout
+from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
+from vllm_kvbm.tiers.disk.store import DiskStore
+from vllm_kvbm.worker import layer_reads
+from vllm_kvbm.worker.copy_runs import RegionTable
+from vllm_kvbm.worker.layer_reads import layer_ranges
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(29)
+
+
+def key(i: int) -> bytes:
+    return bytes([i + 1]) * 32
+
+
+def page(n: int, gen) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen)
+
+
+def table(offsets: list[int], sizes: list[int], row: int) -> RegionTable:
+    z = np.zeros(len(sizes), dtype=np.int64)
+    return RegionTable(z, z + 1, np.array(sizes), np.array(offsets), row)
+
+
+def test_layer_ranges_tile_the_row_in_layer_order_or_are_refused():
+    tables = {"a": table([0, 8], [8, 8], 40), "b": table([24, 16], [16, 8], 40)}
+    assert layer_ranges(tables) == {"a": (0, 16), "b": (16, 24)}
+    swapped = {"b": tables["b"], "a": tables["a"]}  # layer order is not row order
+    assert layer_ranges(swapped) is None
+    gap = {"a": table([0, 10], [8, 8], 40), "b": table([18], [22], 40)}
+    assert layer_ranges(gap) is None
+
+
+@pytest.mark.parametrize("secret", [None, b"s" * 32])
+def test_a_page_read_range_by_range_lands_as_a_whole_read_and_damage_is_caught(
+    tmp_path, gen, secret
+):
+    size = 3 * 65536 + 96
+    store = DiskStore(str(tmp_path), 16 << 20, size, "ns", 0, 1, page_secret=secret)
+    try:
+        pages = [page(size, gen) for _ in range(2)]
+        for i, p in enumerate(pages):
+            assert store.put(key(i), p)
+        cuts = [0, 1000, 65536, 2 * 65536 + 5, size]
+        out = torch.zeros(size, dtype=torch.uint8)
+        slices = store.open_slices(key(0), out)
+        for a, b in zip(cuts, cuts[1:]):
+            slices.read(a, b - a)
+        assert slices.finish() == "ok" and torch.equal(out, pages[0])
+        assert store.open_slices(key(7), out) == "miss"
+        # one byte flipped in the file: caught at the last range, removed
+        path = store._disk._key_to_path(store._ckey(key(1)))
+        with open(path, "r+b") as f:
+            f.seek(96 + 70000)
+            byte = f.read(1)
+            f.seek(96 + 70000)
+            f.write(bytes([byte[0] ^ 1]))
+        slices = store.open_slices(key(1), out)
+        for a, b in zip(cuts, cuts[1:]):
+            slices.read(a, b - a)
+        assert slices.finish() == "corrupt" and not store.contains(key(1))
+        # ranges not read, or read out of order, never pass
+        store.put(key(2), pages[0])
+        slices = store.open_slices(key(2), out)
+        slices.read(0, 1000)
+        with pytest.raises(ValueError):
+            slices.read(5000, 10)
+        assert slices.finish() == "corrupt"
+    finally:
+        store.close()
+
+
+def worker_with_disk(directory, lay, monkeypatch):
+    worker = worker_with_layer_copies(lay, monkeypatch)
+    store = DiskStore(str(directory), 64 << 20, lay.block_bytes(), "ns", 0, 1)
+    worker.add_tier(store)
+    first = worker.build_worker_meta()
+    assert first is not None and first.layered_read_workers == 1
+    return worker, store
+
+
+def test_a_disk_hit_is_read_and_copied_layer_by_layer_in_its_step(tmp_path, gen, monkeypatch):
+    lay = make_layout("cpu", gen)
+    worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
+    try:
+        pages = [page(lay.block_bytes(), gen) for _ in range(3)]
+        for i, p in enumerate(pages):
+            assert store.put(key(i), p)
+        worker.host_pool[5].copy_(page(lay.block_bytes(), gen))  # a host hit beside them
+        job = TransferJob(
+            1, "A", [3, 4, 9, 11], [5, 0, 1, 2], layered=True,
+            fetch=[(1, "disk", key(0)), (2, "disk", key(1)), (3, "disk", key(2))],
+        )  # fmt: skip
+        before = lay.clone_raw()
+        recving, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
+        assert recving == set() and errors == set()
+        assert meta.loads_done["A"] == 1 and not meta.loads_failed
+        assert meta.tier_events[("disk", "ok", 0)] == 3 and not meta.bad_pages
+        assert torch.equal(lay.slot_bytes(3), worker.host_pool[5])
+        for block, slot, p in zip([4, 9, 11], [0, 1, 2], pages):
+            assert torch.equal(lay.slot_bytes(block), p)
+            assert torch.equal(worker.host_pool[slot], p)  # promoted: in the host tier now
+        for b in set(range(NB)) - {3, 4, 9, 11}:
+            assert torch.equal(lay.slot_bytes(b), lay.slot_bytes(b, before))
+    finally:
+        worker.shutdown()
+
+
+def test_a_damaged_disk_page_fails_the_steps_layered_loads(tmp_path, gen, monkeypatch):
+    lay = make_layout("cpu", gen)
+    worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
+    try:
+        for i in range(2):
+            assert store.put(key(i), page(lay.block_bytes(), gen))
+        path = store._disk._key_to_path(store._ckey(key(1)))
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 1)
+            last = f.read(1)
+            f.seek(os.path.getsize(path) - 1)
+            f.write(bytes([last[0] ^ 0x80]))  # the last layer's last byte
+        job = TransferJob(
+            1, "A", [3, 4], [0, 1], layered=True, fetch=[(0, "disk", key(0)), (1, "disk", key(1))]
+        )
+        recving, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
+        assert errors == {3, 4} and meta.loads_failed["A"] == 1 and meta.loads_done["A"] == 1
+        assert meta.bad_pages == [("disk", key(1))] and not store.contains(key(1))
+        assert meta.tier_events[("disk", "corrupt", 0)] == 1
+        assert meta.layered_read_workers == 0  # a bad page is no reason to stop
+    finally:
+        worker.shutdown()
+
+
+def test_reads_past_their_deadline_fail_the_step_and_hold_their_slots(mount, gen, monkeypatch):
+    """The disk's filesystem hangs (a FUSE mount whose opens block): the
+    step's wait ends at the deadline, not with the hang."""
+    monkeypatch.setattr(layer_reads, "READ_WAIT_MIN_S", 0.3)
+    monkeypatch.setattr(layer_reads, "READS_BACK_AFTER_S", 0.0)
+    lay = make_layout("cpu", gen)
+    worker, store = worker_with_disk(mount.path, lay, monkeypatch)
+    try:
+        assert store.put(key(0), page(lay.block_bytes(), gen))
+        job = TransferJob(1, "A", [3], [4], layered=True, fetch=[(0, "disk", key(0))])
+        again = TransferJob(2, "B", [7], [6], layered=True, fetch=[(0, "disk", key(0))])
+        before = lay.clone_raw()
+        with mount.blocked():
+            started = time.monotonic()
+            loads = KVBMConnectorMetadata(loads=[job])
+            recving, meta, errors = run_step(worker, loads, lay.caches)
+            assert time.monotonic() - started < 10  # the deadline, not the hang
+            assert errors == {3} and meta.loads_failed["A"] == 1 and meta.loads_done["A"] == 1
+            assert meta.slots_held == {4: 1} and meta.layered_read_workers == -1
+            assert meta.tier_events[("disk", "error", 0)] == 1
+            # sent before the scheduler knew: failed unread
+            loads = KVBMConnectorMetadata(loads=[again])
+            _, meta, errors = run_step(worker, loads, lay.caches)
+            assert errors == {7} and meta.loads_failed["B"] == 1 and not meta.slots_held
+        deadline = time.monotonic() + 30
+        released = back = 0
+        while (not released or not back) and time.monotonic() < deadline:
+            worker.get_finished(set())
+            meta = worker.build_worker_meta()
+            if meta is not None:
+                released += meta.slots_released[4]
+                back += meta.layered_read_workers
+            time.sleep(0.01)
+        assert released == 1 and back == 1  # slots free once the read ended; reads back
+        assert torch.equal(lay.slot_bytes(3), lay.slot_bytes(3, before))  # never written
+    finally:
+        worker.shutdown()
+
+
+def test_a_disk_hit_is_synchronous_once_every_worker_reads_by_layer(tmp_path):
+    """The scheduler's side: a hit with disk pages is returned to vLLM as
+    synchronous (computed in the step that loads it, its disk pages promoted
+    into host slots) only once every worker said it reads disk hits layer by
+    layer; a promotion that finds no host slot fails unread (recomputed)."""
+    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(sched)
+    prompt = tokens(3 * BLOCK + 5, 64)
+    keys = keys_of(sched, prompt)
+    store = disk_store_for(k, tmp_path)
+    try:
+        put_where_the_scheduler_sees(store, k, keys)
+    finally:
+        store.close()
+    step(sched, layered_workers=1)  # host hits by layer, disk hits not yet
+    k.weights.reported([(k.weights.epoch, 0, "")])  # the worker's weights, as loaded
+    assert lookup(k, make_request(prompt, max_tokens=2)) == (3 * BLOCK, True)
+    step(sched, layered_read_workers=1)
+    req = make_request(prompt, max_tokens=2)
+    sched.add_request(req)
+    out, meta, _ = admit(sched, req)
+    (load,) = meta.loads
+    assert load.layered and [tier for _, tier, _ in load.fetch] == ["disk"] * 3
+    assert req.status == RequestStatus.RUNNING  # computed in this very step
+    assert out.num_scheduled_tokens == {req.request_id: 5}
+    assert not load.refuse and all(0 <= slot < 16 for slot in load.slots)
+    step(sched, loads_done=[req.request_id])
+    assert all(k.host.is_ready(key_) for key_ in keys)  # promoted: host hits from now on
+    assert k.stats.total["onboard_layered_blocks"] == 3
+
+
+def test_a_layered_disk_hit_without_a_host_slot_fails_unread(tmp_path):
+    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(sched)
+    prompt = tokens(3 * BLOCK + 5, 65)
+    keys = keys_of(sched, prompt)
+    store = disk_store_for(k, tmp_path)
+    try:
+        put_where_the_scheduler_sees(store, k, keys)
+    finally:
+        store.close()
+    step(sched, layered_workers=1, layered_read_workers=1)
+    k.weights.reported([(k.weights.epoch, 0, "")])
+    req = make_request(prompt, max_tokens=2)
+    assert lookup(k, req) == (3 * BLOCK, False)  # synchronous: a slot for each page now
+    taken = [bytes([200 + i]) * 32 for i in range(15)]
+    k.host.allocate_missing(taken, 0, 15)  # another request's stores take them meanwhile
+
+    class Blocks:  # the blocks vLLM allocated the request
+        def get_block_ids(self):
+            return ([10, 11, 12, 13],)
+
+    k.update_state_after_alloc(req, Blocks(), 3 * BLOCK)
+    load = k._loads[-1]
+    assert load.layered and load.refuse  # the worker fails it before any copy
+    assert load.slots.count(STREAM) == 2  # one page got the last free slot
