@@ -82,6 +82,8 @@ def test_a_page_read_range_by_range_lands_as_a_whole_read_and_damage_is_caught(
         cuts = [0, 1000, 65536, 2 * 65536 + 5, size]
         out = torch.zeros(size, dtype=torch.uint8)
         slices = store.open_slices(key(0), out)
+        slices.ahead(0, size)  # a hint: changes nothing read
+        assert slices.start() is None
         for a, b in zip(cuts, cuts[1:]):
             slices.read(a, b - a)
         assert slices.finish() == "ok" and torch.equal(out, pages[0])
@@ -94,16 +96,39 @@ def test_a_page_read_range_by_range_lands_as_a_whole_read_and_damage_is_caught(
             f.seek(96 + 70000)
             f.write(bytes([byte[0] ^ 1]))
         slices = store.open_slices(key(1), out)
+        assert slices.start() is None
         for a, b in zip(cuts, cuts[1:]):
             slices.read(a, b - a)
         assert slices.finish() == "corrupt" and not store.contains(key(1))
         # ranges not read, or read out of order, never pass
         store.put(key(2), pages[0])
         slices = store.open_slices(key(2), out)
+        with pytest.raises(ValueError):
+            slices.read(0, 1000)  # the header first
+        assert slices.start() is None
         slices.read(0, 1000)
         with pytest.raises(ValueError):
             slices.read(5000, 10)
         assert slices.finish() == "corrupt"
+    finally:
+        store.close()
+
+
+def test_a_truncated_page_or_a_damaged_header_is_corrupt_before_any_range(tmp_path, gen):
+    size = 65536
+    store = DiskStore(str(tmp_path), 16 << 20, size, "ns", 0, 1)
+    try:
+        for i in range(2):
+            assert store.put(key(i), page(size, gen))
+        out = torch.zeros(size, dtype=torch.uint8)
+        truncated = store._disk._key_to_path(store._ckey(key(0)))
+        os.truncate(truncated, 96 + size - 1)
+        assert store.open_slices(key(0), out) == "corrupt" and not store.contains(key(0))
+        damaged = store._disk._key_to_path(store._ckey(key(1)))
+        with open(damaged, "r+b") as f:
+            f.write(b"XXXX")  # the magic
+        slices = store.open_slices(key(1), out)
+        assert slices.start() == "corrupt" and not store.contains(key(1))
     finally:
         store.close()
 

@@ -21,7 +21,9 @@ pinned to it does them layer by layer instead:
   attention layer waits for that layer's only (copying itself the layers up
   to it the thread has not started). A layer whose attention ran without
   that wait fails the step's loads (vLLM recomputes those blocks and drops
-  the step's token for them) and ends layered loads for this worker.
+  the step's token for them) and ends layered loads for this worker. A hit
+  with disk pages too is posted a layer at a time, as the read thread
+  (layer_reads.py) brings that layer of every page into its host slot.
 
 The engine thread never waits for more than the one copy the thread is in.
 With every core bound to OpenMP there is no such core and copies stay around

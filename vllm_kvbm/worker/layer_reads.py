@@ -17,8 +17,8 @@ What keeps it correct:
   loads: vLLM recomputes their blocks and drops the step's token for them.
 - The forward pass waits for a step's reads until a deadline (a floor plus
   the bytes at READ_FLOOR_BPS); past it the step's loads fail the same way
-  and layered reads stop for this worker until the stuck reads ended and
-  READS_BACK_AFTER_S passed (disk hits load before the step meanwhile).
+  and layered reads stop for this worker until READS_BACK_AFTER_S after
+  the late reads ended (disk hits load before the step meanwhile).
 - Reads write host slots only, never engine blocks: a read still running
   past the deadline keeps its slots from the host tier (``slots_held``)
   until it ends. The engine blocks get only the copies posted before.
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from vllm_kvbm.cpus import name_os_thread
+from vllm_kvbm.tiers.page_format import HEADER_BYTES
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +52,9 @@ READ_WAIT_MIN_S = 0.25
 READ_FLOOR_BPS = 0.5e9
 # Layered reads come back this long after reads that missed their deadline ended.
 READS_BACK_AFTER_S = 60.0
+# Layers of every page asked of the kernel ahead of the one being read (a
+# page not in the page cache then arrives while earlier layers are copied).
+_AHEAD = 2
 
 
 def layer_ranges(tables: "dict[str, RegionTable]") -> dict[str, tuple[int, int]] | None:
@@ -162,6 +166,7 @@ class LayerReader:
     def _read(self, reads: StepReads, outs, post, fail) -> None:
         opened = []
         statuses = ["skipped"] * len(reads.pages)
+        layers = list(self.ranges.values())
         try:
             for i, ((_, tier, key, _), out) in enumerate(zip(reads.pages, outs)):
                 store = self.tiers.get(tier)
@@ -171,7 +176,17 @@ class LayerReader:
                     fail()
                     return
                 opened.append(page)
-            for name, (off, n) in self.ranges.items():
+                page.ahead(-HEADER_BYTES, HEADER_BYTES + sum(n for _, n in layers[:_AHEAD]))
+            for i, page in enumerate(opened):
+                status = page.start()  # the header, read ahead with the first layers
+                if status is not None:
+                    statuses[i] = status
+                    fail()
+                    return
+            for k, (name, (off, n)) in enumerate(self.ranges.items()):
+                if k + _AHEAD < len(layers):
+                    for page in opened:
+                        page.ahead(*layers[k + _AHEAD])
                 for page in opened:
                     if reads.abandoned:
                         return

@@ -147,6 +147,7 @@ class LayeredSteps:
         for reads in self._layer_reader.take_late():
             self._reads_stuck -= 1
             self._meta.slots_released.update(reads.slots())
+            self._reads_back_at = time.monotonic() + layer_reads.READS_BACK_AFTER_S
         if self._reads_off and not self._reads_stuck and time.monotonic() >= self._reads_back_at:
             self._reads_off = False
             self._meta.layered_read_workers += 1

@@ -10,9 +10,13 @@ checks them. The verdict comes with the last range (``finish``); until then
 the bytes in the slot are unchecked and whatever was computed from them is
 thrown away if the page turns out bad (the load fails, vLLM recomputes).
 
-Buffered reads only: the O_DIRECT path reads whole 4 KiB-aligned pages.
-Every call may block as long as the filesystem takes; the caller's thread
-is not vLLM's.
+Buffered reads only: the O_DIRECT path reads whole 4 KiB-aligned pages. A
+page not in the page cache would then be read one range at a time, each
+waiting for the device; the reader asks the kernel to read ahead instead
+(``ahead``: POSIX_FADV_WILLNEED, asynchronous), the next layers of every
+page while the current one is read, so the device queue stays full in the
+order the layers are wanted. Every call may block as long as the
+filesystem takes; the caller's thread is not vLLM's.
 """
 
 from __future__ import annotations
@@ -28,14 +32,41 @@ class PageSlices:
     """One page file open for ranged reads into its host slot (a byte
     memoryview of ``page_bytes``), in ascending, gap-free order."""
 
-    def __init__(self, fd: int, path: str, check, view: memoryview, judge):
-        self._fd, self.path, self._check, self._view = fd, path, check, view
+    def __init__(self, fd: int, path: str, codec, key: bytes, view: memoryview, judge):
+        self._fd, self.path, self._view = fd, path, view
+        self._codec, self._key = codec, key
+        self._check = None  # the header's, once read (start)
         self._judge = judge  # status -> status, the store's verdict on a bad page
         self._next = 0
+
+    def ahead(self, off: int, n: int) -> None:
+        """Asks the kernel to read payload bytes [off, off + n) ahead (a hint)."""
+        try:
+            os.posix_fadvise(self._fd, HEADER_BYTES + off, n, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+    def start(self) -> str | None:
+        """Reads and checks the header: None to go on, or the status that
+        decides the page already (the file then closed)."""
+        header = bytearray(HEADER_BYTES)
+        try:
+            _pread_into(self._fd, [memoryview(header)], 0, self.path)
+        except _ShortFile:
+            self.close()
+            return self._judge("corrupt")
+        check = self._codec.start_verify(bytes(header), self._key)
+        if isinstance(check, str):
+            self.close()
+            return self._judge(check)
+        self._check = check
+        return None
 
     def read(self, off: int, n: int) -> None:
         """Bytes [off, off + n) of the payload into the slot, checked; raises
         on a short file or an I/O error (the page is then not "ok")."""
+        if self._check is None:
+            raise ValueError("the page's header is not read yet (start)")
         if off != self._next:
             raise ValueError(f"page ranges out of order: {off} after {self._next}")
         part = self._view[off : off + n]
@@ -57,9 +88,9 @@ class PageSlices:
 
 
 def open_slices(path: str, codec, key: bytes, view: memoryview, judge) -> "PageSlices | str":
-    """The page at ``path`` opened, its size and header checked -> PageSlices,
-    or the status that decides it already (``judge``'s verdict). Raises
-    FileNotFoundError where the file is gone."""
+    """The page at ``path`` opened and its size checked -> PageSlices (its
+    header read by ``start``), or the status that decides it already
+    (``judge``'s verdict). Raises FileNotFoundError where the file is gone."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
@@ -68,18 +99,10 @@ def open_slices(path: str, codec, key: bytes, view: memoryview, judge) -> "PageS
         return judge("corrupt")  # a symlink, not a page file
     try:
         size = os.fstat(fd).st_size
-        if size != HEADER_BYTES + len(view):
-            raise _ShortFile(f"{path}: {size} of {HEADER_BYTES + len(view)} bytes")
-        header = bytearray(HEADER_BYTES)
-        _pread_into(fd, [memoryview(header)], 0, path)
-        check = codec.start_verify(bytes(header), key)
-    except _ShortFile:
-        os.close(fd)
-        return judge("corrupt")
     except BaseException:
         os.close(fd)
         raise
-    if isinstance(check, str):
+    if size != HEADER_BYTES + len(view):
         os.close(fd)
-        return judge(check)
-    return PageSlices(fd, path, check, view, judge)
+        return judge("corrupt")  # truncated, or not a page of this size
+    return PageSlices(fd, path, codec, key, view, judge)
