@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -30,13 +31,18 @@ from helpers.scheduler_harness import (
     make_request,
     make_scheduler,
     step,
+    store_and_finish,
     tokens,
+    worker_output,
 )
 from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
+import test_layer_loads as layer_loads
 from test_layer_loads import run_step, worker_with_layer_copies
+from test_worker_unit import engine_info
 from test_page_mover import NB, make_layout
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.tiers.disk.store import DiskStore
+from vllm_kvbm.scheduler import prefix_lookup
 from vllm_kvbm.worker import layer_reads
 from vllm_kvbm.worker.copy_runs import RegionTable
 from vllm_kvbm.worker.layer_reads import layer_ranges
@@ -288,3 +294,66 @@ def test_a_layered_disk_hit_without_a_host_slot_fails_unread(tmp_path):
     load = k._loads[-1]
     assert load.layered and load.refuse  # the worker fails it before any copy
     assert load.slots.count(STREAM) == 2  # one page got the last free slot
+
+
+def test_pages_of_several_blocks_are_not_read_layer_by_layer(tmp_path, gen, monkeypatch):
+    """Each layer of such a page lies in several ranges: read by layer, its
+    bytes would not arrive in order for the checks, so they load before the step."""
+    lay = make_layout("cpu", gen)
+    monkeypatch.setattr(
+        layer_loads, "engine_info", lambda lay: replace(engine_info(lay), page_blocks=2)
+    )
+    worker = worker_with_layer_copies(lay, monkeypatch)
+    try:
+        store = DiskStore(str(tmp_path), 64 << 20, 2 * lay.block_bytes(), "ns", 0, 1)
+        worker.add_tier(store)
+        meta = worker.build_worker_meta()
+        assert meta.layered_workers == 1 and meta.layered_read_workers == 0
+    finally:
+        worker.shutdown()
+
+
+def test_a_failed_layered_load_drops_the_stores_in_flight():
+    """A layered load that failed computed its step on top of KV that may be
+    bad: the pages stored from that step (reported done in the same step)
+    never enter the host tier."""
+    sched = make_scheduler()
+    k = kvbm(sched)
+    prompt = tokens(2 * BLOCK, 66)
+    store_and_finish(sched, prompt)
+    step(sched, layered_workers=1)
+    assert sched.reset_prefix_cache()
+    k.weights.reported([(k.weights.epoch, 0, "")])
+    longer = prompt + tokens(2 * BLOCK + 5, 67)
+    req = make_request(longer, max_tokens=2)
+    sched.add_request(req)
+    out = sched.schedule()
+    meta = out.kv_connector_metadata
+    (load,) = meta.loads
+    assert load.layered and meta.stores  # the step computes and stores two more pages
+    new_keys = keys_of(sched, longer)[2:4]
+    mro = worker_output(
+        sched,
+        out,
+        loads_failed=[req.request_id],
+        loads_done=[req.request_id],
+        invalid_block_ids=load.block_ids,
+        stores_done=[job.job_id for job in meta.stores],
+    )
+    sched.update_from_output(out, mro)
+    assert not any(key_ in k.host for key_ in new_keys)
+
+
+def test_a_disk_hit_over_the_layered_limit_loads_before_the_step(tmp_path, monkeypatch):
+    monkeypatch.setattr(prefix_lookup, "LAYERED_READ_MAX_PAGES", 2)
+    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(sched)
+    prompt = tokens(3 * BLOCK + 5, 68)
+    store = disk_store_for(k, tmp_path)
+    try:
+        put_where_the_scheduler_sees(store, k, keys_of(sched, prompt))
+    finally:
+        store.close()
+    step(sched, layered_workers=1, layered_read_workers=1)
+    k.weights.reported([(k.weights.epoch, 0, "")])
+    assert lookup(k, make_request(prompt, max_tokens=2)) == (3 * BLOCK, True)

@@ -16,6 +16,13 @@ if TYPE_CHECKING:
 # page): a hit from the tiers behind a server is at most this long.
 _BACKGROUND_RUN = 4096
 
+# A hit's disk pages are read during the step that computes it (layer by
+# layer, worker/layer_reads.py) only up to this many bytes and pages (each
+# page file is open for the step; the forward pass waits for the reads at
+# most 2.5 s): a longer disk hit loads before the step.
+LAYERED_READ_MAX_BYTES = 1 << 30
+LAYERED_READ_MAX_PAGES = 256
+
 # Once the lower tiers' answer is overdue, a request waits at most this share
 # of what the answer could save (so a frozen server costs a newcomer about
 # this much of its recompute time, not all of it); a late answer on a long
@@ -91,6 +98,8 @@ class PrefixLookup:
                 not disk
                 or self._layered_read_workers >= self.info.num_workers
                 and len(sources) <= self.host.available()  # its host hits pinned first
+                and disk <= LAYERED_READ_MAX_PAGES
+                and disk * self.info.page_bytes <= LAYERED_READ_MAX_BYTES
             )
         )
         return (start + hit) * self.page_tokens - local * self.block_size, not found.layered

@@ -40,6 +40,13 @@ class WorkerReports:
                 self.events.pool_owner = meta.pool_served_at or None
             for event, count in meta.transfer_timeouts.items():
                 self.stats.add("transfer_timeouts", count, event)
+            # A synchronous (layered) load that failed: its step computed on
+            # top of KV that may be bad, and so may every store in flight
+            # (this step's; under async scheduling the next one's too):
+            # never serve them (their keys dropped as they land).
+            if any(self._layered_load(req_id) for req_id in meta.loads_failed):
+                for job in self._store_jobs.values():
+                    job.stale = True
             # Held before the failed stores drop their keys, so those slots
             # never reach the free list while a late write may land in them.
             self.host.hold(meta.slots_held.elements())
@@ -93,6 +100,10 @@ class WorkerReports:
         )
         self._evictions_seen = self.host.evictions
         self._update_gauges()
+
+    def _layered_load(self, req_id: str) -> bool:
+        state = self._reqs.get(req_id)
+        return state is not None and state.load.layered
 
     def _store_counts(self, tier: str, rank: int, counts: dict[str, int]) -> None:
         """A store's own counts (TierStore.counts) into the metrics: the

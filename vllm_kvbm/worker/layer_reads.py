@@ -47,9 +47,11 @@ logger = logging.getLogger(__name__)
 
 # The forward pass waits for a step's reads at most this floor plus their
 # bytes at READ_FLOOR_BPS (a local disk's page cache reads 5-6 GB/s here, an
-# NVMe drive 2-7 GB/s cold).
+# NVMe drive 2-7 GB/s cold), and never longer than READ_WAIT_MAX_S (the
+# scheduler sends at most LAYERED_READ_MAX_BYTES of disk pages a load).
 READ_WAIT_MIN_S = 0.25
 READ_FLOOR_BPS = 0.5e9
+READ_WAIT_MAX_S = 2.5
 # Layered reads come back this long after reads that missed their deadline ended.
 READS_BACK_AFTER_S = 60.0
 # Layers of every page asked of the kernel ahead of the one being read (a
@@ -114,7 +116,8 @@ class LayerReader:
         """The reads of the jobs' fetched pages, their deadline from now."""
         pages = [(job, tier, key, job.slots[i]) for job in jobs for i, tier, key in job.fetch]
         nbytes = len(pages) * self.host_pool.shape[1]
-        return StepReads(pages, time.perf_counter() + READ_WAIT_MIN_S + nbytes / READ_FLOOR_BPS)
+        wait = min(READ_WAIT_MAX_S, READ_WAIT_MIN_S + nbytes / READ_FLOOR_BPS)
+        return StepReads(pages, time.perf_counter() + wait)
 
     def start(
         self, reads: StepReads, post: Callable[[str], None], fail: Callable[[], None]

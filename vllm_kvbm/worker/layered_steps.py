@@ -87,6 +87,11 @@ class LayeredSteps:
             return
         if self._layer_copies is None or not self.layered_loads:
             return
+        if self.info.page_blocks != 1:
+            # a page of several blocks holds each layer in several ranges:
+            # read layer by layer, its bytes would not arrive in order
+            logger.info("KVBM worker: disk hits read before the step (pages of several blocks)")
+            return
         ranges = layer_ranges(self._layer_copies.tables)
         if ranges is None:
             logger.info("KVBM worker: disk hits read before the step (layers not in row order)")

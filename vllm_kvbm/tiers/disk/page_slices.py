@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
-from vllm_kvbm.tiers.disk.file_io import _pread_into, _ShortFile
+from vllm_kvbm.tiers.disk.file_io import _TOUCH_EVERY_S, _pread_into, _ShortFile
 from vllm_kvbm.tiers.page_format import HEADER_BYTES
 
 
@@ -32,8 +33,10 @@ class PageSlices:
     """One page file open for ranged reads into its host slot (a byte
     memoryview of ``page_bytes``), in ascending, gap-free order."""
 
-    def __init__(self, fd: int, path: str, codec, key: bytes, view: memoryview, judge):
-        self._fd, self.path, self._view = fd, path, view
+    def __init__(
+        self, fd: int, path: str, codec, key: bytes, view: memoryview, judge, mtime: float = 0.0
+    ):
+        self._fd, self.path, self._view, self._mtime = fd, path, view, mtime
         self._codec, self._key = codec, key
         self._check = None  # the header's, once read (start)
         self._judge = judge  # status -> status, the store's verdict on a bad page
@@ -76,9 +79,16 @@ class PageSlices:
 
     def finish(self) -> str:
         """The page's status once every byte was read ("corrupt" if not all
-        were); the file closed. A bad page is removed from the store."""
+        were); the file closed. A bad page is removed from the store; a good
+        one's time set to now, as a whole read does (the LRU order a restart
+        adopts), unless it is recent."""
+        status = self._check.finish(self._view) if self._check is not None else "corrupt"
+        if status == "ok" and time.time() - self._mtime > _TOUCH_EVERY_S:
+            try:
+                os.utime(self._fd)
+            except OSError:
+                pass
         self.close()
-        status = self._check.finish(self._view)
         return self._judge(status) if status != "ok" else status
 
     def close(self) -> None:
@@ -98,11 +108,12 @@ def open_slices(path: str, codec, key: bytes, view: memoryview, judge) -> "PageS
             raise
         return judge("corrupt")  # a symlink, not a page file
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
     except BaseException:
         os.close(fd)
         raise
     if size != HEADER_BYTES + len(view):
         os.close(fd)
         return judge("corrupt")  # truncated, or not a page of this size
-    return PageSlices(fd, path, codec, key, view, judge)
+    return PageSlices(fd, path, codec, key, view, judge, st.st_mtime)
