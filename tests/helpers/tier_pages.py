@@ -53,6 +53,16 @@ def put_where_the_scheduler_sees(
         time.sleep(0.05)
 
 
+def put_on_disk_where_the_scheduler_sees(scheduler_side, directory, keys) -> None:
+    """put_where_the_scheduler_sees with a DiskStore of its own in
+    ``directory`` (disk_store_for), closed afterwards."""
+    store = disk_store_for(scheduler_side, directory)
+    try:
+        put_where_the_scheduler_sees(store, scheduler_side, keys)
+    finally:
+        store.close()
+
+
 def tier_of(lower, key: bytes):
     """The lower tier that holds ``key`` (the first in lookup order), or None."""
     run = lower.find_run([key])

@@ -35,7 +35,7 @@ from helpers.scheduler_harness import (
     tokens,
     worker_output,
 )
-from helpers.tier_pages import disk_store_for, put_where_the_scheduler_sees
+from helpers.tier_pages import put_on_disk_where_the_scheduler_sees
 import test_layer_loads as layer_loads
 from test_layer_loads import run_step, worker_with_layer_copies
 from test_worker_unit import engine_info
@@ -238,20 +238,24 @@ def test_reads_past_their_deadline_fail_the_step_and_hold_their_slots(mount, gen
         worker.shutdown()
 
 
+def scheduler_with_disk_pages(tmp_path, seed: int):
+    """vLLM's real Scheduler with a 16-slot host tier and a disk tier whose
+    pages hold a 3-block prompt (not in the host tier): (scheduler, the
+    connector's scheduler side, the prompt, its page keys)."""
+    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
+    k = kvbm(sched)
+    prompt = tokens(3 * BLOCK + 5, seed)
+    keys = keys_of(sched, prompt)
+    put_on_disk_where_the_scheduler_sees(k, tmp_path, keys)
+    return sched, k, prompt, keys
+
+
 def test_a_disk_hit_is_synchronous_once_every_worker_reads_by_layer(tmp_path):
     """The scheduler's side: a hit with disk pages is returned to vLLM as
     synchronous (computed in the step that loads it, its disk pages promoted
     into host slots) only once every worker said it reads disk hits layer by
     layer; a promotion that finds no host slot fails unread (recomputed)."""
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
-    k = kvbm(sched)
-    prompt = tokens(3 * BLOCK + 5, 64)
-    keys = keys_of(sched, prompt)
-    store = disk_store_for(k, tmp_path)
-    try:
-        put_where_the_scheduler_sees(store, k, keys)
-    finally:
-        store.close()
+    sched, k, prompt, keys = scheduler_with_disk_pages(tmp_path, seed=64)
     step(sched, layered_workers=1)  # host hits by layer, disk hits not yet
     k.weights.reported([(k.weights.epoch, 0, "")])  # the worker's weights, as loaded
     assert lookup(k, make_request(prompt, max_tokens=2)) == (3 * BLOCK, True)
@@ -270,15 +274,7 @@ def test_a_disk_hit_is_synchronous_once_every_worker_reads_by_layer(tmp_path):
 
 
 def test_a_layered_disk_hit_without_a_host_slot_fails_unread(tmp_path):
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
-    k = kvbm(sched)
-    prompt = tokens(3 * BLOCK + 5, 65)
-    keys = keys_of(sched, prompt)
-    store = disk_store_for(k, tmp_path)
-    try:
-        put_where_the_scheduler_sees(store, k, keys)
-    finally:
-        store.close()
+    sched, k, prompt, keys = scheduler_with_disk_pages(tmp_path, seed=65)
     step(sched, layered_workers=1, layered_read_workers=1)
     k.weights.reported([(k.weights.epoch, 0, "")])
     req = make_request(prompt, max_tokens=2)
@@ -346,14 +342,7 @@ def test_a_failed_layered_load_drops_the_stores_in_flight():
 
 def test_a_disk_hit_over_the_layered_limit_loads_before_the_step(tmp_path, monkeypatch):
     monkeypatch.setattr(prefix_lookup, "LAYERED_READ_MAX_PAGES", 2)
-    sched = make_scheduler(host_blocks=16, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
-    k = kvbm(sched)
-    prompt = tokens(3 * BLOCK + 5, 68)
-    store = disk_store_for(k, tmp_path)
-    try:
-        put_where_the_scheduler_sees(store, k, keys_of(sched, prompt))
-    finally:
-        store.close()
+    sched, k, prompt, _ = scheduler_with_disk_pages(tmp_path, seed=68)
     step(sched, layered_workers=1, layered_read_workers=1)
     k.weights.reported([(k.weights.epoch, 0, "")])
     assert lookup(k, make_request(prompt, max_tokens=2)) == (3 * BLOCK, True)

@@ -106,17 +106,13 @@ def test_two_streamed_loads_share_the_staging_slots(harness, tmp_path):
 def test_scheduler_loads_a_prefix_longer_than_the_host_tier(tmp_path):
     from helpers.scheduler_harness import BLOCK, admit, kvbm, make_request, make_scheduler, step
     from helpers.scheduler_harness import keys_of, run_until_done, tokens
-    from helpers.tier_pages import put_where_the_scheduler_sees
+    from helpers.tier_pages import put_on_disk_where_the_scheduler_sees
 
     sched = make_scheduler(host_blocks=4, disk_cache_dir=str(tmp_path), disk_cache_size="64MiB")
     k = kvbm(sched)
     prompt = tokens(10 * BLOCK + 3, 31)
     keys = keys_of(sched, prompt)
-    store = disk_store_for(k, tmp_path)
-    try:
-        put_where_the_scheduler_sees(store, k, keys)
-    finally:
-        store.close()
+    put_on_disk_where_the_scheduler_sees(k, tmp_path, keys)
     req = make_request(prompt, max_tokens=2)
     sched.add_request(req)
     _, meta, _ = admit(sched, req)

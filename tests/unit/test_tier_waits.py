@@ -26,7 +26,7 @@ from helpers.scheduler_harness import (
     store_and_finish,
     tokens,
 )
-from helpers.tier_pages import disk_store_for, key, put_where_the_scheduler_sees
+from helpers.tier_pages import disk_store_for, key, put_on_disk_where_the_scheduler_sees
 from test_worker_unit import gen, harness  # noqa: F401 (fixtures)
 from vllm_kvbm.messages import STREAM, KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.tiers.disk.store import DiskStore
@@ -118,11 +118,7 @@ def test_the_disk_check_skips_pages_the_disk_has(mount):
     prompt = tokens(3 * BLOCK + 5, 62)
     keys = keys_of(sched, prompt)
     store_and_finish(sched, prompt)
-    store = disk_store_for(k, mount.path)
-    try:
-        put_where_the_scheduler_sees(store, k, keys[:2])
-    finally:
-        store.close()
+    put_on_disk_where_the_scheduler_sees(k, mount.path, keys[:2])
     assert sched.reset_prefix_cache()
     again = make_request(prompt, max_tokens=2)
     sched.add_request(again)
@@ -149,11 +145,7 @@ def test_may_load_async_asks_the_lookup_thread(mount):
     k = kvbm(sched)
     prompt = tokens(3 * BLOCK + 5, 63)
     keys = keys_of(sched, prompt)
-    store = disk_store_for(k, mount.path)
-    try:
-        put_where_the_scheduler_sees(store, k, keys)
-    finally:
-        store.close()
+    put_on_disk_where_the_scheduler_sees(k, mount.path, keys)
     req = make_request(prompt, max_tokens=2)
     with mount.blocked():
         start = time.monotonic()
