@@ -139,6 +139,16 @@ def test_a_truncated_page_or_a_damaged_header_is_corrupt_before_any_range(tmp_pa
         store.close()
 
 
+def evict(path: str) -> None:
+    """Drops a file from the page cache (written back first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def worker_with_disk(directory, lay, monkeypatch):
     worker = worker_with_layer_copies(lay, monkeypatch)
     store = DiskStore(str(directory), 64 << 20, lay.block_bytes(), "ns", 0, 1)
@@ -148,13 +158,18 @@ def worker_with_disk(directory, lay, monkeypatch):
     return worker, store
 
 
-def test_a_disk_hit_is_read_and_copied_layer_by_layer_in_its_step(tmp_path, gen, monkeypatch):
+@pytest.mark.parametrize("cold", [False, True])
+def test_a_disk_hit_is_read_and_copied_layer_by_layer_in_its_step(tmp_path, gen, monkeypatch, cold):
+    """``cold``: the page files evicted from the page cache first (read as
+    the kernel reads them ahead)."""
     lay = make_layout("cpu", gen)
     worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
     try:
         pages = [page(lay.block_bytes(), gen) for _ in range(3)]
         for i, p in enumerate(pages):
             assert store.put(key(i), p)
+            if cold:
+                evict(store._disk._key_to_path(store._ckey(key(i))))
         worker.host_pool[5].copy_(page(lay.block_bytes(), gen))  # a host hit beside them
         job = TransferJob(
             1, "A", [3, 4, 9, 11], [5, 0, 1, 2], layered=True,
