@@ -37,6 +37,7 @@ from helpers.scheduler_harness import (
 )
 from helpers.tier_pages import put_on_disk_where_the_scheduler_sees
 import test_layer_loads as layer_loads
+from test_disk_reads import _drop_cached
 from test_layer_loads import run_step, worker_with_layer_copies
 from test_worker_unit import engine_info
 from test_page_mover import NB, make_layout
@@ -139,16 +140,6 @@ def test_a_truncated_page_or_a_damaged_header_is_corrupt_before_any_range(tmp_pa
         store.close()
 
 
-def evict(path: str) -> None:
-    """Drops a file from the page cache (written back first)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def worker_with_disk(directory, lay, monkeypatch):
     worker = worker_with_layer_copies(lay, monkeypatch)
     store = DiskStore(str(directory), 64 << 20, lay.block_bytes(), "ns", 0, 1)
@@ -169,7 +160,7 @@ def test_a_disk_hit_is_read_and_copied_layer_by_layer_in_its_step(tmp_path, gen,
         for i, p in enumerate(pages):
             assert store.put(key(i), p)
             if cold:
-                evict(store._disk._key_to_path(store._ckey(key(i))))
+                _drop_cached(store._disk._key_to_path(store._ckey(key(i))))
         worker.host_pool[5].copy_(page(lay.block_bytes(), gen))  # a host hit beside them
         job = TransferJob(
             1, "A", [3, 4, 9, 11], [5, 0, 1, 2], layered=True,
