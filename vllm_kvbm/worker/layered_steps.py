@@ -36,16 +36,17 @@ class LayeredSteps:
         return [j for j in meta.stores if not j.refuse and not lora_loads.refuses(j.adapter)]
 
     def _start_layered(self, jobs: list[TransferJob]) -> None:
-        """Synchronous host-tier loads, copied layer by layer as the forward
-        pass reaches each layer; failed (vLLM recomputes their blocks) where
-        this worker cannot."""
+        """Synchronous host-tier loads (their disk pages read layer by layer
+        too), copied layer by layer as the forward pass reaches each layer;
+        failed (vLLM recomputes their blocks) where this worker cannot."""
         refused = jobs
         if self._layer_copies is not None and self.kv_released is None and not self._layered_off:
-            # Disk pages sent before the scheduler knew reads are off: failed.
             reader = None if self._reads_off else self._layer_reader
-            refused = [job for job in jobs if job.fetch and reader is None]
-            rest = [job for job in jobs if not (job.fetch and reader is None)]
-            refused += self._layer_copies.load(rest, reader)
+            refused = []
+            if reader is None:  # disk pages sent before the scheduler knew: failed
+                refused = [job for job in jobs if job.fetch]
+                jobs = [job for job in jobs if not job.fetch]
+            refused += self._layer_copies.load(jobs, reader)
         for job in refused:
             self._complete(job, False, ok=False, started=time.perf_counter())
 

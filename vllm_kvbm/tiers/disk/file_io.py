@@ -134,19 +134,10 @@ def _read_page(
     _ShortFile. ``touch`` sets the file's times to now (the LRU order a
     restart adopts) unless they are less than _TOUCH_EVERY_S old.
     """
+    view = out.view
+    want = HEADER_BYTES + len(view)
+    fd, mtime = _open_page(path, want)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise _ShortFile(f"{path}: a symlink, not a page file") from None
-    try:
-        view = out.view
-        want = HEADER_BYTES + len(view)
-        st = os.fstat(fd)
-        size = st.st_size
-        if size != want:
-            raise _ShortFile(f"{path}: {size} of {want} bytes")
         header = bytearray(HEADER_BYTES)
         first = view[:_READ_CHUNK]
         status = None
@@ -159,14 +150,41 @@ def _read_page(
         if status is None:
             _pread_into(fd, [memoryview(header), first], 0, path)
             status = _check_in_place(fd, codec, key, header, view, path)
-        if touch and status == "ok" and time.time() - st.st_mtime > _TOUCH_EVERY_S:
-            try:
-                os.utime(fd)
-            except OSError:
-                pass
+        if touch and status == "ok":
+            _touch(fd, mtime)
         return status
     finally:
         os.close(fd)
+
+
+def _open_page(path: str, size: int) -> tuple[int, float]:
+    """The page file at ``path`` opened for reading -> (fd, its mtime).
+    FileNotFoundError where it is gone; _ShortFile for a symlink (never
+    followed) or a file of any other size than ``size``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise _ShortFile(f"{path}: a symlink, not a page file") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_size != size:
+            raise _ShortFile(f"{path}: {st.st_size} of {size} bytes")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_mtime
+
+
+def _touch(fd: int, mtime: float) -> None:
+    """Sets a page file's times to now (the LRU order a restart adopts)
+    unless ``mtime`` is less than _TOUCH_EVERY_S old."""
+    if time.time() - mtime > _TOUCH_EVERY_S:
+        try:
+            os.utime(fd)
+        except OSError:
+            pass
 
 
 def _check_in_place(

@@ -21,11 +21,9 @@ filesystem takes; the caller's thread is not vLLM's.
 
 from __future__ import annotations
 
-import errno
 import os
-import time
 
-from vllm_kvbm.tiers.disk.file_io import _TOUCH_EVERY_S, _pread_into, _ShortFile
+from vllm_kvbm.tiers.disk.file_io import _open_page, _pread_into, _ShortFile, _touch
 from vllm_kvbm.tiers.page_format import HEADER_BYTES
 
 
@@ -83,11 +81,8 @@ class PageSlices:
         one's time set to now, as a whole read does (the LRU order a restart
         adopts), unless it is recent."""
         status = self._check.finish(self._view) if self._check is not None else "corrupt"
-        if status == "ok" and time.time() - self._mtime > _TOUCH_EVERY_S:
-            try:
-                os.utime(self._fd)
-            except OSError:
-                pass
+        if status == "ok":
+            _touch(self._fd, self._mtime)
         self.close()
         return self._judge(status) if status != "ok" else status
 
@@ -97,23 +92,9 @@ class PageSlices:
             self._fd = -1
 
 
-def open_slices(path: str, codec, key: bytes, view: memoryview, judge) -> "PageSlices | str":
-    """The page at ``path`` opened and its size checked -> PageSlices (its
-    header read by ``start``), or the status that decides it already
-    (``judge``'s verdict). Raises FileNotFoundError where the file is gone."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        return judge("corrupt")  # a symlink, not a page file
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-    except BaseException:
-        os.close(fd)
-        raise
-    if size != HEADER_BYTES + len(view):
-        os.close(fd)
-        return judge("corrupt")  # truncated, or not a page of this size
-    return PageSlices(fd, path, codec, key, view, judge, st.st_mtime)
+def open_slices(path: str, codec, key: bytes, view: memoryview, judge) -> PageSlices:
+    """The page at ``path`` opened and its size checked (its header read by
+    ``start``). Raises as file_io._open_page does (a file gone, a symlink,
+    another size)."""
+    fd, mtime = _open_page(path, HEADER_BYTES + len(view))
+    return PageSlices(fd, path, codec, key, view, judge, mtime)

@@ -345,18 +345,27 @@ class DiskStore(LMCacheStore):
             return "error"
 
     def _read(self, key: bytes, out: "_Out") -> str:
+        # Straight into the slot, checked chunk by chunk as it arrives: a page
+        # that fails leaves the slot written but unused (the load fails and
+        # the scheduler drops the slot; test_page_auth, test_worker_tiers).
+        def read(path, judge):
+            status = _read_page(path, self._codec, key, out, touch=True, bounce=self._bounce())
+            return judge(status)
+
+        return self._open_file(key, read)
+
+    def _open_file(self, key: bytes, read):
+        """``read(path, judge)`` on ``key``'s page file, ``judge`` turning a
+        status into the store's; or "miss" (no file, or one deleted behind our
+        back: forgotten) or "corrupt" (truncated or a symlink: removed)."""
         ck = self._ckey(key)
-        # The LRU order moves at the lookup (one lock, not two): a page that
-        # then fails to read is removed anyway.
+        # the LRU order moves at the lookup (one lock); a page that fails goes
         path = self._disk.where(ck, hit=True)
         if path is None:
             return "miss"
         self._note_key(ck, key)
-        # Straight into the slot, checked chunk by chunk as it arrives: a page
-        # that fails leaves the slot written but unused (the load fails and
-        # the scheduler drops the slot; test_page_auth, test_worker_tiers).
         try:
-            status = _read_page(path, self._codec, key, out, touch=True, bounce=self._bounce())
+            return read(path, lambda status: self._judge(ck, path, status))
         except FileNotFoundError:
             self._disk.remove(ck)  # deleted behind our back: forget it
             return "miss"
@@ -364,7 +373,6 @@ class DiskStore(LMCacheStore):
             logger.warning("disk tier: truncated page removed: %s", e)
             self._disk.remove(ck)
             return "corrupt"
-        return self._judge(ck, path, status)
 
     def _judge(self, ck, path: str, status: str) -> str:
         """A read's status; a corrupt or unauthenticated page removed (said once)."""
@@ -389,17 +397,9 @@ class DiskStore(LMCacheStore):
             return "error"
         key, slot = target
         try:
-            ck = self._ckey(key)
-            path = self._disk.where(ck, hit=True)
-            if path is None:
-                return "miss"
-            self._note_key(ck, key)
-            return open_slices(
-                path, self._codec, key, slot.view, lambda status: self._judge(ck, path, status)
+            return self._open_file(
+                key, lambda path, judge: open_slices(path, self._codec, key, slot.view, judge)
             )
-        except FileNotFoundError:
-            self._disk.remove(ck)
-            return "miss"
         except Exception as e:  # noqa: BLE001 - never raises
             logger.warning("disk tier: get failed: %s", e)
             return "error"
