@@ -23,21 +23,13 @@ from helpers.engines import (
     make_llm,
     random_prompt,
     shutdown,
+    spare_core,
 )
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config, start_lmcache_server
 from vllm_kvbm.tools.server import stop_process as stop
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def spare_core() -> bool:
-    """Whether the engines are bound to one core of several (scripts/test.sh's
-    workers): a core is then free for layer-wise copies and reads."""
-    import os
-
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
-    return bind.isdigit() and len(os.sched_getaffinity(0)) > 1
 
 
 @pytest.fixture(scope="module")

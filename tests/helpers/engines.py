@@ -107,3 +107,10 @@ def vllm_counter(name: str) -> float:
     from prometheus_client import REGISTRY
 
     return sum(s.value for m in REGISTRY.collect() for s in m.samples if s.name == f"{name}_total")
+
+
+def spare_core() -> bool:
+    """Whether the engines are bound to one core of several (scripts/test.sh's
+    workers): a core is then free for layer-wise copies and reads."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    return bind.isdigit() and len(os.sched_getaffinity(0)) > 1
