@@ -24,6 +24,7 @@ from helpers.engines import (
     make_llm,
     random_prompt,
     shutdown,
+    spare_core,
 )
 from test_engine_e2e import expected_hit_tokens, generate, reference
 from vllm_kvbm.tools.server import free_port, kvbm_transfer_config
@@ -102,11 +103,14 @@ def test_a_prefix_computed_by_one_engine_is_read_from_its_pool_by_another(
     settle(engine_a)
     pages = len(PROMPT) // BLOCK_SIZE
     matched, read = kvbm_counter("matched_tokens_peer"), kvbm_counter("onboard_blocks_peer")
+    layered = kvbm_counter("onboard_layered_blocks")
     out = generate_request(engine_b, {"prompt_token_ids": PROMPT}, hint(port))
     assert tokens_of(out) == want
     assert out.num_cached_tokens == expected_hit_tokens(len(PROMPT))
     assert kvbm_counter("matched_tokens_peer") - matched == out.num_cached_tokens
     assert kvbm_counter("onboard_blocks_peer") - read == pages
+    if spare_core():  # read from A layer by layer during the step that computes it
+        assert kvbm_counter("onboard_layered_blocks") - layered == pages
     # now in B's own host tier: the same prompt hits there, no peer asked
     assert engine_b.reset_prefix_cache()
     host = kvbm_counter("matched_tokens_host")

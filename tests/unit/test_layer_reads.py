@@ -352,3 +352,27 @@ def test_a_disk_hit_over_the_layered_limit_loads_before_the_step(tmp_path, monke
     step(sched, layered_workers=1, layered_read_workers=1)
     k.weights.reported([(k.weights.epoch, 0, "")])
     assert lookup(k, make_request(prompt, max_tokens=2)) == (3 * BLOCK, True)
+
+
+def test_the_layered_read_limit_counts_every_load_of_the_step(tmp_path, monkeypatch):
+    """Two 3-page disk hits under a 4-page limit: the first admitted is read
+    during the step, the second, in the same step, before it; the next step
+    starts from nothing again."""
+    monkeypatch.setattr(prefix_lookup, "LAYERED_READ_MAX_PAGES", 4)
+    sched, k, prompt, _ = scheduler_with_disk_pages(tmp_path, seed=69)
+    other = tokens(3 * BLOCK + 5, 70)
+    put_on_disk_where_the_scheduler_sees(k, tmp_path, keys_of(sched, other))
+    step(sched, layered_workers=1, layered_read_workers=1)
+    k.weights.reported([(k.weights.epoch, 0, "")])
+    first, second = make_request(prompt, max_tokens=2), make_request(other, max_tokens=2)
+    assert lookup(k, first) == (3 * BLOCK, False)
+
+    class Blocks:
+        def get_block_ids(self):
+            return ([10, 11, 12, 13],)
+
+    k.update_state_after_alloc(first, Blocks(), 3 * BLOCK)
+    assert k._loads[-1].layered and len(k._loads[-1].fetch) == 3
+    assert lookup(k, second) == (3 * BLOCK, True)  # 6 pages this step: before it
+    step(sched)  # the metadata sent: a new step
+    assert lookup(k, second) == (3 * BLOCK, False)

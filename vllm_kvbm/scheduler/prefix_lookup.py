@@ -16,10 +16,11 @@ if TYPE_CHECKING:
 # page): a hit from the tiers behind a server is at most this long.
 _BACKGROUND_RUN = 4096
 
-# A hit's disk pages are read during the step that computes it (layer by
-# layer, worker/layer_reads.py) only up to this many bytes and pages (each
-# page file is open for the step; the forward pass waits for the reads at
-# most 2.5 s): a longer disk hit loads before the step.
+# A hit's disk and peer pages are read during the step that computes it
+# (layer by layer, worker/layer_reads.py) only up to this many bytes and
+# pages a step (each page file is open for the step, each peer page holds a
+# header landing slot; the forward pass waits for the reads at most 2.5 s):
+# a longer hit loads before the step.
 LAYERED_READ_MAX_BYTES = 1 << 30
 LAYERED_READ_MAX_PAGES = 256
 
@@ -84,22 +85,24 @@ class PrefixLookup:
             return 0, False
         # A hit the host tier holds whole, where every worker copies loads
         # layer by layer: synchronous, computed in this very step; one with
-        # disk pages too where every worker reads them layer by layer and
-        # the host tier has a slot for each. Not while the weights are in
-        # doubt: a worker would refuse it, and vLLM counts a refused
+        # disk or peer pages too where every worker reads them layer by
+        # layer and the host tier has a slot for each. Not while the weights
+        # are in doubt: a worker would refuse it, and vLLM counts a refused
         # synchronous load's tokens as cached though it recomputes them.
-        disk = sum(1 for src in sources if src == "disk")
+        read = sum(1 for src in sources if src != "host")
+        if read:  # with the layered reads of the step's loads admitted before
+            read += sum(len(job.fetch) for job in self._loads if job.layered)
         found.layered = (
             self._layered_workers >= self.info.num_workers
             and self.groups is None
             and self.weights.settled
-            and all(src in ("host", "disk") for src in sources)
+            and all(src in ("host", "disk", "peer") for src in sources)
             and (
-                not disk
+                not read
                 or self._layered_read_workers >= self.info.num_workers
                 and len(sources) <= self.host.available()  # its host hits pinned first
-                and disk <= LAYERED_READ_MAX_PAGES
-                and disk * self.info.page_bytes <= LAYERED_READ_MAX_BYTES
+                and read <= LAYERED_READ_MAX_PAGES
+                and read * self.info.page_bytes <= LAYERED_READ_MAX_BYTES
             )
         )
         return (start + hit) * self.page_tokens - local * self.block_size, not found.layered

@@ -1,27 +1,32 @@
-"""Disk hits read layer by layer during the forward pass that uses them.
+"""Disk and peer hits read layer by layer during the forward pass that uses them.
 
-A disk hit loaded asynchronously is read whole into its host slots before
-the step that computes the request (tier_fetches.py): its time to first
-token is the read plus a host hit. Where the step's host hits are copied
-layer by layer (layer_copies.py), a disk hit can be too: the scheduler
-returns it to vLLM as synchronous, and this worker's read thread, on the
-core vLLM's OpenMP threads leave free, reads layer 0's range of every page
-into its host slot, posts that layer's copies into the engine, then layer
-1's, ... while the forward pass computes the layers before. vLLM's wait for
-a layer waits for its read and its copy.
+A disk or peer hit loaded asynchronously is read whole into its host slots
+before the step that computes the request (tier_fetches.py): its time to
+first token is the read plus a host hit. Where the step's host hits are
+copied layer by layer (layer_copies.py), such a hit can be too: the
+scheduler returns it to vLLM as synchronous, and this worker's read thread,
+on the core vLLM's OpenMP threads leave free, reads layer 0's range of every
+page into its host slot, posts that layer's copies into the engine, then
+layer 1's, ... while the forward pass computes the layers before. vLLM's
+wait for a layer waits for its read and its copy. A tier's pages are read
+by its own group (tiers/disk/page_slices.py ``PageFiles``: a pread per page
+and range; tiers/peer/page_layers.py: one NIXL READ per range for all of a
+peer's pages).
 
 What keeps it correct:
-- A page's bytes still arrive in order and are checked as they go
-  (tiers/disk/page_slices.py); the verdict comes after the last layer. A
-  page that is not "ok" (or a read that fails) fails the step's layered
-  loads: vLLM recomputes their blocks and drops the step's token for them.
+- A page's bytes still arrive in order and are checked as they go; the
+  verdict comes after the last layer (for a peer's page, after its slot
+  entry is read again: the seqlock). A page that is not "ok" (or a read
+  that fails) fails the step's layered loads: vLLM recomputes their blocks
+  and drops the step's token for them.
 - The forward pass waits for a step's reads until a deadline (a floor plus
   the bytes at READ_FLOOR_BPS); past it the step's loads fail the same way
   and layered reads stop for this worker until READS_BACK_AFTER_S after
   the late reads ended (disk hits load before the step meanwhile).
 - Reads write host slots only, never engine blocks: a read still running
   past the deadline keeps its slots from the host tier (``slots_held``)
-  until it ends. The engine blocks get only the copies posted before.
+  until it ends (a peer's READ past its deadline: until NIXL ends it, which
+  this thread polls for). The engine blocks get only the copies posted before.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from vllm_kvbm.cpus import name_os_thread
-from vllm_kvbm.tiers.page_format import HEADER_BYTES
+from vllm_kvbm.tiers.disk.page_slices import PageFiles
 
 if TYPE_CHECKING:
     import torch
@@ -54,9 +59,9 @@ READ_FLOOR_BPS = 0.5e9
 READ_WAIT_MAX_S = 2.5
 # Layered reads come back this long after reads that missed their deadline ended.
 READS_BACK_AFTER_S = 60.0
-# Layers of every page asked of the kernel ahead of the one being read (a
-# page not in the page cache then arrives while earlier layers are copied).
-_AHEAD = 2
+# How often the read thread asks a peer store whether READs that missed
+# their deadline ended (their host slots held until then).
+_LATE_POLL_S = 0.1
 
 
 def layer_ranges(tables: "dict[str, RegionTable]") -> dict[str, tuple[int, int]] | None:
@@ -109,6 +114,8 @@ class LayerReader:
         self._queue: deque = deque()
         self._cv = threading.Condition()
         self._late: deque[StepReads] = deque()  # ended after their step gave up on them
+        # ended, but READs past their deadline may still write these host slots' addresses
+        self._pending: list[tuple[StepReads, set[int]]] = []
         self._thread = threading.Thread(target=self._run, name="kvbm-layer-read", daemon=True)
         self._thread.start()
 
@@ -145,19 +152,45 @@ class LayerReader:
             logger.debug("KVBM: layer read thread left on its CPUs: %s", err)
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._queue)
-                item = self._queue.popleft()
+                self._cv.wait_for(lambda: self._queue, _LATE_POLL_S if self._pending else None)
+                item = self._queue.popleft() if self._queue else False
             if item is None:
                 return
-            reads = item[0]
+            if self._pending:
+                self._reap()
+            if item is False:
+                continue
+            reads, late = item[0], []
             try:
-                self._read(*item)
+                late = self._read(*item)
             finally:
                 reads.seconds = time.perf_counter() - reads.started
-                with self._cv:
-                    reads.ended.set()
-                    if reads.held:
-                        self._late.append(reads)
+                if late:
+                    self._pending.append((reads, set(late)))
+                else:
+                    self._end(reads)
+
+    def _end(self, reads: StepReads) -> None:
+        """Nothing writes ``reads``' slots any more."""
+        with self._cv:
+            reads.ended.set()
+            if reads.held:
+                self._late.append(reads)
+
+    def _reap(self) -> None:
+        """Ends the reads whose late READs the stores say ended."""
+        ended: set[int] = set()
+        for store in self.tiers.values():
+            if hasattr(store, "take_ended_layer_reads"):
+                ended.update(store.take_ended_layer_reads())
+        still = []
+        for reads, addrs in self._pending:
+            addrs -= ended
+            if addrs:
+                still.append((reads, addrs))
+            else:
+                self._end(reads)
+        self._pending = still
 
     def hold(self, reads: StepReads) -> bool:
         """Whether ``reads`` still run: then they are held (their slots kept
@@ -166,50 +199,67 @@ class LayerReader:
             reads.held = not reads.ended.is_set()
             return reads.held
 
-    def _read(self, reads: StepReads, outs, post, fail) -> None:
-        opened = []
+    def _open(self, reads: StepReads, tier: str, endpoint: str, items, ranges):
+        """A group reading one tier's pages (one peer's, for the peer tier),
+        or the status of them all."""
+        store = self.tiers.get(tier)
+        if hasattr(store, "open_layers"):  # a peer's: READs with the step's deadline
+            left = reads.deadline - time.perf_counter()
+            return store.open_layers(items, endpoint or None, ranges, time.monotonic() + left)
+        if hasattr(store, "open_slices"):
+            return PageFiles(store, items, ranges)
+        return "error"
+
+    def _read(self, reads: StepReads, outs, post, fail) -> list[int]:
+        """The host slots' addresses READs past their deadline may still write."""
         statuses = ["skipped"] * len(reads.pages)
-        layers = list(self.ranges.values())
+        ranges = list(self.ranges.values())
+        by_source: dict[tuple[str, str], list[int]] = {}
+        for i, (job, tier, _, _) in enumerate(reads.pages):
+            by_source.setdefault((tier, job.peer if tier == "peer" else ""), []).append(i)
+        groups: list[tuple[list[int], object]] = []
+        late: list[int] = []
+        raised = False
         try:
-            for i, ((_, tier, key, _), out) in enumerate(zip(reads.pages, outs)):
-                store = self.tiers.get(tier)
-                page = store.open_slices(key, out) if store is not None else "error"
-                if isinstance(page, str):
-                    statuses[i] = page
+            for (tier, endpoint), at in by_source.items():
+                items = [(reads.pages[i][2], outs[i]) for i in at]
+                group = self._open(reads, tier, endpoint, items, ranges)
+                if isinstance(group, str):
+                    for i in at:
+                        statuses[i] = group
                     fail()
-                    return
-                opened.append(page)
-                page.ahead(-HEADER_BYTES, HEADER_BYTES + sum(n for _, n in layers[:_AHEAD]))
-            for i, page in enumerate(opened):
-                status = page.start()  # the header, read ahead with the first layers
-                if status is not None:
-                    statuses[i] = status
+                    return late
+                groups.append((at, group))
+                if not group.start():
                     fail()
-                    return
-            for k, (name, (off, n)) in enumerate(self.ranges.items()):
-                if k + _AHEAD < len(layers):
-                    for page in opened:
-                        page.ahead(*layers[k + _AHEAD])
-                for page in opened:
-                    if reads.abandoned:
-                        return
-                    page.read(off, n)
+                    return late
+            for k, name in enumerate(self.ranges):
+                for _, group in groups:
+                    if reads.abandoned or not group.read(k, lambda: reads.abandoned):
+                        fail()
+                        return late
                 post(name)
-            statuses = [page.finish() for page in opened]
-            if any(s != "ok" for s in statuses):
-                fail()
+            for _, group in groups:
+                group.finish()
+                if any(s != "ok" for s in group.statuses):
+                    fail()
         except Exception as err:  # noqa: BLE001 - a tier must not take the engine down
-            logger.warning("KVBM: layer-wise disk read failed: %s", err)
-            statuses = ["error"] * len(reads.pages)
+            logger.warning("KVBM: layer-wise read failed: %s", err)
+            raised = True
             fail()
         finally:
-            for page in opened:
-                page.close()
-            reads.statuses = statuses
+            for at, group in groups:
+                late += group.close()
+                for i, status in zip(at, group.statuses):
+                    statuses[i] = status
+            reads.statuses = ["error"] * len(reads.pages) if raised else statuses
+        return late
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        """Whether a read may still write host memory (the thread, or a READ
+        past its deadline)."""
+        return self._thread.is_alive() or bool(self._pending)
 
     def close(self) -> None:
         with self._cv:

@@ -79,29 +79,35 @@ class LayeredSteps:
         for job in step.jobs:
             self._complete(job, False, ok=waited and step.failed is None and read, started=started)
 
-    # ---- disk hits read layer by layer (layer_reads.py) ------------------
+    # ---- disk and peer hits read layer by layer (layer_reads.py) ---------
 
     def _start_layer_reads(self, store) -> None:
-        """A tier whose pages can be read layer by layer (the disk's): its
-        hits are, while this worker copies loads by layer."""
-        if self._layer_reader is not None or not hasattr(store, "open_slices"):
+        """A tier whose pages can be read layer by layer (the disk's, a
+        peer's): its hits are, while this worker copies loads by layer."""
+        if self._layer_reader is not None or not (
+            hasattr(store, "open_slices") or hasattr(store, "open_layers")
+        ):
             return
         if self._layer_copies is None or not self.layered_loads:
             return
         if self.info.page_blocks != 1:
             # a page of several blocks holds each layer in several ranges:
             # read layer by layer, its bytes would not arrive in order
-            logger.info("KVBM worker: disk hits read before the step (pages of several blocks)")
+            logger.info(
+                "KVBM worker: disk and peer hits read before the step (pages of several blocks)"
+            )
             return
         ranges = layer_ranges(self._layer_copies.tables)
         if ranges is None:
-            logger.info("KVBM worker: disk hits read before the step (layers not in row order)")
+            logger.info(
+                "KVBM worker: disk and peer hits read before the step (layers not in row order)"
+            )
             return
         self._layer_reader = LayerReader(
             ranges, self._layer_copies.cpus, self.host_pool, self.tier_io.tiers
         )
         self._meta.layered_read_workers += 1
-        logger.info("KVBM worker: disk hits read layer by layer during the forward pass")
+        logger.info("KVBM worker: disk and peer hits read layer by layer during the forward pass")
 
     def _reads_done(self, reads: StepReads) -> bool:
         """After the step's forward pass: its disk reads' outcomes reported;
@@ -120,10 +126,11 @@ class LayeredSteps:
                 self._reads_off = True
                 meta.layered_read_workers -= 1
                 logger.error(
-                    "KVBM: reading %d disk pages layer by layer missed its deadline "
-                    "(%.2f s); vLLM recomputes them, and disk hits are read before the "
-                    "step until those reads ended and %g s passed",
+                    "KVBM: reading %d %s pages layer by layer missed its deadline "
+                    "(%.2f s); vLLM recomputes them, and disk and peer hits are read "
+                    "before the step until those reads ended and %g s passed",
                     len(reads.pages),
+                    "/".join(sorted({tier for _, tier, _, _ in reads.pages})),
                     reads.deadline - reads.started,
                     layer_reads.READS_BACK_AFTER_S,
                 )
@@ -136,10 +143,11 @@ class LayeredSteps:
                 bad.append((tier, key))
         if bad:
             logger.warning(
-                "KVBM: %d of %d disk pages read layer by layer unusable; vLLM recomputes "
+                "KVBM: %d of %d %s pages read layer by layer unusable; vLLM recomputes "
                 "the step's layered loads",
                 len(bad),
                 len(reads.pages),
+                "/".join(sorted({tier for tier, _ in bad})),
             )
             meta.bad_pages.extend(bad)
         meta.tier_read_seconds.append((reads.pages[0][1], reads.seconds))
@@ -157,7 +165,7 @@ class LayeredSteps:
         if self._reads_off and not self._reads_stuck and time.monotonic() >= self._reads_back_at:
             self._reads_off = False
             self._meta.layered_read_workers += 1
-            logger.warning("KVBM: disk hits are read layer by layer again")
+            logger.warning("KVBM: disk and peer hits are read layer by layer again")
 
     def _close_layer_reads(self) -> bool:
         """Stops the read thread; False while a read may still write host memory."""

@@ -98,3 +98,60 @@ def open_slices(path: str, codec, key: bytes, view: memoryview, judge) -> PageSl
     another size)."""
     fd, mtime = _open_page(path, HEADER_BYTES + len(view))
     return PageSlices(fd, path, codec, key, view, judge, mtime)
+
+
+# Layers of every page asked of the kernel ahead of the one being read (a
+# page not in the page cache then arrives while earlier layers are copied).
+READ_AHEAD_LAYERS = 2
+
+
+class PageFiles:
+    """A step's disk pages (key, host slot) read a byte range of ``ranges``
+    (payload offset, bytes) at a time, page by page within a range, as
+    worker/layer_reads.py drives a tier's pages: ``start``, ``read(k)`` per
+    range, ``finish``, ``close``; ``statuses`` per page."""
+
+    def __init__(self, store, items, ranges: list[tuple[int, int]]):
+        self._store, self._items, self._ranges = store, items, ranges
+        self._pages: list[PageSlices] = []
+        self.statuses = ["skipped"] * len(items)
+
+    def start(self) -> bool:
+        """Every file opened and its header checked: False when a page's
+        status decides the step already."""
+        first = HEADER_BYTES + sum(n for _, n in self._ranges[:READ_AHEAD_LAYERS])
+        for i, (key, out) in enumerate(self._items):
+            page = self._store.open_slices(key, out)
+            if isinstance(page, str):
+                self.statuses[i] = page
+                return False
+            self._pages.append(page)
+            page.ahead(-HEADER_BYTES, first)  # the header with the first layers
+        for i, page in enumerate(self._pages):
+            status = page.start()
+            if status is not None:
+                self.statuses[i] = status
+                return False
+        return True
+
+    def read(self, k: int, stop=lambda: False) -> bool:
+        """Range ``k`` of every page (raises on an I/O error or a short file);
+        False once ``stop()`` (the step gave up), checked between pages."""
+        if k + READ_AHEAD_LAYERS < len(self._ranges):
+            for page in self._pages:
+                page.ahead(*self._ranges[k + READ_AHEAD_LAYERS])
+        off, n = self._ranges[k]
+        for page in self._pages:
+            if stop():
+                return False
+            page.read(off, n)
+        return True
+
+    def finish(self) -> None:
+        self.statuses = [page.finish() for page in self._pages]
+
+    def close(self) -> list[int]:
+        """Nothing a read may write once it returned (reads are synchronous)."""
+        for page in self._pages:
+            page.close()
+        return []

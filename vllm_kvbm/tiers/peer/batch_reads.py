@@ -143,13 +143,16 @@ class BatchReads:
         deadline: float,
         spans: list[tuple[int, int, int]],
         dests: list[int] | None = None,
+        land=None,
     ) -> str:
         """One READ of (local address, remote address, length) spans, polled
         until done or ``deadline``: "done"; "failed" (the peer then down;
         an error NIXL reports ends the transfer); "late": past the deadline,
         the peer down and the transfer quarantined with the landing
-        ``slots`` and the host slots at ``dests`` it may still write."""
-        land = self.landing
+        ``slots`` (of ``land``: the batch landing slots unless named) and
+        the host slots at ``dests`` it may still write."""
+        batch = land is None
+        land = self.landing if batch else land
         handle = None
         try:
             local = self._agent.descs([(addr, n) for addr, _, n in spans])
@@ -162,7 +165,8 @@ class BatchReads:
             while state == "PROC":
                 if time.monotonic() > deadline:
                     land.quarantine(slots, handle, peer.generation, dests)
-                    self._quarantine_marks.update(slots)
+                    if batch:
+                        self._quarantine_marks.update(slots)
                     handle = None  # released when it ends (landing.reap)
                     self._down(
                         peer,

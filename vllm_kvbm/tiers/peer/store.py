@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -61,7 +63,9 @@ from vllm_kvbm.tiers.peer.agent import NixlCallError, PeerAgent
 from vllm_kvbm.tiers.peer.batch_reads import BatchReads, outcome
 from vllm_kvbm.tiers.peer.control import ControlLink
 from vllm_kvbm.tiers.peer.landing import LandingSlots
+from vllm_kvbm.tiers.peer.page_layers import HEADER_SLOTS, PeerPageLayers
 from vllm_kvbm.tiers.pool import layout
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, valid_page
 from vllm_kvbm.tiers.pool.layout import MAX_WAYS, Geometry
 
 if TYPE_CHECKING:
@@ -136,6 +140,12 @@ class PeerStore(BatchReads, TierStore):
         if landing_pages is None:
             landing_pages = landing_count(codec.stored_bytes)
         self.landing = LandingSlots(self._agent, codec.stored_bytes, landing_pages, MAX_WAYS)
+        # headers of pages read layer by layer (page_layers.py), once asked
+        self.heads: LandingSlots | None = None
+        # The agent, the peers and the landing slots serve two threads: the
+        # whole-page reads of asynchronous loads (TierIO's reader) and layered
+        # reads (worker/layer_reads.py); held for one READ or batch at a time.
+        self._lock = threading.RLock()
         self._peers: dict[str, _Peer] = {}
         import zmq
 
@@ -194,9 +204,10 @@ class PeerStore(BatchReads, TierStore):
         if endpoint is None or self._closed:
             return ["miss"] * len(items)
         try:
-            self.reap()
-            self._forget_idle()
-            peer = self._peer(protocol.rank_endpoint(endpoint, self.rank))
+            with self._lock:
+                self.reap()
+                self._forget_idle()
+                peer = self._peer(protocol.rank_endpoint(endpoint, self.rank))
         except Exception as err:  # noqa: BLE001 - a store must not take the engine down
             logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
             return ["error"] * len(items)
@@ -213,9 +224,10 @@ class PeerStore(BatchReads, TierStore):
                     statuses += ["error"] * len(part)  # failed earlier in this call
                     continue
                 try:
-                    statuses += self._read_batch(
-                        peer, part, ahead=self.check_ahead and start + len(part) < len(items)
-                    )
+                    with self._lock:
+                        statuses += self._read_batch(
+                            peer, part, ahead=self.check_ahead and start + len(part) < len(items)
+                        )
                 except Exception as err:  # noqa: BLE001
                     logger.warning("KVBM: peer tier: read from %s failed: %s", peer.endpoint, err)
                     statuses += ["error"] * len(part)
@@ -233,7 +245,8 @@ class PeerStore(BatchReads, TierStore):
         is logged: pages then land in landing slots)."""
         addr, n = memory.data_ptr(), memory.numel() * memory.element_size()
         try:
-            self._memory.append((addr, addr + n, self._agent.register(addr, n)))
+            with self._lock:
+                self._memory.append((addr, addr + n, self._agent.register(addr, n)))
         except NixlCallError as err:
             logger.warning(
                 "KVBM: peer tier: pages are copied through landing slots: the "
@@ -248,22 +261,77 @@ class PeerStore(BatchReads, TierStore):
     def take_ended_writes(self) -> list[int]:
         """Addresses of "late" ``out``s whose READ has ended since last asked
         (they may be used again). Call it on the thread that reads."""
-        self.reap()
-        return self.landing.take_ended()
+        with self._lock:
+            self.reap()
+            return self.landing.take_ended()
+
+    def take_ended_layer_reads(self) -> list[int]:
+        """take_ended_writes for the host slots of layered reads (``open_layers``)."""
+        with self._lock:
+            self.reap()
+            return self.heads.take_ended() if self.heads is not None else []
 
     def reap(self) -> int:
         """Frees the landing slots of quarantined READs that ended since (or
-        whose peer is known gone); the slots freed. Each read does it first;
-        call it on the same thread as the reads."""
-        return self.landing.reap(self._gone)
+        whose peer is known gone); the slots freed. Each read does it first."""
+        with self._lock:
+            heads = self.heads.reap(self._gone) if self.heads is not None else 0
+            return self.landing.reap(self._gone) + heads
+
+    @contextmanager
+    def locked(self, deadline: float | None):
+        """The store's lock, waited for until ``deadline`` (time.monotonic();
+        None: as long as it takes); yields whether it is held."""
+        timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        held = self._lock.acquire(timeout=timeout)
+        try:
+            yield held
+        finally:
+            if held:
+                self._lock.release()
+
+    def open_layers(
+        self,
+        items: list[tuple[bytes, torch.Tensor]],
+        endpoint: str | None,
+        ranges: list[tuple[int, int]],
+        deadline: float,
+    ) -> "PeerPageLayers | str":
+        """``items``' pages (key, host slot) on the peer at ``endpoint``,
+        opened for reads a byte range of ``ranges`` at a time, within
+        ``deadline`` (time.monotonic()): page_layers.py; or the status of
+        every page when they cannot be ("miss": no peer named; "error")."""
+        if endpoint is None or self._closed:
+            return "miss"
+        with self.locked(deadline) as held:
+            if not held:
+                return "error"
+            try:
+                self.reap()
+                self._forget_idle()
+                peer = self._peer(protocol.rank_endpoint(endpoint, self.rank))
+                if peer is None or not all(
+                    valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items
+                ):
+                    return "error"  # a slot not registered: read before the step
+                if self.heads is None:
+                    self.heads = LandingSlots(self._agent, HEADER_BYTES, HEADER_SLOTS, MAX_WAYS)
+                slots = self.heads.take(len(items))
+            except Exception as err:  # noqa: BLE001 - a store must not take the engine down
+                logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
+                return "error"
+            if len(slots) < len(items):
+                self.heads.give(slots)
+                return "error"
+        return PeerPageLayers(self, peer, items, ranges, slots, deadline)
 
     @property
     def quarantined(self) -> int:
         """Landing slots out of use behind a READ past its deadline."""
-        return self.landing.quarantined
+        return self.landing.quarantined + (self.heads.quarantined if self.heads else 0)
 
     def counts(self) -> dict[str, int]:
-        return {"quarantined": self.landing.quarantined}  # kvbm_peer_quarantined_slots
+        return {"quarantined": self.quarantined}  # kvbm_peer_quarantined_slots
 
     def lookup(self, endpoint: str, keys: list[bytes]) -> list[bool]:
         """Which of ``keys`` the peer holds (its control endpoint answers from
@@ -386,19 +454,25 @@ class PeerStore(BatchReads, TierStore):
                 del self._peers[endpoint]
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed = True
         for peer in self._peers.values():
-            if peer.remote is not None and not self.landing.quarantined:
+            if peer.remote is not None and not self.quarantined:
                 self._unload(peer, gone=False)
             peer.link.close()
         self._peers.clear()
         self._zmq_context.term()
         self._checker.shutdown(wait=False)
-        self.landing.close()  # reaps first
+        landings = [self.landing] + ([self.heads] if self.heads is not None else [])
+        for landing in landings:
+            landing.close()  # reaps first
         # else left registered: a late READ may still write there
-        if not self.landing.quarantined_dests:
+        if not any(landing.quarantined_dests for landing in landings):
             for _, _, reg in self._memory:
                 self._agent.deregister(reg)
         self._memory = []

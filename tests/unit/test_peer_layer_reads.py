@@ -1,0 +1,265 @@
+"""Peer hits read layer by layer during the forward pass (tiers/peer/page_layers.py,
+worker/layer_reads.py), with real NIXL agents in real processes.
+
+As in test_peer_reads, the serving peer is helpers/pool_peer.py and this
+process writes its pool file (shared memory). A peer's pages read a byte
+range at a time into registered host slots land byte for byte as the pages
+lie in the peer's pool, checked as they go (the pages are sealed under a
+page secret: decrypted range by range); a damaged page is "corrupt", a slot
+rewritten between the first and last READ a miss (the seqlock). Through the
+worker: each layer's blocks hold the page's bytes once vLLM's wait for it
+returns; a peer stopped (SIGSTOP) after the headers were read stalls a
+range's READ over TCP: the step fails at its deadline, the host slots that
+READ may write stay held until it ends (after SIGCONT), and layered reads
+pause until then; a peer killed mid-read fails the step, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from helpers import pool_peer
+from helpers.tier_pages import key, page
+from test_layer_loads import run_step, worker_with_layer_copies
+from test_page_mover import make_layout
+from test_peer_reads import NS, SECRET, TRANSPORTS, transport  # noqa: F401
+from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
+from vllm_kvbm.tiers.page_codec import PageCodec
+from vllm_kvbm.tiers.peer import page_layers
+from vllm_kvbm.tiers.peer.store import PeerStore
+from vllm_kvbm.tiers.pool import layout
+from vllm_kvbm.tiers.pool.store import PoolStore
+from vllm_kvbm.tools.server import free_port, freeze_process
+from vllm_kvbm.worker import layer_reads
+
+pytestmark = pytest.mark.timeout(300)
+
+PAGE = 3 * 4096 + 1000  # ranges across 4 KiB boundaries, one not aligned
+RANGES = [(0, 5000), (5000, 4000), (9000, 4288)]
+
+
+def codec(page_bytes: int) -> PageCodec:
+    return PageCodec(NS, page_bytes, SECRET, layout="L")
+
+
+def peer(shm, procs, page_bytes: int, pages: int, transport_env: dict):
+    """(this process's store on the peer's pool file, the peer's endpoint, its process)."""
+    port = free_port()
+    w = PoolStore.open(pool_peer.pool_spec(shm, page_bytes, pages, NS), codec(page_bytes))
+    proc, _ = pool_peer.start(shm, port, page_bytes, pages, env=transport_env)
+    procs.append(proc)
+    return w, f"tcp://127.0.0.1:{port}", proc
+
+
+def reader(page_bytes: int, **kw) -> PeerStore:
+    spec = pool_peer.pool_spec("/nonexistent", page_bytes, 1, NS)
+    kw.setdefault("read_timeout_s", 5.0)
+    kw.setdefault("retry_s", 0.2)
+    return PeerStore(codec(page_bytes), 0, 1, spec.scope_digest, spec.name, **kw)
+
+
+def read_by_ranges(r: PeerStore, items, endpoint: str, ranges, between=None) -> list[str]:
+    """One layered read of ``items``: its statuses (``between()`` after the
+    first ranges' READs, before the last)."""
+    group = r.open_layers(items, endpoint, ranges, time.monotonic() + 10.0)
+    if isinstance(group, str):
+        return [group] * len(items)
+    try:
+        if group.start():
+            for k in range(len(ranges)):
+                if k == len(ranges) - 1 and between is not None:
+                    between()
+                if not group.read(k):
+                    break
+            else:
+                group.finish()
+        return group.statuses
+    finally:
+        assert group.close() == []
+
+
+def test_a_peers_pages_read_range_by_range_land_whole_and_checked(shm, procs, transport):
+    w, endpoint, _ = peer(shm, procs, PAGE, 8, TRANSPORTS[transport])
+    r = reader(PAGE)
+    host = torch.zeros(5, PAGE, dtype=torch.uint8)
+    try:
+        r.reads_into(host)
+        for i in range(1, 5):
+            assert w.put(key(i), page(i, PAGE))
+        items = [(key(i), host[i - 1]) for i in range(1, 5)]
+        assert r.get_many_into(items[:1], endpoint=endpoint) == ["ok"]  # connected
+        host.zero_()
+        assert read_by_ranges(r, items, endpoint, RANGES) == ["ok"] * 4
+        assert all(torch.equal(host[i - 1], page(i, PAGE)) for i in range(1, 5))
+        assert r.heads.free == page_layers.HEADER_SLOTS and r.quarantined == 0
+        # a page the peer no longer holds: decided before any range
+        assert read_by_ranges(r, items + [(key(7), host[4])], endpoint, RANGES)[-1] == "miss"
+        # damaged in the peer's pool, in the last range: "corrupt" at the end
+        slot, _ = layout.find(
+            w.pool.view, w.pool.geometry, layout.table_key(w._codec.names, key(2))
+        )
+        w.pool.view[w.pool.geometry.slot_off(slot) + w.pool.geometry.stored_bytes - 1] ^= 0x01
+        assert read_by_ranges(r, items, endpoint, RANGES) == ["ok", "corrupt", "ok", "ok"]
+        # the slot rewritten (the same key, another page) after its entry was
+        # read: a miss by the seqlock, whatever the ranges held
+        torn = r.torn_reads
+
+        def rewrite():
+            w.remove(key(3))
+            assert w.put(key(3), page(30, PAGE))
+
+        got = read_by_ranges(r, items, endpoint, RANGES, between=rewrite)
+        assert got[2] == "miss" and r.torn_reads == torn + 1
+        assert r.heads.free == page_layers.HEADER_SLOTS
+        # a host slot not registered with the store: refused, not read around
+        assert r.open_layers([(key(1), torch.zeros(PAGE, dtype=torch.uint8))], endpoint,
+                             RANGES, time.monotonic() + 5) == "error"  # fmt: skip
+    finally:
+        r.close()
+        w.close()
+
+
+def worker_with_peer(shm, procs, lay, monkeypatch, transport_env):
+    worker = worker_with_layer_copies(lay, monkeypatch)
+    w, endpoint, proc = peer(shm, procs, lay.block_bytes(), 16, transport_env)
+    store = reader(lay.block_bytes())
+    worker.add_tier(store)
+    first = worker.build_worker_meta()
+    assert first is not None and first.layered_read_workers == 1
+    deadline = time.monotonic() + 10
+    while not store._memory:  # the host tier registered on the tier's read thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    return worker, store, w, endpoint, proc
+
+
+def peer_job(job_id, req, blocks, slots, keys, endpoint) -> TransferJob:
+    fetch = [(i, "peer", k) for i, k in enumerate(keys)]
+    return TransferJob(job_id, req, blocks, slots, layered=True, fetch=fetch, peer=endpoint)
+
+
+def test_a_peer_hit_is_read_and_copied_layer_by_layer_in_its_step(shm, procs, monkeypatch):
+    gen = torch.Generator().manual_seed(31)
+    lay = make_layout("cpu", gen)
+    worker, store, w, endpoint, _ = worker_with_peer(
+        shm, procs, lay, monkeypatch, TRANSPORTS["tcp"]
+    )
+    try:
+        pages = [page(40 + i, lay.block_bytes()) for i in range(3)]
+        for i, p in enumerate(pages):
+            assert w.put(key(i), p)
+        job = peer_job(1, "A", [4, 9, 11], [0, 1, 2], [key(0), key(1), key(2)], endpoint)
+        recving, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
+        assert recving == set() and errors == set()
+        assert meta.loads_done["A"] == 1 and not meta.loads_failed
+        assert meta.tier_events[("peer", "ok", 0)] == 3 and not meta.bad_pages
+        for block, slot, p in zip([4, 9, 11], [0, 1, 2], pages):
+            assert torch.equal(lay.slot_bytes(block), p)
+            assert torch.equal(worker.host_pool[slot], p)  # promoted: in the host tier now
+        # a page gone from the peer since the lookup: the step's loads fail
+        job = peer_job(2, "B", [5, 6], [3, 4], [key(0), key(9)], endpoint)
+        _, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
+        assert errors == {5, 6} and meta.loads_failed["B"] == 1
+        assert meta.tier_events[("peer", "miss", 0)] == 1
+        assert meta.layered_read_workers == 0  # a miss is no reason to stop
+    finally:
+        worker.shutdown()
+        w.close()
+
+
+def test_a_peer_stopped_mid_read_fails_the_step_and_holds_slots_until_its_read_ends(
+    shm, procs, monkeypatch
+):
+    """Over TCP a stopped peer stalls a range's READ past the step's
+    deadline: the step fails at the deadline; the READ's host slots stay
+    held until NIXL ends it (after SIGCONT), and layered reads come back."""
+    monkeypatch.setattr(layer_reads, "READ_WAIT_MIN_S", 0.5)
+    monkeypatch.setattr(layer_reads, "READS_BACK_AFTER_S", 0.0)
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    gen = torch.Generator().manual_seed(32)
+    lay = make_layout("cpu", gen)
+    worker, store, w, endpoint, proc = worker_with_peer(
+        shm, procs, lay, monkeypatch, TRANSPORTS["tcp"]
+    )
+    start = page_layers.PeerPageLayers.start
+
+    def start_then_stop(self):
+        ok = start(self)
+        freeze_process(proc, "the peer")  # its headers read; the ranges' READs stall
+        return ok
+
+    try:
+        assert w.put(key(0), page(50, lay.block_bytes()))
+        warm = peer_job(1, "W", [2], [6], [key(0)], endpoint)
+        _, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[warm]), lay.caches)
+        assert errors == set()  # connected: the next read asks no hello
+        monkeypatch.setattr(page_layers.PeerPageLayers, "start", start_then_stop)
+        job = peer_job(2, "A", [3], [4], [key(0)], endpoint)
+        before = lay.clone_raw()
+        began = time.monotonic()
+        _, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
+        assert time.monotonic() - began < 5  # the deadline, not the stopped peer
+        assert errors == {3} and meta.loads_failed["A"] == 1
+        assert meta.slots_held == {4: 1} and meta.layered_read_workers == -1
+        assert meta.tier_events[("peer", "error", 0)] == 1
+        assert store.quarantined == 1  # its header landing slot, until the READ ends
+        time.sleep(0.5)
+        worker.get_finished(set())
+        meta = worker.build_worker_meta()
+        assert meta is None or not meta.slots_released  # stopped: the READ cannot end
+        os.killpg(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        released = back = 0
+        while (not released or not back) and time.monotonic() < deadline:
+            worker.get_finished(set())
+            meta = worker.build_worker_meta()
+            if meta is not None:
+                released += meta.slots_released[4]
+                back += meta.layered_read_workers
+            time.sleep(0.01)
+        assert released == 1 and back == 1  # slots free once the READ ended; reads back
+        assert store.quarantined == 0
+        assert torch.equal(lay.slot_bytes(3), lay.slot_bytes(3, before))  # never written
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        worker.shutdown()
+        w.close()
+
+
+def test_a_peer_killed_mid_read_fails_the_step_not_a_hang(shm, procs, monkeypatch):
+    monkeypatch.setattr(layer_reads, "READ_WAIT_MIN_S", 5.0)
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    gen = torch.Generator().manual_seed(33)
+    lay = make_layout("cpu", gen)
+    worker, store, w, endpoint, proc = worker_with_peer(
+        shm, procs, lay, monkeypatch, TRANSPORTS["tcp"]
+    )
+    start = page_layers.PeerPageLayers.start
+
+    def start_then_kill(self):
+        ok = start(self)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        return ok
+
+    try:
+        assert w.put(key(0), page(60, lay.block_bytes()))
+        warm = peer_job(1, "W", [2], [6], [key(0)], endpoint)
+        assert run_step(worker, KVBMConnectorMetadata(loads=[warm]), lay.caches)[2] == set()
+        monkeypatch.setattr(page_layers.PeerPageLayers, "start", start_then_kill)
+        job = peer_job(2, "A", [3], [4], [key(0)], endpoint)
+        began = time.monotonic()
+        _, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
+        # NIXL reports the peer gone well before the 5 s deadline
+        assert time.monotonic() - began < 4.5
+        assert errors == {3} and meta.loads_failed["A"] == 1
+        assert not meta.slots_held and meta.tier_events[("peer", "error", 0)] == 1
+        assert store.quarantined == 0
+    finally:
+        worker.shutdown()
+        w.close()
