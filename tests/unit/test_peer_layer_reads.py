@@ -11,7 +11,8 @@ worker: each layer's blocks hold the page's bytes once vLLM's wait for it
 returns; a peer stopped (SIGSTOP) after the headers were read stalls a
 range's READ over TCP: the step fails at its deadline, the host slots that
 READ may write stay held until it ends (after SIGCONT), and layered reads
-pause until then; a peer killed mid-read fails the step, never a hang.
+pause until then; a peer killed mid-read fails the step, never a hang, and
+pauses layered reads too.
 """
 
 from __future__ import annotations
@@ -207,6 +208,9 @@ def test_a_peer_stopped_mid_read_fails_the_step_and_holds_slots_until_its_read_e
         assert errors == {3} and meta.loads_failed["A"] == 1
         assert meta.slots_held == {4: 1} and meta.layered_read_workers == -1
         assert meta.tier_events[("peer", "error", 0)] == 1
+        settle = time.monotonic() + 5  # the read thread gives up at the same deadline
+        while not store.quarantined and time.monotonic() < settle:
+            time.sleep(0.01)
         assert store.quarantined == 1  # its header landing slot, until the READ ends
         time.sleep(0.5)
         worker.get_finished(set())
@@ -260,6 +264,9 @@ def test_a_peer_killed_mid_read_fails_the_step_not_a_hang(shm, procs, monkeypatc
         assert errors == {3} and meta.loads_failed["A"] == 1
         assert not meta.slots_held and meta.tier_events[("peer", "error", 0)] == 1
         assert store.quarantined == 0
+        # a tier that failed is not read during the step for a while: the
+        # next steps' hits load before them (where a failure costs no token)
+        assert meta.layered_read_workers == -1
     finally:
         worker.shutdown()
         w.close()

@@ -118,23 +118,20 @@ class LayeredSteps:
         if self._layer_reader.hold(reads):
             self._reads_stuck += 1
             meta.slots_held.update(reads.slots())
+        tiers = "/".join(sorted({tier for _, tier, _, _ in reads.pages}))
         if reads.held or reads.abandoned:
             for _, tier, _, _ in reads.pages:
                 meta.tier_events[(tier, "error", rank)] += 1
-            self._reads_back_at = time.monotonic() + layer_reads.READS_BACK_AFTER_S
-            if not self._reads_off:
-                self._reads_off = True
-                meta.layered_read_workers -= 1
-                logger.error(
-                    "KVBM: reading %d %s pages layer by layer missed its deadline "
-                    "(%.2f s); vLLM recomputes them, and disk and peer hits are read "
-                    "before the step until those reads ended and %g s passed",
-                    len(reads.pages),
-                    "/".join(sorted({tier for _, tier, _, _ in reads.pages})),
-                    reads.deadline - reads.started,
-                    layer_reads.READS_BACK_AFTER_S,
-                )
+            self._pause_reads(
+                f"reading {len(reads.pages)} {tiers} pages layer by layer missed its "
+                f"deadline ({reads.deadline - reads.started:.2f} s)"
+            )
             return False
+        if "error" in reads.statuses:
+            # a tier that cannot be read now (a peer down, an I/O error) would
+            # fail the next steps' layered loads too, each dropping a token:
+            # read before the step meanwhile, where a failure only recomputes
+            self._pause_reads(f"reading {tiers} pages layer by layer failed")
         bad = []
         for (_, tier, key, _), status in zip(reads.pages, reads.statuses):
             if status != "skipped":
@@ -152,6 +149,19 @@ class LayeredSteps:
             meta.bad_pages.extend(bad)
         meta.tier_read_seconds.append((reads.pages[0][1], reads.seconds))
         return not reads.failed
+
+    def _pause_reads(self, why: str) -> None:
+        """Disk and peer hits read before the step for READS_BACK_AFTER_S."""
+        self._reads_back_at = time.monotonic() + layer_reads.READS_BACK_AFTER_S
+        if not self._reads_off:
+            self._reads_off = True
+            self._meta.layered_read_workers -= 1
+            logger.error(
+                "KVBM: %s; vLLM recomputes them, and disk and peer hits are read before "
+                "the step until those reads ended and %g s passed",
+                why,
+                layer_reads.READS_BACK_AFTER_S,
+            )
 
     def _reads_ended_late(self) -> None:
         """Reads that ended after their deadline: their slots are free again;
