@@ -10,7 +10,10 @@ neither loads nor stores), reads it from A's pool on a router's hint (its host
 tier and vLLM's cache emptied first), hits it in its own host tier (vLLM's
 cache emptied: the peer's pages are there now), and reads it from Redis (its
 host tier emptied). TTFT is the wall time of one greedy token. Medians of
---prompts prompts per length, and the ratios, from one run.
+--prompts prompts per length, and the ratios, from one run. Both engines get
+the binding a plain engine gets (bench/cores.py ``fair_cpu_env``): on a CPU
+with a core left free of vLLM's OpenMP threads, host, disk and peer hits
+load layer by layer during their step.
 
     .venv/bin/python benchmarks/bench_peer_ttft.py [--tokens 2048 8192] [--prompts 5]
         [--dtype float32] [--ucx-tls tcp]
@@ -79,6 +82,10 @@ def main() -> None:
     args = p.parse_args()
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
+    from vllm_kvbm.bench.cores import fair_cpu_env
+
+    cpu_env = fair_cpu_env()
+    os.environ.update(cpu_env)
     if args.model is None:
         from vllm_kvbm.tools.local_model import DEFAULT_DIR, build
 
@@ -143,6 +150,7 @@ def main() -> None:
             rows.append((n, med, hits, t))
         print(
             f"\nmodel {args.model} ({args.dtype}), UCX_TLS={os.environ.get('UCX_TLS', '')!r}, "
+            f"{' '.join(f'{k}={v}' for k, v in cpu_env.items())}, "
             f"{args.prompts} prompts per length, medians"
         )
         print(
