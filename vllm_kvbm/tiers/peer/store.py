@@ -309,7 +309,7 @@ class PeerStore(BatchReads, TierStore):
             try:
                 self.reap()
                 self._forget_idle()
-                peer = self._peer(protocol.rank_endpoint(endpoint, self.rank))
+                peer = self._peer(protocol.rank_endpoint(endpoint, self.rank), deadline)
                 if peer is None or not all(
                     valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items
                 ):
@@ -347,7 +347,10 @@ class PeerStore(BatchReads, TierStore):
         )
 
     # -- peers -------------------------------------------------------------------
-    def _peer(self, endpoint: str) -> _Peer | None:
+    def _peer(self, endpoint: str, deadline: float | None = None) -> _Peer | None:
+        """The peer at ``endpoint``, its ``hello`` asked within ``deadline``
+        (time.monotonic(); default: ``read_timeout_s`` from now) when due;
+        None while it is down."""
         now = time.monotonic()
         peer = self._peers.get(endpoint)
         if peer is None:
@@ -358,7 +361,7 @@ class PeerStore(BatchReads, TierStore):
         if peer.remote is not None and now - peer.hello_at < self.hello_every_s:
             return peer
         try:
-            self._hello(peer, now + self.read_timeout_s)
+            self._hello(peer, deadline or now + self.read_timeout_s)
             peer.said = ""
             return peer
         except (TimeoutError, ValueError, KeyError, TypeError, NixlCallError) as err:
