@@ -10,7 +10,8 @@ same engines have their host tier only.
 
 The bound: the same rounds all sent to one engine, which finds every earlier
 round in vLLM's own cache (what a KV-aware router that keeps a user on one
-engine gets): the peer tier can come close to it, not beyond.
+engine gets): the peer tier can come close to it, not beyond. Every engine
+gets the binding a plain engine gets (bench/cores.py ``fair_cpu_env``).
 
 Each user's first prompt is a shared system prompt and a question; each next
 round adds an answer and a new question, so round r's prompt is the whole
@@ -163,6 +164,10 @@ def main() -> None:
         sys.path.insert(0, str(HERE))
         Path(args.out).write_text(json.dumps(run_config(args)))
         return
+    from vllm_kvbm.bench.cores import fair_cpu_env
+
+    cpu_env = fair_cpu_env()
+    os.environ.update(cpu_env)  # the runs below inherit it
     results = {}
     for config in ("local", "peer", "one"):  # each in a fresh process: the same start for all
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -173,7 +178,8 @@ def main() -> None:
     print(
         f"\n{args.users} users x {args.rounds} rounds alternating between two engines; "
         f"system {args.system}, question {args.question}, answer {args.answer} tokens; "
-        f"dtype {args.dtype}; {os.cpu_count()} cores"
+        f"dtype {args.dtype}; {os.cpu_count()} cores, "
+        f"{' '.join(f'{k}={v}' for k, v in cpu_env.items())}"
     )
     print(
         "| round | prompt tokens | mean TTFT, host tier only | mean TTFT, peer tier "
