@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -120,6 +121,37 @@ def test_a_peers_pages_read_range_by_range_land_whole_and_checked(shm, procs, tr
         # a host slot not registered with the store: refused, not read around
         assert r.open_layers([(key(1), torch.zeros(PAGE, dtype=torch.uint8))], endpoint,
                              RANGES, time.monotonic() + 5) == "error"  # fmt: skip
+    finally:
+        r.close()
+        w.close()
+
+
+def test_batches_wait_while_a_layered_read_is_open(shm, procs):
+    """The store's lock serves the whole-page batches of loads before the
+    step and the layered reads a step waits for: a batch asked while a
+    layered read is open waits for it to close, not the other way round."""
+    w, endpoint, _ = peer(shm, procs, PAGE, 8, TRANSPORTS["tcp"])
+    r = reader(PAGE)
+    host = torch.zeros(2, PAGE, dtype=torch.uint8)
+    try:
+        r.reads_into(host)
+        assert w.put(key(1), page(1, PAGE)) and w.put(key(2), page(2, PAGE))
+        assert r.get_many_into([(key(1), host[0])], endpoint=endpoint) == ["ok"]
+        group = r.open_layers([(key(2), host[1])], endpoint, RANGES, time.monotonic() + 10)
+        assert group.start()
+        done: list = []
+        batch = threading.Thread(
+            target=lambda: done.append(r.get_many_into([(key(1), host[0])], endpoint=endpoint))
+        )
+        batch.start()
+        time.sleep(0.3)
+        assert not done  # waiting for the layered read
+        assert all(group.read(k) for k in range(len(RANGES)))
+        group.finish()
+        assert group.statuses == ["ok"] and torch.equal(host[1], page(2, PAGE))
+        assert group.close() == []
+        batch.join(10)
+        assert done == [["ok"]] and r.layered_open == 0
     finally:
         r.close()
         w.close()

@@ -92,6 +92,8 @@ class StepReads:
     failed: bool = False  # a page not "ok", or the deadline passed
     abandoned: bool = False  # the deadline passed: stop at the next range
     held: bool = False  # its slots were held from the host tier (ended late)
+    # host slots' addresses READs past their deadline may still write
+    late: list[int] = field(default_factory=list)
     ended: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0
@@ -157,16 +159,21 @@ class LayerReader:
             if item is None:
                 return
             if self._pending:
-                self._reap()
+                try:
+                    self._reap()
+                except Exception as err:  # noqa: BLE001 - asked again at the next poll
+                    logger.warning("KVBM: layer-wise read: %s", err)
             if item is False:
                 continue
-            reads, late = item[0], []
+            reads = item[0]
             try:
-                late = self._read(*item)
+                self._read(*item)
+            except Exception as err:  # noqa: BLE001 - _read says what it could not
+                logger.warning("KVBM: layer-wise read failed: %s", err)
             finally:
                 reads.seconds = time.perf_counter() - reads.started
-                if late:
-                    self._pending.append((reads, set(late)))
+                if reads.late:
+                    self._pending.append((reads, set(reads.late)))
                 else:
                     self._end(reads)
 
@@ -210,15 +217,15 @@ class LayerReader:
             return PageFiles(store, items, ranges)
         return "error"
 
-    def _read(self, reads: StepReads, outs, post, fail) -> list[int]:
-        """The host slots' addresses READs past their deadline may still write."""
+    def _read(self, reads: StepReads, outs, post, fail) -> None:
+        """The step's reads, group by group and range by range; ``reads.late``:
+        the host slots' addresses READs past their deadline may still write."""
         statuses = ["skipped"] * len(reads.pages)
         ranges = list(self.ranges.values())
         by_source: dict[tuple[str, str], list[int]] = {}
         for i, (job, tier, _, _) in enumerate(reads.pages):
             by_source.setdefault((tier, job.peer if tier == "peer" else ""), []).append(i)
         groups: list[tuple[list[int], object]] = []
-        late: list[int] = []
         raised = False
         try:
             for (tier, endpoint), at in by_source.items():
@@ -228,16 +235,16 @@ class LayerReader:
                     for i in at:
                         statuses[i] = group
                     fail()
-                    return late
+                    return
                 groups.append((at, group))
                 if not group.start():
                     fail()
-                    return late
+                    return
             for k, name in enumerate(self.ranges):
                 for _, group in groups:
                     if reads.abandoned or not group.read(k, lambda: reads.abandoned):
                         fail()
-                        return late
+                        return
                 post(name)
             for _, group in groups:
                 group.finish()
@@ -249,11 +256,13 @@ class LayerReader:
             fail()
         finally:
             for at, group in groups:
-                late += group.close()
+                try:
+                    reads.late += group.close()
+                except Exception as err:  # noqa: BLE001 - the other groups still close
+                    logger.warning("KVBM: layer-wise read: closing %s", err)
                 for i, status in zip(at, group.statuses):
                     statuses[i] = status
             reads.statuses = ["error"] * len(reads.pages) if raised else statuses
-        return late
 
     @property
     def running(self) -> bool:

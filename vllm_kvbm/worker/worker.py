@@ -426,6 +426,9 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
         return meta
 
     def shutdown(self) -> None:
+        # the read thread first: it uses the tiers' stores (a peer's landing
+        # memory) until it stops
+        reads_stopped = self._close_layer_reads()
         self.tier_io.close()
         # Not posted yet: they have touched no memory, and nothing after
         # shutdown could use them. Dropped without waiting for the engine.
@@ -446,5 +449,5 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
             self._layer_copies = None
         self.mover.close()
         self.mover = None
-        if self._host is not None and self._close_layer_reads():
+        if self._host is not None and reads_stopped:
             self._host.release()

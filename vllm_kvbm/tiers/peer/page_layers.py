@@ -62,6 +62,9 @@ class PeerPageLayers:
         deadline: float,
     ):
         self._store, self._peer, self._ranges = store, peer, ranges
+        # the peer as the slots were picked: a hello in between that finds
+        # another incarnation or mapping fails the read (checked per READ)
+        self._seen = (peer.generation, peer.geometry, peer.base)
         self._keys = [bytes(key) for key, _ in items]
         self._addrs = [out.data_ptr() for _, out in items]
         self._views = [memoryview(out.numpy()) for _, out in items]
@@ -79,7 +82,8 @@ class PeerPageLayers:
         store, peer = self._store, self._peer
         with store.locked(self.deadline) as held:
             state = "failed"
-            if held and peer.remote is not None:
+            seen = (peer.generation, peer.geometry, peer.base)
+            if held and peer.remote is not None and seen == self._seen:
                 state = store._xfer(peer, self._slots, self.deadline, spans, dests, store.heads)
         if state == "done":
             return True
@@ -92,8 +96,9 @@ class PeerPageLayers:
     def start(self) -> bool:
         """The entries and headers read and checked: False when a page's
         status decides the step already (``statuses``)."""
-        store, peer = self._store, self._peer
-        g, heads, base = peer.geometry, store.heads, peer.base
+        store = self._store
+        _, g, base = self._seen
+        heads = store.heads
         firsts = [g.set_of(t) * g.ways for t in self._tkeys]
         if not self._xfer(
             [
@@ -127,7 +132,7 @@ class PeerPageLayers:
     def read(self, k: int, stop=None) -> bool:
         """Range ``k`` of every page into its slot, then checked there."""
         off, n = self._ranges[k]
-        g, base = self._peer.geometry, self._peer.base
+        _, g, base = self._seen
         if not self._xfer(
             [
                 (addr + off, base + g.slot_off(slot) + HEADER_BYTES + off, n)
@@ -143,8 +148,8 @@ class PeerPageLayers:
     def finish(self) -> None:
         """Each page's verdict (``statuses``): a slot rewritten since its
         entry was read is a miss (torn), never used."""
-        store, peer, heads = self._store, self._peer, self._store.heads
-        g, base = peer.geometry, peer.base
+        store, heads = self._store, self._store.heads
+        _, g, base = self._seen
         if not self._xfer(
             [
                 (heads.addr + heads.again_off(s), base + g.entry_off(slot), ENTRY_BYTES)
@@ -155,7 +160,8 @@ class PeerPageLayers:
         for i, (s, (_, gen)) in enumerate(zip(self._slots, self._picked)):
             if layout.read_head(heads.view, heads.again_off(s)) != (gen, self._tkeys[i]):
                 self.statuses[i] = "miss"
-                store.torn_reads += 1
+                with store.locked(None):
+                    store.torn_reads += 1
             else:
                 self.statuses[i] = self._checks[i].finish(self._views[i])
 
@@ -167,5 +173,7 @@ class PeerPageLayers:
         with store.locked(None):
             if not self._quarantined:
                 store.heads.give(self._slots)
+            store.layered_open -= 1
+            store._turn.notify_all()
         self._views = []
         return self._late

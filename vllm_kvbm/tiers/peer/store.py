@@ -75,6 +75,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_READ_TIMEOUT_S = 2.0
+# A batch waits at most this long for a layered read (page_layers.py) to close.
+LAYERED_FIRST_S = 5.0
 # Pages per batch (each batch waits on three READs in turn): as many as
 # make about 64 MiB, 4 to 16. Over TCP on one machine 16 pages of 4 MiB read
 # 1.3-1.5x faster than 4.
@@ -145,7 +147,11 @@ class PeerStore(BatchReads, TierStore):
         # The agent, the peers and the landing slots serve two threads: the
         # whole-page reads of asynchronous loads (TierIO's reader) and layered
         # reads (worker/layer_reads.py); held for one READ or batch at a time.
+        # While a layered read is open (its step waits for it) batches wait
+        # for it to close between two of theirs: the lock alone is not fair.
         self._lock = threading.RLock()
+        self._turn = threading.Condition(self._lock)
+        self.layered_open = 0
         self._peers: dict[str, _Peer] = {}
         import zmq
 
@@ -225,6 +231,7 @@ class PeerStore(BatchReads, TierStore):
                     continue
                 try:
                     with self._lock:
+                        self._turn.wait_for(lambda: not self.layered_open, LAYERED_FIRST_S)
                         statuses += self._read_batch(
                             peer, part, ahead=self.check_ahead and start + len(part) < len(items)
                         )
@@ -301,11 +308,12 @@ class PeerStore(BatchReads, TierStore):
         opened for reads a byte range of ``ranges`` at a time, within
         ``deadline`` (time.monotonic()): page_layers.py; or the status of
         every page when they cannot be ("miss": no peer named; "error")."""
-        if endpoint is None or self._closed:
+        if endpoint is None:
             return "miss"
         with self.locked(deadline) as held:
-            if not held:
+            if not held or self._closed:
                 return "error"
+            slots: list[int] = []
             try:
                 self.reap()
                 self._forget_idle()
@@ -317,13 +325,17 @@ class PeerStore(BatchReads, TierStore):
                 if self.heads is None:
                     self.heads = LandingSlots(self._agent, HEADER_BYTES, HEADER_SLOTS, MAX_WAYS)
                 slots = self.heads.take(len(items))
+                if len(slots) < len(items):
+                    self.heads.give(slots)
+                    return "error"
+                group = PeerPageLayers(self, peer, items, ranges, slots, deadline)
             except Exception as err:  # noqa: BLE001 - a store must not take the engine down
                 logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
+                if slots:
+                    self.heads.give(slots)
                 return "error"
-            if len(slots) < len(items):
-                self.heads.give(slots)
-                return "error"
-        return PeerPageLayers(self, peer, items, ranges, slots, deadline)
+            self.layered_open += 1  # until group.close()
+            return group
 
     @property
     def quarantined(self) -> int:
@@ -365,6 +377,10 @@ class PeerStore(BatchReads, TierStore):
             peer.said = ""
             return peer
         except (TimeoutError, ValueError, KeyError, TypeError, NixlCallError) as err:
+            if deadline is not None and isinstance(err, TimeoutError):
+                # a step's short budget, not the peer's fault: asked again next time
+                logger.debug("KVBM: peer tier: %s: hello within a step: %s", endpoint, err)
+                return None
             self._down(peer, f"{type(err).__name__}: {err}", refused=isinstance(err, ValueError))
             return None
 
