@@ -229,19 +229,25 @@ def test_reads_past_their_deadline_fail_the_step_and_hold_their_slots(mount, gen
             loads = KVBMConnectorMetadata(loads=[again])
             _, meta, errors = run_step(worker, loads, lay.caches)
             assert errors == {7} and meta.loads_failed["B"] == 1 and not meta.slots_held
-        deadline = time.monotonic() + 30
-        released = back = 0
-        while (not released or not back) and time.monotonic() < deadline:
-            worker.get_finished(set())
-            meta = worker.build_worker_meta()
-            if meta is not None:
-                released += meta.slots_released[4]
-                back += meta.layered_read_workers
-            time.sleep(0.01)
-        assert released == 1 and back == 1  # slots free once the read ended; reads back
+        assert released_and_back(worker, 4) == (1, 1)  # slots free once the read ended
         assert torch.equal(lay.slot_bytes(3), lay.slot_bytes(3, before))  # never written
     finally:
         worker.shutdown()
+
+
+def released_and_back(worker, slot: int, timeout: float = 30.0) -> tuple[int, int]:
+    """Steps the worker until it reported ``slot`` released and layered
+    reads back (each once), or ``timeout``: (times released, net reads back)."""
+    deadline = time.monotonic() + timeout
+    released = back = 0
+    while (not released or not back) and time.monotonic() < deadline:
+        worker.get_finished(set())
+        meta = worker.build_worker_meta()
+        if meta is not None:
+            released += meta.slots_released[slot]
+            back += meta.layered_read_workers
+        time.sleep(0.01)
+    return released, back
 
 
 def scheduler_with_disk_pages(tmp_path, seed: int):

@@ -28,6 +28,7 @@ import torch
 from helpers import pool_peer
 from helpers.tier_pages import key, page
 from test_layer_loads import run_step, worker_with_layer_copies
+from test_layer_reads import released_and_back
 from test_page_mover import make_layout
 from test_peer_reads import NS, SECRET, TRANSPORTS, transport  # noqa: F401
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
@@ -205,6 +206,35 @@ def test_a_peer_hit_is_read_and_copied_layer_by_layer_in_its_step(shm, procs, mo
         w.close()
 
 
+def connected_then(shm, procs, monkeypatch, seed: int, fault):
+    """A worker reading a peer over TCP that holds key(0), connected by a
+    first layered read; from then on ``fault(peer process)`` runs as soon as
+    a layered read has the pages' headers. (layout, worker, store, the
+    peer's pool, its endpoint, its process)."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    lay = make_layout("cpu", torch.Generator().manual_seed(seed))
+    worker, store, w, endpoint, proc = worker_with_peer(
+        shm, procs, lay, monkeypatch, TRANSPORTS["tcp"]
+    )
+    try:
+        assert w.put(key(0), page(seed, lay.block_bytes()))
+        warm = peer_job(1, "W", [2], [6], [key(0)], endpoint)
+        assert run_step(worker, KVBMConnectorMetadata(loads=[warm]), lay.caches)[2] == set()
+    except BaseException:
+        worker.shutdown()
+        w.close()
+        raise
+    start = page_layers.PeerPageLayers.start
+
+    def start_then_fault(self):
+        ok = start(self)
+        fault(proc)
+        return ok
+
+    monkeypatch.setattr(page_layers.PeerPageLayers, "start", start_then_fault)
+    return lay, worker, store, w, endpoint, proc
+
+
 def test_a_peer_stopped_mid_read_fails_the_step_and_holds_slots_until_its_read_ends(
     shm, procs, monkeypatch
 ):
@@ -213,25 +243,11 @@ def test_a_peer_stopped_mid_read_fails_the_step_and_holds_slots_until_its_read_e
     held until NIXL ends it (after SIGCONT), and layered reads come back."""
     monkeypatch.setattr(layer_reads, "READ_WAIT_MIN_S", 0.5)
     monkeypatch.setattr(layer_reads, "READS_BACK_AFTER_S", 0.0)
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    gen = torch.Generator().manual_seed(32)
-    lay = make_layout("cpu", gen)
-    worker, store, w, endpoint, proc = worker_with_peer(
-        shm, procs, lay, monkeypatch, TRANSPORTS["tcp"]
+    # the headers read, the ranges' READs stall
+    lay, worker, store, w, endpoint, proc = connected_then(
+        shm, procs, monkeypatch, 32, lambda proc: freeze_process(proc, "the peer")
     )
-    start = page_layers.PeerPageLayers.start
-
-    def start_then_stop(self):
-        ok = start(self)
-        freeze_process(proc, "the peer")  # its headers read; the ranges' READs stall
-        return ok
-
     try:
-        assert w.put(key(0), page(50, lay.block_bytes()))
-        warm = peer_job(1, "W", [2], [6], [key(0)], endpoint)
-        _, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[warm]), lay.caches)
-        assert errors == set()  # connected: the next read asks no hello
-        monkeypatch.setattr(page_layers.PeerPageLayers, "start", start_then_stop)
         job = peer_job(2, "A", [3], [4], [key(0)], endpoint)
         before = lay.clone_raw()
         began = time.monotonic()
@@ -249,16 +265,7 @@ def test_a_peer_stopped_mid_read_fails_the_step_and_holds_slots_until_its_read_e
         meta = worker.build_worker_meta()
         assert meta is None or not meta.slots_released  # stopped: the READ cannot end
         os.killpg(proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        released = back = 0
-        while (not released or not back) and time.monotonic() < deadline:
-            worker.get_finished(set())
-            meta = worker.build_worker_meta()
-            if meta is not None:
-                released += meta.slots_released[4]
-                back += meta.layered_read_workers
-            time.sleep(0.01)
-        assert released == 1 and back == 1  # slots free once the READ ended; reads back
+        assert released_and_back(worker, 4) == (1, 1)  # slots free once the READ ended
         assert store.quarantined == 0
         assert torch.equal(lay.slot_bytes(3), lay.slot_bytes(3, before))  # never written
     finally:
@@ -269,25 +276,13 @@ def test_a_peer_stopped_mid_read_fails_the_step_and_holds_slots_until_its_read_e
 
 def test_a_peer_killed_mid_read_fails_the_step_not_a_hang(shm, procs, monkeypatch):
     monkeypatch.setattr(layer_reads, "READ_WAIT_MIN_S", 5.0)
-    monkeypatch.setenv("UCX_TLS", "tcp")
-    gen = torch.Generator().manual_seed(33)
-    lay = make_layout("cpu", gen)
-    worker, store, w, endpoint, proc = worker_with_peer(
-        shm, procs, lay, monkeypatch, TRANSPORTS["tcp"]
-    )
-    start = page_layers.PeerPageLayers.start
 
-    def start_then_kill(self):
-        ok = start(self)
+    def kill(proc):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        return ok
 
+    lay, worker, store, w, endpoint, proc = connected_then(shm, procs, monkeypatch, 33, kill)
     try:
-        assert w.put(key(0), page(60, lay.block_bytes()))
-        warm = peer_job(1, "W", [2], [6], [key(0)], endpoint)
-        assert run_step(worker, KVBMConnectorMetadata(loads=[warm]), lay.caches)[2] == set()
-        monkeypatch.setattr(page_layers.PeerPageLayers, "start", start_then_kill)
         job = peer_job(2, "A", [3], [4], [key(0)], endpoint)
         began = time.monotonic()
         _, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
