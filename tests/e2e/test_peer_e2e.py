@@ -33,6 +33,7 @@ pytestmark = pytest.mark.timeout(900)
 
 PROMPT = random_prompt(10 * BLOCK_SIZE + 40, seed=9301)
 OTHER = random_prompt(6 * BLOCK_SIZE + 3, seed=9302)
+SECOND = random_prompt(8 * BLOCK_SIZE + 7, seed=9303)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +110,25 @@ def test_a_prefix_computed_by_one_engine_is_read_from_its_pool_by_another(
     assert out.num_cached_tokens == expected_hit_tokens(len(PROMPT))
     assert kvbm_counter("matched_tokens_peer") - matched == out.num_cached_tokens
     assert kvbm_counter("onboard_blocks_peer") - read == pages
-    if spare_core():  # read from A layer by layer during the step that computes it
-        assert kvbm_counter("onboard_layered_blocks") - layered == pages
+    # B's first read from A (NIXL metadata, UCX's connection) loads before its step
+    assert kvbm_counter("onboard_layered_blocks") == layered
     # now in B's own host tier: the same prompt hits there, no peer asked
     assert engine_b.reset_prefix_cache()
     host = kvbm_counter("matched_tokens_host")
     out = generate_request(engine_b, {"prompt_token_ids": PROMPT}, hint(port))
     assert tokens_of(out) == want
     assert kvbm_counter("matched_tokens_host") - host == out.num_cached_tokens > 0
+    # from a peer read lately, a hit is read layer by layer during its step
+    second = reference(plain_llm, [SECOND])[0]
+    assert generate(engine_a, [SECOND])[0] == [second]
+    settle(engine_a)
+    read, layered = kvbm_counter("onboard_blocks_peer"), kvbm_counter("onboard_layered_blocks")
+    out = generate_request(engine_b, {"prompt_token_ids": SECOND}, hint(port))
+    assert tokens_of(out) == second
+    assert out.num_cached_tokens == expected_hit_tokens(len(SECOND))
+    assert kvbm_counter("onboard_blocks_peer") - read == len(SECOND) // BLOCK_SIZE
+    if spare_core():
+        assert kvbm_counter("onboard_layered_blocks") - layered == len(SECOND) // BLOCK_SIZE
 
 
 def test_vllms_remote_kv_source_names_the_peer_too_and_no_hint_asks_no_peer(

@@ -382,3 +382,21 @@ def test_the_layered_read_limit_counts_every_load_of_the_step(tmp_path, monkeypa
     assert lookup(k, second) == (3 * BLOCK, True)  # 6 pages this step: before it
     step(sched)  # the metadata sent: a new step
     assert lookup(k, second) == (3 * BLOCK, False)
+
+
+def test_a_peer_hit_is_read_during_its_step_only_from_a_peer_read_lately(monkeypatch):
+    """The workers' first contact with a peer (NIXL metadata, UCX's
+    connection) can take longer than a step waits: a peer hit is layered
+    only once a load from that peer succeeded within PEER_WARM_S."""
+    sched = make_scheduler(host_blocks=16)
+    k = kvbm(sched)
+    now = [1000.0]
+    monkeypatch.setattr(k.split, "clock", lambda: now[0])
+    a, b = "tcp://10.0.0.1:7000", "tcp://10.0.0.2:7000"
+    assert not k._peer_warm(a) and not k._peer_warm(None)
+    k._peer_read(a)
+    assert k._peer_warm(a) and not k._peer_warm(b)
+    now[0] += prefix_lookup.PEER_WARM_S
+    k._peer_read(b)
+    assert not k._peer_warm(a) and a not in k._peers_read  # forgotten, not kept forever
+    assert k._peer_warm(b)

@@ -79,6 +79,7 @@ class LoadPlanning:
             job.slots.append(slot)
             job.fetch.append((i, src, key))
         job.layered = state.load.layered = state.lookup.layered
+        state.load.peer = job.peer
         if job.layered and state.load.streamed:
             # vLLM was told the load is synchronous, but a page found no host
             # slot to be read into layer by layer: failed unread (recomputed).
@@ -142,6 +143,7 @@ class LoadPlanning:
         if cut is not None and not failed:
             self._finish_cut_load(state, keys, promoted, cut)
         elif failed:
+            self._peers_read.pop(state.load.peer, None)  # its next hit loads before its step
             # The bytes may be bad: forget them rather than serve them again.
             for key in keys + [k for k, _ in promoted]:
                 self.host.drop(key)
@@ -172,6 +174,8 @@ class LoadPlanning:
             fetched.update(tier for _, tier in promoted)
             for tier, pages in fetched.items():
                 self.stats.add(self.lower.onboard_counter(tier), pages)
+            if "peer" in fetched:
+                self._peer_read(state.load.peer)
             self._spill(keys, reused=True)
         self._maybe_forget(state)
 

@@ -24,6 +24,12 @@ _BACKGROUND_RUN = 4096
 LAYERED_READ_MAX_BYTES = 1 << 30
 LAYERED_READ_MAX_PAGES = 256
 
+# A hit with peer pages is read during its step only from a peer a load read
+# from within this long (the workers' first contact with a peer, its NIXL
+# metadata and UCX's connection, can take longer than a step waits; a worker
+# forgets a peer idle for 300 s).
+PEER_WARM_S = 120.0
+
 # Once the lower tiers' answer is overdue, a request waits at most this share
 # of what the answer could save (so a frozen server costs a newcomer about
 # this much of its recompute time, not all of it); a late answer on a long
@@ -97,6 +103,7 @@ class PrefixLookup:
             and self.groups is None
             and self.weights.settled
             and all(src in ("host", "disk", "peer") for src in sources)
+            and ("peer" not in sources or self._peer_warm(found.peer or state.params.peer))
             and (
                 not read
                 or self._layered_read_workers >= self.info.num_workers
@@ -106,6 +113,19 @@ class PrefixLookup:
             )
         )
         return (start + hit) * self.page_tokens - local * self.block_size, not found.layered
+
+    def _peer_warm(self, endpoint: str | None) -> bool:
+        """Whether a load from the peer at ``endpoint`` succeeded lately."""
+        at = self._peers_read.get(endpoint or "")
+        return at is not None and self.split.clock() - at < PEER_WARM_S
+
+    def _peer_read(self, endpoint: str) -> None:
+        """A load from the peer at ``endpoint`` succeeded now."""
+        now = self.split.clock()
+        for old in [e for e, at in self._peers_read.items() if now - at >= PEER_WARM_S]:
+            del self._peers_read[old]
+        if endpoint:
+            self._peers_read[endpoint] = now
 
     def _lookup(self, state: _ReqState, start: int, end: int) -> list[str] | None:
         """Tier of each page of the longest prefix of pages [start, end)

@@ -85,6 +85,8 @@ class _Load:
     # longest a worker's forward pass waited for it
     layered: bool = False
     wait_s: float = 0.0
+    # the peer its "peer" pages are read from ("": none)
+    peer: str = ""
 
     def in_flight(self) -> bool:
         return bool(self.keys or self.promoted or self.streamed)
