@@ -169,11 +169,6 @@ class PeerPageLayers:
         """The header landing slots given back (unless a READ past its
         deadline may write them: then once it ends); the host slots' addresses
         such a READ may still write."""
-        store = self._store
-        with store.locked(None):
-            if not self._quarantined:
-                store.heads.give(self._slots)
-            store.layered_open -= 1
-            store._turn.notify_all()
+        self._store.layers_closed(self._slots, self._quarantined)
         self._views = []
         return self._late

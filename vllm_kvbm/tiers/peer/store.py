@@ -144,11 +144,10 @@ class PeerStore(BatchReads, TierStore):
         self.landing = LandingSlots(self._agent, codec.stored_bytes, landing_pages, MAX_WAYS)
         # headers of pages read layer by layer (page_layers.py), once asked
         self.heads: LandingSlots | None = None
-        # The agent, the peers and the landing slots serve two threads: the
-        # whole-page reads of asynchronous loads (TierIO's reader) and layered
-        # reads (worker/layer_reads.py); held for one READ or batch at a time.
-        # While a layered read is open (its step waits for it) batches wait
-        # for it to close between two of theirs: the lock alone is not fair.
+        # Agent, peers and landing slots serve TierIO's batch reads and layered
+        # reads (worker/layer_reads.py), held for one READ or batch at a time;
+        # batches wait while a layered read (its step waits) is open: the lock
+        # alone is not fair.
         self._lock = threading.RLock()
         self._turn = threading.Condition(self._lock)
         self.layered_open = 0
@@ -211,9 +210,7 @@ class PeerStore(BatchReads, TierStore):
             return ["miss"] * len(items)
         try:
             with self._lock:
-                self.reap()
-                self._forget_idle()
-                peer = self._peer(protocol.rank_endpoint(endpoint, self.rank))
+                peer = self._ready_peer(endpoint)
         except Exception as err:  # noqa: BLE001 - a store must not take the engine down
             logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
             return ["error"] * len(items)
@@ -273,7 +270,7 @@ class PeerStore(BatchReads, TierStore):
             return self.landing.take_ended()
 
     def take_ended_layer_reads(self) -> list[int]:
-        """take_ended_writes for the host slots of layered reads (``open_layers``)."""
+        """take_ended_writes for layered reads' host slots (``open_layers``)."""
         with self._lock:
             self.reap()
             return self.heads.take_ended() if self.heads is not None else []
@@ -287,8 +284,7 @@ class PeerStore(BatchReads, TierStore):
 
     @contextmanager
     def locked(self, deadline: float | None):
-        """The store's lock, waited for until ``deadline`` (time.monotonic();
-        None: as long as it takes); yields whether it is held."""
+        """The lock, waited for until ``deadline`` (monotonic; None: no bound): held?"""
         timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
         held = self._lock.acquire(timeout=timeout)
         try:
@@ -298,11 +294,7 @@ class PeerStore(BatchReads, TierStore):
                 self._lock.release()
 
     def open_layers(
-        self,
-        items: list[tuple[bytes, torch.Tensor]],
-        endpoint: str | None,
-        ranges: list[tuple[int, int]],
-        deadline: float,
+        self, items: list[tuple[bytes, torch.Tensor]], endpoint: str | None, ranges, deadline
     ) -> "PeerPageLayers | str":
         """``items``' pages (key, host slot) on the peer at ``endpoint``,
         opened for reads a byte range of ``ranges`` at a time, within
@@ -315,9 +307,7 @@ class PeerStore(BatchReads, TierStore):
                 return "error"
             slots: list[int] = []
             try:
-                self.reap()
-                self._forget_idle()
-                peer = self._peer(protocol.rank_endpoint(endpoint, self.rank), deadline)
+                peer = self._ready_peer(endpoint, deadline)
                 if peer is None or not all(
                     valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items
                 ):
@@ -334,8 +324,16 @@ class PeerStore(BatchReads, TierStore):
                 if slots:
                     self.heads.give(slots)
                 return "error"
-            self.layered_open += 1  # until group.close()
+            self.layered_open += 1  # until layers_closed
             return group
+
+    def layers_closed(self, slots: list[int], quarantined: bool) -> None:
+        """A layered read's end: its header slots back (if ``quarantined``, once it ends)."""
+        with self._lock:
+            if not quarantined:
+                self.heads.give(slots)
+            self.layered_open -= 1
+            self._turn.notify_all()
 
     @property
     def quarantined(self) -> int:
@@ -359,10 +357,15 @@ class PeerStore(BatchReads, TierStore):
         )
 
     # -- peers -------------------------------------------------------------------
+    def _ready_peer(self, endpoint: str, deadline: float | None = None) -> _Peer | None:
+        """Every read's first step (under the lock): reaped, idle peers forgotten, ``_peer``."""
+        self.reap()
+        self._forget_idle()
+        return self._peer(protocol.rank_endpoint(endpoint, self.rank), deadline)
+
     def _peer(self, endpoint: str, deadline: float | None = None) -> _Peer | None:
-        """The peer at ``endpoint``, its ``hello`` asked within ``deadline``
-        (time.monotonic(); default: ``read_timeout_s`` from now) when due;
-        None while it is down."""
+        """The peer at ``endpoint`` (None while down), its due ``hello`` within
+        ``deadline`` (monotonic; default: ``read_timeout_s`` from now)."""
         now = time.monotonic()
         peer = self._peers.get(endpoint)
         if peer is None:
