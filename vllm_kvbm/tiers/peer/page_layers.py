@@ -31,16 +31,22 @@ deadline; the checks run outside it.
 
 from __future__ import annotations
 
+import logging
+import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
-from vllm_kvbm.tiers.page_format import HEADER_BYTES
+from vllm_kvbm.tiers.page_format import HEADER_BYTES, valid_page
+from vllm_kvbm.tiers.peer.landing import LandingSlots
 from vllm_kvbm.tiers.pool import layout
-from vllm_kvbm.tiers.pool.layout import ENTRY_BYTES
+from vllm_kvbm.tiers.pool.layout import ENTRY_BYTES, MAX_WAYS
 
 if TYPE_CHECKING:
     from vllm_kvbm.tiers.peer.store import PeerStore, _Peer
+
+logger = logging.getLogger(__name__)
 
 # Pages one layered read holds header landing slots for (the scheduler sends
 # at most this many lower-tier pages a layered load: prefix_lookup.py).
@@ -172,3 +178,67 @@ class PeerPageLayers:
         self._store.layers_closed(self._slots, self._quarantined)
         self._views = []
         return self._late
+
+
+class LayeredReads:
+    """``PeerStore``'s part (store.py, which holds the state): layered reads
+    opened, closed, and their late READs' host slots."""
+
+    def open_layers(
+        self, items: list[tuple[bytes, torch.Tensor]], endpoint: str | None, ranges, deadline
+    ) -> "PeerPageLayers | str":
+        """``items``' pages (key, host slot) on the peer at ``endpoint``,
+        opened for reads a byte range of ``ranges`` at a time, within
+        ``deadline`` (time.monotonic()): page_layers.py; or the status of
+        every page when they cannot be ("miss": no peer named; "error")."""
+        if endpoint is None:
+            return "miss"
+        with self.locked(deadline) as held:
+            if not held or self._closed:
+                return "error"
+            slots: list[int] = []
+            try:
+                peer = self._ready_peer(endpoint, deadline)
+                if peer is None or not all(
+                    valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items
+                ):
+                    return "error"  # a slot not registered: read before the step
+                if self.heads is None:
+                    self.heads = LandingSlots(self._agent, HEADER_BYTES, HEADER_SLOTS, MAX_WAYS)
+                slots = self.heads.take(len(items))
+                if len(slots) < len(items):
+                    self.heads.give(slots)
+                    return "error"
+                group = PeerPageLayers(self, peer, items, ranges, slots, deadline)
+            except Exception as err:  # noqa: BLE001 - a store must not take the engine down
+                logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
+                if slots:
+                    self.heads.give(slots)
+                return "error"
+            self.layered_open += 1  # until layers_closed
+            return group
+
+    def layers_closed(self, slots: list[int], quarantined: bool) -> None:
+        """A layered read's end: its header slots back (if ``quarantined``, once it ends)."""
+        with self._lock:
+            if not quarantined:
+                self.heads.give(slots)
+            self.layered_open -= 1
+            self._turn.notify_all()
+
+    def take_ended_layer_reads(self) -> list[int]:
+        """take_ended_writes for layered reads' host slots (``open_layers``)."""
+        with self._lock:
+            self.reap()
+            return self.heads.take_ended() if self.heads is not None else []
+
+    @contextmanager
+    def locked(self, deadline: float | None):
+        """The lock, waited for until ``deadline`` (monotonic; None: no bound): held?"""
+        timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        held = self._lock.acquire(timeout=timeout)
+        try:
+            yield held
+        finally:
+            if held:
+                self._lock.release()

@@ -47,7 +47,6 @@ import itertools
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -63,9 +62,8 @@ from vllm_kvbm.tiers.peer.agent import NixlCallError, PeerAgent
 from vllm_kvbm.tiers.peer.batch_reads import BatchReads, outcome
 from vllm_kvbm.tiers.peer.control import ControlLink
 from vllm_kvbm.tiers.peer.landing import LandingSlots
-from vllm_kvbm.tiers.peer.page_layers import HEADER_SLOTS, PeerPageLayers
+from vllm_kvbm.tiers.peer.page_layers import LayeredReads
 from vllm_kvbm.tiers.pool import layout
-from vllm_kvbm.tiers.page_format import HEADER_BYTES, valid_page
 from vllm_kvbm.tiers.pool.layout import MAX_WAYS, Geometry
 
 if TYPE_CHECKING:
@@ -108,7 +106,7 @@ class _Peer:
     said: str = ""  # the last failure logged
 
 
-class PeerStore(BatchReads, TierStore):
+class PeerStore(BatchReads, LayeredReads, TierStore):
     """``codec``: this worker's PageCodec; ``rank``: its TP rank (which
     peer port and pool file it reads)."""
 
@@ -269,71 +267,12 @@ class PeerStore(BatchReads, TierStore):
             self.reap()
             return self.landing.take_ended()
 
-    def take_ended_layer_reads(self) -> list[int]:
-        """take_ended_writes for layered reads' host slots (``open_layers``)."""
-        with self._lock:
-            self.reap()
-            return self.heads.take_ended() if self.heads is not None else []
-
     def reap(self) -> int:
         """Frees the landing slots of quarantined READs that ended since (or
         whose peer is known gone); the slots freed. Each read does it first."""
         with self._lock:
             heads = self.heads.reap(self._gone) if self.heads is not None else 0
             return self.landing.reap(self._gone) + heads
-
-    @contextmanager
-    def locked(self, deadline: float | None):
-        """The lock, waited for until ``deadline`` (monotonic; None: no bound): held?"""
-        timeout = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-        held = self._lock.acquire(timeout=timeout)
-        try:
-            yield held
-        finally:
-            if held:
-                self._lock.release()
-
-    def open_layers(
-        self, items: list[tuple[bytes, torch.Tensor]], endpoint: str | None, ranges, deadline
-    ) -> "PeerPageLayers | str":
-        """``items``' pages (key, host slot) on the peer at ``endpoint``,
-        opened for reads a byte range of ``ranges`` at a time, within
-        ``deadline`` (time.monotonic()): page_layers.py; or the status of
-        every page when they cannot be ("miss": no peer named; "error")."""
-        if endpoint is None:
-            return "miss"
-        with self.locked(deadline) as held:
-            if not held or self._closed:
-                return "error"
-            slots: list[int] = []
-            try:
-                peer = self._ready_peer(endpoint, deadline)
-                if peer is None or not all(
-                    valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items
-                ):
-                    return "error"  # a slot not registered: read before the step
-                if self.heads is None:
-                    self.heads = LandingSlots(self._agent, HEADER_BYTES, HEADER_SLOTS, MAX_WAYS)
-                slots = self.heads.take(len(items))
-                if len(slots) < len(items):
-                    self.heads.give(slots)
-                    return "error"
-                group = PeerPageLayers(self, peer, items, ranges, slots, deadline)
-            except Exception as err:  # noqa: BLE001 - a store must not take the engine down
-                logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
-                if slots:
-                    self.heads.give(slots)
-                return "error"
-            self.layered_open += 1  # until layers_closed
-            return group
-
-    def layers_closed(self, slots: list[int], quarantined: bool) -> None:
-        """A layered read's end: its header slots back (if ``quarantined``, once it ends)."""
-        with self._lock:
-            if not quarantined:
-                self.heads.give(slots)
-            self.layered_open -= 1
-            self._turn.notify_all()
 
     @property
     def quarantined(self) -> int:
