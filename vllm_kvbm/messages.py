@@ -159,6 +159,10 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
     layered_workers: int = 0
     # workers that read disk hits layer by layer (worker/layer_reads.py), the same way
     layered_read_workers: int = 0
+    # workers whose peer tier reads into the host tier's slots in place (its
+    # memory registered with the reader's NIXL agent): peer hits are read
+    # layer by layer only while every worker does (+1 once, never -1)
+    layered_peer_workers: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
     # spill job id -> workers that copied the slot (the slot may be reused)
@@ -219,6 +223,7 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             },
             layered_workers=self.layered_workers + other.layered_workers,
             layered_read_workers=self.layered_read_workers + other.layered_read_workers,
+            layered_peer_workers=self.layered_peer_workers + other.layered_peer_workers,
             spills_done=self.spills_done + other.spills_done,
             tier_events=self.tier_events + other.tier_events,
             tier_stored=self.tier_stored + other.tier_stored,
@@ -251,6 +256,7 @@ class KVBMWorkerMetadata(KVConnectorWorkerMetadata):
             or self.loads_done
             or self.layered_workers
             or self.layered_read_workers
+            or self.layered_peer_workers
             or self.spills_done
             or self.tier_events
             or self.transfer_timeouts

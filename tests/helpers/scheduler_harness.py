@@ -207,6 +207,7 @@ def step(
     loads_done=(),
     layered_workers: int = 0,
     layered_read_workers: int = 0,
+    layered_peer_workers: int = 0,
     complete: bool = False,
     token: int = 7,
 ):
@@ -234,6 +235,7 @@ def step(
         loads_done=loads_done,
         layered_workers=layered_workers,
         layered_read_workers=layered_read_workers,
+        layered_peer_workers=layered_peer_workers,
         complete=complete,
         token=token,
     )
@@ -288,6 +290,7 @@ def worker_output(
     loads_done=(),
     layered_workers: int = 0,
     layered_read_workers: int = 0,
+    layered_peer_workers: int = 0,
     complete: bool = False,
     token: int = 7,
 ) -> ModelRunnerOutput:
@@ -320,6 +323,7 @@ def worker_output(
         worker_meta.loads_done[rid] += 1
     worker_meta.layered_workers = layered_workers
     worker_meta.layered_read_workers = layered_read_workers
+    worker_meta.layered_peer_workers = layered_peer_workers
     for job_id in spills_done:
         worker_meta.spills_done[job_id] += 1
     worker_meta.slots_held.update(slots_held)

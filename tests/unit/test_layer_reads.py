@@ -400,3 +400,17 @@ def test_a_peer_hit_is_read_during_its_step_only_from_a_peer_read_lately(monkeyp
     k._peer_read(b)
     assert not k._peer_warm(a) and a not in k._peers_read  # forgotten, not kept forever
     assert k._peer_warm(b)
+
+
+def test_a_peer_hit_is_read_during_its_step_only_where_every_worker_reads_peers_in_place():
+    """A worker whose peer tier could not register its host slots would
+    fail every layered peer read (and drop the step's token): such hits
+    load before the step until every worker said it reads peers in place."""
+    sched = make_scheduler(host_blocks=16)
+    k = kvbm(sched)
+    a = "tcp://10.0.0.1:7000"
+    k._peer_read(a)
+    step(sched, layered_workers=1, layered_read_workers=1)
+    assert k._peer_warm(a) and not k._peer_layered(a)
+    step(sched, layered_peer_workers=1)
+    assert k._peer_layered(a) and not k._peer_layered("tcp://10.0.0.2:7000")

@@ -34,6 +34,7 @@ from test_peer_reads import NS, SECRET, TRANSPORTS, transport  # noqa: F401
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.tiers.page_codec import PageCodec
 from vllm_kvbm.tiers.peer import page_layers
+from vllm_kvbm.tiers.peer.agent import NixlCallError
 from vllm_kvbm.tiers.peer.store import PeerStore
 from vllm_kvbm.tiers.pool import layout
 from vllm_kvbm.tiers.pool.store import PoolStore
@@ -166,10 +167,40 @@ def worker_with_peer(shm, procs, lay, monkeypatch, transport_env):
     first = worker.build_worker_meta()
     assert first is not None and first.layered_read_workers == 1
     deadline = time.monotonic() + 10
-    while not store._memory:  # the host tier registered on the tier's read thread
+    while not store.reads_in_place:  # the host tier registered on the tier's read thread
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    worker.get_finished(set())
+    assert worker.build_worker_meta().layered_peer_workers == 1  # said once
+    worker.get_finished(set())
+    again = worker.build_worker_meta()
+    assert again is None or again.layered_peer_workers == 0
     return worker, store, w, endpoint, proc
+
+
+def test_peers_not_read_in_place_are_not_read_by_layer(monkeypatch):
+    """A peer tier that could not register the host tier's slots with its
+    NIXL agent (NIXL refused: memory-lock limits, an RDMA device's) reads
+    through landing slots; the worker never tells the scheduler it reads
+    peers layer by layer, so such hits load before their step."""
+    lay = make_layout("cpu", torch.Generator().manual_seed(35))
+    worker = worker_with_layer_copies(lay, monkeypatch)
+    store = reader(lay.block_bytes())
+
+    def refuse(addr, n):
+        raise NixlCallError("registering memory: NIXL_ERR_BACKEND")
+
+    monkeypatch.setattr(store._agent, "register", refuse)
+    try:
+        worker.add_tier(store)
+        assert worker.build_worker_meta().layered_read_workers == 1  # disk hits would be
+        worker.tier_io._reader["peer"].submit(lambda: None).result(10)  # reads_into ran
+        assert not store.reads_in_place
+        worker.get_finished(set())
+        meta = worker.build_worker_meta()
+        assert meta is None or meta.layered_peer_workers == 0  # peers before the step
+    finally:
+        worker.shutdown()
 
 
 def peer_job(job_id, req, blocks, slots, keys, endpoint) -> TransferJob:

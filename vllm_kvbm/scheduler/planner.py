@@ -109,6 +109,7 @@ class KVBMScheduler(
         # layered load
         self._layered_workers = 0
         self._layered_read_workers = 0
+        self._layered_peer_workers = 0
         # when a load from each peer (its endpoint) last succeeded: a peer
         # hit is read during its step only from a peer the workers reach now
         self._peers_read: dict[str, float] = {}

@@ -92,9 +92,10 @@ class PrefixLookup:
         # A hit the host tier holds whole, where every worker copies loads
         # layer by layer: synchronous, computed in this very step; one with
         # disk or peer pages too where every worker reads them layer by
-        # layer and the host tier has a slot for each. Not while the weights
-        # are in doubt: a worker would refuse it, and vLLM counts a refused
-        # synchronous load's tokens as cached though it recomputes them.
+        # layer (peer pages: into host slots registered for it) and the host
+        # tier has a slot for each. Not while the weights are in doubt: a
+        # worker would refuse it, and vLLM counts a refused synchronous
+        # load's tokens as cached though it recomputes them.
         read = sum(1 for src in sources if src != "host")
         if read:  # with the layered reads of the step's loads admitted before
             read += sum(len(job.fetch) for job in self._loads if job.layered)
@@ -103,7 +104,7 @@ class PrefixLookup:
             and self.groups is None
             and self.weights.settled
             and all(src in ("host", "disk", "peer") for src in sources)
-            and ("peer" not in sources or self._peer_warm(found.peer or state.params.peer))
+            and ("peer" not in sources or self._peer_layered(found.peer or state.params.peer))
             and (
                 not read
                 or self._layered_read_workers >= self.info.num_workers
@@ -113,6 +114,12 @@ class PrefixLookup:
             )
         )
         return (start + hit) * self.page_tokens - local * self.block_size, not found.layered
+
+    def _peer_layered(self, endpoint: str | None) -> bool:
+        """Whether a hit from the peer at ``endpoint`` can be read during its
+        step: every worker reads peers into its host slots in place, and a
+        load from that peer succeeded lately."""
+        return self._layered_peer_workers >= self.info.num_workers and self._peer_warm(endpoint)
 
     def _peer_warm(self, endpoint: str | None) -> bool:
         """Whether a load from the peer at ``endpoint`` succeeded lately."""

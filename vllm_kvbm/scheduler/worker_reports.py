@@ -75,6 +75,7 @@ class WorkerReports:
                     state.load.failed = True
             self._layered_workers += meta.layered_workers
             self._layered_read_workers += meta.layered_read_workers
+            self._layered_peer_workers += meta.layered_peer_workers
             self._layered_done.update(meta.loads_done)
             for req_id, n in list(self._layered_done.items()):
                 state = self._reqs.get(req_id)

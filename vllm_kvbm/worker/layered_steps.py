@@ -177,6 +177,17 @@ class LayeredSteps:
             self._meta.layered_read_workers += 1
             logger.warning("KVBM: disk and peer hits are read layer by layer again")
 
+    def _peer_reads_in_place(self) -> None:
+        """Peer hits are read layer by layer only into host slots the peer
+        tier registered (on its read thread, after startup): said once it
+        did. Where registration failed, every layered peer read would fail
+        its step; such hits load before the step instead."""
+        if self._peer_in_place or self._layer_reader is None:
+            return
+        if getattr(self.tier_io.tiers.get("peer"), "reads_in_place", False):
+            self._peer_in_place = True
+            self._meta.layered_peer_workers += 1
+
     def _close_layer_reads(self) -> bool:
         """Stops the read thread; False while a read may still write host memory."""
         reader, self._layer_reader = self._layer_reader, None

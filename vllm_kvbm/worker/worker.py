@@ -140,6 +140,7 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
         self._reads_off = False
         self._reads_stuck = 0  # steps whose reads still run after their deadline
         self._reads_back_at = 0.0
+        self._peer_in_place = False  # said to the scheduler (layered_peer_workers)
 
     def add_tier(self, store: "TierStore", rank: int = 0) -> None:
         """``rank``: this worker's TP rank, which the tier's outcomes name."""
@@ -394,6 +395,7 @@ class KVBMWorker(LayeredSteps, StreamedLoads, EarlyCopies, KVRelease, Completion
         for job in self.tier_io.take_ended():
             self._hold_read_slots(job, False)
         self._reads_ended_late()
+        self._peer_reads_in_place()
         self._expire_waiting_streams()
         self._post_ready()
         if self.mover is not None and self._inflight:

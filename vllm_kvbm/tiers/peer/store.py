@@ -256,6 +256,11 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
                 err,
             )
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether ``reads_into`` registered the host tier's memory."""
+        return bool(self._memory)
+
     def _in_place(self, out: torch.Tensor) -> bool:
         start = out.data_ptr()
         return any(lo <= start and start + self.page_bytes <= hi for lo, hi, _ in self._memory)
