@@ -7,9 +7,12 @@ is started once per test session and shared; tests read counter deltas.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,6 +42,21 @@ def _bind_xdist_worker_to_a_core() -> None:
 
 
 _bind_xdist_worker_to_a_core()
+
+
+def _engine_sockets_in_a_directory_of_their_own() -> None:
+    """vLLM names its engines' ZMQ IPC sockets in VLLM_RPC_BASE_PATH (the
+    temporary directory by default) and leaves them there when a process is
+    killed, as tests that kill engines do: hundreds a run. This session's go
+    into a directory of its own, removed at exit."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        return
+    path = tempfile.mkdtemp(prefix="kvbm-tests-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = path
+    atexit.register(shutil.rmtree, path, True)
+
+
+_engine_sockets_in_a_directory_of_their_own()
 
 TESTS = Path(__file__).resolve().parent
 # tests/unit: no engine, no server process (scripts/test.sh --fast);
