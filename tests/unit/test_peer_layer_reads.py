@@ -159,6 +159,46 @@ def test_batches_wait_while_a_layered_read_is_open(shm, procs):
         w.close()
 
 
+def test_a_peer_slow_to_answer_holds_up_no_other_peers_read(shm, procs):
+    """A hello out to a peer that does not answer (stopped, its network
+    gone) lets go of the store's lock for its round trip: a layered read of
+    another peer, which its step waits for, goes on meanwhile, not after
+    the hello's timeout."""
+    import zmq
+
+    w, endpoint, _ = peer(shm, procs, PAGE, 8, TRANSPORTS["tcp"])
+    r = reader(PAGE)
+    host = torch.zeros(2, PAGE, dtype=torch.uint8)
+    ctx = zmq.Context()
+    mute = ctx.socket(zmq.ROUTER)  # takes requests, never answers
+    mute.setsockopt(zmq.LINGER, 0)
+    port = free_port()
+    mute.bind(f"tcp://127.0.0.1:{port}")
+    asked: list = []
+    try:
+        r.reads_into(host)
+        assert w.put(key(1), page(1, PAGE))
+        assert r.get_many_into([(key(1), host[0])], endpoint=endpoint) == ["ok"]  # connected
+        hello = threading.Thread(
+            target=lambda: asked.append(
+                r.get_many_into([(key(1), host[1])], endpoint=f"tcp://127.0.0.1:{port}")
+            )
+        )
+        hello.start()
+        assert mute.poll(10_000)  # the hello is out (the reader's timeout: 5 s)
+        host[0].zero_()
+        assert read_by_ranges(r, [(key(1), host[0])], endpoint, RANGES) == ["ok"]
+        assert hello.is_alive()  # read while the hello was still out
+        assert torch.equal(host[0], page(1, PAGE))
+        hello.join(15)
+        assert asked == [["error"]]
+    finally:
+        r.close()
+        w.close()
+        mute.close()
+        ctx.term()
+
+
 def worker_with_peer(shm, procs, lay, monkeypatch, transport_env):
     worker = worker_with_layer_copies(lay, monkeypatch)
     w, endpoint, proc = peer(shm, procs, lay.block_bytes(), 16, transport_env)

@@ -47,6 +47,7 @@ import itertools
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -104,6 +105,12 @@ class _Peer:
     used_at: float = field(default_factory=time.monotonic)
     down_until: float = 0.0
     said: str = ""  # the last failure logged
+    asking: bool = False  # a hello out, the store's lock let go meanwhile (_hello)
+
+
+class _AskAgain(Exception):
+    """The peer's state changed while its hello was out: its answer is not
+    applied; the next read asks again."""
 
 
 class PeerStore(BatchReads, LayeredReads, TierStore):
@@ -319,10 +326,19 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
             return None
         if peer.remote is not None and now - peer.hello_at < self.hello_every_s:
             return peer
+        end = deadline or now + self.read_timeout_s
+        if peer.asking:
+            # another thread's hello is out: a peer known already is read as
+            # it was meanwhile; a new one once that answer came
+            if peer.remote is None:
+                self._turn.wait_for(lambda: not peer.asking, max(0.0, end - now))
+            return peer if peer.remote is not None and not peer.asking else None
         try:
-            self._hello(peer, deadline or now + self.read_timeout_s)
+            self._hello(peer, end)
             peer.said = ""
             return peer
+        except _AskAgain:
+            return None
         except (TimeoutError, ValueError, KeyError, TypeError, NixlCallError) as err:
             if deadline is not None and isinstance(err, TimeoutError):
                 # a step's short budget, not the peer's fault: asked again next time
@@ -333,10 +349,24 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
 
     def _hello(self, peer: _Peer, deadline: float) -> None:
         known = [peer.incarnation, peer.metadata_version]
-        reply, metadata = peer.link.request(
-            {"op": "hello", "file": self.file_name, "scope": self.scope.hex(), "known": known},
-            deadline - time.monotonic(),
-        )
+        message = {"op": "hello", "file": self.file_name, "scope": self.scope.hex(), "known": known}
+        generation = peer.generation
+        # The round trip without the store's lock: a peer slow to answer
+        # (stopped, its network gone) holds up neither other peers' reads nor
+        # a layered read whose step waits. Only this thread uses the link
+        # while ``asking``.
+        peer.asking = True
+        try:
+            with self._unlocked():
+                reply, metadata = peer.link.request(message, deadline - time.monotonic())
+        finally:
+            peer.asking = False
+            self._turn.notify_all()
+        if self._closed or [peer.generation, peer.incarnation, peer.metadata_version] != [
+            generation,
+            *known,
+        ]:
+            raise _AskAgain()
         if not reply.get("ok"):
             raise ValueError(str(reply.get("error")))
         g = Geometry(int(reply["stored_bytes"]), int(reply["nslots"]), int(reply["ways"]))
@@ -376,6 +406,16 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
             self._live_generations.add(peer.generation)
         peer.geometry, peer.base = g, int(reply["base"])
         peer.hello_at = time.monotonic()
+
+    @contextmanager
+    def _unlocked(self):
+        """The store's lock let go, however deep this thread holds it, and
+        taken back: what ``threading.Condition.wait`` does around its wait."""
+        state = self._lock._release_save()
+        try:
+            yield
+        finally:
+            self._lock._acquire_restore(state)
 
     def _unload(self, peer: _Peer, gone: bool) -> None:
         """Removes the peer's agent entry; ``gone``: its process is known to
@@ -427,6 +467,10 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
         if self._closed:
             return
         self._closed = True
+        # a hello out uses its peer's link until it ends (its deadline)
+        self._turn.wait_for(
+            lambda: not any(p.asking for p in self._peers.values()), self.read_timeout_s
+        )
         for peer in self._peers.values():
             if peer.remote is not None and not self.quarantined:
                 self._unload(peer, gone=False)
