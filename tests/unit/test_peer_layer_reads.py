@@ -33,7 +33,7 @@ from test_page_mover import make_layout
 from test_peer_reads import NS, SECRET, TRANSPORTS, transport  # noqa: F401
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.tiers.page_codec import PageCodec
-from vllm_kvbm.tiers.peer import page_layers
+from vllm_kvbm.tiers.peer import page_layers, protocol
 from vllm_kvbm.tiers.peer.agent import NixlCallError
 from vllm_kvbm.tiers.peer.store import PeerStore
 from vllm_kvbm.tiers.pool import layout
@@ -167,10 +167,10 @@ def test_a_peer_slow_to_answer_holds_up_no_other_peers_read(shm, procs):
     import zmq
 
     w, endpoint, _ = peer(shm, procs, PAGE, 8, TRANSPORTS["tcp"])
-    r = reader(PAGE)
+    r = reader(PAGE, read_timeout_s=60.0)  # the hello is out until answered below
     host = torch.zeros(2, PAGE, dtype=torch.uint8)
     ctx = zmq.Context()
-    mute = ctx.socket(zmq.ROUTER)  # takes requests, never answers
+    mute = ctx.socket(zmq.ROUTER)  # takes requests, answers once told to
     mute.setsockopt(zmq.LINGER, 0)
     port = free_port()
     mute.bind(f"tcp://127.0.0.1:{port}")
@@ -185,13 +185,17 @@ def test_a_peer_slow_to_answer_holds_up_no_other_peers_read(shm, procs):
             )
         )
         hello.start()
-        assert mute.poll(10_000)  # the hello is out (the reader's timeout: 5 s)
+        assert mute.poll(10_000)  # the hello is out
         host[0].zero_()
         assert read_by_ranges(r, [(key(1), host[0])], endpoint, RANGES) == ["ok"]
-        assert hello.is_alive()  # read while the hello was still out
+        assert hello.is_alive() and not asked  # read while the hello was still out
         assert torch.equal(host[0], page(1, PAGE))
+        ident, empty, *frames = mute.recv_multipart()
+        request, _ = protocol.decode(frames)
+        answer = {"ok": False, "error": "not this pool", "id": request["id"]}
+        mute.send_multipart([ident, empty, *protocol.encode(answer)])
         hello.join(15)
-        assert asked == [["error"]]
+        assert asked == [["error"]]  # a refusal: its pages recomputed
     finally:
         r.close()
         w.close()

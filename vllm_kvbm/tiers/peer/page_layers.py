@@ -196,32 +196,38 @@ class LayeredReads:
         with self.locked(deadline) as held:
             if not held or self._closed:
                 return "error"
+            # open from here until layers_closed: batches wait, a hello out
+            # (the lock let go meanwhile) included
+            self.layered_open += 1
             slots: list[int] = []
             try:
                 peer = self._ready_peer(endpoint, deadline)
-                if peer is None or not all(
-                    valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items
+                if (
+                    peer is None
+                    or self._closed
+                    or time.monotonic() >= deadline
+                    or not all(
+                        valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items
+                    )
                 ):
-                    return "error"  # a slot not registered: read before the step
+                    self.layers_closed(slots, False)
+                    return "error"  # e.g. a slot not registered: read before the step
                 if self.heads is None:
                     self.heads = LandingSlots(self._agent, HEADER_BYTES, HEADER_SLOTS, MAX_WAYS)
                 slots = self.heads.take(len(items))
                 if len(slots) < len(items):
-                    self.heads.give(slots)
+                    self.layers_closed(slots, False)
                     return "error"
-                group = PeerPageLayers(self, peer, items, ranges, slots, deadline)
+                return PeerPageLayers(self, peer, items, ranges, slots, deadline)
             except Exception as err:  # noqa: BLE001 - a store must not take the engine down
                 logger.warning("KVBM: peer tier: %s: %s", endpoint, err)
-                if slots:
-                    self.heads.give(slots)
+                self.layers_closed(slots, False)
                 return "error"
-            self.layered_open += 1  # until layers_closed
-            return group
 
     def layers_closed(self, slots: list[int], quarantined: bool) -> None:
         """A layered read's end: its header slots back (if ``quarantined``, once it ends)."""
         with self._lock:
-            if not quarantined:
+            if not quarantined and slots:
                 self.heads.give(slots)
             self.layered_open -= 1
             self._turn.notify_all()

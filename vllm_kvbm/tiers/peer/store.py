@@ -89,6 +89,7 @@ def landing_count(stored_bytes: int) -> int:
 
 
 _generations = itertools.count(1)
+_FAILED = -1e9  # hello_at of a peer not answered since it was new or failed (_down)
 
 
 @dataclass
@@ -101,11 +102,12 @@ class _Peer:
     metadata_version: int = -1
     geometry: Geometry | None = None
     base: int = 0
-    hello_at: float = -1e9
+    hello_at: float = _FAILED  # never answered
     used_at: float = field(default_factory=time.monotonic)
     down_until: float = 0.0
     said: str = ""  # the last failure logged
     asking: bool = False  # a hello out, the store's lock let go meanwhile (_hello)
+    asking_until: float = 0.0  # its deadline
 
 
 class _AskAgain(Exception):
@@ -328,11 +330,12 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
             return peer
         end = deadline or now + self.read_timeout_s
         if peer.asking:
-            # another thread's hello is out: a peer known already is read as
-            # it was meanwhile; a new one once that answer came
-            if peer.remote is None:
+            # another thread's hello is out: a peer that answered since its
+            # last failure is read as it was meanwhile; else once that answer came
+            if peer.remote is None or peer.hello_at <= _FAILED:
                 self._turn.wait_for(lambda: not peer.asking, max(0.0, end - now))
-            return peer if peer.remote is not None and not peer.asking else None
+            ready = peer.remote is not None and peer.hello_at > _FAILED and not peer.asking
+            return peer if ready and not self._closed else None
         try:
             self._hello(peer, end)
             peer.said = ""
@@ -350,23 +353,25 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
     def _hello(self, peer: _Peer, deadline: float) -> None:
         known = [peer.incarnation, peer.metadata_version]
         message = {"op": "hello", "file": self.file_name, "scope": self.scope.hex(), "known": known}
-        generation = peer.generation
+        before = [peer.generation, peer.incarnation, peer.metadata_version, peer.down_until]
         # The round trip without the store's lock: a peer slow to answer
         # (stopped, its network gone) holds up neither other peers' reads nor
         # a layered read whose step waits. Only this thread uses the link
         # while ``asking``.
-        peer.asking = True
+        peer.asking, peer.asking_until = True, deadline
         try:
             with self._unlocked():
                 reply, metadata = peer.link.request(message, deadline - time.monotonic())
         finally:
             peer.asking = False
             self._turn.notify_all()
-        if self._closed or [peer.generation, peer.incarnation, peer.metadata_version] != [
-            generation,
-            *known,
+        if self._closed or before != [
+            peer.generation,
+            peer.incarnation,
+            peer.metadata_version,
+            peer.down_until,
         ]:
-            raise _AskAgain()
+            raise _AskAgain()  # closed, failed or answered meanwhile
         if not reply.get("ok"):
             raise ValueError(str(reply.get("error")))
         g = Geometry(int(reply["stored_bytes"]), int(reply["nslots"]), int(reply["ways"]))
@@ -435,7 +440,7 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
         """Not asked again for ``retry_s`` (a refusal: a minute); a peer NIXL
         reports dead is forgotten (its transfers ended)."""
         peer.down_until = time.monotonic() + (60.0 if refused else self.retry_s)
-        peer.hello_at = -1e9
+        peer.hello_at = _FAILED
         if peer.said != why:
             peer.said = why
             logger.warning(
@@ -453,7 +458,7 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
     def _forget_idle(self) -> None:
         now = time.monotonic()
         for endpoint, peer in list(self._peers.items()):
-            if now - peer.used_at > self.idle_s:
+            if now - peer.used_at > self.idle_s and not peer.asking:
                 if peer.remote is not None:
                     self._unload(peer, gone=False)
                 peer.link.close()
@@ -468,15 +473,22 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
             return
         self._closed = True
         # a hello out uses its peer's link until it ends (its deadline)
+        until = max((p.asking_until for p in self._peers.values() if p.asking), default=0.0)
         self._turn.wait_for(
-            lambda: not any(p.asking for p in self._peers.values()), self.read_timeout_s
+            lambda: not any(p.asking for p in self._peers.values()),
+            max(0.0, until - time.monotonic()) + 0.5,
         )
+        asking = False
         for peer in self._peers.values():
             if peer.remote is not None and not self.quarantined:
                 self._unload(peer, gone=False)
-            peer.link.close()
+            if peer.asking:  # left open: a ZMQ socket closed under a poll aborts
+                asking = True
+            else:
+                peer.link.close()
         self._peers.clear()
-        self._zmq_context.term()
+        if not asking:  # term() waits for every socket to close
+            self._zmq_context.term()
         self._checker.shutdown(wait=False)
         landings = [self.landing] + ([self.heads] if self.heads is not None else [])
         for landing in landings:
