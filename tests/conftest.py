@@ -47,7 +47,7 @@ _bind_xdist_worker_to_a_core()
 def _engine_sockets_in_a_directory_of_their_own() -> None:
     """vLLM names its engines' ZMQ IPC sockets in VLLM_RPC_BASE_PATH (the
     temporary directory by default) and leaves them there when a process is
-    killed, as tests that kill engines do: hundreds a run. This session's go
+    killed, as tests that kill engines do: hundreds a run. A test run's go
     into a directory of its own, removed at exit."""
     if "VLLM_RPC_BASE_PATH" in os.environ:
         return

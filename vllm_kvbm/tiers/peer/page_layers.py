@@ -204,7 +204,6 @@ class LayeredReads:
                 peer = self._ready_peer(endpoint, deadline)
                 if (
                     peer is None
-                    or self._closed
                     or time.monotonic() >= deadline
                     or not all(
                         valid_page(out, self.page_bytes) and self._in_place(out) for _, out in items

@@ -109,6 +109,10 @@ class _Peer:
     asking: bool = False  # a hello out, the store's lock let go meanwhile (_hello)
     asking_until: float = 0.0  # its deadline
 
+    def state(self) -> tuple:
+        """What a hello's answer is applied to: unchanged while it was out?"""
+        return (self.generation, self.incarnation, self.metadata_version, self.down_until)
+
 
 class _AskAgain(Exception):
     """The peer's state changed while its hello was out: its answer is not
@@ -353,7 +357,7 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
     def _hello(self, peer: _Peer, deadline: float) -> None:
         known = [peer.incarnation, peer.metadata_version]
         message = {"op": "hello", "file": self.file_name, "scope": self.scope.hex(), "known": known}
-        before = [peer.generation, peer.incarnation, peer.metadata_version, peer.down_until]
+        before = peer.state()
         # The round trip without the store's lock: a peer slow to answer
         # (stopped, its network gone) holds up neither other peers' reads nor
         # a layered read whose step waits. Only this thread uses the link
@@ -365,12 +369,7 @@ class PeerStore(BatchReads, LayeredReads, TierStore):
         finally:
             peer.asking = False
             self._turn.notify_all()
-        if self._closed or before != [
-            peer.generation,
-            peer.incarnation,
-            peer.metadata_version,
-            peer.down_until,
-        ]:
+        if self._closed or peer.state() != before:
             raise _AskAgain()  # closed, failed or answered meanwhile
         if not reply.get("ok"):
             raise ValueError(str(reply.get("error")))
