@@ -45,17 +45,17 @@ def test_each_layer_is_loaded_when_its_wait_returns(kind, gen, movers):
     blocks, slots = [5, 6, 20], [3, 9, 0]
     job = TransferJob(1, "A", blocks, slots, layered=True)
     assert lc.load([job]) == []
-    step = lc._load
+    [step] = lc._loads  # host hits only: one lane
     for name in lay.caches:
         lc.layer_needed(name)
         assert step.copied(name)
-    ended = lc.loads_ended()
-    assert ended is not None and ended[1] and ended[0].poll() == "DONE"
+    [(ended, waited)] = lc.loads_ended()
+    assert ended is step and waited and step.poll() == "DONE"
     for b, s in zip(blocks, slots):
         assert torch.equal(lay.slot_bytes(b), pool[s])
     for b in set(range(NB)) - set(blocks):
         assert torch.equal(lay.slot_bytes(b), lay.slot_bytes(b, before))
-    assert lc.loads_ended() is None  # nothing left of the step
+    assert lc.loads_ended() == []  # nothing left of the step
     lc.close()
 
 
@@ -69,13 +69,13 @@ def test_a_wait_copies_the_earlier_layers_itself_and_never_waits_for_later_ones(
     names = list(lay.caches)
     lc.load([TransferJob(1, "A", [4, 9], [0, 5], layered=True)])
     assert entered.wait(10)  # the thread is in layer 0's copy, stuck
-    step = lc._load
+    [step] = lc._loads
     lc.layer_needed(names[1])  # copied here, without waiting for layer 0
     assert [n for n in names if step.copied(n)] == [names[1]]
     stuck.set()
     for name in names:
         lc.layer_needed(name)
-    step, waited = lc.loads_ended()
+    [(step, waited)] = lc.loads_ended()
     assert waited and step.poll() == "DONE"
     assert torch.equal(lay.slot_bytes(4), pool[0]) and torch.equal(lay.slot_bytes(9), pool[5])
     lc.close()
@@ -150,6 +150,6 @@ def test_layer_copies_end_with_the_step_even_without_any_wait(gen, monkeypatch):
         started = time.perf_counter()
         recving, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), [])
         assert errors == {3} and meta.loads_done["A"] == 1
-        assert worker._layer_copies._load is None and time.perf_counter() - started < 10
+        assert worker._layer_copies._loads == [] and time.perf_counter() - started < 10
     finally:
         worker.shutdown()

@@ -181,63 +181,94 @@ def test_a_disk_hit_is_read_and_copied_layer_by_layer_in_its_step(tmp_path, gen,
         worker.shutdown()
 
 
-def test_a_damaged_disk_page_fails_the_steps_layered_loads(tmp_path, gen, monkeypatch):
+def _damage_last_byte(store, k: bytes) -> None:
+    path = store._disk._key_to_path(store._ckey(k))
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 1)
+        last = f.read(1)
+        f.seek(os.path.getsize(path) - 1)
+        f.write(bytes([last[0] ^ 0x80]))  # the last layer's last byte
+
+
+def test_a_damaged_disk_page_fails_only_its_own_requests_layered_load(tmp_path, gen, monkeypatch):
+    """Found bad after its last layer was copied: the request holding it is
+    recomputed; the step's other disk hit and its host hit keep their KV."""
     lay = make_layout("cpu", gen)
     worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
     try:
-        for i in range(2):
-            assert store.put(key(i), page(lay.block_bytes(), gen))
-        path = store._disk._key_to_path(store._ckey(key(1)))
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 1)
-            last = f.read(1)
-            f.seek(os.path.getsize(path) - 1)
-            f.write(bytes([last[0] ^ 0x80]))  # the last layer's last byte
-        job = TransferJob(
-            1, "A", [3, 4], [0, 1], layered=True, fetch=[(0, "disk", key(0)), (1, "disk", key(1))]
+        pages = [page(lay.block_bytes(), gen) for _ in range(3)]
+        for i, p in enumerate(pages):
+            assert store.put(key(i), p)
+        _damage_last_byte(store, key(1))
+        worker.host_pool[6].copy_(page(lay.block_bytes(), gen))
+        a = TransferJob(
+            1, "A", [3, 4], [0, 2], layered=True, fetch=[(0, "disk", key(0)), (1, "disk", key(2))]
         )
-        recving, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=[job]), lay.caches)
-        assert errors == {3, 4} and meta.loads_failed["A"] == 1 and meta.loads_done["A"] == 1
+        b = TransferJob(2, "B", [7], [1], layered=True, fetch=[(0, "disk", key(1))])
+        c = TransferJob(3, "C", [9], [6], layered=True)  # a host hit
+        loads = KVBMConnectorMetadata(loads=[a, b, c])
+        recving, meta, errors = run_step(worker, loads, lay.caches)
+        assert errors == {7} and dict(meta.loads_failed) == {"B": 1}
+        assert meta.loads_done == {"A": 1, "B": 1, "C": 1}
         assert meta.bad_pages == [("disk", key(1))] and not store.contains(key(1))
         assert meta.tier_events[("disk", "corrupt", 0)] == 1
+        assert meta.tier_events[("disk", "ok", 0)] == 2
         assert meta.layered_read_workers == 0  # a bad page is no reason to stop
+        assert torch.equal(lay.slot_bytes(3), pages[0]) and torch.equal(lay.slot_bytes(4), pages[2])
+        assert torch.equal(lay.slot_bytes(9), worker.host_pool[6])
     finally:
         worker.shutdown()
 
 
-def test_reads_past_their_deadline_fail_the_step_and_hold_their_slots(mount, gen, monkeypatch):
+def test_reads_past_their_deadline_fail_their_loads_and_hold_their_slots(mount, gen, monkeypatch):
     """The disk's filesystem hangs (a FUSE mount whose opens block): the
-    step's wait ends at the deadline, not with the hang."""
+    step's wait ends at the deadline, not with the hang; the step's host hit
+    is loaded all the same. A page the late read then finds damaged is
+    reported once it ends, so the scheduler forgets it."""
     monkeypatch.setattr(layer_reads, "READ_WAIT_MIN_S", 0.3)
     monkeypatch.setattr(layer_reads, "READS_BACK_AFTER_S", 0.0)
     lay = make_layout("cpu", gen)
     worker, store = worker_with_disk(mount.path, lay, monkeypatch)
     try:
         assert store.put(key(0), page(lay.block_bytes(), gen))
-        job = TransferJob(1, "A", [3], [4], layered=True, fetch=[(0, "disk", key(0))])
+        assert store.put(key(1), page(lay.block_bytes(), gen))
+        with open(store._disk._key_to_path(store._ckey(key(1))), "r+b") as f:
+            f.write(b"XXXX")  # the magic: found "corrupt" as soon as it is opened
+        worker.host_pool[5].copy_(page(lay.block_bytes(), gen))
+        job = TransferJob(
+            1, "A", [3, 8], [4, 2], layered=True, fetch=[(0, "disk", key(0)), (1, "disk", key(1))]
+        )
+        host = TransferJob(3, "C", [10], [5], layered=True)
         again = TransferJob(2, "B", [7], [6], layered=True, fetch=[(0, "disk", key(0))])
         before = lay.clone_raw()
         with mount.blocked():
             started = time.monotonic()
-            loads = KVBMConnectorMetadata(loads=[job])
+            loads = KVBMConnectorMetadata(loads=[job, host])
             recving, meta, errors = run_step(worker, loads, lay.caches)
             assert time.monotonic() - started < 10  # the deadline, not the hang
-            assert errors == {3} and meta.loads_failed["A"] == 1 and meta.loads_done["A"] == 1
-            assert meta.slots_held == {4: 1} and meta.layered_read_workers == -1
-            assert meta.tier_events[("disk", "error", 0)] == 1
+            assert errors == {3, 8} and dict(meta.loads_failed) == {"A": 1}
+            assert meta.loads_done == {"A": 1, "C": 1}
+            assert torch.equal(lay.slot_bytes(10), worker.host_pool[5])
+            assert meta.slots_held == {4: 1, 2: 1} and meta.layered_read_workers == -1
+            assert meta.tier_events[("disk", "error", 0)] == 2 and not meta.bad_pages
             # sent before the scheduler knew: failed unread
             loads = KVBMConnectorMetadata(loads=[again])
             _, meta, errors = run_step(worker, loads, lay.caches)
             assert errors == {7} and meta.loads_failed["B"] == 1 and not meta.slots_held
-        assert released_and_back(worker, 4) == (1, 1)  # slots free once the read ended
+        bad: list = []
+        assert released_and_back(worker, 4, bad) == (1, 1)  # slots free once the read ended
+        assert bad == [("disk", key(1))]
         assert torch.equal(lay.slot_bytes(3), lay.slot_bytes(3, before))  # never written
     finally:
         worker.shutdown()
 
 
-def released_and_back(worker, slot: int, timeout: float = 30.0) -> tuple[int, int]:
+def released_and_back(
+    worker, slot: int, bad: list | None = None, timeout: float = 30.0
+) -> tuple[int, int]:
     """Steps the worker until it reported ``slot`` released and layered
-    reads back (each once), or ``timeout``: (times released, net reads back)."""
+    reads back (each once), or ``timeout``: (times released, net reads back);
+    the bad pages reported meanwhile added to ``bad``."""
     deadline = time.monotonic() + timeout
     released = back = 0
     while (not released or not back) and time.monotonic() < deadline:
@@ -246,6 +277,8 @@ def released_and_back(worker, slot: int, timeout: float = 30.0) -> tuple[int, in
         if meta is not None:
             released += meta.slots_released[slot]
             back += meta.layered_read_workers
+            if bad is not None:
+                bad += meta.bad_pages
         time.sleep(0.01)
     return released, back
 

@@ -20,10 +20,14 @@ pinned to it does them layer by layer instead:
   every layer's copy in order, and vLLM's ``wait_for_layer_load`` before each
   attention layer waits for that layer's only (copying itself the layers up
   to it the thread has not started). A layer whose attention ran without
-  that wait fails the step's loads (vLLM recomputes those blocks and drops
-  the step's token for them) and ends layered loads for this worker. A hit
-  with disk pages too is posted a layer at a time, as the read thread
-  (layer_reads.py) brings that layer of every page into its host slot.
+  that wait fails its lane's loads (vLLM recomputes those blocks and drops
+  the step's token for them) and ends layered loads for this worker. Hits
+  with disk or peer pages are a lane of their own, posted a layer at a time
+  as the read thread (layer_reads.py) brings that layer of every page into
+  its host slot: a read that fails or runs late fails that lane's loads,
+  never the host hits of the step; a page found bad after its last layer
+  fails only its own request's load (vLLM recomputes it, and any request
+  sharing its blocks).
 
 The engine thread never waits for more than the one copy the thread is in.
 With every core bound to OpenMP there is no such core and copies stay around
@@ -156,7 +160,7 @@ class LayerCopies:
         self.order = {name: i for i, name in enumerate(tables)}  # vLLM's layer order
         self._step: StepCopies | None = None  # stores
         self._meta: object = None  # the connector metadata _step was planned from
-        self._load: StepCopies | None = None
+        self._loads: list[StepCopies] = []  # the step's lanes: host hits, hits read
         self._work = _Work()
         self._thread = threading.Thread(target=self._run, name="kvbm-layer-copy", daemon=True)
         self._thread.start()
@@ -229,29 +233,32 @@ class LayerCopies:
         self, jobs: list[TransferJob], reader: "LayerReader | None" = None
     ) -> list[TransferJob]:
         """``start_load_kv``: the step's layered loads, every layer's copy
-        posted in vLLM's layer order (with disk pages to read, by ``reader``
-        as each layer is read); the jobs refused (ids out of range)."""
-        step = self._plan(jobs)
-        planned = step.job_ids if step is not None else set()
+        posted in vLLM's layer order; those with disk or peer pages to read
+        (by ``reader``) in a lane of their own, each layer posted once it is
+        read. The jobs refused (ids out of range)."""
+        read = [job for job in jobs if job.fetch and reader is not None]
+        host = self._plan([job for job in jobs if not (job.fetch and reader is not None)])
+        step = self._plan(read)
+        self._loads = [lane for lane in (host, step) if lane is not None]
+        if host is not None:
+            for name in self.tables:
+                self._post(host, name, False)
         if step is not None:
-            self._load = step
-            fetched = [job for job in step.jobs if job.fetch]
-            if fetched and reader is not None:
-                step.reads = reader.plan(fetched)
-                reader.start(
-                    step.reads, lambda name: self._post(step, name, False), lambda: _fail(step)
-                )
-            else:
-                for name in self.tables:
-                    self._post(step, name, False)
+            step.reads = reader.plan(step.jobs)
+            reader.start(
+                step.reads, lambda name: self._post(step, name, False), lambda: _fail(step)
+            )
+        planned = {i for lane in self._loads for i in lane.job_ids}
         return [job for job in jobs if id(job) not in planned]
 
     def layer_needed(self, name: str) -> None:
         """vLLM's ``wait_for_layer_load``: returns once layer ``name``'s loads
         are copied, copying here those up to it the thread has not started."""
-        step = self._load
-        if step is None or name not in self.tables:
-            return
+        if name in self.tables:
+            for step in self._loads:
+                self._wait_layer(step, name)
+
+    def _wait_layer(self, step: StepCopies, name: str) -> None:
         step.waited.add(name)
         started = time.perf_counter()
         last = self.order[name]
@@ -267,31 +274,34 @@ class LayerCopies:
                     step.cond.wait_for(lambda: step.copied(name))
                     break
                 # Posted once read: woken by the post, each copy and a failure.
-                if step.copied(name) or reads.failed:
+                # A layer posted is copied even after a failure: the pages
+                # found good keep their loads (layered_steps.py).
+                if step.copied(name) or (reads.failed and name not in step.layers):
                     break
                 left = reads.deadline - time.perf_counter()
                 if left <= 0:
-                    reads.abandoned = reads.failed = True  # the step's loads fail
+                    reads.abandoned = reads.failed = True  # the lane's loads fail
                     break
                 step.cond.wait(left)
         step.wait_s += time.perf_counter() - started
 
-    def loads_ended(self) -> tuple[StepCopies, bool] | None:
-        """After the forward pass: the step's loads (None if none), every copy
-        ended, and whether each layer was waited for before its attention."""
-        step, self._load = self._load, None
-        if step is None:
-            return None
-        reads = step.reads
-        if reads is not None and not reads.ended.wait(
-            max(0.0, reads.deadline - time.perf_counter())
-        ):
-            with step.cond:
-                reads.abandoned = reads.failed = True  # no layer posted from now on
-        while (item := self._work.take_if(lambda it: it[0] is step)) is not None:
-            _copy(*item)
-        step.wait()
-        return step, step.waited >= step.layers
+    def loads_ended(self) -> list[tuple[StepCopies, bool]]:
+        """After the forward pass: the step's load lanes, every copy ended,
+        each with whether its layers were waited for before their attention."""
+        lanes, self._loads = self._loads, []
+        ended = []
+        for step in lanes:
+            reads = step.reads
+            if reads is not None and not reads.ended.wait(
+                max(0.0, reads.deadline - time.perf_counter())
+            ):
+                with step.cond:
+                    reads.abandoned = reads.failed = True  # no layer posted from now on
+            while (item := self._work.take_if(lambda it: it[0] is step)) is not None:
+                _copy(*item)
+            step.wait()
+            ended.append((step, step.waited >= step.layers))
+        return ended
 
     def _plan(self, jobs: list[TransferJob]) -> StepCopies | None:
         """The jobs' copies; a job whose ids are out of range is left to the

@@ -16,12 +16,14 @@ peer's pages).
 What keeps it correct:
 - A page's bytes still arrive in order and are checked as they go; the
   verdict comes after the last layer (for a peer's page, after its slot
-  entry is read again: the seqlock). A page that is not "ok" (or a read
-  that fails) fails the step's layered loads: vLLM recomputes their blocks
-  and drops the step's token for them.
+  entry is read again: the seqlock). A page that is not "ok" fails its
+  request's load (every layer was copied before the verdict; a failure
+  before the last layer fails every load with pages read): vLLM
+  recomputes their blocks and drops the step's token for them. The step's
+  host hits are copied apart and never fail with a read (layer_copies.py).
 - The forward pass waits for a step's reads until a deadline (a floor plus
-  the bytes at READ_FLOOR_BPS); past it the step's loads fail the same way
-  and layered reads stop for this worker until READS_BACK_AFTER_S after
+  the bytes at READ_FLOOR_BPS); past it the loads with pages read fail the
+  same way and layered reads stop for this worker until READS_BACK_AFTER_S after
   the late reads ended (disk hits load before the step meanwhile).
 - Reads write host slots only, never engine blocks: a read still running
   past the deadline keeps its slots from the host tier (``slots_held``)

@@ -59,25 +59,26 @@ class LayeredSteps:
         """After the forward pass: the step's layered loads reported (in
         ``loads_done``). One whose layers were not all waited for before
         their attention ran failed: vLLM recomputes its blocks and drops the
-        step's token for the request; this worker loads no more layer by layer."""
-        ended = self._layer_copies.loads_ended() if self._layer_copies is not None else None
-        if ended is None:
-            return
-        step, waited = ended
-        if not waited and not self._layered_off:
+        step's token for the request; this worker loads no more layer by
+        layer. Loads with pages read in the step fail as their reads say."""
+        ended = self._layer_copies.loads_ended() if self._layer_copies is not None else []
+        late = sorted({name for step, waited in ended for name in step.layers - step.waited})
+        if late and not self._layered_off:
             logger.error(
                 "KVBM: layers %s ran attention without waiting for their loads; those "
                 "requests are recomputed, and host-tier hits are loaded before the step "
                 "from now on",
-                sorted(step.layers - step.waited),
+                late,
             )
             self._meta.layered_workers -= 1
             self._layered_off = True
-        read = step.reads is None or self._reads_done(step.reads)
-        # What a layered load cost the request: the forward pass's waits for it.
-        started = time.perf_counter() - step.wait_s
-        for job in step.jobs:
-            self._complete(job, False, ok=waited and step.failed is None and read, started=started)
+        for step, waited in ended:
+            failed = set() if step.reads is None else self._reads_done(step)
+            # What a layered load cost the request: the forward pass's waits for it.
+            started = time.perf_counter() - step.wait_s
+            for job in step.jobs:
+                ok = waited and step.failed is None and id(job) not in failed
+                self._complete(job, False, ok=ok, started=started)
 
     # ---- disk and peer hits read layer by layer (layer_reads.py) ---------
 
@@ -109,12 +110,13 @@ class LayeredSteps:
         self._meta.layered_read_workers += 1
         logger.info("KVBM worker: disk and peer hits read layer by layer during the forward pass")
 
-    def _reads_done(self, reads: StepReads) -> bool:
-        """After the step's forward pass: its disk reads' outcomes reported;
-        whether every page came intact in time. Reads still running (past
-        their deadline) keep their slots from the host tier until they end,
-        and layered reads stop for a while."""
-        meta, rank = self._meta, self.tier_io.rank
+    def _reads_done(self, step) -> set[int]:
+        """After the step's forward pass: its reads' outcomes reported; the
+        ids of its jobs that failed. Reads still running (past their
+        deadline) keep their slots from the host tier until they end, and
+        layered reads stop for a while."""
+        meta, rank, reads = self._meta, self.tier_io.rank, step.reads
+        every = {id(job) for job in step.jobs}
         if self._layer_reader.hold(reads):
             self._reads_stuck += 1
             meta.slots_held.update(reads.slots())
@@ -126,29 +128,40 @@ class LayeredSteps:
                 f"reading {len(reads.pages)} {tiers} pages layer by layer missed its "
                 f"deadline ({reads.deadline - reads.started:.2f} s)"
             )
-            return False
+            return every
         if "error" in reads.statuses:
             # a tier that cannot be read now (a peer down, an I/O error) would
             # fail the next steps' layered loads too, each dropping a token:
             # read before the step meanwhile, where a failure only recomputes
             self._pause_reads(f"reading {tiers} pages layer by layer failed")
-        bad = []
-        for (_, tier, key, _), status in zip(reads.pages, reads.statuses):
+        for (_, tier, _, _), status in zip(reads.pages, reads.statuses):
             if status != "skipped":
                 meta.tier_events[(tier, status, rank)] += 1
-            if status not in ("ok", "skipped"):
-                bad.append((tier, key))
+        self._report_bad(reads)
+        meta.tier_read_seconds.append((reads.pages[0][1], reads.seconds))
+        if not reads.failed:
+            return set()
+        bad = {id(job) for (job, _, _, _), s in zip(reads.pages, reads.statuses) if s != "ok"}
+        if bad and step.layers == set(self._layer_copies.tables):
+            return bad  # every layer copied, then a page found bad: its load alone fails
+        return every
+
+    def _report_bad(self, reads: StepReads) -> None:
+        """The pages ``reads`` found unusable, for the scheduler to forget."""
+        bad = [
+            (tier, key)
+            for (_, tier, key, _), status in zip(reads.pages, reads.statuses)
+            if status not in ("ok", "skipped")
+        ]
         if bad:
             logger.warning(
                 "KVBM: %d of %d %s pages read layer by layer unusable; vLLM recomputes "
-                "the step's layered loads",
+                "the loads that hold them",
                 len(bad),
                 len(reads.pages),
                 "/".join(sorted({tier for tier, _ in bad})),
             )
-            meta.bad_pages.extend(bad)
-        meta.tier_read_seconds.append((reads.pages[0][1], reads.seconds))
-        return not reads.failed
+            self._meta.bad_pages.extend(bad)
 
     def _pause_reads(self, why: str) -> None:
         """Disk and peer hits read before the step for READS_BACK_AFTER_S."""
@@ -171,6 +184,7 @@ class LayeredSteps:
         for reads in self._layer_reader.take_late():
             self._reads_stuck -= 1
             self._meta.slots_released.update(reads.slots())
+            self._report_bad(reads)  # found bad after the step gave up on them
             self._reads_back_at = time.monotonic() + layer_reads.READS_BACK_AFTER_S
         if self._reads_off and not self._reads_stuck and time.monotonic() >= self._reads_back_at:
             self._reads_off = False
