@@ -24,7 +24,7 @@ from vllm_kvbm.tiers.pool import layout
 from vllm_kvbm.tiers.pool.layout import ENTRY_BYTES
 
 if TYPE_CHECKING:
-    from vllm_kvbm.tiers.peer.store import _Peer
+    from vllm_kvbm.tiers.peer.peer_links import _Peer
 
 logger = logging.getLogger(__name__)
 

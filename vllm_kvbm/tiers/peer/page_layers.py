@@ -44,7 +44,8 @@ from vllm_kvbm.tiers.pool import layout
 from vllm_kvbm.tiers.pool.layout import ENTRY_BYTES, MAX_WAYS
 
 if TYPE_CHECKING:
-    from vllm_kvbm.tiers.peer.store import PeerStore, _Peer
+    from vllm_kvbm.tiers.peer.peer_links import _Peer
+    from vllm_kvbm.tiers.peer.store import PeerStore
 
 logger = logging.getLogger(__name__)
 
