@@ -220,6 +220,71 @@ def test_a_damaged_disk_page_fails_only_its_own_requests_layered_load(tmp_path, 
         worker.shutdown()
 
 
+def test_steps_of_host_hits_good_and_damaged_disk_pages_keep_exactly_the_good_loads(
+    tmp_path, monkeypatch
+):
+    """Steps mixing host hits, disk hits and damaged disk pages (damaged in
+    their first or last layer), drawn at random: every load reported good
+    holds its pages' bytes in its blocks, every load holding a damaged page
+    is reported failed with its blocks, and no other block is written."""
+    rng = np.random.default_rng(7)
+    gen = torch.Generator().manual_seed(41)
+    lay = make_layout("cpu", gen)
+    worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
+    size = lay.block_bytes()
+    try:
+        for round_ in range(12):
+            blocks = iter(rng.permutation(NB).tolist())
+            slots = iter(rng.permutation(8).tolist())
+            jobs, want, bad_jobs = [], {}, set()
+            for j in range(int(rng.integers(1, 4))):
+                kind = rng.choice(["host", "disk", "damaged"])
+                n = int(rng.integers(1, 3))
+                job_blocks, job_slots = (
+                    [next(blocks) for _ in range(n)],
+                    [next(slots) for _ in range(n)],
+                )
+                fetch = []
+                for i, slot in enumerate(job_slots):
+                    data = page(size, gen)
+                    if kind == "host":
+                        worker.host_pool[slot].copy_(data)
+                    else:
+                        k = bytes([round_ + 1, j, i + 1]) * 8 + bytes(8)
+                        assert store.put(k, data)
+                        fetch.append((i, "disk", k))
+                        if kind == "damaged" and i == n - 1:
+                            path = store._disk._key_to_path(store._ckey(k))
+                            at = 96 + (0 if rng.random() < 0.5 else size - 1)  # first or last layer
+                            with open(path, "r+b") as f:
+                                f.seek(at)
+                                b = f.read(1)
+                                f.seek(at)
+                                f.write(bytes([b[0] ^ 0x10]))
+                    want[job_blocks[i]] = data
+                req = f"R{round_}-{j}"
+                if kind == "damaged":
+                    bad_jobs.add(req)
+                jobs.append(
+                    TransferJob(
+                        round_ * 10 + j, req, job_blocks, job_slots, layered=True, fetch=fetch
+                    )
+                )
+            before = lay.clone_raw()
+            _, meta, errors = run_step(worker, KVBMConnectorMetadata(loads=jobs), lay.caches)
+            assert set(meta.loads_failed) == bad_jobs, round_
+            assert meta.loads_done == {job.req_id: 1 for job in jobs}
+            assert errors == {b for job in jobs if job.req_id in bad_jobs for b in job.block_ids}
+            for job in jobs:
+                if job.req_id not in bad_jobs:
+                    for b in job.block_ids:
+                        assert torch.equal(lay.slot_bytes(b), want[b]), (round_, job.req_id)
+            for b in set(range(NB)) - set(want):
+                assert torch.equal(lay.slot_bytes(b), lay.slot_bytes(b, before))
+    finally:
+        worker.shutdown()
+
+
 def test_reads_past_their_deadline_fail_their_loads_and_hold_their_slots(mount, gen, monkeypatch):
     """The disk's filesystem hangs (a FUSE mount whose opens block): the
     step's wait ends at the deadline, not with the hang; the step's host hit
