@@ -12,7 +12,9 @@ still in a call then is left to end with the process.
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Executor, Future
@@ -107,3 +109,25 @@ def close_pools(pools: "list[IOThreads]", timeout_s: float, what: str) -> None:
             timeout_s,
             ", ".join(stuck),
         )
+
+
+def where_threads_are(prefixes: tuple[str, ...], depth: int = 4) -> list[str]:
+    """Per live thread whose name starts with one of ``prefixes`` and that
+    is not an IOThreads thread waiting for work: its name and innermost
+    ``depth`` Python frames (file:line function), for a log line that says
+    what a stalled tier waits in. Names only, no locals: nothing of a page,
+    a key or a secret."""
+    frames = sys._current_frames()
+    where = []
+    for thread in threading.enumerate():
+        frame, calls = frames.get(thread.ident), []
+        if not thread.name.startswith(prefixes) or (
+            frame is not None and frame.f_code is IOThreads._run.__code__
+        ):
+            continue
+        while frame is not None and len(calls) < depth:
+            code = frame.f_code
+            calls.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+            frame = frame.f_back
+        where.append(f"{thread.name} in " + " <- ".join(calls or ["?"]))
+    return where

@@ -98,9 +98,10 @@ def _disk_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("kvbm-disk-")]
 
 
-def test_an_overdue_fetch_stops_reading(mount):
+def test_an_overdue_fetch_stops_reading(mount, caplog):
     """A fetch whose first page read hangs is reported failed at
-    tier_read_timeout_s (vLLM recomputes it); once that read returns, the
+    tier_read_timeout_s (vLLM recomputes it), the log saying where the
+    tier's threads wait (the page file's open); once that read returns, the
     tier's read thread reads none of the fetch's other pages (they would land
     in slots nobody uses, holding the thread from the next fetch)."""
     n = 8
@@ -116,6 +117,8 @@ def test_an_overdue_fetch_stops_reading(mount):
             _until(lambda: reported.extend(io.poll(meta)) or reported, 10, "never overdue")
             [(failed, ok, reading, _)] = reported
             assert failed is job and not ok and reading
+            [where] = [r.getMessage() for r in caplog.records if "at that moment" in r.getMessage()]
+            assert "kvbm-disk-read" in where and "file_io.py" in where, where
         _until(
             lambda: io.poll(meta) is not None and (ended.extend(io.take_ended()) or ended),
             40,

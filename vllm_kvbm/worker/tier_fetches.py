@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vllm_kvbm.io_threads import where_threads_are
+
 if TYPE_CHECKING:
     from vllm_kvbm.messages import KVBMWorkerMetadata, TransferJob
 
@@ -29,6 +31,8 @@ _GROUP_S = 0.05
 
 # How often a tier with "late" reads is asked which ended (seconds).
 _REAP_S = 0.05
+# An overdue fetch's log names where the tier's threads are at most this often.
+STACKS_EVERY_S = 300.0
 
 
 @dataclass
@@ -196,6 +200,12 @@ class TierFetches:
             fetch.job.req_id,
             self.read_timeout_s,
         )
+        now = time.monotonic()
+        if now - self._stacks_at >= STACKS_EVERY_S:
+            # what the tier waits in (a syscall, a socket, a lock), for the operator
+            self._stacks_at = now
+            where = where_threads_are(tuple(f"kvbm-{tier}-" for tier in tiers))
+            logger.warning("KVBM: %s threads at that moment: %s", "/".join(tiers), "; ".join(where))
 
     def take_ended(self) -> list["TransferJob"]:
         """Overdue fetches whose reads have ended since last asked: their

@@ -133,6 +133,7 @@ class TierIO(TierFetches):
         self._writer: dict[str, IOThreads] = {}
         self.queues: dict[str, _WriteQueue] = {}
         self._fetching: list[_Fetch] = []
+        self._stacks_at = -1e9  # an overdue fetch's threads last logged
         # Overdue fetches whose reads have ended since last asked (take_ended).
         self._ended: list[TransferJob] = []
         self._writing: list[tuple[str, bytes, Future]] = []
