@@ -285,7 +285,9 @@ def test_steps_of_host_hits_good_and_damaged_disk_pages_keep_exactly_the_good_lo
         worker.shutdown()
 
 
-def test_reads_past_their_deadline_fail_their_loads_and_hold_their_slots(mount, gen, monkeypatch):
+def test_reads_past_their_deadline_fail_their_loads_and_hold_their_slots(
+    mount, gen, monkeypatch, caplog
+):
     """The disk's filesystem hangs (a FUSE mount whose opens block): the
     step's wait ends at the deadline, not with the hang; the step's host hit
     is loaded all the same. A page the late read then finds damaged is
@@ -316,6 +318,8 @@ def test_reads_past_their_deadline_fail_their_loads_and_hold_their_slots(mount, 
             assert torch.equal(lay.slot_bytes(10), worker.host_pool[5])
             assert meta.slots_held == {4: 1, 2: 1} and meta.layered_read_workers == -1
             assert meta.tier_events[("disk", "error", 0)] == 2 and not meta.bad_pages
+            [where] = [r.getMessage() for r in caplog.records if "at that moment" in r.getMessage()]
+            assert "kvbm-layer-read in " in where and "file_io.py" in where, where
             # sent before the scheduler knew: failed unread
             loads = KVBMConnectorMetadata(loads=[again])
             _, meta, errors = run_step(worker, loads, lay.caches)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from vllm_kvbm.io_threads import where_threads_are
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
 from vllm_kvbm.worker import lora_loads
 from vllm_kvbm.worker import layer_reads
@@ -124,10 +125,14 @@ class LayeredSteps:
         if reads.held or reads.abandoned:
             for _, tier, _, _ in reads.pages:
                 meta.tier_events[(tier, "error", rank)] += 1
+            first = not self._reads_off
             self._pause_reads(
                 f"reading {len(reads.pages)} {tiers} pages layer by layer missed its "
                 f"deadline ({reads.deadline - reads.started:.2f} s)"
             )
+            if reads.held and first:  # once a pause: what the read still waits in
+                where = where_threads_are(("kvbm-layer-read",))
+                logger.warning("KVBM: the layer read thread at that moment: %s", "; ".join(where))
             return every
         if "error" in reads.statuses:
             # a tier that cannot be read now (a peer down, an I/O error) would
