@@ -29,7 +29,8 @@ pinned to it does them layer by layer instead:
   fails only its own request's load (vLLM recomputes it, and any request
   sharing its blocks).
 
-The engine thread never waits for more than the one copy the thread is in.
+The engine thread never waits for more than the one copy the thread is in
+(loads are taken in layer order, whichever lane posted them).
 With every core bound to OpenMP there is no such core and copies stay around
 the forward pass: a thread there would take a core from it
 (docs/benchmarks.md). Models whose layers view shared memory (vLLM's hybrid
@@ -39,11 +40,12 @@ allocator) keep whole-block copies: a layer's bytes are not its own.
 from __future__ import annotations
 
 import ctypes
+import heapq
+import itertools
 import logging
 import os
 import threading
 import time
-from collections import deque
 
 import numpy as np
 import torch
@@ -122,28 +124,33 @@ class StepCopies:
 
 
 class _Work:
-    """The copies posted, in order; the copy thread takes the first, the
-    engine thread those it must not wait for."""
+    """The copies posted, loads first in vLLM's layer order (a read's layer
+    posted late goes before the host hits' later layers), then stores in
+    the order posted; the copy thread takes the first, the engine thread
+    those it must not wait for."""
 
     def __init__(self) -> None:
-        self._items: deque = deque()
+        self._items: list = []  # a heap of (loads first, layer, posted, item)
+        self._posted = itertools.count()
         self._cv = threading.Condition()
 
-    def put(self, item) -> None:
+    def put(self, item, load: bool = False, layer: int = 0) -> None:
+        """``item`` None: the thread ends once every copy before it is done."""
+        key = (0, layer) if load else (1 if item is not None else 2, 0)
         with self._cv:
-            self._items.append(item)
+            heapq.heappush(self._items, (*key, next(self._posted), item))
             self._cv.notify()
 
     def get(self):
         with self._cv:
             self._cv.wait_for(lambda: self._items)
-            return self._items.popleft()
+            return heapq.heappop(self._items)[-1]
 
     def take_if(self, wanted):
         """The first item if ``wanted(item)``, else None."""
         with self._cv:
-            if self._items and self._items[0] is not None and wanted(self._items[0]):
-                return self._items.popleft()
+            if self._items and self._items[0][-1] is not None and wanted(self._items[0][-1]):
+                return heapq.heappop(self._items)[-1]
             return None
 
 
@@ -265,7 +272,9 @@ class LayerCopies:
         reads = step.reads
         while True:
             while not step.copied(name):
-                item = self._work.take_if(lambda it: it[0] is step and self.order[it[1]] <= last)
+                item = self._work.take_if(
+                    lambda it: it[0] in self._loads and self.order[it[1]] <= last
+                )
                 if item is None:
                     break
                 _copy(*item)
@@ -289,7 +298,6 @@ class LayerCopies:
         """After the forward pass: the step's load lanes, every copy ended,
         each with whether its layers were waited for before their attention."""
         lanes, self._loads = self._loads, []
-        ended = []
         for step in lanes:
             reads = step.reads
             if reads is not None and not reads.ended.wait(
@@ -297,11 +305,11 @@ class LayerCopies:
             ):
                 with step.cond:
                     reads.abandoned = reads.failed = True  # no layer posted from now on
-            while (item := self._work.take_if(lambda it: it[0] is step)) is not None:
-                _copy(*item)
+        while (item := self._work.take_if(lambda it: it[0] in lanes)) is not None:
+            _copy(*item)
+        for step in lanes:
             step.wait()
-            ended.append((step, step.waited >= step.layers))
-        return ended
+        return [(step, step.waited >= step.layers) for step in lanes]
 
     def _plan(self, jobs: list[TransferJob]) -> StepCopies | None:
         """The jobs' copies; a job whose ids are out of range is left to the
@@ -337,7 +345,8 @@ class LayerCopies:
             step.parts[name] = len(items)
             step.cond.notify_all()
         for a, b in items:
-            self._work.put((step, name, src[a:b], dst[a:b], sizes[a:b]))
+            item = (step, name, src[a:b], dst[a:b], sizes[a:b])
+            self._work.put(item, load=not to_host, layer=self.order[name])
 
     def _run(self) -> None:
         name_os_thread("kvbm-layer-copy")  # not an OpenMP thread to bench/cores.py

@@ -133,6 +133,8 @@ class LayeredSteps:
             if reads.held and first:  # once a pause: what the read still waits in
                 where = where_threads_are(("kvbm-layer-read",))
                 logger.warning("KVBM: the layer read thread at that moment: %s", "; ".join(where))
+            if not reads.held:
+                self._report_bad(reads)  # ended: what it found is final (else when it ends)
             return every
         if "error" in reads.statuses:
             # a tier that cannot be read now (a peer down, an I/O error) would
