@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from test_layer_loads import run_step
-from test_layer_reads import key, page, worker_with_disk
+from test_layer_reads import disk_pages, key, page, worker_with_disk
 from test_layer_stores import stores, stuck_copy_thread
 from test_page_mover import NB, make_layout, make_pool
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
@@ -45,9 +45,7 @@ def test_a_damaged_disk_page_fails_only_its_own_requests_layered_load(tmp_path, 
     lay = make_layout("cpu", gen)
     worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
     try:
-        pages = [page(lay.block_bytes(), gen) for _ in range(3)]
-        for i, p in enumerate(pages):
-            assert store.put(key(i), p)
+        pages = disk_pages(store, lay, gen, 3)
         _damage_last_byte(store, key(1))
         worker.host_pool[6].copy_(page(lay.block_bytes(), gen))
         a = TransferJob(
@@ -147,85 +145,79 @@ class _Reads:
         self.post, self.fail = post, fail
 
 
-def test_a_wait_for_a_posted_layer_outlasts_a_failure_reported_meanwhile(monkeypatch):
+@pytest.fixture
+def lanes(monkeypatch):
+    """Layer copies over a 3-layer CPU layout and an 8-slot pool, their copy
+    thread stuck in its first copy until ``stuck`` is set (``entered`` once
+    it is), and the reader the test drives: (lay, pool, lc, stuck, entered,
+    reader, names)."""
+    gen = torch.Generator().manual_seed(43)
+    lay = make_layout("cpu", gen)
+    pool = make_pool(8, lay.block_bytes(), gen)
+    movers: list = []
+    lc = stores(lay, pool, movers)
+    stuck, entered = stuck_copy_thread(monkeypatch)
+    yield lay, pool, lc, stuck, entered, _Reads(), list(lay.caches)
+    stuck.set()
+    lc.close()
+    for m in movers:
+        m.close()
+
+
+def test_a_wait_for_a_posted_layer_outlasts_a_failure_reported_meanwhile(lanes):
     """A page's bad verdict arrives while the copy of a layer already read
     is still running (its thread's core taken): the wait for that layer
     returns only once the copy ended, as the loads found good keep their
     KV; a layer never posted is not waited for."""
-    gen = torch.Generator().manual_seed(43)
-    lay = make_layout("cpu", gen)  # 3 layers
-    pool = make_pool(8, lay.block_bytes(), gen)
-    movers: list = []
-    lc = stores(lay, pool, movers)
-    stuck, entered = stuck_copy_thread(monkeypatch)
-    names = list(lay.caches)
-
-    reader = _Reads()
+    _, _, lc, stuck, entered, reader, names = lanes
     job = TransferJob(1, "A", [4, 9], [0, 5], layered=True, fetch=[(0, "disk", key(0))])
-    try:
-        assert lc.load([job], reader) == []
-        reader.post(names[0])
-        assert entered.wait(10)  # the copy thread is in layer 0's copy
-        returned = threading.Event()
-        waiting = threading.Thread(target=lambda: (lc.layer_needed(names[0]), returned.set()))
-        waiting.start()
-        reader.fail()  # a page's verdict: bad
-        assert not returned.wait(0.5)  # the copy still runs: so does the wait
-        stuck.set()
-        assert returned.wait(10)
-        [step] = [lane for lane in lc._loads if lane.reads is not None]
-        assert step.copied(names[0])
-        started = time.monotonic()
-        lc.layer_needed(names[1])  # never posted (the read failed): not waited for
-        assert time.monotonic() - started < 5
-        reader.reads.ended.set()
-        [(ended, waited)] = lc.loads_ended()
-        assert ended is step and waited and step.layers == {names[0]}
-    finally:
-        stuck.set()
-        lc.close()
-        for m in movers:
-            m.close()
+    assert lc.load([job], reader) == []
+    reader.post(names[0])
+    assert entered.wait(10)  # the copy thread is in layer 0's copy
+    returned = threading.Event()
+    waiting = threading.Thread(
+        target=lambda: (lc.layer_needed(names[0]), returned.set()), daemon=True
+    )
+    waiting.start()
+    reader.fail()  # a page's verdict: bad
+    assert not returned.wait(0.5)  # the copy still runs: so does the wait
+    stuck.set()
+    assert returned.wait(10)
+    [step] = [lane for lane in lc._loads if lane.reads is not None]
+    assert step.copied(names[0])
+    started = time.monotonic()
+    lc.layer_needed(names[1])  # never posted (the read failed): not waited for
+    assert time.monotonic() - started < 5
+    reader.reads.ended.set()
+    [(ended, waited)] = lc.loads_ended()
+    assert ended is step and waited and step.layers == {names[0]}
 
 
-def test_a_layer_read_late_is_copied_before_the_host_hits_later_layers(monkeypatch):
+def test_a_layer_read_late_is_copied_before_the_host_hits_later_layers(lanes):
     """The host hits' copies are posted at once, a read's layer once read:
     that layer goes before the host hits' later layers, so the wait for it
     copies it itself rather than wait for the host lane's every layer behind
     a copy thread whose core is taken."""
-    gen = torch.Generator().manual_seed(47)
-    lay = make_layout("cpu", gen)  # 3 layers
-    pool = make_pool(8, lay.block_bytes(), gen)
-    movers: list = []
-    lc = stores(lay, pool, movers)
-    stuck, entered = stuck_copy_thread(monkeypatch)
-    names = list(lay.caches)
-    reader = _Reads()
+    lay, pool, lc, stuck, entered, reader, names = lanes
     host = TransferJob(1, "H", [2, 3], [1, 2], layered=True)
     read = TransferJob(2, "R", [7], [6], layered=True, fetch=[(0, "disk", key(0))])
-    try:
-        assert lc.load([host, read], reader) == []
-        assert entered.wait(10)  # the copy thread is stuck in the host hits' layer 0
-        reader.post(names[0])
-        waiting = threading.Thread(target=lambda: lc.layer_needed(names[0]), daemon=True)
-        waiting.start()
-        [lane] = [lane for lane in lc._loads if lane.reads is not None]
-        deadline = time.monotonic() + 10
-        while not lane.copied(names[0]):  # copied by the waiting thread
-            assert time.monotonic() < deadline, "the read's layer waited behind the host lane"
-            time.sleep(0.01)
-        stuck.set()
-        waiting.join(10)
-        for name in names[1:]:
-            reader.post(name)
-        for name in names:
-            lc.layer_needed(name)
-        reader.reads.ended.set()
-        ended = lc.loads_ended()
-        assert [waited for _, waited in ended] == [True, True]
-        assert torch.equal(lay.slot_bytes(7), pool[6]) and torch.equal(lay.slot_bytes(2), pool[1])
-    finally:
-        stuck.set()
-        lc.close()
-        for m in movers:
-            m.close()
+    assert lc.load([host, read], reader) == []
+    assert entered.wait(10)  # the copy thread is stuck in the host hits' layer 0
+    reader.post(names[0])
+    waiting = threading.Thread(target=lambda: lc.layer_needed(names[0]), daemon=True)
+    waiting.start()
+    [lane] = [lane for lane in lc._loads if lane.reads is not None]
+    deadline = time.monotonic() + 10
+    while not lane.copied(names[0]):  # copied by the waiting thread
+        assert time.monotonic() < deadline, "the read's layer waited behind the host lane"
+        time.sleep(0.01)
+    stuck.set()
+    waiting.join(10)
+    for name in names[1:]:
+        reader.post(name)
+    for name in names:
+        lc.layer_needed(name)
+    reader.reads.ended.set()
+    ended = lc.loads_ended()
+    assert [waited for _, waited in ended] == [True, True]
+    assert torch.equal(lay.slot_bytes(7), pool[6]) and torch.equal(lay.slot_bytes(2), pool[1])

@@ -149,6 +149,14 @@ def worker_with_disk(directory, lay, monkeypatch):
     return worker, store
 
 
+def disk_pages(store, lay, gen, n: int) -> list[torch.Tensor]:
+    """``n`` random pages put on ``store`` under key(0)..key(n-1)."""
+    pages = [page(lay.block_bytes(), gen) for _ in range(n)]
+    for i, p in enumerate(pages):
+        assert store.put(key(i), p)
+    return pages
+
+
 @pytest.mark.parametrize("cold", [False, True])
 def test_a_disk_hit_is_read_and_copied_layer_by_layer_in_its_step(tmp_path, gen, monkeypatch, cold):
     """``cold``: the page files evicted from the page cache first (read as
@@ -156,9 +164,8 @@ def test_a_disk_hit_is_read_and_copied_layer_by_layer_in_its_step(tmp_path, gen,
     lay = make_layout("cpu", gen)
     worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
     try:
-        pages = [page(lay.block_bytes(), gen) for _ in range(3)]
-        for i, p in enumerate(pages):
-            assert store.put(key(i), p)
+        pages = disk_pages(store, lay, gen, 3)
+        for i in range(3):
             if cold:
                 _drop_cached(store._disk._key_to_path(store._ckey(key(i))))
         worker.host_pool[5].copy_(page(lay.block_bytes(), gen))  # a host hit beside them
