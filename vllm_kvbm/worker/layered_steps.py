@@ -73,10 +73,11 @@ class LayeredSteps:
             )
             self._meta.layered_workers -= 1
             self._layered_off = True
+        # What a layered load cost its request: the forward pass's waits for
+        # the step's loads, every lane's (the step waited for them all).
+        started = time.perf_counter() - sum(step.wait_s for step, _ in ended)
         for step, waited in ended:
             failed = set() if step.reads is None else self._reads_done(step)
-            # What a layered load cost the request: the forward pass's waits for it.
-            started = time.perf_counter() - step.wait_s
             for job in step.jobs:
                 ok = waited and step.failed is None and id(job) not in failed
                 self._complete(job, False, ok=ok, started=started)
