@@ -276,6 +276,22 @@ def test_a_peer_hit_is_read_and_copied_layer_by_layer_in_its_step(shm, procs, mo
         assert errors == {5, 6} and meta.loads_failed["B"] == 1
         assert meta.tier_events[("peer", "miss", 0)] == 1
         assert meta.layered_read_workers == 0  # a miss is no reason to stop
+        # a page damaged in the peer's pool, found at its last layer: its own
+        # request's load fails; the other peer hit and the host hit keep theirs
+        for i in (5, 6):
+            assert w.put(key(i), page(40 + i, lay.block_bytes()))
+        g = w.pool.geometry
+        slot, _ = layout.find(w.pool.view, g, layout.table_key(w._codec.names, key(6)))
+        w.pool.view[g.slot_off(slot) + g.stored_bytes - 1] ^= 0x01
+        good = peer_job(3, "C", [12], [5], [key(5)], endpoint)
+        bad = peer_job(4, "D", [13], [6], [key(6)], endpoint)
+        host = TransferJob(5, "E", [14], [0], layered=True)
+        loads = KVBMConnectorMetadata(loads=[good, bad, host])
+        _, meta, errors = run_step(worker, loads, lay.caches)
+        assert errors == {13} and dict(meta.loads_failed) == {"D": 1}
+        assert meta.bad_pages == [("peer", key(6))]
+        assert torch.equal(lay.slot_bytes(12), page(45, lay.block_bytes()))
+        assert torch.equal(lay.slot_bytes(14), pages[0])
     finally:
         worker.shutdown()
         w.close()
