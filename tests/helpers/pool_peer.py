@@ -74,6 +74,7 @@ def start(
     pages: int,
     env: dict | None = None,
     timeout: float = 60.0,
+    namespace: str = "ns-peer",
 ) -> tuple[subprocess.Popen, str]:
     """The peer process, once it serves, and its incarnation."""
     proc = subprocess.Popen(
@@ -88,6 +89,8 @@ def start(
             str(page_bytes),
             "--pages",
             str(pages),
+            "--namespace",
+            namespace,
         ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -26,6 +26,16 @@ import pytest
 import torch
 
 from helpers import pool_peer
+from helpers.scheduler_harness import (
+    BLOCK,
+    keys_of,
+    kvbm,
+    lookup,
+    make_request,
+    make_scheduler,
+    step,
+    tokens,
+)
 from helpers.tier_pages import key, page
 from test_layer_loads import run_step, worker_with_layer_copies
 from test_layer_reads import released_and_back
@@ -387,4 +397,43 @@ def test_a_peer_killed_mid_read_fails_the_step_not_a_hang(shm, procs, monkeypatc
         assert meta.layered_read_workers == -1
     finally:
         worker.shutdown()
+        w.close()
+
+
+def test_a_peer_hit_the_scheduler_finds_is_layered_only_where_every_worker_reads_peers_in_place(
+    shm, procs
+):
+    """vLLM's real Scheduler asks a real peer (a pool process on TCP) for a
+    prompt a router's hint names it for: the hit is returned to vLLM as
+    asynchronous (loaded before its step) until every worker said it reads
+    peers into its host slots in place, and synchronous (read during its
+    step) once they did; the peer read lately in both."""
+    sched = make_scheduler(host_blocks=16, peer_reads=True)
+    k = kvbm(sched)
+    info = k.info
+    prompt = tokens(3 * BLOCK + 5, 71)
+    port = free_port()
+    spec = pool_peer.pool_spec(shm, info.page_bytes, 8, info.tier_namespace)
+    w = PoolStore.open(spec, PageCodec(info.tier_namespace, info.page_bytes, None, layout="L"))
+    proc, _ = pool_peer.start(shm, port, info.page_bytes, 8, namespace=info.tier_namespace)
+    procs.append(proc)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    hint = {"router_hint": {"source_control_endpoint": endpoint}}
+
+    def hinted():
+        req = make_request(prompt, max_tokens=2)
+        req.kv_transfer_params = hint  # as vLLM sets it from SamplingParams.extra_args
+        return req
+
+    try:
+        for key_ in keys_of(sched, prompt):
+            assert w.put(key_, torch.zeros(info.page_bytes, dtype=torch.uint8))
+        step(sched, layered_workers=1, layered_read_workers=1)
+        k.weights.reported([(k.weights.epoch, 0, "")])  # the worker's weights, as loaded
+        k._peer_read(endpoint)  # a load from that peer succeeded lately
+        assert lookup(k, hinted()) == (3 * BLOCK, True)  # loaded before its step
+        step(sched, layered_peer_workers=1)
+        k._peer_read(endpoint)
+        assert lookup(k, hinted()) == (3 * BLOCK, False)  # read during its step
+    finally:
         w.close()
