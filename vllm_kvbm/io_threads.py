@@ -111,12 +111,12 @@ def close_pools(pools: "list[IOThreads]", timeout_s: float, what: str) -> None:
         )
 
 
-def where_threads_are(prefixes: tuple[str, ...], depth: int = 4) -> list[str]:
-    """Per live thread whose name starts with one of ``prefixes`` and that
-    is not an IOThreads thread waiting for work: its name and innermost
-    ``depth`` Python frames (file:line function), for a log line that says
-    what a stalled tier waits in. Names only, no locals: nothing of a page,
-    a key or a secret."""
+def where_threads_are(prefixes: tuple[str, ...], depth: int = 4) -> str:
+    """For a log line that says what a stalled tier waits in: per live
+    thread whose name starts with one of ``prefixes`` and that is not an
+    IOThreads thread waiting for work, its name and innermost ``depth``
+    Python frames (file:line function); "none busy" if no such thread is.
+    Names only, no locals: nothing of a page, a key or a secret."""
     frames = sys._current_frames()
     where = []
     for thread in threading.enumerate():
@@ -130,4 +130,4 @@ def where_threads_are(prefixes: tuple[str, ...], depth: int = 4) -> list[str]:
             calls.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
             frame = frame.f_back
         where.append(f"{thread.name} in " + " <- ".join(calls or ["?"]))
-    return where
+    return "; ".join(where) or "none busy (the read ended meanwhile)"

@@ -126,14 +126,13 @@ class LayeredSteps:
         if reads.held or reads.abandoned:
             for _, tier, _, _ in reads.pages:
                 meta.tier_events[(tier, "error", rank)] += 1
-            first = not self._reads_off
-            self._pause_reads(
+            paused = self._pause_reads(
                 f"reading {len(reads.pages)} {tiers} pages layer by layer missed its "
                 f"deadline ({reads.deadline - reads.started:.2f} s)"
             )
-            if reads.held and first:  # once a pause: what the read still waits in
+            if reads.held and paused:  # once a pause: what the read still waits in
                 where = where_threads_are(("kvbm-layer-read",))
-                logger.warning("KVBM: the layer read thread at that moment: %s", "; ".join(where))
+                logger.warning("KVBM: the layer read thread at that moment: %s", where)
             if not reads.held:
                 self._report_bad(reads)  # ended: what it found is final (else when it ends)
             return every
@@ -171,18 +170,21 @@ class LayeredSteps:
             )
             self._meta.bad_pages.extend(bad)
 
-    def _pause_reads(self, why: str) -> None:
-        """Disk and peer hits read before the step for READS_BACK_AFTER_S."""
+    def _pause_reads(self, why: str) -> bool:
+        """Disk and peer hits read before the step for READS_BACK_AFTER_S;
+        whether this paused them (they were not paused already)."""
         self._reads_back_at = time.monotonic() + layer_reads.READS_BACK_AFTER_S
-        if not self._reads_off:
-            self._reads_off = True
-            self._meta.layered_read_workers -= 1
-            logger.error(
-                "KVBM: %s; vLLM recomputes them, and disk and peer hits are read before "
-                "the step until those reads ended and %g s passed",
-                why,
-                layer_reads.READS_BACK_AFTER_S,
-            )
+        if self._reads_off:
+            return False
+        self._reads_off = True
+        self._meta.layered_read_workers -= 1
+        logger.error(
+            "KVBM: %s; vLLM recomputes them, and disk and peer hits are read before "
+            "the step until those reads ended and %g s passed",
+            why,
+            layer_reads.READS_BACK_AFTER_S,
+        )
+        return True
 
     def _reads_ended_late(self) -> None:
         """Reads that ended after their deadline: their slots are free again;

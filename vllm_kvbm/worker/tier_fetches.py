@@ -205,11 +205,7 @@ class TierFetches:
             # what the tier waits in (a syscall, a socket, a lock), for the operator
             self._stacks_at = now
             where = where_threads_are(tuple(f"kvbm-{tier}-" for tier in tiers))
-            logger.warning(
-                "KVBM: %s threads at that moment: %s",
-                "/".join(tiers),
-                "; ".join(where) or "none busy (the read ended meanwhile)",
-            )
+            logger.warning("KVBM: %s threads at that moment: %s", "/".join(tiers), where)
 
     def take_ended(self) -> list["TransferJob"]:
         """Overdue fetches whose reads have ended since last asked: their
