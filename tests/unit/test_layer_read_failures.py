@@ -22,6 +22,7 @@ from test_layer_reads import disk_pages, key, page, worker_with_disk
 from test_layer_stores import stores, stuck_copy_thread
 from test_page_mover import NB, make_layout, make_pool
 from vllm_kvbm.messages import KVBMConnectorMetadata, TransferJob
+from vllm_kvbm.tiers.page_format import HEADER_BYTES
 from vllm_kvbm.worker.layer_reads import StepReads
 
 
@@ -30,13 +31,14 @@ def gen():
     return torch.Generator().manual_seed(29)
 
 
-def _damage_last_byte(store, k: bytes) -> None:
+def _flip(store, k: bytes, at: int, mask: int) -> None:
+    """Byte ``at`` of ``k``'s page file (negative: from its end) XORed with ``mask``."""
     path = store._disk._key_to_path(store._ckey(k))
     with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) - 1)
-        last = f.read(1)
-        f.seek(os.path.getsize(path) - 1)
-        f.write(bytes([last[0] ^ 0x80]))  # the last layer's last byte
+        f.seek(at if at >= 0 else os.path.getsize(path) + at)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ mask]))
 
 
 def test_a_damaged_disk_page_fails_only_its_own_requests_layered_load(tmp_path, gen, monkeypatch):
@@ -46,7 +48,7 @@ def test_a_damaged_disk_page_fails_only_its_own_requests_layered_load(tmp_path, 
     worker, store = worker_with_disk(tmp_path, lay, monkeypatch)
     try:
         pages = disk_pages(store, lay, gen, 3)
-        _damage_last_byte(store, key(1))
+        _flip(store, key(1), -1, 0x80)  # the last layer's last byte
         worker.host_pool[6].copy_(page(lay.block_bytes(), gen))
         a = TransferJob(
             1, "A", [3, 4], [0, 2], layered=True, fetch=[(0, "disk", key(0)), (1, "disk", key(2))]
@@ -101,13 +103,8 @@ def test_steps_of_host_hits_good_and_damaged_disk_pages_keep_exactly_the_good_lo
                         assert store.put(k, data)
                         fetch.append((i, "disk", k))
                         if kind == "damaged" and i == n - 1:
-                            path = store._disk._key_to_path(store._ckey(k))
-                            at = 96 + (0 if rng.random() < 0.5 else size - 1)  # first or last layer
-                            with open(path, "r+b") as f:
-                                f.seek(at)
-                                b = f.read(1)
-                                f.seek(at)
-                                f.write(bytes([b[0] ^ 0x10]))
+                            at = 0 if rng.random() < 0.5 else size - 1  # first or last layer
+                            _flip(store, k, HEADER_BYTES + at, 0x10)
                     want[job_blocks[i]] = data
                 req = f"R{round_}-{j}"
                 if kind == "damaged":
